@@ -1,0 +1,293 @@
+/* gcalloc: a caching allocator for accelerator (GPU/NPU) memory.
+ *
+ * This is the whole public interface. An allocator (gca_allocator_t) is opened
+ * on a backend (the simulated device "sim" by default) and manages every
+ * device that backend exposes. Each device has its own caching core with
+ * PyTorch's CUDACachingAllocator semantics: requests are rounded, served from
+ * a small (<= 1 MiB) or a large pool by best fit over (stream, size, address),
+ * blocks are split and merged inside segments obtained from the device, and
+ * freed memory stays cached until gca_empty_cache() gives whole free segments
+ * back. Configuration uses PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax and the
+ * statistics carry PyTorch's memory_stats() names and meanings.
+ *
+ * Errors: calls that return int return GCA_OK (0) or a negative gca_status;
+ * calls that return a pointer return NULL on failure. Either way the reason is
+ * kept in a thread-local message, read with gca_last_error(). The library
+ * never prints unless the log handler does, and never exits the process.
+ *
+ * Threads: every call may be made from any thread at any time, except that
+ * gca_close() must not race with other calls on the same allocator.
+ */
+#ifndef GCALLOC_H
+#define GCALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GCALLOC_VERSION_MAJOR 0
+#define GCALLOC_VERSION_MINOR 1
+#define GCALLOC_VERSION_PATCH 0
+
+/* Visibility: the shared library exports only what is declared here. */
+#if defined(__GNUC__) && !defined(GCA_STATIC_ONLY)
+#define GCA_API __attribute__((visibility("default")))
+#else
+#define GCA_API
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Status codes and errors                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum gca_status {
+  GCA_OK = 0,
+  GCA_ERR_INVALID = -1,      /* a bad argument: NULL handle, bad device, bad size */
+  GCA_ERR_OOM = -2,          /* the device has no memory left for the request */
+  GCA_ERR_CONFIG = -3,       /* a configuration string was malformed or out of range */
+  GCA_ERR_BACKEND = -4,      /* unknown backend, bad backend options, or a driver failure */
+  GCA_ERR_BAD_POINTER = -5,  /* free of a pointer this allocator did not hand out (or freed twice) */
+  GCA_ERR_NOMEM = -6,        /* the host ran out of memory for bookkeeping */
+  GCA_ERR_CORRUPT = -7,      /* gca_check() found a broken invariant */
+  GCA_ERR_IO = -8            /* a file could not be read or written */
+} gca_status;
+
+/* The message explaining the last failure on the calling thread ("" if none).
+ * The text stays valid until the next failing gcalloc call on this thread. */
+GCA_API const char *gca_last_error(void);
+
+/* The last failure's status on the calling thread (GCA_OK if none). */
+GCA_API gca_status gca_last_status(void);
+
+/* A short constant name for a status, e.g. "GCA_ERR_OOM". */
+GCA_API const char *gca_status_name(int status);
+
+/* Library version as "MAJOR.MINOR.PATCH". */
+GCA_API const char *gca_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Logging                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum gca_log_level {
+  GCA_LOG_WARNING = 1, /* something was ignored or is not built yet */
+  GCA_LOG_INFO = 2
+} gca_log_level;
+
+/* Receives every message the library logs. `message` has no trailing newline
+ * and is valid only during the call. Called without any allocator lock held,
+ * so the handler may call back into gcalloc. */
+typedef void (*gca_log_fn)(gca_log_level level, const char *message, void *user);
+
+/* Install a process-wide log handler; NULL restores the default, which writes
+ * "gcalloc: warning: ..." to stderr once per distinct message. */
+GCA_API void gca_set_log_handler(gca_log_fn fn, void *user);
+
+/* ------------------------------------------------------------------------ */
+/* Opening an allocator                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gca_allocator gca_allocator_t;
+
+/* A stream is an opaque handle (a cudaStream_t on CUDA). 0 is the default
+ * stream. Memory is cached per stream, as in PyTorch. */
+typedef uintptr_t gca_stream_t;
+
+/* Open an allocator on a backend.
+ *
+ * `backend` is "NAME" or "NAME:key=value,key=value". NULL or "" means "sim".
+ * The sim backend is a model of a device whose addresses are never touched,
+ * so an 80 GiB device needs no host memory. Its options:
+ *   capacity=SIZE     bytes per device, with an optional unit B, KiB, MiB,
+ *                     GiB, TiB (powers of 1024) or KB, MB, GB, TB (powers of
+ *                     1000); default 80GiB
+ *   devices=N         number of devices, 1..64; default 1
+ *   fail_at=N         the Nth device allocation (counting from 1) fails
+ *   fail_after=N      every device allocation after the first N fails
+ *   fail_rate=P       each device allocation fails with probability P in [0,1]
+ *   seed=S            seed of the fail_rate generator; default 1
+ *   latency_ns=T      every device call (allocate, free) takes T ns longer
+ *   backed=0|1        1: back allocations with host memory so they can be
+ *                     written and read (tests); default 0
+ *
+ * `config` is a PyTorch-style allocator configuration (see gca_set_config);
+ * it is applied on top of the environment's, which is read from the first set
+ * of GCALLOC_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF. NULL or
+ * "" adds nothing.
+ *
+ * On success stores the allocator in *out and returns GCA_OK. */
+GCA_API int gca_open(const char *backend, const char *config, gca_allocator_t **out);
+
+/* Give every segment back to the device and free the allocator. Blocks still
+ * allocated are released with it (their pointers become invalid). NULL is a
+ * no-op. */
+GCA_API void gca_close(gca_allocator_t *a);
+
+/* Number of devices the allocator manages (>= 1), or a negative status. */
+GCA_API int gca_device_count(const gca_allocator_t *a);
+
+/* The backend's name, e.g. "sim". */
+GCA_API const char *gca_backend_name(const gca_allocator_t *a);
+
+/* ------------------------------------------------------------------------ */
+/* Allocation                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Allocate `size` bytes on `device` for use on `stream`.
+ * Size 0 returns NULL with status GCA_OK (as PyTorch does: nothing to hold).
+ * On failure returns NULL: GCA_ERR_OOM when the device is full even after the
+ * cache was emptied (the message is in PyTorch's "out of memory" form),
+ * GCA_ERR_INVALID for a bad device or a size too large to round.
+ * The returned pointer is a device address, aligned to 512 bytes. */
+GCA_API void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream);
+
+/* Free a pointer returned by gca_malloc. NULL is a no-op returning GCA_OK.
+ * A pointer that is not the start of a live allocation (unknown, inside a
+ * block, or already freed) returns GCA_ERR_BAD_POINTER and changes nothing. */
+GCA_API int gca_free(gca_allocator_t *a, void *ptr);
+
+/* The size the allocation at `ptr` really occupies (its rounded block size),
+ * or 0 with the error set if `ptr` is not a live allocation. */
+GCA_API size_t gca_usable_size(gca_allocator_t *a, void *ptr);
+
+/* Give every fully free cached segment of `device` back to the backend
+ * (device = -1: every device). Counted in num_device_free. */
+GCA_API int gca_empty_cache(gca_allocator_t *a, int device);
+
+/* Free and total memory of the device as the backend reports it (the whole
+ * device, other users included, like cudaMemGetInfo). */
+GCA_API int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes);
+
+/* ------------------------------------------------------------------------ */
+/* Configuration                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Apply a configuration string in PyTorch's syntax, "key:value,key:value",
+ * with list values in brackets ("roundup_power2_divisions:[256:1,>:4]") and
+ * booleans True/False. Keys (see docs/configuration.md):
+ *   max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions,
+ *   garbage_collection_threshold, expandable_segments,
+ *   release_lock_on_cudamalloc, pinned_use_cuda_host_register,
+ *   pinned_num_register_threads, pinned_use_background_threads,
+ *   per_process_memory_fraction, backend.
+ * Unlike PyTorch, keys not named keep their current values. A key whose
+ * feature is not built yet is accepted and logged as a warning; an unknown key
+ * is logged and ignored. A malformed or out-of-range value fails with
+ * GCA_ERR_CONFIG naming the key, the value and the rule, and then no key of
+ * the string takes effect. Applies to every device of the allocator. */
+GCA_API int gca_set_config(gca_allocator_t *a, const char *config);
+
+/* Write the settings in force as a configuration string that gca_set_config
+ * accepts (always NUL-terminated, truncated to `cap`). Returns the length the
+ * full string needs, excluding the NUL, or a negative status. */
+GCA_API int gca_get_config(gca_allocator_t *a, char *buf, size_t cap);
+
+/* ------------------------------------------------------------------------ */
+/* Statistics                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* One statistic, as PyTorch keeps it: increase(n) adds n to current and to
+ * allocated and raises peak to current; decrease(n) subtracts n from current
+ * and adds n to freed. */
+typedef struct gca_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated;
+  int64_t freed;
+} gca_stat_t;
+
+/* Index of the pool breakdown of a stat family. */
+enum { GCA_POOL_ALL = 0, GCA_POOL_SMALL = 1, GCA_POOL_LARGE = 2, GCA_POOL_KINDS = 3 };
+
+/* A device's statistics, with the meanings of torch.cuda.memory_stats():
+ *   allocation / allocated_bytes: blocks handed out and not yet freed;
+ *   segment / reserved_bytes: memory obtained from the device;
+ *   active / active_bytes: allocated blocks plus freed ones whose free has
+ *     not completed (deferred by stream events);
+ *   inactive_split / inactive_split_bytes: free blocks inside split segments
+ *     (memory that empty_cache cannot return);
+ *   requested_bytes: the sizes callers asked for (before rounding);
+ *   oversize_*: allocations and segments >= max_split_size. */
+typedef struct gca_stats {
+  gca_stat_t allocation[GCA_POOL_KINDS];
+  gca_stat_t segment[GCA_POOL_KINDS];
+  gca_stat_t active[GCA_POOL_KINDS];
+  gca_stat_t inactive_split[GCA_POOL_KINDS];
+  gca_stat_t allocated_bytes[GCA_POOL_KINDS];
+  gca_stat_t reserved_bytes[GCA_POOL_KINDS];
+  gca_stat_t active_bytes[GCA_POOL_KINDS];
+  gca_stat_t inactive_split_bytes[GCA_POOL_KINDS];
+  gca_stat_t requested_bytes[GCA_POOL_KINDS];
+  gca_stat_t oversize_allocations;
+  gca_stat_t oversize_segments;
+  int64_t num_alloc_retries;    /* device allocations retried after emptying the cache */
+  int64_t num_ooms;             /* out-of-memory failures returned to callers */
+  int64_t num_sync_all_streams; /* times every stream was synchronized */
+  int64_t num_device_alloc;     /* successful device (segment) allocations */
+  int64_t num_device_free;      /* device (segment) frees */
+  int64_t max_split_size;       /* bytes, -1 when unlimited */
+} gca_stats_t;
+
+/* Copy a consistent view of `device`'s statistics. */
+GCA_API int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out);
+
+/* Set every peak to its current value (torch.cuda.reset_peak_memory_stats). */
+GCA_API int gca_reset_peak_stats(gca_allocator_t *a, int device);
+
+/* Zero every allocated/freed total and the num_* counters
+ * (torch.cuda.reset_accumulated_memory_stats). */
+GCA_API int gca_reset_accumulated_stats(gca_allocator_t *a, int device);
+
+/* Bytes currently allocated / reserved on `device` (0 for a bad device).
+ * Lock-free: safe and cheap to call from any thread at any rate; the value
+ * may lag a concurrent allocation by that one allocation. */
+GCA_API int64_t gca_allocated_bytes(const gca_allocator_t *a, int device);
+GCA_API int64_t gca_reserved_bytes(const gca_allocator_t *a, int device);
+
+/* One entry of the flat form of the statistics. */
+typedef struct gca_stat_item {
+  const char *name; /* static string, e.g. "allocated_bytes.all.current" */
+  int64_t value;
+} gca_stat_item_t;
+
+/* Number of entries gca_stats_flatten produces. */
+#define GCA_STATS_FLAT_COUNT 122
+
+/* Write the statistics as (name, value) pairs with exactly the keys of
+ * torch.cuda.memory_stats(), in its (sorted) order, into items[0..cap).
+ * Returns the number of entries available (GCA_STATS_FLAT_COUNT); writes at
+ * most cap of them. */
+GCA_API size_t gca_stats_flatten(const gca_stats_t *stats, gca_stat_item_t *items, size_t cap);
+
+/* ------------------------------------------------------------------------ */
+/* Checking                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Walk every segment of `device` (-1: all devices) and verify the invariants:
+ * blocks tile their segment exactly; no two free neighbours are left unmerged;
+ * every free block is in exactly one free index and every allocated block in
+ * the allocation map; the statistics equal a recount from the segments.
+ * Returns GCA_OK or GCA_ERR_CORRUPT with the first broken invariant named in
+ * gca_last_error(). Cost is proportional to the number of blocks. */
+GCA_API int gca_check(gca_allocator_t *a, int device);
+
+/* ------------------------------------------------------------------------ */
+/* Sizing rules (exposed for tools and tests; pure functions)                */
+/* ------------------------------------------------------------------------ */
+
+/* The size a request of `size` bytes is rounded to under the allocator's
+ * current configuration (PyTorch's round_size), or 0 if it would overflow. */
+GCA_API size_t gca_round_size(gca_allocator_t *a, size_t size);
+
+/* The size of the segment the allocator asks the device for when a request of
+ * rounded size `size` misses the cache (PyTorch's get_allocation_size). */
+GCA_API size_t gca_segment_size(size_t rounded_size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GCALLOC_H */

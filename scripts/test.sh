@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The test command: install what is needed, then build and run the whole
+# suite four ways, failing at the first failure:
+#   gcc, warnings as errors            all tests
+#   clang, warnings as errors          all tests
+#   gcc, AddressSanitizer + UBSan      all tests
+#   clang, ThreadSanitizer             the concurrent tests (label `threads`)
+# Pass a CTest label (-L core) to run only that label in every build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+
+jobs=$(nproc)
+ctest_args=("$@")
+
+run() { # name, ctest label filter or "", cmake options...
+  local name=$1 label=$2
+  shift 2
+  echo "=== $name ==="
+  cmake -S . -B "build-$name" -DGCALLOC_WERROR=ON "$@" >/dev/null
+  cmake --build "build-$name" -j"$jobs" >/dev/null
+  local filter=()
+  [ -n "$label" ] && filter=(-L "$label")
+  (cd "build-$name" && ctest --output-on-failure -j"$jobs" "${filter[@]}" "${ctest_args[@]}")
+}
+
+run gcc "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=RelWithDebInfo
+run clang "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo
+UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
+  run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
+# ThreadSanitizer needs the address-space layout it was built for: run
+# without address randomization where the kernel's mmap entropy is too high.
+TSAN_OPTIONS=halt_on_error=1 setarch "$(uname -m)" -R bash -c "$(declare -f run); jobs=$jobs; ctest_args=(${ctest_args[*]@Q}); run tsan threads -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGCALLOC_SANITIZE=thread"
+echo "=== all builds passed ==="

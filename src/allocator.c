@@ -1,0 +1,269 @@
+/* The public entry points: opening an allocator on a backend, routing each
+ * call to its device, configuration from the environment and from code.
+ *
+ * Configuration precedence: the first of GCALLOC_ALLOC_CONF,
+ * PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF that is set (even to "") is
+ * read at open; the string passed to gca_open is applied on top of it. A
+ * malformed environment string fails gca_open with a message naming the
+ * variable, as PyTorch refuses to start on one.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static const char *const config_variables[] = {"GCALLOC_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                                               "PYTORCH_CUDA_ALLOC_CONF"};
+
+static int apply_environment(config_t *cfg) {
+  for (size_t i = 0; i < sizeof config_variables / sizeof config_variables[0]; i++) {
+    const char *text = getenv(config_variables[i]);
+    if (text) return config_apply(cfg, text, config_variables[i]);
+  }
+  return GCA_OK;
+}
+
+int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
+  if (!out) return set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
+  *out = NULL;
+  config_t cfg;
+  config_defaults(&cfg);
+  int rc = apply_environment(&cfg);
+  if (rc) return rc;
+  rc = config_apply(&cfg, config, NULL);
+  if (rc) return rc;
+
+  gca_allocator_t *a = calloc(1, sizeof *a);
+  if (!a) return set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
+  rc = backend_open(backend, &a->backend);
+  if (rc) {
+    free(a);
+    return rc;
+  }
+  a->config = cfg;
+  a->device_count = a->backend.ops->device_count(a->backend.state);
+  a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
+  if (!a->devices || pthread_mutex_init(&a->config_lock, NULL) != 0) {
+    free(a->devices);
+    backend_close(&a->backend);
+    free(a);
+    return set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
+  }
+  for (int i = 0; i < a->device_count; i++) {
+    rc = device_init(&a->devices[i], i, &a->backend, &cfg);
+    if (rc) {
+      while (i-- > 0) device_destroy(&a->devices[i]);
+      pthread_mutex_destroy(&a->config_lock);
+      free(a->devices);
+      backend_close(&a->backend);
+      free(a);
+      return rc;
+    }
+  }
+  *out = a;
+  return GCA_OK;
+}
+
+void gca_close(gca_allocator_t *a) {
+  if (!a) return;
+  for (int i = 0; i < a->device_count; i++) device_destroy(&a->devices[i]);
+  free(a->devices);
+  pthread_mutex_destroy(&a->config_lock);
+  backend_close(&a->backend);
+  free(a);
+}
+
+int gca_device_count(const gca_allocator_t *a) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_device_count: allocator is NULL");
+  return a->device_count;
+}
+
+const char *gca_backend_name(const gca_allocator_t *a) { return a ? a->backend.ops->name : ""; }
+
+/* The device, or NULL with the error set. */
+static device_t *device_of(const gca_allocator_t *a, int device, const char *what) {
+  if (unlikely(!a)) {
+    set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  if (unlikely(device < 0 || device >= a->device_count)) {
+    set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
+              a->device_count, a->device_count == 1 ? "" : "s");
+    return NULL;
+  }
+  return &a->devices[device];
+}
+
+void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  device_t *d = device_of(a, device, "gca_malloc");
+  if (unlikely(!d)) return NULL;
+  if (unlikely(size == 0)) {
+    clear_error();
+    return NULL;
+  }
+  return device_malloc(d, size, stream);
+}
+
+static bool in_span(const device_t *d, uintptr_t addr) {
+  return addr >= atomic_load_explicit(&d->span_lo, memory_order_relaxed) &&
+         addr < atomic_load_explicit(&d->span_hi, memory_order_relaxed);
+}
+
+int gca_free(gca_allocator_t *a, void *ptr) {
+  if (!ptr) return GCA_OK;
+  if (unlikely(!a)) return set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    pthread_mutex_lock(&d->lock);
+    int rc = device_free_locked(d, addr);
+    pthread_mutex_unlock(&d->lock);
+    if (likely(rc == GCA_OK)) return GCA_OK;
+  }
+  /* Not a live allocation: say what it is, from the device that holds it. */
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    pthread_mutex_lock(&d->lock);
+    bool explained = device_explain_bad_pointer(d, addr);
+    pthread_mutex_unlock(&d->lock);
+    if (explained) return GCA_ERR_BAD_POINTER;
+  }
+  return set_error(GCA_ERR_BAD_POINTER, "cannot free %p: it was not allocated by this allocator", ptr);
+}
+
+size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
+  if (!a || !ptr) {
+    set_error(GCA_ERR_INVALID, "gca_usable_size: %s is NULL", a ? "pointer" : "allocator");
+    return 0;
+  }
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    pthread_mutex_lock(&d->lock);
+    block_t *b = block_map_find(&d->allocated, addr);
+    size_t size = b ? b->size : 0;
+    pthread_mutex_unlock(&d->lock);
+    if (size) return size;
+  }
+  set_error(GCA_ERR_BAD_POINTER, "gca_usable_size: %p is not a live allocation", ptr);
+  return 0;
+}
+
+int gca_empty_cache(gca_allocator_t *a, int device) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_empty_cache: allocator is NULL");
+  if (device == -1) {
+    for (int i = 0; i < a->device_count; i++) device_empty_cache(&a->devices[i]);
+    return GCA_OK;
+  }
+  device_t *d = device_of(a, device, "gca_empty_cache");
+  if (!d) return gca_last_status();
+  device_empty_cache(d);
+  return GCA_OK;
+}
+
+int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {
+  device_t *d = device_of(a, device, "gca_mem_get_info");
+  if (!d) return gca_last_status();
+  size_t f = 0, t = 0;
+  int rc = a->backend.ops->mem_get_info(a->backend.state, device, &f, &t);
+  if (rc) return rc;
+  if (free_bytes) *free_bytes = f;
+  if (total_bytes) *total_bytes = t;
+  return GCA_OK;
+}
+
+int gca_set_config(gca_allocator_t *a, const char *config) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
+  pthread_mutex_lock(&a->config_lock);
+  config_t next = a->config;
+  int rc = config_apply(&next, config, NULL);
+  if (rc == GCA_OK) {
+    a->config = next;
+    for (int i = 0; i < a->device_count; i++) {
+      device_t *d = &a->devices[i];
+      pthread_mutex_lock(&d->lock);
+      d->config = next;
+      pthread_mutex_unlock(&d->lock);
+    }
+  }
+  pthread_mutex_unlock(&a->config_lock);
+  return rc;
+}
+
+int gca_get_config(gca_allocator_t *a, char *buf, size_t cap) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_get_config: allocator is NULL");
+  pthread_mutex_lock(&a->config_lock);
+  size_t n = config_format(&a->config, buf, cap);
+  pthread_mutex_unlock(&a->config_lock);
+  return (int)n;
+}
+
+size_t gca_round_size(gca_allocator_t *a, size_t size) {
+  if (!a) {
+    set_error(GCA_ERR_INVALID, "gca_round_size: allocator is NULL");
+    return 0;
+  }
+  pthread_mutex_lock(&a->config_lock);
+  size_t r = round_size(&a->config, size);
+  pthread_mutex_unlock(&a->config_lock);
+  return r;
+}
+
+/* ---- statistics --------------------------------------------------------- */
+
+int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
+  device_t *d = device_of(a, device, "gca_get_stats");
+  if (!d) return gca_last_status();
+  if (!out) return set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
+  pthread_mutex_lock(&d->lock);
+  *out = d->stats;
+  out->max_split_size = d->config.max_split_size == SIZE_MAX ? -1 : (int64_t)d->config.max_split_size;
+  pthread_mutex_unlock(&d->lock);
+  return GCA_OK;
+}
+
+int gca_reset_peak_stats(gca_allocator_t *a, int device) {
+  device_t *d = device_of(a, device, "gca_reset_peak_stats");
+  if (!d) return gca_last_status();
+  pthread_mutex_lock(&d->lock);
+  stats_reset_peak(&d->stats);
+  pthread_mutex_unlock(&d->lock);
+  return GCA_OK;
+}
+
+int gca_reset_accumulated_stats(gca_allocator_t *a, int device) {
+  device_t *d = device_of(a, device, "gca_reset_accumulated_stats");
+  if (!d) return gca_last_status();
+  pthread_mutex_lock(&d->lock);
+  stats_reset_accumulated(&d->stats);
+  pthread_mutex_unlock(&d->lock);
+  return GCA_OK;
+}
+
+int64_t gca_allocated_bytes(const gca_allocator_t *a, int device) {
+  if (!a || device < 0 || device >= a->device_count) return 0;
+  return atomic_load_explicit(&a->devices[device].allocated_now, memory_order_relaxed);
+}
+
+int64_t gca_reserved_bytes(const gca_allocator_t *a, int device) {
+  if (!a || device < 0 || device >= a->device_count) return 0;
+  return atomic_load_explicit(&a->devices[device].reserved_now, memory_order_relaxed);
+}
+
+int gca_check(gca_allocator_t *a, int device) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_check: allocator is NULL");
+  int first = device == -1 ? 0 : device;
+  int last = device == -1 ? a->device_count - 1 : device;
+  if (device != -1 && !device_of(a, device, "gca_check")) return gca_last_status();
+  for (int i = first; i <= last; i++) {
+    device_t *d = &a->devices[i];
+    pthread_mutex_lock(&d->lock);
+    int rc = device_check_locked(d);
+    pthread_mutex_unlock(&d->lock);
+    if (rc) return rc;
+  }
+  return GCA_OK;
+}

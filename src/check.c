@@ -1,0 +1,139 @@
+/* The invariant checker. It recounts everything from the segments and
+ * compares with the books:
+ *   1. blocks tile each segment exactly: the head starts at the segment, each
+ *      block starts where the previous ends, links agree both ways, sizes are
+ *      multiples of 512, and the last block ends at the segment's end;
+ *   2. no two free neighbours are left unmerged;
+ *   3. every free block is in its pool's free index (and the index holds
+ *      nothing else); every allocated block is in the allocation map (and the
+ *      map holds nothing else);
+ *   4. every statistic's current value equals the recount, "all" equals
+ *      small + large, and no peak is below its current value.
+ * Tests call it after operations; it costs O(blocks).
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct recount {
+  int64_t segment[3], reserved[3], allocation[3], allocated[3], requested[3];
+  int64_t split[3], split_bytes[3];
+  int64_t oversize_allocations, oversize_segments;
+  size_t free_blocks[3];
+  size_t allocated_blocks;
+} recount_t;
+
+#define BAD(...) return set_error(GCA_ERR_CORRUPT, __VA_ARGS__)
+
+static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
+  int kind = seg->pool->kind;
+  r->segment[kind]++;
+  r->reserved[kind] += (int64_t)seg->size;
+  if (seg->oversize) r->oversize_segments++;
+  block_t *b = seg->head;
+  if (!b || b->addr != seg->addr || b->prev)
+    BAD("device %d: segment at %#" PRIxPTR " does not start with its head block", d->index, seg->addr);
+  uintptr_t expect = seg->addr;
+  bool split = b->next != NULL;
+  for (; b; b = b->next) {
+    if (b->addr != expect)
+      BAD("device %d: block at %#" PRIxPTR " should start at %#" PRIxPTR " (gap or overlap)", d->index,
+          b->addr, expect);
+    if (b->size == 0 || b->size % MIN_BLOCK_SIZE)
+      BAD("device %d: block at %#" PRIxPTR " has size %zu, not a positive multiple of 512", d->index,
+          b->addr, b->size);
+    if (b->segment != seg || b->pool != seg->pool || b->stream != seg->stream)
+      BAD("device %d: block at %#" PRIxPTR " disagrees with its segment on segment, pool or stream",
+          d->index, b->addr);
+    if (b->next && b->next->prev != b)
+      BAD("device %d: block at %#" PRIxPTR " and its next neighbour disagree on their link", d->index,
+          b->addr);
+    if (b->allocated) {
+      if (block_map_find(&d->allocated, b->addr) != b)
+        BAD("device %d: allocated block at %#" PRIxPTR " is missing from the allocation map", d->index,
+            b->addr);
+      r->allocated_blocks++;
+      r->allocation[kind]++;
+      r->allocated[kind] += (int64_t)b->size;
+      r->requested[kind] += (int64_t)b->requested;
+      if (b->oversize) r->oversize_allocations++;
+    } else {
+      if (b->next && !b->next->allocated)
+        BAD("device %d: free blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged",
+            d->index, b->addr, b->next->addr);
+      if (!pool_contains(b->pool, b))
+        BAD("device %d: free block at %#" PRIxPTR " is missing from its free index", d->index, b->addr);
+      r->free_blocks[kind]++;
+      if (split) {
+        r->split[kind]++;
+        r->split_bytes[kind] += (int64_t)b->size;
+      }
+    }
+    expect = b->addr + b->size;
+  }
+  if (expect != seg->addr + seg->size)
+    BAD("device %d: blocks of segment at %#" PRIxPTR " cover %zu bytes, the segment has %zu", d->index,
+        seg->addr, (size_t)(expect - seg->addr), seg->size);
+  return GCA_OK;
+}
+
+static int compare_family(const device_t *d, const char *name, const gca_stat_t *family,
+                          const int64_t *counted) {
+  for (int k = 0; k < GCA_POOL_KINDS; k++) {
+    int64_t want = k == GCA_POOL_ALL ? counted[GCA_POOL_SMALL] + counted[GCA_POOL_LARGE] : counted[k];
+    static const char *const pool_names[] = {"all", "small_pool", "large_pool"};
+    if (family[k].current != want)
+      BAD("device %d: %s.%s.current is %" PRId64 " but the segments hold %" PRId64, d->index, name,
+          pool_names[k], family[k].current, want);
+    if (family[k].peak < family[k].current)
+      BAD("device %d: %s.%s.peak %" PRId64 " is below current %" PRId64, d->index, name, pool_names[k],
+          family[k].peak, family[k].current);
+  }
+  return GCA_OK;
+}
+
+int device_check_locked(device_t *d) {
+  recount_t r;
+  memset(&r, 0, sizeof r);
+  size_t segments = 0;
+  for (segment_t *seg = d->segments; seg; seg = seg->next) {
+    int rc = check_segment(d, seg, &r);
+    if (rc) return rc;
+    segments++;
+  }
+  if (segments != d->segment_count)
+    BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
+  if (r.free_blocks[GCA_POOL_SMALL] != d->small_pool.free_count)
+    BAD("device %d: small free index holds %zu blocks, the segments have %zu free", d->index,
+        d->small_pool.free_count, r.free_blocks[GCA_POOL_SMALL]);
+  if (r.free_blocks[GCA_POOL_LARGE] != d->large_pool.free_count)
+    BAD("device %d: large free index holds %zu blocks, the segments have %zu free", d->index,
+        d->large_pool.free_count, r.free_blocks[GCA_POOL_LARGE]);
+  if (r.allocated_blocks != d->allocated.count)
+    BAD("device %d: allocation map holds %zu blocks, the segments have %zu allocated", d->index,
+        d->allocated.count, r.allocated_blocks);
+
+  /* Without deferred frees, "active" is exactly "allocated". */
+  const gca_stats_t *s = &d->stats;
+  int rc;
+  if ((rc = compare_family(d, "segment", s->segment, r.segment))) return rc;
+  if ((rc = compare_family(d, "reserved_bytes", s->reserved_bytes, r.reserved))) return rc;
+  if ((rc = compare_family(d, "allocation", s->allocation, r.allocation))) return rc;
+  if ((rc = compare_family(d, "allocated_bytes", s->allocated_bytes, r.allocated))) return rc;
+  if ((rc = compare_family(d, "active", s->active, r.allocation))) return rc;
+  if ((rc = compare_family(d, "active_bytes", s->active_bytes, r.allocated))) return rc;
+  if ((rc = compare_family(d, "requested_bytes", s->requested_bytes, r.requested))) return rc;
+  if ((rc = compare_family(d, "inactive_split", s->inactive_split, r.split))) return rc;
+  if ((rc = compare_family(d, "inactive_split_bytes", s->inactive_split_bytes, r.split_bytes))) return rc;
+  if (s->oversize_allocations.current != r.oversize_allocations)
+    BAD("device %d: oversize_allocations.current is %" PRId64 " but %" PRId64 " blocks are oversize",
+        d->index, s->oversize_allocations.current, r.oversize_allocations);
+  if (s->oversize_segments.current != r.oversize_segments)
+    BAD("device %d: oversize_segments.current is %" PRId64 " but %" PRId64 " segments are oversize",
+        d->index, s->oversize_segments.current, r.oversize_segments);
+  if (atomic_load(&d->allocated_now) != s->allocated_bytes[GCA_POOL_ALL].current ||
+      atomic_load(&d->reserved_now) != s->reserved_bytes[GCA_POOL_ALL].current)
+    BAD("device %d: the lock-free byte counters disagree with the statistics", d->index);
+  return GCA_OK;
+}

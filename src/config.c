@@ -1,0 +1,401 @@
+/* The allocator configuration string, in PyTorch's PYTORCH_CUDA_ALLOC_CONF
+ * syntax: "key:value,key:value", list values in brackets
+ * ("roundup_power2_divisions:[256:1,512:2,>:8]"), booleans True/False,
+ * spaces ignored.
+ *
+ * Parsing is all-or-nothing: the text is applied to a copy and the copy is
+ * kept only if every entry was valid, so a bad string never leaves half its
+ * keys in force. Keys the string does not name keep their values (PyTorch
+ * resets them to defaults on every parse, which makes two partial strings
+ * impossible to combine). Warnings (unknown keys, features not built yet) are
+ * gathered while parsing and logged only once the whole string is accepted.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+void config_defaults(config_t *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->max_split_size = SIZE_MAX;
+  cfg->max_non_split_rounding = LARGE_BUFFER;
+  cfg->gc_threshold = 0.0;
+  cfg->memory_fraction = 1.0;
+  cfg->pinned_num_register_threads = 1;
+}
+
+/* ---- tokens ------------------------------------------------------------- */
+
+typedef struct token {
+  const char *text;
+  size_t len;
+} token_t;
+
+typedef struct parser {
+  token_t *tokens;
+  size_t count;
+  size_t pos;
+  const char *origin;
+  config_t *cfg;
+  char warnings[8][256];
+  size_t warning_count;
+} parser_t;
+
+static bool is_punct(char c) { return c == ',' || c == ':' || c == '[' || c == ']'; }
+
+/* Split on , : [ ] (each its own token), dropping spaces, as PyTorch's lexer. */
+static size_t tokenize(char *buf, const char *text, token_t *tokens) {
+  size_t n = 0, w = 0;
+  const char *word = NULL;
+  for (const char *p = text;; p++) {
+    char c = *p;
+    if (c == '\0' || is_punct(c)) {
+      if (word) {
+        tokens[n].text = word;
+        tokens[n].len = (size_t)(buf + w - word);
+        n++;
+        buf[w++] = '\0';
+        word = NULL;
+      }
+      if (c == '\0') break;
+      tokens[n].text = buf + w;
+      tokens[n].len = 1;
+      n++;
+      buf[w++] = c;
+      buf[w++] = '\0';
+    } else if (c != ' ' && c != '\t' && c != '\n' && c != '\r') {
+      if (!word) word = buf + w;
+      buf[w++] = c;
+    }
+  }
+  return n;
+}
+
+static bool tok_is(const token_t *t, const char *s) {
+  return t && t->len == strlen(s) && memcmp(t->text, s, t->len) == 0;
+}
+
+static token_t *peek(parser_t *p) { return p->pos < p->count ? &p->tokens[p->pos] : NULL; }
+
+static token_t *next(parser_t *p) { return p->pos < p->count ? &p->tokens[p->pos++] : NULL; }
+
+static const char *where(const parser_t *p) { return p->origin ? p->origin : "allocator configuration"; }
+
+static int fail(parser_t *p, const char *key, const token_t *value, const char *rule) {
+  if (value)
+    return set_error(GCA_ERR_CONFIG, "%s: invalid value '%.*s' for %s: %s", where(p), (int)value->len,
+                     value->text, key, rule);
+  return set_error(GCA_ERR_CONFIG, "%s: missing value for %s: %s", where(p), key, rule);
+}
+
+static void warn(parser_t *p, const char *fmt, ...) GCA_PRINTF(2, 3);
+static void warn(parser_t *p, const char *fmt, ...) {
+  if (p->warning_count < sizeof p->warnings / sizeof p->warnings[0]) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->warnings[p->warning_count++], sizeof p->warnings[0], fmt, ap);
+    va_end(ap);
+  }
+}
+
+static void warn_not_built(parser_t *p, const char *key) {
+  warn(p, "configuration key '%s' is accepted but its feature is not built yet; it has no effect", key);
+}
+
+/* ---- values ------------------------------------------------------------- */
+
+static bool parse_uint(const token_t *t, uint64_t *out) {
+  if (!t || t->len == 0 || t->len > 20) return false;
+  uint64_t v = 0;
+  for (size_t i = 0; i < t->len; i++) {
+    char c = t->text[i];
+    if (c < '0' || c > '9') return false;
+    unsigned d = (unsigned)(c - '0');
+    if (v > (UINT64_MAX - d) / 10) return false;
+    v = v * 10 + d;
+  }
+  *out = v;
+  return true;
+}
+
+static bool parse_double(const token_t *t, double *out) {
+  if (!t || t->len == 0 || t->len > 64 || is_punct(t->text[0])) return false;
+  char tmp[65];
+  memcpy(tmp, t->text, t->len);
+  tmp[t->len] = '\0';
+  char *end;
+  errno = 0;
+  double v = strtod(tmp, &end);
+  if (*end != '\0' || errno != 0 || !isfinite(v)) return false;
+  *out = v;
+  return true;
+}
+
+static bool is_pow2(uint64_t v) { return v && (v & (v - 1)) == 0; }
+
+/* Consume ':' after a key; every key takes a value. */
+static int expect_colon(parser_t *p, const char *key) {
+  token_t *t = next(p);
+  if (!tok_is(t, ":")) return fail(p, key, t, "expected ':' after the key");
+  return GCA_OK;
+}
+
+static int read_bool(parser_t *p, const char *key, bool *out) {
+  token_t *v = next(p);
+  if (tok_is(v, "True")) *out = true;
+  else if (tok_is(v, "False")) *out = false;
+  else return fail(p, key, v, "expected True or False");
+  return GCA_OK;
+}
+
+static int read_mb_at_least_20(parser_t *p, const char *key, size_t *out) {
+  token_t *v = next(p);
+  uint64_t mb;
+  if (!parse_uint(v, &mb) || mb < LARGE_BUFFER / MIB)
+    return fail(p, key, v, "must be an integer number of MiB >= 20");
+  if (mb > SIZE_MAX / MIB) mb = SIZE_MAX / MIB; /* PyTorch clamps the same way */
+  *out = (size_t)mb * MIB;
+  return GCA_OK;
+}
+
+static int read_divisions(parser_t *p, const char *key) {
+  size_t *div = p->cfg->roundup_divisions;
+  token_t *v = next(p);
+  if (!tok_is(v, "[")) {
+    uint64_t d;
+    if (!parse_uint(v, &d) || !is_pow2(d))
+      return fail(p, key, v, "must be a power of two, or a list like [256:1,512:2,>:8]");
+    for (int i = 0; i < ROUNDUP_INTERVALS; i++) div[i] = (size_t)d;
+    return GCA_OK;
+  }
+  bool first = true;
+  int last_index = -1;
+  for (;;) {
+    token_t *k = next(p);
+    if (!k) return fail(p, key, NULL, "the list is missing its closing ']'");
+    if (tok_is(k, "]")) break;
+    if (!tok_is(next(p), ":")) return fail(p, key, k, "list entries are SIZE_MB:DIVISIONS or >:DIVISIONS");
+    token_t *val = next(p);
+    uint64_t d;
+    if (!parse_uint(val, &d) || (d != 0 && !is_pow2(d)))
+      return fail(p, key, val, "divisions must be 0 or a power of two");
+    if (tok_is(k, ">")) {
+      /* PyTorch fills from the last named interval itself, overwriting it;
+       * we fill only the intervals after it, as ">" says. */
+      for (int i = last_index + 1; i < ROUNDUP_INTERVALS; i++) div[i] = (size_t)d;
+    } else {
+      uint64_t mb;
+      if (!parse_uint(k, &mb) || !is_pow2(mb))
+        return fail(p, key, k, "interval sizes must be powers of two (in MiB) or '>'");
+      int index = 63 - __builtin_clzll(mb);
+      if (index > ROUNDUP_INTERVALS - 1) index = ROUNDUP_INTERVALS - 1;
+      if (first) {
+        /* The first interval named also covers every smaller one. */
+        for (int i = 0; i < index; i++) div[i] = (size_t)d;
+        first = false;
+      }
+      div[index] = (size_t)d;
+      last_index = index;
+    }
+    token_t *sep = peek(p);
+    if (!sep) return fail(p, key, NULL, "the list is missing its closing ']'");
+    if (tok_is(sep, ",")) p->pos++;
+    else if (!tok_is(sep, "]")) return fail(p, key, sep, "expected ',' or ']' in the list");
+  }
+  return GCA_OK;
+}
+
+/* ---- keys --------------------------------------------------------------- */
+
+static int parse_entry(parser_t *p, const token_t *keytok) {
+  char key[64];
+  snprintf(key, sizeof key, "%.*s", (int)(keytok->len < 63 ? keytok->len : 63), keytok->text);
+  config_t *c = p->cfg;
+  int rc = expect_colon(p, key);
+  if (rc) return rc;
+
+  if (strcmp(key, "max_split_size_mb") == 0) return read_mb_at_least_20(p, key, &c->max_split_size);
+  if (strcmp(key, "max_non_split_rounding_mb") == 0)
+    return read_mb_at_least_20(p, key, &c->max_non_split_rounding);
+  if (strcmp(key, "roundup_power2_divisions") == 0) return read_divisions(p, key);
+  if (strcmp(key, "garbage_collection_threshold") == 0) {
+    token_t *v = next(p);
+    double t;
+    if (!parse_double(v, &t) || !(t > 0.0 && t < 1.0))
+      return fail(p, key, v, "must be a number in (0.0, 1.0)");
+    c->gc_threshold = t;
+    warn_not_built(p, key);
+    return GCA_OK;
+  }
+  if (strcmp(key, "per_process_memory_fraction") == 0) {
+    token_t *v = next(p);
+    double f;
+    if (!parse_double(v, &f) || !(f >= 0.0 && f <= 1.0))
+      return fail(p, key, v, "must be a number in [0.0, 1.0]");
+    c->memory_fraction = f;
+    if (f != 1.0) warn_not_built(p, key);
+    return GCA_OK;
+  }
+  if (strcmp(key, "expandable_segments") == 0) {
+    rc = read_bool(p, key, &c->expandable_segments);
+    if (rc == GCA_OK && c->expandable_segments) warn_not_built(p, key);
+    return rc;
+  }
+  if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "release_lock_on_hipmalloc") == 0) {
+    rc = read_bool(p, key, &c->release_lock_on_malloc);
+    if (rc == GCA_OK && c->release_lock_on_malloc) warn_not_built(p, key);
+    return rc;
+  }
+  if (strcmp(key, "pinned_use_cuda_host_register") == 0 || strcmp(key, "pinned_use_hip_host_register") == 0) {
+    rc = read_bool(p, key, &c->pinned_use_host_register);
+    if (rc == GCA_OK && c->pinned_use_host_register) warn_not_built(p, key);
+    return rc;
+  }
+  if (strcmp(key, "pinned_use_background_threads") == 0) {
+    rc = read_bool(p, key, &c->pinned_use_background_threads);
+    if (rc == GCA_OK && c->pinned_use_background_threads) warn_not_built(p, key);
+    return rc;
+  }
+  if (strcmp(key, "pinned_num_register_threads") == 0) {
+    token_t *v = next(p);
+    uint64_t n;
+    if (!parse_uint(v, &n) || !is_pow2(n) || n > 128)
+      return fail(p, key, v, "must be a power of two <= 128");
+    c->pinned_num_register_threads = (size_t)n;
+    if (n != 1) warn_not_built(p, key);
+    return GCA_OK;
+  }
+  if (strcmp(key, "backend") == 0) {
+    token_t *v = next(p);
+    if (tok_is(v, "native")) {
+      c->backend_async = false;
+    } else if (tok_is(v, "cudaMallocAsync") || tok_is(v, "hipMallocAsync")) {
+      c->backend_async = true;
+      warn(p, "configuration key '%s:cudaMallocAsync' is accepted but not built yet; the native caching "
+              "allocator is used", key);
+    } else {
+      return fail(p, key, v, "must be native or cudaMallocAsync");
+    }
+    return GCA_OK;
+  }
+  /* Keys of newer PyTorch versions that gcalloc knows but does not build. */
+  if (strcmp(key, "pinned_reserve_segment_size_mb") == 0) {
+    token_t *v = next(p);
+    uint64_t n;
+    if (!parse_uint(v, &n) || n == 0) return fail(p, key, v, "must be an integer > 0");
+    warn_not_built(p, key);
+    return GCA_OK;
+  }
+  if (strcmp(key, "graph_capture_record_stream_reuse") == 0) {
+    bool ignored;
+    rc = read_bool(p, key, &ignored);
+    if (rc == GCA_OK) warn_not_built(p, key);
+    return rc;
+  }
+
+  /* Unknown: skip its value (a word or a bracket list) and warn. */
+  token_t *v = next(p);
+  if (!v || is_punct(v->text[0])) {
+    if (!tok_is(v, "[")) return fail(p, key, v, "expected a value");
+    int depth = 1;
+    while (depth > 0) {
+      token_t *t = next(p);
+      if (!t) return fail(p, key, NULL, "the list is missing its closing ']'");
+      if (tok_is(t, "[")) depth++;
+      if (tok_is(t, "]")) depth--;
+    }
+  }
+  warn(p, "unrecognized configuration key '%s' ignored", key);
+  return GCA_OK;
+}
+
+int config_apply(config_t *cfg, const char *text, const char *origin) {
+  if (!text || !*text) return GCA_OK;
+  size_t n = strlen(text);
+  /* Worst case every character is a one-character token with its NUL. */
+  char *buf = malloc(2 * n + 2);
+  token_t *tokens = malloc((n + 1) * sizeof *tokens);
+  parser_t *p = calloc(1, sizeof *p);
+  if (!buf || !tokens || !p) {
+    free(buf);
+    free(tokens);
+    free(p);
+    return set_error(GCA_ERR_NOMEM, "out of host memory parsing the allocator configuration");
+  }
+  config_t work = *cfg;
+  p->tokens = tokens;
+  p->count = tokenize(buf, text, tokens);
+  p->origin = origin;
+  p->cfg = &work;
+
+  int rc = GCA_OK;
+  while (rc == GCA_OK && p->pos < p->count) {
+    token_t *t = next(p);
+    if (tok_is(t, ",")) continue; /* tolerate empty entries */
+    if (is_punct(t->text[0])) {
+      rc = set_error(GCA_ERR_CONFIG, "%s: expected a key, found '%.*s'", where(p), (int)t->len, t->text);
+      break;
+    }
+    rc = parse_entry(p, t);
+    if (rc == GCA_OK && p->pos < p->count && !tok_is(peek(p), ",")) {
+      token_t *extra = peek(p);
+      rc = set_error(GCA_ERR_CONFIG, "%s: expected ',' after the value of '%.*s', found '%.*s'", where(p),
+                     (int)t->len, t->text, (int)extra->len, extra->text);
+    }
+  }
+  if (rc == GCA_OK) {
+    *cfg = work;
+    for (size_t i = 0; i < p->warning_count; i++) log_message(GCA_LOG_WARNING, "%s", p->warnings[i]);
+  }
+  free(buf);
+  free(tokens);
+  free(p);
+  return rc;
+}
+
+/* ---- rendering ---------------------------------------------------------- */
+
+typedef struct out {
+  char *buf;
+  size_t cap;
+  size_t len;
+} out_t;
+
+static void put(out_t *o, const char *fmt, ...) GCA_PRINTF(2, 3);
+
+static void put(out_t *o, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  size_t room = o->len < o->cap ? o->cap - o->len : 0;
+  int n = vsnprintf(room ? o->buf + o->len : NULL, room, fmt, ap);
+  va_end(ap);
+  if (n > 0) o->len += (size_t)n;
+}
+
+size_t config_format(const config_t *c, char *buf, size_t cap) {
+  out_t o = {buf, cap, 0};
+  if (cap) buf[0] = '\0';
+  put(&o, "max_non_split_rounding_mb:%zu", c->max_non_split_rounding / MIB);
+  if (c->max_split_size != SIZE_MAX) put(&o, ",max_split_size_mb:%zu", c->max_split_size / MIB);
+  bool any_division = false;
+  for (int i = 0; i < ROUNDUP_INTERVALS; i++) any_division |= c->roundup_divisions[i] != 0;
+  if (any_division) {
+    put(&o, ",roundup_power2_divisions:[");
+    for (int i = 0; i < ROUNDUP_INTERVALS; i++)
+      put(&o, "%s%zu:%zu", i ? "," : "", (size_t)1 << i, c->roundup_divisions[i]);
+    put(&o, "]");
+  }
+  if (c->gc_threshold > 0) put(&o, ",garbage_collection_threshold:%.17g", c->gc_threshold);
+  put(&o, ",per_process_memory_fraction:%.17g", c->memory_fraction);
+  put(&o, ",expandable_segments:%s", c->expandable_segments ? "True" : "False");
+  put(&o, ",release_lock_on_cudamalloc:%s", c->release_lock_on_malloc ? "True" : "False");
+  put(&o, ",pinned_use_cuda_host_register:%s", c->pinned_use_host_register ? "True" : "False");
+  put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
+  put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
+  put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
+  return o.len;
+}

@@ -1,0 +1,134 @@
+/* Errors and logging.
+ *
+ * A failing call leaves its status and a message in thread-local storage, so
+ * concurrent callers never see each other's errors and the hot path pays
+ * nothing when it succeeds. Warnings go through one process-wide handler; the
+ * default prints each distinct message to stderr once, because a warning
+ * about a configuration key would otherwise repeat on every device and every
+ * gca_set_config call. The dedup table is bounded; once it is full, messages
+ * are still printed (never dropped), just no longer deduplicated.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define ERROR_TEXT_MAX 2048
+
+static _Thread_local int last_status;
+static _Thread_local char last_text[ERROR_TEXT_MAX];
+
+int set_error(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_text, sizeof last_text, fmt, ap);
+  va_end(ap);
+  last_status = status;
+  return status;
+}
+
+int prefix_error(const char *prefix) {
+  size_t n = strlen(prefix);
+  if (n > ERROR_TEXT_MAX / 2) n = ERROR_TEXT_MAX / 2;
+  size_t keep = strlen(last_text);
+  if (keep > ERROR_TEXT_MAX - n - 3) keep = ERROR_TEXT_MAX - n - 3;
+  memmove(last_text + n + 2, last_text, keep);
+  last_text[n + 2 + keep] = '\0';
+  memcpy(last_text, prefix, n);
+  last_text[n] = ':';
+  last_text[n + 1] = ' ';
+  return last_status;
+}
+
+void clear_error(void) {
+  last_status = GCA_OK;
+  last_text[0] = '\0';
+}
+
+const char *gca_last_error(void) { return last_text; }
+
+gca_status gca_last_status(void) { return (gca_status)last_status; }
+
+const char *gca_status_name(int status) {
+  switch (status) {
+    case GCA_OK: return "GCA_OK";
+    case GCA_ERR_INVALID: return "GCA_ERR_INVALID";
+    case GCA_ERR_OOM: return "GCA_ERR_OOM";
+    case GCA_ERR_CONFIG: return "GCA_ERR_CONFIG";
+    case GCA_ERR_BACKEND: return "GCA_ERR_BACKEND";
+    case GCA_ERR_BAD_POINTER: return "GCA_ERR_BAD_POINTER";
+    case GCA_ERR_NOMEM: return "GCA_ERR_NOMEM";
+    case GCA_ERR_CORRUPT: return "GCA_ERR_CORRUPT";
+    case GCA_ERR_IO: return "GCA_ERR_IO";
+    default: return "GCA_ERR_UNKNOWN";
+  }
+}
+
+const char *gca_version(void) {
+#define GCA_STR2(x) #x
+#define GCA_STR(x) GCA_STR2(x)
+  return GCA_STR(GCALLOC_VERSION_MAJOR) "." GCA_STR(GCALLOC_VERSION_MINOR) "." GCA_STR(
+      GCALLOC_VERSION_PATCH);
+}
+
+/* ---- logging ------------------------------------------------------------ */
+
+#define SEEN_SLOTS 1024
+
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static gca_log_fn log_fn;
+static void *log_user;
+static uint64_t seen_hashes[SEEN_SLOTS];
+static size_t seen_count;
+
+static uint64_t hash_text(const char *s) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a */
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h ? h : 1;
+}
+
+/* True the first time a message is seen (or when the table is full). */
+static bool first_sighting(const char *msg) {
+  uint64_t h = hash_text(msg);
+  size_t slot = (size_t)h & (SEEN_SLOTS - 1);
+  for (size_t probe = 0; probe < SEEN_SLOTS; probe++) {
+    size_t i = (slot + probe) & (SEEN_SLOTS - 1);
+    if (seen_hashes[i] == h) return false;
+    if (seen_hashes[i] == 0) {
+      if (seen_count < SEEN_SLOTS / 2) {
+        seen_hashes[i] = h;
+        seen_count++;
+      }
+      return true;
+    }
+  }
+  return true;
+}
+
+void gca_set_log_handler(gca_log_fn fn, void *user) {
+  pthread_mutex_lock(&log_lock);
+  log_fn = fn;
+  log_user = user;
+  pthread_mutex_unlock(&log_lock);
+}
+
+void log_message(gca_log_level level, const char *fmt, ...) {
+  char msg[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+
+  pthread_mutex_lock(&log_lock);
+  gca_log_fn fn = log_fn;
+  void *user = log_user;
+  bool print = fn == NULL && first_sighting(msg);
+  pthread_mutex_unlock(&log_lock);
+
+  if (fn) {
+    fn(level, msg, user);
+  } else if (print) {
+    fprintf(stderr, "gcalloc: %s: %s\n", level == GCA_LOG_WARNING ? "warning" : "info", msg);
+  }
+}

@@ -1,0 +1,285 @@
+/* Reading allocation traces (see trace.h). Every field is validated: a trace
+ * with a missing action, a negative size or an unknown layout is refused with
+ * the entry's position named, never half-loaded.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../internal.h"
+#include "pickle.h"
+#include "trace.h"
+
+static int push_event(trace_t *t, size_t *cap, const trace_event_t *e) {
+  if (t->count == *cap) {
+    size_t n = *cap ? *cap * 2 : 1024;
+    trace_event_t *ev = realloc(t->events, n * sizeof *ev);
+    if (!ev) return set_error(GCA_ERR_NOMEM, "out of host memory reading a trace");
+    t->events = ev;
+    *cap = n;
+  }
+  t->events[t->count++] = *e;
+  return GCA_OK;
+}
+
+static trace_action action_of(const pv_t *v) {
+  static const struct { const char *name; trace_action action; } names[] = {
+      {"alloc", TA_ALLOC},
+      {"free_requested", TA_FREE_REQUESTED},
+      {"free_completed", TA_FREE_COMPLETED},
+      {"segment_alloc", TA_SEGMENT_ALLOC},
+      {"segment_free", TA_SEGMENT_FREE},
+      {"segment_map", TA_SEGMENT_MAP},
+      {"segment_unmap", TA_SEGMENT_UNMAP},
+      {"snapshot", TA_SNAPSHOT},
+      {"oom", TA_OOM},
+  };
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (pv_str_eq(v, names[i].name)) return names[i].action;
+  return TA_OTHER;
+}
+
+static bool read_uint(const pv_t *v, uint64_t *out) {
+  if (!v || v->kind != PV_INT || v->u.i < 0) return false;
+  *out = (uint64_t)v->u.i;
+  return true;
+}
+
+static int load_snapshot(const char *path, trace_t *t) {
+  pickle_doc_t *doc = pickle_load(path);
+  if (!doc) return prefix_error(path);
+  const pv_t *traces = pv_get(pickle_root(doc), "device_traces");
+  if (!traces || traces->kind != PV_LIST) {
+    pickle_free(doc);
+    return set_error(GCA_ERR_INVALID, "%s: not a PyTorch memory snapshot (no device_traces list)", path);
+  }
+  size_t cap = 0;
+  int rc = GCA_OK;
+  t->device_count = (int)pv_len(traces);
+  for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
+    const pv_t *list = pv_at(traces, d);
+    for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
+      const pv_t *entry = pv_at(list, i);
+      trace_event_t e = {.device = (int)d, .time_us = -1};
+      const pv_t *action = pv_get(entry, "action");
+      if (!action || action->kind != PV_STR) {
+        rc = set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu has no action", path, d, i);
+        break;
+      }
+      e.action = action_of(action);
+      uint64_t time_us;
+      /* An oom entry carries the device's free bytes where others have addr. */
+      const char *addr_key = e.action == TA_OOM ? "device_free" : "addr";
+      if (!read_uint(pv_get(entry, addr_key), &e.addr) || !read_uint(pv_get(entry, "size"), &e.size)) {
+        rc = set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu lacks a valid %s or size", path, d, i, addr_key);
+        break;
+      }
+      if (!read_uint(pv_get(entry, "stream"), &e.stream)) e.stream = 0;
+      if (read_uint(pv_get(entry, "time_us"), &time_us)) e.time_us = (int64_t)time_us;
+      rc = push_event(t, &cap, &e);
+    }
+  }
+  pickle_free(doc);
+  return rc;
+}
+
+/* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
+ * come before the allocations at the same index. */
+static int load_allocsim(const char *path, FILE *f, trace_t *t) {
+  typedef struct { uint64_t alloc_at, free_at, size; } line_t;
+  line_t *lines = NULL;
+  size_t n = 0, cap = 0;
+  char text[256];
+  size_t lineno = 0;
+  int rc = GCA_OK;
+  uint64_t last_op = 0;
+  while (fgets(text, sizeof text, f)) {
+    lineno++;
+    if (text[0] == '\n' || text[0] == '#') continue;
+    unsigned long long a, b, s;
+    char extra;
+    if (sscanf(text, "%llu %llu %llu %c", &a, &b, &s, &extra) != 3 || b < a) {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: expected '<alloc_op> <free_op> <size>' with free_op >= alloc_op",
+                     path, lineno);
+      break;
+    }
+    if (n == cap) {
+      cap = cap ? cap * 2 : 256;
+      line_t *more = realloc(lines, cap * sizeof *more);
+      if (!more) {
+        rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+        break;
+      }
+      lines = more;
+    }
+    lines[n++] = (line_t){a, b, s};
+    if (b > last_op) last_op = b;
+  }
+  if (rc == GCA_OK && n == 0) rc = set_error(GCA_ERR_INVALID, "%s: no allocations in the file", path);
+  size_t ecap = 0;
+  t->device_count = 1;
+  /* Events by op index; a quadratic scan would do for the small logs this
+   * format holds, but sort-free bucketing keeps it linear. */
+  size_t *first_free = NULL, *first_alloc = NULL, *next_free = NULL, *next_alloc = NULL;
+  if (rc == GCA_OK) {
+    first_free = malloc((last_op + 1) * sizeof *first_free);
+    first_alloc = malloc((last_op + 1) * sizeof *first_alloc);
+    next_free = malloc(n * sizeof *next_free);
+    next_alloc = malloc(n * sizeof *next_alloc);
+    if (!first_free || !first_alloc || !next_free || !next_alloc || last_op > 100000000)
+      rc = set_error(GCA_ERR_NOMEM, "%s: op indices up to %llu are too many", path, (unsigned long long)last_op);
+  }
+  if (rc == GCA_OK) {
+    for (uint64_t i = 0; i <= last_op; i++) first_free[i] = first_alloc[i] = SIZE_MAX;
+    for (size_t i = n; i-- > 0;) {
+      next_free[i] = first_free[lines[i].free_at];
+      first_free[lines[i].free_at] = i;
+      next_alloc[i] = first_alloc[lines[i].alloc_at];
+      first_alloc[lines[i].alloc_at] = i;
+    }
+    for (uint64_t op = 0; op <= last_op && rc == GCA_OK; op++) {
+      for (size_t i = first_free[op]; i != SIZE_MAX && rc == GCA_OK; i = next_free[i]) {
+        trace_event_t e = {.action = TA_FREE_COMPLETED, .addr = (i + 1) * 512, .size = lines[i].size, .time_us = (int64_t)op};
+        rc = push_event(t, &ecap, &e);
+      }
+      for (size_t i = first_alloc[op]; i != SIZE_MAX && rc == GCA_OK; i = next_alloc[i]) {
+        trace_event_t e = {.action = TA_ALLOC, .addr = (i + 1) * 512, .size = lines[i].size, .time_us = (int64_t)op};
+        rc = push_event(t, &ecap, &e);
+      }
+    }
+  }
+  free(first_free);
+  free(first_alloc);
+  free(next_free);
+  free(next_alloc);
+  free(lines);
+  return rc;
+}
+
+int trace_load(const char *path, trace_t *out) {
+  memset(out, 0, sizeof *out);
+  FILE *f = fopen(path, "rb");
+  if (!f) return set_error(GCA_ERR_IO, "cannot open trace %s", path);
+  int first = fgetc(f);
+  int rc;
+  if (first == 0x80) {
+    fclose(f);
+    rc = load_snapshot(path, out);
+  } else {
+    rewind(f);
+    rc = load_allocsim(path, f, out);
+    fclose(f);
+  }
+  if (rc != GCA_OK) trace_free(out);
+  return rc;
+}
+
+void trace_free(trace_t *t) {
+  free(t->events);
+  memset(t, 0, sizeof *t);
+}
+
+/* ---- trace to operations ------------------------------------------------ */
+
+/* Live blocks by (device, address) -> slot, open addressing; only while
+ * converting, not on any hot path. */
+typedef struct live_map {
+  uint64_t *keys; /* 0 = empty */
+  uint32_t *slots;
+  size_t cap;
+  size_t count;
+} live_map_t;
+
+static uint64_t live_key(int device, uint64_t addr) { return (addr ^ ((uint64_t)device << 58)) | 1; }
+
+static size_t live_index(const live_map_t *m, uint64_t key) {
+  size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (m->cap - 1);
+  while (m->keys[i] && m->keys[i] != key) i = (i + 1) & (m->cap - 1);
+  return i;
+}
+
+static bool live_grow(live_map_t *m) {
+  live_map_t bigger = {calloc(m->cap * 2, sizeof(uint64_t)), calloc(m->cap * 2, sizeof(uint32_t)), m->cap * 2, 0};
+  if (!bigger.keys || !bigger.slots) {
+    free(bigger.keys);
+    free(bigger.slots);
+    return false;
+  }
+  for (size_t i = 0; i < m->cap; i++) {
+    if (!m->keys[i] || m->slots[i] == UINT32_MAX) continue;
+    size_t j = live_index(&bigger, m->keys[i]);
+    bigger.keys[j] = m->keys[i];
+    bigger.slots[j] = m->slots[i];
+    bigger.count++;
+  }
+  free(m->keys);
+  free(m->slots);
+  *m = bigger;
+  return true;
+}
+
+static int push_op(trace_ops_t *o, size_t *cap, trace_op_t op) {
+  if (o->count == *cap) {
+    size_t n = *cap ? *cap * 2 : 1024;
+    trace_op_t *ops = realloc(o->ops, n * sizeof *ops);
+    if (!ops) return set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
+    o->ops = ops;
+    *cap = n;
+  }
+  o->ops[o->count++] = op;
+  return GCA_OK;
+}
+
+int trace_to_ops(const trace_t *t, trace_ops_t *out) {
+  memset(out, 0, sizeof *out);
+  live_map_t m = {calloc(1024, sizeof(uint64_t)), calloc(1024, sizeof(uint32_t)), 1024, 0};
+  if (!m.keys || !m.slots) {
+    free(m.keys);
+    free(m.slots);
+    return set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
+  }
+  size_t cap = 0;
+  int rc = GCA_OK;
+  for (size_t i = 0; i < t->count && rc == GCA_OK; i++) {
+    const trace_event_t *e = &t->events[i];
+    if (e->device < 0 || e->device > 255) {
+      rc = set_error(GCA_ERR_INVALID, "trace event %zu names device %d", i, e->device);
+      break;
+    }
+    uint64_t key = live_key(e->device, e->addr);
+    if (e->action == TA_ALLOC) {
+      if (m.count * 2 >= m.cap && !live_grow(&m)) {
+        rc = set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
+        break;
+      }
+      size_t j = live_index(&m, key);
+      if (!m.keys[j]) m.count++;
+      m.keys[j] = key;
+      m.slots[j] = (uint32_t)out->slot_count;
+      trace_op_t op = {.slot = (uint32_t)out->slot_count++, .device = (uint8_t)e->device, .size = e->size,
+                       .stream = e->stream};
+      out->allocs++;
+      rc = push_op(out, &cap, op);
+    } else if (e->action == TA_FREE_REQUESTED || e->action == TA_FREE_COMPLETED) {
+      size_t j = live_index(&m, key);
+      if (!m.keys[j] || m.slots[j] == UINT32_MAX) {
+        /* Allocated before recording began, or its free was already taken
+         * from the free_requested entry. */
+        if (e->action == TA_FREE_REQUESTED || !m.keys[j]) out->skipped_frees++;
+        continue;
+      }
+      trace_op_t op = {.slot = m.slots[j], .is_free = 1, .device = (uint8_t)e->device, .stream = e->stream};
+      m.slots[j] = UINT32_MAX; /* freed; the key stays as a tombstone */
+      rc = push_op(out, &cap, op);
+    }
+  }
+  free(m.keys);
+  free(m.slots);
+  if (rc != GCA_OK) trace_ops_free(out);
+  return rc;
+}
+
+void trace_ops_free(trace_ops_t *o) {
+  free(o->ops);
+  memset(o, 0, sizeof *o);
+}

@@ -1,0 +1,71 @@
+/* Allocation traces recorded by PyTorch users, read into one event list, and
+ * turned into a replayable sequence of operations.
+ *
+ * Formats: a PyTorch memory snapshot pickle (its device_traces: alloc,
+ * free_requested, free_completed, segment_*, oom, snapshot entries), or the
+ * allocatorSim text log, one allocation a line, "<alloc_op> <free_op> <size>".
+ */
+#ifndef GCALLOC_TRACE_H
+#define GCALLOC_TRACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum trace_action {
+  TA_ALLOC,
+  TA_FREE_REQUESTED,
+  TA_FREE_COMPLETED,
+  TA_SEGMENT_ALLOC,
+  TA_SEGMENT_FREE,
+  TA_SEGMENT_MAP,
+  TA_SEGMENT_UNMAP,
+  TA_SNAPSHOT,
+  TA_OOM,
+  TA_OTHER
+} trace_action;
+
+typedef struct trace_event {
+  int device;
+  trace_action action;
+  uint64_t addr;   /* device_free for oom entries */
+  uint64_t size;
+  uint64_t stream;
+  int64_t time_us; /* -1 when the trace has none */
+} trace_event_t;
+
+typedef struct trace {
+  trace_event_t *events; /* device 0's events, then device 1's ... in recorded order */
+  size_t count;
+  int device_count;
+} trace_t;
+
+/* Load either format (told apart by the pickle's first byte). Returns
+ * GCA_OK, or GCA_ERR_IO / GCA_ERR_INVALID with a message naming the file and
+ * the problem. */
+int trace_load(const char *path, trace_t *out);
+void trace_free(trace_t *t);
+
+/* A replayable operation: allocate `size` into slot, or free the slot. */
+typedef struct trace_op {
+  uint32_t slot;
+  uint8_t is_free;
+  uint8_t device;
+  uint64_t size;
+  uint64_t stream;
+} trace_op_t;
+
+typedef struct trace_ops {
+  trace_op_t *ops;
+  size_t count;
+  size_t slot_count;     /* slots used: allocations in the trace */
+  size_t skipped_frees;  /* frees of blocks that were live before the trace began */
+  size_t allocs;
+} trace_ops_t;
+
+/* Allocations become slots; a block's free is its free_requested entry (the
+ * program's free call) or, without one, its free_completed. Frees of blocks
+ * allocated before recording began are skipped and counted. */
+int trace_to_ops(const trace_t *t, trace_ops_t *out);
+void trace_ops_free(trace_ops_t *o);
+
+#endif /* GCALLOC_TRACE_H */

@@ -1,0 +1,302 @@
+/* Internal declarations shared by the caching core's source files.
+ *
+ * The picture: an allocator owns a backend (a table of device primitives) and
+ * one `device` per device the backend exposes. A device owns its segments
+ * (memory obtained from the backend), each tiled exactly by blocks linked in
+ * address order. A free block sits in the free index of its pool (small or
+ * large), ordered by (stream, size, address); an allocated block sits in the
+ * device's allocation map, keyed by address. A block is in exactly one of the
+ * two, so both share one intrusive link. Everything a device owns is guarded
+ * by its one mutex; nothing here is touched without it, except the two
+ * atomic mirrors of allocated and reserved bytes that lock-free readers use.
+ */
+#ifndef GCALLOC_INTERNAL_H
+#define GCALLOC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* libbsd's tree.h marks generated helpers with __unused, which only its
+ * overlay mode defines. */
+#ifndef __unused
+#define __unused __attribute__((__unused__))
+#endif
+#include <bsd/sys/tree.h>
+
+#include "gcalloc.h"
+#include "backend.h"
+
+#if defined(__GNUC__)
+#define likely(x) __builtin_expect(!!(x), 1)
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#define GCA_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define likely(x) (x)
+#define unlikely(x) (x)
+#define GCA_PRINTF(f, a)
+#endif
+
+/* PyTorch's constants (CUDACachingAllocator.cpp). */
+#define KIB ((size_t)1024)
+#define MIB ((size_t)1024 * 1024)
+#define MIN_BLOCK_SIZE ((size_t)512)     /* kMinBlockSize: every size is a multiple */
+#define SMALL_SIZE MIB                   /* kSmallSize: largest small-pool request */
+#define SMALL_BUFFER (2 * MIB)           /* kSmallBuffer: small-pool segment */
+#define MIN_LARGE_ALLOC (10 * MIB)       /* kMinLargeAlloc: below it, a LARGE_BUFFER segment */
+#define LARGE_BUFFER (20 * MIB)          /* kLargeBuffer: segment for mid-size requests */
+#define ROUND_LARGE (2 * MIB)            /* kRoundLarge: big segments round up to this */
+#define ROUNDUP_INTERVALS 16             /* roundup_power2_divisions intervals, 1 MiB .. 64 GiB */
+
+/* ------------------------------------------------------------------------ */
+/* Configuration (config.c)                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct config {
+  size_t max_split_size;          /* SIZE_MAX: unlimited (no oversize rules) */
+  size_t max_non_split_rounding;  /* bytes an oversize block may exceed the request by */
+  size_t roundup_divisions[ROUNDUP_INTERVALS];
+  double gc_threshold;            /* 0: off */
+  double memory_fraction;         /* 1: whole device */
+  size_t pinned_num_register_threads;
+  bool expandable_segments;
+  bool release_lock_on_malloc;
+  bool pinned_use_host_register;
+  bool pinned_use_background_threads;
+  bool backend_async;             /* backend:cudaMallocAsync */
+} config_t;
+
+void config_defaults(config_t *cfg);
+
+/* Apply `text` on top of *cfg. `origin` names where the text came from (an
+ * environment variable, or NULL for code) and is quoted in messages. On error
+ * *cfg is untouched, the error is set and GCA_ERR_CONFIG returned. Warnings
+ * (unknown keys, features not built) go to the log. */
+int config_apply(config_t *cfg, const char *text, const char *origin);
+
+/* Render *cfg as a configuration string; returns the full length. */
+size_t config_format(const config_t *cfg, char *buf, size_t cap);
+
+/* ------------------------------------------------------------------------ */
+/* Sizing rules (size.c)                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* PyTorch's round_size; 0 when `size` is too large to round. */
+size_t round_size(const config_t *cfg, size_t size);
+/* Round up to the next of `divisions` equal steps between the surrounding
+ * powers of two (PyTorch's roundup_power2_next_division); 0 on overflow. */
+size_t round_to_division(size_t size, size_t divisions);
+/* The roundup_power2_divisions interval of `size`: floor(log2 size) - 20, clamped to 0..15. */
+int roundup_interval(size_t size);
+/* PyTorch's get_allocation_size; 0 when it would overflow. */
+size_t segment_size_for(size_t rounded);
+
+/* ------------------------------------------------------------------------ */
+/* Blocks, segments, pools                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct block block_t;
+typedef struct segment segment_t;
+typedef struct pool pool_t;
+typedef struct device device_t;
+
+struct block {
+  uintptr_t addr;
+  size_t size;               /* rounded size this block covers */
+  size_t requested;          /* what the caller asked for (allocated blocks) */
+  gca_stream_t stream;       /* the stream the block's segment belongs to */
+  block_t *prev, *next;      /* address neighbours inside the segment */
+  segment_t *segment;
+  pool_t *pool;
+  block_t *hash_next;        /* chain of the allocation map */
+  bool allocated;
+  bool oversize;             /* counted in oversize_allocations */
+  RB_ENTRY(block) link;      /* free index node (free blocks only) */
+};
+
+struct segment {
+  uintptr_t addr;
+  size_t size;
+  gca_stream_t stream;
+  pool_t *pool;
+  block_t *head;             /* the block at addr */
+  segment_t *prev, *next;    /* the device's segment list */
+  bool oversize;             /* counted in oversize_segments */
+};
+
+RB_HEAD(free_index, block);
+
+struct pool {
+  struct free_index index;   /* free blocks by (stream, size, address) */
+  size_t free_count;         /* nodes in the index */
+  int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
+};
+
+void pool_init(pool_t *pool, int kind);
+void pool_insert(pool_t *pool, block_t *b);
+void pool_remove(pool_t *pool, block_t *b);
+/* The key of `b`, in the index, just became smaller (or larger): restore the
+ * order, which in the common case means checking one neighbour and nothing
+ * more. Keys may only move in the direction named. */
+void pool_key_decreased(pool_t *pool, block_t *b);
+void pool_key_increased(pool_t *pool, block_t *b);
+/* Best fit for `size` on `stream` under the oversize rules; NULL on a miss. */
+block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size);
+/* The smallest free block on `stream` whose size is >= size, ignoring the oversize rules. */
+block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size);
+/* The largest free block on `stream`, or NULL. */
+block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream);
+block_t *pool_first(pool_t *pool);
+block_t *pool_next(pool_t *pool, block_t *b);
+block_t *pool_prev(pool_t *pool, block_t *b);
+block_t *pool_last(pool_t *pool);
+bool pool_contains(pool_t *pool, block_t *b);
+
+/* ------------------------------------------------------------------------ */
+/* Allocation map (blockmap.c): allocated blocks by address, open hashing     */
+/* ------------------------------------------------------------------------ */
+
+typedef struct block_map {
+  block_t **buckets;
+  size_t bucket_count;       /* a power of two */
+  size_t count;
+} block_map_t;
+
+int block_map_init(block_map_t *m);
+void block_map_destroy(block_map_t *m);
+/* Insert; may grow the table. Never fails: if growing fails the chains just
+ * get longer. */
+void block_map_insert(block_map_t *m, block_t *b);
+block_t *block_map_find(const block_map_t *m, uintptr_t addr);
+/* Remove and return the block at addr, or NULL. */
+block_t *block_map_take(block_map_t *m, uintptr_t addr);
+
+/* ------------------------------------------------------------------------ */
+/* Devices (device.c, segment.c)                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct block_chunk block_chunk_t;
+
+struct device {
+  pthread_mutex_t lock;
+  int index;
+  backend_t *backend;
+  config_t config;           /* a copy of the allocator's, refreshed under the lock */
+  pool_t small_pool;
+  pool_t large_pool;
+  block_map_t allocated;
+  segment_t *segments;
+  size_t segment_count;
+  gca_stats_t stats;
+  block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
+  block_chunk_t *chunks;     /* where the descriptors live, freed at close */
+  /* Lock-free mirrors of stats.{allocated,reserved}_bytes[ALL].current. */
+  _Atomic int64_t allocated_now;
+  _Atomic int64_t reserved_now;
+  /* Lowest and highest address of any segment ever held: lets gca_free find
+   * the owning device of a pointer without taking every device's lock. */
+  _Atomic uintptr_t span_lo;
+  _Atomic uintptr_t span_hi;
+};
+
+int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg);
+void device_destroy(device_t *d);
+void *device_malloc(device_t *d, size_t size, gca_stream_t stream);
+/* With the lock held: free the allocation at addr, or GCA_ERR_BAD_POINTER. */
+int device_free_locked(device_t *d, uintptr_t addr);
+/* With the lock held: if addr lies in one of the device's segments, set an
+ * error saying why it is not a live allocation and return true. */
+bool device_explain_bad_pointer(device_t *d, uintptr_t addr);
+void device_empty_cache(device_t *d);
+int device_check_locked(device_t *d);
+
+/* segment.c: with the lock held. */
+block_t *block_new(device_t *d);
+void block_recycle(device_t *d, block_t *b);
+/* Free every descriptor chunk (at device destruction). */
+void block_chunks_free(device_t *d);
+/* Obtain a segment for a request of `rounded` bytes; NULL with error set. */
+block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status);
+/* Give an unsplit free block's segment back to the backend. */
+void segment_release(device_t *d, block_t *b);
+/* Free the smallest cached oversize block that satisfies `rounded` (or
+ * several, from the largest down); PyTorch's release_available_cached_blocks. */
+bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded);
+/* Release every unsplit free block of both pools. */
+void segment_release_all_cached(device_t *d);
+/* Hand out free block `b` (in its pool's index if in_index, else a fresh
+ * segment's block) for a request: split if the rules say so, update the
+ * statistics, enter the handed-out block in the allocation map and return it. */
+block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested);
+/* Return an allocated block (already out of the map) to its pool, merging
+ * with free neighbours; `b` may be recycled. */
+void block_give_back(device_t *d, block_t *b);
+
+static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
+
+/* ------------------------------------------------------------------------ */
+/* Statistics (stats.c)                                                      */
+/* ------------------------------------------------------------------------ */
+
+static inline void stat_increase(gca_stat_t *s, int64_t n) {
+  s->current += n;
+  if (s->current > s->peak) s->peak = s->current;
+  s->allocated += n;
+}
+
+static inline void stat_decrease(gca_stat_t *s, int64_t n) {
+  s->current -= n;
+  s->freed += n;
+}
+
+/* The "all" entry and the pool's entry move together. */
+static inline void stats_increase(gca_stat_t *family, int kind, int64_t n) {
+  stat_increase(&family[GCA_POOL_ALL], n);
+  stat_increase(&family[kind], n);
+}
+
+static inline void stats_decrease(gca_stat_t *family, int kind, int64_t n) {
+  stat_decrease(&family[GCA_POOL_ALL], n);
+  stat_decrease(&family[kind], n);
+}
+
+void stats_reset_peak(gca_stats_t *s);
+void stats_reset_accumulated(gca_stats_t *s);
+
+/* ------------------------------------------------------------------------ */
+/* The allocator (allocator.c)                                               */
+/* ------------------------------------------------------------------------ */
+
+struct gca_allocator {
+  backend_t backend;
+  int device_count;
+  device_t *devices;
+  pthread_mutex_t config_lock; /* serializes gca_set_config */
+  config_t config;             /* the master copy; devices hold copies */
+};
+
+/* ------------------------------------------------------------------------ */
+/* Errors and logging (error.c)                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Record a failure for gca_last_error(); returns `status` for tail calls. */
+int set_error(int status, const char *fmt, ...) GCA_PRINTF(2, 3);
+/* Put "prefix: " before the current error message; returns its status. */
+int prefix_error(const char *prefix);
+void clear_error(void);
+/* Log a message through the installed handler (never under a device lock). */
+void log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers (util.c)                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Parse "24GiB", "1.5GB", "4096" into bytes. Returns false on bad text or overflow. */
+bool parse_size(const char *text, size_t len, uint64_t *out);
+/* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
+ * "X.YY KiB/MiB/GiB". */
+void format_bytes(uint64_t bytes, char *buf, size_t cap);
+
+#endif /* GCALLOC_INTERNAL_H */

@@ -1,0 +1,87 @@
+/* The free index of a pool: free blocks ordered by (stream, size, address),
+ * kept in a red-black tree (libbsd's sys/tree.h, intrusive, no allocation).
+ *
+ * Best fit is a lower bound on (stream, size, 0): the smallest block of the
+ * same stream that is large enough, the lowest address among equals. On top
+ * of it sit PyTorch's oversize rules, active only when max_split_size is set:
+ * a request below max_split_size never takes a block that large (it would be
+ * wasted, since such blocks are never split), and a request of at least
+ * max_split_size takes a block no more than max_non_split_rounding larger.
+ */
+#include "internal.h"
+
+static int compare_blocks(const block_t *a, const block_t *b) {
+  if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
+  if (a->size != b->size) return a->size < b->size ? -1 : 1;
+  if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+  return 0;
+}
+
+RB_GENERATE_STATIC(free_index, block, link, compare_blocks)
+
+void pool_init(pool_t *pool, int kind) {
+  RB_INIT(&pool->index);
+  pool->free_count = 0;
+  pool->kind = kind;
+}
+
+void pool_insert(pool_t *pool, block_t *b) {
+  RB_INSERT(free_index, &pool->index, b);
+  pool->free_count++;
+}
+
+void pool_remove(pool_t *pool, block_t *b) {
+  RB_REMOVE(free_index, &pool->index, b);
+  pool->free_count--;
+}
+
+void pool_key_decreased(pool_t *pool, block_t *b) {
+  block_t *before = RB_PREV(free_index, &pool->index, b);
+  if (before && compare_blocks(before, b) >= 0) {
+    RB_REMOVE(free_index, &pool->index, b);
+    RB_INSERT(free_index, &pool->index, b);
+  }
+}
+
+void pool_key_increased(pool_t *pool, block_t *b) {
+  block_t *after = RB_NEXT(free_index, &pool->index, b);
+  if (after && compare_blocks(after, b) <= 0) {
+    RB_REMOVE(free_index, &pool->index, b);
+    RB_INSERT(free_index, &pool->index, b);
+  }
+}
+
+block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
+  block_t key = {.stream = stream, .size = size, .addr = 0};
+  block_t *b = RB_NFIND(free_index, &pool->index, &key);
+  return (b && b->stream == stream) ? b : NULL;
+}
+
+block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size) {
+  block_t *b = pool_lower_bound(pool, stream, size);
+  if (!b) return NULL;
+  size_t max_split = cfg->max_split_size;
+  if (size < max_split && b->size >= max_split) return NULL;
+  if (size >= max_split && b->size - size >= cfg->max_non_split_rounding) return NULL;
+  return b;
+}
+
+block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream) {
+  block_t key = {.stream = stream, .size = SIZE_MAX, .addr = UINTPTR_MAX};
+  block_t *after = RB_NFIND(free_index, &pool->index, &key);
+  block_t *b = after ? RB_PREV(free_index, &pool->index, after) : RB_MAX(free_index, &pool->index);
+  return (b && b->stream == stream) ? b : NULL;
+}
+
+block_t *pool_first(pool_t *pool) { return RB_MIN(free_index, &pool->index); }
+block_t *pool_last(pool_t *pool) { return RB_MAX(free_index, &pool->index); }
+block_t *pool_next(pool_t *pool, block_t *b) {
+  (void)pool;
+  return RB_NEXT(free_index, &pool->index, b);
+}
+block_t *pool_prev(pool_t *pool, block_t *b) {
+  (void)pool;
+  return RB_PREV(free_index, &pool->index, b);
+}
+
+bool pool_contains(pool_t *pool, block_t *b) { return RB_FIND(free_index, &pool->index, b) == b; }

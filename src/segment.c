@@ -1,0 +1,321 @@
+/* Segments and blocks: getting memory from the device and giving it back,
+ * splitting a block to hand out part of it, merging a freed block with its
+ * free neighbours. The statistics move here, in PyTorch's exact steps
+ * (alloc_found_block, free_block, alloc_block, release_block), so that every
+ * counter equals what a walk over the segments would count.
+ *
+ * All functions run with the device lock held.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- block descriptors -------------------------------------------------- */
+
+#define BLOCKS_PER_CHUNK 128
+
+struct block_chunk {
+  block_chunk_t *next;
+  block_t blocks[BLOCKS_PER_CHUNK];
+};
+
+block_t *block_new(device_t *d) {
+  if (unlikely(!d->spare_blocks)) {
+    block_chunk_t *chunk = malloc(sizeof *chunk);
+    if (!chunk) return NULL;
+    chunk->next = d->chunks;
+    d->chunks = chunk;
+    for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
+      chunk->blocks[i].next = d->spare_blocks;
+      d->spare_blocks = &chunk->blocks[i];
+    }
+  }
+  block_t *b = d->spare_blocks;
+  d->spare_blocks = b->next;
+  /* Callers set addr, size, stream, segment, pool and the links; the rest
+   * starts clear. Cheaper than clearing the whole descriptor. */
+  b->prev = b->next = b->hash_next = NULL;
+  b->requested = 0;
+  b->allocated = false;
+  b->oversize = false;
+  return b;
+}
+
+void block_chunks_free(device_t *d) {
+  while (d->chunks) {
+    block_chunk_t *next = d->chunks->next;
+    free(d->chunks);
+    d->chunks = next;
+  }
+  d->spare_blocks = NULL;
+}
+
+void block_recycle(device_t *d, block_t *b) {
+  b->next = d->spare_blocks;
+  d->spare_blocks = b;
+}
+
+/* ---- segments ----------------------------------------------------------- */
+
+static void mirror_reserved(device_t *d) {
+  atomic_store_explicit(&d->reserved_now, d->stats.reserved_bytes[GCA_POOL_ALL].current,
+                        memory_order_relaxed);
+}
+
+static void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
+  if (lo < atomic_load_explicit(&d->span_lo, memory_order_relaxed))
+    atomic_store_explicit(&d->span_lo, lo, memory_order_relaxed);
+  if (hi > atomic_load_explicit(&d->span_hi, memory_order_relaxed))
+    atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
+}
+
+block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status) {
+  size_t size = segment_size_for(rounded);
+  if (size == 0) {
+    *status = set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
+    return NULL;
+  }
+  segment_t *seg = malloc(sizeof *seg);
+  block_t *b = block_new(d);
+  if (!seg || !b) {
+    free(seg);
+    if (b) block_recycle(d, b);
+    *status = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+    return NULL;
+  }
+  uintptr_t addr = 0;
+  int rc = d->backend->ops->malloc(d->backend->state, d->index, size, &addr);
+  if (rc != GCA_OK) {
+    free(seg);
+    block_recycle(d, b);
+    *status = rc;
+    return NULL;
+  }
+  seg->addr = addr;
+  seg->size = size;
+  seg->stream = stream;
+  seg->pool = pool;
+  seg->head = b;
+  seg->prev = NULL;
+  seg->next = d->segments;
+  if (d->segments) d->segments->prev = seg;
+  d->segments = seg;
+  d->segment_count++;
+  seg->oversize = size >= d->config.max_split_size;
+
+  b->addr = addr;
+  b->size = size;
+  b->stream = stream;
+  b->segment = seg;
+  b->pool = pool;
+
+  gca_stats_t *s = &d->stats;
+  stats_increase(s->segment, pool->kind, 1);
+  stats_increase(s->reserved_bytes, pool->kind, (int64_t)size);
+  s->num_device_alloc++;
+  if (seg->oversize) stat_increase(&s->oversize_segments, 1);
+  mirror_reserved(d);
+  widen_span(d, addr, addr + size);
+  *status = GCA_OK;
+  return b;
+}
+
+void segment_release(device_t *d, block_t *b) {
+  segment_t *seg = b->segment;
+  pool_remove(b->pool, b);
+  /* A failing backend free is reported by the backend's own error; the
+   * segment is gone from our books either way, because keeping it would
+   * leave a block nobody can use. */
+  d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+
+  gca_stats_t *s = &d->stats;
+  stats_decrease(s->segment, seg->pool->kind, 1);
+  stats_decrease(s->reserved_bytes, seg->pool->kind, (int64_t)seg->size);
+  s->num_device_free++;
+  if (seg->oversize) stat_decrease(&s->oversize_segments, 1);
+  mirror_reserved(d);
+
+  if (seg->prev) seg->prev->next = seg->next;
+  else d->segments = seg->next;
+  if (seg->next) seg->next->prev = seg->prev;
+  d->segment_count--;
+  free(seg);
+  block_recycle(d, b);
+}
+
+static bool unsplit(const block_t *b) { return !b->prev && !b->next; }
+
+bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
+  size_t max_split = d->config.max_split_size;
+  if (max_split == SIZE_MAX) return false;
+  size_t want = rounded < max_split ? max_split : rounded;
+  block_t *b = pool_lower_bound(pool, stream, want);
+  if (b && unsplit(b)) {
+    segment_release(d, b);
+    return true;
+  }
+  /* No single block is large enough: free oversize blocks of this stream,
+   * largest first, until enough is released. */
+  block_t *cur = pool_last_on_stream(pool, stream);
+  size_t released = 0;
+  while (cur && released < want && cur->size >= max_split && cur->stream == stream) {
+    block_t *prev = pool_prev(pool, cur);
+    if (unsplit(cur)) {
+      released += cur->size;
+      segment_release(d, cur);
+    }
+    cur = prev;
+  }
+  return released >= want;
+}
+
+void segment_release_all_cached(device_t *d) {
+  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
+  for (int i = 0; i < 2; i++) {
+    block_t *b = pool_first(pools[i]);
+    while (b) {
+      block_t *next = pool_next(pools[i], b);
+      if (unsplit(b)) segment_release(d, b);
+      b = next;
+    }
+  }
+}
+
+/* ---- split and merge ---------------------------------------------------- */
+
+static bool should_split(const device_t *d, const block_t *b, size_t size) {
+  size_t remaining = b->size - size;
+  if (b->pool->kind == GCA_POOL_SMALL) return remaining >= MIN_BLOCK_SIZE;
+  return size < d->config.max_split_size && remaining > SMALL_SIZE;
+}
+
+/* Enter the handed-out block in the books (PyTorch's alloc_found_block tail). */
+static void account_taken(device_t *d, block_t *b, size_t requested) {
+  gca_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  b->allocated = true;
+  b->requested = requested;
+  block_map_insert(&d->allocated, b);
+  stats_increase(s->allocation, kind, 1);
+  stats_increase(s->allocated_bytes, kind, (int64_t)b->size);
+  stats_increase(s->active, kind, 1);
+  stats_increase(s->active_bytes, kind, (int64_t)b->size);
+  stats_increase(s->requested_bytes, kind, (int64_t)requested);
+  b->oversize = b->size >= d->config.max_split_size;
+  if (b->oversize) stat_increase(&s->oversize_allocations, 1);
+  atomic_store_explicit(&d->allocated_now, s->allocated_bytes[GCA_POOL_ALL].current, memory_order_relaxed);
+}
+
+block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested) {
+  gca_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  bool already_split = !unsplit(b);
+
+  block_t *piece = should_split(d, b, rounded) ? block_new(d) : NULL;
+  if (piece) {
+    /* The request takes the low end as a new block; `b` stays the free
+     * remainder. Its key only shrinks, so it usually keeps its place in the
+     * index and the tree is not touched. */
+    piece->addr = b->addr;
+    piece->size = rounded;
+    piece->stream = b->stream;
+    piece->segment = b->segment;
+    piece->pool = b->pool;
+    piece->prev = b->prev;
+    piece->next = b;
+    if (piece->prev) piece->prev->next = piece;
+    else b->segment->head = piece;
+    b->prev = piece;
+    b->addr += rounded;
+    b->size -= rounded;
+    if (in_index) pool_key_decreased(b->pool, b);
+    else pool_insert(b->pool, b);
+    if (already_split) {
+      /* An inactive split piece shrinks by what was handed out. */
+      stats_decrease(s->inactive_split_bytes, kind, (int64_t)rounded);
+    } else {
+      /* A whole block becomes split: its rest is a new inactive piece. */
+      stats_increase(s->inactive_split_bytes, kind, (int64_t)b->size);
+      stats_increase(s->inactive_split, kind, 1);
+    }
+    account_taken(d, piece, requested);
+    return piece;
+  }
+  /* No split (or no host memory for a descriptor: then the whole block is
+   * handed out, a looser fit rather than a failure). */
+  if (in_index) pool_remove(b->pool, b);
+  if (already_split) {
+    stats_decrease(s->inactive_split_bytes, kind, (int64_t)b->size);
+    stats_decrease(s->inactive_split, kind, 1);
+  }
+  account_taken(d, b, requested);
+  return b;
+}
+
+static bool is_free(const block_t *b) { return b && !b->allocated; }
+
+void block_give_back(device_t *d, block_t *b) {
+  gca_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  size_t original_size = b->size;
+  size_t requested = b->requested;
+  bool oversize = b->oversize;
+  block_t *prev = is_free(b->prev) ? b->prev : NULL;
+  block_t *next = is_free(b->next) ? b->next : NULL;
+  int64_t split_blocks = 0, split_bytes = 0;
+
+  /* Merge with free neighbours. The surviving descriptor is one already in
+   * the index when there is one: its key only grows, so it usually keeps its
+   * place and the tree is not touched. */
+  block_t *survivor;
+  if (prev) {
+    survivor = prev;
+    split_blocks -= 1;
+    split_bytes -= (int64_t)prev->size;
+    prev->size += b->size;
+    prev->next = b->next;
+    if (b->next) b->next->prev = prev;
+    block_recycle(d, b);
+    if (next) {
+      split_blocks -= 1;
+      split_bytes -= (int64_t)next->size;
+      pool_remove(next->pool, next);
+      prev->size += next->size;
+      prev->next = next->next;
+      if (next->next) next->next->prev = prev;
+      block_recycle(d, next);
+    }
+    pool_key_increased(prev->pool, prev);
+  } else if (next) {
+    survivor = next;
+    split_blocks -= 1;
+    split_bytes -= (int64_t)next->size;
+    next->addr = b->addr;
+    next->size += b->size;
+    next->prev = b->prev;
+    if (b->prev) b->prev->next = next;
+    else next->segment->head = next;
+    block_recycle(d, b);
+    pool_key_increased(next->pool, next);
+  } else {
+    survivor = b;
+    b->allocated = false;
+    b->oversize = false;
+    b->requested = 0;
+    pool_insert(b->pool, b);
+  }
+  if (!unsplit(survivor)) {
+    split_blocks += 1;
+    split_bytes += (int64_t)survivor->size;
+  }
+  if (split_blocks > 0) stats_increase(s->inactive_split, kind, split_blocks);
+  else if (split_blocks < 0) stats_decrease(s->inactive_split, kind, -split_blocks);
+  if (split_bytes > 0) stats_increase(s->inactive_split_bytes, kind, split_bytes);
+  else if (split_bytes < 0) stats_decrease(s->inactive_split_bytes, kind, -split_bytes);
+
+  stats_decrease(s->active, kind, 1);
+  stats_decrease(s->active_bytes, kind, (int64_t)original_size);
+  stats_decrease(s->requested_bytes, kind, (int64_t)requested);
+  if (oversize) stat_decrease(&s->oversize_allocations, 1);
+}

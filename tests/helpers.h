@@ -1,0 +1,68 @@
+/* Shared helpers for the cmocka tests: open an allocator on the sim
+ * backend, read one statistic, and assert the invariants hold. */
+#ifndef GCALLOC_TEST_HELPERS_H
+#define GCALLOC_TEST_HELPERS_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <cmocka.h>
+
+#include "internal.h"
+
+#define MiB ((size_t)1 << 20)
+#define KiB ((size_t)1 << 10)
+
+static inline gca_allocator_t *open_sim(const char *backend, const char *conf) {
+  gca_allocator_t *a = NULL;
+  int rc = gca_open(backend, conf, &a);
+  if (rc != GCA_OK) fprintf(stderr, "gca_open(%s, %s): %s\n", backend, conf ? conf : "", gca_last_error());
+  assert_int_equal(rc, GCA_OK);
+  assert_non_null(a);
+  return a;
+}
+
+static inline gca_stats_t stats_of(gca_allocator_t *a, int device) {
+  gca_stats_t s;
+  assert_int_equal(gca_get_stats(a, device, &s), GCA_OK);
+  return s;
+}
+
+static inline void assert_consistent(gca_allocator_t *a) {
+  int rc = gca_check(a, -1);
+  if (rc != GCA_OK) fprintf(stderr, "invariant broken: %s\n", gca_last_error());
+  assert_int_equal(rc, GCA_OK);
+}
+
+static inline sim_counters_t sim_counters(gca_allocator_t *a, int device) {
+  sim_counters_t c;
+  assert_int_equal(sim_get_counters(&a->backend, device, &c), GCA_OK);
+  return c;
+}
+
+/* Log capture: tests install this handler to see warnings. */
+typedef struct log_capture {
+  int count;
+  char last[1024];
+  char all[8192];
+} log_capture_t;
+
+static inline void capture_log(gca_log_level level, const char *message, void *user) {
+  (void)level;
+  log_capture_t *c = user;
+  c->count++;
+  snprintf(c->last, sizeof c->last, "%s", message);
+  size_t len = strlen(c->all);
+  snprintf(c->all + len, sizeof c->all - len, "%s\n", message);
+}
+
+static inline void assert_contains(const char *haystack, const char *needle) {
+  if (!strstr(haystack, needle)) fprintf(stderr, "expected \"%s\" in \"%s\"\n", needle, haystack);
+  assert_non_null(strstr(haystack, needle));
+}
+
+#endif

@@ -1,0 +1,153 @@
+/* The plain-data pickle reader and the trace readers: small pickles written
+ * by Python (pickle.dumps, protocols 2 and 4), every truncation of them,
+ * refusal of object-building opcodes, and the real traces in
+ * ../shared/traces with the counts SOURCES.txt gives. */
+#include <sys/stat.h>
+
+#include "helpers.h"
+#include "export/pickle.h"
+#include "export/trace.h"
+
+/* pickle.dumps({'a':1,'b':[2,3.25,True,None,-70000,2**40,'x'],'c':{'n':-1},'t':(1,2)}, protocol=4) */
+static const unsigned char dict_p4[] =
+    "\x80\x04\x95\x4b\x00\x00\x00\x00\x00\x00\x00\x7d\x94\x28\x8c\x01\x61\x94\x4b\x01\x8c\x01\x62\x94\x5d\x94"
+    "\x28\x4b\x02\x47\x40\x0a\x00\x00\x00\x00\x00\x00\x88\x4e\x4a\x90\xee\xfe\xff\x8a\x06\x00\x00\x00\x00\x00"
+    "\x01\x8c\x01\x78\x94\x65\x8c\x01\x63\x94\x7d\x94\x8c\x01\x6e\x94\x4a\xff\xff\xff\xff\x73\x8c\x01\x74\x94"
+    "\x4b\x01\x4b\x02\x86\x94\x75\x2e";
+/* pickle.dumps([{'k':'v'}]*3, protocol=2): the memo shares one dict */
+static const unsigned char shared_p2[] =
+    "\x80\x02\x5d\x71\x00\x28\x7d\x71\x01\x58\x01\x00\x00\x00\x6b\x71\x02\x58\x01\x00\x00\x00\x76\x71\x03\x73"
+    "\x68\x01\x68\x01\x65\x2e";
+
+static void test_pickle_values(void **state) {
+  (void)state;
+  pickle_doc_t *doc = pickle_parse(dict_p4, sizeof dict_p4 - 1);
+  assert_non_null(doc);
+  const pv_t *root = pickle_root(doc);
+  assert_int_equal(root->kind, PV_DICT);
+  assert_int_equal(pv_len(root), 4);
+  assert_int_equal(pv_get(root, "a")->u.i, 1);
+  const pv_t *b = pv_get(root, "b");
+  assert_int_equal(pv_len(b), 7);
+  assert_int_equal(pv_at(b, 0)->u.i, 2);
+  assert_true(pv_at(b, 1)->kind == PV_FLOAT && pv_at(b, 1)->u.f == 3.25);
+  assert_true(pv_at(b, 2)->kind == PV_BOOL && pv_at(b, 2)->u.i == 1);
+  assert_int_equal(pv_at(b, 3)->kind, PV_NONE);
+  assert_int_equal(pv_at(b, 4)->u.i, -70000);
+  assert_int_equal(pv_at(b, 5)->u.i, (int64_t)1 << 40);
+  assert_true(pv_str_eq(pv_at(b, 6), "x"));
+  assert_int_equal(pv_get(pv_get(root, "c"), "n")->u.i, -1);
+  assert_int_equal(pv_len(pv_get(root, "t")), 2);
+  assert_null(pv_get(root, "missing"));
+  assert_null(pv_at(b, 7));
+  pickle_free(doc);
+
+  doc = pickle_parse(shared_p2, sizeof shared_p2 - 1);
+  assert_non_null(doc);
+  root = pickle_root(doc);
+  assert_int_equal(pv_len(root), 3);
+  assert_ptr_equal(pv_at(root, 0), pv_at(root, 2));
+  assert_true(pv_str_eq(pv_get(pv_at(root, 1), "k"), "v"));
+  pickle_free(doc);
+}
+
+static void test_pickle_truncations_fail_cleanly(void **state) {
+  (void)state;
+  for (size_t n = 0; n + 1 < sizeof dict_p4 - 1; n++) {
+    pickle_doc_t *doc = pickle_parse(dict_p4, n);
+    assert_null(doc);
+    assert_int_equal(gca_last_status(), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), "pickle:");
+  }
+}
+
+static void test_pickle_refuses_objects(void **state) {
+  (void)state;
+  static const unsigned char evil[] = "\x80\x02\x63os\nsystem\n\x58\x02\x00\x00\x00ls\x85R.";
+  assert_null(pickle_parse(evil, sizeof evil - 1));
+  assert_contains(gca_last_error(), "build a Python object");
+  static const unsigned char unknown_op[] = "\x80\x02\x01.";
+  assert_null(pickle_parse(unknown_op, sizeof unknown_op - 1));
+  assert_contains(gca_last_error(), "unsupported opcode 0x01");
+  static const unsigned char bad_memo[] = "\x80\x02h\x05.";
+  assert_null(pickle_parse(bad_memo, sizeof bad_memo - 1));
+  assert_contains(gca_last_error(), "memo index 5");
+  static const unsigned char two_values[] = "\x80\x02K\x01K\x02.";
+  assert_null(pickle_parse(two_values, sizeof two_values - 1));
+  assert_null(pickle_load("/nonexistent/file.pickle"));
+  assert_int_equal(gca_last_status(), GCA_ERR_IO);
+}
+
+static bool have_traces(void) {
+  struct stat st;
+  return stat(GCALLOC_TRACES_DIR "/SOURCES.txt", &st) == 0;
+}
+
+static void expect_trace(const char *file, size_t events, int devices, size_t allocs, bool starts_empty) {
+  trace_t t;
+  int rc = trace_load(file, &t);
+  if (rc) fprintf(stderr, "%s\n", gca_last_error());
+  assert_int_equal(rc, GCA_OK);
+  assert_int_equal(t.count, events);
+  assert_int_equal(t.device_count, devices);
+  trace_ops_t o;
+  assert_int_equal(trace_to_ops(&t, &o), GCA_OK);
+  assert_int_equal(o.allocs, allocs);
+  assert_int_equal(o.slot_count, allocs);
+  if (starts_empty) assert_int_equal(o.skipped_frees, 0);
+  /* every free refers to an earlier allocation of the same slot */
+  char *seen = calloc(o.slot_count + 1, 1);
+  for (size_t i = 0; i < o.count; i++) {
+    if (o.ops[i].is_free) {
+      assert_int_equal(seen[o.ops[i].slot], 1);
+      seen[o.ops[i].slot] = 2;
+    } else {
+      assert_int_equal(seen[o.ops[i].slot], 0);
+      seen[o.ops[i].slot] = 1;
+    }
+  }
+  free(seen);
+  trace_ops_free(&o);
+  trace_free(&t);
+}
+
+static void test_real_traces(void **state) {
+  (void)state;
+  if (!have_traces()) skip();
+  expect_trace(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", 23105, 1, 7946, true);
+  expect_trace(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", 10307, 1, 3505, false);
+  expect_trace(GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle", 6445 + 596 + 882, 4,
+               3025, true);
+  expect_trace(GCALLOC_TRACES_DIR "/Lin-Mao__allocatorSim/alexnet_train.log", 386, 1, 193, true);
+}
+
+static void test_bad_text_trace(void **state) {
+  (void)state;
+  char path[] = "/tmp/gcalloc-trace-XXXXXX";
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  FILE *f = fdopen(fd, "w");
+  fputs("0 3 100\n1 0 200\n", f);
+  fclose(f);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), ":2:");
+  assert_null(t.events);
+  f = fopen(path, "w");
+  static const char not_snapshot[] = "\x80\x02}q\x00."; /* a pickle, but not a snapshot */
+  fwrite(not_snapshot, 1, sizeof not_snapshot - 1, f);
+  fclose(f);
+  assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "device_traces");
+  remove(path);
+  assert_int_equal(trace_load("/nonexistent/trace.log", &t), GCA_ERR_IO);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_truncations_fail_cleanly),
+      cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_real_traces),
+      cmocka_unit_test(test_bad_text_trace),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

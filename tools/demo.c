@@ -1,0 +1,195 @@
+/* `gcalloc demo`: the main job for now. It drives a training-like allocation
+ * sequence through gcalloc on a device (the simulated 80 GiB one by default)
+ * and prints how memory evolves and the statistics at the end.
+ *
+ * The sequence imitates a 24-layer transformer (hidden 2048, ~1.2 B
+ * parameters, fp16 weights, fp32 Adam states) trained with batches whose
+ * sequence length changes every step, the pattern that fragments a caching
+ * allocator: forward saves activations per layer and makes short-lived
+ * workspaces, the loss makes a large logits buffer, backward frees the saved
+ * activations in reverse while creating gradients, the optimizer creates its
+ * states once, and zero_grad(set_to_none) frees the gradients every step.
+ */
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gcalloc.h"
+#include "tool.h"
+
+#define LAYERS 24
+#define HIDDEN 2048
+#define VOCAB 32000
+#define BATCH 8
+#define SAVED_PER_LAYER 6
+
+typedef struct demo {
+  gca_allocator_t *a;
+  uint64_t rng;
+  int failures;
+} demo_t;
+
+static uint64_t next_random(demo_t *d) {
+  d->rng = d->rng * 6364136223846793005ull + 1442695040888963407ull;
+  return d->rng >> 33;
+}
+
+static void *take(demo_t *d, size_t bytes) {
+  void *p = gca_malloc(d->a, bytes, 0, 0);
+  if (!p) {
+    d->failures++;
+    fprintf(stderr, "demo: allocation of %zu bytes failed: %s\n", bytes, gca_last_error());
+  }
+  return p;
+}
+
+static void give(demo_t *d, void **p) {
+  if (*p && gca_free(d->a, *p) != GCA_OK) {
+    d->failures++;
+    fprintf(stderr, "demo: free failed: %s\n", gca_last_error());
+  }
+  *p = NULL;
+}
+
+/* Per-layer parameter tensors: qkv, attention output, MLP up, MLP down, two norms. */
+static const size_t param_elems[] = {3 * HIDDEN * HIDDEN, HIDDEN * HIDDEN, 4 * HIDDEN * HIDDEN,
+                                     4 * HIDDEN * HIDDEN, 2 * HIDDEN,      2 * HIDDEN};
+#define PARAMS_PER_LAYER (sizeof param_elems / sizeof param_elems[0])
+
+static void print_gib_line(demo_t *d, int step, size_t tokens) {
+  gca_stats_t s;
+  gca_get_stats(d->a, 0, &s);
+  printf("step %3d  tokens %6zu  allocated %7.2f GiB  reserved %7.2f GiB  peak allocated %7.2f GiB  "
+         "segments %4" PRId64 "\n",
+         step, tokens, s.allocated_bytes[0].current / 1073741824.0, s.reserved_bytes[0].current / 1073741824.0,
+         s.allocated_bytes[0].peak / 1073741824.0, s.segment[0].current);
+}
+
+static void print_stats(gca_allocator_t *a) {
+  gca_stats_t s;
+  gca_get_stats(a, 0, &s);
+  static const char *const names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                                      "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                                      "requested_bytes"};
+  const gca_stat_t *fam[] = {s.allocation, s.segment, s.active, s.inactive_split, s.allocated_bytes,
+                             s.reserved_bytes, s.active_bytes, s.inactive_split_bytes, s.requested_bytes};
+  printf("\n%-22s %-10s %16s %16s %16s %16s\n", "statistic", "pool", "current", "peak", "allocated", "freed");
+  static const char *const pools[] = {"all", "small_pool", "large_pool"};
+  for (size_t f = 0; f < sizeof fam / sizeof fam[0]; f++)
+    for (int p = 0; p < GCA_POOL_KINDS; p++)
+      printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", names[f], pools[p],
+             fam[f][p].current, fam[f][p].peak, fam[f][p].allocated, fam[f][p].freed);
+  printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", "oversize_allocations", "",
+         s.oversize_allocations.current, s.oversize_allocations.peak, s.oversize_allocations.allocated,
+         s.oversize_allocations.freed);
+  printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", "oversize_segments", "",
+         s.oversize_segments.current, s.oversize_segments.peak, s.oversize_segments.allocated,
+         s.oversize_segments.freed);
+  printf("num_alloc_retries %" PRId64 "  num_ooms %" PRId64 "  num_sync_all_streams %" PRId64
+         "  num_device_alloc %" PRId64 "  num_device_free %" PRId64 "  max_split_size %" PRId64 "\n",
+         s.num_alloc_retries, s.num_ooms, s.num_sync_all_streams, s.num_device_alloc, s.num_device_free,
+         s.max_split_size);
+  printf("peak reserved / peak allocated = %.3f\n",
+         s.allocated_bytes[0].peak ? (double)s.reserved_bytes[0].peak / (double)s.allocated_bytes[0].peak : 0.0);
+}
+
+static void train_step(demo_t *d, void **params, void **grads, void **adam, bool *have_adam, size_t tokens) {
+  static void *saved[LAYERS][SAVED_PER_LAYER];
+  size_t act = tokens * HIDDEN * 2; /* fp16 activations */
+  size_t heads = 16;
+  void *input = take(d, tokens * 8); /* token ids, int64 */
+  for (int l = 0; l < LAYERS; l++) {
+    size_t sizes[SAVED_PER_LAYER] = {act, 3 * act, tokens * heads * 4, act, 4 * act, 4 * act};
+    for (int k = 0; k < SAVED_PER_LAYER; k++) saved[l][k] = take(d, sizes[k]);
+    void *norm_stats = take(d, tokens * 4 * 2); /* mean and rstd, fp32 */
+    void *workspace = take(d, 4 * act);
+    give(d, &workspace);
+    give(d, &norm_stats);
+  }
+  void *logits = take(d, tokens * VOCAB * 4);
+  void *loss = take(d, 4);
+  void *dlogits = take(d, tokens * VOCAB * 4);
+  give(d, &logits);
+  give(d, &loss);
+  void *dx = take(d, act);
+  give(d, &dlogits);
+  for (int l = LAYERS - 1; l >= 0; l--) {
+    for (size_t k = 0; k < PARAMS_PER_LAYER; k++)
+      if (!grads[l * PARAMS_PER_LAYER + k]) grads[l * PARAMS_PER_LAYER + k] = take(d, param_elems[k] * 2);
+    void *dmlp = take(d, 4 * act);
+    void *dattn = take(d, 3 * act);
+    void *dnext = take(d, act);
+    for (int k = SAVED_PER_LAYER - 1; k >= 0; k--) give(d, &saved[l][k]);
+    give(d, &dmlp);
+    give(d, &dattn);
+    give(d, &dx);
+    dx = dnext;
+  }
+  give(d, &dx);
+  give(d, &input);
+  /* optimizer: states once (two fp32 tensors per parameter), small temporaries each step */
+  for (size_t i = 0; i < LAYERS * PARAMS_PER_LAYER; i++) {
+    size_t elems = param_elems[i % PARAMS_PER_LAYER];
+    if (!*have_adam) {
+      adam[2 * i] = take(d, elems * 4);
+      adam[2 * i + 1] = take(d, elems * 4);
+    }
+    void *norm = take(d, 4);
+    give(d, &norm);
+    (void)params;
+  }
+  *have_adam = true;
+  for (size_t i = 0; i < LAYERS * PARAMS_PER_LAYER; i++) give(d, &grads[i]); /* zero_grad(set_to_none) */
+}
+
+int demo_main(int argc, char **argv) {
+  const char *backend = "sim";
+  const char *conf = NULL;
+  int steps = 12;
+  uint64_t seed = 42;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) backend = argv[++i];
+    else if (strcmp(argv[i], "--conf") == 0 && i + 1 < argc) conf = argv[++i];
+    else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps = atoi(argv[++i]);
+    else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
+    else {
+      fprintf(stderr, "gcalloc demo: unknown or incomplete option '%s'\n", argv[i]);
+      return 2;
+    }
+  }
+  if (steps < 1 || steps > 100000) {
+    fprintf(stderr, "gcalloc demo: --steps must be 1..100000\n");
+    return 2;
+  }
+  demo_t d = {.rng = seed};
+  if (gca_open(backend, conf, &d.a) != GCA_OK) {
+    fprintf(stderr, "gcalloc demo: %s\n", gca_last_error());
+    return 1;
+  }
+  size_t total, free_bytes;
+  gca_mem_get_info(d.a, 0, &free_bytes, &total);
+  printf("gcalloc %s demo on backend '%s' (device 0: %.2f GiB), %d training steps of a %d-layer model\n",
+         gca_version(), gca_backend_name(d.a), total / 1073741824.0, steps, LAYERS);
+
+  static void *params[LAYERS * PARAMS_PER_LAYER];
+  static void *grads[LAYERS * PARAMS_PER_LAYER];
+  static void *adam[2 * LAYERS * PARAMS_PER_LAYER];
+  bool have_adam = false;
+  for (size_t i = 0; i < LAYERS * PARAMS_PER_LAYER; i++) params[i] = take(&d, param_elems[i % PARAMS_PER_LAYER] * 2);
+  for (int step = 0; step < steps && d.failures == 0; step++) {
+    size_t seq = 512 + 128 * (size_t)(next_random(&d) % 13); /* 512 .. 2048 */
+    train_step(&d, params, grads, adam, &have_adam, BATCH * seq);
+    print_gib_line(&d, step, BATCH * seq);
+  }
+  print_stats(d.a);
+  int check = gca_check(d.a, -1);
+  printf("invariant check: %s\n", check == GCA_OK ? "ok" : gca_last_error());
+  for (size_t i = 0; i < LAYERS * PARAMS_PER_LAYER; i++) give(&d, &params[i]);
+  for (size_t i = 0; i < 2 * LAYERS * PARAMS_PER_LAYER; i++) give(&d, &adam[i]);
+  gca_empty_cache(d.a, -1);
+  printf("after freeing everything and empty_cache: reserved %" PRId64 " bytes\n", gca_reserved_bytes(d.a, 0));
+  gca_close(d.a);
+  return (check == GCA_OK && d.failures == 0) ? 0 : 1;
+}

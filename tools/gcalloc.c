@@ -1,0 +1,40 @@
+/* The gcalloc command-line tool.
+ *
+ *   gcalloc demo  [--backend SPEC] [--conf CONF] [--steps N] [--seed S]
+ *       drive a training-like allocation sequence on a device (the simulated
+ *       one by default) and print the statistics;
+ *   gcalloc bench [--json] [--traces DIR] [--quick]
+ *       time gcalloc against glibc, mimalloc and jemalloc (bench/bench.c);
+ *   gcalloc version
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "gcalloc.h"
+#include "tool.h"
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "usage: gcalloc <command> [options]\n"
+          "  demo  [--backend SPEC] [--conf CONF] [--steps N] [--seed S]\n"
+          "        run a training-like allocation sequence and print the statistics\n"
+          "  bench [--json] [--traces DIR] [--quick]\n"
+          "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
+          "  version\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "--help") == 0) {
+    usage(argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (strcmp(argv[1], "demo") == 0) return demo_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "version") == 0) {
+    printf("gcalloc %s\n", gca_version());
+    return 0;
+  }
+  fprintf(stderr, "gcalloc: unknown command '%s'\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
