@@ -94,7 +94,7 @@ static device_t *device_of(const gca_allocator_t *a, int device, const char *wha
   return &a->devices[device];
 }
 
-void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+GCA_FLATTEN void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
   device_t *d = device_of(a, device, "gca_malloc");
   if (unlikely(!d)) return NULL;
   if (unlikely(size == 0)) {
@@ -109,25 +109,25 @@ static bool in_span(const device_t *d, uintptr_t addr) {
          addr < atomic_load_explicit(&d->span_hi, memory_order_relaxed);
 }
 
-int gca_free(gca_allocator_t *a, void *ptr) {
+GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
   if (unlikely(!a)) return set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
   uintptr_t addr = (uintptr_t)ptr;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
-    pthread_mutex_lock(&d->lock);
+    lock_acquire(&d->lock);
     int rc = device_free_locked(d, addr);
-    pthread_mutex_unlock(&d->lock);
+    lock_release(&d->lock);
     if (likely(rc == GCA_OK)) return GCA_OK;
   }
   /* Not a live allocation: say what it is, from the device that holds it. */
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
-    pthread_mutex_lock(&d->lock);
+    lock_acquire(&d->lock);
     bool explained = device_explain_bad_pointer(d, addr);
-    pthread_mutex_unlock(&d->lock);
+    lock_release(&d->lock);
     if (explained) return GCA_ERR_BAD_POINTER;
   }
   return set_error(GCA_ERR_BAD_POINTER, "cannot free %p: it was not allocated by this allocator", ptr);
@@ -142,10 +142,10 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
-    pthread_mutex_lock(&d->lock);
+    lock_acquire(&d->lock);
     block_t *b = block_map_find(&d->allocated, addr);
     size_t size = b ? b->size : 0;
-    pthread_mutex_unlock(&d->lock);
+    lock_release(&d->lock);
     if (size) return size;
   }
   set_error(GCA_ERR_BAD_POINTER, "gca_usable_size: %p is not a live allocation", ptr);
@@ -184,9 +184,9 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
     a->config = next;
     for (int i = 0; i < a->device_count; i++) {
       device_t *d = &a->devices[i];
-      pthread_mutex_lock(&d->lock);
+      lock_acquire(&d->lock);
       d->config = next;
-      pthread_mutex_unlock(&d->lock);
+      lock_release(&d->lock);
     }
   }
   pthread_mutex_unlock(&a->config_lock);
@@ -218,28 +218,28 @@ int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
   device_t *d = device_of(a, device, "gca_get_stats");
   if (!d) return gca_last_status();
   if (!out) return set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
-  pthread_mutex_lock(&d->lock);
-  *out = d->stats;
+  lock_acquire(&d->lock);
+  stats_materialize(&d->stats, out);
   out->max_split_size = d->config.max_split_size == SIZE_MAX ? -1 : (int64_t)d->config.max_split_size;
-  pthread_mutex_unlock(&d->lock);
+  lock_release(&d->lock);
   return GCA_OK;
 }
 
 int gca_reset_peak_stats(gca_allocator_t *a, int device) {
   device_t *d = device_of(a, device, "gca_reset_peak_stats");
   if (!d) return gca_last_status();
-  pthread_mutex_lock(&d->lock);
+  lock_acquire(&d->lock);
   stats_reset_peak(&d->stats);
-  pthread_mutex_unlock(&d->lock);
+  lock_release(&d->lock);
   return GCA_OK;
 }
 
 int gca_reset_accumulated_stats(gca_allocator_t *a, int device) {
   device_t *d = device_of(a, device, "gca_reset_accumulated_stats");
   if (!d) return gca_last_status();
-  pthread_mutex_lock(&d->lock);
+  lock_acquire(&d->lock);
   stats_reset_accumulated(&d->stats);
-  pthread_mutex_unlock(&d->lock);
+  lock_release(&d->lock);
   return GCA_OK;
 }
 
@@ -260,9 +260,9 @@ int gca_check(gca_allocator_t *a, int device) {
   if (device != -1 && !device_of(a, device, "gca_check")) return gca_last_status();
   for (int i = first; i <= last; i++) {
     device_t *d = &a->devices[i];
-    pthread_mutex_lock(&d->lock);
+    lock_acquire(&d->lock);
     int rc = device_check_locked(d);
-    pthread_mutex_unlock(&d->lock);
+    lock_release(&d->lock);
     if (rc) return rc;
   }
   return GCA_OK;

@@ -36,7 +36,7 @@ void block_map_destroy(block_map_t *m) {
   m->count = 0;
 }
 
-static void grow(block_map_t *m) {
+GCA_COLD static void grow(block_map_t *m) {
   size_t new_count = m->bucket_count * 2;
   block_t **fresh = calloc(new_count, sizeof *fresh);
   if (!fresh) return; /* keep the old table; chains just get longer */

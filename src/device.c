@@ -17,7 +17,7 @@
 
 int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg) {
   memset(d, 0, sizeof *d);
-  if (pthread_mutex_init(&d->lock, NULL) != 0)
+  if (lock_init(&d->lock) != 0)
     return set_error(GCA_ERR_NOMEM, "cannot create the lock of device %d", index);
   d->index = index;
   d->backend = backend;
@@ -25,7 +25,7 @@ int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg)
   pool_init(&d->small_pool, GCA_POOL_SMALL);
   pool_init(&d->large_pool, GCA_POOL_LARGE);
   if (block_map_init(&d->allocated) != GCA_OK) {
-    pthread_mutex_destroy(&d->lock);
+    lock_destroy(&d->lock);
     return set_error(GCA_ERR_NOMEM, "out of host memory creating device %d", index);
   }
   atomic_init(&d->allocated_now, 0);
@@ -48,18 +48,18 @@ void device_destroy(device_t *d) {
   d->segments = NULL;
   block_chunks_free(d);
   block_map_destroy(&d->allocated);
-  pthread_mutex_destroy(&d->lock);
+  lock_destroy(&d->lock);
 }
 
-static void explain_oom(device_t *d, size_t rounded) {
+GCA_COLD static void explain_oom(device_t *d, size_t rounded) {
   size_t free_bytes = 0, total = 0;
   d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
   char want[32], cap[32], avail[32], alloc[32], unalloc[32];
   format_bytes(segment_size_for(rounded), want, sizeof want);
   format_bytes(total, cap, sizeof cap);
   format_bytes(free_bytes, avail, sizeof avail);
-  int64_t allocated = d->stats.allocated_bytes[GCA_POOL_ALL].current;
-  int64_t reserved = d->stats.reserved_bytes[GCA_POOL_ALL].current;
+  int64_t allocated = stat_all_current(d->stats.allocated_bytes);
+  int64_t reserved = stat_all_current(d->stats.reserved_bytes);
   format_bytes((uint64_t)allocated, alloc, sizeof alloc);
   format_bytes((uint64_t)(reserved - allocated), unalloc, sizeof unalloc);
   set_error(GCA_ERR_OOM,
@@ -70,7 +70,7 @@ static void explain_oom(device_t *d, size_t rounded) {
 }
 
 /* The miss path: get a new segment, freeing cache when the device is full. */
-static block_t *allocate_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
+GCA_COLD static block_t *allocate_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
   int rc;
   block_t *b = segment_alloc(d, pool, stream, rounded, &rc);
   if (b || rc != GCA_ERR_OOM) return b;
@@ -92,10 +92,10 @@ static block_t *allocate_on_miss(device_t *d, pool_t *pool, gca_stream_t stream,
 }
 
 void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
-  pthread_mutex_lock(&d->lock);
+  lock_acquire(&d->lock);
   size_t rounded = round_size(&d->config, size);
   if (unlikely(rounded == 0)) {
-    pthread_mutex_unlock(&d->lock);
+    lock_release(&d->lock);
     set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: the size overflows when rounded", size);
     return NULL;
   }
@@ -105,12 +105,12 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
   if (unlikely(!in_index)) {
     b = allocate_on_miss(d, pool, stream, rounded);
     if (unlikely(b == NULL)) {
-      pthread_mutex_unlock(&d->lock);
+      lock_release(&d->lock);
       return NULL;
     }
   }
   uintptr_t addr = block_take(d, b, in_index, rounded, size)->addr;
-  pthread_mutex_unlock(&d->lock);
+  lock_release(&d->lock);
   return (void *)addr;
 }
 
@@ -120,13 +120,12 @@ int device_free_locked(device_t *d, uintptr_t addr) {
   int kind = pool_kind_of(b);
   stats_decrease(d->stats.allocation, kind, 1);
   stats_decrease(d->stats.allocated_bytes, kind, (int64_t)b->size);
-  atomic_store_explicit(&d->allocated_now, d->stats.allocated_bytes[GCA_POOL_ALL].current,
-                        memory_order_relaxed);
+  atomic_store_explicit(&d->allocated_now, stat_all_current(d->stats.allocated_bytes), memory_order_relaxed);
   block_give_back(d, b);
   return GCA_OK;
 }
 
-bool device_explain_bad_pointer(device_t *d, uintptr_t addr) {
+GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr) {
   for (segment_t *seg = d->segments; seg; seg = seg->next) {
     if (addr < seg->addr || addr - seg->addr >= seg->size) continue;
     for (block_t *b = seg->head; b; b = b->next) {
@@ -149,10 +148,10 @@ bool device_explain_bad_pointer(device_t *d, uintptr_t addr) {
 }
 
 void device_empty_cache(device_t *d) {
-  pthread_mutex_lock(&d->lock);
+  lock_acquire(&d->lock);
   /* PyTorch counts a synchronization of all streams here, before releasing;
    * with stream events (a later issue) it really waits for them. */
   d->stats.num_sync_all_streams++;
   segment_release_all_cached(d);
-  pthread_mutex_unlock(&d->lock);
+  lock_release(&d->lock);
 }

@@ -19,7 +19,7 @@
 static _Thread_local int last_status;
 static _Thread_local char last_text[ERROR_TEXT_MAX];
 
-int set_error(int status, const char *fmt, ...) {
+GCA_COLD int set_error(int status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(last_text, sizeof last_text, fmt, ap);

@@ -28,12 +28,20 @@
 
 #include "gcalloc.h"
 #include "backend.h"
+#include "lock.h"
 
 #if defined(__GNUC__)
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define GCA_PRINTF(f, a) __attribute__((format(printf, f, a)))
+/* The library is built as one translation unit, so the compiler sees the
+ * whole cached path: GCA_FLATTEN on the two entry points inlines it into
+ * them; GCA_COLD keeps the miss and error paths out of line. */
+#define GCA_FLATTEN __attribute__((flatten))
+#define GCA_COLD __attribute__((noinline, cold))
 #else
+#define GCA_FLATTEN
+#define GCA_COLD
 #define likely(x) (x)
 #define unlikely(x) (x)
 #define GCA_PRINTF(f, a)
@@ -180,7 +188,7 @@ block_t *block_map_take(block_map_t *m, uintptr_t addr);
 typedef struct block_chunk block_chunk_t;
 
 struct device {
-  pthread_mutex_t lock;
+  lock_t lock;
   int index;
   backend_t *backend;
   config_t config;           /* a copy of the allocator's, refreshed under the lock */
@@ -251,17 +259,24 @@ static inline void stat_decrease(gca_stat_t *s, int64_t n) {
   s->freed += n;
 }
 
-/* The "all" entry and the pool's entry move together. */
+/* Families are kept per pool. The "all" entry is derived when read
+ * (current, allocated and freed are sums of the two pools); only its peak
+ * must be tracked as things happen, since the peak of a sum is not the sum
+ * of the peaks. This halves the work of every statistics update. */
+static inline int64_t stat_all_current(const gca_stat_t *family) {
+  return family[GCA_POOL_SMALL].current + family[GCA_POOL_LARGE].current;
+}
+
 static inline void stats_increase(gca_stat_t *family, int kind, int64_t n) {
-  stat_increase(&family[GCA_POOL_ALL], n);
   stat_increase(&family[kind], n);
+  int64_t all = stat_all_current(family);
+  if (all > family[GCA_POOL_ALL].peak) family[GCA_POOL_ALL].peak = all;
 }
 
-static inline void stats_decrease(gca_stat_t *family, int kind, int64_t n) {
-  stat_decrease(&family[GCA_POOL_ALL], n);
-  stat_decrease(&family[kind], n);
-}
+static inline void stats_decrease(gca_stat_t *family, int kind, int64_t n) { stat_decrease(&family[kind], n); }
 
+/* Copy a device's statistics with the "all" entries filled in. */
+void stats_materialize(const gca_stats_t *kept, gca_stats_t *out);
 void stats_reset_peak(gca_stats_t *s);
 void stats_reset_accumulated(gca_stats_t *s);
 

@@ -51,10 +51,18 @@ void pool_key_increased(pool_t *pool, block_t *b) {
   }
 }
 
+/* Lower bound on (stream, size, 0), written out rather than RB_NFIND: the
+ * comparison and the step are computed without branches (conditional moves),
+ * because a search down a tree mispredicts about every other branch, and that
+ * was the largest cost of replaying real traces. */
 block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
-  block_t key = {.stream = stream, .size = size, .addr = 0};
-  block_t *b = RB_NFIND(free_index, &pool->index, &key);
-  return (b && b->stream == stream) ? b : NULL;
+  block_t *node = RB_ROOT(&pool->index), *best = NULL;
+  while (node) {
+    bool below = (node->stream < stream) | ((node->stream == stream) & (node->size < size));
+    best = below ? best : node;
+    node = below ? RB_RIGHT(node, link) : RB_LEFT(node, link);
+  }
+  return (best && best->stream == stream) ? best : NULL;
 }
 
 block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size) {

@@ -20,17 +20,20 @@ struct block_chunk {
   block_t blocks[BLOCKS_PER_CHUNK];
 };
 
-block_t *block_new(device_t *d) {
-  if (unlikely(!d->spare_blocks)) {
-    block_chunk_t *chunk = malloc(sizeof *chunk);
-    if (!chunk) return NULL;
-    chunk->next = d->chunks;
-    d->chunks = chunk;
-    for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
-      chunk->blocks[i].next = d->spare_blocks;
-      d->spare_blocks = &chunk->blocks[i];
-    }
+GCA_COLD static bool add_block_chunk(device_t *d) {
+  block_chunk_t *chunk = malloc(sizeof *chunk);
+  if (!chunk) return false;
+  chunk->next = d->chunks;
+  d->chunks = chunk;
+  for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
+    chunk->blocks[i].next = d->spare_blocks;
+    d->spare_blocks = &chunk->blocks[i];
   }
+  return true;
+}
+
+block_t *block_new(device_t *d) {
+  if (unlikely(!d->spare_blocks) && !add_block_chunk(d)) return NULL;
   block_t *b = d->spare_blocks;
   d->spare_blocks = b->next;
   /* Callers set addr, size, stream, segment, pool and the links; the rest
@@ -59,8 +62,7 @@ void block_recycle(device_t *d, block_t *b) {
 /* ---- segments ----------------------------------------------------------- */
 
 static void mirror_reserved(device_t *d) {
-  atomic_store_explicit(&d->reserved_now, d->stats.reserved_bytes[GCA_POOL_ALL].current,
-                        memory_order_relaxed);
+  atomic_store_explicit(&d->reserved_now, stat_all_current(d->stats.reserved_bytes), memory_order_relaxed);
 }
 
 static void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
@@ -204,7 +206,7 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   stats_increase(s->requested_bytes, kind, (int64_t)requested);
   b->oversize = b->size >= d->config.max_split_size;
   if (b->oversize) stat_increase(&s->oversize_allocations, 1);
-  atomic_store_explicit(&d->allocated_now, s->allocated_bytes[GCA_POOL_ALL].current, memory_order_relaxed);
+  atomic_store_explicit(&d->allocated_now, stat_all_current(s->allocated_bytes), memory_order_relaxed);
 }
 
 block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested) {

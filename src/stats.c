@@ -11,27 +11,47 @@
 
 #include "internal.h"
 
-static void for_each_stat(gca_stats_t *s, void (*fn)(gca_stat_t *)) {
-  gca_stat_t *families[] = {s->allocation,      s->segment,        s->active,
-                            s->inactive_split,  s->allocated_bytes, s->reserved_bytes,
-                            s->active_bytes,    s->inactive_split_bytes, s->requested_bytes};
-  for (size_t f = 0; f < sizeof families / sizeof families[0]; f++)
-    for (int k = 0; k < GCA_POOL_KINDS; k++) fn(&families[f][k]);
-  fn(&s->oversize_allocations);
-  fn(&s->oversize_segments);
+#define FAMILY_COUNT 9
+
+static void families_of(gca_stats_t *s, gca_stat_t *families[FAMILY_COUNT]) {
+  gca_stat_t *list[FAMILY_COUNT] = {s->allocation,     s->segment,         s->active,
+                                    s->inactive_split, s->allocated_bytes, s->reserved_bytes,
+                                    s->active_bytes,   s->inactive_split_bytes, s->requested_bytes};
+  memcpy(families, list, sizeof list);
 }
 
-static void peak_to_current(gca_stat_t *st) { st->peak = st->current; }
-
-static void zero_totals(gca_stat_t *st) {
-  st->allocated = 0;
-  st->freed = 0;
+void stats_materialize(const gca_stats_t *kept, gca_stats_t *out) {
+  *out = *kept;
+  gca_stat_t *families[FAMILY_COUNT];
+  families_of(out, families);
+  for (int f = 0; f < FAMILY_COUNT; f++) {
+    gca_stat_t *fam = families[f];
+    fam[GCA_POOL_ALL].current = fam[GCA_POOL_SMALL].current + fam[GCA_POOL_LARGE].current;
+    fam[GCA_POOL_ALL].allocated = fam[GCA_POOL_SMALL].allocated + fam[GCA_POOL_LARGE].allocated;
+    fam[GCA_POOL_ALL].freed = fam[GCA_POOL_SMALL].freed + fam[GCA_POOL_LARGE].freed;
+  }
 }
 
-void stats_reset_peak(gca_stats_t *s) { for_each_stat(s, peak_to_current); }
+void stats_reset_peak(gca_stats_t *s) {
+  gca_stat_t *families[FAMILY_COUNT];
+  families_of(s, families);
+  for (int f = 0; f < FAMILY_COUNT; f++) {
+    gca_stat_t *fam = families[f];
+    fam[GCA_POOL_SMALL].peak = fam[GCA_POOL_SMALL].current;
+    fam[GCA_POOL_LARGE].peak = fam[GCA_POOL_LARGE].current;
+    fam[GCA_POOL_ALL].peak = stat_all_current(fam);
+  }
+  s->oversize_allocations.peak = s->oversize_allocations.current;
+  s->oversize_segments.peak = s->oversize_segments.current;
+}
 
 void stats_reset_accumulated(gca_stats_t *s) {
-  for_each_stat(s, zero_totals);
+  gca_stat_t *families[FAMILY_COUNT];
+  families_of(s, families);
+  for (int f = 0; f < FAMILY_COUNT; f++)
+    for (int k = 0; k < GCA_POOL_KINDS; k++) families[f][k].allocated = families[f][k].freed = 0;
+  s->oversize_allocations.allocated = s->oversize_allocations.freed = 0;
+  s->oversize_segments.allocated = s->oversize_segments.freed = 0;
   s->num_alloc_retries = 0;
   s->num_ooms = 0;
   s->num_sync_all_streams = 0;
