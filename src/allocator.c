@@ -113,13 +113,21 @@ GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
   if (unlikely(!a)) return set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
   uintptr_t addr = (uintptr_t)ptr;
-  for (int i = 0; i < a->device_count; i++) {
-    device_t *d = &a->devices[i];
-    if (!in_span(d, addr)) continue;
+  if (likely(a->device_count == 1)) {
+    device_t *d = &a->devices[0];
     lock_acquire(&d->lock);
     int rc = device_free_locked(d, addr);
     lock_release(&d->lock);
     if (likely(rc == GCA_OK)) return GCA_OK;
+  } else {
+    for (int i = 0; i < a->device_count; i++) {
+      device_t *d = &a->devices[i];
+      if (!in_span(d, addr)) continue;
+      lock_acquire(&d->lock);
+      int rc = device_free_locked(d, addr);
+      lock_release(&d->lock);
+      if (likely(rc == GCA_OK)) return GCA_OK;
+    }
   }
   /* Not a live allocation: say what it is, from the device that holds it. */
   for (int i = 0; i < a->device_count; i++) {

@@ -348,6 +348,8 @@ int config_apply(config_t *cfg, const char *text, const char *origin) {
     }
   }
   if (rc == GCA_OK) {
+    work.any_divisions = false;
+    for (int i = 0; i < ROUNDUP_INTERVALS; i++) work.any_divisions |= work.roundup_divisions[i] > 1;
     *cfg = work;
     for (size_t i = 0; i < p->warning_count; i++) log_message(GCA_LOG_WARNING, "%s", p->warnings[i]);
   }

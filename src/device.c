@@ -100,7 +100,8 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
-  block_t *b = pool_best_fit(pool, &d->config, stream, rounded);
+  block_t *pred = NULL;
+  block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
   bool in_index = b != NULL;
   if (unlikely(!in_index)) {
     b = allocate_on_miss(d, pool, stream, rounded);
@@ -109,7 +110,7 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
       return NULL;
     }
   }
-  uintptr_t addr = block_take(d, b, in_index, rounded, size)->addr;
+  uintptr_t addr = block_take(d, b, pred, in_index, rounded, size)->addr;
   lock_release(&d->lock);
   return (void *)addr;
 }

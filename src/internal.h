@@ -74,6 +74,7 @@ typedef struct config {
   bool pinned_use_host_register;
   bool pinned_use_background_threads;
   bool backend_async;             /* backend:cudaMallocAsync */
+  bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
 } config_t;
 
 void config_defaults(config_t *cfg);
@@ -111,17 +112,19 @@ typedef struct pool pool_t;
 typedef struct device device_t;
 
 struct block {
-  uintptr_t addr;
-  size_t size;               /* rounded size this block covers */
-  size_t requested;          /* what the caller asked for (allocated blocks) */
+  /* What a search down the free index reads comes first, in one cache line:
+   * the tree links, then the key (stream, size, address). */
+  RB_ENTRY(block) link;      /* free index node (free blocks only) */
   gca_stream_t stream;       /* the stream the block's segment belongs to */
+  size_t size;               /* rounded size this block covers */
+  uintptr_t addr;
   block_t *prev, *next;      /* address neighbours inside the segment */
+  block_t *hash_next;        /* chain of the allocation map */
   segment_t *segment;
   pool_t *pool;
-  block_t *hash_next;        /* chain of the allocation map */
+  size_t requested;          /* what the caller asked for (allocated blocks) */
   bool allocated;
   bool oversize;             /* counted in oversize_allocations */
-  RB_ENTRY(block) link;      /* free index node (free blocks only) */
 };
 
 struct segment {
@@ -147,11 +150,13 @@ void pool_insert(pool_t *pool, block_t *b);
 void pool_remove(pool_t *pool, block_t *b);
 /* The key of `b`, in the index, just became smaller (or larger): restore the
  * order, which in the common case means checking one neighbour and nothing
- * more. Keys may only move in the direction named. */
-void pool_key_decreased(pool_t *pool, block_t *b);
+ * more. Keys may only move in the direction named. `before` is b's
+ * predecessor in the index (pool_best_fit reports it). */
+void pool_key_decreased(pool_t *pool, block_t *b, block_t *before);
 void pool_key_increased(pool_t *pool, block_t *b);
-/* Best fit for `size` on `stream` under the oversize rules; NULL on a miss. */
-block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size);
+/* Best fit for `size` on `stream` under the oversize rules; NULL on a miss.
+ * *pred receives the found block's predecessor in the index. */
+block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred);
 /* The smallest free block on `stream` whose size is >= size, ignoring the oversize rules. */
 block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size);
 /* The largest free block on `stream`, or NULL. */
@@ -235,9 +240,10 @@ bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, s
 /* Release every unsplit free block of both pools. */
 void segment_release_all_cached(device_t *d);
 /* Hand out free block `b` (in its pool's index if in_index, else a fresh
- * segment's block) for a request: split if the rules say so, update the
+ * segment's block; then `pred` is its predecessor in the index) for a
+ * request: split if the rules say so, update the
  * statistics, enter the handed-out block in the allocation map and return it. */
-block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested);
+block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested);
 /* Return an allocated block (already out of the map) to its pool, merging
  * with free neighbours; `b` may be recycled. */
 void block_give_back(device_t *d, block_t *b);

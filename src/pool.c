@@ -35,8 +35,7 @@ void pool_remove(pool_t *pool, block_t *b) {
   pool->free_count--;
 }
 
-void pool_key_decreased(pool_t *pool, block_t *b) {
-  block_t *before = RB_PREV(free_index, &pool->index, b);
+void pool_key_decreased(pool_t *pool, block_t *b, block_t *before) {
   if (before && compare_blocks(before, b) >= 0) {
     RB_REMOVE(free_index, &pool->index, b);
     RB_INSERT(free_index, &pool->index, b);
@@ -55,18 +54,25 @@ void pool_key_increased(pool_t *pool, block_t *b) {
  * comparison and the step are computed without branches (conditional moves),
  * because a search down a tree mispredicts about every other branch, and that
  * was the largest cost of replaying real traces. */
-block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
-  block_t *node = RB_ROOT(&pool->index), *best = NULL;
+static block_t *lower_bound(pool_t *pool, gca_stream_t stream, size_t size, block_t **pred) {
+  block_t *node = RB_ROOT(&pool->index), *best = NULL, *below_best = NULL;
   while (node) {
     bool below = (node->stream < stream) | ((node->stream == stream) & (node->size < size));
     best = below ? best : node;
+    below_best = below ? node : below_best; /* the last node passed on the right: best's predecessor */
     node = below ? RB_RIGHT(node, link) : RB_LEFT(node, link);
   }
+  *pred = below_best;
   return (best && best->stream == stream) ? best : NULL;
 }
 
-block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size) {
-  block_t *b = pool_lower_bound(pool, stream, size);
+block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
+  block_t *pred;
+  return lower_bound(pool, stream, size, &pred);
+}
+
+block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred) {
+  block_t *b = lower_bound(pool, stream, size, pred);
   if (!b) return NULL;
   size_t max_split = cfg->max_split_size;
   if (size < max_split && b->size >= max_split) return NULL;

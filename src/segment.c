@@ -209,7 +209,7 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   atomic_store_explicit(&d->allocated_now, stat_all_current(s->allocated_bytes), memory_order_relaxed);
 }
 
-block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested) {
+block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
   gca_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   bool already_split = !unsplit(b);
@@ -231,7 +231,7 @@ block_t *block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size
     b->prev = piece;
     b->addr += rounded;
     b->size -= rounded;
-    if (in_index) pool_key_decreased(b->pool, b);
+    if (in_index) pool_key_decreased(b->pool, b, pred);
     else pool_insert(b->pool, b);
     if (already_split) {
       /* An inactive split piece shrinks by what was handed out. */

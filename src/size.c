@@ -33,8 +33,10 @@ size_t round_to_division(size_t size, size_t divisions) {
 
 size_t round_size(const config_t *cfg, size_t size) {
   if (size < MIN_BLOCK_SIZE) return MIN_BLOCK_SIZE;
-  size_t divisions = cfg->roundup_divisions[roundup_interval(size)];
-  if (divisions > 1 && size > MIN_BLOCK_SIZE * divisions) return round_to_division(size, divisions);
+  if (unlikely(cfg->any_divisions)) {
+    size_t divisions = cfg->roundup_divisions[roundup_interval(size)];
+    if (divisions > 1 && size > MIN_BLOCK_SIZE * divisions) return round_to_division(size, divisions);
+  }
   if (size > SIZE_MAX - (MIN_BLOCK_SIZE - 1)) return 0;
   return (size + MIN_BLOCK_SIZE - 1) & ~(MIN_BLOCK_SIZE - 1);
 }
