@@ -54,10 +54,28 @@ void pool_key_increased(pool_t *pool, block_t *b) {
  * comparison and the step are computed without branches (conditional moves),
  * because a search down a tree mispredicts about every other branch, and that
  * was the largest cost of replaying real traces. */
+/* (stream, size) as one number, so "node below key" is a single comparison. */
+#if defined(__SIZEOF_INT128__)
+typedef unsigned __int128 search_key_t;
+static inline search_key_t search_key(gca_stream_t stream, size_t size) {
+  return ((search_key_t)stream << 64) | size;
+}
+#define KEY_BELOW(node, key) (search_key((node)->stream, (node)->size) < (key))
+#else
+typedef struct { gca_stream_t stream; size_t size; } search_key_t;
+static inline search_key_t search_key(gca_stream_t stream, size_t size) {
+  search_key_t k = {stream, size};
+  return k;
+}
+#define KEY_BELOW(node, key) \
+  (((node)->stream < (key).stream) | (((node)->stream == (key).stream) & ((node)->size < (key).size)))
+#endif
+
 static block_t *lower_bound(pool_t *pool, gca_stream_t stream, size_t size, block_t **pred) {
   block_t *node = RB_ROOT(&pool->index), *best = NULL, *below_best = NULL;
+  search_key_t key = search_key(stream, size);
   while (node) {
-    bool below = (node->stream < stream) | ((node->stream == stream) & (node->size < size));
+    bool below = KEY_BELOW(node, key);
     best = below ? best : node;
     below_best = below ? node : below_best; /* the last node passed on the right: best's predecessor */
     node = below ? RB_RIGHT(node, link) : RB_LEFT(node, link);
