@@ -134,8 +134,6 @@ int device_check_locked(device_t *d) {
   if (s->oversize_segments.current != r.oversize_segments)
     BAD("device %d: oversize_segments.current is %" PRId64 " but %" PRId64 " segments are oversize",
         d->index, s->oversize_segments.current, r.oversize_segments);
-  if (d->stats.allocated_bytes[GCA_POOL_ALL].current || d->stats.reserved_bytes[GCA_POOL_ALL].current)
-    BAD("device %d: an \"all\" statistic is kept instead of derived", d->index);
   if (atomic_load(&d->allocated_now) != s->allocated_bytes[GCA_POOL_ALL].current ||
       atomic_load(&d->reserved_now) != s->reserved_bytes[GCA_POOL_ALL].current)
     BAD("device %d: the lock-free byte counters disagree with the statistics", d->index);

@@ -58,8 +58,8 @@ GCA_COLD static void explain_oom(device_t *d, size_t rounded) {
   format_bytes(segment_size_for(rounded), want, sizeof want);
   format_bytes(total, cap, sizeof cap);
   format_bytes(free_bytes, avail, sizeof avail);
-  int64_t allocated = stat_all_current(d->stats.allocated_bytes);
-  int64_t reserved = stat_all_current(d->stats.reserved_bytes);
+  int64_t allocated = family_current(&d->stats, FAM_ALLOCATED_BYTES);
+  int64_t reserved = family_current(&d->stats, FAM_RESERVED_BYTES);
   format_bytes((uint64_t)allocated, alloc, sizeof alloc);
   format_bytes((uint64_t)(reserved - allocated), unalloc, sizeof unalloc);
   set_error(GCA_ERR_OOM,
@@ -119,9 +119,9 @@ int device_free_locked(device_t *d, uintptr_t addr) {
   block_t *b = block_map_take(&d->allocated, addr);
   if (unlikely(b == NULL)) return GCA_ERR_BAD_POINTER;
   int kind = pool_kind_of(b);
-  stats_decrease(d->stats.allocation, kind, 1);
-  stats_decrease(d->stats.allocated_bytes, kind, (int64_t)b->size);
-  atomic_store_explicit(&d->allocated_now, stat_all_current(d->stats.allocated_bytes), memory_order_relaxed);
+  family_decrease(&d->stats, FAM_ALLOCATION, kind, 1);
+  family_decrease(&d->stats, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
+  atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   block_give_back(d, b);
   return GCA_OK;
 }

@@ -187,6 +187,93 @@ block_t *block_map_find(const block_map_t *m, uintptr_t addr);
 block_t *block_map_take(block_map_t *m, uintptr_t addr);
 
 /* ------------------------------------------------------------------------ */
+/* Statistics (stats.c)                                                      */
+/* ------------------------------------------------------------------------ */
+
+static inline void stat_increase(gca_stat_t *s, int64_t n) {
+  s->current += n;
+  if (s->current > s->peak) s->peak = s->current;
+  s->allocated += n;
+}
+
+static inline void stat_decrease(gca_stat_t *s, int64_t n) {
+  s->current -= n;
+  s->freed += n;
+}
+
+/* How a device keeps its statistics. Families are kept per pool (small,
+ * large); the "all" entry is derived when read, since its current, allocated
+ * and freed are sums of the two pools. Only its peak must be tracked as
+ * things happen (the peak of a sum is not the sum of the peaks). A family's
+ * two pool entries share one cache line, so an update finds the sibling's
+ * current, needed for that peak, in the line it already holds; an
+ * allocation touches five lines of statistics plus the line of "all" peaks. */
+/* "active" is not kept: by PyTorch's definition it is what is allocated plus
+ * what was freed but whose free has not completed, and in this version every
+ * free completes at once, so active equals allocation and active_bytes equals
+ * allocated_bytes, entry by entry (peaks and totals included). Deferred frees
+ * (stream events) will keep their pending part as a family of its own and
+ * derive active from the two. */
+enum stat_family {
+  FAM_ALLOCATION,
+  FAM_ALLOCATED_BYTES,
+  FAM_REQUESTED_BYTES,
+  FAM_INACTIVE_SPLIT,
+  FAM_INACTIVE_SPLIT_BYTES,
+  FAM_SEGMENT,
+  FAM_RESERVED_BYTES,
+  FAM_COUNT
+};
+
+/* A kept statistic. "allocated" (the total of increases) is not counted on
+ * the hot path: since the last reset it equals current - base + freed. */
+typedef struct kept_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t freed;
+  int64_t base; /* current at the last reset of accumulated counts */
+} kept_stat_t;
+
+typedef struct family_stats {
+  _Alignas(64) kept_stat_t pool[2]; /* [kind - 1]: small, large */
+} family_stats_t;
+
+typedef struct kept_stats {
+  family_stats_t family[FAM_COUNT];
+  int64_t all_peak[FAM_COUNT];
+  gca_stat_t oversize_allocations;
+  gca_stat_t oversize_segments;
+  int64_t num_alloc_retries;
+  int64_t num_ooms;
+  int64_t num_sync_all_streams;
+  int64_t num_device_alloc;
+  int64_t num_device_free;
+} kept_stats_t;
+
+static inline int64_t family_current(const kept_stats_t *k, int fam) {
+  return k->family[fam].pool[0].current + k->family[fam].pool[1].current;
+}
+
+static inline void family_increase(kept_stats_t *k, int fam, int kind, int64_t n) {
+  kept_stat_t *st = &k->family[fam].pool[kind - 1];
+  st->current += n;
+  if (st->current > st->peak) st->peak = st->current;
+  int64_t all = family_current(k, fam);
+  if (all > k->all_peak[fam]) k->all_peak[fam] = all;
+}
+
+static inline void family_decrease(kept_stats_t *k, int fam, int kind, int64_t n) {
+  kept_stat_t *st = &k->family[fam].pool[kind - 1];
+  st->current -= n;
+  st->freed += n;
+}
+
+/* The public view of kept statistics, "all" entries filled in. */
+void stats_materialize(const kept_stats_t *kept, gca_stats_t *out);
+void stats_reset_peak(kept_stats_t *k);
+void stats_reset_accumulated(kept_stats_t *k);
+
+/* ------------------------------------------------------------------------ */
 /* Devices (device.c, segment.c)                                             */
 /* ------------------------------------------------------------------------ */
 
@@ -202,7 +289,7 @@ struct device {
   block_map_t allocated;
   segment_t *segments;
   size_t segment_count;
-  gca_stats_t stats;
+  kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */
   /* Lock-free mirrors of stats.{allocated,reserved}_bytes[ALL].current. */
@@ -249,42 +336,6 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 void block_give_back(device_t *d, block_t *b);
 
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
-
-/* ------------------------------------------------------------------------ */
-/* Statistics (stats.c)                                                      */
-/* ------------------------------------------------------------------------ */
-
-static inline void stat_increase(gca_stat_t *s, int64_t n) {
-  s->current += n;
-  if (s->current > s->peak) s->peak = s->current;
-  s->allocated += n;
-}
-
-static inline void stat_decrease(gca_stat_t *s, int64_t n) {
-  s->current -= n;
-  s->freed += n;
-}
-
-/* Families are kept per pool. The "all" entry is derived when read
- * (current, allocated and freed are sums of the two pools); only its peak
- * must be tracked as things happen, since the peak of a sum is not the sum
- * of the peaks. This halves the work of every statistics update. */
-static inline int64_t stat_all_current(const gca_stat_t *family) {
-  return family[GCA_POOL_SMALL].current + family[GCA_POOL_LARGE].current;
-}
-
-static inline void stats_increase(gca_stat_t *family, int kind, int64_t n) {
-  stat_increase(&family[kind], n);
-  int64_t all = stat_all_current(family);
-  if (all > family[GCA_POOL_ALL].peak) family[GCA_POOL_ALL].peak = all;
-}
-
-static inline void stats_decrease(gca_stat_t *family, int kind, int64_t n) { stat_decrease(&family[kind], n); }
-
-/* Copy a device's statistics with the "all" entries filled in. */
-void stats_materialize(const gca_stats_t *kept, gca_stats_t *out);
-void stats_reset_peak(gca_stats_t *s);
-void stats_reset_accumulated(gca_stats_t *s);
 
 /* ------------------------------------------------------------------------ */
 /* The allocator (allocator.c)                                               */

@@ -62,7 +62,7 @@ void block_recycle(device_t *d, block_t *b) {
 /* ---- segments ----------------------------------------------------------- */
 
 static void mirror_reserved(device_t *d) {
-  atomic_store_explicit(&d->reserved_now, stat_all_current(d->stats.reserved_bytes), memory_order_relaxed);
+  atomic_store_explicit(&d->reserved_now, family_current(&d->stats, FAM_RESERVED_BYTES), memory_order_relaxed);
 }
 
 static void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
@@ -112,9 +112,9 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   b->segment = seg;
   b->pool = pool;
 
-  gca_stats_t *s = &d->stats;
-  stats_increase(s->segment, pool->kind, 1);
-  stats_increase(s->reserved_bytes, pool->kind, (int64_t)size);
+  kept_stats_t *s = &d->stats;
+  family_increase(s, FAM_SEGMENT, pool->kind, 1);
+  family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
   s->num_device_alloc++;
   if (seg->oversize) stat_increase(&s->oversize_segments, 1);
   mirror_reserved(d);
@@ -131,9 +131,9 @@ void segment_release(device_t *d, block_t *b) {
    * leave a block nobody can use. */
   d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
 
-  gca_stats_t *s = &d->stats;
-  stats_decrease(s->segment, seg->pool->kind, 1);
-  stats_decrease(s->reserved_bytes, seg->pool->kind, (int64_t)seg->size);
+  kept_stats_t *s = &d->stats;
+  family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
+  family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);
   s->num_device_free++;
   if (seg->oversize) stat_decrease(&s->oversize_segments, 1);
   mirror_reserved(d);
@@ -194,23 +194,21 @@ static bool should_split(const device_t *d, const block_t *b, size_t size) {
 
 /* Enter the handed-out block in the books (PyTorch's alloc_found_block tail). */
 static void account_taken(device_t *d, block_t *b, size_t requested) {
-  gca_stats_t *s = &d->stats;
+  kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   b->allocated = true;
   b->requested = requested;
   block_map_insert(&d->allocated, b);
-  stats_increase(s->allocation, kind, 1);
-  stats_increase(s->allocated_bytes, kind, (int64_t)b->size);
-  stats_increase(s->active, kind, 1);
-  stats_increase(s->active_bytes, kind, (int64_t)b->size);
-  stats_increase(s->requested_bytes, kind, (int64_t)requested);
+  family_increase(s, FAM_ALLOCATION, kind, 1);
+  family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
+  family_increase(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
   b->oversize = b->size >= d->config.max_split_size;
   if (b->oversize) stat_increase(&s->oversize_allocations, 1);
-  atomic_store_explicit(&d->allocated_now, stat_all_current(s->allocated_bytes), memory_order_relaxed);
+  atomic_store_explicit(&d->allocated_now, family_current(s, FAM_ALLOCATED_BYTES), memory_order_relaxed);
 }
 
 block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
-  gca_stats_t *s = &d->stats;
+  kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   bool already_split = !unsplit(b);
 
@@ -235,11 +233,11 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
     else pool_insert(b->pool, b);
     if (already_split) {
       /* An inactive split piece shrinks by what was handed out. */
-      stats_decrease(s->inactive_split_bytes, kind, (int64_t)rounded);
+      family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)rounded);
     } else {
       /* A whole block becomes split: its rest is a new inactive piece. */
-      stats_increase(s->inactive_split_bytes, kind, (int64_t)b->size);
-      stats_increase(s->inactive_split, kind, 1);
+      family_increase(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
+      family_increase(s, FAM_INACTIVE_SPLIT, kind, 1);
     }
     account_taken(d, piece, requested);
     return piece;
@@ -248,8 +246,8 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
    * handed out, a looser fit rather than a failure). */
   if (in_index) pool_remove(b->pool, b);
   if (already_split) {
-    stats_decrease(s->inactive_split_bytes, kind, (int64_t)b->size);
-    stats_decrease(s->inactive_split, kind, 1);
+    family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
+    family_decrease(s, FAM_INACTIVE_SPLIT, kind, 1);
   }
   account_taken(d, b, requested);
   return b;
@@ -258,9 +256,8 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 static bool is_free(const block_t *b) { return b && !b->allocated; }
 
 void block_give_back(device_t *d, block_t *b) {
-  gca_stats_t *s = &d->stats;
+  kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
-  size_t original_size = b->size;
   size_t requested = b->requested;
   bool oversize = b->oversize;
   block_t *prev = is_free(b->prev) ? b->prev : NULL;
@@ -311,13 +308,11 @@ void block_give_back(device_t *d, block_t *b) {
     split_blocks += 1;
     split_bytes += (int64_t)survivor->size;
   }
-  if (split_blocks > 0) stats_increase(s->inactive_split, kind, split_blocks);
-  else if (split_blocks < 0) stats_decrease(s->inactive_split, kind, -split_blocks);
-  if (split_bytes > 0) stats_increase(s->inactive_split_bytes, kind, split_bytes);
-  else if (split_bytes < 0) stats_decrease(s->inactive_split_bytes, kind, -split_bytes);
+  if (split_blocks > 0) family_increase(s, FAM_INACTIVE_SPLIT, kind, split_blocks);
+  else if (split_blocks < 0) family_decrease(s, FAM_INACTIVE_SPLIT, kind, -split_blocks);
+  if (split_bytes > 0) family_increase(s, FAM_INACTIVE_SPLIT_BYTES, kind, split_bytes);
+  else if (split_bytes < 0) family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, -split_bytes);
 
-  stats_decrease(s->active, kind, 1);
-  stats_decrease(s->active_bytes, kind, (int64_t)original_size);
-  stats_decrease(s->requested_bytes, kind, (int64_t)requested);
+  family_decrease(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
   if (oversize) stat_decrease(&s->oversize_allocations, 1);
 }

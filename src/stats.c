@@ -1,8 +1,10 @@
 /* Statistics: resets, and the flat form with torch.cuda.memory_stats() names.
  *
  * The counters themselves move in segment.c and device.c, at the same steps
- * as PyTorch's. Here: the two resets, and the flattening, whose key list is
- * built once (pthread_once) in the sorted order memory_stats() returns.
+ * as PyTorch's, in the kept form internal.h describes. Here: turning the kept
+ * form into the public one, the two resets, and the flattening, whose key
+ * list is built once (pthread_once) in the sorted order memory_stats()
+ * returns.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -11,52 +13,70 @@
 
 #include "internal.h"
 
-#define FAMILY_COUNT 9
-
-static void families_of(gca_stats_t *s, gca_stat_t *families[FAMILY_COUNT]) {
-  gca_stat_t *list[FAMILY_COUNT] = {s->allocation,     s->segment,         s->active,
-                                    s->inactive_split, s->allocated_bytes, s->reserved_bytes,
-                                    s->active_bytes,   s->inactive_split_bytes, s->requested_bytes};
-  memcpy(families, list, sizeof list);
-}
-
-void stats_materialize(const gca_stats_t *kept, gca_stats_t *out) {
-  *out = *kept;
-  gca_stat_t *families[FAMILY_COUNT];
-  families_of(out, families);
-  for (int f = 0; f < FAMILY_COUNT; f++) {
-    gca_stat_t *fam = families[f];
-    fam[GCA_POOL_ALL].current = fam[GCA_POOL_SMALL].current + fam[GCA_POOL_LARGE].current;
-    fam[GCA_POOL_ALL].allocated = fam[GCA_POOL_SMALL].allocated + fam[GCA_POOL_LARGE].allocated;
-    fam[GCA_POOL_ALL].freed = fam[GCA_POOL_SMALL].freed + fam[GCA_POOL_LARGE].freed;
+/* Where each kept family lands in the public struct. */
+static gca_stat_t *public_family(gca_stats_t *s, int fam) {
+  switch (fam) {
+    case FAM_ALLOCATION: return s->allocation;
+    case FAM_ALLOCATED_BYTES: return s->allocated_bytes;
+    case FAM_REQUESTED_BYTES: return s->requested_bytes;
+    case FAM_INACTIVE_SPLIT: return s->inactive_split;
+    case FAM_INACTIVE_SPLIT_BYTES: return s->inactive_split_bytes;
+    case FAM_SEGMENT: return s->segment;
+    default: return s->reserved_bytes;
   }
 }
 
-void stats_reset_peak(gca_stats_t *s) {
-  gca_stat_t *families[FAMILY_COUNT];
-  families_of(s, families);
-  for (int f = 0; f < FAMILY_COUNT; f++) {
-    gca_stat_t *fam = families[f];
-    fam[GCA_POOL_SMALL].peak = fam[GCA_POOL_SMALL].current;
-    fam[GCA_POOL_LARGE].peak = fam[GCA_POOL_LARGE].current;
-    fam[GCA_POOL_ALL].peak = stat_all_current(fam);
+void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  for (int fam = 0; fam < FAM_COUNT; fam++) {
+    gca_stat_t *dst = public_family(out, fam);
+    for (int p = 0; p < 2; p++) {
+      const kept_stat_t *src = &k->family[fam].pool[p];
+      gca_stat_t *pub = &dst[p == 0 ? GCA_POOL_SMALL : GCA_POOL_LARGE];
+      pub->current = src->current;
+      pub->peak = src->peak;
+      pub->freed = src->freed;
+      pub->allocated = src->current - src->base + src->freed;
+      dst[GCA_POOL_ALL].current += pub->current;
+      dst[GCA_POOL_ALL].allocated += pub->allocated;
+      dst[GCA_POOL_ALL].freed += pub->freed;
+    }
+    dst[GCA_POOL_ALL].peak = k->all_peak[fam];
   }
-  s->oversize_allocations.peak = s->oversize_allocations.current;
-  s->oversize_segments.peak = s->oversize_segments.current;
+  /* No free is deferred yet: active is exactly what is allocated. */
+  memcpy(out->active, out->allocation, sizeof out->active);
+  memcpy(out->active_bytes, out->allocated_bytes, sizeof out->active_bytes);
+  out->oversize_allocations = k->oversize_allocations;
+  out->oversize_segments = k->oversize_segments;
+  out->num_alloc_retries = k->num_alloc_retries;
+  out->num_ooms = k->num_ooms;
+  out->num_sync_all_streams = k->num_sync_all_streams;
+  out->num_device_alloc = k->num_device_alloc;
+  out->num_device_free = k->num_device_free;
 }
 
-void stats_reset_accumulated(gca_stats_t *s) {
-  gca_stat_t *families[FAMILY_COUNT];
-  families_of(s, families);
-  for (int f = 0; f < FAMILY_COUNT; f++)
-    for (int k = 0; k < GCA_POOL_KINDS; k++) families[f][k].allocated = families[f][k].freed = 0;
-  s->oversize_allocations.allocated = s->oversize_allocations.freed = 0;
-  s->oversize_segments.allocated = s->oversize_segments.freed = 0;
-  s->num_alloc_retries = 0;
-  s->num_ooms = 0;
-  s->num_sync_all_streams = 0;
-  s->num_device_alloc = 0;
-  s->num_device_free = 0;
+void stats_reset_peak(kept_stats_t *k) {
+  for (int fam = 0; fam < FAM_COUNT; fam++) {
+    for (int p = 0; p < 2; p++) k->family[fam].pool[p].peak = k->family[fam].pool[p].current;
+    k->all_peak[fam] = family_current(k, fam);
+  }
+  k->oversize_allocations.peak = k->oversize_allocations.current;
+  k->oversize_segments.peak = k->oversize_segments.current;
+}
+
+void stats_reset_accumulated(kept_stats_t *k) {
+  for (int fam = 0; fam < FAM_COUNT; fam++)
+    for (int p = 0; p < 2; p++) {
+      k->family[fam].pool[p].base = k->family[fam].pool[p].current;
+      k->family[fam].pool[p].freed = 0;
+    }
+  k->oversize_allocations.allocated = k->oversize_allocations.freed = 0;
+  k->oversize_segments.allocated = k->oversize_segments.freed = 0;
+  k->num_alloc_retries = 0;
+  k->num_ooms = 0;
+  k->num_sync_all_streams = 0;
+  k->num_device_alloc = 0;
+  k->num_device_free = 0;
 }
 
 /* ---- flat form ---------------------------------------------------------- */
