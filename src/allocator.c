@@ -109,25 +109,23 @@ static bool in_span(const device_t *d, uintptr_t addr) {
          addr < atomic_load_explicit(&d->span_hi, memory_order_relaxed);
 }
 
+static int free_on(device_t *d, uintptr_t addr) {
+  lock_acquire(&d->lock);
+  int rc = device_free_locked(d, addr);
+  lock_release(&d->lock);
+  return rc;
+}
+
 GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
   if (unlikely(!a)) return set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
   uintptr_t addr = (uintptr_t)ptr;
+  /* One device: no need to look at address spans first. */
   if (likely(a->device_count == 1)) {
-    device_t *d = &a->devices[0];
-    lock_acquire(&d->lock);
-    int rc = device_free_locked(d, addr);
-    lock_release(&d->lock);
-    if (likely(rc == GCA_OK)) return GCA_OK;
+    if (likely(free_on(&a->devices[0], addr) == GCA_OK)) return GCA_OK;
   } else {
-    for (int i = 0; i < a->device_count; i++) {
-      device_t *d = &a->devices[i];
-      if (!in_span(d, addr)) continue;
-      lock_acquire(&d->lock);
-      int rc = device_free_locked(d, addr);
-      lock_release(&d->lock);
-      if (likely(rc == GCA_OK)) return GCA_OK;
-    }
+    for (int i = 0; i < a->device_count; i++)
+      if (in_span(&a->devices[i], addr) && free_on(&a->devices[i], addr) == GCA_OK) return GCA_OK;
   }
   /* Not a live allocation: say what it is, from the device that holds it. */
   for (int i = 0; i < a->device_count; i++) {
@@ -233,22 +231,21 @@ int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
   return GCA_OK;
 }
 
-int gca_reset_peak_stats(gca_allocator_t *a, int device) {
-  device_t *d = device_of(a, device, "gca_reset_peak_stats");
+static int reset_stats(gca_allocator_t *a, int device, const char *what, void (*reset)(kept_stats_t *)) {
+  device_t *d = device_of(a, device, what);
   if (!d) return gca_last_status();
   lock_acquire(&d->lock);
-  stats_reset_peak(&d->stats);
+  reset(&d->stats);
   lock_release(&d->lock);
   return GCA_OK;
 }
 
+int gca_reset_peak_stats(gca_allocator_t *a, int device) {
+  return reset_stats(a, device, "gca_reset_peak_stats", stats_reset_peak);
+}
+
 int gca_reset_accumulated_stats(gca_allocator_t *a, int device) {
-  device_t *d = device_of(a, device, "gca_reset_accumulated_stats");
-  if (!d) return gca_last_status();
-  lock_acquire(&d->lock);
-  stats_reset_accumulated(&d->stats);
-  lock_release(&d->lock);
-  return GCA_OK;
+  return reset_stats(a, device, "gca_reset_accumulated_stats", stats_reset_accumulated);
 }
 
 int64_t gca_allocated_bytes(const gca_allocator_t *a, int device) {

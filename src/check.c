@@ -8,7 +8,8 @@
  *      nothing else); every allocated block is in the allocation map (and the
  *      map holds nothing else);
  *   4. every statistic's current value equals the recount, "all" equals
- *      small + large, and no peak is below its current value.
+ *      small + large, and no peak is below its current value;
+ *   5. the backend never refused to free a segment.
  * Tests call it after operations; it costs O(blocks).
  */
 #include <inttypes.h>
@@ -102,6 +103,8 @@ int device_check_locked(device_t *d) {
     if (rc) return rc;
     segments++;
   }
+  if (d->backend_free_errors)
+    BAD("device %d: the backend refused %zu segment frees", d->index, d->backend_free_errors);
   if (segments != d->segment_count)
     BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
   if (r.free_blocks[GCA_POOL_SMALL] != d->small_pool.free_count)

@@ -289,6 +289,7 @@ struct device {
   block_map_t allocated;
   segment_t *segments;
   size_t segment_count;
+  size_t backend_free_errors; /* segment frees the backend refused */
   kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */

@@ -126,10 +126,10 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
 void segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
   pool_remove(b->pool, b);
-  /* A failing backend free is reported by the backend's own error; the
-   * segment is gone from our books either way, because keeping it would
-   * leave a block nobody can use. */
-  d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+  /* The segment leaves our books even if the backend refuses the free
+   * (keeping it would leave a block nobody can use); the refusal is counted
+   * and gca_check reports it, so it cannot pass unnoticed. */
+  if (d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size) != GCA_OK) d->backend_free_errors++;
 
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
