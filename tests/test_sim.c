@@ -168,12 +168,27 @@ static void test_latency(void **state) {
   gca_close(a);
 }
 
+static void test_refused_free_is_reported(void **state) {
+  (void)state;
+  /* Free a segment behind the allocator's back: when the cache later gives
+   * it back, the sim refuses, and the checker says so. */
+  gca_allocator_t *a = open_sim("sim", NULL);
+  void *p = gca_malloc(a, 4096, 0, 0);
+  gca_free(a, p);
+  segment_t *seg = a->devices[0].segments;
+  assert_int_equal(a->backend.ops->free(a->backend.state, 0, seg->addr, seg->size), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(gca_check(a, 0), GCA_ERR_CORRUPT);
+  assert_contains(gca_last_error(), "refused 1 segment free");
+  gca_close(a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_capacity_units),     cmocka_unit_test(test_bad_options),
       cmocka_unit_test(test_capacity_and_address_reuse), cmocka_unit_test(test_fail_at_is_transient),
       cmocka_unit_test(test_fail_after),         cmocka_unit_test(test_fail_rate_is_seeded),
-      cmocka_unit_test(test_latency),
+      cmocka_unit_test(test_latency),            cmocka_unit_test(test_refused_free_is_reported),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
