@@ -164,7 +164,6 @@ block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream);
 block_t *pool_first(pool_t *pool);
 block_t *pool_next(pool_t *pool, block_t *b);
 block_t *pool_prev(pool_t *pool, block_t *b);
-block_t *pool_last(pool_t *pool);
 bool pool_contains(pool_t *pool, block_t *b);
 
 /* ------------------------------------------------------------------------ */

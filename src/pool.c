@@ -106,11 +106,13 @@ block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream) {
 }
 
 block_t *pool_first(pool_t *pool) { return RB_MIN(free_index, &pool->index); }
-block_t *pool_last(pool_t *pool) { return RB_MAX(free_index, &pool->index); }
+
+/* libbsd's RB_NEXT and RB_PREV walk from the node alone and ignore the head. */
 block_t *pool_next(pool_t *pool, block_t *b) {
   (void)pool;
   return RB_NEXT(free_index, &pool->index, b);
 }
+
 block_t *pool_prev(pool_t *pool, block_t *b) {
   (void)pool;
   return RB_PREV(free_index, &pool->index, b);
