@@ -206,8 +206,9 @@ static inline void stat_decrease(gca_stat_t *s, int64_t n) {
  * things happen (the peak of a sum is not the sum of the peaks). A family's
  * two pool entries share one cache line, so an update finds the sibling's
  * current, needed for that peak, in the line it already holds; an
- * allocation touches five lines of statistics plus the line of "all" peaks. */
-/* "active" is not kept: by PyTorch's definition it is what is allocated plus
+ * allocation touches a few lines of statistics plus the line of "all" peaks.
+ *
+ * "active" is not kept: by PyTorch's definition it is what is allocated plus
  * what was freed but whose free has not completed, and in this version every
  * free completes at once, so active equals allocation and active_bytes equals
  * allocated_bytes, entry by entry (peaks and totals included). Deferred frees
@@ -292,7 +293,7 @@ struct device {
   kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */
-  /* Lock-free mirrors of stats.{allocated,reserved}_bytes[ALL].current. */
+  /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
   /* Lowest and highest address of any segment ever held: lets gca_free find

@@ -50,10 +50,6 @@ void pool_key_increased(pool_t *pool, block_t *b) {
   }
 }
 
-/* Lower bound on (stream, size, 0), written out rather than RB_NFIND: the
- * comparison and the step are computed without branches (conditional moves),
- * because a search down a tree mispredicts about every other branch, and that
- * was the largest cost of replaying real traces. */
 /* (stream, size) as one number, so "node below key" is a single comparison. */
 #if defined(__SIZEOF_INT128__)
 typedef unsigned __int128 search_key_t;
@@ -71,6 +67,11 @@ static inline search_key_t search_key(gca_stream_t stream, size_t size) {
   (((node)->stream < (key).stream) | (((node)->stream == (key).stream) & ((node)->size < (key).size)))
 #endif
 
+/* Lower bound on (stream, size, 0), written out rather than RB_NFIND: the
+ * comparison and the step are computed without branches (conditional moves),
+ * because a search down a tree mispredicts about every other branch, and that
+ * was the largest cost of replaying real traces. *pred receives the found
+ * block's predecessor: the last node the descent passed on its right. */
 static block_t *lower_bound(pool_t *pool, gca_stream_t stream, size_t size, block_t **pred) {
   block_t *node = RB_ROOT(&pool->index), *best = NULL, *below_best = NULL;
   search_key_t key = search_key(stream, size);
