@@ -93,7 +93,10 @@ GCA_API void gca_set_log_handler(gca_log_fn fn, void *user);
 typedef struct gca_allocator gca_allocator_t;
 
 /* A stream is an opaque handle (a cudaStream_t on CUDA). 0 is the default
- * stream. Memory is cached per stream, as in PyTorch. */
+ * stream. Memory is cached per stream, as in PyTorch: a block freed by the
+ * stream it was allocated on is reused at once by that stream (its work runs
+ * in order), and by other streams only through gca_record_stream's events or
+ * the cross_stream_reuse setting. */
 typedef uintptr_t gca_stream_t;
 
 /* Open an allocator on a backend.
@@ -110,6 +113,8 @@ typedef uintptr_t gca_stream_t;
  *   fail_rate=P       each device allocation fails with probability P in [0,1]
  *   seed=S            seed of the fail_rate generator; default 1
  *   latency_ns=T      every device call (allocate, free) takes T ns longer
+ *   event_fail_at=N   the Nth event record fails (a driver error)
+ *   wait_fail_at=N    the Nth host wait for an event or stream fails
  *   backed=0|1        1: back allocations with host memory so they can be
  *                     written and read (tests); default 0
  *
@@ -117,6 +122,9 @@ typedef uintptr_t gca_stream_t;
  * it is applied on top of the environment's, which is read from the first set
  * of GCALLOC_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF. NULL or
  * "" adds nothing.
+ *
+ * Its streams run queued work in simulated time (see docs/sim-backend.md):
+ * nothing completes until time is advanced or the host waits.
  *
  * On success stores the allocator in *out and returns GCA_OK. */
 GCA_API int gca_open(const char *backend, const char *config, gca_allocator_t **out);
@@ -146,15 +154,50 @@ GCA_API void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream
 
 /* Free a pointer returned by gca_malloc. NULL is a no-op returning GCA_OK.
  * A pointer that is not the start of a live allocation (unknown, inside a
- * block, or already freed) returns GCA_ERR_BAD_POINTER and changes nothing. */
+ * block, or already freed) returns GCA_ERR_BAD_POINTER and changes nothing.
+ * The allocated statistics drop at once. If the block was used on other
+ * streams (gca_record_stream), an event is recorded on each of them and the
+ * block is reused only once they have all completed (the active statistics
+ * drop then); otherwise it is free for its stream at once. */
 GCA_API int gca_free(gca_allocator_t *a, void *ptr);
+
+/* ------------------------------------------------------------------------ */
+/* Streams                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Declare that the allocation at `ptr` is used by work on `stream` (PyTorch's
+ * Tensor.record_stream). When it is freed, its memory is not reused before
+ * the work queued on `stream` up to the free has completed. A use on the
+ * stream it was allocated for needs no declaring and is ignored. Returns
+ * GCA_ERR_BAD_POINTER if `ptr` is not a live allocation, GCA_ERR_NOMEM if the
+ * use cannot be recorded (then nothing changed). */
+GCA_API int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream);
+
+/* Complete the deferred frees whose events have completed, per stream in
+ * order (every gca_malloc does this too). device = -1: every device. */
+GCA_API int gca_process_events(gca_allocator_t *a, int device);
+
+/* Wait for every outstanding event of `device` (-1: every device) and
+ * complete every deferred free and deferred device free. Counted in
+ * num_sync_all_streams. */
+GCA_API int gca_synchronize(gca_allocator_t *a, int device);
+
+/* 1 if the allocator runs in launch-blocking mode, 0 if not. The mode is read
+ * at gca_open from the first set of GCALLOC_LAUNCH_BLOCKING,
+ * CUDA_LAUNCH_BLOCKING, ACL_LAUNCH_BLOCKING ("1" on, "0" off): every free and
+ * every device free then completes before the call returns, waiting for the
+ * streams involved, so a misuse shows up where it happens. For debugging: it
+ * is slow. */
+GCA_API int gca_launch_blocking(const gca_allocator_t *a);
 
 /* The size the allocation at `ptr` really occupies (its rounded block size),
  * or 0 with the error set if `ptr` is not a live allocation. */
 GCA_API size_t gca_usable_size(gca_allocator_t *a, void *ptr);
 
-/* Give every fully free cached segment of `device` back to the backend
- * (device = -1: every device). Counted in num_device_free. */
+/* Wait for every outstanding event (as gca_synchronize), then give every
+ * fully free cached segment of `device` back to the backend (device = -1:
+ * every device) and wait until the backend has them: a segment's device free
+ * waits for the work queued on its stream. Counted in num_device_free. */
 GCA_API int gca_empty_cache(gca_allocator_t *a, int device);
 
 /* Free and total memory of the device as the backend reports it (the whole
@@ -172,7 +215,10 @@ GCA_API int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes,
  *   garbage_collection_threshold, expandable_segments,
  *   release_lock_on_cudamalloc, pinned_use_cuda_host_register,
  *   pinned_num_register_threads, pinned_use_background_threads,
- *   per_process_memory_fraction, backend.
+ *   per_process_memory_fraction, backend, and gcalloc's own
+ *   cross_stream_reuse (True/False, default False: on a miss, reuse a block
+ *   cached for another stream, making the requesting stream wait for that
+ *   stream's work, before asking the device for memory).
  * Unlike PyTorch, keys not named keep their current values. A key whose
  * feature is not built yet is accepted and logged as a warning; an unknown key
  * is logged and ignored. A malformed or out-of-range value fails with
@@ -229,6 +275,8 @@ typedef struct gca_stats {
   int64_t num_device_alloc;     /* successful device (segment) allocations */
   int64_t num_device_free;      /* device (segment) frees */
   int64_t max_split_size;       /* bytes, -1 when unlimited */
+  /* gcalloc's own (not in torch.cuda.memory_stats(), not flattened): */
+  int64_t num_cross_stream_reuses; /* misses served by a block cached for another stream */
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

@@ -6,9 +6,15 @@
  * read at open; the string passed to gca_open is applied on top of it. A
  * malformed environment string fails gca_open with a message naming the
  * variable, as PyTorch refuses to start on one.
+ *
+ * Launch-blocking mode, for debugging, is read at open from the first set
+ * of GCALLOC_LAUNCH_BLOCKING, CUDA_LAUNCH_BLOCKING, ACL_LAUNCH_BLOCKING:
+ * then every free completes before gca_free returns, waiting for the streams
+ * that used the block, and so does every device free.
  */
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "internal.h"
 
@@ -21,6 +27,23 @@ static int apply_environment(config_t *cfg) {
     if (text) return config_apply(cfg, text, config_variables[i]);
   }
   return GCA_OK;
+}
+
+static const char *const launch_blocking_variables[] = {"GCALLOC_LAUNCH_BLOCKING", "CUDA_LAUNCH_BLOCKING",
+                                                        "ACL_LAUNCH_BLOCKING"};
+
+static bool launch_blocking_from_environment(void) {
+  for (size_t i = 0; i < sizeof launch_blocking_variables / sizeof launch_blocking_variables[0]; i++) {
+    const char *v = getenv(launch_blocking_variables[i]);
+    if (!v) continue;
+    if (!strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") || !strcasecmp(v, "on")) return true;
+    if (!strcmp(v, "0") || !*v || !strcasecmp(v, "false") || !strcasecmp(v, "no") || !strcasecmp(v, "off"))
+      return false;
+    log_message(GCA_LOG_WARNING, "%s=%s is not 1 or 0; launch-blocking mode stays off", launch_blocking_variables[i],
+                v);
+    return false;
+  }
+  return false;
 }
 
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
@@ -41,6 +64,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     return rc;
   }
   a->config = cfg;
+  a->launch_blocking = launch_blocking_from_environment();
   a->device_count = a->backend.ops->device_count(a->backend.state);
   a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
   if (!a->devices || pthread_mutex_init(&a->config_lock, NULL) != 0) {
@@ -50,7 +74,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     return set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
   }
   for (int i = 0; i < a->device_count; i++) {
-    rc = device_init(&a->devices[i], i, &a->backend, &cfg);
+    rc = device_init(&a->devices[i], i, &a->backend, &cfg, a->launch_blocking);
     if (rc) {
       while (i-- > 0) device_destroy(&a->devices[i]);
       pthread_mutex_destroy(&a->config_lock);
@@ -132,7 +156,7 @@ GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
     lock_acquire(&d->lock);
-    bool explained = device_explain_bad_pointer(d, addr);
+    bool explained = device_explain_bad_pointer(d, addr, "free");
     lock_release(&d->lock);
     if (explained) return GCA_ERR_BAD_POINTER;
   }
@@ -158,16 +182,50 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
   return 0;
 }
 
-int gca_empty_cache(gca_allocator_t *a, int device) {
-  if (!a) return set_error(GCA_ERR_INVALID, "gca_empty_cache: allocator is NULL");
+int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+  if (!a || !ptr)
+    return set_error(GCA_ERR_INVALID, "gca_record_stream: %s is NULL", a ? "pointer" : "allocator");
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    int rc = device_record_stream_locked(d, addr, stream);
+    bool explained = rc == GCA_ERR_BAD_POINTER && device_explain_bad_pointer(d, addr, "record a stream use of");
+    lock_release(&d->lock);
+    if (rc != GCA_ERR_BAD_POINTER || explained) return rc;
+  }
+  return set_error(GCA_ERR_BAD_POINTER, "cannot record a stream use of %p: it was not allocated by this allocator", ptr);
+}
+
+/* Run `fn` on one device, or on every device for -1. */
+static int for_devices(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
+  if (!a) return set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
   if (device == -1) {
-    for (int i = 0; i < a->device_count; i++) device_empty_cache(&a->devices[i]);
+    for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
     return GCA_OK;
   }
-  device_t *d = device_of(a, device, "gca_empty_cache");
+  device_t *d = device_of(a, device, what);
   if (!d) return gca_last_status();
-  device_empty_cache(d);
+  fn(d);
   return GCA_OK;
+}
+
+int gca_synchronize(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_synchronize", device_synchronize);
+}
+
+int gca_process_events(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_process_events", device_process_events);
+}
+
+int gca_launch_blocking(const gca_allocator_t *a) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_launch_blocking: allocator is NULL");
+  return a->launch_blocking ? 1 : 0;
+}
+
+int gca_empty_cache(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_empty_cache", device_empty_cache);
 }
 
 int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {

@@ -8,14 +8,25 @@
  * GCA_ERR_OOM means "no memory now" (the core may free cache and retry), any
  * other failure is final.
  *
- * Streams, events and virtual memory join this table with the issues that
- * use them; the caching core of this version needs only memory.
+ * Streams and events order memory reuse: the core records an event on a
+ * stream (it completes when the work queued on the stream before it has),
+ * asks whether it has completed, waits for it, or makes another stream wait
+ * for it. A stream is the caller's handle (gca_stream_t, a cudaStream_t on
+ * CUDA); an event is the backend's handle. The stream and event entries may
+ * be NULL: the core then treats the device as synchronous (every event has
+ * completed when recorded). Virtual memory joins the table with expandable
+ * segments.
  */
 #ifndef GCALLOC_BACKEND_H
 #define GCALLOC_BACKEND_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "gcalloc.h"
+
+/* event_query's answer when the event has not completed yet (not an error). */
+#define BACKEND_NOT_READY 1
 
 typedef struct backend_ops {
   const char *name;
@@ -25,6 +36,19 @@ typedef struct backend_ops {
   /* Free what malloc returned; `size` is the size it was asked for. */
   int (*free)(void *state, int device, uintptr_t addr, size_t size);
   int (*mem_get_info)(void *state, int device, size_t *free_bytes, size_t *total_bytes);
+  /* Create an event and record it on `stream`: it completes when every piece
+   * of work queued on the stream so far has. */
+  int (*event_record)(void *state, int device, gca_stream_t stream, uintptr_t *event);
+  /* GCA_OK when the event has completed, BACKEND_NOT_READY when not yet. */
+  int (*event_query)(void *state, int device, uintptr_t event);
+  /* Block the host until the event has completed. */
+  int (*event_synchronize)(void *state, int device, uintptr_t event);
+  /* Release an event (recorded, completed or not). */
+  void (*event_destroy)(void *state, int device, uintptr_t event);
+  /* Work queued on `stream` from now on starts only after `event` completes. */
+  int (*stream_wait_event)(void *state, int device, gca_stream_t stream, uintptr_t event);
+  /* Block the host until all work queued on `stream` has completed. */
+  int (*stream_synchronize)(void *state, int device, gca_stream_t stream);
   void (*destroy)(void *state);
 } backend_ops_t;
 
@@ -49,9 +73,36 @@ typedef struct sim_counters {
   uint64_t live;             /* allocations not yet freed */
   size_t used;               /* bytes in live allocations */
   size_t capacity;
+  uint64_t launches;         /* work queued with sim_launch */
+  uint64_t events_recorded;  /* event_record calls, failed ones included */
+  uint64_t events_live;      /* recorded and not yet destroyed */
+  uint64_t stream_waits;     /* stream_wait_event calls */
+  uint64_t host_waits;       /* event or stream synchronizations */
+  uint64_t hazards;          /* unordered uses of memory, device frees of memory in use */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */
 int sim_get_counters(const backend_t *b, int device, sim_counters_t *out);
+
+/* Driving the sim's device model (tests, benchmarks, replay). Time is
+ * simulated: it moves only when sim_advance is called or when the host waits
+ * (an event or stream synchronization moves it to the moment the awaited
+ * work completes). Streams are independent of each other (as CUDA streams
+ * created non-blocking): only events order them.
+ *
+ * Queue `duration_ns` of work on `stream` that uses [addr, addr + size) (size
+ * 0: no memory). It starts when the stream's earlier work and every event
+ * the stream was made to wait for have completed. If that memory is in use by
+ * work of another stream that is not ordered before it, or later freed while
+ * the work is pending, the sim counts a hazard and the call (or the free)
+ * fails naming both; the work is queued either way. */
+int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t duration_ns, uintptr_t addr,
+               size_t size);
+/* Move simulated time forward; work and events due by then complete. */
+void sim_advance(const backend_t *b, uint64_t ns);
+/* The simulated time in ns since the backend was opened. */
+uint64_t sim_now(const backend_t *b);
+/* When the work queued so far on `stream` completes (<= now: idle). */
+uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream);
 
 #endif /* GCALLOC_BACKEND_H */

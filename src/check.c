@@ -6,10 +6,15 @@
  *   2. no two free neighbours are left unmerged;
  *   3. every free block is in its pool's free index (and the index holds
  *      nothing else); every allocated block is in the allocation map (and the
- *      map holds nothing else);
- *   4. every statistic's current value equals the recount, "all" equals
- *      small + large, and no peak is below its current value;
- *   5. the backend never refused to free a segment.
+ *      map holds nothing else); only allocated blocks have stream uses;
+ *   4. every pending block waits for as many events as the per-stream queues
+ *      hold for it, the queues hold nothing else, and every segment being
+ *      released is whole and on the releasing list (and the list holds
+ *      nothing else);
+ *   5. every statistic's current value equals the recount (active counts
+ *      allocated and pending blocks), "all" equals small + large, and no peak
+ *      is below its current value;
+ *   6. the backend never refused to free a segment.
  * Tests call it after operations; it costs O(blocks).
  */
 #include <inttypes.h>
@@ -19,10 +24,13 @@
 
 typedef struct recount {
   int64_t segment[3], reserved[3], allocation[3], allocated[3], requested[3];
+  int64_t active[3], active_bytes[3];
   int64_t split[3], split_bytes[3];
   int64_t oversize_allocations, oversize_segments;
   size_t free_blocks[3];
   size_t allocated_blocks;
+  size_t pending_blocks, quarantined_blocks, releasing_segments;
+  uint64_t events_awaited; /* sum of pending blocks' event counts */
 } recount_t;
 
 #define BAD(...) return set_error(GCA_ERR_CORRUPT, __VA_ARGS__)
@@ -50,26 +58,52 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
     if (b->next && b->next->prev != b)
       BAD("device %d: block at %#" PRIxPTR " and its next neighbour disagree on their link", d->index,
           b->addr);
-    if (b->allocated) {
-      if (block_map_find(&d->allocated, b->addr) != b)
-        BAD("device %d: allocated block at %#" PRIxPTR " is missing from the allocation map", d->index,
-            b->addr);
-      r->allocated_blocks++;
-      r->allocation[kind]++;
-      r->allocated[kind] += (int64_t)b->size;
-      r->requested[kind] += (int64_t)b->requested;
-      if (b->oversize) r->oversize_allocations++;
-    } else {
-      if (b->next && !b->next->allocated)
-        BAD("device %d: free blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged",
-            d->index, b->addr, b->next->addr);
-      if (!pool_contains(b->pool, b))
-        BAD("device %d: free block at %#" PRIxPTR " is missing from its free index", d->index, b->addr);
-      r->free_blocks[kind]++;
-      if (split) {
-        r->split[kind]++;
-        r->split_bytes[kind] += (int64_t)b->size;
-      }
+    if (b->uses && b->state != BLOCK_ALLOCATED)
+      BAD("device %d: block at %#" PRIxPTR " has stream uses but is not allocated", d->index, b->addr);
+    switch (b->state) {
+      case BLOCK_ALLOCATED:
+        if (block_map_find(&d->allocated, b->addr) != b)
+          BAD("device %d: allocated block at %#" PRIxPTR " is missing from the allocation map", d->index,
+              b->addr);
+        r->allocated_blocks++;
+        r->allocation[kind]++;
+        r->allocated[kind] += (int64_t)b->size;
+        r->requested[kind] += (int64_t)b->requested;
+        r->active[kind]++;
+        r->active_bytes[kind] += (int64_t)b->size;
+        if (b->oversize) r->oversize_allocations++;
+        break;
+      case BLOCK_FREE:
+        if (b->next && b->next->state == BLOCK_FREE)
+          BAD("device %d: free blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged",
+              d->index, b->addr, b->next->addr);
+        if (!pool_contains(b->pool, b))
+          BAD("device %d: free block at %#" PRIxPTR " is missing from its free index", d->index, b->addr);
+        r->free_blocks[kind]++;
+        if (split) {
+          r->split[kind]++;
+          r->split_bytes[kind] += (int64_t)b->size;
+        }
+        break;
+      case BLOCK_PENDING:
+      case BLOCK_QUARANTINED:
+        if (b->state == BLOCK_PENDING && b->event_count == 0)
+          BAD("device %d: pending block at %#" PRIxPTR " waits for no event", d->index, b->addr);
+        if (b->state == BLOCK_QUARANTINED) r->quarantined_blocks++;
+        r->pending_blocks++;
+        r->events_awaited += b->event_count;
+        r->requested[kind] += (int64_t)b->requested;
+        r->active[kind]++;
+        r->active_bytes[kind] += (int64_t)b->size;
+        break;
+      case BLOCK_RELEASING:
+        if (split || !seg->release_event)
+          BAD("device %d: block at %#" PRIxPTR " is being released but is not a whole segment with an event",
+              d->index, b->addr);
+        r->releasing_segments++;
+        break;
+      default:
+        BAD("device %d: block at %#" PRIxPTR " is in no known state (%d)", d->index, b->addr, b->state);
     }
     expect = b->addr + b->size;
   }
@@ -91,6 +125,38 @@ static int compare_family(const device_t *d, const char *name, const gca_stat_t 
       BAD("device %d: %s.%s.peak %" PRId64 " is below current %" PRId64, d->index, name, pool_names[k],
           family[k].peak, family[k].current);
   }
+  return GCA_OK;
+}
+
+/* The pending frees and releases against the recount of the segments. */
+static int check_events(device_t *d, const recount_t *r) {
+  uint64_t queued = 0;
+  for (size_t i = 0; i < d->queue_count; i++) {
+    const event_queue_t *q = &d->queues[i];
+    for (size_t j = 0; j < q->count; j++) {
+      const block_t *b = q->items[(q->head + j) % q->cap].block;
+      if (b->state != BLOCK_PENDING && b->state != BLOCK_QUARANTINED)
+        BAD("device %d: the event queue of stream %#" PRIxPTR " holds the block at %#" PRIxPTR
+            ", which is not pending", d->index, (uintptr_t)q->stream, b->addr);
+    }
+    queued += q->count;
+  }
+  if (queued != d->pending_events || queued != r->events_awaited)
+    BAD("device %d: the event queues hold %" PRIu64 " events, the device counts %zu, pending blocks await %" PRIu64,
+        d->index, queued, d->pending_events, r->events_awaited);
+  if (r->pending_blocks != d->pending_blocks || r->quarantined_blocks != d->quarantined_blocks)
+    BAD("device %d: %zu pending blocks (%zu quarantined) counted, the device has %zu (%zu)", d->index,
+        r->pending_blocks, r->quarantined_blocks, d->pending_blocks, d->quarantined_blocks);
+  size_t listed = 0;
+  for (const segment_t *seg = d->releasing; seg; seg = seg->release_next) {
+    if (seg->head->state != BLOCK_RELEASING)
+      BAD("device %d: segment at %#" PRIxPTR " is on the releasing list but not being released", d->index,
+          seg->addr);
+    listed++;
+  }
+  if (listed != r->releasing_segments || listed != d->releasing_count)
+    BAD("device %d: %zu segments being released, %zu listed, the device counts %zu", d->index,
+        r->releasing_segments, listed, d->releasing_count);
   return GCA_OK;
 }
 
@@ -116,18 +182,18 @@ int device_check_locked(device_t *d) {
   if (r.allocated_blocks != d->allocated.count)
     BAD("device %d: allocation map holds %zu blocks, the segments have %zu allocated", d->index,
         d->allocated.count, r.allocated_blocks);
+  int rc = check_events(d, &r);
+  if (rc) return rc;
 
-  /* Without deferred frees, "active" is exactly "allocated". */
   gca_stats_t materialized;
   stats_materialize(&d->stats, &materialized);
   const gca_stats_t *s = &materialized;
-  int rc;
   if ((rc = compare_family(d, "segment", s->segment, r.segment))) return rc;
   if ((rc = compare_family(d, "reserved_bytes", s->reserved_bytes, r.reserved))) return rc;
   if ((rc = compare_family(d, "allocation", s->allocation, r.allocation))) return rc;
   if ((rc = compare_family(d, "allocated_bytes", s->allocated_bytes, r.allocated))) return rc;
-  if ((rc = compare_family(d, "active", s->active, r.allocation))) return rc;
-  if ((rc = compare_family(d, "active_bytes", s->active_bytes, r.allocated))) return rc;
+  if ((rc = compare_family(d, "active", s->active, r.active))) return rc;
+  if ((rc = compare_family(d, "active_bytes", s->active_bytes, r.active_bytes))) return rc;
   if ((rc = compare_family(d, "requested_bytes", s->requested_bytes, r.requested))) return rc;
   if ((rc = compare_family(d, "inactive_split", s->inactive_split, r.split))) return rc;
   if ((rc = compare_family(d, "inactive_split_bytes", s->inactive_split_bytes, r.split_bytes))) return rc;

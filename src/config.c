@@ -245,6 +245,7 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     if (rc == GCA_OK && c->expandable_segments) warn_not_built(p, key);
     return rc;
   }
+  if (strcmp(key, "cross_stream_reuse") == 0) return read_bool(p, key, &c->cross_stream_reuse);
   if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "release_lock_on_hipmalloc") == 0) {
     rc = read_bool(p, key, &c->release_lock_on_malloc);
     if (rc == GCA_OK && c->release_lock_on_malloc) warn_not_built(p, key);
@@ -399,5 +400,6 @@ size_t config_format(const config_t *c, char *buf, size_t cap) {
   put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
   put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
   put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
+  put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse ? "True" : "False");
   return o.len;
 }

@@ -1,13 +1,20 @@
 /* One device's caching allocator: the malloc and free paths and the cache
  * release, under the device's single lock.
  *
- * malloc, as PyTorch does it: round the size, pick the pool, take the best
- * fit. On a miss: ask the device for a segment; if the device is full, free
- * cached oversize blocks that could cover the request and ask again; then
- * free every whole cached segment and ask once more (num_alloc_retries);
- * then fail with an out-of-memory message in PyTorch's form (num_ooms).
- * The cached path makes no system call and allocates nothing (descriptors
- * come from a recycled list); its cost is a tree lookup and a hash insert.
+ * malloc, as PyTorch does it: complete the deferred frees whose events have
+ * completed, round the size, pick the pool, take the best fit. On a miss:
+ * with cross_stream_reuse, take the best fit cached for another stream,
+ * ordered after that stream's work; else ask the device for a segment; if
+ * the device is full, free cached oversize blocks that could cover the
+ * request and ask again; then wait for every pending free, free every whole
+ * cached segment, look in the cache once more and ask the device once more
+ * (num_alloc_retries); then fail with an out-of-memory message in PyTorch's
+ * form (num_ooms). The cached path makes no system call and allocates
+ * nothing (descriptors come from a recycled list); its cost is a tree lookup
+ * and a hash insert.
+ *
+ * free: the allocated counters drop at once; a block used on other streams
+ * waits for their events (events.c), any other returns to its pool at once.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,13 +22,14 @@
 
 #include "internal.h"
 
-int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg) {
+int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg, bool launch_blocking) {
   memset(d, 0, sizeof *d);
   if (lock_init(&d->lock) != 0)
     return set_error(GCA_ERR_NOMEM, "cannot create the lock of device %d", index);
   d->index = index;
   d->backend = backend;
   d->config = *cfg;
+  d->launch_blocking = launch_blocking;
   pool_init(&d->small_pool, GCA_POOL_SMALL);
   pool_init(&d->large_pool, GCA_POOL_LARGE);
   if (block_map_init(&d->allocated) != GCA_OK) {
@@ -37,7 +45,9 @@ int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg)
 
 void device_destroy(device_t *d) {
   /* Give every segment back, live blocks included: the allocator is going
-   * away and nothing may leak on the device. */
+   * away and nothing may leak on the device. First wait for the work that
+   * may still use the memory. */
+  events_shutdown(d);
   segment_t *seg = d->segments;
   while (seg) {
     segment_t *next = seg->next;
@@ -69,21 +79,100 @@ GCA_COLD static void explain_oom(device_t *d, size_t rounded) {
             want, d->index, cap, avail, alloc, unalloc);
 }
 
-/* The miss path: get a new segment, freeing cache when the device is full. */
-GCA_COLD static block_t *allocate_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
+/* PyTorch's release_cached_blocks: wait for every pending free, then give
+ * every whole cached segment back, and wait until the device has them. */
+static void release_cached_blocks(device_t *d) {
+  d->stats.num_sync_all_streams++;
+  events_synchronize(d);
+  segment_release_all_cached(d);
+  events_finish_releases(d, true);
+}
+
+/* The best fit for `rounded` cached for any stream but `stream`, or NULL. */
+static block_t *best_fit_elsewhere(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, block_t **pred) {
+  block_t *best = NULL;
+  for (block_t *first = pool_first(pool); first; first = pool_first_after_stream(pool, first->stream)) {
+    if (first->stream == stream) continue;
+    block_t *p;
+    block_t *b = pool_best_fit(pool, &d->config, first->stream, rounded, &p);
+    if (b && (!best || b->size < best->size)) {
+      best = b;
+      *pred = p;
+    }
+  }
+  return best;
+}
+
+/* Cross-stream reuse: hand out a block cached for another stream once
+ * `stream` is ordered after that stream's work. A whole segment moves to
+ * `stream`; a piece of a split one stays its segment's and gets a stream
+ * use, so its free waits for `stream`'s work before the piece comes back. */
+static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                       size_t requested) {
+  block_t *pred = NULL;
+  block_t *b = best_fit_elsewhere(d, pool, stream, rounded, &pred);
+  if (!b) return NULL;
+  bool whole = !b->prev && !b->next;
+  stream_uses_t *uses = NULL;
+  if (!whole) {
+    uses = malloc(sizeof *uses + 2 * sizeof uses->streams[0]);
+    if (!uses) return NULL;
+    uses->count = 1;
+    uses->cap = 2;
+    uses->streams[0] = stream;
+  }
+  if (!events_order_reuse(d, b->stream, stream)) {
+    free(uses);
+    return NULL;
+  }
+  d->stats.num_cross_stream_reuses++;
+  if (whole) {
+    pool_remove(pool, b);
+    b->stream = b->segment->stream = stream;
+    return block_take(d, b, NULL, false, rounded, requested);
+  }
+  block_t *taken = block_take(d, b, pred, true, rounded, requested);
+  taken->uses = uses;
+  return taken;
+}
+
+/* A fit in the cache: on the stream's own blocks, then (if configured) on
+ * another stream's. */
+static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested) {
+  block_t *pred = NULL;
+  block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
+  if (b) return block_take(d, b, pred, true, rounded, requested);
+  return d->config.cross_stream_reuse ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+}
+
+static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                 size_t requested, int *rc) {
+  block_t *b = segment_alloc(d, pool, stream, rounded, rc);
+  return b ? block_take(d, b, NULL, false, rounded, requested) : NULL;
+}
+
+/* The miss path. Returns the handed-out block, or NULL with the error set. */
+GCA_COLD static block_t *malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                        size_t requested) {
   int rc;
-  block_t *b = segment_alloc(d, pool, stream, rounded, &rc);
+  block_t *b = d->config.cross_stream_reuse ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+  if (b) return b;
+  b = take_new_segment(d, pool, stream, rounded, requested, &rc);
   if (b || rc != GCA_ERR_OOM) return b;
 
   if (segment_release_available(d, pool, stream, rounded)) {
-    b = segment_alloc(d, pool, stream, rounded, &rc);
+    events_finish_releases(d, true);
+    b = take_new_segment(d, pool, stream, rounded, requested, &rc);
     if (b || rc != GCA_ERR_OOM) return b;
   }
 
-  d->stats.num_sync_all_streams++;
-  segment_release_all_cached(d);
+  release_cached_blocks(d);
+  /* Unlike PyTorch, look in the cache again: frees that were waiting for
+   * events have just completed, and one of them may fit. */
+  b = take_cached(d, pool, stream, rounded, requested);
+  if (b) return b;
   d->stats.num_alloc_retries++;
-  b = segment_alloc(d, pool, stream, rounded, &rc);
+  b = take_new_segment(d, pool, stream, rounded, requested, &rc);
   if (b || rc != GCA_ERR_OOM) return b;
 
   d->stats.num_ooms++;
@@ -93,6 +182,7 @@ GCA_COLD static block_t *allocate_on_miss(device_t *d, pool_t *pool, gca_stream_
 
 void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
   lock_acquire(&d->lock);
+  if (unlikely(d->pending_events | (uintptr_t)d->releasing)) events_process(d);
   size_t rounded = round_size(&d->config, size);
   if (unlikely(rounded == 0)) {
     lock_release(&d->lock);
@@ -102,15 +192,9 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
   block_t *pred = NULL;
   block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
-  bool in_index = b != NULL;
-  if (unlikely(!in_index)) {
-    b = allocate_on_miss(d, pool, stream, rounded);
-    if (unlikely(b == NULL)) {
-      lock_release(&d->lock);
-      return NULL;
-    }
-  }
-  uintptr_t addr = block_take(d, b, pred, in_index, rounded, size)->addr;
+  if (likely(b != NULL)) b = block_take(d, b, pred, true, rounded, size);
+  else b = malloc_on_miss(d, pool, stream, rounded, size);
+  uintptr_t addr = b ? b->addr : 0;
   lock_release(&d->lock);
   return (void *)addr;
 }
@@ -121,26 +205,54 @@ int device_free_locked(device_t *d, uintptr_t addr) {
   int kind = pool_kind_of(b);
   family_decrease(&d->stats, FAM_ALLOCATION, kind, 1);
   family_decrease(&d->stats, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
+  if (unlikely(b->oversize)) {
+    stat_decrease(&d->stats.oversize_allocations, 1);
+    b->oversize = false;
+  }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
-  block_give_back(d, b);
+  if (unlikely(b->uses != NULL)) events_defer_free(d, b);
+  else block_give_back(d, b);
   return GCA_OK;
 }
 
-GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr) {
+int device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream) {
+  block_t *b = block_map_find(&d->allocated, addr);
+  return b ? stream_uses_add(b, stream) : GCA_ERR_BAD_POINTER;
+}
+
+void device_process_events(device_t *d) {
+  lock_acquire(&d->lock);
+  events_process(d);
+  lock_release(&d->lock);
+}
+
+void device_synchronize(device_t *d) {
+  lock_acquire(&d->lock);
+  d->stats.num_sync_all_streams++;
+  events_synchronize(d);
+  lock_release(&d->lock);
+}
+
+GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action) {
   for (segment_t *seg = d->segments; seg; seg = seg->next) {
     if (addr < seg->addr || addr - seg->addr >= seg->size) continue;
     for (block_t *b = seg->head; b; b = b->next) {
       if (addr < b->addr || addr - b->addr >= b->size) continue;
-      if (b->allocated) {
+      if (b->state == BLOCK_ALLOCATED) {
         set_error(GCA_ERR_BAD_POINTER,
-                  "cannot free %p: it points %zu bytes inside the allocation at %p (%zu bytes) on device %d; "
-                  "free the pointer gca_malloc returned",
-                  (void *)addr, (size_t)(addr - b->addr), (void *)b->addr, b->size, d->index);
+                  "cannot %s %p: it points %zu bytes inside the allocation at %p (%zu bytes) on device %d; "
+                  "pass the pointer gca_malloc returned",
+                  action, (void *)addr, (size_t)(addr - b->addr), (void *)b->addr, b->size, d->index);
+      } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
+        set_error(GCA_ERR_BAD_POINTER,
+                  "cannot %s %p: it was freed already on device %d (its free waits for work queued on the "
+                  "streams that used it)",
+                  action, (void *)addr, d->index);
       } else {
         set_error(GCA_ERR_BAD_POINTER,
-                  "cannot free %p: it is not allocated (it lies in free cached memory of device %d; "
+                  "cannot %s %p: it is not allocated (it lies in free cached memory of device %d; "
                   "was it freed twice?)",
-                  (void *)addr, d->index);
+                  action, (void *)addr, d->index);
       }
       return true;
     }
@@ -150,9 +262,6 @@ GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr) {
 
 void device_empty_cache(device_t *d) {
   lock_acquire(&d->lock);
-  /* PyTorch counts a synchronization of all streams here, before releasing;
-   * with stream events (a later issue) it really waits for them. */
-  d->stats.num_sync_all_streams++;
-  segment_release_all_cached(d);
+  release_cached_blocks(d);
   lock_release(&d->lock);
 }

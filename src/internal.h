@@ -5,8 +5,10 @@
  * (memory obtained from the backend), each tiled exactly by blocks linked in
  * address order. A free block sits in the free index of its pool (small or
  * large), ordered by (stream, size, address); an allocated block sits in the
- * device's allocation map, keyed by address. A block is in exactly one of the
- * two, so both share one intrusive link. Everything a device owns is guarded
+ * device's allocation map, keyed by address. A block is in at most one of
+ * the two, so both share one intrusive link; a block in neither is waiting:
+ * freed by the caller but still used by queued stream work (see events.c), or
+ * the whole of a segment on its way back to the device. Everything a device owns is guarded
  * by its one mutex; nothing here is touched without it, except the two
  * atomic mirrors of allocated and reserved bytes that lock-free readers use.
  */
@@ -74,6 +76,7 @@ typedef struct config {
   bool pinned_use_host_register;
   bool pinned_use_background_threads;
   bool backend_async;             /* backend:cudaMallocAsync */
+  bool cross_stream_reuse;        /* a miss may take a block cached for another stream */
   bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
 } config_t;
 
@@ -111,6 +114,22 @@ typedef struct segment segment_t;
 typedef struct pool pool_t;
 typedef struct device device_t;
 
+/* Where a block is in its life. */
+enum block_state {
+  BLOCK_FREE,        /* in its pool's free index */
+  BLOCK_ALLOCATED,   /* in the allocation map */
+  BLOCK_PENDING,     /* freed; waits for events on the streams that used it */
+  BLOCK_QUARANTINED, /* freed, but the backend could not order its reuse: never reused */
+  BLOCK_RELEASING    /* a whole segment whose device free waits for its stream */
+};
+
+/* Streams other than its own a block was used on (record_stream). Usually
+ * none, so a block holds only a pointer. */
+typedef struct stream_uses {
+  uint32_t count, cap;
+  gca_stream_t streams[];
+} stream_uses_t;
+
 struct block {
   /* What a search down the free index reads comes first, in one cache line:
    * the tree links, then the key (stream, size, address). */
@@ -122,8 +141,10 @@ struct block {
   block_t *hash_next;        /* chain of the allocation map */
   segment_t *segment;
   pool_t *pool;
-  size_t requested;          /* what the caller asked for (allocated blocks) */
-  bool allocated;
+  size_t requested;          /* what the caller asked for (allocated and pending blocks) */
+  stream_uses_t *uses;       /* allocated blocks: other streams that used it; NULL: none */
+  uint32_t event_count;      /* pending blocks: events not yet completed */
+  uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
 };
 
@@ -134,6 +155,8 @@ struct segment {
   pool_t *pool;
   block_t *head;             /* the block at addr */
   segment_t *prev, *next;    /* the device's segment list */
+  segment_t *release_next;   /* the device's list of segments being released */
+  uintptr_t release_event;   /* releasing: completes when its stream's work is done */
   bool oversize;             /* counted in oversize_segments */
 };
 
@@ -162,6 +185,8 @@ block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size);
 /* The largest free block on `stream`, or NULL. */
 block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream);
 block_t *pool_first(pool_t *pool);
+/* The first block of the first stream after `stream`, or NULL. */
+block_t *pool_first_after_stream(pool_t *pool, gca_stream_t stream);
 block_t *pool_next(pool_t *pool, block_t *b);
 block_t *pool_prev(pool_t *pool, block_t *b);
 bool pool_contains(pool_t *pool, block_t *b);
@@ -208,12 +233,17 @@ static inline void stat_decrease(gca_stat_t *s, int64_t n) {
  * current, needed for that peak, in the line it already holds; an
  * allocation touches a few lines of statistics plus the line of "all" peaks.
  *
- * "active" is not kept: by PyTorch's definition it is what is allocated plus
- * what was freed but whose free has not completed, and in this version every
- * free completes at once, so active equals allocation and active_bytes equals
- * allocated_bytes, entry by entry (peaks and totals included). Deferred frees
- * (stream events) will keep their pending part as a family of its own and
- * derive active from the two. */
+ * "active" is not kept either, to spare the hot path two more families. By
+ * PyTorch's definition it is what is allocated plus what was freed but whose
+ * free has not completed (pending), so it is derived from the allocation
+ * families and the pending ones (kept, moved only when a free is deferred):
+ *   active.current   = allocation.current + pending.current
+ *   active.allocated = allocation.allocated (both rise together, at malloc)
+ *   active.freed     = allocation.freed - pending's rises + pending's falls
+ *   active.peak      = max(allocation.peak, active_peak)
+ * The sum can only rise at a malloc, and while nothing is pending it equals
+ * allocation, whose peak covers it; so active_peak is raised at a malloc only
+ * while some free is pending (one branch on the hot path). */
 enum stat_family {
   FAM_ALLOCATION,
   FAM_ALLOCATED_BYTES,
@@ -222,6 +252,8 @@ enum stat_family {
   FAM_INACTIVE_SPLIT_BYTES,
   FAM_SEGMENT,
   FAM_RESERVED_BYTES,
+  FAM_PENDING,       /* blocks freed whose free has not completed */
+  FAM_PENDING_BYTES,
   FAM_COUNT
 };
 
@@ -241,6 +273,9 @@ typedef struct family_stats {
 typedef struct kept_stats {
   family_stats_t family[FAM_COUNT];
   int64_t all_peak[FAM_COUNT];
+  /* Peak of allocation + pending reached while frees were pending:
+   * [0] blocks, [1] bytes; by pool index (GCA_POOL_ALL, SMALL, LARGE). */
+  int64_t active_peak[2][GCA_POOL_KINDS];
   gca_stat_t oversize_allocations;
   gca_stat_t oversize_segments;
   int64_t num_alloc_retries;
@@ -248,6 +283,7 @@ typedef struct kept_stats {
   int64_t num_sync_all_streams;
   int64_t num_device_alloc;
   int64_t num_device_free;
+  int64_t num_cross_stream_reuses;
 } kept_stats_t;
 
 static inline int64_t family_current(const kept_stats_t *k, int fam) {
@@ -268,6 +304,9 @@ static inline void family_decrease(kept_stats_t *k, int fam, int kind, int64_t n
   st->freed += n;
 }
 
+/* After a malloc while frees are pending: raise the active peaks. */
+void stats_note_active_peak(kept_stats_t *k);
+
 /* The public view of kept statistics, "all" entries filled in. */
 void stats_materialize(const kept_stats_t *kept, gca_stats_t *out);
 void stats_reset_peak(kept_stats_t *k);
@@ -278,6 +317,21 @@ void stats_reset_accumulated(kept_stats_t *k);
 /* ------------------------------------------------------------------------ */
 
 typedef struct block_chunk block_chunk_t;
+
+/* A free waiting for an event: the block returns to its pool when the last
+ * of its events completes. */
+typedef struct pending_free {
+  uintptr_t event;
+  block_t *block;
+} pending_free_t;
+
+/* The pending frees of one stream, oldest first (a ring). Events of one
+ * stream complete in order, so only the oldest needs asking. */
+typedef struct event_queue {
+  gca_stream_t stream;
+  pending_free_t *items;
+  size_t head, count, cap;
+} event_queue_t;
 
 struct device {
   lock_t lock;
@@ -293,6 +347,16 @@ struct device {
   kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */
+  /* Stream-ordered frees (events.c). */
+  event_queue_t *queues;     /* one per stream with pending frees */
+  size_t queue_count, queue_cap;
+  size_t pending_events;     /* entries in the queues */
+  size_t pending_blocks;     /* blocks PENDING or QUARANTINED */
+  size_t quarantined_blocks;
+  segment_t *releasing;      /* segments whose device free waits for their stream */
+  size_t releasing_count;
+  size_t event_errors;       /* backend event failures (each handled by waiting instead) */
+  bool launch_blocking;      /* every free completes before gca_free returns */
   /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
@@ -302,15 +366,19 @@ struct device {
   _Atomic uintptr_t span_hi;
 };
 
-int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg);
+int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg, bool launch_blocking);
 void device_destroy(device_t *d);
 void *device_malloc(device_t *d, size_t size, gca_stream_t stream);
 /* With the lock held: free the allocation at addr, or GCA_ERR_BAD_POINTER. */
 int device_free_locked(device_t *d, uintptr_t addr);
 /* With the lock held: if addr lies in one of the device's segments, set an
- * error saying why it is not a live allocation and return true. */
-bool device_explain_bad_pointer(device_t *d, uintptr_t addr);
+ * error "cannot ACTION ADDR: why it is not a live allocation" and return true. */
+bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action);
 void device_empty_cache(device_t *d);
+/* With the lock held: record a use of the allocation at addr by `stream`. */
+int device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream);
+void device_synchronize(device_t *d);
+void device_process_events(device_t *d);
 int device_check_locked(device_t *d);
 
 /* segment.c: with the lock held. */
@@ -320,8 +388,12 @@ void block_recycle(device_t *d, block_t *b);
 void block_chunks_free(device_t *d);
 /* Obtain a segment for a request of `rounded` bytes; NULL with error set. */
 block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status);
-/* Give an unsplit free block's segment back to the backend. */
+/* Give an unsplit free block's segment back to the backend: at once if its
+ * stream has no queued work, else once that work completes (events.c
+ * finishes it). The segment counts as reserved until the backend has it. */
 void segment_release(device_t *d, block_t *b);
+/* Free the segment on the device now (its stream's work has completed). */
+void segment_free_now(device_t *d, segment_t *seg);
 /* Free the smallest cached oversize block that satisfies `rounded` (or
  * several, from the largest down); PyTorch's release_available_cached_blocks. */
 bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded);
@@ -332,11 +404,39 @@ void segment_release_all_cached(device_t *d);
  * request: split if the rules say so, update the
  * statistics, enter the handed-out block in the allocation map and return it. */
 block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested);
-/* Return an allocated block (already out of the map) to its pool, merging
- * with free neighbours; `b` may be recycled. */
+/* Return a freed block (out of the map, its free complete) to its pool,
+ * merging with free neighbours; `b` may be recycled. */
 void block_give_back(device_t *d, block_t *b);
 
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
+
+/* events.c: with the lock held. */
+/* A freed block with stream uses: record an event on each of those streams;
+ * the free completes when they all have. */
+void events_defer_free(device_t *d, block_t *b);
+/* Complete the deferred frees whose events have completed, per stream in
+ * order, and the device frees whose streams are done (PyTorch's
+ * process_events). */
+void events_process(device_t *d);
+/* Wait for every pending event and complete every deferred free. */
+void events_synchronize(device_t *d);
+/* Finish the device frees of releasing segments; wait for their streams if
+ * `wait`, else only those already done. */
+void events_finish_releases(device_t *d, bool wait);
+/* Make work queued on `to` from now on start after the work queued so far
+ * on `from` (cross-stream reuse of a block cached for `from`); false if the
+ * backend could do it neither with an event nor by waiting. */
+bool events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to);
+/* Record an event on `stream` for a segment's device free: true if the
+ * stream is already idle (free now); else the event is in *event. On a
+ * backend failure waits for the stream instead, and returns true; false
+ * with *event 0 if even that failed. */
+bool events_stream_idle(device_t *d, gca_stream_t stream, uintptr_t *event);
+/* Add `stream` to a block's stream uses; GCA_ERR_NOMEM if the set cannot grow. */
+int stream_uses_add(block_t *b, gca_stream_t stream);
+/* At device destruction: wait for every stream the device's memory may be
+ * used on, and forget the pending frees. */
+void events_shutdown(device_t *d);
 
 /* ------------------------------------------------------------------------ */
 /* The allocator (allocator.c)                                               */
@@ -348,6 +448,7 @@ struct gca_allocator {
   device_t *devices;
   pthread_mutex_t config_lock; /* serializes gca_set_config */
   config_t config;             /* the master copy; devices hold copies */
+  bool launch_blocking;        /* GCALLOC_/CUDA_/ACL_LAUNCH_BLOCKING at open */
 };
 
 /* ------------------------------------------------------------------------ */

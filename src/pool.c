@@ -108,6 +108,12 @@ block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream) {
 
 block_t *pool_first(pool_t *pool) { return RB_MIN(free_index, &pool->index); }
 
+block_t *pool_first_after_stream(pool_t *pool, gca_stream_t stream) {
+  if (stream == UINTPTR_MAX) return NULL;
+  block_t key = {.stream = stream + 1, .size = 0, .addr = 0};
+  return RB_NFIND(free_index, &pool->index, &key);
+}
+
 /* libbsd's RB_NEXT and RB_PREV walk from the node alone and ignore the head. */
 block_t *pool_next(pool_t *pool, block_t *b) {
   (void)pool;

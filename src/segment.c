@@ -40,7 +40,9 @@ block_t *block_new(device_t *d) {
    * starts clear. Cheaper than clearing the whole descriptor. */
   b->prev = b->next = b->hash_next = NULL;
   b->requested = 0;
-  b->allocated = false;
+  b->uses = NULL;
+  b->event_count = 0;
+  b->state = BLOCK_FREE;
   b->oversize = false;
   return b;
 }
@@ -100,6 +102,8 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   seg->pool = pool;
   seg->head = b;
   seg->prev = NULL;
+  seg->release_next = NULL;
+  seg->release_event = 0;
   seg->next = d->segments;
   if (d->segments) d->segments->prev = seg;
   d->segments = seg;
@@ -126,6 +130,28 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
 void segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
   pool_remove(b->pool, b);
+  /* Blocks freed on their own stream came back to the pool at once, while
+   * work queued on that stream may still use them (reuse on the stream is
+   * ordered after it; a device free is not). So the device free waits for
+   * the stream. Other streams' uses were waited for before the blocks came
+   * back (events.c). */
+  uintptr_t event;
+  if (events_stream_idle(d, seg->stream, &event)) {
+    segment_free_now(d, seg);
+  } else if (event) {
+    b->state = BLOCK_RELEASING;
+    seg->release_event = event;
+    seg->release_next = d->releasing;
+    d->releasing = seg;
+    d->releasing_count++;
+  } else {
+    /* Cannot know when the stream is done with it: keep it cached. */
+    pool_insert(b->pool, b);
+  }
+}
+
+void segment_free_now(device_t *d, segment_t *seg) {
+  block_t *b = seg->head;
   /* The segment leaves our books even if the backend refuses the free
    * (keeping it would leave a block nobody can use); the refusal is counted
    * and gca_check reports it, so it cannot pass unnoticed. */
@@ -196,12 +222,13 @@ static bool should_split(const device_t *d, const block_t *b, size_t size) {
 static void account_taken(device_t *d, block_t *b, size_t requested) {
   kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
-  b->allocated = true;
+  b->state = BLOCK_ALLOCATED;
   b->requested = requested;
   block_map_insert(&d->allocated, b);
   family_increase(s, FAM_ALLOCATION, kind, 1);
   family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
   family_increase(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
+  if (unlikely(d->pending_blocks)) stats_note_active_peak(s);
   b->oversize = b->size >= d->config.max_split_size;
   if (b->oversize) stat_increase(&s->oversize_allocations, 1);
   atomic_store_explicit(&d->allocated_now, family_current(s, FAM_ALLOCATED_BYTES), memory_order_relaxed);
@@ -253,13 +280,14 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
   return b;
 }
 
-static bool is_free(const block_t *b) { return b && !b->allocated; }
+/* Free and in the index: a pending neighbour is not merged with (PyTorch's
+ * try_merge_blocks skips blocks with events outstanding). */
+static bool is_free(const block_t *b) { return b && b->state == BLOCK_FREE; }
 
 void block_give_back(device_t *d, block_t *b) {
   kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   size_t requested = b->requested;
-  bool oversize = b->oversize;
   block_t *prev = is_free(b->prev) ? b->prev : NULL;
   block_t *next = is_free(b->next) ? b->next : NULL;
   int64_t split_blocks = 0, split_bytes = 0;
@@ -299,8 +327,7 @@ void block_give_back(device_t *d, block_t *b) {
     pool_key_increased(next->pool, next);
   } else {
     survivor = b;
-    b->allocated = false;
-    b->oversize = false;
+    b->state = BLOCK_FREE;
     b->requested = 0;
     pool_insert(b->pool, b);
   }
@@ -314,5 +341,4 @@ void block_give_back(device_t *d, block_t *b) {
   else if (split_bytes < 0) family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, -split_bytes);
 
   family_decrease(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
-  if (oversize) stat_decrease(&s->oversize_allocations, 1);
 }

@@ -13,7 +13,7 @@
 
 #include "internal.h"
 
-/* Where each kept family lands in the public struct. */
+/* Where each kept family lands in the public struct (NULL: not public). */
 static gca_stat_t *public_family(gca_stats_t *s, int fam) {
   switch (fam) {
     case FAM_ALLOCATION: return s->allocation;
@@ -22,7 +22,46 @@ static gca_stat_t *public_family(gca_stats_t *s, int fam) {
     case FAM_INACTIVE_SPLIT: return s->inactive_split;
     case FAM_INACTIVE_SPLIT_BYTES: return s->inactive_split_bytes;
     case FAM_SEGMENT: return s->segment;
-    default: return s->reserved_bytes;
+    case FAM_RESERVED_BYTES: return s->reserved_bytes;
+    default: return NULL;
+  }
+}
+
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* active = allocation + pending, as internal.h explains. */
+static void derive_active(const kept_stats_t *k, const gca_stat_t *alloc, int pending_fam, const int64_t *peak,
+                          gca_stat_t *active) {
+  for (int p = GCA_POOL_SMALL; p <= GCA_POOL_LARGE; p++) {
+    const kept_stat_t *pend = &k->family[pending_fam].pool[p - 1];
+    active[p].current = alloc[p].current + pend->current;
+    active[p].allocated = alloc[p].allocated;
+    active[p].freed = alloc[p].freed - (pend->current - pend->base);
+    active[p].peak = max64(alloc[p].peak, peak[p]);
+  }
+  gca_stat_t *all = &active[GCA_POOL_ALL];
+  all->current = active[GCA_POOL_SMALL].current + active[GCA_POOL_LARGE].current;
+  all->allocated = active[GCA_POOL_SMALL].allocated + active[GCA_POOL_LARGE].allocated;
+  all->freed = active[GCA_POOL_SMALL].freed + active[GCA_POOL_LARGE].freed;
+  all->peak = max64(alloc[GCA_POOL_ALL].peak, peak[GCA_POOL_ALL]);
+}
+
+/* The current value of allocation + pending: [0] blocks, [1] bytes. */
+static void active_now(const kept_stats_t *k, int m, int64_t *by_pool) {
+  int fa = m ? FAM_ALLOCATED_BYTES : FAM_ALLOCATION;
+  int fp = m ? FAM_PENDING_BYTES : FAM_PENDING;
+  by_pool[GCA_POOL_ALL] = 0;
+  for (int p = GCA_POOL_SMALL; p <= GCA_POOL_LARGE; p++) {
+    by_pool[p] = k->family[fa].pool[p - 1].current + k->family[fp].pool[p - 1].current;
+    by_pool[GCA_POOL_ALL] += by_pool[p];
+  }
+}
+
+void stats_note_active_peak(kept_stats_t *k) {
+  for (int m = 0; m < 2; m++) {
+    int64_t now[GCA_POOL_KINDS];
+    active_now(k, m, now);
+    for (int p = 0; p < GCA_POOL_KINDS; p++) k->active_peak[m][p] = max64(k->active_peak[m][p], now[p]);
   }
 }
 
@@ -30,6 +69,7 @@ void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
   memset(out, 0, sizeof *out);
   for (int fam = 0; fam < FAM_COUNT; fam++) {
     gca_stat_t *dst = public_family(out, fam);
+    if (!dst) continue;
     for (int p = 0; p < 2; p++) {
       const kept_stat_t *src = &k->family[fam].pool[p];
       gca_stat_t *pub = &dst[p == 0 ? GCA_POOL_SMALL : GCA_POOL_LARGE];
@@ -43,9 +83,8 @@ void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
     }
     dst[GCA_POOL_ALL].peak = k->all_peak[fam];
   }
-  /* No free is deferred yet: active is exactly what is allocated. */
-  memcpy(out->active, out->allocation, sizeof out->active);
-  memcpy(out->active_bytes, out->allocated_bytes, sizeof out->active_bytes);
+  derive_active(k, out->allocation, FAM_PENDING, k->active_peak[0], out->active);
+  derive_active(k, out->allocated_bytes, FAM_PENDING_BYTES, k->active_peak[1], out->active_bytes);
   out->oversize_allocations = k->oversize_allocations;
   out->oversize_segments = k->oversize_segments;
   out->num_alloc_retries = k->num_alloc_retries;
@@ -53,6 +92,7 @@ void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
   out->num_sync_all_streams = k->num_sync_all_streams;
   out->num_device_alloc = k->num_device_alloc;
   out->num_device_free = k->num_device_free;
+  out->num_cross_stream_reuses = k->num_cross_stream_reuses;
 }
 
 void stats_reset_peak(kept_stats_t *k) {
@@ -60,6 +100,7 @@ void stats_reset_peak(kept_stats_t *k) {
     for (int p = 0; p < 2; p++) k->family[fam].pool[p].peak = k->family[fam].pool[p].current;
     k->all_peak[fam] = family_current(k, fam);
   }
+  for (int m = 0; m < 2; m++) active_now(k, m, k->active_peak[m]);
   k->oversize_allocations.peak = k->oversize_allocations.current;
   k->oversize_segments.peak = k->oversize_segments.current;
 }
@@ -77,6 +118,7 @@ void stats_reset_accumulated(kept_stats_t *k) {
   k->num_sync_all_streams = 0;
   k->num_device_alloc = 0;
   k->num_device_free = 0;
+  k->num_cross_stream_reuses = 0;
 }
 
 /* ---- flat form ---------------------------------------------------------- */

@@ -15,7 +15,22 @@
  * the Nth (fail_after), or each with a seeded probability (fail_rate, seed);
  * an injected failure looks like a full device (GCA_ERR_OOM). latency_ns
  * makes every allocate and free take that much longer, as driver calls do.
+ * event_fail_at makes the Nth event record fail and wait_fail_at the Nth
+ * host wait (event or stream synchronize), as driver errors would.
+ *
+ * Asynchrony: simulated time (one clock for all devices) moves only when the
+ * driver of the sim advances it or when the host waits. Each stream knows
+ * when its queued work completes (ready_at): work queued with sim_launch
+ * starts at max(now, ready_at) and pushes ready_at on; an event recorded on a
+ * stream completes at the stream's ready_at; a stream made to wait on an
+ * event cannot start work before the event completes. Work that uses memory
+ * is remembered until it completes, which makes the sim a race detector for
+ * device memory: a launch that touches memory still used by unordered work of
+ * another stream, or a device free of memory in use, is a hazard, counted
+ * and reported. That is how the tests prove the allocator never hands out or
+ * frees memory that queued work may still touch.
  */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,11 +64,40 @@ static int compare_allocs(const sim_alloc_t *a, const sim_alloc_t *b) {
 RB_HEAD(sim_live, sim_alloc);
 RB_GENERATE_STATIC(sim_live, sim_alloc, link, compare_allocs)
 
+typedef struct sim_stream {
+  gca_stream_t handle;
+  uint64_t ready_at;  /* when the work queued so far completes */
+} sim_stream_t;
+
+/* Queued work that uses memory, kept until it completes. */
+typedef struct sim_work {
+  uintptr_t addr;
+  size_t size;
+  gca_stream_t stream;
+  uint64_t end;
+} sim_work_t;
+
+/* Events live in a table per device; a handle is (generation << 32) |
+ * (slot + 1), so a stale or made-up handle is recognised, never followed. */
+typedef struct sim_event {
+  uint64_t at;          /* completes when now >= at */
+  uint32_t generation;  /* bumped when the slot is freed */
+  uint32_t next_free;   /* free list, slot + 1; 0 ends it */
+  bool live;
+} sim_event_t;
+
 typedef struct sim_device {
   size_t used;
   sim_range_t *free_ranges; /* address order */
   struct sim_live live;
   sim_counters_t counters;
+  sim_stream_t *streams;    /* created on first use; few, so a plain array */
+  size_t stream_count, stream_cap;
+  sim_work_t *work;         /* pending work that uses memory */
+  size_t work_count, work_cap;
+  sim_event_t *events;
+  uint32_t event_cap;
+  uint32_t free_events;     /* head of the free list, slot + 1; 0: none */
 } sim_device_t;
 
 typedef struct sim {
@@ -65,6 +109,10 @@ typedef struct sim {
   double fail_rate;
   uint64_t rng;
   uint64_t latency_ns;
+  uint64_t event_fail_at; /* 0: off */
+  uint64_t wait_fail_at;  /* 0: off */
+  uint64_t waits;         /* host waits so far, all devices */
+  uint64_t now;         /* simulated ns */
   bool backed;
   sim_device_t devices[];
 } sim_t;
@@ -146,6 +194,85 @@ static bool give_range(sim_device_t *dev, uintptr_t addr, size_t size) {
   return true;
 }
 
+/* ---- streams, work and hazards (with the sim lock held) ---------------- */
+
+/* The stream's state, created on first use; NULL only on host OOM (or, with
+ * create false, when the stream was never used). */
+static sim_stream_t *find_stream(sim_device_t *dev, gca_stream_t handle, bool create) {
+  for (size_t i = 0; i < dev->stream_count; i++)
+    if (dev->streams[i].handle == handle) return &dev->streams[i];
+  if (!create) return NULL;
+  if (dev->stream_count == dev->stream_cap) {
+    size_t cap = dev->stream_cap ? 2 * dev->stream_cap : 8;
+    sim_stream_t *grown = realloc(dev->streams, cap * sizeof *grown);
+    if (!grown) return NULL;
+    dev->streams = grown;
+    dev->stream_cap = cap;
+  }
+  sim_stream_t *st = &dev->streams[dev->stream_count++];
+  st->handle = handle;
+  st->ready_at = 0;
+  return st;
+}
+
+/* Forget the work that has completed by `now`. */
+static void prune_work(sim_device_t *dev, uint64_t now) {
+  size_t kept = 0;
+  for (size_t i = 0; i < dev->work_count; i++)
+    if (dev->work[i].end > now) dev->work[kept++] = dev->work[i];
+  dev->work_count = kept;
+}
+
+/* Pending work overlapping [addr, addr + size) that runs past `from`, or NULL. */
+static const sim_work_t *conflicting_work(const sim_device_t *dev, uintptr_t addr, size_t size, uint64_t from) {
+  for (size_t i = 0; i < dev->work_count; i++) {
+    const sim_work_t *w = &dev->work[i];
+    if (w->end > from && w->addr < addr + size && addr < w->addr + w->size) return w;
+  }
+  return NULL;
+}
+
+static sim_event_t *event_of(sim_device_t *dev, uintptr_t handle) {
+  uint64_t slot = ((uint64_t)handle & 0xffffffffu) - 1;
+  if (slot >= dev->event_cap) return NULL;
+  sim_event_t *e = &dev->events[slot];
+  return e->live && e->generation == (uint32_t)((uint64_t)handle >> 32) ? e : NULL;
+}
+
+/* A free slot; false on host OOM. */
+static bool new_event(sim_device_t *dev, uint64_t at, uintptr_t *handle) {
+  if (!dev->free_events) {
+    uint32_t cap = dev->event_cap ? 2 * dev->event_cap : 64;
+    if (cap > 0x7fffffffu) return false;
+    sim_event_t *grown = realloc(dev->events, (size_t)cap * sizeof *grown);
+    if (!grown) return false;
+    for (uint32_t i = dev->event_cap; i < cap; i++)
+      grown[i] = (sim_event_t){.next_free = i + 1 < cap ? i + 2 : 0};
+    dev->free_events = dev->event_cap + 1;
+    dev->events = grown;
+    dev->event_cap = cap;
+  }
+  uint32_t slot = dev->free_events - 1;
+  sim_event_t *e = &dev->events[slot];
+  dev->free_events = e->next_free;
+  e->at = at;
+  e->live = true;
+  *handle = (uintptr_t)(((uint64_t)e->generation << 32) | (slot + 1));
+  return true;
+}
+
+static int bad_event(int device, uintptr_t handle) {
+  return set_error(GCA_ERR_INVALID, "sim: %#" PRIxPTR " is not a live event of device %d", handle, device);
+}
+
+static int wait_until(sim_t *s, sim_device_t *dev, uint64_t at) {
+  dev->counters.host_waits++;
+  if (s->wait_fail_at && ++s->waits == s->wait_fail_at)
+    return set_error(GCA_ERR_BACKEND, "sim: injected failure of host wait #%" PRIu64, s->waits);
+  if (at > s->now) s->now = at;
+  return GCA_OK;
+}
+
 static int sim_device_count(void *state) { return ((sim_t *)state)->device_count; }
 
 static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
@@ -211,6 +338,15 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
     rc = set_error(GCA_ERR_BACKEND, "sim: free of %p on device %d with size %zu, allocated with %zu",
                    (void *)addr, device, size, rec->size);
   } else {
+    prune_work(dev, s->now);
+    const sim_work_t *w = conflicting_work(dev, rec->addr, rec->footprint, s->now);
+    if (w) {
+      dev->counters.hazards++;
+      rc = set_error(GCA_ERR_BACKEND,
+                     "sim: hazard: device %d frees [%#" PRIxPTR ", +%zu) while work of stream %#" PRIxPTR
+                     " on [%#" PRIxPTR ", +%zu) runs until t=%" PRIu64 " ns (now %" PRIu64 ")",
+                     device, rec->addr, rec->size, (uintptr_t)w->stream, w->addr, w->size, w->end, s->now);
+    }
     RB_REMOVE(sim_live, &dev->live, rec);
     if (rec->host) free(rec->host);
     /* On host OOM the range is lost to the address model; capacity is not. */
@@ -233,6 +369,87 @@ static int sim_mem_get_info(void *state, int device, size_t *free_bytes, size_t 
   return GCA_OK;
 }
 
+static int sim_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  uint64_t call = ++dev->counters.events_recorded;
+  int rc = GCA_OK;
+  sim_stream_t *st = NULL;
+  if (s->event_fail_at && call == s->event_fail_at) {
+    rc = set_error(GCA_ERR_BACKEND, "sim: injected failure of event record #%" PRIu64 " on device %d", call,
+                   device);
+  } else if (!(st = find_stream(dev, stream, true)) || !new_event(dev, st->ready_at, event)) {
+    rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory recording an event");
+  } else {
+    dev->counters.events_live++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_event_query(void *state, int device, uintptr_t event) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_event_t *e = event_of(&s->devices[device], event);
+  int rc = !e ? bad_event(device, event) : e->at <= s->now ? GCA_OK : BACKEND_NOT_READY;
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_event_synchronize(void *state, int device, uintptr_t event) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_event_t *e = event_of(&s->devices[device], event);
+  int rc = GCA_OK;
+  if (!e) rc = bad_event(device, event);
+  else rc = wait_until(s, &s->devices[device], e->at);
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static void sim_event_destroy(void *state, int device, uintptr_t event) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_event_t *e = event_of(&s->devices[device], event);
+  if (e) {
+    sim_device_t *dev = &s->devices[device];
+    e->live = false;
+    e->generation++;
+    e->next_free = dev->free_events;
+    dev->free_events = (uint32_t)(e - dev->events) + 1;
+    dev->counters.events_live--;
+  }
+  pthread_mutex_unlock(&s->lock);
+}
+
+static int sim_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_event_t *e = event_of(&s->devices[device], event);
+  sim_stream_t *st = NULL;
+  int rc = GCA_OK;
+  if (!e) rc = bad_event(device, event);
+  else if (!(st = find_stream(dev, stream, true))) rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  else {
+    if (e->at > st->ready_at) st->ready_at = e->at;
+    dev->counters.stream_waits++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_stream_synchronize(void *state, int device, gca_stream_t stream) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_stream_t *st = find_stream(dev, stream, false);
+  int rc = wait_until(s, dev, st ? st->ready_at : 0);
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
 static void sim_destroy(void *state) {
   sim_t *s = state;
   for (int i = 0; i < s->device_count; i++) {
@@ -249,6 +466,9 @@ static void sim_destroy(void *state) {
       free(dev->free_ranges);
       dev->free_ranges = r;
     }
+    free(dev->streams);
+    free(dev->work);
+    free(dev->events);
   }
   pthread_mutex_destroy(&s->lock);
   free(s);
@@ -260,13 +480,32 @@ static const backend_ops_t sim_ops = {
     .malloc = sim_malloc,
     .free = sim_free,
     .mem_get_info = sim_mem_get_info,
+    .event_record = sim_event_record,
+    .event_query = sim_event_query,
+    .event_synchronize = sim_event_synchronize,
+    .event_destroy = sim_event_destroy,
+    .stream_wait_event = sim_stream_wait_event,
+    .stream_synchronize = sim_stream_synchronize,
     .destroy = sim_destroy,
 };
 
-int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
-  if (!b || b->ops != &sim_ops) return set_error(GCA_ERR_INVALID, "not a sim backend");
+/* The sim behind a backend handle, or NULL with the error set. */
+static sim_t *sim_of(const backend_t *b, int device) {
+  if (!b || b->ops != &sim_ops) {
+    set_error(GCA_ERR_INVALID, "not a sim backend");
+    return NULL;
+  }
   sim_t *s = b->state;
-  if (device < 0 || device >= s->device_count) return set_error(GCA_ERR_INVALID, "sim: no device %d", device);
+  if (device < 0 || device >= s->device_count) {
+    set_error(GCA_ERR_INVALID, "sim: no device %d", device);
+    return NULL;
+  }
+  return s;
+}
+
+int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
+  sim_t *s = sim_of(b, device);
+  if (!s) return GCA_ERR_INVALID;
   pthread_mutex_lock(&s->lock);
   *out = s->devices[device].counters;
   out->used = s->devices[device].used;
@@ -275,10 +514,82 @@ int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
   return GCA_OK;
 }
 
+
+int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t duration_ns, uintptr_t addr,
+               size_t size) {
+  sim_t *s = sim_of(b, device);
+  if (!s) return GCA_ERR_INVALID;
+  if (size && addr + size < addr) return set_error(GCA_ERR_INVALID, "sim: launch range wraps around");
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_stream_t *st = find_stream(dev, stream, true);
+  int rc = GCA_OK;
+  if (!st) {
+    pthread_mutex_unlock(&s->lock);
+    return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  }
+  uint64_t start = st->ready_at > s->now ? st->ready_at : s->now;
+  uint64_t end = start + duration_ns;
+  dev->counters.launches++;
+  if (size) {
+    prune_work(dev, s->now);
+    const sim_work_t *w = conflicting_work(dev, addr, size, start);
+    if (w) {
+      dev->counters.hazards++;
+      rc = set_error(GCA_ERR_BACKEND,
+                     "sim: hazard: work of stream %#" PRIxPTR " on [%#" PRIxPTR ", +%zu) starts at t=%" PRIu64
+                     " ns while work of stream %#" PRIxPTR " on [%#" PRIxPTR ", +%zu) runs until t=%" PRIu64
+                     " ns, not ordered before it",
+                     (uintptr_t)stream, addr, size, start, (uintptr_t)w->stream, w->addr, w->size, w->end);
+    }
+    if (dev->work_count == dev->work_cap) {
+      size_t cap = dev->work_cap ? 2 * dev->work_cap : 64;
+      sim_work_t *grown = realloc(dev->work, cap * sizeof *grown);
+      if (grown) {
+        dev->work = grown;
+        dev->work_cap = cap;
+      }
+    }
+    /* On host OOM the work runs untracked: fewer hazards seen, none invented. */
+    if (dev->work_count < dev->work_cap && duration_ns > 0)
+      dev->work[dev->work_count++] = (sim_work_t){addr, size, stream, end};
+  }
+  st->ready_at = end;
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+void sim_advance(const backend_t *b, uint64_t ns) {
+  sim_t *s = sim_of(b, 0);
+  if (!s) return;
+  pthread_mutex_lock(&s->lock);
+  s->now = s->now + ns < s->now ? UINT64_MAX : s->now + ns;
+  pthread_mutex_unlock(&s->lock);
+}
+
+uint64_t sim_now(const backend_t *b) {
+  sim_t *s = sim_of(b, 0);
+  if (!s) return 0;
+  pthread_mutex_lock(&s->lock);
+  uint64_t now = s->now;
+  pthread_mutex_unlock(&s->lock);
+  return now;
+}
+
+uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream) {
+  sim_t *s = sim_of(b, device);
+  if (!s) return 0;
+  pthread_mutex_lock(&s->lock);
+  sim_stream_t *st = find_stream(&s->devices[device], stream, false);
+  uint64_t at = st ? st->ready_at : 0;
+  pthread_mutex_unlock(&s->lock);
+  return at;
+}
+
 /* ---- options ------------------------------------------------------------ */
 
 typedef struct sim_options {
-  uint64_t capacity, devices, fail_at, fail_after, seed, latency_ns, backed;
+  uint64_t capacity, devices, fail_at, fail_after, seed, latency_ns, backed, event_fail_at, wait_fail_at;
   double fail_rate;
 } sim_options_t;
 
@@ -326,12 +637,18 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
   } else if (KEY_IS("latency_ns")) {
     if (!parse_u64(val, vlen, &o->latency_ns) || o->latency_ns > 10000000000ull)
       return bad_option(key, klen, val, vlen, "expected nanoseconds, at most 10 s");
+  } else if (KEY_IS("event_fail_at")) {
+    if (!parse_u64(val, vlen, &o->event_fail_at) || o->event_fail_at == 0)
+      return bad_option(key, klen, val, vlen, "expected an event record number >= 1");
+  } else if (KEY_IS("wait_fail_at")) {
+    if (!parse_u64(val, vlen, &o->wait_fail_at) || o->wait_fail_at == 0)
+      return bad_option(key, klen, val, vlen, "expected a host wait number >= 1");
   } else if (KEY_IS("backed")) {
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
   } else {
     return set_error(GCA_ERR_BACKEND,
                      "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_after, "
-                     "fail_rate, seed, latency_ns, backed)",
+                     "fail_rate, seed, latency_ns, event_fail_at, wait_fail_at, backed)",
                      (int)klen, key);
   }
   return GCA_OK;
@@ -367,6 +684,8 @@ int sim_backend_create(const char *options, backend_t *out) {
   s->fail_rate = o.fail_rate;
   s->rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
   s->latency_ns = o.latency_ns;
+  s->event_fail_at = o.event_fail_at;
+  s->wait_fail_at = o.wait_fail_at;
   s->backed = o.backed != 0;
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
