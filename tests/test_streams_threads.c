@@ -1,0 +1,182 @@
+/* Stream-ordered reuse under concurrency (labels `streams` and `threads`,
+ * run under ThreadSanitizer in CI). Workers allocate on streams of their own,
+ * launch simulated work on what they get, record uses on a stream they all
+ * share, free, and advance time; one thread synchronizes, empties the cache,
+ * flips cross_stream_reuse and runs the checker; one reads statistics. The
+ * device is small enough that the out-of-memory path runs concurrently with
+ * pending frees. Any launch the sim finds unordered with other work on the
+ * same memory is a failure; afterwards the books must balance exactly. */
+#include <inttypes.h>
+#include <pthread.h>
+
+#include "helpers.h"
+
+#define WORKERS 4
+#define OPS_PER_WORKER 20000
+#define SLOTS 64
+#define COMM ((gca_stream_t)0xC0)
+
+typedef struct worker {
+  gca_allocator_t *a;
+  int index;
+  uint64_t seed;
+  long mallocs, ooms, uses, failures;
+} worker_t;
+
+static atomic_int workers_running;
+/* Helper threads count failures rather than assert: cmocka's asserts may
+ * only fail on the test's own thread. */
+static atomic_int helper_failures;
+#define CHECK(cond)                                      \
+  do {                                                   \
+    if (!(cond)) atomic_fetch_add(&helper_failures, 1); \
+  } while (0)
+
+static uint64_t next(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}
+
+static bool launch(const backend_t *b, gca_stream_t s, void *p, size_t size, uint64_t ns) {
+  return sim_launch(b, 0, s, ns, (uintptr_t)p, size) == GCA_OK;
+}
+
+static bool order(const backend_t *b, gca_stream_t from, gca_stream_t to) {
+  uintptr_t e;
+  if (b->ops->event_record(b->state, 0, from, &e) != GCA_OK) return false;
+  int rc = b->ops->stream_wait_event(b->state, 0, to, e);
+  b->ops->event_destroy(b->state, 0, e);
+  return rc == GCA_OK;
+}
+
+static void *work(void *arg) {
+  worker_t *w = arg;
+  const backend_t *b = &w->a->backend;
+  gca_stream_t mine[2] = {(gca_stream_t)(0x10000 * (w->index + 1)), (gca_stream_t)(0x10000 * (w->index + 1) + 1)};
+  struct {
+    void *p;
+    size_t size;
+    gca_stream_t stream;
+    bool shared;
+  } live[SLOTS] = {{0}};
+  uint64_t s = w->seed;
+  for (int i = 0; i < OPS_PER_WORKER; i++) {
+    size_t slot = next(&s) % SLOTS;
+    uint64_t r = next(&s) % 100;
+    if (!live[slot].p && r < 50) {
+      size_t size = (size_t)1 << (9 + next(&s) % 17);
+      size += next(&s) % size;
+      gca_stream_t st = mine[next(&s) % 2];
+      void *p = gca_malloc(w->a, size, 0, st);
+      if (!p) {
+        if (gca_last_status() == GCA_ERR_OOM) w->ooms++;
+        else w->failures++;
+        continue;
+      }
+      w->mallocs++;
+      live[slot].p = p;
+      live[slot].size = size;
+      live[slot].stream = st;
+      live[slot].shared = false;
+      if (!launch(b, st, p, size, next(&s) % 3000)) w->failures++;
+    } else if (live[slot].p && r < 65 && !live[slot].shared) {
+      /* Hand the memory to the shared stream, after its producer. */
+      if (!order(b, live[slot].stream, COMM)) w->failures++;
+      if (gca_record_stream(w->a, live[slot].p, COMM) != GCA_OK) w->failures++;
+      if (!launch(b, COMM, live[slot].p, live[slot].size, next(&s) % 2000)) w->failures++;
+      live[slot].shared = true;
+      w->uses++;
+    } else if (live[slot].p) {
+      if (gca_free(w->a, live[slot].p) != GCA_OK) w->failures++;
+      live[slot].p = NULL;
+    }
+    if (r >= 90) sim_advance(b, next(&s) % 2000);
+    if (r == 99 && gca_process_events(w->a, 0) != GCA_OK) w->failures++;
+  }
+  for (int i = 0; i < SLOTS; i++)
+    if (live[i].p && gca_free(w->a, live[i].p) != GCA_OK) w->failures++;
+  atomic_fetch_sub(&workers_running, 1);
+  return NULL;
+}
+
+static void *observe(void *arg) {
+  gca_allocator_t *a = arg;
+  while (atomic_load(&workers_running) > 0) {
+    gca_stats_t s;
+    CHECK(gca_get_stats(a, 0, &s) == GCA_OK);
+    CHECK(s.allocated_bytes[GCA_POOL_ALL].current <= s.active_bytes[GCA_POOL_ALL].current);
+    CHECK(s.active_bytes[GCA_POOL_ALL].current <= s.reserved_bytes[GCA_POOL_ALL].current);
+    CHECK(s.active[GCA_POOL_ALL].peak >= s.allocation[GCA_POOL_ALL].peak);
+    CHECK(gca_allocated_bytes(a, 0) >= 0);
+  }
+  return NULL;
+}
+
+static void *maintain(void *arg) {
+  gca_allocator_t *a = arg;
+  int round = 0;
+  while (atomic_load(&workers_running) > 0) {
+    switch (round % 4) {
+      case 0: CHECK(gca_synchronize(a, 0) == GCA_OK); break;
+      case 1: CHECK(gca_empty_cache(a, -1) == GCA_OK); break;
+      case 2:
+        CHECK(gca_set_config(a, round % 8 == 2 ? "cross_stream_reuse:True" : "cross_stream_reuse:False") ==
+              GCA_OK);
+        break;
+      default: CHECK(gca_check(a, 0) == GCA_OK); break;
+    }
+    round++;
+  }
+  return NULL;
+}
+
+static void test_concurrent_streams(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=2GiB", "cross_stream_reuse:True");
+  pthread_t threads[WORKERS + 2];
+  worker_t workers[WORKERS];
+  atomic_store(&workers_running, WORKERS);
+  for (int i = 0; i < WORKERS; i++) {
+    workers[i] = (worker_t){.a = a, .index = i, .seed = 0x9E3779B9ull * (uint64_t)(i + 1)};
+    assert_int_equal(pthread_create(&threads[i], NULL, work, &workers[i]), 0);
+  }
+  assert_int_equal(pthread_create(&threads[WORKERS], NULL, observe, a), 0);
+  assert_int_equal(pthread_create(&threads[WORKERS + 1], NULL, maintain, a), 0);
+  for (int i = 0; i < WORKERS + 2; i++) pthread_join(threads[i], NULL);
+  assert_int_equal(atomic_load(&helper_failures), 0);
+
+  long mallocs = 0, uses = 0, ooms = 0;
+  for (int i = 0; i < WORKERS; i++) {
+    if (workers[i].failures) fprintf(stderr, "worker %d: %ld failures; last: %s\n", i, workers[i].failures,
+                                     gca_last_error());
+    assert_int_equal(workers[i].failures, 0);
+    mallocs += workers[i].mallocs;
+    uses += workers[i].uses;
+    ooms += workers[i].ooms;
+  }
+  assert_true(mallocs > 0 && uses > 0);
+  assert_consistent(a);
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  gca_stats_t s = stats_of(a, 0);
+  assert_int_equal(s.allocation[GCA_POOL_ALL].current, 0);
+  assert_int_equal(s.active[GCA_POOL_ALL].current, 0);
+  assert_int_equal(s.allocation[GCA_POOL_ALL].allocated, s.allocation[GCA_POOL_ALL].freed);
+  assert_int_equal(s.active[GCA_POOL_ALL].allocated, s.active[GCA_POOL_ALL].freed);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(gca_reserved_bytes(a, 0), 0);
+  sim_counters_t c = sim_counters(a, 0);
+  printf("%ld mallocs, %ld OOMs, %ld shared uses, %" PRIu64 " events, %" PRId64 " cross-stream reuses, %" PRId64
+         " retries\n",
+         mallocs, ooms, uses, c.events_recorded, s.num_cross_stream_reuses, s.num_alloc_retries);
+  assert_int_equal(c.hazards, 0);
+  assert_int_equal(c.events_live, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_concurrent_streams)};
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
