@@ -245,7 +245,17 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     if (rc == GCA_OK && c->expandable_segments) warn_not_built(p, key);
     return rc;
   }
-  if (strcmp(key, "cross_stream_reuse") == 0) return read_bool(p, key, &c->cross_stream_reuse);
+  if (strcmp(key, "cross_stream_reuse") == 0) {
+    /* gcalloc's own: True, False, or the largest segment (as a multiple of
+     * the one the device would be asked for) that may move between streams. */
+    token_t *v = next(p);
+    double ratio;
+    if (tok_is(v, "True")) c->cross_stream_reuse = HUGE_VAL;
+    else if (tok_is(v, "False")) c->cross_stream_reuse = 0;
+    else if (parse_double(v, &ratio) && ratio >= 1.0 && ratio <= 1e6) c->cross_stream_reuse = ratio;
+    else return fail(p, key, v, "must be True, False or a size ratio >= 1");
+    return GCA_OK;
+  }
   if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "release_lock_on_hipmalloc") == 0) {
     rc = read_bool(p, key, &c->release_lock_on_malloc);
     if (rc == GCA_OK && c->release_lock_on_malloc) warn_not_built(p, key);
@@ -400,6 +410,9 @@ size_t config_format(const config_t *c, char *buf, size_t cap) {
   put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
   put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
   put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
-  put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse ? "True" : "False");
+  if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
+    put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
+  else
+    put(&o, ",cross_stream_reuse:%.17g", c->cross_stream_reuse);
   return o.len;
 }

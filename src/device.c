@@ -3,15 +3,15 @@
  *
  * malloc, as PyTorch does it: complete the deferred frees whose events have
  * completed, round the size, pick the pool, take the best fit. On a miss:
- * with cross_stream_reuse, take the best fit cached for another stream,
- * ordered after that stream's work; else ask the device for a segment; if
- * the device is full, free cached oversize blocks that could cover the
- * request and ask again; then wait for every pending free, free every whole
- * cached segment, look in the cache once more and ask the device once more
- * (num_alloc_retries); then fail with an out-of-memory message in PyTorch's
- * form (num_ooms). The cached path makes no system call and allocates
- * nothing (descriptors come from a recycled list); its cost is a tree lookup
- * and a hash insert.
+ * with cross_stream_reuse, move the smallest fitting whole segment cached
+ * for another stream to this one (preferring streams whose work is all
+ * done), ordered after that stream's work; else ask the device for a segment; if the device is full, free
+ * cached oversize blocks that could cover the request and ask again; then
+ * wait for every pending free, free every whole cached segment, look in the
+ * cache once more and ask the device once more (num_alloc_retries); then
+ * fail with an out-of-memory message in PyTorch's form (num_ooms). The
+ * cached path makes no system call and allocates nothing (descriptors come
+ * from a recycled list); its cost is a tree lookup and a hash insert.
  *
  * free: the allocated counters drop at once; a block used on other streams
  * waits for their events (events.c), any other returns to its pool at once.
@@ -88,52 +88,47 @@ static void release_cached_blocks(device_t *d) {
   events_finish_releases(d, true);
 }
 
-/* The best fit for `rounded` cached for any stream but `stream`, or NULL. */
-static block_t *best_fit_elsewhere(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, block_t **pred) {
+/* The smallest whole cached segment of another stream that fits `rounded`
+ * under the oversize rules and the configured size ratio, preferring
+ * streams whose work is all done (no waiting); NULL if none. Only whole
+ * segments move between streams: taking pieces of another stream's split
+ * segments was measured to fragment both streams' segments and to trade
+ * blocks back and forth, each time with a wait (docs/benchmarks.md). The
+ * ratio bounds how much larger than a fresh segment a moved one may be: a
+ * larger one is split, and a split segment cannot be given back under
+ * pressure. Whether a stream is idle is asked only of a
+ * stream whose candidate could win. */
+static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                        bool *idle) {
   block_t *best = NULL;
+  *idle = false;
   for (block_t *first = pool_first(pool); first; first = pool_first_after_stream(pool, first->stream)) {
     if (first->stream == stream) continue;
-    block_t *p;
-    block_t *b = pool_best_fit(pool, &d->config, first->stream, rounded, &p);
-    if (b && (!best || b->size < best->size)) {
-      best = b;
-      *pred = p;
-    }
+    block_t *b = pool_lower_bound(pool, first->stream, rounded);
+    while (b && b->stream == first->stream && (b->prev || b->next)) b = pool_next(pool, b);
+    if (!b || b->stream != first->stream || !pool_fits(&d->config, rounded, b)) continue;
+    if ((double)b->size > d->config.cross_stream_reuse * (double)segment_size_for(rounded)) continue;
+    if (best && *idle && b->size >= best->size) continue;
+    bool is_idle = events_stream_is_idle(d, b->stream);
+    if (best && !(is_idle && !*idle) && !(is_idle == *idle && b->size < best->size)) continue;
+    best = b;
+    *idle = is_idle;
   }
   return best;
 }
 
-/* Cross-stream reuse: hand out a block cached for another stream once
- * `stream` is ordered after that stream's work. A whole segment moves to
- * `stream`; a piece of a split one stays its segment's and gets a stream
- * use, so its free waits for `stream`'s work before the piece comes back. */
+/* Cross-stream reuse: move a whole cached segment of another stream to
+ * `stream`, once `stream` is ordered after that stream's work (nothing to
+ * order if it is idle), and hand out the request from it. */
 static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                        size_t requested) {
-  block_t *pred = NULL;
-  block_t *b = best_fit_elsewhere(d, pool, stream, rounded, &pred);
-  if (!b) return NULL;
-  bool whole = !b->prev && !b->next;
-  stream_uses_t *uses = NULL;
-  if (!whole) {
-    uses = malloc(sizeof *uses + 2 * sizeof uses->streams[0]);
-    if (!uses) return NULL;
-    uses->count = 1;
-    uses->cap = 2;
-    uses->streams[0] = stream;
-  }
-  if (!events_order_reuse(d, b->stream, stream)) {
-    free(uses);
-    return NULL;
-  }
+  bool idle;
+  block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
+  if (!b || (!idle && !events_order_reuse(d, b->stream, stream))) return NULL;
   d->stats.num_cross_stream_reuses++;
-  if (whole) {
-    pool_remove(pool, b);
-    b->stream = b->segment->stream = stream;
-    return block_take(d, b, NULL, false, rounded, requested);
-  }
-  block_t *taken = block_take(d, b, pred, true, rounded, requested);
-  taken->uses = uses;
-  return taken;
+  pool_remove(pool, b);
+  b->stream = b->segment->stream = stream;
+  return block_take(d, b, NULL, false, rounded, requested);
 }
 
 /* A fit in the cache: on the stream's own blocks, then (if configured) on
@@ -142,7 +137,7 @@ static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size
   block_t *pred = NULL;
   block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
   if (b) return block_take(d, b, pred, true, rounded, requested);
-  return d->config.cross_stream_reuse ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+  return d->config.cross_stream_reuse > 0 ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
 }
 
 static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
@@ -155,7 +150,7 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
 GCA_COLD static block_t *malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                         size_t requested) {
   int rc;
-  block_t *b = d->config.cross_stream_reuse ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+  block_t *b = d->config.cross_stream_reuse > 0 ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
   if (b) return b;
   b = take_new_segment(d, pool, stream, rounded, requested, &rc);
   if (b || rc != GCA_ERR_OOM) return b;

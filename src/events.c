@@ -270,6 +270,14 @@ void events_finish_releases(device_t *d, bool wait) {
 
 /* ---- cross-stream reuse ------------------------------------------------- */
 
+bool events_stream_is_idle(device_t *d, gca_stream_t stream) {
+  uintptr_t e;
+  if (record_event(d, stream, &e) != GCA_OK) return false;
+  int rc = query_event(d, e);
+  destroy_event(d, e);
+  return rc == GCA_OK;
+}
+
 bool events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to) {
   uintptr_t e;
   int rc = record_event(d, from, &e);

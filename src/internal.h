@@ -76,7 +76,10 @@ typedef struct config {
   bool pinned_use_host_register;
   bool pinned_use_background_threads;
   bool backend_async;             /* backend:cudaMallocAsync */
-  bool cross_stream_reuse;        /* a miss may take a block cached for another stream */
+  /* A miss may take a whole segment cached for another stream, up to this
+   * many times the size of the segment the device would be asked for:
+   * 0 off, HUGE_VAL any size. */
+  double cross_stream_reuse;
   bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
 } config_t;
 
@@ -180,6 +183,8 @@ void pool_key_increased(pool_t *pool, block_t *b);
 /* Best fit for `size` on `stream` under the oversize rules; NULL on a miss.
  * *pred receives the found block's predecessor in the index. */
 block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred);
+/* Whether free block `b` (size >= `size`) may serve `size` under the oversize rules. */
+bool pool_fits(const config_t *cfg, size_t size, const block_t *b);
 /* The smallest free block on `stream` whose size is >= size, ignoring the oversize rules. */
 block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size);
 /* The largest free block on `stream`, or NULL. */
@@ -427,6 +432,9 @@ void events_finish_releases(device_t *d, bool wait);
  * on `from` (cross-stream reuse of a block cached for `from`); false if the
  * backend could do it neither with an event nor by waiting. */
 bool events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to);
+/* Whether every piece of work queued on `stream` has completed (false if
+ * the backend cannot tell). */
+bool events_stream_is_idle(device_t *d, gca_stream_t stream);
 /* Record an event on `stream` for a segment's device free: true if the
  * stream is already idle (free now); else the event is in *event. On a
  * backend failure waits for the stream instead, and returns true; false

@@ -90,13 +90,16 @@ block_t *pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
   return lower_bound(pool, stream, size, &pred);
 }
 
+bool pool_fits(const config_t *cfg, size_t size, const block_t *b) {
+  size_t max_split = cfg->max_split_size;
+  if (size < max_split && b->size >= max_split) return false;
+  if (size >= max_split && b->size - size >= cfg->max_non_split_rounding) return false;
+  return true;
+}
+
 block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred) {
   block_t *b = lower_bound(pool, stream, size, pred);
-  if (!b) return NULL;
-  size_t max_split = cfg->max_split_size;
-  if (size < max_split && b->size >= max_split) return NULL;
-  if (size >= max_split && b->size - size >= cfg->max_non_split_rounding) return NULL;
-  return b;
+  return b && pool_fits(cfg, size, b) ? b : NULL;
 }
 
 block_t *pool_last_on_stream(pool_t *pool, gca_stream_t stream) {

@@ -1,5 +1,6 @@
 /* The configuration string: every key, every error, precedence of the three
  * environment variables, all-or-nothing application, warnings. */
+#include <math.h>
 #include <unistd.h>
 
 #include "helpers.h"
@@ -205,10 +206,32 @@ static void test_set_config_merges_and_keeps_on_error(void **state) {
   gca_close(a);
 }
 
+/* gcalloc's own key: True (any size), False, or a size ratio >= 1. */
+static void test_cross_stream_reuse_key(void **state) {
+  (void)state;
+  assert_true(apply_ok("").cross_stream_reuse == 0);
+  assert_true(isinf(apply_ok("cross_stream_reuse:True").cross_stream_reuse));
+  assert_true(apply_ok("cross_stream_reuse:False").cross_stream_reuse == 0);
+  assert_true(apply_ok("cross_stream_reuse:1").cross_stream_reuse == 1.0);
+  assert_true(apply_ok("cross_stream_reuse:1.5").cross_stream_reuse == 1.5);
+  apply_bad("cross_stream_reuse:0.5", "cross_stream_reuse", "True, False or a size ratio >= 1");
+  apply_bad("cross_stream_reuse:yes", "cross_stream_reuse", "'yes'");
+  apply_bad("cross_stream_reuse:", "cross_stream_reuse", NULL);
+  assert_int_equal(logs.count, 0);
+  char text[1024];
+  const char *forms[] = {"cross_stream_reuse:True", "cross_stream_reuse:False", "cross_stream_reuse:1.5"};
+  for (int i = 0; i < 3; i++) {
+    gca_allocator_t *a = open_sim("sim", forms[i]);
+    assert_true(gca_get_config(a, text, sizeof text) > 0);
+    assert_contains(text, forms[i]);
+    gca_close(a);
+  }
+}
+
 static void test_config_round_trip(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim", "max_split_size_mb:256,roundup_power2_divisions:[256:1,512:2,>:8],"
-                                       "max_non_split_rounding_mb:32");
+                                       "max_non_split_rounding_mb:32,cross_stream_reuse:2.5");
   char text[1024], again[1024];
   int n = gca_get_config(a, text, sizeof text);
   assert_true(n > 0 && (size_t)n < sizeof text);
@@ -262,6 +285,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_all_or_nothing, setup, teardown),
       cmocka_unit_test_setup_teardown(test_environment_precedence, setup, teardown),
       cmocka_unit_test_setup_teardown(test_set_config_merges_and_keeps_on_error, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_cross_stream_reuse_key, setup, teardown),
       cmocka_unit_test_setup_teardown(test_config_round_trip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_default_log_prints_once, setup, teardown),
   };

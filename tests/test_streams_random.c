@@ -155,6 +155,11 @@ static void test_cross_stream_reuse_oversize(void **state) {
   run("cross_stream_reuse:True,max_split_size_mb:40,roundup_power2_divisions:4", 44, 400000);
 }
 
+static void test_cross_stream_reuse_ratio(void **state) {
+  (void)state;
+  run("cross_stream_reuse:1", 46, 400000);
+}
+
 static void test_launch_blocking(void **state) {
   (void)state;
   setenv("GCALLOC_LAUNCH_BLOCKING", "1", 1);
@@ -167,6 +172,7 @@ int main(void) {
       cmocka_unit_test(test_pytorch_semantics),
       cmocka_unit_test(test_cross_stream_reuse),
       cmocka_unit_test(test_cross_stream_reuse_oversize),
+      cmocka_unit_test(test_cross_stream_reuse_ratio),
       cmocka_unit_test(test_launch_blocking),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -5,6 +5,9 @@
  *       one by default) and print the statistics;
  *   gcalloc bench [--json] [--traces DIR] [--quick]
  *       time gcalloc against glibc, mimalloc and jemalloc (bench/bench.c);
+ *   gcalloc bench-streams [--json] [--quick]
+ *       peak reserved memory with and without cross-stream reuse on a
+ *       multi-stream workload (bench/streams.c);
  *   gcalloc version
  */
 #include <stdio.h>
@@ -20,6 +23,8 @@ static void usage(FILE *out) {
           "        run a training-like allocation sequence and print the statistics\n"
           "  bench [--json] [--traces DIR] [--quick]\n"
           "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
+          "  bench-streams [--json] [--quick]\n"
+          "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
           "  version\n");
 }
 
@@ -30,6 +35,7 @@ int main(int argc, char **argv) {
   }
   if (strcmp(argv[1], "demo") == 0) return demo_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());
     return 0;

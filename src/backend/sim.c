@@ -23,7 +23,9 @@
  * when its queued work completes (ready_at): work queued with sim_launch
  * starts at max(now, ready_at) and pushes ready_at on; an event recorded on a
  * stream completes at the stream's ready_at; a stream made to wait on an
- * event cannot start work before the event completes. Work that uses memory
+ * event cannot start work before the event completes. With engines=N, at
+ * most N pieces of work run at once on a device (streams then share it, as
+ * large kernels share a GPU); by default streams never hold each other up. Work that uses memory
  * is remembered until it completes, which makes the sim a race detector for
  * device memory: a launch that touches memory still used by unordered work of
  * another stream, or a device free of memory in use, is a hazard, counted
@@ -98,6 +100,7 @@ typedef struct sim_device {
   sim_event_t *events;
   uint32_t event_cap;
   uint32_t free_events;     /* head of the free list, slot + 1; 0: none */
+  uint64_t *engine_free_at; /* engines=N: when each engine finishes its work */
 } sim_device_t;
 
 typedef struct sim {
@@ -113,6 +116,7 @@ typedef struct sim {
   uint64_t wait_fail_at;  /* 0: off */
   uint64_t waits;         /* host waits so far, all devices */
   uint64_t now;         /* simulated ns */
+  uint32_t engines;     /* 0: unlimited */
   bool backed;
   sim_device_t devices[];
 } sim_t;
@@ -469,6 +473,7 @@ static void sim_destroy(void *state) {
     free(dev->streams);
     free(dev->work);
     free(dev->events);
+    free(dev->engine_free_at);
   }
   pthread_mutex_destroy(&s->lock);
   free(s);
@@ -529,7 +534,16 @@ int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t dur
     return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   }
   uint64_t start = st->ready_at > s->now ? st->ready_at : s->now;
+  uint64_t *engine = NULL;
+  if (s->engines && duration_ns) {
+    /* The engine free first takes the work, in launch order. */
+    engine = &dev->engine_free_at[0];
+    for (uint32_t i = 1; i < s->engines; i++)
+      if (dev->engine_free_at[i] < *engine) engine = &dev->engine_free_at[i];
+    if (*engine > start) start = *engine;
+  }
   uint64_t end = start + duration_ns;
+  if (engine) *engine = end;
   dev->counters.launches++;
   if (size) {
     prune_work(dev, s->now);
@@ -589,7 +603,7 @@ uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream
 /* ---- options ------------------------------------------------------------ */
 
 typedef struct sim_options {
-  uint64_t capacity, devices, fail_at, fail_after, seed, latency_ns, backed, event_fail_at, wait_fail_at;
+  uint64_t capacity, devices, fail_at, fail_after, seed, latency_ns, backed, event_fail_at, wait_fail_at, engines;
   double fail_rate;
 } sim_options_t;
 
@@ -643,12 +657,15 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
   } else if (KEY_IS("wait_fail_at")) {
     if (!parse_u64(val, vlen, &o->wait_fail_at) || o->wait_fail_at == 0)
       return bad_option(key, klen, val, vlen, "expected a host wait number >= 1");
+  } else if (KEY_IS("engines")) {
+    if (!parse_u64(val, vlen, &o->engines) || o->engines > 1024)
+      return bad_option(key, klen, val, vlen, "expected 0 (unlimited) to 1024");
   } else if (KEY_IS("backed")) {
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
   } else {
     return set_error(GCA_ERR_BACKEND,
                      "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_after, "
-                     "fail_rate, seed, latency_ns, event_fail_at, wait_fail_at, backed)",
+                     "fail_rate, seed, latency_ns, event_fail_at, wait_fail_at, engines, backed)",
                      (int)klen, key);
   }
   return GCA_OK;
@@ -686,10 +703,15 @@ int sim_backend_create(const char *options, backend_t *out) {
   s->latency_ns = o.latency_ns;
   s->event_fail_at = o.event_fail_at;
   s->wait_fail_at = o.wait_fail_at;
+  s->engines = (uint32_t)o.engines;
   s->backed = o.backed != 0;
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
     RB_INIT(&dev->live);
+    if (s->engines && !(dev->engine_free_at = calloc(s->engines, sizeof *dev->engine_free_at))) {
+      sim_destroy(s);
+      return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+    }
     /* Device i owns [(i+1) * SPAN, (i+2) * SPAN): never 0, never shared. */
     if (!give_range(dev, (uintptr_t)(i + 1) * SIM_SPAN, SIM_SPAN)) {
       sim_destroy(s);
