@@ -7,8 +7,10 @@
  * a small (<= 1 MiB) or a large pool by best fit over (stream, size, address),
  * blocks are split and merged inside segments obtained from the device, and
  * freed memory stays cached until gca_empty_cache() gives whole free segments
- * back. Configuration uses PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax and the
- * statistics carry PyTorch's memory_stats() names and meanings.
+ * back. Blocks used on several streams are reused only once the work queued
+ * on those streams has completed (gca_record_stream). Configuration uses
+ * PyTorch's PYTORCH_CUDA_ALLOC_CONF syntax and the statistics carry
+ * PyTorch's memory_stats() names and meanings.
  *
  * Errors: calls that return int return GCA_OK (0) or a negative gca_status;
  * calls that return a pointer return NULL on failure. Either way the reason is
@@ -117,14 +119,15 @@ typedef uintptr_t gca_stream_t;
  *   wait_fail_at=N    the Nth host wait for an event or stream fails
  *   backed=0|1        1: back allocations with host memory so they can be
  *                     written and read (tests); default 0
+ *   engines=N         at most N pieces of queued work run at once (0: no limit)
+ * Streams on the sim run work queued by its test and benchmark drivers in
+ * simulated time (docs/sim-backend.md); with none queued, every event has
+ * completed when recorded.
  *
  * `config` is a PyTorch-style allocator configuration (see gca_set_config);
  * it is applied on top of the environment's, which is read from the first set
  * of GCALLOC_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF. NULL or
  * "" adds nothing.
- *
- * Its streams run queued work in simulated time (see docs/sim-backend.md):
- * nothing completes until time is advanced or the host waits.
  *
  * On success stores the allocator in *out and returns GCA_OK. */
 GCA_API int gca_open(const char *backend, const char *config, gca_allocator_t **out);
@@ -216,9 +219,11 @@ GCA_API int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes,
  *   release_lock_on_cudamalloc, pinned_use_cuda_host_register,
  *   pinned_num_register_threads, pinned_use_background_threads,
  *   per_process_memory_fraction, backend, and gcalloc's own
- *   cross_stream_reuse (True/False, default False: on a miss, reuse a block
- *   cached for another stream, making the requesting stream wait for that
- *   stream's work, before asking the device for memory).
+ *   cross_stream_reuse (True, False or a size ratio >= 1; default False: on
+ *   a miss, before asking the device for memory, move a whole segment cached
+ *   for another stream to the requesting stream, which is first made to wait
+ *   for that stream's work; a ratio R moves only segments at most R times
+ *   the size the device would be asked for; see docs/streams.md).
  * Unlike PyTorch, keys not named keep their current values. A key whose
  * feature is not built yet is accepted and logged as a warning; an unknown key
  * is logged and ignored. A malformed or out-of-range value fails with
