@@ -296,8 +296,8 @@ int bench_streams_main(int argc, char **argv) {
         printf("  %-27s %8s %8s %7s %6s %6s %6s %8s %8s %8s %7s %7s\n", "policy", "peak GiB", "reserved",
                "res/alc", "saved", "dev.al", "reuses", "waits", "makespan", "/PyTorch", "min GiB", "retries");
         for (int p = 0; p < POLICIES; p++)
-          printf("  %-27s %8.2f %8.2f %7.3f %5.1f%% %6" PRId64 " %6" PRId64 " %8" PRIu64 " %6.1fms %8.3f %7.2f %7" PRId64
-                 "\n",
+          printf("  %-27s %8.2f %8.2f %7.3f %5.1f%% %6" PRId64 " %6" PRId64 " %8" PRIu64
+                 " %6.1fms %8.3f %7.2f %7" PRId64 "\n",
                  policies[p].label, gib(res[p].peak_allocated), gib(res[p].peak_reserved),
                  (double)res[p].peak_reserved / (double)res[p].peak_allocated,
                  100.0 * (1.0 - (double)res[p].peak_reserved / (double)res[0].peak_reserved), res[p].device_allocs,

@@ -195,7 +195,8 @@ int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
     lock_release(&d->lock);
     if (rc != GCA_ERR_BAD_POINTER || explained) return rc;
   }
-  return set_error(GCA_ERR_BAD_POINTER, "cannot record a stream use of %p: it was not allocated by this allocator", ptr);
+  return set_error(GCA_ERR_BAD_POINTER, "cannot record a stream use of %p: it was not allocated by this allocator",
+                   ptr);
 }
 
 /* Run `fn` on one device, or on every device for -1. */

@@ -5,9 +5,9 @@
  * completed, round the size, pick the pool, take the best fit. On a miss:
  * with cross_stream_reuse, move the smallest fitting whole segment cached
  * for another stream to this one (preferring streams whose work is all
- * done), ordered after that stream's work; else ask the device for a segment; if the device is full, free
- * cached oversize blocks that could cover the request and ask again; then
- * wait for every pending free, free every whole cached segment, look in the
+ * done), ordered after that stream's work; else ask the device for a
+ * segment; if the device is full, free cached oversize blocks that could
+ * cover the request and ask again; then wait for every pending free, free every whole cached segment, look in the
  * cache once more and ask the device once more (num_alloc_retries); then
  * fail with an out-of-memory message in PyTorch's form (num_ooms). The
  * cached path makes no system call and allocates nothing (descriptors come
@@ -93,11 +93,11 @@ static void release_cached_blocks(device_t *d) {
  * streams whose work is all done (no waiting); NULL if none. Only whole
  * segments move between streams: taking pieces of another stream's split
  * segments was measured to fragment both streams' segments and to trade
- * blocks back and forth, each time with a wait (docs/benchmarks.md). The
- * ratio bounds how much larger than a fresh segment a moved one may be: a
- * larger one is split, and a split segment cannot be given back under
- * pressure. Whether a stream is idle is asked only of a
- * stream whose candidate could win. */
+ * blocks back and forth, each time with a wait (docs/streams.md). The ratio
+ * bounds how much larger than a fresh segment a moved one may be: a larger
+ * one is split, and a split segment cannot be given back under pressure.
+ * Whether a stream is idle is asked only of a stream whose candidate could
+ * win. */
 static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                         bool *idle) {
   block_t *best = NULL;
@@ -117,11 +117,12 @@ static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t 
   return best;
 }
 
-/* Cross-stream reuse: move a whole cached segment of another stream to
- * `stream`, once `stream` is ordered after that stream's work (nothing to
- * order if it is idle), and hand out the request from it. */
+/* Cross-stream reuse, if configured: move a whole cached segment of another
+ * stream to `stream`, once `stream` is ordered after that stream's work
+ * (nothing to order if it is idle), and hand out the request from it. */
 static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                        size_t requested) {
+  if (d->config.cross_stream_reuse <= 0) return NULL;
   bool idle;
   block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
   if (!b || (!idle && !events_order_reuse(d, b->stream, stream))) return NULL;
@@ -136,8 +137,8 @@ static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t s
 static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested) {
   block_t *pred = NULL;
   block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
-  if (b) return block_take(d, b, pred, true, rounded, requested);
-  return d->config.cross_stream_reuse > 0 ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+  return b ? block_take(d, b, pred, true, rounded, requested)
+           : take_from_other_stream(d, pool, stream, rounded, requested);
 }
 
 static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
@@ -150,7 +151,7 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
 GCA_COLD static block_t *malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                         size_t requested) {
   int rc;
-  block_t *b = d->config.cross_stream_reuse > 0 ? take_from_other_stream(d, pool, stream, rounded, requested) : NULL;
+  block_t *b = take_from_other_stream(d, pool, stream, rounded, requested);
   if (b) return b;
   b = take_new_segment(d, pool, stream, rounded, requested, &rc);
   if (b || rc != GCA_ERR_OOM) return b;

@@ -109,11 +109,9 @@ static event_queue_t *queue_of(device_t *d, gca_stream_t stream) {
   for (size_t i = 0; i < d->queue_count; i++)
     if (d->queues[i].stream == stream) return &d->queues[i];
   if (d->queue_count == d->queue_cap) {
-    size_t cap = d->queue_cap ? 2 * d->queue_cap : 4;
-    event_queue_t *grown = realloc(d->queues, cap * sizeof *grown);
+    event_queue_t *grown = grow_array(d->queues, &d->queue_cap, sizeof *grown, 4);
     if (!grown) return NULL;
     d->queues = grown;
-    d->queue_cap = cap;
   }
   event_queue_t *q = &d->queues[d->queue_count++];
   memset(q, 0, sizeof *q);
@@ -171,7 +169,8 @@ void events_defer_free(device_t *d, block_t *b) {
   family_increase(&d->stats, FAM_PENDING, kind, 1);
   family_increase(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
   d->pending_blocks++;
-  /* Hold one count while recording, so the block cannot complete midway. */
+  /* One count is held while the events are recorded and dropped at the end,
+   * which completes the free then if no event had to be queued. */
   b->event_count = 1;
   for (uint32_t i = 0; i < uses->count; i++) {
     gca_stream_t stream = uses->streams[i];
@@ -225,7 +224,7 @@ void events_synchronize(device_t *d) {
 
 /* ---- deferred device frees --------------------------------------------- */
 
-bool events_stream_idle(device_t *d, gca_stream_t stream, uintptr_t *event) {
+bool events_ready_to_free(device_t *d, gca_stream_t stream, uintptr_t *event) {
   *event = 0;
   uintptr_t e;
   int rc = record_event(d, stream, &e);

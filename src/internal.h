@@ -439,7 +439,7 @@ bool events_stream_is_idle(device_t *d, gca_stream_t stream);
  * stream is already idle (free now); else the event is in *event. On a
  * backend failure waits for the stream instead, and returns true; false
  * with *event 0 if even that failed. */
-bool events_stream_idle(device_t *d, gca_stream_t stream, uintptr_t *event);
+bool events_ready_to_free(device_t *d, gca_stream_t stream, uintptr_t *event);
 /* Add `stream` to a block's stream uses; GCA_ERR_NOMEM if the set cannot grow. */
 int stream_uses_add(block_t *b, gca_stream_t stream);
 /* At device destruction: wait for every stream the device's memory may be
@@ -475,6 +475,10 @@ void log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* Small helpers (util.c)                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* Grow a dynamic array: realloc to twice *cap elements (`first` when empty).
+ * Returns the new array and updates *cap, or returns NULL on host OOM and
+ * leaves both untouched. */
+void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
 /* Parse "24GiB", "1.5GB", "4096" into bytes. Returns false on bad text or overflow. */
 bool parse_size(const char *text, size_t len, uint64_t *out);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else

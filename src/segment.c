@@ -136,7 +136,7 @@ void segment_release(device_t *d, block_t *b) {
    * the stream. Other streams' uses were waited for before the blocks came
    * back (events.c). */
   uintptr_t event;
-  if (events_stream_idle(d, seg->stream, &event)) {
+  if (events_ready_to_free(d, seg->stream, &event)) {
     segment_free_now(d, seg);
   } else if (event) {
     b->state = BLOCK_RELEASING;

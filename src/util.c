@@ -4,6 +4,7 @@
 #include <ctype.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -32,6 +33,14 @@ static bool unit_factor(const char *u, size_t len, double *factor) {
     }
   }
   return false;
+}
+
+void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
+  size_t n = *cap ? 2 * *cap : first;
+  if (n < *cap || n > SIZE_MAX / elem_size) return NULL;
+  void *grown = realloc(array, n * elem_size);
+  if (grown) *cap = n;
+  return grown;
 }
 
 bool parse_size(const char *text, size_t len, uint64_t *out) {

@@ -60,6 +60,34 @@ static inline void capture_log(gca_log_level level, const char *message, void *u
   snprintf(c->all + len, sizeof c->all - len, "%s\n", message);
 }
 
+/* Threaded tests: helper threads count failures rather than assert, since
+ * cmocka's asserts may only fail on the test's own thread. */
+static atomic_int helper_failures __attribute__((unused));
+#define CHECK(cond)                                      \
+  do {                                                   \
+    if (!(cond)) atomic_fetch_add(&helper_failures, 1); \
+  } while (0)
+
+/* xorshift64: a small seeded generator for test workloads. */
+static inline uint64_t next_random(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}
+
+/* Make work queued on sim stream `to` from now on wait for the work queued
+ * so far on `from` (what a program does before using, on `to`, memory
+ * produced on `from`). */
+static inline int order_streams(const backend_t *b, gca_stream_t from, gca_stream_t to) {
+  uintptr_t e;
+  int rc = b->ops->event_record(b->state, 0, from, &e);
+  if (rc != GCA_OK) return rc;
+  rc = b->ops->stream_wait_event(b->state, 0, to, e);
+  b->ops->event_destroy(b->state, 0, e);
+  return rc;
+}
+
 static inline void assert_contains(const char *haystack, const char *needle) {
   if (!strstr(haystack, needle)) fprintf(stderr, "expected \"%s\" in \"%s\"\n", needle, haystack);
   assert_non_null(strstr(haystack, needle));

@@ -24,15 +24,6 @@ static void use(gca_allocator_t *a, void *p, size_t size, gca_stream_t stream, u
   assert_int_equal(rc, GCA_OK);
 }
 
-/* Make work queued on `to` from now on wait for `from`'s work so far. */
-static void order(gca_allocator_t *a, gca_stream_t from, gca_stream_t to) {
-  const backend_t *b = sim_of_allocator(a);
-  uintptr_t e;
-  assert_int_equal(b->ops->event_record(b->state, 0, from, &e), GCA_OK);
-  assert_int_equal(b->ops->stream_wait_event(b->state, 0, to, e), GCA_OK);
-  b->ops->event_destroy(b->state, 0, e);
-}
-
 static void assert_no_hazards(gca_allocator_t *a) {
   assert_int_equal(sim_counters(a, 0).hazards, 0);
 }
@@ -451,7 +442,8 @@ static void test_out_of_memory_path_waits(void **state) {
   const backend_t *sim = sim_of_allocator(a);
   void *p = gca_malloc(a, 60 * MiB, 0, S1);
   use(a, p, 60 * MiB, S1, 3000);
-  order(a, S1, S2); /* the usual pattern: S2 uses p after S1 produced it */
+  /* The usual pattern: S2 uses p after S1 produced it. */
+  assert_int_equal(order_streams(sim, S1, S2), GCA_OK);
   assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
   use(a, p, 60 * MiB, S2, 4000); /* 3000 .. 7000 */
   assert_int_equal(gca_free(a, p), GCA_OK); /* pending on S2 */

@@ -27,13 +27,7 @@ typedef struct slot {
 } slot_t;
 
 static uint64_t rng;
-static uint64_t next_random(void) { /* xorshift64* */
-  rng ^= rng >> 12;
-  rng ^= rng << 25;
-  rng ^= rng >> 27;
-  return rng * 2685821657736338717ull;
-}
-static uint64_t below(uint64_t n) { return next_random() % n; }
+static uint64_t below(uint64_t n) { return next_random(&rng) % n; }
 
 static gca_stream_t stream_at(uint64_t i) { return (gca_stream_t)(0x1000 * (i + 1)); }
 
@@ -50,16 +44,6 @@ static void launch(gca_allocator_t *a, gca_stream_t s, const slot_t *sl, uint64_
   int rc = sim_launch(&a->backend, 0, s, ns, (uintptr_t)sl->ptr, sl->size);
   if (rc) fprintf(stderr, "%s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
-}
-
-/* Make `to` wait for the work `from` queued so far (what a program does
- * before using, on `to`, memory produced on `from`). */
-static void order(gca_allocator_t *a, gca_stream_t from, gca_stream_t to) {
-  const backend_t *b = &a->backend;
-  uintptr_t e;
-  assert_int_equal(b->ops->event_record(b->state, 0, from, &e), GCA_OK);
-  assert_int_equal(b->ops->stream_wait_event(b->state, 0, to, e), GCA_OK);
-  b->ops->event_destroy(b->state, 0, e);
 }
 
 static void run(const char *conf, uint64_t seed, int ops) {
@@ -94,7 +78,8 @@ static void run(const char *conf, uint64_t seed, int ops) {
       if (!sl->ptr || sl->stream_count == MAX_USES) continue;
       gca_stream_t s = stream_at(below(STREAMS));
       /* The new stream uses the memory after every stream that did. */
-      for (int i = 0; i < sl->stream_count; i++) order(a, sl->streams[i], s);
+      for (int i = 0; i < sl->stream_count; i++)
+        assert_int_equal(order_streams(&a->backend, sl->streams[i], s), GCA_OK);
       assert_int_equal(gca_record_stream(a, sl->ptr, s), GCA_OK);
       sl->streams[sl->stream_count++] = s;
       recorded++;
@@ -132,7 +117,8 @@ static void run(const char *conf, uint64_t seed, int ops) {
   assert_int_equal(c.live, 0);
   printf("%-60s %d mallocs, %d OOMs, %d stream uses, %" PRIu64 " events, %" PRId64 " cross-stream reuses, %" PRId64
          " retries\n",
-         *conf ? conf : "(PyTorch defaults)", mallocs, ooms, recorded, c.events_recorded, s.num_cross_stream_reuses, s.num_alloc_retries);
+         *conf ? conf : "(PyTorch defaults)", mallocs, ooms, recorded, c.events_recorded, s.num_cross_stream_reuses,
+         s.num_alloc_retries);
   /* The workload must reach the paths it is meant to test. */
   assert_true(ooms > 0 || s.num_alloc_retries > 0);
   assert_true(c.events_recorded > 1000);

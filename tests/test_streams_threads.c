@@ -24,31 +24,9 @@ typedef struct worker {
 } worker_t;
 
 static atomic_int workers_running;
-/* Helper threads count failures rather than assert: cmocka's asserts may
- * only fail on the test's own thread. */
-static atomic_int helper_failures;
-#define CHECK(cond)                                      \
-  do {                                                   \
-    if (!(cond)) atomic_fetch_add(&helper_failures, 1); \
-  } while (0)
-
-static uint64_t next(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
 
 static bool launch(const backend_t *b, gca_stream_t s, void *p, size_t size, uint64_t ns) {
   return sim_launch(b, 0, s, ns, (uintptr_t)p, size) == GCA_OK;
-}
-
-static bool order(const backend_t *b, gca_stream_t from, gca_stream_t to) {
-  uintptr_t e;
-  if (b->ops->event_record(b->state, 0, from, &e) != GCA_OK) return false;
-  int rc = b->ops->stream_wait_event(b->state, 0, to, e);
-  b->ops->event_destroy(b->state, 0, e);
-  return rc == GCA_OK;
 }
 
 static void *work(void *arg) {
@@ -63,12 +41,12 @@ static void *work(void *arg) {
   } live[SLOTS] = {{0}};
   uint64_t s = w->seed;
   for (int i = 0; i < OPS_PER_WORKER; i++) {
-    size_t slot = next(&s) % SLOTS;
-    uint64_t r = next(&s) % 100;
+    size_t slot = next_random(&s) % SLOTS;
+    uint64_t r = next_random(&s) % 100;
     if (!live[slot].p && r < 50) {
-      size_t size = (size_t)1 << (9 + next(&s) % 17);
-      size += next(&s) % size;
-      gca_stream_t st = mine[next(&s) % 2];
+      size_t size = (size_t)1 << (9 + next_random(&s) % 17);
+      size += next_random(&s) % size;
+      gca_stream_t st = mine[next_random(&s) % 2];
       void *p = gca_malloc(w->a, size, 0, st);
       if (!p) {
         if (gca_last_status() == GCA_ERR_OOM) w->ooms++;
@@ -80,19 +58,19 @@ static void *work(void *arg) {
       live[slot].size = size;
       live[slot].stream = st;
       live[slot].shared = false;
-      if (!launch(b, st, p, size, next(&s) % 3000)) w->failures++;
+      if (!launch(b, st, p, size, next_random(&s) % 3000)) w->failures++;
     } else if (live[slot].p && r < 65 && !live[slot].shared) {
       /* Hand the memory to the shared stream, after its producer. */
-      if (!order(b, live[slot].stream, COMM)) w->failures++;
+      if (order_streams(b, live[slot].stream, COMM) != GCA_OK) w->failures++;
       if (gca_record_stream(w->a, live[slot].p, COMM) != GCA_OK) w->failures++;
-      if (!launch(b, COMM, live[slot].p, live[slot].size, next(&s) % 2000)) w->failures++;
+      if (!launch(b, COMM, live[slot].p, live[slot].size, next_random(&s) % 2000)) w->failures++;
       live[slot].shared = true;
       w->uses++;
     } else if (live[slot].p) {
       if (gca_free(w->a, live[slot].p) != GCA_OK) w->failures++;
       live[slot].p = NULL;
     }
-    if (r >= 90) sim_advance(b, next(&s) % 2000);
+    if (r >= 90) sim_advance(b, next_random(&s) % 2000);
     if (r == 99 && gca_process_events(w->a, 0) != GCA_OK) w->failures++;
   }
   for (int i = 0; i < SLOTS; i++)

@@ -17,35 +17,21 @@ typedef struct worker {
 } worker_t;
 
 static atomic_int workers_running;
-/* Helper threads count failures rather than assert: cmocka's asserts may
- * only fail on the test's own thread. */
-static atomic_int helper_failures;
-#define CHECK(cond) \
-  do {                \
-    if (!(cond)) atomic_fetch_add(&helper_failures, 1); \
-  } while (0)
-
-static uint64_t next(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
 
 static void *work(void *arg) {
   worker_t *w = arg;
   void *live[256] = {0};
   uint64_t s = w->seed;
   for (int i = 0; i < OPS_PER_WORKER; i++) {
-    size_t slot = next(&s) % 256;
+    size_t slot = next_random(&s) % 256;
     if (live[slot]) {
       if (gca_free(w->a, live[slot]) != GCA_OK) w->failures++;
       live[slot] = NULL;
       w->frees++;
     } else {
-      size_t size = (size_t)1 << (next(&s) % 26);
-      size += next(&s) % size;
-      live[slot] = gca_malloc(w->a, size, (int)(next(&s) % 2), (gca_stream_t)(next(&s) % 3));
+      size_t size = (size_t)1 << (next_random(&s) % 26);
+      size += next_random(&s) % size;
+      live[slot] = gca_malloc(w->a, size, (int)(next_random(&s) % 2), (gca_stream_t)(next_random(&s) % 3));
       if (!live[slot]) w->failures++;
     }
   }

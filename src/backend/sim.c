@@ -207,11 +207,9 @@ static sim_stream_t *find_stream(sim_device_t *dev, gca_stream_t handle, bool cr
     if (dev->streams[i].handle == handle) return &dev->streams[i];
   if (!create) return NULL;
   if (dev->stream_count == dev->stream_cap) {
-    size_t cap = dev->stream_cap ? 2 * dev->stream_cap : 8;
-    sim_stream_t *grown = realloc(dev->streams, cap * sizeof *grown);
+    sim_stream_t *grown = grow_array(dev->streams, &dev->stream_cap, sizeof *grown, 8);
     if (!grown) return NULL;
     dev->streams = grown;
-    dev->stream_cap = cap;
   }
   sim_stream_t *st = &dev->streams[dev->stream_count++];
   st->handle = handle;
@@ -557,12 +555,8 @@ int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t dur
                      (uintptr_t)stream, addr, size, start, (uintptr_t)w->stream, w->addr, w->size, w->end);
     }
     if (dev->work_count == dev->work_cap) {
-      size_t cap = dev->work_cap ? 2 * dev->work_cap : 64;
-      sim_work_t *grown = realloc(dev->work, cap * sizeof *grown);
-      if (grown) {
-        dev->work = grown;
-        dev->work_cap = cap;
-      }
+      sim_work_t *grown = grow_array(dev->work, &dev->work_cap, sizeof *grown, 64);
+      if (grown) dev->work = grown;
     }
     /* On host OOM the work runs untracked: fewer hazards seen, none invented. */
     if (dev->work_count < dev->work_cap && duration_ns > 0)
