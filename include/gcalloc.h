@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define GCALLOC_VERSION_MAJOR 0
-#define GCALLOC_VERSION_MINOR 1
+#define GCALLOC_VERSION_MINOR 2
 #define GCALLOC_VERSION_PATCH 0
 
 /* Visibility: the shared library exports only what is declared here. */
