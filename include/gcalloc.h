@@ -149,9 +149,18 @@ GCA_API const char *gca_backend_name(const gca_allocator_t *a);
 
 /* Allocate `size` bytes on `device` for use on `stream`.
  * Size 0 returns NULL with status GCA_OK (as PyTorch does: nothing to hold).
- * On failure returns NULL: GCA_ERR_OOM when the device is full even after the
- * cache was emptied (the message is in PyTorch's "out of memory" form),
- * GCA_ERR_INVALID for a bad device or a size too large to round.
+ * A request the cache cannot serve climbs PyTorch's ladder: free-memory
+ * callbacks, garbage collection (with a memory fraction and
+ * garbage_collection_threshold), a new segment from the device (refused
+ * beyond the memory fraction), release of cached oversize blocks, release of
+ * every cached segment after waiting for all events, one more try; then,
+ * beyond PyTorch, waiting for memory other threads give back
+ * (oom_retry_timeout_ms) and OOM handlers (gca_add_oom_handler).
+ * On failure returns NULL: GCA_ERR_OOM when all of that failed (the message
+ * is PyTorch's "out of memory" text plus the largest free block, free memory
+ * by pool and stream, memory waiting for other streams, and the setting that
+ * would help; OOM observers are told), GCA_ERR_INVALID for a bad device or a
+ * size too large to round.
  * The returned pointer is a device address, aligned to 512 bytes. */
 GCA_API void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream);
 
@@ -207,6 +216,55 @@ GCA_API int gca_empty_cache(gca_allocator_t *a, int device);
  * device, other users included, like cudaMemGetInfo). */
 GCA_API int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes);
 
+/* Limit what the allocator may reserve on `device` to fraction x the
+ * device's total memory (torch.cuda.set_per_process_memory_fraction): a new
+ * segment that would pass it is refused without asking the device, so the
+ * cache is released and the request retried as when the device is full.
+ * Setting a fraction (even 1) also enables garbage_collection_threshold.
+ * GCA_ERR_INVALID unless 0 <= fraction <= 1; memory already reserved above a
+ * lowered limit stays until it is freed. The configuration key
+ * per_process_memory_fraction sets every device's. */
+GCA_API int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device);
+
+/* The fraction in force on `device` (1 when none was set). */
+GCA_API int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction);
+
+/* ------------------------------------------------------------------------ */
+/* When memory runs out                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Callbacks are kept per allocator (at most 32 of each kind), called in the
+ * order they were added, on the allocating thread, with no allocator lock
+ * held: they may call gcalloc (free, empty_cache) but must not wait for
+ * another thread that is allocating on the same device. Adding the same
+ * function twice calls it twice; removing takes out the first match of
+ * (fn, user), or fails with GCA_ERR_INVALID. */
+
+/* Free-memory callback (PyTorch's FreeMemoryCallback): run at every cache
+ * miss, before the device is asked for memory. Return nonzero if it freed
+ * memory into the cache, and the cache is searched again. `size` is the
+ * rounded request. */
+typedef int (*gca_free_memory_fn)(int device, size_t size, void *user);
+GCA_API int gca_add_free_memory_callback(gca_allocator_t *a, gca_free_memory_fn fn, void *user);
+GCA_API int gca_remove_free_memory_callback(gca_allocator_t *a, gca_free_memory_fn fn, void *user);
+
+/* OOM observer (PyTorch's attachOutOfMemoryObserver): told of every
+ * allocation that fails for want of memory, just before gca_malloc returns
+ * NULL: the size asked of the device, the limit (allowed bytes if a memory
+ * fraction is set, else the device's total) and the device's free bytes.
+ * gca_last_error() still holds the OOM message after observers run. */
+typedef void (*gca_oom_observer_fn)(int device, size_t size, size_t limit, size_t free_bytes, void *user);
+GCA_API int gca_add_oom_observer(gca_allocator_t *a, gca_oom_observer_fn fn, void *user);
+GCA_API int gca_remove_oom_observer(gca_allocator_t *a, gca_oom_observer_fn fn, void *user);
+
+/* OOM handler (beyond PyTorch): called when the whole ladder, and any wait,
+ * has failed. It may free memory (spill a cache, drop tensors) and return
+ * nonzero to ask for another try; the allocation is tried again, at most
+ * oom_handler_retries times (default 3), before it fails. */
+typedef int (*gca_oom_handler_fn)(int device, size_t size, void *user);
+GCA_API int gca_add_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, void *user);
+GCA_API int gca_remove_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, void *user);
+
 /* ------------------------------------------------------------------------ */
 /* Configuration                                                             */
 /* ------------------------------------------------------------------------ */
@@ -219,6 +277,11 @@ GCA_API int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes,
  *   release_lock_on_cudamalloc, pinned_use_cuda_host_register,
  *   pinned_num_register_threads, pinned_use_background_threads,
  *   per_process_memory_fraction, backend, and gcalloc's own
+ *   oom_retry_timeout_ms (default 0: an allocation the device cannot serve
+ *   after the whole ladder waits up to this long for other threads to free
+ *   memory, woken by each free, retrying with exponential backoff),
+ *   oom_handler_retries (default 3: how many times OOM handlers may ask
+ *   for another try), and
  *   cross_stream_reuse (True, False or a size ratio >= 1; default False: on
  *   a miss, before asking the device for memory, move a whole segment cached
  *   for another stream to the requesting stream, which is first made to wait
@@ -281,7 +344,11 @@ typedef struct gca_stats {
   int64_t num_device_free;      /* device (segment) frees */
   int64_t max_split_size;       /* bytes, -1 when unlimited */
   /* gcalloc's own (not in torch.cuda.memory_stats(), not flattened): */
-  int64_t num_cross_stream_reuses; /* misses served by a block cached for another stream */
+  int64_t num_cross_stream_reuses;  /* segments moved from another stream's cache */
+  int64_t num_device_free_failures; /* segment frees the device refused (kept cached) */
+  int64_t num_gc_releases;          /* segments given back by garbage collection */
+  int64_t num_alloc_waits;          /* allocations that waited for memory to come back */
+  int64_t num_oom_handler_retries;  /* tries made again because an OOM handler asked */
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

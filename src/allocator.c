@@ -67,17 +67,20 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   a->launch_blocking = launch_blocking_from_environment();
   a->device_count = a->backend.ops->device_count(a->backend.state);
   a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
-  if (!a->devices || pthread_mutex_init(&a->config_lock, NULL) != 0) {
+  bool config_lock = a->devices && pthread_mutex_init(&a->config_lock, NULL) == 0;
+  if (!config_lock || pthread_mutex_init(&a->callbacks_lock, NULL) != 0) {
+    if (config_lock) pthread_mutex_destroy(&a->config_lock);
     free(a->devices);
     backend_close(&a->backend);
     free(a);
     return set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
   }
   for (int i = 0; i < a->device_count; i++) {
-    rc = device_init(&a->devices[i], i, &a->backend, &cfg, a->launch_blocking);
+    rc = device_init(&a->devices[i], a, i, &cfg);
     if (rc) {
       while (i-- > 0) device_destroy(&a->devices[i]);
       pthread_mutex_destroy(&a->config_lock);
+      pthread_mutex_destroy(&a->callbacks_lock);
       free(a->devices);
       backend_close(&a->backend);
       free(a);
@@ -93,6 +96,7 @@ void gca_close(gca_allocator_t *a) {
   for (int i = 0; i < a->device_count; i++) device_destroy(&a->devices[i]);
   free(a->devices);
   pthread_mutex_destroy(&a->config_lock);
+  pthread_mutex_destroy(&a->callbacks_lock);
   backend_close(&a->backend);
   free(a);
 }
@@ -137,6 +141,7 @@ static int free_on(device_t *d, uintptr_t addr) {
   lock_acquire(&d->lock);
   int rc = device_free_locked(d, addr);
   lock_release(&d->lock);
+  device_wake_waiters(d);
   return rc;
 }
 
@@ -220,6 +225,40 @@ int gca_process_events(gca_allocator_t *a, int device) {
   return for_devices(a, device, "gca_process_events", device_process_events);
 }
 
+int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device) {
+  device_t *d = device_of(a, device, "gca_set_memory_fraction");
+  if (!d) return gca_last_status();
+  lock_acquire(&d->lock);
+  int rc = device_set_fraction_locked(d, fraction);
+  lock_release(&d->lock);
+  if (rc) prefix_error("gca_set_memory_fraction");
+  else device_wake_waiters(d); /* a higher limit may let a waiting allocation through */
+  return rc;
+}
+
+int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction) {
+  device_t *d = device_of(a, device, "gca_get_memory_fraction");
+  if (!d) return gca_last_status();
+  if (!fraction) return set_error(GCA_ERR_INVALID, "gca_get_memory_fraction: fraction is NULL");
+  lock_acquire(&d->lock);
+  *fraction = d->fraction_set ? d->fraction : 1.0;
+  lock_release(&d->lock);
+  return GCA_OK;
+}
+
+/* The callback registries (oom.c keeps them). */
+#define CALLBACK_API(kind, type, add, remove)                                      \
+  int add(gca_allocator_t *a, type fn, void *user) {                               \
+    return callbacks_add(a, kind, (void (*)(void))fn, user, #add);                 \
+  }                                                                                \
+  int remove(gca_allocator_t *a, type fn, void *user) {                            \
+    return callbacks_remove(a, kind, (void (*)(void))fn, user, #remove);           \
+  }
+
+CALLBACK_API(CB_FREE_MEMORY, gca_free_memory_fn, gca_add_free_memory_callback, gca_remove_free_memory_callback)
+CALLBACK_API(CB_OOM_OBSERVER, gca_oom_observer_fn, gca_add_oom_observer, gca_remove_oom_observer)
+CALLBACK_API(CB_OOM_HANDLER, gca_oom_handler_fn, gca_add_oom_handler, gca_remove_oom_handler)
+
 int gca_launch_blocking(const gca_allocator_t *a) {
   if (!a) return set_error(GCA_ERR_INVALID, "gca_launch_blocking: allocator is NULL");
   return a->launch_blocking ? 1 : 0;
@@ -246,11 +285,16 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
   config_t next = a->config;
   int rc = config_apply(&next, config, NULL);
   if (rc == GCA_OK) {
+    /* The fraction key, when it changes, sets every device's fraction;
+     * gca_set_memory_fraction's per-device settings stay otherwise. */
+    bool fraction_changed = next.memory_fraction_set &&
+                            (!a->config.memory_fraction_set || next.memory_fraction != a->config.memory_fraction);
     a->config = next;
     for (int i = 0; i < a->device_count; i++) {
       device_t *d = &a->devices[i];
       lock_acquire(&d->lock);
       d->config = next;
+      if (fraction_changed) (void)device_set_fraction_locked(d, next.memory_fraction);
       lock_release(&d->lock);
     }
   }

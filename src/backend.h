@@ -33,7 +33,11 @@ typedef struct backend_ops {
   int (*device_count)(void *state);
   /* Allocate `size` bytes on `device`; the address is 512-byte aligned. */
   int (*malloc)(void *state, int device, size_t size, uintptr_t *addr);
-  /* Free what malloc returned; `size` is the size it was asked for. */
+  /* Free what malloc returned; `size` is the size it was asked for.
+   * GCA_ERR_BAD_POINTER: the device holds no such allocation (a bookkeeping
+   * error of the caller; nothing was freed); GCA_ERR_CORRUPT: freed, but
+   * work still used it (the sim's race detector); any other failure: the
+   * device refused and the memory is still allocated. */
   int (*free)(void *state, int device, uintptr_t addr, size_t size);
   int (*mem_get_info)(void *state, int device, size_t *free_bytes, size_t *total_bytes);
   /* Create an event and record it on `stream`: it completes when every piece
@@ -79,6 +83,7 @@ typedef struct sim_counters {
   uint64_t stream_waits;     /* stream_wait_event calls */
   uint64_t host_waits;       /* event or stream synchronizations */
   uint64_t hazards;          /* unordered uses of memory, device frees of memory in use */
+  uint64_t free_calls;       /* every free, failed ones included */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */

@@ -25,6 +25,7 @@ void config_defaults(config_t *cfg) {
   cfg->max_non_split_rounding = LARGE_BUFFER;
   cfg->gc_threshold = 0.0;
   cfg->memory_fraction = 1.0;
+  cfg->oom_handler_retries = 3;
   cfg->pinned_num_register_threads = 1;
 }
 
@@ -228,7 +229,6 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     if (!parse_double(v, &t) || !(t > 0.0 && t < 1.0))
       return fail(p, key, v, "must be a number in (0.0, 1.0)");
     c->gc_threshold = t;
-    warn_not_built(p, key);
     return GCA_OK;
   }
   if (strcmp(key, "per_process_memory_fraction") == 0) {
@@ -237,7 +237,23 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     if (!parse_double(v, &f) || !(f >= 0.0 && f <= 1.0))
       return fail(p, key, v, "must be a number in [0.0, 1.0]");
     c->memory_fraction = f;
-    if (f != 1.0) warn_not_built(p, key);
+    c->memory_fraction_set = true;
+    return GCA_OK;
+  }
+  if (strcmp(key, "oom_retry_timeout_ms") == 0) {
+    /* gcalloc's own: how long an allocation may wait for memory to come back. */
+    token_t *v = next(p);
+    uint64_t ms;
+    if (!parse_uint(v, &ms) || ms > 3600000) return fail(p, key, v, "must be milliseconds from 0 to 3600000");
+    c->oom_retry_timeout_ms = ms;
+    return GCA_OK;
+  }
+  if (strcmp(key, "oom_handler_retries") == 0) {
+    /* gcalloc's own: how many times OOM handlers may ask for another try. */
+    token_t *v = next(p);
+    uint64_t n;
+    if (!parse_uint(v, &n) || n > 100) return fail(p, key, v, "must be an integer from 0 to 100");
+    c->oom_handler_retries = (uint32_t)n;
     return GCA_OK;
   }
   if (strcmp(key, "expandable_segments") == 0) {
@@ -372,47 +388,32 @@ int config_apply(config_t *cfg, const char *text, const char *origin) {
 
 /* ---- rendering ---------------------------------------------------------- */
 
-typedef struct out {
-  char *buf;
-  size_t cap;
-  size_t len;
-} out_t;
-
-static void put(out_t *o, const char *fmt, ...) GCA_PRINTF(2, 3);
-
-static void put(out_t *o, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  size_t room = o->len < o->cap ? o->cap - o->len : 0;
-  int n = vsnprintf(room ? o->buf + o->len : NULL, room, fmt, ap);
-  va_end(ap);
-  if (n > 0) o->len += (size_t)n;
-}
-
 size_t config_format(const config_t *c, char *buf, size_t cap) {
-  out_t o = {buf, cap, 0};
+  text_t o = {buf, cap, 0};
   if (cap) buf[0] = '\0';
-  put(&o, "max_non_split_rounding_mb:%zu", c->max_non_split_rounding / MIB);
-  if (c->max_split_size != SIZE_MAX) put(&o, ",max_split_size_mb:%zu", c->max_split_size / MIB);
+  text_put(&o, "max_non_split_rounding_mb:%zu", c->max_non_split_rounding / MIB);
+  if (c->max_split_size != SIZE_MAX) text_put(&o, ",max_split_size_mb:%zu", c->max_split_size / MIB);
   bool any_division = false;
   for (int i = 0; i < ROUNDUP_INTERVALS; i++) any_division |= c->roundup_divisions[i] != 0;
   if (any_division) {
-    put(&o, ",roundup_power2_divisions:[");
+    text_put(&o, ",roundup_power2_divisions:[");
     for (int i = 0; i < ROUNDUP_INTERVALS; i++)
-      put(&o, "%s%zu:%zu", i ? "," : "", (size_t)1 << i, c->roundup_divisions[i]);
-    put(&o, "]");
+      text_put(&o, "%s%zu:%zu", i ? "," : "", (size_t)1 << i, c->roundup_divisions[i]);
+    text_put(&o, "]");
   }
-  if (c->gc_threshold > 0) put(&o, ",garbage_collection_threshold:%.17g", c->gc_threshold);
-  put(&o, ",per_process_memory_fraction:%.17g", c->memory_fraction);
-  put(&o, ",expandable_segments:%s", c->expandable_segments ? "True" : "False");
-  put(&o, ",release_lock_on_cudamalloc:%s", c->release_lock_on_malloc ? "True" : "False");
-  put(&o, ",pinned_use_cuda_host_register:%s", c->pinned_use_host_register ? "True" : "False");
-  put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
-  put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
-  put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
+  if (c->gc_threshold > 0) text_put(&o, ",garbage_collection_threshold:%.17g", c->gc_threshold);
+  if (c->memory_fraction_set) text_put(&o, ",per_process_memory_fraction:%.17g", c->memory_fraction);
+  text_put(&o, ",oom_retry_timeout_ms:%llu", (unsigned long long)c->oom_retry_timeout_ms);
+  text_put(&o, ",oom_handler_retries:%u", (unsigned)c->oom_handler_retries);
+  text_put(&o, ",expandable_segments:%s", c->expandable_segments ? "True" : "False");
+  text_put(&o, ",release_lock_on_cudamalloc:%s", c->release_lock_on_malloc ? "True" : "False");
+  text_put(&o, ",pinned_use_cuda_host_register:%s", c->pinned_use_host_register ? "True" : "False");
+  text_put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
+  text_put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
+  text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
   if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
-    put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
+    text_put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
   else
-    put(&o, ",cross_stream_reuse:%.17g", c->cross_stream_reuse);
+    text_put(&o, ",cross_stream_reuse:%.17g", c->cross_stream_reuse);
   return o.len;
 }

@@ -19,27 +19,54 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
-int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg, bool launch_blocking) {
+int device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg) {
   memset(d, 0, sizeof *d);
-  if (lock_init(&d->lock) != 0)
-    return set_error(GCA_ERR_NOMEM, "cannot create the lock of device %d", index);
+  pthread_condattr_t attr;
+  bool cond_ok = pthread_condattr_init(&attr) == 0;
+  cond_ok = cond_ok && pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
+            pthread_cond_init(&d->wait_cond, &attr) == 0;
+  pthread_condattr_destroy(&attr);
+  if (!cond_ok) return set_error(GCA_ERR_NOMEM, "cannot create the condition variable of device %d", index);
+  if (lock_init(&d->lock) != 0 || pthread_mutex_init(&d->wait_lock, NULL) != 0) {
+    pthread_cond_destroy(&d->wait_cond);
+    return set_error(GCA_ERR_NOMEM, "cannot create the locks of device %d", index);
+  }
+  d->owner = owner;
   d->index = index;
-  d->backend = backend;
+  d->backend = &owner->backend;
   d->config = *cfg;
-  d->launch_blocking = launch_blocking;
+  d->launch_blocking = owner->launch_blocking;
   pool_init(&d->small_pool, GCA_POOL_SMALL);
   pool_init(&d->large_pool, GCA_POOL_LARGE);
   if (block_map_init(&d->allocated) != GCA_OK) {
     lock_destroy(&d->lock);
+    pthread_mutex_destroy(&d->wait_lock);
+    pthread_cond_destroy(&d->wait_cond);
     return set_error(GCA_ERR_NOMEM, "out of host memory creating device %d", index);
   }
   atomic_init(&d->allocated_now, 0);
   atomic_init(&d->reserved_now, 0);
   atomic_init(&d->span_lo, UINTPTR_MAX);
   atomic_init(&d->span_hi, 0);
+  atomic_init(&d->waiters, 0);
+  if (cfg->memory_fraction_set) (void)device_set_fraction_locked(d, cfg->memory_fraction);
+  return GCA_OK;
+}
+
+int device_set_fraction_locked(device_t *d, double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    return set_error(GCA_ERR_INVALID, "invalid memory fraction %g for device %d: it must be within [0, 1]", fraction,
+                     d->index);
+  size_t free_bytes = 0, total = 0;
+  int rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
+  if (rc) return rc;
+  d->fraction_set = true;
+  d->fraction = fraction;
+  d->allowed = (size_t)(fraction * (double)total);
   return GCA_OK;
 }
 
@@ -59,24 +86,8 @@ void device_destroy(device_t *d) {
   block_chunks_free(d);
   block_map_destroy(&d->allocated);
   lock_destroy(&d->lock);
-}
-
-GCA_COLD static void explain_oom(device_t *d, size_t rounded) {
-  size_t free_bytes = 0, total = 0;
-  d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
-  char want[32], cap[32], avail[32], alloc[32], unalloc[32];
-  format_bytes(segment_size_for(rounded), want, sizeof want);
-  format_bytes(total, cap, sizeof cap);
-  format_bytes(free_bytes, avail, sizeof avail);
-  int64_t allocated = family_current(&d->stats, FAM_ALLOCATED_BYTES);
-  int64_t reserved = family_current(&d->stats, FAM_RESERVED_BYTES);
-  format_bytes((uint64_t)allocated, alloc, sizeof alloc);
-  format_bytes((uint64_t)(reserved - allocated), unalloc, sizeof unalloc);
-  set_error(GCA_ERR_OOM,
-            "out of memory. Tried to allocate %s. Device %d has a total capacity of %s of which %s is "
-            "free. Of the allocated memory %s is allocated by gcalloc, and %s is reserved by gcalloc but "
-            "unallocated.",
-            want, d->index, cap, avail, alloc, unalloc);
+  pthread_mutex_destroy(&d->wait_lock);
+  pthread_cond_destroy(&d->wait_cond);
 }
 
 /* PyTorch's release_cached_blocks: wait for every pending free, then give
@@ -136,6 +147,7 @@ static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t s
  * another stream's. */
 static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested) {
   block_t *pred = NULL;
+  pool->lookups++;
   block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
   return b ? block_take(d, b, pred, true, rounded, requested)
            : take_from_other_stream(d, pool, stream, rounded, requested);
@@ -147,19 +159,19 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
   return b ? block_take(d, b, NULL, false, rounded, requested) : NULL;
 }
 
-/* The miss path. Returns the handed-out block, or NULL with the error set. */
-GCA_COLD static block_t *malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
-                                        size_t requested) {
-  int rc;
-  block_t *b = take_from_other_stream(d, pool, stream, rounded, requested);
-  if (b) return b;
-  b = take_new_segment(d, pool, stream, rounded, requested, &rc);
-  if (b || rc != GCA_ERR_OOM) return b;
+/* From the device: a new segment, freeing cache when the device is full
+ * (PyTorch's alloc_block, release_available_cached_blocks,
+ * release_cached_blocks). NULL with *rc set if nothing worked. */
+static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
+                                 int *rc) {
+  gc_collect(d);
+  block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
+  if (b || *rc != GCA_ERR_OOM) return b;
 
   if (segment_release_available(d, pool, stream, rounded)) {
     events_finish_releases(d, true);
-    b = take_new_segment(d, pool, stream, rounded, requested, &rc);
-    if (b || rc != GCA_ERR_OOM) return b;
+    b = take_new_segment(d, pool, stream, rounded, requested, rc);
+    if (b || *rc != GCA_ERR_OOM) return b;
   }
 
   release_cached_blocks(d);
@@ -168,12 +180,86 @@ GCA_COLD static block_t *malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t 
   b = take_cached(d, pool, stream, rounded, requested);
   if (b) return b;
   d->stats.num_alloc_retries++;
-  b = take_new_segment(d, pool, stream, rounded, requested, &rc);
-  if (b || rc != GCA_ERR_OOM) return b;
+  return take_new_segment(d, pool, stream, rounded, requested, rc);
+}
 
+/* One pass of the ladder after a miss on the stream's own cache. */
+static block_t *attempt(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  block_t *b = take_from_other_stream(d, pool, stream, rounded, requested);
+  return b ? b : take_from_device(d, pool, stream, rounded, requested, rc);
+}
+
+/* After the ladder failed for want of memory: wait for memory to come back
+ * (oom_retry_timeout_ms), then let the OOM handlers free some (bounded by
+ * oom_handler_retries), trying again after each. The lock is held on entry
+ * and on return, released while waiting and while handlers run. */
+static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  block_t *b = NULL;
+  uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
+  if (timeout_ns && oom_worth_waiting(d, rounded)) {
+    d->stats.num_alloc_waits++;
+    atomic_fetch_add(&d->waiters, 1);
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    uint64_t backoff = 1000000, waited = 0; /* 1 ms, doubling to 128 ms */
+    while (!b && *rc == GCA_ERR_OOM && waited < timeout_ns) {
+      uint64_t generation = oom_generation(d);
+      uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
+      oom_wait(d, generation, step);
+      if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
+      b = take_cached(d, pool, stream, rounded, requested);
+      if (!b) b = attempt(d, pool, stream, rounded, requested, rc);
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
+      if (backoff < 128000000) backoff *= 2;
+    }
+    atomic_fetch_sub(&d->waiters, 1);
+  }
+  for (uint32_t round = 0; !b && *rc == GCA_ERR_OOM && round < d->config.oom_handler_retries; round++) {
+    if (!atomic_load_explicit(&d->owner->callbacks[CB_OOM_HANDLER].count, memory_order_relaxed)) break;
+    lock_release(&d->lock);
+    bool again = oom_handlers(d, segment_size_for(rounded));
+    lock_acquire(&d->lock);
+    if (!again) break;
+    d->stats.num_oom_handler_retries++;
+    if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
+    b = take_cached(d, pool, stream, rounded, requested);
+    if (!b) b = attempt(d, pool, stream, rounded, requested, rc);
+  }
+  return b;
+}
+
+/* The miss path, with the lock held; returns the address (0 on failure,
+ * with the error set) with the lock released. */
+GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                         size_t requested) {
+  block_t *b = NULL;
+  int rc = GCA_ERR_OOM;
+  /* PyTorch's free-memory callbacks, then the cache again. */
+  if (atomic_load_explicit(&d->owner->callbacks[CB_FREE_MEMORY].count, memory_order_relaxed)) {
+    lock_release(&d->lock);
+    bool freed = oom_free_memory_callbacks(d, rounded);
+    lock_acquire(&d->lock);
+    if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
+    if (freed) b = take_cached(d, pool, stream, rounded, requested);
+  }
+  if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
+  if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
+  if (b) {
+    uintptr_t addr = b->addr;
+    lock_release(&d->lock);
+    return addr;
+  }
+  if (rc != GCA_ERR_OOM) {
+    lock_release(&d->lock);
+    return 0;
+  }
   d->stats.num_ooms++;
-  explain_oom(d, rounded);
-  return NULL;
+  oom_report_t report;
+  oom_explain(d, stream, rounded, &report);
+  lock_release(&d->lock);
+  oom_notify(d, &report);
+  return 0;
 }
 
 void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
@@ -186,11 +272,11 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
+  pool->lookups++;
   block_t *pred = NULL;
   block_t *b = pool_best_fit(pool, &d->config, stream, rounded, &pred);
-  if (likely(b != NULL)) b = block_take(d, b, pred, true, rounded, size);
-  else b = malloc_on_miss(d, pool, stream, rounded, size);
-  uintptr_t addr = b ? b->addr : 0;
+  if (unlikely(b == NULL)) return (void *)malloc_on_miss(d, pool, stream, rounded, size);
+  uintptr_t addr = block_take(d, b, pred, true, rounded, size)->addr;
   lock_release(&d->lock);
   return (void *)addr;
 }
@@ -220,6 +306,7 @@ void device_process_events(device_t *d) {
   lock_acquire(&d->lock);
   events_process(d);
   lock_release(&d->lock);
+  device_wake_waiters(d);
 }
 
 void device_synchronize(device_t *d) {
@@ -227,6 +314,7 @@ void device_synchronize(device_t *d) {
   d->stats.num_sync_all_streams++;
   events_synchronize(d);
   lock_release(&d->lock);
+  device_wake_waiters(d);
 }
 
 GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action) {
@@ -260,4 +348,5 @@ void device_empty_cache(device_t *d) {
   lock_acquire(&d->lock);
   release_cached_blocks(d);
   lock_release(&d->lock);
+  device_wake_waiters(d);
 }

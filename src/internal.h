@@ -69,7 +69,10 @@ typedef struct config {
   size_t max_non_split_rounding;  /* bytes an oversize block may exceed the request by */
   size_t roundup_divisions[ROUNDUP_INTERVALS];
   double gc_threshold;            /* 0: off */
-  double memory_fraction;         /* 1: whole device */
+  double memory_fraction;         /* of each device's total the process may reserve */
+  bool memory_fraction_set;       /* the key was given (enforced, and GC may run) */
+  uint64_t oom_retry_timeout_ms;  /* 0: an allocation that cannot be served fails at once */
+  uint32_t oom_handler_retries;   /* rounds of OOM handlers asking for another try */
   size_t pinned_num_register_threads;
   bool expandable_segments;
   bool release_lock_on_malloc;
@@ -149,6 +152,7 @@ struct block {
   uint32_t event_count;      /* pending blocks: events not yet completed */
   uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
+  uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
 };
 
 struct segment {
@@ -168,6 +172,7 @@ RB_HEAD(free_index, block);
 struct pool {
   struct free_index index;   /* free blocks by (stream, size, address) */
   size_t free_count;         /* nodes in the index */
+  uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
   int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
 };
 
@@ -289,6 +294,10 @@ typedef struct kept_stats {
   int64_t num_device_alloc;
   int64_t num_device_free;
   int64_t num_cross_stream_reuses;
+  int64_t num_device_free_failures;
+  int64_t num_gc_releases;
+  int64_t num_alloc_waits;
+  int64_t num_oom_handler_retries;
 } kept_stats_t;
 
 static inline int64_t family_current(const kept_stats_t *k, int fam) {
@@ -340,7 +349,11 @@ typedef struct event_queue {
 
 struct device {
   lock_t lock;
+  /* Allocations waiting for memory to come back (oom.c), beside the lock so
+   * that a free's look at it (after unlocking) touches no other line. */
+  _Atomic int waiters;
   int index;
+  gca_allocator_t *owner;
   backend_t *backend;
   config_t config;           /* a copy of the allocator's, refreshed under the lock */
   pool_t small_pool;
@@ -362,6 +375,14 @@ struct device {
   size_t releasing_count;
   size_t event_errors;       /* backend event failures (each handled by waiting instead) */
   bool launch_blocking;      /* every free completes before gca_free returns */
+  /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
+  bool fraction_set;
+  double fraction;
+  size_t allowed;
+  /* Waiting allocations sleep here; a free wakes them only if `waiters`. */
+  pthread_mutex_t wait_lock;
+  pthread_cond_t wait_cond;
+  uint64_t free_generation;  /* bumped by each wake, under wait_lock */
   /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
@@ -371,7 +392,7 @@ struct device {
   _Atomic uintptr_t span_hi;
 };
 
-int device_init(device_t *d, int index, backend_t *backend, const config_t *cfg, bool launch_blocking);
+int device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
 void device_destroy(device_t *d);
 void *device_malloc(device_t *d, size_t size, gca_stream_t stream);
 /* With the lock held: free the allocation at addr, or GCA_ERR_BAD_POINTER. */
@@ -384,6 +405,9 @@ void device_empty_cache(device_t *d);
 int device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream);
 void device_synchronize(device_t *d);
 void device_process_events(device_t *d);
+/* With the lock held: limit what the device may reserve to fraction x its
+ * total memory (PyTorch's set_per_process_memory_fraction). */
+int device_set_fraction_locked(device_t *d, double fraction);
 int device_check_locked(device_t *d);
 
 /* segment.c: with the lock held. */
@@ -395,10 +419,14 @@ void block_chunks_free(device_t *d);
 block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status);
 /* Give an unsplit free block's segment back to the backend: at once if its
  * stream has no queued work, else once that work completes (events.c
- * finishes it). The segment counts as reserved until the backend has it. */
-void segment_release(device_t *d, block_t *b);
-/* Free the segment on the device now (its stream's work has completed). */
-void segment_free_now(device_t *d, segment_t *seg);
+ * finishes it). The segment counts as reserved until the backend has it.
+ * False if it stays cached (the device refused, or the stream's work cannot
+ * be waited for). */
+bool segment_release(device_t *d, block_t *b);
+/* Free the segment (its whole free block, out of the index) on the device
+ * now: its stream's work has completed. If the device refuses, the segment
+ * stays cached (back in the index) and false is returned. */
+bool segment_free_now(device_t *d, segment_t *seg);
 /* Free the smallest cached oversize block that satisfies `rounded` (or
  * several, from the largest down); PyTorch's release_available_cached_blocks. */
 bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded);
@@ -446,6 +474,61 @@ int stream_uses_add(block_t *b, gca_stream_t stream);
  * used on, and forget the pending frees. */
 void events_shutdown(device_t *d);
 
+/* gc.c, with the lock held: PyTorch's garbage_collect_cached_blocks. When a
+ * memory fraction is set and reserved memory is above garbage_collection_
+ * threshold x allowed, give back whole cached large-pool segments, oldest
+ * first (age: best-fit searches of the pool since the block became free),
+ * until the excess is gone; without waiting for events or streams. */
+void gc_collect(device_t *d);
+
+/* ------------------------------------------------------------------------ */
+/* Out of memory (oom.c)                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* The kinds of user callbacks the allocator keeps. */
+enum callback_kind { CB_FREE_MEMORY, CB_OOM_OBSERVER, CB_OOM_HANDLER, CB_KINDS };
+#define MAX_CALLBACKS 32
+
+typedef struct callback {
+  void (*fn)(void); /* the caller's function, cast back to its kind's type to call */
+  void *user;
+} callback_t;
+
+typedef struct callback_list {
+  callback_t items[MAX_CALLBACKS];
+  _Atomic int count; /* read without the lock to skip an empty list */
+} callback_list_t;
+
+int callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
+int callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
+/* Without any device lock: run the free-memory callbacks; true if one freed memory. */
+bool oom_free_memory_callbacks(device_t *d, size_t size);
+/* Without any device lock: run the OOM handlers; true if one asked for another try. */
+bool oom_handlers(device_t *d, size_t size);
+/* With the lock held, on a request the device cannot serve: true if waiting
+ * for memory to come back may help (something this allocator holds could be
+ * freed, and the request fits in what the device or the fraction allows). */
+bool oom_worth_waiting(device_t *d, size_t rounded);
+/* With the lock held: release it and wait until a free wakes this thread or
+ * `ns` pass, then take it again. `generation` is the value read before the
+ * last attempt (oom_generation). */
+void oom_wait(device_t *d, uint64_t generation, uint64_t ns);
+uint64_t oom_generation(device_t *d);
+/* Wake allocations waiting on `d` (called after frees, without the lock). */
+void oom_wake(device_t *d);
+static inline void device_wake_waiters(device_t *d) {
+  if (unlikely(atomic_load_explicit(&d->waiters, memory_order_relaxed))) oom_wake(d);
+}
+/* What the failed allocation tells observers. */
+typedef struct oom_report {
+  size_t size, limit, free_bytes;
+} oom_report_t;
+/* With the lock held: set the out-of-memory error (PyTorch's message plus
+ * what it lacks) and fill *report for the observers. */
+void oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t *report);
+/* Without any device lock: tell the observers. Keeps the error message. */
+void oom_notify(device_t *d, const oom_report_t *report);
+
 /* ------------------------------------------------------------------------ */
 /* The allocator (allocator.c)                                               */
 /* ------------------------------------------------------------------------ */
@@ -457,6 +540,8 @@ struct gca_allocator {
   pthread_mutex_t config_lock; /* serializes gca_set_config */
   config_t config;             /* the master copy; devices hold copies */
   bool launch_blocking;        /* GCALLOC_/CUDA_/ACL_LAUNCH_BLOCKING at open */
+  pthread_mutex_t callbacks_lock;
+  callback_list_t callbacks[CB_KINDS];
 };
 
 /* ------------------------------------------------------------------------ */
@@ -479,6 +564,12 @@ void log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
  * Returns the new array and updates *cap, or returns NULL on host OOM and
  * leaves both untouched. */
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* A bounded text being written; `len` counts what did not fit too. */
+typedef struct text {
+  char *buf;
+  size_t cap, len;
+} text_t;
+void text_put(text_t *t, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* Parse "24GiB", "1.5GB", "4096" into bytes. Returns false on bad text or overflow. */
 bool parse_size(const char *text, size_t len, uint64_t *out);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else

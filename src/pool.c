@@ -22,10 +22,12 @@ RB_GENERATE_STATIC(free_index, block, link, compare_blocks)
 void pool_init(pool_t *pool, int kind) {
   RB_INIT(&pool->index);
   pool->free_count = 0;
+  pool->lookups = 0;
   pool->kind = kind;
 }
 
 void pool_insert(pool_t *pool, block_t *b) {
+  b->gc_base = pool->lookups;
   RB_INSERT(free_index, &pool->index, b);
   pool->free_count++;
 }

@@ -80,6 +80,14 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
     *status = set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
     return NULL;
   }
+  if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->allowed) {
+    /* PyTorch's alloc_block: refused without asking the device. */
+    *status = set_error(GCA_ERR_OOM,
+                        "device %d: %zu more bytes would pass the %zu the process may reserve "
+                        "(per_process_memory_fraction %g)",
+                        d->index, size, d->allowed, d->fraction);
+    return NULL;
+  }
   segment_t *seg = malloc(sizeof *seg);
   block_t *b = block_new(d);
   if (!seg || !b) {
@@ -127,7 +135,7 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   return b;
 }
 
-void segment_release(device_t *d, block_t *b) {
+bool segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
   pool_remove(b->pool, b);
   /* Blocks freed on their own stream came back to the pool at once, while
@@ -136,26 +144,36 @@ void segment_release(device_t *d, block_t *b) {
    * the stream. Other streams' uses were waited for before the blocks came
    * back (events.c). */
   uintptr_t event;
-  if (events_ready_to_free(d, seg->stream, &event)) {
-    segment_free_now(d, seg);
-  } else if (event) {
-    b->state = BLOCK_RELEASING;
-    seg->release_event = event;
-    seg->release_next = d->releasing;
-    d->releasing = seg;
-    d->releasing_count++;
-  } else {
+  if (events_ready_to_free(d, seg->stream, &event)) return segment_free_now(d, seg);
+  if (!event) {
     /* Cannot know when the stream is done with it: keep it cached. */
     pool_insert(b->pool, b);
+    return false;
   }
+  b->state = BLOCK_RELEASING;
+  seg->release_event = event;
+  seg->release_next = d->releasing;
+  d->releasing = seg;
+  d->releasing_count++;
+  return true;
 }
 
-void segment_free_now(device_t *d, segment_t *seg) {
+bool segment_free_now(device_t *d, segment_t *seg) {
   block_t *b = seg->head;
-  /* The segment leaves our books even if the backend refuses the free
-   * (keeping it would leave a block nobody can use); the refusal is counted
-   * and gca_check reports it, so it cannot pass unnoticed. */
-  if (d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size) != GCA_OK) d->backend_free_errors++;
+  int rc = d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+  if (rc == GCA_ERR_BAD_POINTER || rc == GCA_ERR_CORRUPT) {
+    /* The device says our books were wrong (no such allocation, or it was
+     * still in use): the segment leaves them anyway, since keeping it would
+     * keep a block nobody can use, and gca_check reports the error. */
+    d->backend_free_errors++;
+  } else if (rc != GCA_OK) {
+    /* The device refused and still holds the memory: keep the segment
+     * cached, whole, to be given back another time. */
+    d->stats.num_device_free_failures++;
+    b->state = BLOCK_FREE;
+    pool_insert(b->pool, b);
+    return false;
+  }
 
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
@@ -170,6 +188,7 @@ void segment_free_now(device_t *d, segment_t *seg) {
   d->segment_count--;
   free(seg);
   block_recycle(d, b);
+  return true;
 }
 
 static bool unsplit(const block_t *b) { return !b->prev && !b->next; }
@@ -256,6 +275,7 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
     b->prev = piece;
     b->addr += rounded;
     b->size -= rounded;
+    b->gc_base = b->pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
     if (in_index) pool_key_decreased(b->pool, b, pred);
     else pool_insert(b->pool, b);
     if (already_split) {
@@ -331,6 +351,7 @@ void block_give_back(device_t *d, block_t *b) {
     b->requested = 0;
     pool_insert(b->pool, b);
   }
+  survivor->gc_base = survivor->pool->lookups;
   if (!unsplit(survivor)) {
     split_blocks += 1;
     split_bytes += (int64_t)survivor->size;

@@ -93,6 +93,10 @@ void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
   out->num_device_alloc = k->num_device_alloc;
   out->num_device_free = k->num_device_free;
   out->num_cross_stream_reuses = k->num_cross_stream_reuses;
+  out->num_device_free_failures = k->num_device_free_failures;
+  out->num_gc_releases = k->num_gc_releases;
+  out->num_alloc_waits = k->num_alloc_waits;
+  out->num_oom_handler_retries = k->num_oom_handler_retries;
 }
 
 void stats_reset_peak(kept_stats_t *k) {
@@ -119,6 +123,10 @@ void stats_reset_accumulated(kept_stats_t *k) {
   k->num_device_alloc = 0;
   k->num_device_free = 0;
   k->num_cross_stream_reuses = 0;
+  k->num_device_free_failures = 0;
+  k->num_gc_releases = 0;
+  k->num_alloc_waits = 0;
+  k->num_oom_handler_retries = 0;
 }
 
 /* ---- flat form ---------------------------------------------------------- */

@@ -2,6 +2,7 @@
  * reading sizes with units, and writing sizes the way PyTorch's messages do.
  */
 #include <ctype.h>
+#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +34,15 @@ static bool unit_factor(const char *u, size_t len, double *factor) {
     }
   }
   return false;
+}
+
+void text_put(text_t *t, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  size_t room = t->len < t->cap ? t->cap - t->len : 0;
+  int n = vsnprintf(room ? t->buf + t->len : NULL, room, fmt, ap);
+  va_end(ap);
+  if (n > 0) t->len += (size_t)n;
 }
 
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {

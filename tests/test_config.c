@@ -74,19 +74,28 @@ static void test_valid_keys(void **state) {
 static void test_not_built_keys_warn(void **state) {
   (void)state;
   static const char *const keys[] = {
-      "garbage_collection_threshold:0.5", "expandable_segments:True", "release_lock_on_cudamalloc:True",
-      "pinned_use_cuda_host_register:True", "pinned_num_register_threads:8", "pinned_use_background_threads:True",
-      "per_process_memory_fraction:0.5", "backend:cudaMallocAsync", "pinned_reserve_segment_size_mb:64",
-      "graph_capture_record_stream_reuse:True"};
+      "expandable_segments:True", "release_lock_on_cudamalloc:True", "pinned_use_cuda_host_register:True",
+      "pinned_num_register_threads:8", "pinned_use_background_threads:True", "backend:cudaMallocAsync",
+      "pinned_reserve_segment_size_mb:64", "graph_capture_record_stream_reuse:True"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     int before = logs.count;
     apply_ok(keys[i]);
     assert_int_equal(logs.count, before + 1);
     assert_contains(logs.last, "not built yet");
   }
+  int warned = logs.count;
   config_t c = apply_ok("garbage_collection_threshold:0.25,per_process_memory_fraction:0.75");
   assert_true(c.gc_threshold == 0.25);
   assert_true(c.memory_fraction == 0.75);
+  assert_true(c.memory_fraction_set);
+  assert_int_equal(logs.count, warned); /* both built: no warning */
+  c = apply_ok("oom_retry_timeout_ms:2500,oom_handler_retries:0");
+  assert_int_equal(c.oom_retry_timeout_ms, 2500);
+  assert_int_equal(c.oom_handler_retries, 0);
+  assert_int_equal(apply_ok("").oom_handler_retries, 3);
+  apply_bad("oom_retry_timeout_ms:-1", "oom_retry_timeout_ms", "milliseconds");
+  apply_bad("oom_retry_timeout_ms:3600001", "oom_retry_timeout_ms", "3600000");
+  apply_bad("oom_handler_retries:101", "oom_handler_retries", "0 to 100");
 }
 
 static void test_unknown_key_warns_and_is_ignored(void **state) {

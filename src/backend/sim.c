@@ -11,9 +11,11 @@
  * never gave out, or of the wrong size, is caught: the sim is a checker of
  * the allocator as much as a stand-in for a device.
  *
- * Fault injection: fail the Nth allocation (fail_at), every allocation after
- * the Nth (fail_after), or each with a seeded probability (fail_rate, seed);
- * an injected failure looks like a full device (GCA_ERR_OOM). latency_ns
+ * Fault injection: fail the Nth allocation (fail_at; with fail_count=K the
+ * K allocations from the Nth), every allocation after the Nth (fail_after),
+ * or each with a seeded probability (fail_rate, seed); an injected failure
+ * looks like a full device (GCA_ERR_OOM). free_fail_at makes the Nth free
+ * fail with the memory still allocated, as a driver error would. latency_ns
  * makes every allocate and free take that much longer, as driver calls do.
  * event_fail_at makes the Nth event record fail and wait_fail_at the Nth
  * host wait (event or stream synchronize), as driver errors would.
@@ -108,6 +110,8 @@ typedef struct sim {
   int device_count;
   size_t capacity;
   uint64_t fail_at;     /* 0: off */
+  uint64_t fail_count;  /* allocations failing from fail_at on (1 by default) */
+  uint64_t free_fail_at; /* 0: off */
   uint64_t fail_after;  /* UINT64_MAX: off */
   double fail_rate;
   uint64_t rng;
@@ -140,7 +144,7 @@ static void add_latency(const sim_t *s) {
 }
 
 static bool injected_failure(sim_t *s, uint64_t call) {
-  if (s->fail_at && call == s->fail_at) return true;
+  if (s->fail_at && call >= s->fail_at && call - s->fail_at < s->fail_count) return true;
   if (call > s->fail_after) return true;
   if (s->fail_rate > 0) {
     double u = (double)(next_random(s) >> 11) / 9007199254740992.0;
@@ -332,19 +336,22 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
   sim_device_t *dev = &s->devices[device];
   sim_alloc_t key = {.addr = addr};
   sim_alloc_t *rec = RB_FIND(sim_live, &dev->live, &key);
+  uint64_t call = ++dev->counters.free_calls;
   int rc = GCA_OK;
   if (!rec) {
-    rc = set_error(GCA_ERR_BACKEND, "sim: device %d never allocated %p (or it was freed already)", device,
+    rc = set_error(GCA_ERR_BAD_POINTER, "sim: device %d never allocated %p (or it was freed already)", device,
                    (void *)addr);
   } else if (rec->size != size) {
-    rc = set_error(GCA_ERR_BACKEND, "sim: free of %p on device %d with size %zu, allocated with %zu",
+    rc = set_error(GCA_ERR_BAD_POINTER, "sim: free of %p on device %d with size %zu, allocated with %zu",
                    (void *)addr, device, size, rec->size);
+  } else if (s->free_fail_at && call == s->free_fail_at) {
+    rc = set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
   } else {
     prune_work(dev, s->now);
     const sim_work_t *w = conflicting_work(dev, rec->addr, rec->footprint, s->now);
     if (w) {
       dev->counters.hazards++;
-      rc = set_error(GCA_ERR_BACKEND,
+      rc = set_error(GCA_ERR_CORRUPT,
                      "sim: hazard: device %d frees [%#" PRIxPTR ", +%zu) while work of stream %#" PRIxPTR
                      " on [%#" PRIxPTR ", +%zu) runs until t=%" PRIu64 " ns (now %" PRIu64 ")",
                      device, rec->addr, rec->size, (uintptr_t)w->stream, w->addr, w->size, w->end, s->now);
@@ -597,7 +604,8 @@ uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream
 /* ---- options ------------------------------------------------------------ */
 
 typedef struct sim_options {
-  uint64_t capacity, devices, fail_at, fail_after, seed, latency_ns, backed, event_fail_at, wait_fail_at, engines;
+  uint64_t capacity, devices, fail_at, fail_count, fail_after, free_fail_at, seed, latency_ns, backed, event_fail_at,
+      wait_fail_at, engines;
   double fail_rate;
 } sim_options_t;
 
@@ -645,6 +653,12 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
   } else if (KEY_IS("latency_ns")) {
     if (!parse_u64(val, vlen, &o->latency_ns) || o->latency_ns > 10000000000ull)
       return bad_option(key, klen, val, vlen, "expected nanoseconds, at most 10 s");
+  } else if (KEY_IS("fail_count")) {
+    if (!parse_u64(val, vlen, &o->fail_count) || o->fail_count == 0)
+      return bad_option(key, klen, val, vlen, "expected a count of allocations >= 1");
+  } else if (KEY_IS("free_fail_at")) {
+    if (!parse_u64(val, vlen, &o->free_fail_at) || o->free_fail_at == 0)
+      return bad_option(key, klen, val, vlen, "expected a free number >= 1");
   } else if (KEY_IS("event_fail_at")) {
     if (!parse_u64(val, vlen, &o->event_fail_at) || o->event_fail_at == 0)
       return bad_option(key, klen, val, vlen, "expected an event record number >= 1");
@@ -658,8 +672,9 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
   } else {
     return set_error(GCA_ERR_BACKEND,
-                     "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_after, "
-                     "fail_rate, seed, latency_ns, event_fail_at, wait_fail_at, engines, backed)",
+                     "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_count, "
+                     "fail_after, fail_rate, seed, free_fail_at, latency_ns, event_fail_at, wait_fail_at, engines, "
+                     "backed)",
                      (int)klen, key);
   }
   return GCA_OK;
@@ -691,6 +706,8 @@ int sim_backend_create(const char *options, backend_t *out) {
   s->device_count = (int)o.devices;
   s->capacity = (size_t)o.capacity;
   s->fail_at = o.fail_at;
+  s->fail_count = o.fail_count ? o.fail_count : 1;
+  s->free_fail_at = o.free_fail_at;
   s->fail_after = o.fail_after;
   s->fail_rate = o.fail_rate;
   s->rng = o.seed ? o.seed : 0x9E3779B97F4A7C15ull;
