@@ -155,7 +155,6 @@ typedef struct cache_view {
   uint64_t free_blocks[3];
   uint64_t largest;
   uint64_t other_streams;      /* free bytes cached for other streams */
-  bool other_stream_segment_fits;
   struct { gca_stream_t stream; uint64_t bytes; } by_stream[MAX_STREAMS_SHOWN];
   int streams, more_streams;
 } cache_view_t;
@@ -174,7 +173,7 @@ static void add_stream_bytes(cache_view_t *v, gca_stream_t s, uint64_t n) {
   }
 }
 
-static void view_cache(device_t *d, gca_stream_t stream, size_t rounded, cache_view_t *v) {
+static void view_cache(device_t *d, gca_stream_t stream, cache_view_t *v) {
   memset(v, 0, sizeof *v);
   pool_t *pools[2] = {&d->small_pool, &d->large_pool};
   for (int p = 0; p < 2; p++)
@@ -183,10 +182,7 @@ static void view_cache(device_t *d, gca_stream_t stream, size_t rounded, cache_v
       v->free_blocks[pools[p]->kind]++;
       if (b->size > v->largest) v->largest = b->size;
       add_stream_bytes(v, b->stream, b->size);
-      if (b->stream == stream) continue;
-      v->other_streams += b->size;
-      if (!b->prev && !b->next && b->size >= rounded && pools[p]->kind == (rounded <= SMALL_SIZE ? 1 : 2))
-        v->other_stream_segment_fits = true;
+      if (b->stream != stream) v->other_streams += b->size;
     }
 }
 
@@ -213,7 +209,7 @@ void oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t 
 
   /* What PyTorch's lacks. */
   cache_view_t v;
-  view_cache(d, stream, rounded, &v);
+  view_cache(d, stream, &v);
   if (v.free_blocks[1] + v.free_blocks[2]) {
     text_put(&o, " Cached free: the largest block %s; small pool %s in %" PRIu64 " blocks, large pool %s in %" PRIu64
             " blocks; by stream:",
@@ -236,13 +232,6 @@ void oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t 
     text_put(&o, " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "
             "free; raise the fraction.",
         bytes(d->allowed, b1), d->fraction, bytes(free_bytes, b2));
-  else if (v.other_stream_segment_fits && d->config.cross_stream_reuse <= 0)
-    text_put(&o, " To help: a whole segment cached for another stream would fit; set cross_stream_reuse:True to let "
-            "this stream take it.");
-  else if (v.other_stream_segment_fits)
-    text_put(&o, " To help: a segment cached for another stream would fit but is larger than cross_stream_reuse:%g "
-            "allows; set cross_stream_reuse:True.",
-        d->config.cross_stream_reuse);
   else if (d->config.oom_retry_timeout_ms == 0 && (pending > 0 || allocated > 0))
     text_put(&o, " To help: if other threads are about to free memory, set oom_retry_timeout_ms to wait for it.");
   else if ((uint64_t)(reserved - allocated) >= want)
