@@ -14,7 +14,9 @@
  *   5. every statistic's current value equals the recount (active counts
  *      allocated and pending blocks), "all" equals small + large, and no peak
  *      is below its current value;
- *   6. the backend never refused to free a segment.
+ *   6. the backend never reported a segment free as a bookkeeping error (no
+ *      such allocation, or memory still in use); a device that merely
+ *      refused keeps the segment cached, which is not an error.
  * Tests call it after operations; it costs O(blocks).
  */
 #include <inttypes.h>
@@ -170,7 +172,8 @@ int device_check_locked(device_t *d) {
     segments++;
   }
   if (d->backend_free_errors)
-    BAD("device %d: the backend refused %zu segment frees", d->index, d->backend_free_errors);
+    BAD("device %d: the backend reported %zu segment frees as wrong (no such allocation, or memory still in use)",
+        d->index, d->backend_free_errors);
   if (segments != d->segment_count)
     BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
   if (r.free_blocks[GCA_POOL_SMALL] != d->small_pool.free_count)

@@ -202,22 +202,23 @@ void oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t 
   text_t o = {msg, sizeof msg, 0};
   /* PyTorch's message, word for word but for the names. */
   text_put(&o, "out of memory. Tried to allocate %s. Device %d has a total capacity of %s of which %s is free. ",
-      bytes(want, b1), d->index, bytes(total, b2), bytes(free_bytes, b3));
+           bytes(want, b1), d->index, bytes(total, b2), bytes(free_bytes, b3));
   if (d->fraction_set) text_put(&o, "%s allowed; ", bytes(d->allowed, b1));
   text_put(&o, "Of the allocated memory %s is allocated by gcalloc, and %s is reserved by gcalloc but unallocated.",
-      bytes((uint64_t)allocated, b1), bytes((uint64_t)(reserved - allocated), b2));
+           bytes((uint64_t)allocated, b1), bytes((uint64_t)(reserved - allocated), b2));
 
   /* What PyTorch's lacks. */
   cache_view_t v;
   view_cache(d, stream, &v);
   if (v.free_blocks[1] + v.free_blocks[2]) {
-    text_put(&o, " Cached free: the largest block %s; small pool %s in %" PRIu64 " blocks, large pool %s in %" PRIu64
-            " blocks; by stream:",
-        bytes(v.largest, b1), bytes(v.free_bytes[1], b2), v.free_blocks[1], bytes(v.free_bytes[2], b3),
-        v.free_blocks[2]);
+    text_put(&o,
+             " Cached free: the largest block %s; small pool %s in %" PRIu64 " blocks, large pool %s in %" PRIu64
+             " blocks; by stream:",
+             bytes(v.largest, b1), bytes(v.free_bytes[1], b2), v.free_blocks[1], bytes(v.free_bytes[2], b3),
+             v.free_blocks[2]);
     for (int i = 0; i < v.streams; i++)
       text_put(&o, "%s %#" PRIxPTR "%s %s", i ? "," : "", (uintptr_t)v.by_stream[i].stream,
-          v.by_stream[i].stream == stream ? " (this one)" : "", bytes(v.by_stream[i].bytes, b4));
+               v.by_stream[i].stream == stream ? " (this one)" : "", bytes(v.by_stream[i].bytes, b4));
     if (v.more_streams) text_put(&o, " and more");
     text_put(&o, ".");
     if (v.other_streams)
@@ -225,17 +226,19 @@ void oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t 
   }
   if (pending > 0)
     text_put(&o, " %s was freed but waits for work queued on other streams before it can be reused.",
-        bytes((uint64_t)pending, b1));
+             bytes((uint64_t)pending, b1));
 
   /* The setting that would help, the likeliest first. */
   if (d->fraction_set && free_bytes >= want && (size_t)reserved + want > d->allowed)
-    text_put(&o, " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "
-            "free; raise the fraction.",
-        bytes(d->allowed, b1), d->fraction, bytes(free_bytes, b2));
+    text_put(&o,
+             " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "
+             "free; raise the fraction.",
+             bytes(d->allowed, b1), d->fraction, bytes(free_bytes, b2));
   else if (d->config.oom_retry_timeout_ms == 0 && (pending > 0 || allocated > 0))
     text_put(&o, " To help: if other threads are about to free memory, set oom_retry_timeout_ms to wait for it.");
   else if ((uint64_t)(reserved - allocated) >= want)
-    text_put(&o, " To help: enough is reserved but unallocated, in pieces smaller than the request (fragmentation); "
-            "max_split_size_mb below this request's size keeps large cached blocks from being split.");
+    text_put(&o,
+             " To help: enough is reserved but unallocated, in pieces smaller than the request (fragmentation); "
+             "max_split_size_mb below this request's size keeps large cached blocks from being split.");
   set_error(GCA_ERR_OOM, "%s", msg);
 }

@@ -179,7 +179,7 @@ static void test_refused_free_is_reported(void **state) {
   assert_int_equal(a->backend.ops->free(a->backend.state, 0, seg->addr, seg->size), GCA_OK);
   assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
   assert_int_equal(gca_check(a, 0), GCA_ERR_CORRUPT);
-  assert_contains(gca_last_error(), "refused 1 segment free");
+  assert_contains(gca_last_error(), "reported 1 segment frees as wrong");
   gca_close(a);
 }
 
