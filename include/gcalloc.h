@@ -261,7 +261,7 @@ GCA_API int gca_remove_oom_observer(gca_allocator_t *a, gca_oom_observer_fn fn, 
  * has failed. It may free memory (spill a cache, drop tensors) and return
  * nonzero to ask for another try; the allocation is tried again, at most
  * oom_handler_retries times (default 3), before it fails. */
-typedef int (*gca_oom_handler_fn)(int device, size_t size, void *user);
+typedef int (*gca_oom_handler_fn)(int device, size_t size, void *user); /* as gca_free_memory_fn */
 GCA_API int gca_add_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, void *user);
 GCA_API int gca_remove_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, void *user);
 

@@ -145,6 +145,13 @@ static int expect_colon(parser_t *p, const char *key) {
   return GCA_OK;
 }
 
+/* An integer value in [0, max], or a failure quoting `rule`. */
+static int read_uint_upto(parser_t *p, const char *key, uint64_t max, const char *rule, uint64_t *out) {
+  token_t *v = next(p);
+  if (!parse_uint(v, out) || *out > max) return fail(p, key, v, rule);
+  return GCA_OK;
+}
+
 static int read_bool(parser_t *p, const char *key, bool *out) {
   token_t *v = next(p);
   if (tok_is(v, "True")) *out = true;
@@ -242,19 +249,14 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
   }
   if (strcmp(key, "oom_retry_timeout_ms") == 0) {
     /* gcalloc's own: how long an allocation may wait for memory to come back. */
-    token_t *v = next(p);
-    uint64_t ms;
-    if (!parse_uint(v, &ms) || ms > 3600000) return fail(p, key, v, "must be milliseconds from 0 to 3600000");
-    c->oom_retry_timeout_ms = ms;
-    return GCA_OK;
+    return read_uint_upto(p, key, 3600000, "must be milliseconds from 0 to 3600000", &c->oom_retry_timeout_ms);
   }
   if (strcmp(key, "oom_handler_retries") == 0) {
     /* gcalloc's own: how many times OOM handlers may ask for another try. */
-    token_t *v = next(p);
     uint64_t n;
-    if (!parse_uint(v, &n) || n > 100) return fail(p, key, v, "must be an integer from 0 to 100");
-    c->oom_handler_retries = (uint32_t)n;
-    return GCA_OK;
+    rc = read_uint_upto(p, key, 100, "must be an integer from 0 to 100", &n);
+    if (rc == GCA_OK) c->oom_handler_retries = (uint32_t)n;
+    return rc;
   }
   if (strcmp(key, "expandable_segments") == 0) {
     rc = read_bool(p, key, &c->expandable_segments);

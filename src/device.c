@@ -218,7 +218,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
   for (uint32_t round = 0; !b && *rc == GCA_ERR_OOM && round < d->config.oom_handler_retries; round++) {
     if (!atomic_load_explicit(&d->owner->callbacks[CB_OOM_HANDLER].count, memory_order_relaxed)) break;
     lock_release(&d->lock);
-    bool again = oom_handlers(d, segment_size_for(rounded));
+    bool again = oom_run_callbacks(d, CB_OOM_HANDLER, segment_size_for(rounded));
     lock_acquire(&d->lock);
     if (!again) break;
     d->stats.num_oom_handler_retries++;
@@ -238,7 +238,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   /* PyTorch's free-memory callbacks, then the cache again. */
   if (atomic_load_explicit(&d->owner->callbacks[CB_FREE_MEMORY].count, memory_order_relaxed)) {
     lock_release(&d->lock);
-    bool freed = oom_free_memory_callbacks(d, rounded);
+    bool freed = oom_run_callbacks(d, CB_FREE_MEMORY, rounded);
     lock_acquire(&d->lock);
     if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
     if (freed) b = take_cached(d, pool, stream, rounded, requested);

@@ -280,6 +280,13 @@ typedef struct family_stats {
   _Alignas(64) kept_stat_t pool[2]; /* [kind - 1]: small, large */
 } family_stats_t;
 
+/* The scalar counters, named as in gca_stats_t: one list, so that keeping,
+ * publishing and resetting a counter cannot drift apart. */
+#define KEPT_COUNTERS(X)                                                                                     \
+  X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)              \
+  X(num_cross_stream_reuses) X(num_device_free_failures) X(num_gc_releases) X(num_alloc_waits)                 \
+  X(num_oom_handler_retries)
+
 typedef struct kept_stats {
   family_stats_t family[FAM_COUNT];
   int64_t all_peak[FAM_COUNT];
@@ -288,16 +295,9 @@ typedef struct kept_stats {
   int64_t active_peak[2][GCA_POOL_KINDS];
   gca_stat_t oversize_allocations;
   gca_stat_t oversize_segments;
-  int64_t num_alloc_retries;
-  int64_t num_ooms;
-  int64_t num_sync_all_streams;
-  int64_t num_device_alloc;
-  int64_t num_device_free;
-  int64_t num_cross_stream_reuses;
-  int64_t num_device_free_failures;
-  int64_t num_gc_releases;
-  int64_t num_alloc_waits;
-  int64_t num_oom_handler_retries;
+#define DECLARE_COUNTER(name) int64_t name;
+  KEPT_COUNTERS(DECLARE_COUNTER)
+#undef DECLARE_COUNTER
 } kept_stats_t;
 
 static inline int64_t family_current(const kept_stats_t *k, int fam) {
@@ -501,10 +501,9 @@ typedef struct callback_list {
 
 int callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
 int callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
-/* Without any device lock: run the free-memory callbacks; true if one freed memory. */
-bool oom_free_memory_callbacks(device_t *d, size_t size);
-/* Without any device lock: run the OOM handlers; true if one asked for another try. */
-bool oom_handlers(device_t *d, size_t size);
+/* Without any device lock: run the free-memory callbacks (true if one freed
+ * memory) or the OOM handlers (true if one asked for another try). */
+bool oom_run_callbacks(device_t *d, int kind, size_t size);
 /* With the lock held, on a request the device cannot serve: true if waiting
  * for memory to come back may help (something this allocator holds could be
  * freed, and the request fits in what the device or the fraction allows). */

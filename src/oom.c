@@ -66,20 +66,14 @@ static int snapshot(gca_allocator_t *a, int kind, callback_t *out) {
   return n;
 }
 
-bool oom_free_memory_callbacks(device_t *d, size_t size) {
+/* Free-memory callbacks and OOM handlers share a signature: call every one
+ * of `kind` (all of them, even after one said yes); true if any said yes. */
+bool oom_run_callbacks(device_t *d, int kind, size_t size) {
   callback_t cbs[MAX_CALLBACKS];
-  int n = snapshot(d->owner, CB_FREE_MEMORY, cbs);
-  bool freed = false;
-  for (int i = 0; i < n; i++) freed |= ((gca_free_memory_fn)cbs[i].fn)(d->index, size, cbs[i].user) != 0;
-  return freed;
-}
-
-bool oom_handlers(device_t *d, size_t size) {
-  callback_t cbs[MAX_CALLBACKS];
-  int n = snapshot(d->owner, CB_OOM_HANDLER, cbs);
-  bool retry = false;
-  for (int i = 0; i < n; i++) retry |= ((gca_oom_handler_fn)cbs[i].fn)(d->index, size, cbs[i].user) != 0;
-  return retry;
+  int n = snapshot(d->owner, kind, cbs);
+  bool any = false;
+  for (int i = 0; i < n; i++) any |= ((gca_oom_handler_fn)cbs[i].fn)(d->index, size, cbs[i].user) != 0;
+  return any;
 }
 
 void oom_notify(device_t *d, const oom_report_t *r) {

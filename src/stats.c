@@ -87,16 +87,9 @@ void stats_materialize(const kept_stats_t *k, gca_stats_t *out) {
   derive_active(k, out->allocated_bytes, FAM_PENDING_BYTES, k->active_peak[1], out->active_bytes);
   out->oversize_allocations = k->oversize_allocations;
   out->oversize_segments = k->oversize_segments;
-  out->num_alloc_retries = k->num_alloc_retries;
-  out->num_ooms = k->num_ooms;
-  out->num_sync_all_streams = k->num_sync_all_streams;
-  out->num_device_alloc = k->num_device_alloc;
-  out->num_device_free = k->num_device_free;
-  out->num_cross_stream_reuses = k->num_cross_stream_reuses;
-  out->num_device_free_failures = k->num_device_free_failures;
-  out->num_gc_releases = k->num_gc_releases;
-  out->num_alloc_waits = k->num_alloc_waits;
-  out->num_oom_handler_retries = k->num_oom_handler_retries;
+#define COPY_COUNTER(name) out->name = k->name;
+  KEPT_COUNTERS(COPY_COUNTER)
+#undef COPY_COUNTER
 }
 
 void stats_reset_peak(kept_stats_t *k) {
@@ -117,16 +110,9 @@ void stats_reset_accumulated(kept_stats_t *k) {
     }
   k->oversize_allocations.allocated = k->oversize_allocations.freed = 0;
   k->oversize_segments.allocated = k->oversize_segments.freed = 0;
-  k->num_alloc_retries = 0;
-  k->num_ooms = 0;
-  k->num_sync_all_streams = 0;
-  k->num_device_alloc = 0;
-  k->num_device_free = 0;
-  k->num_cross_stream_reuses = 0;
-  k->num_device_free_failures = 0;
-  k->num_gc_releases = 0;
-  k->num_alloc_waits = 0;
-  k->num_oom_handler_retries = 0;
+#define ZERO_COUNTER(name) k->name = 0;
+  KEPT_COUNTERS(ZERO_COUNTER)
+#undef ZERO_COUNTER
 }
 
 /* ---- flat form ---------------------------------------------------------- */
