@@ -75,9 +75,21 @@ GCA_API const char *gca_version(void);
 /* ------------------------------------------------------------------------ */
 
 typedef enum gca_log_level {
-  GCA_LOG_WARNING = 1, /* something was ignored or is not built yet */
-  GCA_LOG_INFO = 2
+  GCA_LOG_OFF = 0,
+  GCA_LOG_ERROR = 1,   /* a device failure gcalloc handled itself (a refused free, an event waited out) */
+  GCA_LOG_WARNING = 2, /* something was ignored or is not built yet */
+  GCA_LOG_INFO = 3,    /* allocators opened and closed */
+  GCA_LOG_DEBUG = 4,   /* failed calls, with their message (the caller has the status too) */
+  GCA_LOG_TRACE = 5    /* every call: malloc, free, record_stream, empty_cache */
 } gca_log_level;
+
+/* Messages up to this level are logged (GCA_LOG_OFF: none). Read at the
+ * first gcalloc call from GCALLOC_LOG=off|error|warn|info|debug|trace
+ * (default warn); GCALLOC_LOG_FILE=path sends the default handler's output
+ * to that file instead of stderr. Checking the level costs a call one
+ * predictable branch. Returns the previous level. */
+GCA_API gca_log_level gca_set_log_level(gca_log_level level);
+GCA_API gca_log_level gca_get_log_level(void);
 
 /* Receives every message the library logs. `message` has no trailing newline
  * and is valid only during the call. Called without any allocator lock held,
@@ -85,7 +97,8 @@ typedef enum gca_log_level {
 typedef void (*gca_log_fn)(gca_log_level level, const char *message, void *user);
 
 /* Install a process-wide log handler; NULL restores the default, which writes
- * "gcalloc: warning: ..." to stderr once per distinct message. */
+ * "gcalloc: LEVEL: ..." to stderr (or GCALLOC_LOG_FILE); warnings only once
+ * per distinct message. */
 GCA_API void gca_set_log_handler(gca_log_fn fn, void *user);
 
 /* ------------------------------------------------------------------------ */
@@ -381,6 +394,129 @@ typedef struct gca_stat_item {
  * Returns the number of entries available (GCA_STATS_FLAT_COUNT); writes at
  * most cap of them. */
 GCA_API size_t gca_stats_flatten(const gca_stats_t *stats, gca_stat_item_t *items, size_t cap);
+
+/* ------------------------------------------------------------------------ */
+/* Observability: summary, history, snapshot (docs/observability.md)         */
+/* ------------------------------------------------------------------------ */
+
+/* Write torch.cuda.memory_summary()'s table for `device` into buf (always
+ * NUL-terminated, truncated to cap): the same rows, columns, widths and unit
+ * rules, under a title naming gcalloc, the device and its backend.
+ * abbreviated != 0 leaves out the per-pool rows. Returns the length the
+ * whole table needs (excluding the NUL), or a negative status. */
+GCA_API int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *buf, size_t cap);
+
+/* How much call-stack context the history keeps (PyTorch's `context`):
+ * NONE no stacks; STATE stacks of live blocks (shown in snapshots); ALLOC
+ * also on alloc entries of the history; ALL also on free entries. */
+typedef enum gca_context {
+  GCA_CONTEXT_NONE = 0,
+  GCA_CONTEXT_STATE = 1,
+  GCA_CONTEXT_ALLOC = 2,
+  GCA_CONTEXT_ALL = 3
+} gca_context;
+
+/* Start (enabled != 0) or stop recording the history of every device: a ring
+ * of the last `max_entries` trace entries (alloc, free_requested,
+ * free_completed, segment_alloc, segment_free, snapshot, oom), each with its
+ * time in microseconds and, as `context` asks, the call stack (captured
+ * with libunwind: instruction pointers at the call, symbol names resolved
+ * when a snapshot is taken). Starting drops what was recorded before;
+ * stopping keeps it for later snapshots. With recording off the cached path
+ * pays one predictable branch per entry point. */
+GCA_API int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, size_t max_entries);
+
+/* One frame of a call stack. `filename` is the object file (binary or
+ * shared library) the code lies in, `name` the function ("??" when the
+ * symbol is not exported), `line` the offset of the return address in that
+ * function (0 when unknown): C code has no line table without debug info. */
+typedef struct gca_frame {
+  const char *filename;
+  const char *name;
+  int line;
+} gca_frame_t;
+
+/* Block states, with the names PyTorch's snapshots use. */
+typedef enum gca_block_state {
+  GCA_BLOCK_ACTIVE_ALLOCATED = 0,    /* "active_allocated": in use */
+  GCA_BLOCK_ACTIVE_PENDING_FREE = 1, /* "active_pending_free": freed, waiting for stream work */
+  GCA_BLOCK_INACTIVE = 2             /* "inactive": free, cached */
+} gca_block_state;
+
+typedef struct gca_snapshot_block {
+  uint64_t address;
+  uint64_t size;            /* rounded */
+  uint64_t requested_size;  /* what the caller asked for (0 for inactive blocks) */
+  int state;                /* gca_block_state */
+  const gca_frame_t *frames; /* where it was allocated (context STATE and up) */
+  size_t frame_count;
+} gca_snapshot_block_t;
+
+typedef struct gca_snapshot_segment {
+  int device;
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t allocated_size;  /* bytes of active_allocated blocks */
+  uint64_t active_size;     /* ... and of active_pending_free blocks */
+  uint64_t requested_size;  /* requested bytes of both */
+  gca_stream_t stream;
+  int pool;                 /* GCA_POOL_SMALL or GCA_POOL_LARGE */
+  int is_expandable;
+  const gca_snapshot_block_t *blocks; /* in address order, tiling the segment */
+  size_t block_count;
+} gca_snapshot_segment_t;
+
+/* The actions of history entries, with PyTorch's names. */
+typedef enum gca_trace_action {
+  GCA_TRACE_ALLOC = 0,          /* "alloc" */
+  GCA_TRACE_FREE_REQUESTED = 1, /* "free_requested": gca_free was called */
+  GCA_TRACE_FREE_COMPLETED = 2, /* "free_completed": the memory may be reused */
+  GCA_TRACE_SEGMENT_ALLOC = 3,  /* "segment_alloc": memory obtained from the device */
+  GCA_TRACE_SEGMENT_FREE = 4,   /* "segment_free": memory given back to it */
+  GCA_TRACE_SEGMENT_MAP = 5,    /* "segment_map" (expandable segments) */
+  GCA_TRACE_SEGMENT_UNMAP = 6,  /* "segment_unmap" (expandable segments) */
+  GCA_TRACE_SNAPSHOT = 7,       /* "snapshot": a snapshot was taken here */
+  GCA_TRACE_OOM = 8             /* "oom": an allocation failed; size is what was asked of the device */
+} gca_trace_action;
+
+typedef struct gca_trace_entry {
+  int action;               /* gca_trace_action */
+  uint64_t addr;            /* 0 for oom and snapshot */
+  uint64_t size;            /* requested size for alloc and frees; segment size for segments and oom */
+  gca_stream_t stream;
+  int64_t time_us;          /* microseconds since the Unix epoch */
+  uint64_t device_free;     /* oom only: the device's free bytes */
+  const gca_frame_t *frames;
+  size_t frame_count;
+} gca_trace_entry_t;
+
+/* The state of every device, and the recorded history (empty unless
+ * gca_record_history was on), at one moment. Owned by the caller: release
+ * it with gca_snapshot_free. Everything it points to lives as long. */
+typedef struct gca_snapshot {
+  const gca_snapshot_segment_t *segments; /* every device's, device by device, in address order */
+  size_t segment_count;
+  int device_count;
+  const gca_trace_entry_t *const *device_traces; /* [device]: oldest first */
+  const size_t *trace_counts;                    /* [device] */
+  const char *settings;                          /* the configuration in force (gca_get_config) */
+  const char *backend;                           /* the backend's name */
+} gca_snapshot_t;
+
+/* Take a snapshot (records a "snapshot" entry in the history if on). */
+GCA_API int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out);
+GCA_API void gca_snapshot_free(gca_snapshot_t *s);
+
+typedef enum gca_snapshot_format {
+  GCA_SNAPSHOT_PICKLE = 0, /* torch.cuda.memory._dump_snapshot's layout: memory_viz opens it */
+  GCA_SNAPSHOT_JSON = 1    /* the same layout as JSON (docs/observability.md) */
+} gca_snapshot_format;
+
+/* Write a snapshot to `path` (created or truncated). The pickle holds only
+ * dicts, lists, strings, ints, floats, bools and None; it loads with an
+ * unpickler that refuses every global. GCA_ERR_IO names the path and the
+ * reason on failure. */
+GCA_API int gca_snapshot_write(const gca_snapshot_t *s, const char *path, gca_snapshot_format format);
 
 /* ------------------------------------------------------------------------ */
 /* Checking                                                                  */

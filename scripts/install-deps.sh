@@ -7,7 +7,7 @@
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev libcmocka-dev libbsd-dev
-          libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev)
+          libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev libjson-c-dev libunwind-dev python3)
 
 missing=()
 for p in "${packages[@]}"; do

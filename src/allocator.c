@@ -12,11 +12,28 @@
  * then every free completes before gca_free returns, waiting for the streams
  * that used the block, and so does every device free.
  */
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
 #include "internal.h"
+
+/* A call failed: the caller has the status and the message, so it is only
+ * debug information for the log. */
+GCA_COLD static void log_failure(const char *call) {
+  if (log_on(GCA_LOG_DEBUG)) log_message(GCA_LOG_DEBUG, "%s failed: %s", call, gca_last_error());
+}
+
+/* A spec or configuration as one word for the trace file (spaces mean
+ * nothing in either). */
+static void one_word(const char *text, char *out, size_t cap) {
+  size_t n = 0;
+  for (const char *p = text ? text : ""; *p && n + 1 < cap; p++)
+    if (*p != ' ' && *p != '\t' && *p != '\n') out[n++] = *p;
+  if (n == 0 && cap > 1) out[n++] = '-';
+  out[n] = '\0';
+}
 
 static const char *const config_variables[] = {"GCALLOC_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
                                                "PYTORCH_CUDA_ALLOC_CONF"};
@@ -47,6 +64,7 @@ static bool launch_blocking_from_environment(void) {
 }
 
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
+  log_init();
   if (!out) return set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
   *out = NULL;
   config_t cfg;
@@ -87,12 +105,27 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
       return rc;
     }
   }
+  a->id = record_init();
+  if (trace_file_active()) {
+    char spec[256], conf[512];
+    one_word(backend, spec, sizeof spec);
+    one_word(config, conf, sizeof conf);
+    record_lock_calls();
+    record_line("open", "%d %s %s", a->id, spec, conf);
+    record_unlock_calls();
+  }
+  log_message(GCA_LOG_INFO, "allocator %d opened on %s with %d device%s", a->id, a->backend.ops->name,
+              a->device_count, a->device_count == 1 ? "" : "s");
   *out = a;
   return GCA_OK;
 }
 
 void gca_close(gca_allocator_t *a) {
   if (!a) return;
+  record_lock_calls();
+  record_line("close", "%d", a->id);
+  record_unlock_calls();
+  log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
   for (int i = 0; i < a->device_count; i++) device_destroy(&a->devices[i]);
   free(a->devices);
   pthread_mutex_destroy(&a->config_lock);
@@ -122,7 +155,7 @@ static device_t *device_of(const gca_allocator_t *a, int device, const char *wha
   return &a->devices[device];
 }
 
-GCA_FLATTEN void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+static inline void *malloc_plain(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
   device_t *d = device_of(a, device, "gca_malloc");
   if (unlikely(!d)) return NULL;
   if (unlikely(size == 0)) {
@@ -145,7 +178,7 @@ static int free_on(device_t *d, uintptr_t addr) {
   return rc;
 }
 
-GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
+static inline int free_plain(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
   if (unlikely(!a)) return set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
   uintptr_t addr = (uintptr_t)ptr;
@@ -187,7 +220,7 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
   return 0;
 }
 
-int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
   if (!a || !ptr)
     return set_error(GCA_ERR_INVALID, "gca_record_stream: %s is NULL", a ? "pointer" : "allocator");
   uintptr_t addr = (uintptr_t)ptr;
@@ -259,13 +292,96 @@ CALLBACK_API(CB_FREE_MEMORY, gca_free_memory_fn, gca_add_free_memory_callback, g
 CALLBACK_API(CB_OOM_OBSERVER, gca_oom_observer_fn, gca_add_oom_observer, gca_remove_oom_observer)
 CALLBACK_API(CB_OOM_HANDLER, gca_oom_handler_fn, gca_add_oom_handler, gca_remove_oom_handler)
 
+int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, size_t max_entries) {
+  if (!a) return set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
+  if (enabled && (context < GCA_CONTEXT_NONE || context > GCA_CONTEXT_ALL))
+    return set_error(GCA_ERR_INVALID, "gca_record_history: context %d is not NONE, STATE, ALLOC or ALL", (int)context);
+  if (enabled && (max_entries == 0 || max_entries > ((size_t)1 << 26)))
+    return set_error(GCA_ERR_INVALID, "gca_record_history: max_entries %zu must be from 1 to %zu", max_entries,
+                     (size_t)1 << 26);
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    int rc = GCA_OK;
+    if (enabled) rc = history_start(d, (int)context, max_entries);
+    else history_stop(d);
+    lock_release(&d->lock);
+    if (rc) return rc;
+  }
+  return GCA_OK;
+}
+
 int gca_launch_blocking(const gca_allocator_t *a) {
   if (!a) return set_error(GCA_ERR_INVALID, "gca_launch_blocking: allocator is NULL");
   return a->launch_blocking ? 1 : 0;
 }
 
-int gca_empty_cache(gca_allocator_t *a, int device) {
+static int empty_cache_plain(gca_allocator_t *a, int device) {
   return for_devices(a, device, "gca_empty_cache", device_empty_cache);
+}
+
+/* ---- the observed entry points -------------------------------------------
+ * Taken only while calls_observed is set (trace-level logging or a trace
+ * file): each call is recorded in the trace file, under its lock, and
+ * logged at trace level. Otherwise the public functions below pay one
+ * relaxed load and a predictable branch. */
+
+static int allocator_id(const gca_allocator_t *a) { return a ? a->id : -1; }
+
+GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  record_lock_calls();
+  void *p = malloc_plain(a, size, device, stream);
+  record_line("malloc", "%d %d %" PRIxPTR " %zu %" PRIxPTR, allocator_id(a), device, (uintptr_t)stream, size,
+              (uintptr_t)p);
+  record_unlock_calls();
+  log_message(GCA_LOG_TRACE, "malloc(%zu bytes, device %d, stream %#" PRIxPTR ") = %p", size, device,
+              (uintptr_t)stream, p);
+  return p;
+}
+
+GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
+  record_lock_calls();
+  int rc = free_plain(a, ptr);
+  record_line("free", "%d %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr, rc);
+  record_unlock_calls();
+  log_message(GCA_LOG_TRACE, "free(%p) = %s", ptr, gca_status_name(rc));
+  return rc;
+}
+
+GCA_FLATTEN void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  if (unlikely(atomic_load_explicit(&calls_observed, memory_order_relaxed)))
+    return malloc_observed(a, size, device, stream);
+  void *p = malloc_plain(a, size, device, stream);
+  if (unlikely(!p) && size) log_failure("gca_malloc");
+  return p;
+}
+
+GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
+  if (unlikely(atomic_load_explicit(&calls_observed, memory_order_relaxed))) return free_observed(a, ptr);
+  int rc = free_plain(a, ptr);
+  if (unlikely(rc)) log_failure("gca_free");
+  return rc;
+}
+
+int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+  record_lock_calls();
+  int rc = record_stream_plain(a, ptr, stream);
+  record_line("record_stream", "%d %" PRIxPTR " %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr,
+              (uintptr_t)stream, rc);
+  record_unlock_calls();
+  log_message(GCA_LOG_TRACE, "record_stream(%p, stream %#" PRIxPTR ") = %s", ptr, (uintptr_t)stream,
+              gca_status_name(rc));
+  if (rc) log_failure("gca_record_stream");
+  return rc;
+}
+
+int gca_empty_cache(gca_allocator_t *a, int device) {
+  record_lock_calls();
+  int rc = empty_cache_plain(a, device);
+  record_line("empty_cache", "%d %d %d", allocator_id(a), device, rc);
+  record_unlock_calls();
+  log_message(GCA_LOG_TRACE, "empty_cache(device %d) = %s", device, gca_status_name(rc));
+  return rc;
 }
 
 int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {

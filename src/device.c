@@ -78,12 +78,14 @@ void device_destroy(device_t *d) {
   segment_t *seg = d->segments;
   while (seg) {
     segment_t *next = seg->next;
+    for (block_t *b = seg->head; b; b = b->next) history_drop_stack(b);
     d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
     free(seg);
     seg = next;
   }
   d->segments = NULL;
   block_chunks_free(d);
+  history_destroy(d);
   block_map_destroy(&d->allocated);
   lock_destroy(&d->lock);
   pthread_mutex_destroy(&d->wait_lock);
@@ -231,6 +233,21 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
 
 /* The miss path, with the lock held; returns the address (0 on failure,
  * with the error set) with the lock released. */
+/* Device failures gcalloc handled since the last report: with the lock
+ * held, how many; logged (without the lock) by report_absorbed. */
+static size_t take_absorbed(device_t *d) {
+  size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;
+  size_t fresh = now - d->reported_errors;
+  d->reported_errors = now;
+  return fresh;
+}
+
+GCA_COLD static void report_absorbed(device_t *d, size_t fresh) {
+  if (fresh)
+    log_message(GCA_LOG_ERROR, "device %d: %zu device failures handled (events waited out, frees refused and kept); "
+                "see num_device_free_failures", d->index, fresh);
+}
+
 GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                          size_t requested) {
   block_t *b = NULL;
@@ -245,19 +262,19 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   }
   if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
   if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
-  if (b) {
-    uintptr_t addr = b->addr;
+  size_t absorbed = take_absorbed(d);
+  if (b || rc != GCA_ERR_OOM) {
+    uintptr_t addr = b ? b->addr : 0;
     lock_release(&d->lock);
+    report_absorbed(d, absorbed);
     return addr;
-  }
-  if (rc != GCA_ERR_OOM) {
-    lock_release(&d->lock);
-    return 0;
   }
   d->stats.num_ooms++;
   oom_report_t report;
   oom_explain(d, stream, rounded, &report);
+  if (d->recording) history_oom(d, report.size, stream, report.free_bytes);
   lock_release(&d->lock);
+  report_absorbed(d, absorbed);
   oom_notify(d, &report);
   return 0;
 }
@@ -281,6 +298,16 @@ void *device_malloc(device_t *d, size_t size, gca_stream_t stream) {
   return (void *)addr;
 }
 
+GCA_COLD static void free_slow(device_t *d, block_t *b) {
+  if (d->recording) history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+  if (b->uses) {
+    events_defer_free(d, b);
+    return;
+  }
+  history_free_completed(d, b);
+  block_give_back(d, b);
+}
+
 int device_free_locked(device_t *d, uintptr_t addr) {
   block_t *b = block_map_take(&d->allocated, addr);
   if (unlikely(b == NULL)) return GCA_ERR_BAD_POINTER;
@@ -292,7 +319,8 @@ int device_free_locked(device_t *d, uintptr_t addr) {
     b->oversize = false;
   }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
-  if (unlikely(b->uses != NULL)) events_defer_free(d, b);
+  /* One branch for the rare cases: stream uses, a stack, history on. */
+  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->recording) != 0)) free_slow(d, b);
   else block_give_back(d, b);
   return GCA_OK;
 }
@@ -313,7 +341,9 @@ void device_synchronize(device_t *d) {
   lock_acquire(&d->lock);
   d->stats.num_sync_all_streams++;
   events_synchronize(d);
+  size_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
+  report_absorbed(d, absorbed);
   device_wake_waiters(d);
 }
 
@@ -347,6 +377,8 @@ GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char
 void device_empty_cache(device_t *d) {
   lock_acquire(&d->lock);
   release_cached_blocks(d);
+  size_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
+  report_absorbed(d, absorbed);
   device_wake_waiters(d);
 }

@@ -2,15 +2,21 @@
  *
  * A failing call leaves its status and a message in thread-local storage, so
  * concurrent callers never see each other's errors and the hot path pays
- * nothing when it succeeds. Warnings go through one process-wide handler; the
- * default prints each distinct message to stderr once, because a warning
- * about a configuration key would otherwise repeat on every device and every
- * gca_set_config call. The dedup table is bounded; once it is full, messages
- * are still printed (never dropped), just no longer deduplicated.
+ * nothing when it succeeds. Log messages go through one process-wide handler,
+ * filtered by a level (GCALLOC_LOG, gca_set_log_level) that every call site
+ * tests first, so a disabled level costs one predictable branch. The default
+ * handler writes to stderr or GCALLOC_LOG_FILE, and prints each distinct
+ * warning once, because a warning about a configuration key would otherwise
+ * repeat on every device and every gca_set_config call. The dedup table is
+ * bounded; once it is full, warnings are still printed (never dropped), just
+ * no longer deduplicated.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "internal.h"
 
@@ -76,11 +82,22 @@ const char *gca_version(void) {
 
 #define SEEN_SLOTS 1024
 
+/* Read without a lock on every call that might log: one relaxed load. It
+ * starts at "warning" and takes GCALLOC_LOG's value at the first gca_open. */
+_Atomic int log_level_now = GCA_LOG_WARNING;
+/* Nonzero while any call must take the observed (slow) entry: trace-level
+ * logging or a trace file. The API's entry points test it once. */
+_Atomic int calls_observed;
+
 static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t log_once = PTHREAD_ONCE_INIT;
 static gca_log_fn log_fn;
 static void *log_user;
+static FILE *log_file; /* GCALLOC_LOG_FILE, else stderr */
 static uint64_t seen_hashes[SEEN_SLOTS];
 static size_t seen_count;
+
+static const char *const level_names[] = {"off", "error", "warning", "info", "debug", "trace"};
 
 static uint64_t hash_text(const char *s) {
   uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -106,6 +123,54 @@ static bool first_sighting(const char *msg) {
   return true;
 }
 
+static void update_observed(void) {
+  int trace = atomic_load(&log_level_now) >= GCA_LOG_TRACE;
+  atomic_store(&calls_observed, trace | (trace_file_active() ? 2 : 0));
+}
+
+static void load_log_settings(void) {
+  const char *level = getenv("GCALLOC_LOG");
+  if (level && *level) {
+    static const char *const aliases[] = {"off", "error", "warn", "info", "debug", "trace"};
+    int found = -1;
+    for (int i = 0; i <= GCA_LOG_TRACE; i++)
+      if (!strcasecmp(level, aliases[i]) || !strcasecmp(level, level_names[i])) found = i;
+    if (found >= 0) atomic_store(&log_level_now, found);
+    else
+      log_message(GCA_LOG_WARNING, "GCALLOC_LOG=%s is not one of off, error, warn, info, debug, trace; "
+                                   "the level stays warn", level);
+  }
+  const char *path = getenv("GCALLOC_LOG_FILE");
+  if (path && *path) {
+    FILE *f = fopen(path, "a");
+    if (f) {
+      setvbuf(f, NULL, _IOLBF, 0);
+      pthread_mutex_lock(&log_lock);
+      log_file = f;
+      pthread_mutex_unlock(&log_lock);
+    } else {
+      log_message(GCA_LOG_WARNING, "GCALLOC_LOG_FILE=%s cannot be opened (%s); logging to stderr", path,
+                  strerror(errno));
+    }
+  }
+  update_observed();
+}
+
+void log_init(void) { pthread_once(&log_once, load_log_settings); }
+
+void log_refresh_observed(void) { update_observed(); }
+
+gca_log_level gca_set_log_level(gca_log_level level) {
+  log_init();
+  if (level < GCA_LOG_OFF) level = GCA_LOG_OFF;
+  if (level > GCA_LOG_TRACE) level = GCA_LOG_TRACE;
+  gca_log_level old = (gca_log_level)atomic_exchange(&log_level_now, (int)level);
+  update_observed();
+  return old;
+}
+
+gca_log_level gca_get_log_level(void) { return (gca_log_level)atomic_load(&log_level_now); }
+
 void gca_set_log_handler(gca_log_fn fn, void *user) {
   pthread_mutex_lock(&log_lock);
   log_fn = fn;
@@ -114,6 +179,7 @@ void gca_set_log_handler(gca_log_fn fn, void *user) {
 }
 
 void log_message(gca_log_level level, const char *fmt, ...) {
+  if (!log_on(level)) return;
   char msg[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -123,12 +189,10 @@ void log_message(gca_log_level level, const char *fmt, ...) {
   pthread_mutex_lock(&log_lock);
   gca_log_fn fn = log_fn;
   void *user = log_user;
-  bool print = fn == NULL && first_sighting(msg);
+  /* Warnings repeat (every device, every set_config): print each once. */
+  bool print = fn == NULL && (level != GCA_LOG_WARNING || first_sighting(msg));
+  FILE *out = log_file ? log_file : stderr;
+  if (print) fprintf(out, "gcalloc: %s: %s\n", level_names[level], msg);
   pthread_mutex_unlock(&log_lock);
-
-  if (fn) {
-    fn(level, msg, user);
-  } else if (print) {
-    fprintf(stderr, "gcalloc: %s: %s\n", level == GCA_LOG_WARNING ? "warning" : "info", msg);
-  }
+  if (fn) fn(level, msg, user);
 }

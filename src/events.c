@@ -89,6 +89,7 @@ static void complete_free(device_t *d, block_t *b) {
   family_decrease(&d->stats, FAM_PENDING, kind, 1);
   family_decrease(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
   d->pending_blocks--;
+  history_free_completed(d, b);
   block_give_back(d, b);
 }
 

@@ -117,6 +117,13 @@ size_t segment_size_for(size_t rounded);
 
 typedef struct block block_t;
 typedef struct segment segment_t;
+
+/* A captured call stack: raw return addresses, innermost first. */
+#define MAX_FRAMES 16
+typedef struct call_stack {
+  uint8_t depth;
+  uintptr_t ips[MAX_FRAMES];
+} call_stack_t;
 typedef struct pool pool_t;
 typedef struct device device_t;
 
@@ -149,6 +156,8 @@ struct block {
   pool_t *pool;
   size_t requested;          /* what the caller asked for (allocated and pending blocks) */
   stream_uses_t *uses;       /* allocated blocks: other streams that used it; NULL: none */
+  call_stack_t *stack;       /* where it was allocated (history context STATE and up); else NULL.
+                              * Beside `uses`: a free tests both, and recording, in one branch. */
   uint32_t event_count;      /* pending blocks: events not yet completed */
   uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
@@ -374,7 +383,10 @@ struct device {
   segment_t *releasing;      /* segments whose device free waits for their stream */
   size_t releasing_count;
   size_t event_errors;       /* backend event failures (each handled by waiting instead) */
+  size_t reported_errors;    /* event_errors + refused frees already logged */
   bool launch_blocking;      /* every free completes before gca_free returns */
+  bool recording;            /* the history records (history.c) */
+  struct history *history;   /* NULL until recording is first started */
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
   bool fraction_set;
   double fraction;
@@ -474,6 +486,43 @@ int stream_uses_add(block_t *b, gca_stream_t stream);
  * used on, and forget the pending frees. */
 void events_shutdown(device_t *d);
 
+/* ------------------------------------------------------------------------ */
+/* History (history.c), with the lock held                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct history_entry {
+  uint8_t action;            /* gca_trace_action */
+  uint8_t depth;             /* frames in ips */
+  gca_stream_t stream;
+  uint64_t addr, size, device_free;
+  int64_t time_us;
+  uintptr_t ips[MAX_FRAMES];
+} history_entry_t;
+
+typedef struct history {
+  history_entry_t *ring;
+  size_t cap, count, next;   /* next: where the next entry goes */
+  int context;               /* gca_context */
+} history_t;
+
+int64_t history_now_us(void);
+/* Entries; called only while d->recording. */
+void history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream);
+void history_alloc(device_t *d, block_t *b, size_t requested);
+void history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free);
+/* A block's free completed: drop its stack. */
+void history_drop_stack(block_t *b);
+/* segment.c: a free completes: record it (if on) and drop the block's stack. */
+void history_free_completed(device_t *d, block_t *b);
+int history_start(device_t *d, int context, size_t max_entries);
+void history_stop(device_t *d);
+void history_destroy(device_t *d);
+/* Copy the ring, oldest first, into out (room for d->history->cap); returns how many. */
+size_t history_copy(const device_t *d, history_entry_t *out);
+
+/* snapshot.c: the configuration a snapshot was taken under. */
+const config_t *snapshot_config(const gca_snapshot_t *s);
+
 /* gc.c, with the lock held: PyTorch's garbage_collect_cached_blocks. When a
  * memory fraction is set and reserved memory is above garbage_collection_
  * threshold x allowed, give back whole cached large-pool segments, oldest
@@ -539,6 +588,7 @@ struct gca_allocator {
   pthread_mutex_t config_lock; /* serializes gca_set_config */
   config_t config;             /* the master copy; devices hold copies */
   bool launch_blocking;        /* GCALLOC_/CUDA_/ACL_LAUNCH_BLOCKING at open */
+  int id;                      /* the allocator's number in the trace file */
   pthread_mutex_t callbacks_lock;
   callback_list_t callbacks[CB_KINDS];
 };
@@ -554,6 +604,22 @@ int prefix_error(const char *prefix);
 void clear_error(void);
 /* Log a message through the installed handler (never under a device lock). */
 void log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
+extern _Atomic int log_level_now;
+extern _Atomic int calls_observed;
+static inline bool log_on(int level) {
+  return unlikely(level <= atomic_load_explicit(&log_level_now, memory_order_relaxed));
+}
+/* export/record.c: the trace file (GCALLOC_TRACE_FILE). record_init opens
+ * it at the first gca_open and returns a new allocator id. */
+bool trace_file_active(void);
+int record_init(void);
+void record_lock_calls(void);
+void record_unlock_calls(void);
+void record_line(const char *call, const char *fmt, ...) GCA_PRINTF(2, 3);
+/* Read GCALLOC_LOG and GCALLOC_LOG_FILE once (gca_open calls it). */
+void log_init(void);
+/* Recompute calls_observed after the level or the trace file changed. */
+void log_refresh_observed(void);
 
 /* ------------------------------------------------------------------------ */
 /* Small helpers (util.c)                                                    */

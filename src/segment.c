@@ -44,6 +44,7 @@ block_t *block_new(device_t *d) {
   b->event_count = 0;
   b->state = BLOCK_FREE;
   b->oversize = false;
+  b->stack = NULL;
   return b;
 }
 
@@ -125,6 +126,7 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   b->pool = pool;
 
   kept_stats_t *s = &d->stats;
+  if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
   family_increase(s, FAM_SEGMENT, pool->kind, 1);
   family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
   s->num_device_alloc++;
@@ -175,6 +177,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
     return false;
   }
 
+  if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
   family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);
@@ -237,6 +240,11 @@ static bool should_split(const device_t *d, const block_t *b, size_t size) {
   return size < d->config.max_split_size && remaining > SMALL_SIZE;
 }
 
+GCA_COLD static void note_taken(device_t *d, block_t *b, size_t requested) {
+  if (d->pending_blocks) stats_note_active_peak(&d->stats);
+  if (d->recording) history_alloc(d, b, requested);
+}
+
 /* Enter the handed-out block in the books (PyTorch's alloc_found_block tail). */
 static void account_taken(device_t *d, block_t *b, size_t requested) {
   kept_stats_t *s = &d->stats;
@@ -247,10 +255,11 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   family_increase(s, FAM_ALLOCATION, kind, 1);
   family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
   family_increase(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
-  if (unlikely(d->pending_blocks)) stats_note_active_peak(s);
   b->oversize = b->size >= d->config.max_split_size;
   if (b->oversize) stat_increase(&s->oversize_allocations, 1);
   atomic_store_explicit(&d->allocated_now, family_current(s, FAM_ALLOCATED_BYTES), memory_order_relaxed);
+  /* One branch for both rare cases: frees are pending, or history records. */
+  if (unlikely(d->pending_blocks | (size_t)d->recording)) note_taken(d, b, requested);
 }
 
 block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
@@ -303,6 +312,11 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 /* Free and in the index: a pending neighbour is not merged with (PyTorch's
  * try_merge_blocks skips blocks with events outstanding). */
 static bool is_free(const block_t *b) { return b && b->state == BLOCK_FREE; }
+
+void history_free_completed(device_t *d, block_t *b) {
+  if (d->recording) history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, b->stream);
+  history_drop_stack(b);
+}
 
 void block_give_back(device_t *d, block_t *b) {
   kept_stats_t *s = &d->stats;

@@ -1,0 +1,312 @@
+/* Snapshots: the state of every device (segments, their blocks and states,
+ * the stacks that allocated them) and the recorded history, at one moment.
+ *
+ * Each device is copied under its lock, as raw data (addresses, sizes, return
+ * addresses); turning return addresses into names (dladdr: the object file
+ * and the exported symbol) happens after, outside every lock, with a cache,
+ * since histories repeat the same few hundred call sites. Everything a
+ * snapshot holds lives in one arena, freed at once by gca_snapshot_free.
+ */
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- arena -------------------------------------------------------------- */
+
+typedef struct chunk {
+  struct chunk *next;
+  size_t used, cap;
+  _Alignas(16) char data[];
+} chunk_t;
+
+typedef struct arena {
+  chunk_t *head;
+  bool failed;
+} arena_t;
+
+static void *arena_alloc(arena_t *ar, size_t n) {
+  n = (n + 15) & ~(size_t)15;
+  if (!ar->head || ar->head->cap - ar->head->used < n) {
+    size_t cap = n > 65536 ? n : 65536;
+    chunk_t *c = malloc(sizeof *c + cap);
+    if (!c) {
+      ar->failed = true;
+      return NULL;
+    }
+    c->next = ar->head;
+    c->used = 0;
+    c->cap = cap;
+    ar->head = c;
+  }
+  void *p = ar->head->data + ar->head->used;
+  ar->head->used += n;
+  return p;
+}
+
+static void *arena_zalloc(arena_t *ar, size_t n) {
+  void *p = arena_alloc(ar, n);
+  if (p) memset(p, 0, n);
+  return p;
+}
+
+static void arena_free(arena_t *ar) {
+  while (ar->head) {
+    chunk_t *next = ar->head->next;
+    free(ar->head);
+    ar->head = next;
+  }
+}
+
+static char *arena_strdup(arena_t *ar, const char *s) {
+  size_t n = strlen(s) + 1;
+  char *p = arena_alloc(ar, n);
+  if (p) memcpy(p, s, n);
+  return p;
+}
+
+/* ---- the snapshot ------------------------------------------------------- */
+
+/* A block or history entry copied under the lock, its stack still raw. */
+typedef struct raw_stack {
+  const uintptr_t *ips;
+  uint8_t depth;
+  const gca_frame_t **frames; /* where to store the resolved frames */
+  size_t *frame_count;
+} raw_stack_t;
+
+typedef struct symbol {
+  uintptr_t ip;
+  gca_frame_t frame;
+} symbol_t;
+
+typedef struct snapshot_impl {
+  gca_snapshot_t pub; /* first: the public view */
+  arena_t arena;
+  config_t config;    /* for the exporters' allocator_settings */
+  raw_stack_t *raw;   /* stacks to resolve */
+  size_t raw_count, raw_cap;
+  symbol_t *symbols;  /* ip -> frame cache, open addressing */
+  size_t symbol_cap, symbol_count;
+} snapshot_impl_t;
+
+const config_t *snapshot_config(const gca_snapshot_t *s) { return &((const snapshot_impl_t *)s)->config; }
+
+static void remember_stack(snapshot_impl_t *sn, const uintptr_t *ips, uint8_t depth, const gca_frame_t **frames,
+                           size_t *count) {
+  *frames = NULL;
+  *count = 0;
+  if (!depth) return;
+  if (sn->raw_count == sn->raw_cap) {
+    raw_stack_t *grown = grow_array(sn->raw, &sn->raw_cap, sizeof *grown, 256);
+    if (!grown) {
+      sn->arena.failed = true;
+      return;
+    }
+    sn->raw = grown;
+  }
+  /* Copy the addresses: the block may change once the lock is released. */
+  uintptr_t *copy = arena_alloc(&sn->arena, depth * sizeof *copy);
+  if (!copy) return;
+  memcpy(copy, ips, depth * sizeof *copy);
+  sn->raw[sn->raw_count++] = (raw_stack_t){copy, depth, frames, count};
+}
+
+static int block_state_of(const block_t *b) {
+  switch (b->state) {
+    case BLOCK_ALLOCATED: return GCA_BLOCK_ACTIVE_ALLOCATED;
+    case BLOCK_PENDING:
+    case BLOCK_QUARANTINED: return GCA_BLOCK_ACTIVE_PENDING_FREE;
+    default: return GCA_BLOCK_INACTIVE;
+  }
+}
+
+static int compare_segments(const void *x, const void *y) {
+  const gca_snapshot_segment_t *a = x, *b = y;
+  if (a->device != b->device) return a->device < b->device ? -1 : 1;
+  return a->address < b->address ? -1 : a->address > b->address;
+}
+
+/* Copy one device's segments (with the lock held). */
+static void copy_segments(snapshot_impl_t *sn, device_t *d, gca_snapshot_segment_t *out) {
+  size_t i = 0;
+  for (segment_t *seg = d->segments; seg; seg = seg->next, i++) {
+    gca_snapshot_segment_t *s = &out[i];
+    size_t n = 0;
+    for (block_t *b = seg->head; b; b = b->next) n++;
+    gca_snapshot_block_t *blocks = arena_zalloc(&sn->arena, n * sizeof *blocks);
+    s->device = d->index;
+    s->address = seg->addr;
+    s->total_size = seg->size;
+    s->stream = seg->stream;
+    s->pool = seg->pool->kind;
+    s->blocks = blocks;
+    s->block_count = blocks ? n : 0;
+    size_t k = 0;
+    for (block_t *b = seg->head; b && blocks; b = b->next, k++) {
+      gca_snapshot_block_t *bl = &blocks[k];
+      bl->address = b->addr;
+      bl->size = b->size;
+      bl->state = block_state_of(b);
+      if (bl->state == GCA_BLOCK_INACTIVE) continue;
+      bl->requested_size = b->requested;
+      s->active_size += b->size;
+      s->requested_size += b->requested;
+      if (bl->state == GCA_BLOCK_ACTIVE_ALLOCATED) s->allocated_size += b->size;
+      if (b->stack) remember_stack(sn, b->stack->ips, b->stack->depth, &bl->frames, &bl->frame_count);
+    }
+  }
+}
+
+/* Copy one device's history (with the lock held). */
+static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **out, size_t *count) {
+  *out = NULL;
+  *count = 0;
+  if (!d->history || !d->history->count) return;
+  history_entry_t *raw = arena_alloc(&sn->arena, d->history->count * sizeof *raw);
+  gca_trace_entry_t *entries = arena_zalloc(&sn->arena, d->history->count * sizeof *entries);
+  if (!raw || !entries) return;
+  size_t n = history_copy(d, raw);
+  for (size_t i = 0; i < n; i++) {
+    gca_trace_entry_t *e = &entries[i];
+    e->action = raw[i].action;
+    e->addr = raw[i].addr;
+    e->size = raw[i].size;
+    e->stream = raw[i].stream;
+    e->time_us = raw[i].time_us;
+    e->device_free = raw[i].device_free;
+    remember_stack(sn, raw[i].ips, raw[i].depth, &e->frames, &e->frame_count);
+  }
+  *out = entries;
+  *count = n;
+}
+
+/* ---- symbols ------------------------------------------------------------ */
+
+static const gca_frame_t *resolve(snapshot_impl_t *sn, uintptr_t ip) {
+  if (sn->symbol_count * 2 >= sn->symbol_cap) {
+    size_t cap = sn->symbol_cap ? 2 * sn->symbol_cap : 1024;
+    symbol_t *table = calloc(cap, sizeof *table);
+    if (!table) return NULL;
+    for (size_t i = 0; i < sn->symbol_cap; i++) {
+      if (!sn->symbols[i].ip) continue;
+      size_t j = (sn->symbols[i].ip * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+      while (table[j].ip) j = (j + 1) & (cap - 1);
+      table[j] = sn->symbols[i];
+    }
+    free(sn->symbols);
+    sn->symbols = table;
+    sn->symbol_cap = cap;
+  }
+  size_t j = (ip * 0x9E3779B97F4A7C15ull >> 20) & (sn->symbol_cap - 1);
+  while (sn->symbols[j].ip && sn->symbols[j].ip != ip) j = (j + 1) & (sn->symbol_cap - 1);
+  symbol_t *sym = &sn->symbols[j];
+  if (sym->ip) return &sym->frame;
+  Dl_info info;
+  memset(&info, 0, sizeof info);
+  const char *file = "??", *name = "??";
+  int offset = 0;
+  if (dladdr((void *)ip, &info)) {
+    if (info.dli_fname) file = info.dli_fname;
+    if (info.dli_sname) {
+      name = info.dli_sname;
+      offset = (int)(ip - (uintptr_t)info.dli_saddr);
+    }
+  }
+  sym->ip = ip;
+  sym->frame.filename = arena_strdup(&sn->arena, file);
+  sym->frame.name = arena_strdup(&sn->arena, name);
+  sym->frame.line = offset;
+  sn->symbol_count++;
+  return sym->frame.filename && sym->frame.name ? &sym->frame : NULL;
+}
+
+static void resolve_all(snapshot_impl_t *sn) {
+  for (size_t i = 0; i < sn->raw_count; i++) {
+    raw_stack_t *r = &sn->raw[i];
+    gca_frame_t *frames = arena_alloc(&sn->arena, r->depth * sizeof *frames);
+    if (!frames) return;
+    size_t n = 0;
+    for (uint8_t k = 0; k < r->depth; k++) {
+      const gca_frame_t *f = resolve(sn, r->ips[k]);
+      if (f) frames[n++] = *f;
+    }
+    *r->frames = frames;
+    *r->frame_count = n;
+  }
+}
+
+/* ---- public ------------------------------------------------------------- */
+
+int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
+  if (!a || !out) return set_error(GCA_ERR_INVALID, "gca_snapshot_take: %s is NULL", a ? "out" : "allocator");
+  *out = NULL;
+  snapshot_impl_t *sn = calloc(1, sizeof *sn);
+  if (!sn) return set_error(GCA_ERR_NOMEM, "out of host memory taking a snapshot");
+  gca_snapshot_t *pub = &sn->pub;
+  int n = a->device_count;
+  gca_trace_entry_t **traces = arena_zalloc(&sn->arena, (size_t)n * sizeof *traces);
+  size_t *counts = arena_zalloc(&sn->arena, (size_t)n * sizeof *counts);
+  size_t total = 0, cap = 0;
+  gca_snapshot_segment_t *segments = NULL;
+  for (int i = 0; i < n && traces && counts; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    if (d->recording) history_event(d, GCA_TRACE_SNAPSHOT, 0, 0, 0);
+    if (i == 0) sn->config = d->config;
+    if (total + d->segment_count > cap) {
+      size_t want = total + d->segment_count;
+      gca_snapshot_segment_t *grown = realloc(segments, want * sizeof *grown);
+      if (grown) {
+        segments = grown;
+        cap = want;
+      } else {
+        sn->arena.failed = true;
+      }
+    }
+    if (total + d->segment_count <= cap) {
+      memset(segments + total, 0, d->segment_count * sizeof *segments);
+      copy_segments(sn, d, segments + total);
+      total += d->segment_count;
+    }
+    copy_history(sn, d, &traces[i], &counts[i]);
+    lock_release(&d->lock);
+  }
+  /* The segment array moves into the arena, sorted by device and address. */
+  gca_snapshot_segment_t *kept = arena_alloc(&sn->arena, total * sizeof *kept + 1);
+  if (kept && total) {
+    memcpy(kept, segments, total * sizeof *kept);
+    qsort(kept, total, sizeof *kept, compare_segments);
+  }
+  free(segments);
+  resolve_all(sn);
+  free(sn->raw);
+  free(sn->symbols);
+  sn->raw = NULL;
+  sn->symbols = NULL;
+  char settings[1024];
+  config_format(&sn->config, settings, sizeof settings);
+  pub->segments = kept;
+  pub->segment_count = kept ? total : 0;
+  pub->device_count = n;
+  pub->device_traces = (const gca_trace_entry_t *const *)traces;
+  pub->trace_counts = counts;
+  pub->settings = arena_strdup(&sn->arena, settings);
+  pub->backend = arena_strdup(&sn->arena, a->backend.ops->name);
+  if (sn->arena.failed || !traces || !counts || !pub->settings || !pub->backend) {
+    gca_snapshot_free(pub);
+    return set_error(GCA_ERR_NOMEM, "out of host memory taking a snapshot");
+  }
+  *out = pub;
+  return GCA_OK;
+}
+
+void gca_snapshot_free(gca_snapshot_t *s) {
+  if (!s) return;
+  snapshot_impl_t *sn = (snapshot_impl_t *)s;
+  arena_free(&sn->arena);
+  free(sn->raw);
+  free(sn->symbols);
+  free(sn);
+}
