@@ -265,7 +265,7 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
         sn->arena.failed = true;
       }
     }
-    if (total + d->segment_count <= cap) {
+    if (d->segment_count && total + d->segment_count <= cap) {
       memset(segments + total, 0, d->segment_count * sizeof *segments);
       copy_segments(sn, d, segments + total);
       total += d->segment_count;

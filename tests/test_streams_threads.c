@@ -4,7 +4,8 @@
  * share, free, and advance time; one thread synchronizes, empties the cache,
  * flips cross_stream_reuse and runs the checker; one reads statistics. The
  * device is small enough that the out-of-memory path runs concurrently with
- * pending frees. Any launch the sim finds unordered with other work on the
+ * pending frees; the history records everything, with stacks, and the
+ * maintainer takes snapshots and summaries as it goes. Any launch the sim finds unordered with other work on the
  * same memory is a failure; afterwards the books must balance exactly. */
 #include <inttypes.h>
 #include <pthread.h>
@@ -103,7 +104,17 @@ static void *maintain(void *arg) {
         CHECK(gca_set_config(a, round % 8 == 2 ? "cross_stream_reuse:True" : "cross_stream_reuse:False") ==
               GCA_OK);
         break;
-      default: CHECK(gca_check(a, 0) == GCA_OK); break;
+      default: {
+        CHECK(gca_check(a, 0) == GCA_OK);
+        /* Observability under load: a snapshot (stacks resolved outside the
+         * lock) and a summary while the workers run. */
+        gca_snapshot_t *snap = NULL;
+        CHECK(gca_snapshot_take(a, &snap) == GCA_OK);
+        gca_snapshot_free(snap);
+        char summary[8192];
+        CHECK(gca_memory_summary(a, 0, 1, summary, sizeof summary) > 0);
+        break;
+      }
     }
     round++;
   }
@@ -113,6 +124,7 @@ static void *maintain(void *arg) {
 static void test_concurrent_streams(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:capacity=2GiB", "cross_stream_reuse:True");
+  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 4096), GCA_OK);
   pthread_t threads[WORKERS + 2];
   worker_t workers[WORKERS];
   atomic_store(&workers_running, WORKERS);
