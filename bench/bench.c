@@ -127,6 +127,36 @@ static int run_loop(const host_alloc_t *hosts, int reps, long n, result_t *r) {
   return 0;
 }
 
+/* ---- the cost of history ------------------------------------------------ */
+
+/* The 4 KiB loop with history off, on without stacks, and on with stacks
+ * (context ALL), measured interleaved in one process: what recording costs
+ * on the cached path. */
+typedef struct history_cost {
+  double off_ns, on_ns, stacks_ns;
+} history_cost_t;
+
+static int run_history_cost(int reps, long n, history_cost_t *out) {
+  gca_allocator_t *a[3];
+  const gca_context contexts[3] = {GCA_CONTEXT_NONE, GCA_CONTEXT_NONE, GCA_CONTEXT_ALL};
+  for (int i = 0; i < 3; i++) {
+    if (gca_open("sim", NULL, &a[i]) != GCA_OK ||
+        (i > 0 && gca_record_history(a[i], 1, contexts[i], 100000) != GCA_OK)) {
+      fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
+      return 1;
+    }
+    loop_gcalloc(a[i], n / 10);
+  }
+  double samples[3][32];
+  for (int rep = 0; rep < reps; rep++)
+    for (int i = 0; i < 3; i++) samples[i][rep] = loop_gcalloc(a[i], i == 2 ? n / 10 : n);
+  out->off_ns = median(samples[0], reps);
+  out->on_ns = median(samples[1], reps);
+  out->stacks_ns = median(samples[2], reps);
+  for (int i = 0; i < 3; i++) gca_close(a[i]);
+  return 0;
+}
+
 /* ---- trace replay ------------------------------------------------------- */
 
 static double replay_host(const host_alloc_t *h, const trace_ops_t *o, void **slots) {
@@ -292,6 +322,24 @@ static int loop_job(void *p, result_t *r) {
   return run_loop(a->hosts, a->reps, a->n, r);
 }
 
+typedef struct history_args {
+  int reps;
+  long n;
+} history_args_t;
+
+/* The history figures travel back in a result_t: gcalloc_ns = off, the
+ * first two host slots = on, with stacks. */
+static int history_job(void *p, result_t *r) {
+  history_args_t *a = p;
+  history_cost_t c;
+  if (run_history_cost(a->reps, a->n, &c)) return 1;
+  snprintf(r->name, sizeof r->name, "history");
+  r->gcalloc_ns = c.off_ns;
+  r->host_ns[0] = c.on_ns;
+  r->host_ns[1] = c.stacks_ns;
+  return 0;
+}
+
 typedef struct trace_args {
   const host_alloc_t *hosts;
   const char *path, *label;
@@ -405,7 +453,18 @@ int bench_main(int argc, char **argv) {
              is_trace ? "<=0.5x best: " : "<=2x mimalloc: ", met ? "met" : "MISSED");
     }
   }
-  if (json) printf("  ],\n  \"all_targets_met\": %s\n}\n", all_met ? "true" : "false");
-  else printf("all targets %s\n", all_met ? "met" : "NOT met");
+  result_t hist;
+  memset(&hist, 0, sizeof hist);
+  history_args_t hargs = {reps, quick ? 200000 : 3000000};
+  if (isolated(history_job, &hargs, &hist)) return 1;
+  if (json) {
+    printf("  ],\n  \"history_4KiB_ns\": {\"off\": %.2f, \"on\": %.2f, \"on_with_stacks\": %.2f},\n",
+           hist.gcalloc_ns, hist.host_ns[0], hist.host_ns[1]);
+    printf("  \"all_targets_met\": %s\n}\n", all_met ? "true" : "false");
+  } else {
+    printf("history, 4 KiB loop: off %.1f ns, on %.1f ns (%.2fx), on with stacks %.1f ns (%.2fx)\n", hist.gcalloc_ns,
+           hist.host_ns[0], hist.host_ns[0] / hist.gcalloc_ns, hist.host_ns[1], hist.host_ns[1] / hist.gcalloc_ns);
+    printf("all targets %s\n", all_met ? "met" : "NOT met");
+  }
   return 0;
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Install what gcalloc needs to build, test and benchmark on Debian:
 # a C toolchain (gcc and clang), CMake, cmocka (tests), libbsd (its
-# header-only red-black tree), the sanitizer runtimes, and the peers the
-# benchmark measures against (mimalloc, jemalloc). Runs apt-get as root,
-# or through sudo when available; does nothing when all is there already.
+# header-only red-black tree), json-c (the JSON export), libunwind (stacks
+# in the history), python3 (a test reads the pickle export with Python's own
+# unpickler), the sanitizer runtimes, and the peers the benchmark measures
+# against (mimalloc, jemalloc). Runs apt-get as root, or through sudo when
+# available; does nothing when all is there already.
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev libcmocka-dev libbsd-dev
