@@ -16,31 +16,32 @@
 
 #define WIDTH 75
 
-static void format_size(char *out, int64_t value, int64_t reference) {
-  static const char *const units[] = {"B  ", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  double ref = (double)reference;
-  while (u < 5 && ref >= 768.0 * 1024) {
-    value /= 1024;
-    ref /= 1024;
-    u++;
-  }
-  snprintf(out, 16, "%6lld %s", (long long)value, units[u]);
-}
+/* How a column of one kind shows its numbers (PyTorch's _format_size and
+ * _format_count). */
+typedef struct unit_scheme {
+  const char *const *units;
+  int count;
+  double step_at; /* move to the next unit while the reference is at least this */
+  int64_t divisor;
+  int width;      /* of the number */
+  const char *suffix;
+} unit_scheme_t;
 
-static void format_count(char *out, int64_t value, int64_t reference) {
-  static const char *const units[] = {" ", "K", "M"};
-  int u = 0;
-  double ref = (double)reference;
-  while (u < 2 && ref >= 750.0 * 1000) {
-    value /= 1000;
-    ref /= 1000;
-    u++;
-  }
-  snprintf(out, 16, "%7lld %s ", (long long)value, units[u]);
-}
+static const char *const size_units[] = {"B  ", "KiB", "MiB", "GiB", "TiB", "PiB"};
+static const char *const count_units[] = {" ", "K", "M"};
+static const unit_scheme_t sizes = {size_units, 6, 768.0 * 1024, 1024, 6, ""};
+static const unit_scheme_t counts = {count_units, 3, 750.0 * 1000, 1000, 7, " "};
 
-typedef void (*formatter_t)(char *, int64_t, int64_t);
+static void format_cell(char *out, const unit_scheme_t *u, int64_t value, int64_t reference) {
+  int i = 0;
+  double ref = (double)reference;
+  while (i + 1 < u->count && ref >= u->step_at) {
+    value /= u->divisor;
+    ref /= (double)u->divisor;
+    i++;
+  }
+  snprintf(out, 16, "%*lld %s%s", u->width, (long long)value, u->units[i], u->suffix);
+}
 
 static void rule(text_t *t, char c) {
   char line[WIDTH + 1];
@@ -49,12 +50,12 @@ static void rule(text_t *t, char c) {
   text_put(t, "|%s|\n", line);
 }
 
-static void row(text_t *t, const char *name, const gca_stat_t *st, const gca_stat_t *ref, formatter_t fmt) {
+static void row(text_t *t, const char *name, const gca_stat_t *st, const gca_stat_t *ref, const unit_scheme_t *u) {
   char cur[16], peak[16], alloc[16], freed[16];
-  fmt(cur, st->current, ref->current);
-  fmt(peak, st->peak, ref->peak);
-  fmt(alloc, st->allocated, ref->allocated);
-  fmt(freed, st->freed, ref->freed);
+  format_cell(cur, u, st->current, ref->current);
+  format_cell(peak, u, st->peak, ref->peak);
+  format_cell(alloc, u, st->allocated, ref->allocated);
+  format_cell(freed, u, st->freed, ref->freed);
   text_put(t, "| %-21s | %s | %s | %s | %s |\n", name, cur, peak, alloc, freed);
 }
 
@@ -82,30 +83,30 @@ int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *bu
   const struct {
     const gca_stat_t *family;
     const char *name;
-    formatter_t fmt;
+    const unit_scheme_t *units;
   } metrics[] = {
-      {s.allocated_bytes, "Allocated memory", format_size},
-      {s.active_bytes, "Active memory", format_size},
-      {s.requested_bytes, "Requested memory", format_size},
-      {s.reserved_bytes, "GPU reserved memory", format_size},
-      {s.inactive_split_bytes, "Non-releasable memory", format_size},
-      {s.allocation, "Allocations", format_count},
-      {s.active, "Active allocs", format_count},
-      {s.segment, "GPU reserved segments", format_count},
-      {s.inactive_split, "Non-releasable allocs", format_count},
+      {s.allocated_bytes, "Allocated memory", &sizes},
+      {s.active_bytes, "Active memory", &sizes},
+      {s.requested_bytes, "Requested memory", &sizes},
+      {s.reserved_bytes, "GPU reserved memory", &sizes},
+      {s.inactive_split_bytes, "Non-releasable memory", &sizes},
+      {s.allocation, "Allocations", &counts},
+      {s.active, "Active allocs", &counts},
+      {s.segment, "GPU reserved segments", &counts},
+      {s.inactive_split, "Non-releasable allocs", &counts},
   };
   for (size_t m = 0; m < sizeof metrics / sizeof metrics[0]; m++) {
     const gca_stat_t *f = metrics[m].family;
     rule(&t, '-');
-    row(&t, metrics[m].name, &f[GCA_POOL_ALL], &f[GCA_POOL_ALL], metrics[m].fmt);
+    row(&t, metrics[m].name, &f[GCA_POOL_ALL], &f[GCA_POOL_ALL], metrics[m].units);
     if (abbreviated) continue;
-    row(&t, "      from large pool", &f[GCA_POOL_LARGE], &f[GCA_POOL_ALL], metrics[m].fmt);
-    row(&t, "      from small pool", &f[GCA_POOL_SMALL], &f[GCA_POOL_ALL], metrics[m].fmt);
+    row(&t, "      from large pool", &f[GCA_POOL_LARGE], &f[GCA_POOL_ALL], metrics[m].units);
+    row(&t, "      from small pool", &f[GCA_POOL_SMALL], &f[GCA_POOL_ALL], metrics[m].units);
   }
   rule(&t, '-');
-  row(&t, "Oversize allocations", &s.oversize_allocations, &s.oversize_allocations, format_count);
+  row(&t, "Oversize allocations", &s.oversize_allocations, &s.oversize_allocations, &counts);
   rule(&t, '-');
-  row(&t, "Oversize GPU segments", &s.oversize_segments, &s.oversize_segments, format_count);
+  row(&t, "Oversize GPU segments", &s.oversize_segments, &s.oversize_segments, &counts);
   rule(&t, '=');
   return (int)t.len;
 }
