@@ -70,23 +70,9 @@ static void print_gib_line(demo_t *d, int step, size_t tokens) {
 static void print_stats(gca_allocator_t *a) {
   gca_stats_t s;
   gca_get_stats(a, 0, &s);
-  static const char *const names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                                      "reserved_bytes", "active_bytes", "inactive_split_bytes",
-                                      "requested_bytes"};
-  const gca_stat_t *fam[] = {s.allocation, s.segment, s.active, s.inactive_split, s.allocated_bytes,
-                             s.reserved_bytes, s.active_bytes, s.inactive_split_bytes, s.requested_bytes};
-  printf("\n%-22s %-10s %16s %16s %16s %16s\n", "statistic", "pool", "current", "peak", "allocated", "freed");
-  static const char *const pools[] = {"all", "small_pool", "large_pool"};
-  for (size_t f = 0; f < sizeof fam / sizeof fam[0]; f++)
-    for (int p = 0; p < GCA_POOL_KINDS; p++)
-      printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", names[f], pools[p],
-             fam[f][p].current, fam[f][p].peak, fam[f][p].allocated, fam[f][p].freed);
-  printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", "oversize_allocations", "",
-         s.oversize_allocations.current, s.oversize_allocations.peak, s.oversize_allocations.allocated,
-         s.oversize_allocations.freed);
-  printf("%-22s %-10s %16" PRId64 " %16" PRId64 " %16" PRId64 " %16" PRId64 "\n", "oversize_segments", "",
-         s.oversize_segments.current, s.oversize_segments.peak, s.oversize_segments.allocated,
-         s.oversize_segments.freed);
+  char table[8192];
+  gca_memory_summary(a, 0, 0, table, sizeof table);
+  printf("\n%s", table);
   printf("num_alloc_retries %" PRId64 "  num_ooms %" PRId64 "  num_sync_all_streams %" PRId64
          "  num_device_alloc %" PRId64 "  num_device_free %" PRId64 "  max_split_size %" PRId64 "\n",
          s.num_alloc_retries, s.num_ooms, s.num_sync_all_streams, s.num_device_alloc, s.num_device_free,
