@@ -8,6 +8,8 @@
  *   gcalloc bench-streams [--json] [--quick]
  *       peak reserved memory with and without cross-stream reuse on a
  *       multi-stream workload (bench/streams.c);
+ *   gcalloc replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--no-empty-cache]
+ *       replay a recorded trace on the simulated device (tools/replay.c);
  *   gcalloc version
  */
 #include <stdio.h>
@@ -25,6 +27,8 @@ static void usage(FILE *out) {
           "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
           "  bench-streams [--json] [--quick]\n"
           "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
+          "  replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--no-empty-cache]\n"
+          "        replay a PyTorch snapshot, allocatorSim log or gcalloc trace on the simulated device\n"
           "  version\n");
 }
 
@@ -36,6 +40,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "demo") == 0) return demo_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "replay") == 0) return replay_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());
     return 0;

@@ -5,5 +5,6 @@
 int demo_main(int argc, char **argv);
 int bench_main(int argc, char **argv);
 int bench_streams_main(int argc, char **argv);
+int replay_main(int argc, char **argv);
 
 #endif

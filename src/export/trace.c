@@ -9,6 +9,7 @@
 #include "../internal.h"
 #include "pickle.h"
 #include "trace.h"
+#include "record.h"
 
 static int push_event(trace_t *t, size_t *cap, const trace_event_t *e) {
   if (t->count == *cap) {
@@ -45,9 +46,62 @@ static bool read_uint(const pv_t *v, uint64_t *out) {
   return true;
 }
 
+/* The final state: every segment and block the snapshot lists. */
+static int load_final_state(const char *path, const pv_t *segments, trace_t *t) {
+  size_t nseg = pv_len(segments), nblocks = 0;
+  for (size_t i = 0; i < nseg; i++) nblocks += pv_len(pv_get(pv_at(segments, i), "blocks"));
+  t->final_segments = calloc(nseg + 1, sizeof *t->final_segments);
+  t->final_blocks = calloc(nblocks + 1, sizeof *t->final_blocks);
+  if (!t->final_segments || !t->final_blocks) return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  for (size_t i = 0; i < nseg; i++) {
+    const pv_t *seg = pv_at(segments, i);
+    trace_segment_t *s = &t->final_segments[t->final_segment_count];
+    uint64_t device = 0, stream = 0;
+    if (!read_uint(pv_get(seg, "address"), &s->addr) || !read_uint(pv_get(seg, "total_size"), &s->size) ||
+        (pv_get(seg, "device") && !read_uint(pv_get(seg, "device"), &device)) || device > 255)
+      return set_error(GCA_ERR_INVALID, "%s: segment %zu lacks a valid address, total_size or device", path, i);
+    (void)read_uint(pv_get(seg, "stream"), &stream);
+    s->device = (int)device;
+    t->final_segment_count++;
+    const pv_t *blocks = pv_get(seg, "blocks");
+    for (size_t j = 0; j < pv_len(blocks); j++) {
+      const pv_t *b = pv_at(blocks, j);
+      trace_block_t *out = &t->final_blocks[t->final_block_count];
+      const pv_t *state = pv_get(b, "state");
+      if (!read_uint(pv_get(b, "address"), &out->addr) || !read_uint(pv_get(b, "size"), &out->size) || !state ||
+          state->kind != PV_STR)
+        return set_error(GCA_ERR_INVALID, "%s: segment %zu block %zu lacks a valid address, size or state", path, i,
+                         j);
+      if (!read_uint(pv_get(b, "requested_size"), &out->requested)) out->requested = out->size;
+      out->device = (int)device;
+      out->stream = stream;
+      out->active = pv_str_eq(state, "active_allocated") || pv_str_eq(state, "active_pending_free");
+      t->final_block_count++;
+    }
+  }
+  t->has_segment_state = true;
+  return GCA_OK;
+}
+
 static int load_snapshot(const char *path, trace_t *t) {
   pickle_doc_t *doc = pickle_load(path);
   if (!doc) return prefix_error(path);
+  const pv_t *segments = pv_get(pickle_root(doc), "segments");
+  if (segments && segments->kind == PV_LIST) {
+    int frc = load_final_state(path, segments, t);
+    if (frc) {
+      pickle_free(doc);
+      return frc;
+    }
+  }
+  const pv_t *conf = pv_get(pv_get(pickle_root(doc), "allocator_settings"), "PYTORCH_CUDA_ALLOC_CONF");
+  if (conf && conf->kind == PV_STR) {
+    t->settings = malloc(conf->u.str.len + 1);
+    if (t->settings) {
+      memcpy(t->settings, conf->u.str.data, conf->u.str.len);
+      t->settings[conf->u.str.len] = '\0';
+    }
+  }
   const pv_t *traces = pv_get(pickle_root(doc), "device_traces");
   if (!traces || traces->kind != PV_LIST) {
     pickle_free(doc);
@@ -156,6 +210,46 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   return rc;
 }
 
+/* gcalloc's own trace (GCALLOC_TRACE_FILE): mallocs that succeeded become
+ * allocs, frees that succeeded their release; a free names no device, so
+ * it takes its allocation's. empty_cache calls become a segment_free marker
+ * the replay turns back into an empty_cache. */
+static int load_gcalloc_trace(const char *path, trace_t *t) {
+  recorded_calls_t calls;
+  int rc = record_read(path, &calls);
+  if (rc) return rc;
+  size_t cap = 0;
+  typedef struct { uint64_t ptr; int device; } owner_t;
+  owner_t *owners = calloc(calls.count + 1, sizeof *owners);
+  size_t owner_count = 0;
+  if (!owners) rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  for (size_t i = 0; i < calls.count && rc == GCA_OK; i++) {
+    const recorded_call_t *c = &calls.calls[i];
+    trace_event_t e = {.time_us = c->time_us};
+    if (c->call == RC_MALLOC && c->ptr) {
+      e = (trace_event_t){c->device, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
+      owners[owner_count++] = (owner_t){c->ptr, c->device};
+    } else if (c->call == RC_FREE && c->status == GCA_OK) {
+      int device = 0;
+      for (size_t k = owner_count; k-- > 0;)
+        if (owners[k].ptr == c->ptr) {
+          device = owners[k].device;
+          break;
+        }
+      e = (trace_event_t){device, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
+    } else if (c->call == RC_EMPTY_CACHE && c->status == GCA_OK) {
+      e = (trace_event_t){c->device < 0 ? 0 : c->device, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
+    } else {
+      continue;
+    }
+    if (e.device + 1 > t->device_count) t->device_count = e.device + 1;
+    rc = push_event(t, &cap, &e);
+  }
+  free(owners);
+  record_free(&calls);
+  return rc;
+}
+
 int trace_load(const char *path, trace_t *out) {
   memset(out, 0, sizeof *out);
   FILE *f = fopen(path, "rb");
@@ -165,6 +259,9 @@ int trace_load(const char *path, trace_t *out) {
   if (first == 0x80) {
     fclose(f);
     rc = load_snapshot(path, out);
+  } else if (first == '#') {
+    fclose(f);
+    rc = load_gcalloc_trace(path, out);
   } else {
     rewind(f);
     rc = load_allocsim(path, f, out);
@@ -176,6 +273,9 @@ int trace_load(const char *path, trace_t *out) {
 
 void trace_free(trace_t *t) {
   free(t->events);
+  free(t->final_blocks);
+  free(t->final_segments);
+  free(t->settings);
   memset(t, 0, sizeof *t);
 }
 

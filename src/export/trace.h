@@ -9,6 +9,7 @@
 #define GCALLOC_TRACE_H
 
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef enum trace_action {
@@ -33,10 +34,34 @@ typedef struct trace_event {
   int64_t time_us; /* -1 when the trace has none */
 } trace_event_t;
 
+/* A block of the snapshot's final state (segments at the end of recording). */
+typedef struct trace_block {
+  int device;
+  uint64_t addr;
+  uint64_t size;       /* rounded */
+  uint64_t requested;
+  uint64_t stream;
+  bool active;         /* active_allocated or active_pending_free */
+} trace_block_t;
+
+typedef struct trace_segment {
+  int device;
+  uint64_t addr;
+  uint64_t size;
+} trace_segment_t;
+
 typedef struct trace {
   trace_event_t *events; /* device 0's events, then device 1's ... in recorded order */
   size_t count;
   int device_count;
+  /* Snapshots only (else empty): the state when recording ended, and the
+   * PYTORCH_CUDA_ALLOC_CONF the job ran with (NULL if not recorded). */
+  trace_block_t *final_blocks;
+  size_t final_block_count;
+  trace_segment_t *final_segments;
+  size_t final_segment_count;
+  char *settings;
+  bool has_segment_state; /* the snapshot had a segments list */
 } trace_t;
 
 /* Load either format (told apart by the pickle's first byte). Returns

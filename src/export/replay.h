@@ -1,0 +1,45 @@
+/* Replaying a recorded trace on the simulated device, and comparing with
+ * what PyTorch's allocator did on the same sequence (docs/replay.md). */
+#ifndef GCALLOC_REPLAY_H
+#define GCALLOC_REPLAY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "trace.h"
+
+typedef struct replay_options {
+  const char *conf;        /* configuration; NULL: the trace's recorded settings, else defaults */
+  uint64_t capacity;       /* bytes of the simulated device; 0: unlimited (16 TiB... the sim's most) */
+  int device;              /* -1: every device of the trace */
+  bool infer_empty_cache;  /* a run of recorded segment frees gcalloc did not cause is an empty_cache() */
+} replay_options_t;
+
+typedef struct replay_device {
+  int device;
+  size_t events;                  /* alloc and free operations replayed */
+  size_t seeded;                  /* allocations live when recording began, made first */
+  uint64_t peak_requested, peak_allocated, peak_reserved;
+  int64_t recorded_peak_reserved; /* PyTorch's, from the trace's segment events; -1 unknown */
+  uint64_t device_allocs, device_frees;
+  size_t segment_events_recorded; /* in the trace, after the start */
+  size_t segment_events_matched;  /* of those, reproduced by gcalloc in order (same action and size) */
+  size_t empty_cache_calls;       /* inferred from the recorded segment frees */
+  bool oom;                       /* the replay stopped at an allocation that failed */
+  size_t oom_event;               /* its index among the device's operations */
+  uint64_t oom_size;
+  char oom_message[2048];
+  double seconds;                 /* the replay loop, without loading */
+} replay_device_t;
+
+typedef struct replay_result {
+  replay_device_t *devices;
+  int device_count;
+  char conf[1024];                /* the configuration replayed with */
+} replay_result_t;
+
+int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out);
+void replay_result_free(replay_result_t *r);
+
+#endif
