@@ -191,6 +191,20 @@ static block_t *attempt(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
   return b ? b : take_from_device(d, pool, stream, rounded, requested, rc);
 }
 
+/* Take the lock again after running without it (callbacks, handlers), and
+ * collect the frees that completed meanwhile. */
+static void relock(device_t *d) {
+  lock_acquire(&d->lock);
+  if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
+}
+
+/* Memory may have come back: the cache, then the ladder. */
+static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
+                           int *rc) {
+  block_t *b = take_cached(d, pool, stream, rounded, requested);
+  return b ? b : attempt(d, pool, stream, rounded, requested, rc);
+}
+
 /* After the ladder failed for want of memory: wait for memory to come back
  * (oom_retry_timeout_ms), then let the OOM handlers free some (bounded by
  * oom_handler_retries), trying again after each. The lock is held on entry
@@ -209,8 +223,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
       uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
       oom_wait(d, generation, step);
       if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
-      b = take_cached(d, pool, stream, rounded, requested);
-      if (!b) b = attempt(d, pool, stream, rounded, requested, rc);
+      b = take_again(d, pool, stream, rounded, requested, rc);
       clock_gettime(CLOCK_MONOTONIC, &now);
       waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
       if (backoff < 128000000) backoff *= 2;
@@ -221,18 +234,14 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
     if (!atomic_load_explicit(&d->owner->callbacks[CB_OOM_HANDLER].count, memory_order_relaxed)) break;
     lock_release(&d->lock);
     bool again = oom_run_callbacks(d, CB_OOM_HANDLER, segment_size_for(rounded));
-    lock_acquire(&d->lock);
+    relock(d);
     if (!again) break;
     d->stats.num_oom_handler_retries++;
-    if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
-    b = take_cached(d, pool, stream, rounded, requested);
-    if (!b) b = attempt(d, pool, stream, rounded, requested, rc);
+    b = take_again(d, pool, stream, rounded, requested, rc);
   }
   return b;
 }
 
-/* The miss path, with the lock held; returns the address (0 on failure,
- * with the error set) with the lock released. */
 /* Device failures gcalloc handled since the last report: with the lock
  * held, how many; logged (without the lock) by report_absorbed. */
 static size_t take_absorbed(device_t *d) {
@@ -248,6 +257,8 @@ GCA_COLD static void report_absorbed(device_t *d, size_t fresh) {
                 "see num_device_free_failures", d->index, fresh);
 }
 
+/* The miss path, with the lock held; returns the address (0 on failure,
+ * with the error set) with the lock released. */
 GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                          size_t requested) {
   block_t *b = NULL;
@@ -256,8 +267,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   if (atomic_load_explicit(&d->owner->callbacks[CB_FREE_MEMORY].count, memory_order_relaxed)) {
     lock_release(&d->lock);
     bool freed = oom_run_callbacks(d, CB_FREE_MEMORY, rounded);
-    lock_acquire(&d->lock);
-    if (d->pending_events | (uintptr_t)d->releasing) events_process(d);
+    relock(d);
     if (freed) b = take_cached(d, pool, stream, rounded, requested);
   }
   if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
