@@ -387,6 +387,11 @@ struct device {
   bool launch_blocking;      /* every free completes before gca_free returns */
   bool recording;            /* the history records (history.c) */
   struct history *history;   /* NULL until recording is first started */
+  /* Told of every segment the device gives (alloc true) or takes back, for
+   * the replay (export/replay.c). NULL otherwise: the device-call paths pay
+   * one branch. */
+  void (*segment_observer)(void *ctx, bool alloc, size_t size);
+  void *segment_observer_ctx;
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
   bool fraction_set;
   double fraction;
@@ -629,6 +634,35 @@ void log_refresh_observed(void);
  * Returns the new array and updates *cap, or returns NULL on host OOM and
  * leaves both untouched. */
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* A bump allocator for things freed all at once (a snapshot, a parsed
+ * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,
+ * no more than that many bytes in all. A refused allocation sets `failed`,
+ * and `over_limit` too when the limit refused it. Memory is 16-aligned. */
+typedef struct arena_chunk arena_chunk_t;
+typedef struct arena {
+  arena_chunk_t *head;
+  size_t chunk, limit, bytes;
+  bool huge; /* ask for transparent huge pages (Linux; a hint) */
+  bool failed, over_limit;
+} arena_t;
+void *arena_alloc(arena_t *ar, size_t n);
+void *arena_zalloc(arena_t *ar, size_t n);
+char *arena_strdup(arena_t *ar, const char *s);
+void arena_free(arena_t *ar);
+/* Integer key -> integer value, open addressing with linear probing,
+ * growing as it fills; for the trace readers and the replay (not the hot
+ * path, which has block_map). Keys must be below UINT64_MAX - 1. */
+typedef struct addr_map {
+  uint64_t *keys; /* key + 1; 0 empty, UINT64_MAX deleted */
+  uint64_t *vals;
+  size_t cap, used; /* used counts deleted slots too, until the next growth */
+} addr_map_t;
+#define ADDR_MAP_DELETED UINT64_MAX
+bool addr_map_init(addr_map_t *m);
+uint64_t *addr_map_get(const addr_map_t *m, uint64_t key); /* NULL if absent */
+bool addr_map_put(addr_map_t *m, uint64_t key, uint64_t val); /* false on host OOM */
+void addr_map_del(addr_map_t *m, uint64_t key);
+void addr_map_free(addr_map_t *m);
 /* A bounded text being written; `len` counts what did not fit too. */
 typedef struct text {
   char *buf;

@@ -127,6 +127,7 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
 
   kept_stats_t *s = &d->stats;
   if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
+  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, true, size);
   family_increase(s, FAM_SEGMENT, pool->kind, 1);
   family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
   s->num_device_alloc++;
@@ -178,6 +179,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
   }
 
   if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
+  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, seg->size);
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
   family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);

@@ -13,59 +13,6 @@
 
 #include "internal.h"
 
-/* ---- arena -------------------------------------------------------------- */
-
-typedef struct chunk {
-  struct chunk *next;
-  size_t used, cap;
-  _Alignas(16) char data[];
-} chunk_t;
-
-typedef struct arena {
-  chunk_t *head;
-  bool failed;
-} arena_t;
-
-static void *arena_alloc(arena_t *ar, size_t n) {
-  n = (n + 15) & ~(size_t)15;
-  if (!ar->head || ar->head->cap - ar->head->used < n) {
-    size_t cap = n > 65536 ? n : 65536;
-    chunk_t *c = malloc(sizeof *c + cap);
-    if (!c) {
-      ar->failed = true;
-      return NULL;
-    }
-    c->next = ar->head;
-    c->used = 0;
-    c->cap = cap;
-    ar->head = c;
-  }
-  void *p = ar->head->data + ar->head->used;
-  ar->head->used += n;
-  return p;
-}
-
-static void *arena_zalloc(arena_t *ar, size_t n) {
-  void *p = arena_alloc(ar, n);
-  if (p) memset(p, 0, n);
-  return p;
-}
-
-static void arena_free(arena_t *ar) {
-  while (ar->head) {
-    chunk_t *next = ar->head->next;
-    free(ar->head);
-    ar->head = next;
-  }
-}
-
-static char *arena_strdup(arena_t *ar, const char *s) {
-  size_t n = strlen(s) + 1;
-  char *p = arena_alloc(ar, n);
-  if (p) memcpy(p, s, n);
-  return p;
-}
-
 /* ---- the snapshot ------------------------------------------------------- */
 
 /* A block or history entry copied under the lock, its stack still raw. */

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "internal.h"
 
@@ -51,6 +52,140 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
   void *grown = realloc(array, n * elem_size);
   if (grown) *cap = n;
   return grown;
+}
+
+struct arena_chunk {
+  struct arena_chunk *next;
+  size_t used, cap;
+  _Alignas(16) char data[];
+};
+
+void *arena_alloc(arena_t *ar, size_t n) {
+  n = (n + 15) & ~(size_t)15;
+  if (!ar->head || ar->head->cap - ar->head->used < n) {
+    size_t chunk = ar->chunk ? ar->chunk : 65536;
+    size_t cap = n > chunk ? n : chunk;
+    if (ar->limit && cap > ar->limit - ar->bytes) {
+      ar->failed = ar->over_limit = true;
+      return NULL;
+    }
+    arena_chunk_t *c;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (ar->huge) {
+      /* Big arenas filled at once (a parsed trace) fault in 2 MiB at a
+       * time where the kernel allows it, not 4 KiB: faults, not parsing,
+       * were most of the time reading a snapshot. */
+      size_t huge = (size_t)2 << 20;
+      cap = (sizeof *c + cap + huge - 1) / huge * huge - sizeof *c;
+      c = aligned_alloc(huge, sizeof *c + cap);
+      if (c) (void)madvise(c, sizeof *c + cap, MADV_HUGEPAGE);
+    } else
+#endif
+    c = malloc(sizeof *c + cap);
+    if (!c) {
+      ar->failed = true;
+      return NULL;
+    }
+    c->next = ar->head;
+    c->used = 0;
+    c->cap = cap;
+    ar->head = c;
+    ar->bytes += cap;
+  }
+  void *p = ar->head->data + ar->head->used;
+  ar->head->used += n;
+  return p;
+}
+
+void *arena_zalloc(arena_t *ar, size_t n) {
+  void *p = arena_alloc(ar, n);
+  if (p) memset(p, 0, n);
+  return p;
+}
+
+char *arena_strdup(arena_t *ar, const char *s) {
+  size_t n = strlen(s) + 1;
+  char *p = arena_alloc(ar, n);
+  if (p) memcpy(p, s, n);
+  return p;
+}
+
+void arena_free(arena_t *ar) {
+  while (ar->head) {
+    arena_chunk_t *next = ar->head->next;
+    free(ar->head);
+    ar->head = next;
+  }
+  ar->bytes = 0;
+}
+
+static size_t addr_map_slot(const addr_map_t *m, uint64_t stored) {
+  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> 17) & (m->cap - 1);
+  while (m->keys[i] && m->keys[i] != stored) i = (i + 1) & (m->cap - 1);
+  return i;
+}
+
+/* Rehash into a table four times the live entries (at least 1024): it
+ * grows as entries come, and stays put when deletions churn. */
+static bool addr_map_rehash(addr_map_t *m) {
+  size_t live = 0, cap = 1024;
+  for (size_t i = 0; i < m->cap; i++) live += m->keys[i] && m->keys[i] != ADDR_MAP_DELETED;
+  while (cap < 4 * (live + 1)) cap *= 2;
+  addr_map_t bigger = {calloc(cap, sizeof(uint64_t)), malloc(cap * sizeof(uint64_t)), cap, 0};
+  if (!bigger.keys || !bigger.vals) {
+    free(bigger.keys);
+    free(bigger.vals);
+    return false;
+  }
+  for (size_t i = 0; i < m->cap; i++) {
+    if (!m->keys[i] || m->keys[i] == ADDR_MAP_DELETED) continue;
+    size_t j = addr_map_slot(&bigger, m->keys[i]);
+    bigger.keys[j] = m->keys[i];
+    bigger.vals[j] = m->vals[i];
+    bigger.used++;
+  }
+  addr_map_free(m);
+  *m = bigger;
+  return true;
+}
+
+bool addr_map_init(addr_map_t *m) {
+  *m = (addr_map_t){calloc(1024, sizeof(uint64_t)), malloc(1024 * sizeof(uint64_t)), 1024, 0};
+  if (m->keys && m->vals) return true;
+  addr_map_free(m);
+  return false;
+}
+
+uint64_t *addr_map_get(const addr_map_t *m, uint64_t key) {
+  size_t i = addr_map_slot(m, key + 1);
+  return m->keys[i] ? &m->vals[i] : NULL;
+}
+
+bool addr_map_put(addr_map_t *m, uint64_t key, uint64_t val) {
+  size_t i = addr_map_slot(m, key + 1);
+  if (!m->keys[i]) {
+    /* Deleted slots are not reused (lookups probe past them); they go at
+     * the next growth, which also drops them. */
+    if ((m->used + 1) * 2 > m->cap) {
+      if (!addr_map_rehash(m)) return false;
+      i = addr_map_slot(m, key + 1);
+    }
+    m->keys[i] = key + 1;
+    m->used++;
+  }
+  m->vals[i] = val;
+  return true;
+}
+
+void addr_map_del(addr_map_t *m, uint64_t key) {
+  size_t i = addr_map_slot(m, key + 1);
+  if (m->keys[i]) m->keys[i] = ADDR_MAP_DELETED;
+}
+
+void addr_map_free(addr_map_t *m) {
+  free(m->keys);
+  free(m->vals);
+  *m = (addr_map_t){0};
 }
 
 bool parse_size(const char *text, size_t len, uint64_t *out) {

@@ -9,7 +9,7 @@
 #include "helpers.h"
 #include "export/replay.h"
 
-static replay_options_t defaults(void) { return (replay_options_t){.device = -1, .infer_empty_cache = true}; }
+static replay_options_t defaults(void) { return (replay_options_t){.device = -1, .infer_empty_cache = true, .match_segments = true}; }
 
 static void write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");

@@ -46,9 +46,49 @@ static void test_pickle_values(void **state) {
   assert_non_null(doc);
   root = pickle_root(doc);
   assert_int_equal(pv_len(root), 3);
-  assert_ptr_equal(pv_at(root, 0), pv_at(root, 2));
+  assert_ptr_equal(pv_at(root, 0)->u.seq, pv_at(root, 2)->u.seq); /* one dict, shared by the memo */
   assert_true(pv_str_eq(pv_get(pv_at(root, 1), "k"), "v"));
   pickle_free(doc);
+}
+
+/* v='value'; fr={'k':v}; pickle.dumps({'frames':[fr,fr,{'k':'w'}],'keep':[1,{'frames':[3,fr]},fr],
+ * 'after':v}, protocol=4): 'value' is first stored inside the frames and used outside them. */
+static const unsigned char pruned_p4[] =
+    "\x80\x04\x95\x52\x00\x00\x00\x00\x00\x00\x00\x7d\x94\x28\x8c\x06\x66\x72\x61\x6d\x65\x73\x94\x5d\x94"
+    "\x28\x7d\x94\x8c\x01\x6b\x94\x8c\x05\x76\x61\x6c\x75\x65\x94\x73\x68\x03\x7d\x94\x68\x04\x8c\x01"
+    "\x77\x94\x73\x65\x8c\x04\x6b\x65\x65\x70\x94\x5d\x94\x28\x4b\x01\x7d\x94\x68\x01\x5d\x94\x28\x4b"
+    "\x03\x68\x03\x65\x73\x68\x03\x65\x8c\x05\x61\x66\x74\x65\x72\x94\x68\x05\x75\x2e";
+
+static void test_pickle_pruned(void **state) {
+  (void)state;
+  pickle_doc_t *whole = pickle_parse(pruned_p4, sizeof pruned_p4 - 1);
+  pickle_doc_t *pruned = pickle_parse_pruned(pruned_p4, sizeof pruned_p4 - 1, "frames");
+  assert_non_null(whole);
+  assert_non_null(pruned);
+  const pv_t *w = pickle_root(whole), *p = pickle_root(pruned);
+  assert_int_equal(pv_len(pv_get(w, "frames")), 3);
+  assert_int_equal(pv_len(pv_get(p, "frames")), 0);
+  assert_int_equal(pv_get(p, "frames")->kind, PV_LIST);
+  /* What is not under the key is kept, memo values stored inside it included. */
+  assert_true(pv_str_eq(pv_get(p, "after"), "value"));
+  const pv_t *keep = pv_get(p, "keep");
+  assert_int_equal(pv_len(keep), 3);
+  assert_int_equal(pv_at(keep, 0)->u.i, 1);
+  assert_int_equal(pv_len(pv_get(pv_at(keep, 1), "frames")), 0);
+  assert_int_equal(pv_len(pv_get(pv_at(pv_get(w, "keep"), 1), "frames")), 2);
+  /* A container built inside the pruned one stays empty wherever the memo
+   * shares it; unpruned, it has its pair. */
+  assert_int_equal(pv_at(keep, 2)->kind, PV_DICT);
+  assert_int_equal(pv_len(pv_at(keep, 2)), 0);
+  assert_true(pv_str_eq(pv_get(pv_at(pv_get(w, "keep"), 2), "k"), "value"));
+  pickle_free(whole);
+  pickle_free(pruned);
+  /* The skipped runs of memo references still check their indices. */
+  unsigned char bad[sizeof pruned_p4];
+  memcpy(bad, pruned_p4, sizeof bad);
+  bad[42] = 0x60; /* the BINGET at offset 41 now names index 0x60 */
+  assert_null(pickle_parse_pruned(bad, sizeof bad - 1, "frames"));
+  assert_contains(gca_last_error(), "memo index 96");
 }
 
 static void test_pickle_truncations_fail_cleanly(void **state) {
@@ -145,7 +185,7 @@ static void test_bad_text_trace(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_truncations_fail_cleanly),
+      cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_real_traces),
       cmocka_unit_test(test_bad_text_trace),
   };

@@ -92,7 +92,7 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
 
 int replay_main(int argc, char **argv) {
   const char *path = NULL;
-  replay_options_t o = {.device = -1, .infer_empty_cache = true};
+  replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
   bool json = false;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--conf") && i + 1 < argc) o.conf = argv[++i];

@@ -1,360 +1,453 @@
-/* The plain-data pickle reader (see pickle.h). A stack machine over the
- * opcodes PyTorch's snapshots use, every read bounds-checked. Values live in
- * an arena owned by the document, so the memo may share a value between many
- * parents and freeing is a walk over the arena, not over the tree.
+/* The plain-data pickle reader (see pickle.h). One loop over the opcodes,
+ * every read bounds-checked, values kept by value on the stack, in the memo
+ * and in containers. Containers and their item arrays come from an arena
+ * owned by the document: the memo may share a container between many
+ * parents, and freeing is a walk over a few chunks, not over the tree.
+ *
+ * Why it is shaped like this: a PyTorch snapshot is mostly memo references
+ * (BINGET) to frames and strings, hundreds of thousands of them, and the
+ * replay's speed target makes the reader's cost per opcode count.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "../internal.h"
 #include "pickle.h"
 
-#define NODES_PER_CHUNK 4096
-
-typedef struct node_chunk {
-  struct node_chunk *next;
-  size_t used;
-  pv_t nodes[NODES_PER_CHUNK];
-} node_chunk_t;
+#define ARENA_CHUNK ((size_t)4 << 20)
 
 struct pickle_doc {
   unsigned char *buf;
   size_t len;
-  node_chunk_t *chunks;
-  const pv_t *root;
+  bool mapped;   /* buf is the file, mapped; else malloc'd */
+  const char *pruned_key;
+  size_t pruned_len;
+  arena_t arena; /* containers and their item arrays */
+  pv_t root;
 };
-
-typedef struct reader {
-  pickle_doc_t *doc;
-  size_t pos;
-  pv_t **stack;
-  size_t depth, stack_cap;
-  size_t *marks;
-  size_t mark_count, mark_cap;
-  pv_t **memo;
-  size_t memo_cap;
-  size_t memo_len; /* MEMOIZE appends here */
-} reader_t;
-
-static pv_t *new_node(pickle_doc_t *doc, pv_kind kind) {
-  if (!doc->chunks || doc->chunks->used == NODES_PER_CHUNK) {
-    node_chunk_t *c = malloc(sizeof *c);
-    if (!c) return NULL;
-    c->next = doc->chunks;
-    c->used = 0;
-    doc->chunks = c;
-  }
-  pv_t *v = &doc->chunks->nodes[doc->chunks->used++];
-  memset(v, 0, sizeof *v);
-  v->kind = kind;
-  return v;
-}
 
 void pickle_free(pickle_doc_t *doc) {
   if (!doc) return;
-  while (doc->chunks) {
-    node_chunk_t *next = doc->chunks->next;
-    for (size_t i = 0; i < doc->chunks->used; i++) {
-      pv_t *v = &doc->chunks->nodes[i];
-      if (v->kind == PV_LIST || v->kind == PV_DICT) free(v->u.seq.items);
-    }
-    free(doc->chunks);
-    doc->chunks = next;
-  }
-  free(doc->buf);
+  arena_free(&doc->arena);
+  if (doc->mapped) munmap(doc->buf, doc->len);
+  else free(doc->buf);
   free(doc);
 }
 
-const pv_t *pickle_root(const pickle_doc_t *doc) { return doc ? doc->root : NULL; }
-
-/* ---- reader helpers ----------------------------------------------------- */
-
-#define FAIL(r, ...) ((void)(r), set_error(GCA_ERR_INVALID, __VA_ARGS__), -1)
-
-static int need(reader_t *r, size_t n, const char *what) {
-  if (r->doc->len - r->pos < n)
-    return FAIL(r, "pickle: truncated at offset %zu while reading %s", r->pos, what);
-  return 0;
-}
-
-static uint64_t read_le(reader_t *r, size_t n) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < n; i++) v |= (uint64_t)r->doc->buf[r->pos + i] << (8 * i);
-  r->pos += n;
-  return v;
-}
-
-static int push(reader_t *r, pv_t *v) {
-  if (!v) return FAIL(r, "pickle: out of host memory");
-  if (r->depth == r->stack_cap) {
-    size_t cap = r->stack_cap ? r->stack_cap * 2 : 64;
-    pv_t **s = realloc(r->stack, cap * sizeof *s);
-    if (!s) return FAIL(r, "pickle: out of host memory");
-    r->stack = s;
-    r->stack_cap = cap;
-  }
-  r->stack[r->depth++] = v;
-  return 0;
-}
-
-
-static int seq_append(reader_t *r, pv_t *seq, pv_t *item) {
-  if (seq->u.seq.count == seq->u.seq.cap) {
-    size_t cap = seq->u.seq.cap ? seq->u.seq.cap * 2 : 4;
-    pv_t **items = realloc(seq->u.seq.items, cap * sizeof *items);
-    if (!items) return FAIL(r, "pickle: out of host memory");
-    seq->u.seq.items = items;
-    seq->u.seq.cap = cap;
-  }
-  seq->u.seq.items[seq->u.seq.count++] = item;
-  return 0;
-}
-
-static int memo_put(reader_t *r, size_t index, pv_t *v) {
-  if (!v) return FAIL(r, "pickle: memo store with an empty stack at offset %zu", r->pos);
-  if (index > 100000000) return FAIL(r, "pickle: memo index %zu is absurd", index);
-  if (index >= r->memo_cap) {
-    size_t cap = r->memo_cap ? r->memo_cap : 256;
-    while (cap <= index) cap *= 2;
-    pv_t **m = realloc(r->memo, cap * sizeof *m);
-    if (!m) return FAIL(r, "pickle: out of host memory");
-    memset(m + r->memo_cap, 0, (cap - r->memo_cap) * sizeof *m);
-    r->memo = m;
-    r->memo_cap = cap;
-  }
-  r->memo[index] = v;
-  if (index >= r->memo_len) r->memo_len = index + 1;
-  return 0;
-}
-
-static int memo_get(reader_t *r, size_t index) {
-  if (index >= r->memo_cap || !r->memo[index])
-    return FAIL(r, "pickle: memo index %zu used before it was stored (offset %zu)", index, r->pos);
-  return push(r, r->memo[index]);
-}
-
-static int mark_pop(reader_t *r, size_t *base) {
-  if (!r->mark_count) return FAIL(r, "pickle: no MARK before offset %zu", r->pos);
-  *base = r->marks[--r->mark_count];
-  if (*base > r->depth) return FAIL(r, "pickle: MARK above the stack at offset %zu", r->pos);
-  return 0;
-}
-
-static int string_op(reader_t *r, size_t len_bytes, pv_kind kind) {
-  if (need(r, len_bytes, "a length")) return -1;
-  uint64_t n = read_le(r, len_bytes);
-  if (need(r, n, "a string")) return -1;
-  pv_t *v = new_node(r->doc, kind);
-  if (v) {
-    v->u.str.data = (const char *)r->doc->buf + r->pos;
-    v->u.str.len = (size_t)n;
-  }
-  r->pos += n;
-  return push(r, v);
-}
-
-static int int_op(reader_t *r, int64_t value) {
-  pv_t *v = new_node(r->doc, PV_INT);
-  if (v) v->u.i = value;
-  return push(r, v);
-}
-
-static int long_op(reader_t *r, size_t len_bytes) {
-  if (need(r, len_bytes, "a length")) return -1;
-  uint64_t n = read_le(r, len_bytes);
-  if (n > 8) return FAIL(r, "pickle: integer of %llu bytes at offset %zu does not fit in 64 bits",
-                         (unsigned long long)n, r->pos);
-  if (need(r, n, "an integer")) return -1;
-  uint64_t raw = read_le(r, (size_t)n);
-  int64_t value;
-  if (n == 0) value = 0;
-  else if (n < 8 && (raw >> (8 * n - 1)) & 1) value = (int64_t)(raw | (~(uint64_t)0 << (8 * n)));
-  else value = (int64_t)raw;
-  return int_op(r, value);
-}
-
-static int tuple_of(reader_t *r, size_t n) {
-  if (r->depth < n) return FAIL(r, "pickle: tuple of %zu with %zu on the stack at offset %zu", n, r->depth, r->pos);
-  pv_t *t = new_node(r->doc, PV_LIST);
-  if (!t) return FAIL(r, "pickle: out of host memory");
-  size_t base = r->depth - n;
-  for (size_t i = base; i < r->depth; i++)
-    if (seq_append(r, t, r->stack[i])) return -1;
-  r->depth = base;
-  return push(r, t);
-}
-
-static int set_items(reader_t *r, size_t base) {
-  if (base == 0 || (r->depth - base) % 2) return FAIL(r, "pickle: SETITEMS with odd items at offset %zu", r->pos);
-  pv_t *dict = r->stack[base - 1];
-  if (dict->kind != PV_DICT) return FAIL(r, "pickle: SETITEM on a non-dict at offset %zu", r->pos);
-  for (size_t i = base; i < r->depth; i++)
-    if (seq_append(r, dict, r->stack[i])) return -1;
-  r->depth = base;
-  return 0;
-}
-
-static int append_items(reader_t *r, size_t base) {
-  if (base == 0) return FAIL(r, "pickle: APPENDS with no list at offset %zu", r->pos);
-  pv_t *list = r->stack[base - 1];
-  if (list->kind != PV_LIST) return FAIL(r, "pickle: APPEND on a non-list at offset %zu", r->pos);
-  for (size_t i = base; i < r->depth; i++)
-    if (seq_append(r, list, r->stack[i])) return -1;
-  r->depth = base;
-  return 0;
-}
+const pv_t *pickle_root(const pickle_doc_t *doc) { return doc ? &doc->root : NULL; }
 
 /* ---- the machine -------------------------------------------------------- */
 
-static int step(reader_t *r, bool *done) {
-  size_t at = r->pos;
-  unsigned char op = r->doc->buf[r->pos++];
-  size_t base;
-  switch (op) {
-    case 0x80: /* PROTO */
-      if (need(r, 1, "the protocol")) return -1;
-      if (r->doc->buf[r->pos] < 2 || r->doc->buf[r->pos] > 5)
-        return FAIL(r, "pickle: protocol %d is not supported (2 to 5 are)", r->doc->buf[r->pos]);
-      r->pos++;
-      return 0;
-    case 0x95: /* FRAME */
-      if (need(r, 8, "a frame length")) return -1;
-      r->pos += 8;
-      return 0;
-    case '}': return push(r, new_node(r->doc, PV_DICT));
-    case ']':
-    case ')': return push(r, new_node(r->doc, PV_LIST));
-    case 'N': return push(r, new_node(r->doc, PV_NONE));
-    case 0x88:
-    case 0x89: {
-      pv_t *v = new_node(r->doc, PV_BOOL);
-      if (v) v->u.i = op == 0x88;
-      return push(r, v);
-    }
-    case '(':
-      if (r->mark_count == r->mark_cap) {
-        size_t cap = r->mark_cap ? r->mark_cap * 2 : 32;
-        size_t *m = realloc(r->marks, cap * sizeof *m);
-        if (!m) return FAIL(r, "pickle: out of host memory");
-        r->marks = m;
-        r->mark_cap = cap;
-      }
-      r->marks[r->mark_count++] = r->depth;
-      return 0;
-    case 0x94: return memo_put(r, r->memo_len, r->depth ? r->stack[r->depth - 1] : NULL);
-    case 'q':
-      if (need(r, 1, "a memo index")) return -1;
-      return memo_put(r, (size_t)read_le(r, 1), r->depth ? r->stack[r->depth - 1] : NULL);
-    case 'r':
-      if (need(r, 4, "a memo index")) return -1;
-      return memo_put(r, (size_t)read_le(r, 4), r->depth ? r->stack[r->depth - 1] : NULL);
-    case 'h':
-      if (need(r, 1, "a memo index")) return -1;
-      return memo_get(r, (size_t)read_le(r, 1));
-    case 'j':
-      if (need(r, 4, "a memo index")) return -1;
-      return memo_get(r, (size_t)read_le(r, 4));
-    case 0x8c: return string_op(r, 1, PV_STR);
-    case 'X': return string_op(r, 4, PV_STR);
-    case 0x8d: return string_op(r, 8, PV_STR);
-    case 'C': return string_op(r, 1, PV_BYTES);
-    case 'B': return string_op(r, 4, PV_BYTES);
-    case 0x8e: return string_op(r, 8, PV_BYTES);
-    case 'K':
-      if (need(r, 1, "an integer")) return -1;
-      return int_op(r, (int64_t)read_le(r, 1));
-    case 'M':
-      if (need(r, 2, "an integer")) return -1;
-      return int_op(r, (int64_t)read_le(r, 2));
-    case 'J':
-      if (need(r, 4, "an integer")) return -1;
-      return int_op(r, (int64_t)(int32_t)(uint32_t)read_le(r, 4));
-    case 0x8a: return long_op(r, 1);
-    case 0x8b: return long_op(r, 4);
-    case 'G': {
-      if (need(r, 8, "a float")) return -1;
-      uint64_t bits = 0;
-      for (int i = 0; i < 8; i++) bits = (bits << 8) | r->doc->buf[r->pos + (size_t)i];
-      r->pos += 8;
-      pv_t *v = new_node(r->doc, PV_FLOAT);
-      if (v) memcpy(&v->u.f, &bits, sizeof bits);
-      return push(r, v);
-    }
-    case 0x85: return tuple_of(r, 1);
-    case 0x86: return tuple_of(r, 2);
-    case 0x87: return tuple_of(r, 3);
-    case 't':
-      if (mark_pop(r, &base)) return -1;
-      return tuple_of(r, r->depth - base);
-    case 's':
-      if (r->depth < 3) return FAIL(r, "pickle: SETITEM with a short stack at offset %zu", at);
-      return set_items(r, r->depth - 2);
-    case 'u':
-      if (mark_pop(r, &base)) return -1;
-      return set_items(r, base);
-    case 'a':
-      if (r->depth < 2) return FAIL(r, "pickle: APPEND with a short stack at offset %zu", at);
-      return append_items(r, r->depth - 1);
-    case 'e':
-      if (mark_pop(r, &base)) return -1;
-      return append_items(r, base);
-    case '.':
-      if (r->depth != 1) return FAIL(r, "pickle: STOP with %zu values on the stack", r->depth);
-      *done = true;
-      return 0;
-    case 'c':
-    case 0x93:
-    case 'R':
-    case 'b':
-    case 0x81:
-    case 0x92:
-    case 'i':
-    case 'o':
-      return FAIL(r, "pickle: opcode 0x%02x at offset %zu asks to build a Python object; only plain data "
-                     "(dict, list, str, int, float) is read", op, at);
-    default:
-      return FAIL(r, "pickle: unsupported opcode 0x%02x at offset %zu", op, at);
-  }
+static int fail_memory(const pickle_doc_t *doc, size_t at) {
+  if (doc->arena.over_limit)
+    return set_error(GCA_ERR_INVALID,
+                     "pickle: at offset %zu the file needs more than %d bytes of host memory per byte of input; "
+                     "refused as malformed", at, GCA_PICKLE_BYTES_PER_INPUT_BYTE);
+  return set_error(GCA_ERR_NOMEM, "pickle: out of host memory at offset %zu", at);
 }
 
-pickle_doc_t *pickle_parse(const void *data, size_t len) {
+static pv_seq_t *seq_new(pickle_doc_t *doc, bool pruned) {
+  pv_seq_t *s = arena_alloc(&doc->arena, sizeof *s);
+  if (s) *s = (pv_seq_t){NULL, 0, 0, pruned};
+  return s;
+}
+
+/* Is the container being filled (the one under the MARK at `base`) pruned? */
+static inline bool filling_pruned(const pv_t *stack, size_t depth, size_t base) {
+  return base && base <= depth && stack[base - 1].kind == PV_LIST && stack[base - 1].u.seq->pruned;
+}
+
+/* Is a container pushed now pruned? Yes when it is the value of the pruned
+ * key (the key is right below it), or when the container being filled (the
+ * one under the latest MARK) is pruned: everything built inside a pruned
+ * container is. */
+static bool prune_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, const size_t *marks,
+                      size_t mark_count) {
+  if (!doc->pruned_len) return false;
+  if (depth) {
+    const pv_t *below = &stack[depth - 1];
+    if (below->kind == PV_STR && below->len == doc->pruned_len &&
+        !memcmp(below->u.data, doc->pruned_key, doc->pruned_len))
+      return true;
+  }
+  if (mark_count) {
+    size_t base = marks[mark_count - 1];
+    if (base && base <= depth) {
+      const pv_t *filling = &stack[base - 1];
+      return (filling->kind == PV_LIST || filling->kind == PV_DICT) && filling->u.seq->pruned;
+    }
+  }
+  return false;
+}
+
+/* Appends n values. Growth allocates a new array from the arena and leaves
+ * the old one there: at most as much again, and no per-container free. */
+static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n) {
+  if (s->pruned) return true;
+  if (s->count + n > s->cap) {
+    /* Most containers are filled by one batch: size the first exactly. */
+    size_t cap = s->cap ? s->cap * 2 : n > 2 ? n : 2;
+    while (cap < s->count + n) cap *= 2;
+    pv_t *grown = arena_alloc(&doc->arena, cap * sizeof *grown);
+    if (!grown) return false;
+    if (s->count) memcpy(grown, s->items, s->count * sizeof *grown);
+    s->items = grown;
+    s->cap = cap;
+  }
+  memcpy(s->items + s->count, items, n * sizeof *items);
+  s->count += n;
+  return true;
+}
+
+static uint64_t read_le(const unsigned char *p, size_t n) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < n; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* Fixed widths, which compilers turn into one load. */
+static uint32_t read_u32(const unsigned char *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+#define FAIL(...) do { set_error(GCA_ERR_INVALID, __VA_ARGS__); goto failed; } while (0)
+#define NEED(n, what)                                                                             \
+  do {                                                                                            \
+    if (len - pos < (size_t)(n)) FAIL("pickle: truncated at offset %zu while reading %s", pos, what); \
+  } while (0)
+/* Grows array (cap entries) to hold `need`; written out here, not behind a
+ * pointer to the locals, so that they can stay in registers. */
+#define GROW(array, cap, need)                                      \
+  do {                                                              \
+    size_t grown_cap = (cap) ? (cap) : 64;                          \
+    while (grown_cap < (need)) grown_cap *= 2;                      \
+    void *grown = realloc((array), grown_cap * sizeof *(array));    \
+    if (!grown) {                                                   \
+      fail_memory(doc, at);                                         \
+      goto failed;                                                  \
+    }                                                               \
+    (array) = grown;                                                \
+    (cap) = grown_cap;                                              \
+  } while (0)
+#define PUSH(value)                                      \
+  do {                                                   \
+    if (unlikely(depth == stack_cap)) GROW(stack, stack_cap, depth + 1); \
+    stack[depth++] = (value);                            \
+  } while (0)
+
+/* Parses the document's buffer. */
+static pickle_doc_t *parse(pickle_doc_t *doc) {
+  const unsigned char *buf = doc->buf;
+  size_t len = doc->len;
+  doc->arena = (arena_t){.chunk = ARENA_CHUNK, .huge = true, .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
+  /* The machine's state, in locals so that it stays in registers. */
+  pv_t *stack = NULL, *memo = NULL;
+  size_t depth = 0, stack_cap = 0, memo_cap = 0, memo_len = 0;
+  bool memo_dense = true; /* every index below memo_len is stored */
+  size_t *marks = NULL, mark_count = 0, mark_cap = 0;
+  size_t pos = 0, at = 0;
+  for (;;) {
+    if (pos >= len) FAIL("pickle: ended at offset %zu without a STOP opcode", pos);
+    at = pos;
+    unsigned op = buf[pos++];
+    size_t n = 0, base;
+    pv_t v = {0};
+    switch (op) {
+      case 0x80: /* PROTO */
+        NEED(1, "the protocol");
+        if (buf[pos] < 2 || buf[pos] > 5) FAIL("pickle: protocol %d is not supported (2 to 5 are)", buf[pos]);
+        pos++;
+        continue;
+      case 0x95: /* FRAME: framing is only a hint to buffered readers */
+        NEED(8, "a frame length");
+        pos += 8;
+        continue;
+      case 'h': /* BINGET: the most common opcode by far */
+      case 'j': /* LONG_BINGET */
+        /* A snapshot's frames lists are runs of memo references appended
+         * to a pruned list at once: a run that ends in APPENDS to a pruned
+         * list only needs its indices checked, not its values pushed. */
+        if (mark_count && filling_pruned(stack, depth, marks[mark_count - 1])) {
+          size_t scan = at;
+          /* Branch-free: 'h' and 'j' come mixed, and a mispredicted
+           * branch per reference costs more than the rest of the work. */
+          while (len - scan >= 5) {
+            unsigned c = buf[scan];
+            size_t is_short = c == 'h';
+            if (!is_short && c != 'j') break;
+            size_t index = read_u32(buf + scan + 1) & (0xffffffffu >> (24 * is_short));
+            /* Stored? While the memo has no holes, the index alone tells,
+             * without touching the memo (a megabyte, out of cache). */
+            if (index >= memo_len || (!memo_dense && memo[index].kind == PV_UNSET)) break; /* reported below */
+            scan += 5 - 3 * is_short;
+          }
+          if (scan < len && buf[scan] == 'e') {
+            pos = scan;
+            continue;
+          }
+        }
+        if (op == 'j') goto long_binget;
+        NEED(1, "a memo index");
+        base = buf[pos++];
+        goto memo_get;
+      long_binget:
+        NEED(4, "a memo index");
+        base = (size_t)read_u32(buf + pos);
+        pos += 4;
+      memo_get:
+        if (base >= memo_cap || memo[base].kind == PV_UNSET)
+          FAIL("pickle: memo index %zu used before it was stored (offset %zu)", base, at);
+        PUSH(memo[base]);
+        continue;
+      case 0x94: /* MEMOIZE */
+      case 'q':  /* BINPUT */
+      case 'r':  /* LONG_BINPUT */
+        if (op == 0x94) {
+          base = memo_len;
+        } else {
+          n = op == 'q' ? 1 : 4;
+          NEED(n, "a memo index");
+          base = op == 'q' ? buf[pos] : read_u32(buf + pos);
+          pos += n;
+        }
+        if (!depth) FAIL("pickle: memo store with an empty stack at offset %zu", at);
+        /* A pickler numbers the memo from 0, one entry per store, so an
+         * index past the file's length can only be an attack on memory. */
+        if (base > len) FAIL("pickle: memo index %zu at offset %zu is larger than the file", base, at);
+        if (base >= memo_cap) {
+          size_t old = memo_cap;
+          GROW(memo, memo_cap, base + 1);
+          memset(memo + old, 0, (memo_cap - old) * sizeof *memo);
+        }
+        memo[base] = stack[depth - 1];
+        if (base > memo_len) memo_dense = false; /* a hole below it */
+        if (base >= memo_len) memo_len = base + 1;
+        continue;
+      case '(': /* MARK */
+        if (mark_count == mark_cap) GROW(marks, mark_cap, mark_count + 1);
+        marks[mark_count++] = depth;
+        continue;
+      case '}': /* EMPTY_DICT */
+      case ']': /* EMPTY_LIST */
+      case ')': /* EMPTY_TUPLE */
+        v.kind = op == '}' ? PV_DICT : PV_LIST;
+        if (!(v.u.seq = seq_new(doc, prune_new(doc, stack, depth, marks, mark_count)))) {
+          fail_memory(doc, at);
+          goto failed;
+        }
+        PUSH(v);
+        continue;
+      case 'u': /* SETITEMS */
+      case 'e': /* APPENDS */
+      case 's': /* SETITEM */
+      case 'a': /* APPEND */
+        if (op == 'u' || op == 'e') {
+          if (!mark_count) FAIL("pickle: no MARK before offset %zu", at);
+          base = marks[--mark_count];
+          if (base > depth) FAIL("pickle: MARK above the stack at offset %zu", at);
+        } else {
+          n = op == 's' ? 2 : 1;
+          if (depth < n + 1) FAIL("pickle: %s with a short stack at offset %zu", op == 's' ? "SETITEM" : "APPEND", at);
+          base = depth - n;
+        }
+        if (base == 0) FAIL("pickle: %s with no container at offset %zu", op == 'u' || op == 's' ? "SETITEMS" : "APPENDS", at);
+        {
+          const pv_t *container = &stack[base - 1];
+          bool dict_op = op == 'u' || op == 's';
+          if (container->kind != (dict_op ? PV_DICT : PV_LIST))
+            FAIL("pickle: %s on a non-%s at offset %zu", dict_op ? "SETITEM" : "APPEND", dict_op ? "dict" : "list", at);
+          if (dict_op && (depth - base) % 2) FAIL("pickle: SETITEMS with odd items at offset %zu", at);
+          if (!seq_add(doc, container->u.seq, stack + base, depth - base)) {
+            fail_memory(doc, at);
+            goto failed;
+          }
+        }
+        depth = base;
+        continue;
+      case 0x8c: /* SHORT_BINUNICODE */
+      case 'X':  /* BINUNICODE */
+      case 0x8d: /* BINUNICODE8 */
+      case 'C':  /* SHORT_BINBYTES */
+      case 'B':  /* BINBYTES */
+      case 0x8e: /* BINBYTES8 */ {
+        n = op == 0x8c || op == 'C' ? 1 : op == 'X' || op == 'B' ? 4 : 8;
+        NEED(n, "a length");
+        uint64_t size = read_le(buf + pos, n);
+        pos += n;
+        if (size > len - pos) FAIL("pickle: truncated at offset %zu while reading a string of %llu bytes", pos,
+                                   (unsigned long long)size);
+        v.kind = op == 0x8c || op == 'X' || op == 0x8d ? PV_STR : PV_BYTES;
+        if (size > UINT32_MAX) FAIL("pickle: string of %llu bytes at offset %zu is too long", (unsigned long long)size, at);
+        v.len = (uint32_t)size;
+        v.u.data = (const char *)buf + pos;
+        pos += (size_t)size;
+        PUSH(v);
+        continue;
+      }
+      case 'K': /* BININT1 */
+        NEED(1, "an integer");
+        v.kind = PV_INT;
+        v.u.i = buf[pos++];
+        PUSH(v);
+        continue;
+      case 'M': /* BININT2 */
+        NEED(2, "an integer");
+        v.kind = PV_INT;
+        v.u.i = buf[pos] | buf[pos + 1] << 8;
+        pos += 2;
+        PUSH(v);
+        continue;
+      case 'J': /* BININT */
+        NEED(4, "an integer");
+        v.kind = PV_INT;
+        v.u.i = (int32_t)read_u32(buf + pos);
+        pos += 4;
+        PUSH(v);
+        continue;
+      case 0x8a: /* LONG1 */
+      case 0x8b: /* LONG4 */ {
+        n = op == 0x8a ? 1 : 4;
+        NEED(n, "a length");
+        uint64_t bytes = read_le(buf + pos, n);
+        pos += n;
+        if (bytes > 8)
+          FAIL("pickle: integer of %llu bytes at offset %zu does not fit in 64 bits", (unsigned long long)bytes, at);
+        NEED(bytes, "an integer");
+        uint64_t raw = read_le(buf + pos, (size_t)bytes);
+        pos += (size_t)bytes;
+        if (bytes && bytes < 8 && (raw >> (8 * bytes - 1)) & 1) raw |= ~(uint64_t)0 << (8 * bytes);
+        v.kind = PV_INT;
+        v.u.i = (int64_t)raw;
+        PUSH(v);
+        continue;
+      }
+      case 'G': { /* BINFLOAT, big-endian */
+        NEED(8, "a float");
+        uint64_t bits = 0;
+        for (int i = 0; i < 8; i++) bits = (bits << 8) | buf[pos + (size_t)i];
+        pos += 8;
+        v.kind = PV_FLOAT;
+        memcpy(&v.u.f, &bits, sizeof bits);
+        PUSH(v);
+        continue;
+      }
+      case 'N':
+        v.kind = PV_NONE;
+        PUSH(v);
+        continue;
+      case 0x88: /* NEWTRUE */
+      case 0x89: /* NEWFALSE */
+        v.kind = PV_BOOL;
+        v.u.i = op == 0x88;
+        PUSH(v);
+        continue;
+      case 0x85: /* TUPLE1 */
+      case 0x86: /* TUPLE2 */
+      case 0x87: /* TUPLE3 */
+      case 't':  /* TUPLE */
+        if (op == 't') {
+          if (!mark_count) FAIL("pickle: no MARK before offset %zu", at);
+          base = marks[--mark_count];
+          if (base > depth) FAIL("pickle: MARK above the stack at offset %zu", at);
+          n = depth - base;
+        } else {
+          n = op - 0x85 + 1;
+          if (depth < n) FAIL("pickle: tuple of %zu with %zu on the stack at offset %zu", n, depth, at);
+        }
+        v.kind = PV_LIST;
+        if (!(v.u.seq = seq_new(doc, false)) || !seq_add(doc, v.u.seq, stack + depth - n, n)) {
+          fail_memory(doc, at);
+          goto failed;
+        }
+        depth -= n;
+        PUSH(v);
+        continue;
+      case '.': /* STOP */
+        if (depth != 1) FAIL("pickle: STOP with %zu values on the stack", depth);
+        doc->root = stack[0];
+        free(stack);
+        free(marks);
+        free(memo);
+        return doc;
+      case 'c':
+      case 0x93:
+      case 'R':
+      case 'b':
+      case 0x81:
+      case 0x92:
+      case 'i':
+      case 'o':
+        FAIL("pickle: opcode 0x%02x at offset %zu asks to build a Python object; only plain data "
+             "(dict, list, str, int, float) is read", op, at);
+      default:
+        FAIL("pickle: unsupported opcode 0x%02x at offset %zu", op, at);
+    }
+  }
+failed:
+  free(stack);
+  free(marks);
+  free(memo);
+  pickle_free(doc);
+  return NULL;
+}
+
+/* A document for buf (taken over: munmap'd or freed with the document). */
+static pickle_doc_t *new_doc(unsigned char *buf, size_t len, bool mapped, const char *pruned_key) {
   pickle_doc_t *doc = calloc(1, sizeof *doc);
-  if (!doc || !(doc->buf = malloc(len ? len : 1))) {
-    free(doc);
+  if (!doc) {
+    if (mapped) munmap(buf, len);
+    else free(buf);
     set_error(GCA_ERR_NOMEM, "pickle: out of host memory");
     return NULL;
   }
-  memcpy(doc->buf, data, len);
+  doc->buf = buf;
   doc->len = len;
-  reader_t r = {.doc = doc};
-  bool done = false;
-  int rc = 0;
-  while (!done && rc == 0) {
-    if (r.pos >= len) {
-      rc = FAIL(&r, "pickle: ended at offset %zu without a STOP opcode", r.pos);
-      break;
-    }
-    rc = step(&r, &done);
-  }
-  if (rc == 0) doc->root = r.stack[0];
-  free(r.stack);
-  free(r.marks);
-  free(r.memo);
-  if (rc != 0) {
-    pickle_free(doc);
-    return NULL;
-  }
+  doc->mapped = mapped;
+  doc->pruned_key = pruned_key;
+  doc->pruned_len = pruned_key ? strlen(pruned_key) : 0;
   return doc;
 }
 
-pickle_doc_t *pickle_load(const char *path) {
-  FILE *f = fopen(path, "rb");
-  if (!f) {
-    set_error(GCA_ERR_IO, "cannot open %s", path);  /* callers add nothing: the path is named */
+pickle_doc_t *pickle_parse(const void *data, size_t len) { return pickle_parse_pruned(data, len, NULL); }
+
+pickle_doc_t *pickle_parse_pruned(const void *data, size_t len, const char *pruned_key) {
+  unsigned char *buf = malloc(len ? len : 1);
+  if (!buf) {
+    set_error(GCA_ERR_NOMEM, "pickle: out of host memory");
     return NULL;
   }
-  size_t cap = 1 << 20, len = 0;
+  memcpy(buf, data, len);
+  pickle_doc_t *doc = new_doc(buf, len, false, pruned_key);
+  return doc ? parse(doc) : NULL;
+}
+
+pickle_doc_t *pickle_load_pruned(const char *path, const char *pruned_key) {
+  FILE *f = fopen(path, "rb");
+  if (!f) {
+    set_error(GCA_ERR_IO, "cannot open %s", path); /* callers add nothing: the path is named */
+    return NULL;
+  }
+  /* A regular file is mapped (populated at once: the reader touches every
+   * byte, and faulting it in a page at a time costs more than parsing it). */
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
+    int flags = MAP_PRIVATE;
+#ifdef MAP_POPULATE
+    flags |= MAP_POPULATE;
+#endif
+    void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, flags, fileno(f), 0);
+    if (map != MAP_FAILED) {
+      fclose(f);
+      pickle_doc_t *doc = new_doc(map, (size_t)st.st_size, true, pruned_key);
+      return doc ? parse(doc) : NULL;
+    }
+  }
+  /* A pipe, or a file that cannot be mapped: read it. */
+  size_t cap = (size_t)1 << 20, len = 0;
   unsigned char *buf = malloc(cap);
   while (buf) {
     size_t n = fread(buf + len, 1, cap - len, f);
@@ -376,31 +469,44 @@ pickle_doc_t *pickle_load(const char *path) {
     set_error(failed ? GCA_ERR_IO : GCA_ERR_NOMEM, "cannot read %s", path);
     return NULL;
   }
-  pickle_doc_t *doc = pickle_parse(buf, len);
-  free(buf);
-  return doc;
+  pickle_doc_t *doc = new_doc(buf, len, false, pruned_key);
+  return doc ? parse(doc) : NULL;
 }
+
+pickle_doc_t *pickle_load(const char *path) { return pickle_load_pruned(path, NULL); }
 
 /* ---- walking ------------------------------------------------------------ */
 
-int pv_str_eq(const pv_t *v, const char *s) {
-  return v && v->kind == PV_STR && v->u.str.len == strlen(s) && memcmp(v->u.str.data, s, v->u.str.len) == 0;
+static bool str_eq(const pv_t *v, const char *s, size_t n) {
+  return v->kind == PV_STR && v->len == n && memcmp(v->u.data, s, n) == 0;
 }
+
+int pv_str_eq(const pv_t *v, const char *s) { return v && str_eq(v, s, strlen(s)); }
 
 const pv_t *pv_get(const pv_t *dict, const char *key) {
   if (!dict || dict->kind != PV_DICT) return NULL;
-  for (size_t i = 0; i < dict->u.seq.count / 2; i++)
-    if (pv_str_eq(dict->u.seq.items[2 * i], key)) return dict->u.seq.items[2 * i + 1];
+  size_t n = strlen(key);
+  const pv_seq_t *s = dict->u.seq;
+  for (size_t i = 0; i + 1 < s->count; i += 2)
+    if (str_eq(&s->items[i], key, n)) return &s->items[i + 1];
   return NULL;
 }
 
 size_t pv_len(const pv_t *v) {
   if (!v) return 0;
-  if (v->kind == PV_LIST) return v->u.seq.count;
-  if (v->kind == PV_DICT) return v->u.seq.count / 2;
+  if (v->kind == PV_LIST) return v->u.seq->count;
+  if (v->kind == PV_DICT) return v->u.seq->count / 2;
   return 0;
 }
 
 const pv_t *pv_at(const pv_t *list, size_t index) {
-  return list && list->kind == PV_LIST && index < list->u.seq.count ? list->u.seq.items[index] : NULL;
+  return list && list->kind == PV_LIST && index < list->u.seq->count ? &list->u.seq->items[index] : NULL;
+}
+
+const pv_t *pv_key_at(const pv_t *dict, size_t i) {
+  return dict && dict->kind == PV_DICT && 2 * i + 1 < dict->u.seq->count ? &dict->u.seq->items[2 * i] : NULL;
+}
+
+const pv_t *pv_value_at(const pv_t *dict, size_t i) {
+  return dict && dict->kind == PV_DICT && 2 * i + 1 < dict->u.seq->count ? &dict->u.seq->items[2 * i + 1] : NULL;
 }

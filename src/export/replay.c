@@ -10,11 +10,13 @@
  *  2. The operations: each alloc a new slot, each free_completed (the
  *     release) frees its slot, and a run of recorded segment frees that the
  *     replay did not cause stands for an empty_cache() call of the job.
- *  3. Two runs on a fresh simulated device: one timed (peaks, device calls,
- *     the first OOM with --capacity), one with history on after the seeding,
- *     whose segment events are matched in order against the recorded ones
- *     (longest common subsequence of (action, size)): how many of PyTorch's
- *     own decisions gcalloc reproduced.
+ *  3. One run on a fresh simulated device: the peaks, the device calls, the
+ *     first OOM with a capacity, and gcalloc's segment events after the
+ *     seeding (seen through the device's segment observer), matched in order
+ *     against the recorded ones (longest common subsequence of (action,
+ *     size)): how many of PyTorch's own decisions gcalloc reproduced. With a
+ *     timeline, the memory after every operation is kept, and a second run
+ *     stops at the peak to take the segment map.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,62 +33,13 @@ typedef struct op {
   uint32_t slot;
   uint64_t size;
   gca_stream_t stream;
+  int64_t recorded_reserved; /* PyTorch's reserved bytes at this point of the record */
 } op_t;
 
 typedef struct seg_event {
   bool alloc; /* segment_alloc/map; else free/unmap */
   uint64_t size;
 } seg_event_t;
-
-/* Address -> value, open addressing, for the walks over one device. */
-typedef struct addr_map {
-  uint64_t *keys; /* addr + 1; 0 empty; UINT64_MAX deleted */
-  uint64_t *vals;
-  size_t cap, used;
-} addr_map_t;
-
-static size_t map_find(const addr_map_t *m, uint64_t addr, bool for_insert) {
-  uint64_t key = addr + 1;
-  size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 17) & (m->cap - 1), tomb = SIZE_MAX;
-  while (m->keys[i]) {
-    if (m->keys[i] == key) return i;
-    if (m->keys[i] == UINT64_MAX && tomb == SIZE_MAX) tomb = i;
-    i = (i + 1) & (m->cap - 1);
-  }
-  return for_insert && tomb != SIZE_MAX ? tomb : i;
-}
-
-static bool map_init(addr_map_t *m, size_t expected) {
-  m->cap = 1024;
-  while (m->cap < expected * 2 + 16) m->cap *= 2;
-  m->keys = calloc(m->cap, sizeof *m->keys);
-  m->vals = calloc(m->cap, sizeof *m->vals);
-  m->used = 0;
-  return m->keys && m->vals;
-}
-
-static void map_free(addr_map_t *m) {
-  free(m->keys);
-  free(m->vals);
-}
-
-/* Returns a pointer to the value of addr, or NULL. */
-static uint64_t *map_get(addr_map_t *m, uint64_t addr) {
-  size_t i = map_find(m, addr, false);
-  return m->keys[i] == addr + 1 ? &m->vals[i] : NULL;
-}
-
-static void map_put(addr_map_t *m, uint64_t addr, uint64_t val) {
-  size_t i = map_find(m, addr, true);
-  if (m->keys[i] != addr + 1) m->used++;
-  m->keys[i] = addr + 1;
-  m->vals[i] = val;
-}
-
-static void map_del(addr_map_t *m, uint64_t addr) {
-  size_t i = map_find(m, addr, false);
-  if (m->keys[i] == addr + 1) m->keys[i] = UINT64_MAX;
-}
 
 typedef struct device_plan {
   op_t *ops;
@@ -96,16 +49,6 @@ typedef struct device_plan {
   size_t recorded_count;
   int64_t recorded_peak;
 } device_plan_t;
-
-static bool plan_push(device_plan_t *p, op_t op) {
-  if (p->count == p->cap) {
-    op_t *grown = grow_array(p->ops, &p->cap, sizeof *grown, 4096);
-    if (!grown) return false;
-    p->ops = grown;
-  }
-  p->ops[p->count++] = op;
-  return true;
-}
 
 typedef struct seed {
   uint64_t addr, size;
@@ -126,70 +69,60 @@ static int plan_device(const trace_t *t, int d, const replay_options_t *o, devic
   memset(p, 0, sizeof *p);
   size_t n = 0;
   for (size_t i = 0; i < t->count; i++) n += t->events[i].device == d;
-  addr_map_t live; /* addr -> requested size + 1 (streams kept apart below) */
-  addr_map_t streams;
-  if (!map_init(&live, n + t->final_block_count) || !map_init(&streams, n + t->final_block_count)) {
-    map_free(&live);
-    map_free(&streams);
-    return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
-  }
-  for (size_t i = 0; i < t->final_block_count; i++) {
+  addr_map_t live;    /* addr -> requested size + 1; then addr -> slot + 1 */
+  addr_map_t streams; /* addr -> stream, for the seeds */
+  seed_t *seeds = NULL;
+  bool live_ok = addr_map_init(&live), streams_ok = addr_map_init(&streams); /* both, to free both */
+  bool ok = live_ok && streams_ok;
+  for (size_t i = 0; ok && i < t->final_block_count; i++) {
     const trace_block_t *b = &t->final_blocks[i];
     if (b->device != d || !b->active) continue;
-    map_put(&live, b->addr, b->requested + 1);
-    map_put(&streams, b->addr, b->stream);
+    ok = addr_map_put(&live, b->addr, b->requested + 1) && addr_map_put(&streams, b->addr, b->stream);
   }
   /* Walk back: what was live before the first event. */
   int64_t reserved = 0;
   for (size_t i = 0; i < t->final_segment_count; i++)
     if (t->final_segments[i].device == d) reserved += (int64_t)t->final_segments[i].size;
   size_t segment_events = 0;
-  for (size_t k = t->count; k-- > 0;) {
+  for (size_t k = t->count; ok && k-- > 0;) {
     const trace_event_t *e = &t->events[k];
     if (e->device != d) continue;
-    if (e->action == TA_ALLOC) map_del(&live, e->addr);
-    else if (is_release(e->action) && !map_get(&live, e->addr)) {
-      map_put(&live, e->addr, e->size + 1);
-      map_put(&streams, e->addr, e->stream);
-    } else if (is_segment_up(e->action)) {
-      reserved -= (int64_t)e->size;
-      segment_events++;
-    } else if (is_segment_down(e->action)) {
-      reserved += (int64_t)e->size;
+    if (e->action == TA_ALLOC) addr_map_del(&live, e->addr);
+    else if (is_release(e->action) && !addr_map_get(&live, e->addr))
+      ok = addr_map_put(&live, e->addr, e->size + 1) && addr_map_put(&streams, e->addr, e->stream);
+    else if (is_segment_up(e->action) || is_segment_down(e->action)) {
+      reserved += is_segment_up(e->action) ? -(int64_t)e->size : (int64_t)e->size;
       segment_events++;
     }
   }
   /* The seeds, in address order. */
-  seed_t *seeds = malloc((live.used + 1) * sizeof *seeds);
-  p->recorded = malloc((segment_events + 1) * sizeof *p->recorded);
-  if (!seeds || !p->recorded) {
-    free(seeds);
-    map_free(&live);
-    map_free(&streams);
-    return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
-  }
   size_t ns = 0;
-  for (size_t i = 0; i < live.cap; i++) {
-    if (!live.keys[i] || live.keys[i] == UINT64_MAX) continue;
+  if (ok) {
+    seeds = malloc((live.used + 1) * sizeof *seeds);
+    p->recorded = malloc((segment_events + 1) * sizeof *p->recorded);
+    ok = seeds && p->recorded;
+  }
+  for (size_t i = 0; ok && i < live.cap; i++) {
+    if (!live.keys[i] || live.keys[i] == ADDR_MAP_DELETED) continue;
     uint64_t addr = live.keys[i] - 1;
-    uint64_t *stream = map_get(&streams, addr);
+    uint64_t *stream = addr_map_get(&streams, addr);
     seeds[ns++] = (seed_t){addr, live.vals[i] - 1, stream ? (gca_stream_t)*stream : 0};
   }
-  qsort(seeds, ns, sizeof *seeds, compare_seeds);
+  if (ok) qsort(seeds, ns, sizeof *seeds, compare_seeds);
+  addr_map_free(&live);
+  addr_map_free(&streams);
 
-  /* Forward: slots for the seeds, then the events. `live` now maps an
-   * address to its slot + 1. */
-  map_free(&live);
-  map_free(&streams);
-  if (!map_init(&live, n + ns)) {
-    free(seeds);
-    return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
+  /* Forward: slots for the seeds, then the events; at most one operation
+   * each. */
+  ok = ok && addr_map_init(&live);
+  if (ok) {
+    p->cap = n + ns + 1;
+    ok = (p->ops = malloc(p->cap * sizeof *p->ops)) != NULL;
   }
   uint32_t slots = 0;
-  bool ok = true;
-  for (size_t i = 0; i < ns && ok; i++) {
-    map_put(&live, seeds[i].addr, ++slots);
-    ok = plan_push(p, (op_t){OP_ALLOC, slots - 1, seeds[i].size, seeds[i].stream});
+  for (size_t i = 0; ok && i < ns; i++) {
+    ok = addr_map_put(&live, seeds[i].addr, ++slots);
+    p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, seeds[i].size, seeds[i].stream, reserved};
   }
   p->seeded = ns;
   int64_t peak = reserved;
@@ -199,7 +132,7 @@ static int plan_device(const trace_t *t, int d, const replay_options_t *o, devic
     if (e->device != d) continue;
     if (is_segment_down(e->action) && e->size == 0) {
       /* gcalloc's own traces mark an empty_cache() call so. */
-      if (!in_free_run && o->infer_empty_cache) ok = plan_push(p, (op_t){OP_EMPTY_CACHE, 0, 0, 0});
+      if (!in_free_run && o->infer_empty_cache) p->ops[p->count++] = (op_t){OP_EMPTY_CACHE, 0, 0, 0, reserved};
       in_free_run = true;
       continue;
     }
@@ -208,27 +141,33 @@ static int plan_device(const trace_t *t, int d, const replay_options_t *o, devic
       reserved += up ? (int64_t)e->size : -(int64_t)e->size;
       if (reserved > peak) peak = reserved;
       p->recorded[p->recorded_count++] = (seg_event_t){up, e->size};
-      if (!up && !in_free_run && o->infer_empty_cache) ok = plan_push(p, (op_t){OP_EMPTY_CACHE, 0, 0, 0});
+      if (!up && !in_free_run && o->infer_empty_cache)
+        p->ops[p->count++] = (op_t){OP_EMPTY_CACHE, 0, 0, 0, reserved};
       in_free_run = !up;
       continue;
     }
     if (e->action == TA_ALLOC) {
       in_free_run = false;
-      map_put(&live, e->addr, ++slots);
+      ok = addr_map_put(&live, e->addr, ++slots);
       p->allocs++;
-      ok = plan_push(p, (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)e->stream});
+      p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)e->stream, reserved};
     } else if (e->action == TA_FREE_COMPLETED) {
       in_free_run = false;
-      uint64_t *slot = map_get(&live, e->addr);
+      uint64_t *slot = addr_map_get(&live, e->addr);
       if (!slot) continue; /* freed twice in the record, or never allocated: nothing to replay */
-      ok = plan_push(p, (op_t){OP_FREE, (uint32_t)(*slot - 1), 0, 0});
-      map_del(&live, e->addr);
+      p->ops[p->count++] = (op_t){OP_FREE, (uint32_t)(*slot - 1), 0, 0, reserved};
+      addr_map_del(&live, e->addr);
     }
   }
   p->recorded_peak = t->has_segment_state ? peak : -1;
   free(seeds);
-  map_free(&live);
-  if (!ok) return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
+  addr_map_free(&live);
+  if (!ok) {
+    free(p->ops);
+    free(p->recorded);
+    memset(p, 0, sizeof *p);
+    return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
+  }
   return GCA_OK;
 }
 
@@ -238,26 +177,56 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Run the plan on a fresh device. With `history`, recording starts after the
- * seeds and *out_alloc receives the allocator still open (the caller takes
- * its snapshot); else it is closed. */
-static int run_plan(const device_plan_t *p, const char *spec, const char *conf, bool history, replay_device_t *r,
-                    gca_allocator_t **out_alloc) {
+typedef struct seg_log {
+  seg_event_t *events;
+  size_t count, cap;
+  bool failed;
+} seg_log_t;
+
+static void observe_segment(void *ctx, bool alloc, size_t size) {
+  seg_log_t *log = ctx;
+  if (log->count == log->cap) {
+    seg_event_t *grown = grow_array(log->events, &log->cap, sizeof *grown, 256);
+    if (!grown) {
+      log->failed = true;
+      return;
+    }
+    log->events = grown;
+  }
+  log->events[log->count++] = (seg_event_t){alloc, size};
+}
+
+/* Run the plan on a fresh device, up to operation `stop_at` (SIZE_MAX: all
+ * of it). With `log`, gcalloc's segment events after the seeds go there;
+ * with `peak`, a snapshot is taken after operation stop_at. */
+static int run_plan(const device_plan_t *p, const char *spec, const char *conf, const replay_options_t *o,
+                    size_t stop_at, seg_log_t *log, replay_device_t *r, gca_snapshot_t **peak) {
   gca_allocator_t *a;
   int rc = gca_open(spec, conf, &a);
   if (rc) return rc;
+  device_t *d = &a->devices[0];
   void **ptrs = calloc(p->count + 1, sizeof *ptrs);
-  if (!ptrs) {
+  bool timeline = o->timeline && !peak;
+  if (timeline) {
+    r->requested_at = malloc((p->count + 1) * sizeof *r->requested_at);
+    r->allocated_at = malloc((p->count + 1) * sizeof *r->allocated_at);
+    r->reserved_at = malloc((p->count + 1) * sizeof *r->reserved_at);
+    if (p->recorded_peak >= 0) r->recorded_reserved_at = malloc((p->count + 1) * sizeof *r->recorded_reserved_at);
+  }
+  if (!ptrs || (timeline && (!r->requested_at || !r->allocated_at || !r->reserved_at ||
+                             (p->recorded_peak >= 0 && !r->recorded_reserved_at)))) {
+    free(ptrs);
     gca_close(a);
     return set_error(GCA_ERR_NOMEM, "out of host memory replaying");
   }
+  if (log && !p->seeded) {
+    d->segment_observer = observe_segment;
+    d->segment_observer_ctx = log;
+  }
+  uint64_t peak_reserved = 0;
   double start = now_seconds();
-  for (size_t i = 0; i < p->count; i++) {
-    if (history && i == p->seeded) {
-      size_t entries = 4 * (p->count - p->seeded) + 64;
-      rc = gca_record_history(a, 1, GCA_CONTEXT_NONE, entries < ((size_t)1 << 26) ? entries : (size_t)1 << 26);
-      if (rc) break;
-    }
+  size_t i;
+  for (i = 0; i < p->count && i <= stop_at; i++) {
     const op_t *op = &p->ops[i];
     if (op->kind == OP_ALLOC) {
       ptrs[op->slot] = gca_malloc(a, op->size, 0, op->stream);
@@ -279,18 +248,39 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
       r->empty_cache_calls++;
       gca_empty_cache(a, 0);
     }
+    /* The replay is single-threaded: the device's books can be read as they are. */
+    uint64_t reserved = (uint64_t)family_current(&d->stats, FAM_RESERVED_BYTES);
+    if (reserved > peak_reserved) {
+      peak_reserved = reserved;
+      r->peak_op = i;
+    }
+    if (timeline) {
+      r->requested_at[i] = (uint64_t)family_current(&d->stats, FAM_REQUESTED_BYTES);
+      r->allocated_at[i] = (uint64_t)family_current(&d->stats, FAM_ALLOCATED_BYTES);
+      r->reserved_at[i] = reserved;
+      if (r->recorded_reserved_at) r->recorded_reserved_at[i] = op->recorded_reserved;
+    }
+    if (log && i + 1 == p->seeded) {
+      d->segment_observer = observe_segment;
+      d->segment_observer_ctx = log;
+    }
+    if (o->progress && (i & 65535) == 65535) o->progress(o->progress_ctx, r->device, i + 1, p->count);
   }
   r->seconds = now_seconds() - start;
+  if (timeline) r->timeline_count = i;
+  d->segment_observer = NULL;
   gca_stats_t s;
   gca_get_stats(a, 0, &s);
-  r->peak_requested = (uint64_t)s.requested_bytes[GCA_POOL_ALL].peak;
-  r->peak_allocated = (uint64_t)s.allocated_bytes[GCA_POOL_ALL].peak;
-  r->peak_reserved = (uint64_t)s.reserved_bytes[GCA_POOL_ALL].peak;
-  r->device_allocs = (uint64_t)s.num_device_alloc;
-  r->device_frees = (uint64_t)s.num_device_free;
+  if (!peak) {
+    r->peak_requested = (uint64_t)s.requested_bytes[GCA_POOL_ALL].peak;
+    r->peak_allocated = (uint64_t)s.allocated_bytes[GCA_POOL_ALL].peak;
+    r->peak_reserved = (uint64_t)s.reserved_bytes[GCA_POOL_ALL].peak;
+    r->device_allocs = (uint64_t)s.num_device_alloc;
+    r->device_frees = (uint64_t)s.num_device_free;
+  }
+  if (peak && rc == GCA_OK) rc = gca_snapshot_take(a, peak);
   free(ptrs);
-  if (history && rc == GCA_OK) *out_alloc = a;
-  else gca_close(a);
+  gca_close(a);
   return rc;
 }
 
@@ -315,25 +305,6 @@ static size_t lcs(const seg_event_t *x, size_t n, const seg_event_t *y, size_t m
   free(prev);
   free(cur);
   return result;
-}
-
-/* gcalloc's segment events of the history run. */
-static size_t replayed_segment_events(gca_allocator_t *a, seg_event_t **out) {
-  gca_snapshot_t *s;
-  *out = NULL;
-  if (gca_snapshot_take(a, &s) != GCA_OK) return 0;
-  size_t n = 0;
-  seg_event_t *ev = malloc((s->trace_counts[0] + 1) * sizeof *ev);
-  for (size_t i = 0; ev && i < s->trace_counts[0]; i++) {
-    const gca_trace_entry_t *e = &s->device_traces[0][i];
-    if (e->action == GCA_TRACE_SEGMENT_ALLOC || e->action == GCA_TRACE_SEGMENT_MAP)
-      ev[n++] = (seg_event_t){true, e->size};
-    else if (e->action == GCA_TRACE_SEGMENT_FREE || e->action == GCA_TRACE_SEGMENT_UNMAP)
-      ev[n++] = (seg_event_t){false, e->size};
-  }
-  gca_snapshot_free(s);
-  *out = ev;
-  return n;
 }
 
 int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out) {
@@ -361,20 +332,18 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
       r->events = p.count - p.seeded;
       r->recorded_peak_reserved = p.recorded_peak;
       r->segment_events_recorded = p.recorded_count;
-      rc = run_plan(&p, spec, conf, false, r, NULL);
-    }
-    if (rc == GCA_OK) {
-      /* The fidelity run: the same plan, history on after the seeds. */
-      replay_device_t again;
-      memset(&again, 0, sizeof again);
-      gca_allocator_t *a = NULL;
-      rc = run_plan(&p, spec, conf, true, &again, &a);
-      if (rc == GCA_OK) {
-        seg_event_t *mine;
-        size_t n = replayed_segment_events(a, &mine);
-        r->segment_events_matched = lcs(p.recorded, p.recorded_count, mine, n);
-        free(mine);
-        gca_close(a);
+      seg_log_t log = {0};
+      rc = run_plan(&p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
+      if (rc == GCA_OK && log.failed) rc = set_error(GCA_ERR_NOMEM, "out of host memory replaying");
+      if (rc == GCA_OK && o->match_segments) {
+        r->segment_events_replayed = log.count;
+        r->segment_events_matched = lcs(p.recorded, p.recorded_count, log.events, log.count);
+      }
+      free(log.events);
+      /* The segment map at the peak: the same replay again, stopped there. */
+      if (rc == GCA_OK && o->timeline && r->peak_reserved) {
+        replay_device_t again = {.device = d};
+        rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, &r->peak_snapshot);
       }
     }
     free(p.ops);
@@ -385,6 +354,14 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
 }
 
 void replay_result_free(replay_result_t *r) {
+  for (int i = 0; i < r->device_count; i++) {
+    replay_device_t *d = &r->devices[i];
+    free(d->requested_at);
+    free(d->allocated_at);
+    free(d->reserved_at);
+    free(d->recorded_reserved_at);
+    gca_snapshot_free(d->peak_snapshot);
+  }
   free(r->devices);
   memset(r, 0, sizeof *r);
 }

@@ -7,13 +7,21 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "gcalloc.h"
 #include "trace.h"
+
+/* Called every few thousand operations of a long replay. */
+typedef void (*replay_progress_fn)(void *ctx, int device, size_t done, size_t total);
 
 typedef struct replay_options {
   const char *conf;        /* configuration; NULL: the trace's recorded settings, else defaults */
-  uint64_t capacity;       /* bytes of the simulated device; 0: unlimited (16 TiB... the sim's most) */
+  uint64_t capacity;       /* bytes of the simulated device; 0: unlimited (8 TiB) */
   int device;              /* -1: every device of the trace */
   bool infer_empty_cache;  /* a run of recorded segment frees gcalloc did not cause is an empty_cache() */
+  bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
+  bool timeline;           /* keep the memory after every operation, and the segments at the peak */
+  replay_progress_fn progress;
+  void *progress_ctx;
 } replay_options_t;
 
 typedef struct replay_device {
@@ -25,12 +33,21 @@ typedef struct replay_device {
   uint64_t device_allocs, device_frees;
   size_t segment_events_recorded; /* in the trace, after the start */
   size_t segment_events_matched;  /* of those, reproduced by gcalloc in order (same action and size) */
+  size_t segment_events_replayed; /* gcalloc's own, after the start */
   size_t empty_cache_calls;       /* inferred from the recorded segment frees */
   bool oom;                       /* the replay stopped at an allocation that failed */
   size_t oom_event;               /* its index among the device's operations */
   uint64_t oom_size;
   char oom_message[2048];
   double seconds;                 /* the replay loop, without loading */
+  /* With options.timeline: the bytes after each operation (seeds included),
+   * PyTorch's reserved where the trace records it (else NULL), and the
+   * segments when gcalloc's reserved first reached its peak. */
+  size_t timeline_count;
+  uint64_t *requested_at, *allocated_at, *reserved_at;
+  int64_t *recorded_reserved_at;
+  size_t peak_op;
+  gca_snapshot_t *peak_snapshot;
 } replay_device_t;
 
 typedef struct replay_result {

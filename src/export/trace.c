@@ -83,8 +83,49 @@ static int load_final_state(const char *path, const pv_t *segments, trace_t *t) 
   return GCA_OK;
 }
 
+/* One device_traces entry, in one pass over its pairs: an entry has half a
+ * dozen keys, and looking each up by name would scan them six times. */
+static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
+  trace_event_t e = {.device = (int)d, .time_us = -1};
+  const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL;
+  for (size_t k = 0; k < pv_len(entry); k++) {
+    const pv_t *key = pv_key_at(entry, k), *value = pv_value_at(entry, k);
+    if (key->kind != PV_STR) continue;
+    switch (key->len) {
+      case 4:
+        if (!memcmp(key->u.data, "addr", 4)) addr = value;
+        else if (!memcmp(key->u.data, "size", 4)) size = value;
+        break;
+      case 6:
+        if (!memcmp(key->u.data, "action", 6)) action = value;
+        else if (!memcmp(key->u.data, "stream", 6)) stream = value;
+        break;
+      case 7:
+        if (!memcmp(key->u.data, "time_us", 7)) time_us = value;
+        break;
+      case 11:
+        if (!memcmp(key->u.data, "device_free", 11)) device_free = value;
+        break;
+      default:
+        break;
+    }
+  }
+  if (!action || action->kind != PV_STR)
+    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu has no action", path, d, i);
+  e.action = action_of(action);
+  /* An oom entry carries the device's free bytes where others have addr. */
+  const char *addr_key = e.action == TA_OOM ? "device_free" : "addr";
+  if (!read_uint(e.action == TA_OOM ? device_free : addr, &e.addr) || !read_uint(size, &e.size))
+    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu lacks a valid %s or size", path, d, i, addr_key);
+  if (!read_uint(stream, &e.stream)) e.stream = 0;
+  uint64_t us;
+  if (read_uint(time_us, &us)) e.time_us = (int64_t)us;
+  return push_event(t, cap, &e);
+}
+
 static int load_snapshot(const char *path, trace_t *t) {
-  pickle_doc_t *doc = pickle_load(path);
+  /* Frames (call stacks) are most of a snapshot and a replay reads none. */
+  pickle_doc_t *doc = pickle_load_pruned(path, "frames");
   if (!doc) return prefix_error(path);
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
@@ -96,10 +137,10 @@ static int load_snapshot(const char *path, trace_t *t) {
   }
   const pv_t *conf = pv_get(pv_get(pickle_root(doc), "allocator_settings"), "PYTORCH_CUDA_ALLOC_CONF");
   if (conf && conf->kind == PV_STR) {
-    t->settings = malloc(conf->u.str.len + 1);
+    t->settings = malloc(conf->len + 1);
     if (t->settings) {
-      memcpy(t->settings, conf->u.str.data, conf->u.str.len);
-      t->settings[conf->u.str.len] = '\0';
+      memcpy(t->settings, conf->u.data, conf->len);
+      t->settings[conf->len] = '\0';
     }
   }
   const pv_t *traces = pv_get(pickle_root(doc), "device_traces");
@@ -110,28 +151,15 @@ static int load_snapshot(const char *path, trace_t *t) {
   size_t cap = 0;
   int rc = GCA_OK;
   t->device_count = (int)pv_len(traces);
+  size_t total = 0;
+  for (size_t d = 0; d < pv_len(traces); d++) total += pv_len(pv_at(traces, d));
+  if (total && !(t->events = malloc(total * sizeof *t->events)))
+    rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  cap = total;
   for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
     const pv_t *list = pv_at(traces, d);
-    for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
-      const pv_t *entry = pv_at(list, i);
-      trace_event_t e = {.device = (int)d, .time_us = -1};
-      const pv_t *action = pv_get(entry, "action");
-      if (!action || action->kind != PV_STR) {
-        rc = set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu has no action", path, d, i);
-        break;
-      }
-      e.action = action_of(action);
-      uint64_t time_us;
-      /* An oom entry carries the device's free bytes where others have addr. */
-      const char *addr_key = e.action == TA_OOM ? "device_free" : "addr";
-      if (!read_uint(pv_get(entry, addr_key), &e.addr) || !read_uint(pv_get(entry, "size"), &e.size)) {
-        rc = set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu lacks a valid %s or size", path, d, i, addr_key);
-        break;
-      }
-      if (!read_uint(pv_get(entry, "stream"), &e.stream)) e.stream = 0;
-      if (read_uint(pv_get(entry, "time_us"), &time_us)) e.time_us = (int64_t)time_us;
-      rc = push_event(t, &cap, &e);
-    }
+    for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++)
+      rc = read_entry(path, pv_at(list, i), d, i, t, &cap);
   }
   pickle_free(doc);
   return rc;
@@ -281,42 +309,8 @@ void trace_free(trace_t *t) {
 
 /* ---- trace to operations ------------------------------------------------ */
 
-/* Live blocks by (device, address) -> slot, open addressing; only while
- * converting, not on any hot path. */
-typedef struct live_map {
-  uint64_t *keys; /* 0 = empty */
-  uint32_t *slots;
-  size_t cap;
-  size_t count;
-} live_map_t;
-
-static uint64_t live_key(int device, uint64_t addr) { return (addr ^ ((uint64_t)device << 58)) | 1; }
-
-static size_t live_index(const live_map_t *m, uint64_t key) {
-  size_t i = (size_t)((key * 0x9E3779B97F4A7C15ull) >> 20) & (m->cap - 1);
-  while (m->keys[i] && m->keys[i] != key) i = (i + 1) & (m->cap - 1);
-  return i;
-}
-
-static bool live_grow(live_map_t *m) {
-  live_map_t bigger = {calloc(m->cap * 2, sizeof(uint64_t)), calloc(m->cap * 2, sizeof(uint32_t)), m->cap * 2, 0};
-  if (!bigger.keys || !bigger.slots) {
-    free(bigger.keys);
-    free(bigger.slots);
-    return false;
-  }
-  for (size_t i = 0; i < m->cap; i++) {
-    if (!m->keys[i] || m->slots[i] == UINT32_MAX) continue;
-    size_t j = live_index(&bigger, m->keys[i]);
-    bigger.keys[j] = m->keys[i];
-    bigger.slots[j] = m->slots[i];
-    bigger.count++;
-  }
-  free(m->keys);
-  free(m->slots);
-  *m = bigger;
-  return true;
-}
+/* Live blocks are keyed by (device, address). */
+static uint64_t live_key(int device, uint64_t addr) { return addr ^ ((uint64_t)device << 56); }
 
 static int push_op(trace_ops_t *o, size_t *cap, trace_op_t op) {
   if (o->count == *cap) {
@@ -332,12 +326,8 @@ static int push_op(trace_ops_t *o, size_t *cap, trace_op_t op) {
 
 int trace_to_ops(const trace_t *t, trace_ops_t *out) {
   memset(out, 0, sizeof *out);
-  live_map_t m = {calloc(1024, sizeof(uint64_t)), calloc(1024, sizeof(uint32_t)), 1024, 0};
-  if (!m.keys || !m.slots) {
-    free(m.keys);
-    free(m.slots);
-    return set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
-  }
+  addr_map_t m; /* key -> slot + 1; 0 once freed (the key stays) */
+  if (!addr_map_init(&m)) return set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
   size_t cap = 0;
   int rc = GCA_OK;
   for (size_t i = 0; i < t->count && rc == GCA_OK; i++) {
@@ -348,33 +338,28 @@ int trace_to_ops(const trace_t *t, trace_ops_t *out) {
     }
     uint64_t key = live_key(e->device, e->addr);
     if (e->action == TA_ALLOC) {
-      if (m.count * 2 >= m.cap && !live_grow(&m)) {
+      if (!addr_map_put(&m, key, out->slot_count + 1)) {
         rc = set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
         break;
       }
-      size_t j = live_index(&m, key);
-      if (!m.keys[j]) m.count++;
-      m.keys[j] = key;
-      m.slots[j] = (uint32_t)out->slot_count;
       trace_op_t op = {.slot = (uint32_t)out->slot_count++, .device = (uint8_t)e->device, .size = e->size,
                        .stream = e->stream};
       out->allocs++;
       rc = push_op(out, &cap, op);
     } else if (e->action == TA_FREE_REQUESTED || e->action == TA_FREE_COMPLETED) {
-      size_t j = live_index(&m, key);
-      if (!m.keys[j] || m.slots[j] == UINT32_MAX) {
+      uint64_t *slot = addr_map_get(&m, key);
+      if (!slot || !*slot) {
         /* Allocated before recording began, or its free was already taken
          * from the free_requested entry. */
-        if (e->action == TA_FREE_REQUESTED || !m.keys[j]) out->skipped_frees++;
+        if (e->action == TA_FREE_REQUESTED || !slot) out->skipped_frees++;
         continue;
       }
-      trace_op_t op = {.slot = m.slots[j], .is_free = 1, .device = (uint8_t)e->device, .stream = e->stream};
-      m.slots[j] = UINT32_MAX; /* freed; the key stays as a tombstone */
+      trace_op_t op = {.slot = (uint32_t)(*slot - 1), .is_free = 1, .device = (uint8_t)e->device, .stream = e->stream};
+      *slot = 0;
       rc = push_op(out, &cap, op);
     }
   }
-  free(m.keys);
-  free(m.slots);
+  addr_map_free(&m);
   if (rc != GCA_OK) trace_ops_free(out);
   return rc;
 }
