@@ -1,8 +1,10 @@
 /* `gcalloc replay TRACE`: replay a recorded trace on the simulated device
  * and compare with what PyTorch's allocator reserved (docs/replay.md).
  *
- *   gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--no-empty-cache]
+ *   gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
+ *                        [--no-empty-cache]
  */
+#include <unistd.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,12 +19,13 @@ static double gib(uint64_t b) { return (double)b / (double)((uint64_t)1 << 30); 
 
 static void usage(void) {
   fprintf(stderr, "usage: gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] "
-                  "[--no-empty-cache]\n");
+                  "[--report FILE.html] [--no-empty-cache]\n");
 }
 
-static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s) {
-  printf("trace %s: %zu events, %d device%s, loaded in %.1f ms\n", path, t->count, t->device_count,
-         t->device_count == 1 ? "" : "s", load_s * 1e3);
+static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
+  printf("trace %s: %zu events, %d device%s, loaded in %.1f ms; end to end %.1f ms, %.2f M events/s\n", path,
+         t->count, t->device_count, t->device_count == 1 ? "" : "s", load_s * 1e3, total_s * 1e3,
+         total_s > 0 ? (double)t->count / total_s / 1e6 : 0);
   printf("configuration: %s\n", r->conf[0] ? r->conf : "(defaults)");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
@@ -38,32 +41,24 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
              gib((uint64_t)d->recorded_peak_reserved),
              d->recorded_peak_reserved ? (double)d->peak_reserved / (double)d->recorded_peak_reserved : 0);
     else
-      printf("  PyTorch reserved    unknown  (the trace records no segments)\n");
+      printf("  recorded reserved   unknown  (the trace records no segments)\n");
     printf("  device allocations %" PRIu64 ", frees %" PRIu64 "; empty_cache calls inferred from the record: %zu\n",
            d->device_allocs, d->device_frees, d->empty_cache_calls);
-    printf("  PyTorch's segment events reproduced in order: %zu of %zu\n", d->segment_events_matched,
-           d->segment_events_recorded);
+    if (d->recorded_peak_reserved >= 0)
+      printf("  PyTorch's segment events reproduced in order: %zu of %zu (gcalloc made %zu)\n",
+             d->segment_events_matched, d->segment_events_recorded, d->segment_events_replayed);
     if (d->oom)
       printf("  DOES NOT FIT: operation %zu (%" PRIu64 " bytes) fails: %s\n", d->oom_event, d->oom_size,
              d->oom_message);
   }
 }
 
-static void json_string(const char *s) {
-  putchar('"');
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') printf("\\%c", *s);
-    else if ((unsigned char)*s < 0x20) printf("\\u%04x", *s);
-    else putchar(*s);
-  }
-  putchar('"');
-}
-
-static void print_json(const char *path, const trace_t *t, const replay_result_t *r, double load_s) {
+static void print_json(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
   printf("{\"trace\": ");
-  json_string(path);
-  printf(", \"trace_events\": %zu, \"load_seconds\": %.6f, \"conf\": ", t->count, load_s);
-  json_string(r->conf);
+  json_put_string(stdout, path);
+  printf(", \"trace_events\": %zu, \"load_seconds\": %.6f, \"seconds\": %.6f, \"end_to_end_events_per_second\": %.0f"
+         ", \"conf\": ", t->count, load_s, total_s, total_s > 0 ? (double)t->count / total_s : 0.0);
+  json_put_string(stdout, r->conf);
   printf(", \"devices\": [");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
@@ -74,13 +69,13 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
     printf(", \"device_allocs\": %" PRIu64 ", \"device_frees\": %" PRIu64 ", \"empty_cache_calls\": %zu"
-           ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"events_per_second\": %.0f"
-           ", \"oom\": ",
+           ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"segment_events_replayed\": %zu"
+           ", \"events_per_second\": %.0f, \"oom\": ",
            d->device_allocs, d->device_frees, d->empty_cache_calls, d->segment_events_matched,
-           d->segment_events_recorded, d->seconds > 0 ? (double)d->events / d->seconds : 0.0);
+           d->segment_events_recorded, d->segment_events_replayed, d->seconds > 0 ? (double)d->events / d->seconds : 0.0);
     if (d->oom) {
       printf("{\"operation\": %zu, \"size\": %" PRIu64 ", \"message\": ", d->oom_event, d->oom_size);
-      json_string(d->oom_message);
+      json_put_string(stdout, d->oom_message);
       printf("}");
     } else {
       printf("null");
@@ -90,8 +85,31 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
   printf("\n]}\n");
 }
 
+static double seconds_since(const struct timespec *t0) {
+  struct timespec t1;
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) * 1e-9;
+}
+
+/* Progress on stderr, when it is a terminal, at most five times a second. */
+typedef struct progress {
+  struct timespec start, last;
+  bool shown;
+} progress_t;
+
+static void show_progress(void *ctx, int device, size_t done, size_t total) {
+  progress_t *p = ctx;
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (seconds_since(&p->last) < 0.2 && p->shown) return;
+  p->last = now;
+  p->shown = true;
+  fprintf(stderr, "\rreplaying device %d: %3.0f%% (%zu of %zu operations, %.1f s)  ", device,
+          100.0 * (double)done / (double)(total ? total : 1), done, total, seconds_since(&p->start));
+}
+
 int replay_main(int argc, char **argv) {
-  const char *path = NULL;
+  const char *path = NULL, *report = NULL;
   replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
   bool json = false;
   for (int i = 1; i < argc; i++) {
@@ -114,6 +132,7 @@ int replay_main(int argc, char **argv) {
       o.device = (int)d;
     } else if (!strcmp(argv[i], "--json")) json = true;
     else if (!strcmp(argv[i], "--no-empty-cache")) o.infer_empty_cache = false;
+    else if (!strcmp(argv[i], "--report") && i + 1 < argc) report = argv[++i];
     else if (argv[i][0] != '-' && !path) path = argv[i];
     else {
       fprintf(stderr, "gcalloc replay: unknown option '%s'\n", argv[i]);
@@ -125,26 +144,39 @@ int replay_main(int argc, char **argv) {
     usage();
     return 2;
   }
-  struct timespec t0, t1;
+  o.timeline = report != NULL;
+  progress_t progress = {.shown = false};
+  if (isatty(STDERR_FILENO)) {
+    o.progress = show_progress;
+    o.progress_ctx = &progress;
+  }
+  struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
+  progress.start = progress.last = t0;
   trace_t t;
   if (trace_load(path, &t) != GCA_OK) {
     fprintf(stderr, "gcalloc replay: %s\n", gca_last_error());
     return 1;
   }
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  double load_s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  double load_s = seconds_since(&t0);
   replay_result_t r;
   if (replay_trace(&t, &o, &r) != GCA_OK) {
     fprintf(stderr, "gcalloc replay: %s: %s\n", path, gca_last_error());
     trace_free(&t);
     return 1;
   }
-  if (json) print_json(path, &t, &r, load_s);
-  else print_text(path, &t, &r, load_s);
+  double total_s = seconds_since(&t0);
+  if (progress.shown) fprintf(stderr, "\r%60s\r", "");
+  if (json) print_json(path, &t, &r, load_s, total_s);
+  else print_text(path, &t, &r, load_s, total_s);
+  int rc = 0;
+  if (report) {
+    rc = report_write(report, path, &r);
+    if (!rc && !json) printf("\nreport written to %s\n", report);
+  }
   bool oom = false;
   for (int i = 0; i < r.device_count; i++) oom |= r.devices[i].oom;
   replay_result_free(&r);
   trace_free(&t);
-  return oom ? 3 : 0;
+  return rc ? rc : oom ? 3 : 0;
 }

@@ -6,5 +6,13 @@ int demo_main(int argc, char **argv);
 int bench_main(int argc, char **argv);
 int bench_streams_main(int argc, char **argv);
 int replay_main(int argc, char **argv);
+int tune_main(int argc, char **argv);
+
+#include <stdio.h>
+struct replay_result;
+/* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
+int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
+/* A JSON string, escaped so that it is also safe inside an HTML script. */
+void json_put_string(FILE *f, const char *s);
 
 #endif

@@ -2,6 +2,7 @@
  * with a missing action, a negative size or an unknown layout is refused with
  * the entry's position named, never half-loaded.
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,6 +239,133 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   return rc;
 }
 
+/* RMM's logging_resource_adaptor CSV: a header naming the columns (Thread,
+ * Time, Action, Pointer, Size, Stream in every version seen), then one row
+ * a call. Actions: "allocate", "free" (older RMM) or "deallocate" (newer),
+ * and "allocate failure", which records an OOM of the original run and is
+ * kept as such. Time is "HH:MM:SS.ffffff" (older) or seconds since the epoch
+ * (newer); a clock going back past midnight is taken as the next day. */
+static int csv_column(char **fields, int nfields, const char *name) {
+  for (int i = 0; i < nfields; i++)
+    if (!strcmp(fields[i], name)) return i;
+  return -1;
+}
+
+static int split_csv(char *line, char **fields, int max) {
+  int n = 0;
+  char *p = line;
+  line[strcspn(line, "\r\n")] = '\0';
+  while (n < max) {
+    while (*p == ' ') p++;
+    fields[n++] = p;
+    char *comma = strchr(p, ',');
+    if (!comma) break;
+    *comma = '\0';
+    p = comma + 1;
+  }
+  return n;
+}
+
+static bool csv_number(const char *text, int base, uint64_t *out) {
+  if (!*text || *text == '-') return false;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(text, &end, base);
+  if (errno || *end) return false;
+  *out = v;
+  return true;
+}
+
+/* Microseconds from "HH:MM:SS.ffffff" or "seconds.fraction". */
+static bool parse_rmm_time(const char *text, int64_t *us) {
+  unsigned h, m;
+  double sec;
+  int used = 0;
+  if (sscanf(text, "%u:%u:%lf%n", &h, &m, &sec, &used) == 3 && !text[used] && m < 60 && sec < 61) {
+    *us = (int64_t)((h * 3600.0 + m * 60.0 + sec) * 1e6 + 0.5);
+    return true;
+  }
+  char *end;
+  double s = strtod(text, &end);
+  if (end == text || *end || !(s >= 0) || s > 1e12) return false;
+  *us = (int64_t)(s * 1e6 + 0.5);
+  return true;
+}
+
+static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
+  char line[1024];
+  char *fields[16];
+  if (!fgets(line, sizeof line, f)) return set_error(GCA_ERR_INVALID, "%s: empty file", path);
+  int nf = split_csv(line, fields, 16);
+  int col_time = csv_column(fields, nf, "Time"), col_action = csv_column(fields, nf, "Action"),
+      col_ptr = csv_column(fields, nf, "Pointer"), col_size = csv_column(fields, nf, "Size"),
+      col_stream = csv_column(fields, nf, "Stream");
+  if (col_action < 0 || col_ptr < 0 || col_size < 0)
+    return set_error(GCA_ERR_INVALID, "%s:1: an RMM log header needs the columns Action, Pointer and Size", path);
+  size_t cap = 0, lineno = 1;
+  int64_t day = 0, last_us = -1;
+  t->device_count = 1;
+  int rc = GCA_OK;
+  while (rc == GCA_OK && fgets(line, sizeof line, f)) {
+    lineno++;
+    if (!strchr(line, '\n') && !feof(f)) {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: line longer than %zu characters", path, lineno, sizeof line - 2);
+      break;
+    }
+    if (line[0] == '\n' || (line[0] == '\r' && line[1] == '\n')) continue;
+    int n = split_csv(line, fields, 16);
+    int need = col_action > col_ptr ? col_action : col_ptr;
+    if (col_size > need) need = col_size;
+    if (col_stream > need) need = col_stream;
+    if (col_time > need) need = col_time;
+    if (n <= need) {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: %d fields where the header has %d", path, lineno, n, nf);
+      break;
+    }
+    trace_event_t e = {.device = 0, .time_us = -1};
+    const char *action = fields[col_action];
+    if (!strcmp(action, "allocate")) e.action = TA_ALLOC;
+    else if (!strcmp(action, "free") || !strcmp(action, "deallocate")) e.action = TA_FREE_COMPLETED;
+    else if (!strcmp(action, "allocate failure")) e.action = TA_OOM;
+    else {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: unknown action '%s' (allocate, free, deallocate, allocate failure)",
+                     path, lineno, action);
+      break;
+    }
+    const char *ptr = fields[col_ptr];
+    if (!strcmp(ptr, "nullptr") || !strcmp(ptr, "(nil)")) ptr = "0";
+    if (!csv_number(ptr, 0, &e.addr) || !csv_number(fields[col_size], 10, &e.size)) {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: Pointer '%s' or Size '%s' is not a number", path, lineno,
+                     fields[col_ptr], fields[col_size]);
+      break;
+    }
+    if (e.action == TA_OOM) e.addr = 0; /* a failed allocate has no pointer; oom entries carry free bytes, unknown */
+    if (col_stream >= 0) {
+      const char *stream = fields[col_stream];
+      if (!strcmp(stream, "nullptr") || !strcmp(stream, "(nil)")) stream = "0";
+      if (!csv_number(stream, 0, &e.stream)) {
+        rc = set_error(GCA_ERR_INVALID, "%s:%zu: Stream '%s' is not a number", path, lineno, fields[col_stream]);
+        break;
+      }
+    }
+    if (col_time >= 0) {
+      int64_t us;
+      if (!parse_rmm_time(fields[col_time], &us)) {
+        rc = set_error(GCA_ERR_INVALID, "%s:%zu: Time '%s' is neither HH:MM:SS.ffffff nor seconds", path, lineno,
+                       fields[col_time]);
+        break;
+      }
+      if (last_us >= 0 && us + day < last_us && last_us - (us + day) > (int64_t)12 * 3600 * 1000000)
+        day += (int64_t)24 * 3600 * 1000000;
+      e.time_us = last_us = us + day;
+    }
+    rc = push_event(t, &cap, &e);
+  }
+  if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read %s", path);
+  if (rc == GCA_OK && t->count == 0) rc = set_error(GCA_ERR_INVALID, "%s: no calls in the RMM log", path);
+  return rc;
+}
+
 /* gcalloc's own trace (GCALLOC_TRACE_FILE): mallocs that succeeded become
  * allocs, frees that succeeded their release; a free names no device, so
  * it takes its allocation's. empty_cache calls become a segment_free marker
@@ -290,6 +418,10 @@ int trace_load(const char *path, trace_t *out) {
   } else if (first == '#') {
     fclose(f);
     rc = load_gcalloc_trace(path, out);
+  } else if (first == 'T') {
+    rewind(f);
+    rc = load_rmm_csv(path, f, out);
+    fclose(f);
   } else {
     rewind(f);
     rc = load_allocsim(path, f, out);

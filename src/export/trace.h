@@ -1,9 +1,12 @@
 /* Allocation traces recorded by PyTorch users, read into one event list, and
  * turned into a replayable sequence of operations.
  *
- * Formats: a PyTorch memory snapshot pickle (its device_traces: alloc,
- * free_requested, free_completed, segment_*, oom, snapshot entries), or the
- * allocatorSim text log, one allocation a line, "<alloc_op> <free_op> <size>".
+ * Formats, told apart by their first byte: a PyTorch memory snapshot pickle
+ * (its device_traces: alloc, free_requested, free_completed, segment_*, oom,
+ * snapshot entries); gcalloc's own trace ("# gcalloc trace"); RMM's
+ * logging_resource_adaptor CSV ("Thread,Time,Action,Pointer,Size,Stream");
+ * the allocatorSim text log, one allocation a line, "<alloc_op> <free_op>
+ * <size>".
  */
 #ifndef GCALLOC_TRACE_H
 #define GCALLOC_TRACE_H

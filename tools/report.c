@@ -1,0 +1,281 @@
+/* `gcalloc replay TRACE --report FILE.html`: one self-contained page (no
+ * network, no external script) showing a replay: per device, a timeline of
+ * requested, allocated and reserved bytes for gcalloc with PyTorch's recorded
+ * reserved beside it, the segments and blocks at gcalloc's peak, and the
+ * settings. The data is embedded as JSON and drawn as SVG by a short script
+ * in the page; docs/replay.md shows what it looks like.
+ *
+ * The timeline keeps at most TIMELINE_POINTS points per series: each point is
+ * the maximum over its stretch of operations, so no peak is smoothed away.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../src/internal.h"
+#include "../src/export/replay.h"
+#include "tool.h"
+
+#define TIMELINE_POINTS 1500
+#define MAP_SEGMENTS 400   /* the largest ones; the rest are counted */
+#define MAP_BLOCKS 40000   /* in all; beyond, a segment is drawn as its totals */
+
+/* A JSON string, safe inside <script>: '<' is escaped so no "</script>". */
+void json_put_string(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; s && *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+    else if (c < 0x20 || c == '<' || c == '>' || c == '&') fprintf(f, "\\u%04x", c);
+    else fputc(c, f);
+  }
+  fputc('"', f);
+}
+
+static uint64_t max_in(const uint64_t *v, size_t from, size_t to) {
+  uint64_t m = 0;
+  for (size_t i = from; i < to; i++)
+    if (v[i] > m) m = v[i];
+  return m;
+}
+
+static void put_series(FILE *f, const char *name, const uint64_t *v, size_t n, size_t step) {
+  fprintf(f, "\"%s\": [", name);
+  for (size_t i = 0, k = 0; i < n; i += step, k++) fprintf(f, "%s%" PRIu64, k ? "," : "", max_in(v, i, i + step < n ? i + step : n));
+  fprintf(f, "]");
+}
+
+static void put_timeline(FILE *f, const replay_device_t *d) {
+  size_t n = d->timeline_count;
+  size_t step = n > TIMELINE_POINTS ? (n + TIMELINE_POINTS - 1) / TIMELINE_POINTS : 1;
+  fprintf(f, "\"step\": %zu, \"operations\": %zu, ", step, n);
+  put_series(f, "requested", d->requested_at, n, step);
+  fprintf(f, ", ");
+  put_series(f, "allocated", d->allocated_at, n, step);
+  fprintf(f, ", ");
+  put_series(f, "reserved", d->reserved_at, n, step);
+  fprintf(f, ", \"recorded\": ");
+  if (d->recorded_reserved_at) {
+    fprintf(f, "[");
+    for (size_t i = 0, k = 0; i < n; i += step, k++) {
+      int64_t m = 0;
+      for (size_t j = i; j < n && j < i + step; j++)
+        if (d->recorded_reserved_at[j] > m) m = d->recorded_reserved_at[j];
+      fprintf(f, "%s%" PRId64, k ? "," : "", m);
+    }
+    fprintf(f, "]");
+  } else {
+    fprintf(f, "null");
+  }
+}
+
+static int by_size_desc(const void *x, const void *y) {
+  const gca_snapshot_segment_t *a = *(const gca_snapshot_segment_t *const *)x;
+  const gca_snapshot_segment_t *b = *(const gca_snapshot_segment_t *const *)y;
+  return a->total_size < b->total_size ? 1 : a->total_size > b->total_size ? -1 : (a->address > b->address) - (a->address < b->address);
+}
+
+static void put_segments(FILE *f, const gca_snapshot_t *s) {
+  fprintf(f, "\"segments\": [");
+  if (!s || !s->segment_count) {
+    fprintf(f, "], \"segments_left_out\": 0");
+    return;
+  }
+  const gca_snapshot_segment_t **order = malloc(s->segment_count * sizeof *order);
+  if (!order) {
+    fprintf(f, "], \"segments_left_out\": %zu", s->segment_count);
+    return;
+  }
+  for (size_t i = 0; i < s->segment_count; i++) order[i] = &s->segments[i];
+  qsort(order, s->segment_count, sizeof *order, by_size_desc);
+  size_t shown = s->segment_count < MAP_SEGMENTS ? s->segment_count : MAP_SEGMENTS, blocks = 0;
+  for (size_t i = 0; i < shown; i++) {
+    const gca_snapshot_segment_t *g = order[i];
+    fprintf(f, "%s\n{\"address\": %" PRIu64 ", \"size\": %" PRIu64 ", \"allocated\": %" PRIu64
+               ", \"stream\": %" PRIuPTR ", \"pool\": \"%s\", \"blocks\": [",
+            i ? "," : "", g->address, g->total_size, g->allocated_size, (uintptr_t)g->stream,
+            g->pool == GCA_POOL_SMALL ? "small" : "large");
+    /* [size, state] pairs; 0 allocated, 1 pending free, 2 free. */
+    if (blocks + g->block_count <= MAP_BLOCKS) {
+      for (size_t b = 0; b < g->block_count; b++)
+        fprintf(f, "%s[%" PRIu64 ",%d]", b ? "," : "", g->blocks[b].size, g->blocks[b].state);
+      blocks += g->block_count;
+    }
+    fprintf(f, "]}");
+  }
+  fprintf(f, "], \"segments_left_out\": %zu", s->segment_count - shown);
+  free(order);
+}
+
+/* The page's script: draws what REPORT holds. Plain SVG, no library. */
+static const char page_script[] =
+    "const GiB = 1024 * 1024 * 1024;\n"
+    "const SVG = 'http://www.w3.org/2000/svg';\n"
+    "function el(tag, attrs, parent) {\n"
+    "  const e = document.createElementNS(SVG, tag);\n"
+    "  for (const k in attrs) e.setAttribute(k, attrs[k]);\n"
+    "  if (parent) parent.appendChild(e);\n"
+    "  return e;\n"
+    "}\n"
+    "function fmt(b) { return b >= GiB ? (b / GiB).toFixed(3) + ' GiB' : (b / 1048576).toFixed(1) + ' MiB'; }\n"
+    "const COLORS = {requested: '#2ca02c', allocated: '#1f77b4', reserved: '#d62728', recorded: '#ff7f0e'};\n"
+    "const LABELS = {requested: 'requested', allocated: 'allocated (gcalloc)', reserved: 'reserved (gcalloc)',\n"
+    "                recorded: 'reserved (PyTorch, recorded)'};\n"
+    "function timeline(dev, host) {\n"
+    "  const W = 960, H = 320, L = 70, R = 10, T = 10, B = 40;\n"
+    "  const svg = el('svg', {width: W, height: H, class: 'timeline'}, host);\n"
+    "  // PyTorch's recorded reserved first, wide and dashed, so that gcalloc's drawn over it stays visible.\n"
+    "  const names = ['recorded', 'requested', 'allocated', 'reserved'].filter(n => dev[n]);\n"
+    "  const n = dev.reserved.length;\n"
+    "  let top = 1;\n"
+    "  for (const s of names) for (const v of dev[s]) if (v > top) top = v;\n"
+    "  const x = i => L + (n > 1 ? i / (n - 1) : 0) * (W - L - R);\n"
+    "  const y = v => T + (1 - v / top) * (H - T - B);\n"
+    "  el('rect', {x: L, y: T, width: W - L - R, height: H - T - B, fill: '#fafafa', stroke: '#ccc'}, svg);\n"
+    "  for (let k = 0; k <= 4; k++) {\n"
+    "    const v = top * k / 4;\n"
+    "    el('line', {x1: L, x2: W - R, y1: y(v), y2: y(v), stroke: '#e4e4e4'}, svg);\n"
+    "    el('text', {x: L - 6, y: y(v) + 4, 'text-anchor': 'end', 'font-size': 11}, svg).textContent = fmt(v);\n"
+    "  }\n"
+    "  el('text', {x: (L + W) / 2, y: H - 8, 'text-anchor': 'middle', 'font-size': 12}, svg).textContent =\n"
+    "      'operation (' + dev.operations + ' in all' + (dev.step > 1 ? ', each point the maximum over ' + dev.step : '') + ')';\n"
+    "  for (const s of names) {\n"
+    "    const pts = dev[s].map((v, i) => x(i).toFixed(1) + ',' + y(v).toFixed(1)).join(' ');\n"
+    "    el('polyline', {points: pts, fill: 'none', stroke: COLORS[s], 'stroke-width': s === 'recorded' ? 5 : 2,\n"
+    "                    'stroke-dasharray': s === 'recorded' ? '8 4' : 'none', class: 'series-' + s}, svg);\n"
+    "  }\n"
+    "  const cursor = el('line', {y1: T, y2: H - B, stroke: '#888', visibility: 'hidden'}, svg);\n"
+    "  const readout = document.createElement('div');\n"
+    "  readout.className = 'readout';\n"
+    "  host.appendChild(readout);\n"
+    "  svg.addEventListener('mousemove', ev => {\n"
+    "    const r = svg.getBoundingClientRect();\n"
+    "    const i = Math.max(0, Math.min(n - 1, Math.round((ev.clientX - r.left - L) / (W - L - R) * (n - 1))));\n"
+    "    cursor.setAttribute('x1', x(i)); cursor.setAttribute('x2', x(i)); cursor.setAttribute('visibility', 'visible');\n"
+    "    readout.textContent = 'operation ' + i * dev.step + ': ' + names.map(s => LABELS[s] + ' ' + fmt(dev[s][i])).join(', ');\n"
+    "  });\n"
+    "  const legend = document.createElement('div');\n"
+    "  legend.className = 'legend';\n"
+    "  for (const s of names) {\n"
+    "    const item = document.createElement('span');\n"
+    "    item.innerHTML = '<i style=\"background:' + COLORS[s] + '\"></i>';\n"
+    "    item.appendChild(document.createTextNode(LABELS[s]));\n"
+    "    legend.appendChild(item);\n"
+    "  }\n"
+    "  host.appendChild(legend);\n"
+    "}\n"
+    "// Not the timeline's colours: a test counts those to see that the plot was drawn.\n"
+    "const BLOCK_COLORS = ['#6a51a3', '#fdae6b', '#dddddd'];\n"
+    "function segmentMap(dev, host) {\n"
+    "  const segs = dev.segments;\n"
+    "  if (!segs.length) { host.appendChild(document.createTextNode('No segments at the peak.')); return; }\n"
+    "  const W = 960, L = 110, ROW = 12, biggest = segs[0].size;\n"
+    "  const svg = el('svg', {width: W, height: segs.length * ROW + 4, class: 'segments'}, host);\n"
+    "  segs.forEach((g, r) => {\n"
+    "    const y = r * ROW + 2, scale = (W - L - 10) / biggest;\n"
+    "    el('text', {x: L - 6, y: y + ROW - 3, 'text-anchor': 'end', 'font-size': 10}, svg).textContent = fmt(g.size) + ' ' + g.pool;\n"
+    "    el('rect', {x: L, y: y, width: Math.max(1, g.size * scale), height: ROW - 2, fill: BLOCK_COLORS[2]}, svg);\n"
+    "    if (g.blocks.length) {\n"
+    "      let at = 0;\n"
+    "      for (const [size, state] of g.blocks) {\n"
+    "        if (state !== 2) el('rect', {x: L + at * scale, y: y, width: Math.max(0.5, size * scale), height: ROW - 2, fill: BLOCK_COLORS[state]}, svg);\n"
+    "        at += size;\n"
+    "      }\n"
+    "    } else {\n"
+    "      el('rect', {x: L, y: y, width: Math.max(0.5, g.allocated * scale), height: ROW - 2, fill: BLOCK_COLORS[0]}, svg);\n"
+    "    }\n"
+    "  });\n"
+    "  if (dev.segments_left_out)\n"
+    "    host.appendChild(document.createTextNode('... and ' + dev.segments_left_out + ' smaller segments.'));\n"
+    "}\n"
+    "function row(table, cells, head) {\n"
+    "  const tr = table.insertRow();\n"
+    "  for (const c of cells) { const td = document.createElement(head ? 'th' : 'td'); td.textContent = c; tr.appendChild(td); }\n"
+    "}\n"
+    "function draw() {\n"
+    "  document.getElementById('title').textContent = 'gcalloc replay of ' + REPORT.trace;\n"
+    "  document.getElementById('conf').textContent = REPORT.conf || '(defaults)';\n"
+    "  document.getElementById('settings').textContent = REPORT.settings;\n"
+    "  const summary = document.getElementById('summary');\n"
+    "  row(summary, ['device', 'operations', 'seeded', 'peak requested', 'peak allocated', 'peak reserved',\n"
+    "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits'], true);\n"
+    "  for (const d of REPORT.devices) {\n"
+    "    row(summary, [d.device, d.events, d.seeded, fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
+    "                  d.recorded_peak_reserved === null ? 'unknown' : fmt(d.recorded_peak_reserved),\n"
+    "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
+    "                  d.segment_events_matched + ' of ' + d.segment_events_recorded,\n"
+    "                  d.oom ? 'no: ' + d.oom : 'yes']);\n"
+    "    const sec = document.createElement('section');\n"
+    "    const h = document.createElement('h2');\n"
+    "    h.textContent = 'Device ' + d.device;\n"
+    "    sec.appendChild(h);\n"
+    "    document.getElementById('devices').appendChild(sec);\n"
+    "    timeline(d, sec);\n"
+    "    const h3 = document.createElement('h3');\n"
+    "    h3.textContent = 'Segments at gcalloc\\'s peak reserved (operation ' + d.peak_op + '), largest first: allocated, pending free, free';\n"
+    "    sec.appendChild(h3);\n"
+    "    segmentMap(d, sec);\n"
+    "  }\n"
+    "  document.body.setAttribute('data-drawn', REPORT.devices.length);\n"
+    "}\n"
+    "draw();\n";
+
+static const char page_head[] =
+    "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
+    "<title>gcalloc replay</title>\n<style>\n"
+    "body { font: 14px sans-serif; margin: 20px; color: #222; }\n"
+    "table { border-collapse: collapse; margin: 8px 0 16px; }\n"
+    "td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }\n"
+    "code { background: #f2f2f2; padding: 2px 4px; word-break: break-all; }\n"
+    ".legend span { margin-right: 16px; } .legend i { display: inline-block; width: 14px; height: 4px; "
+    "margin-right: 4px; vertical-align: middle; }\n"
+    ".readout { min-height: 18px; font-size: 12px; color: #555; }\n"
+    "</style></head>\n<body>\n<h1 id=\"title\">gcalloc replay</h1>\n"
+    "<p>Configuration replayed: <code id=\"conf\"></code></p>\n"
+    "<p>Settings in force: <code id=\"settings\"></code></p>\n"
+    "<table id=\"summary\"></table>\n<div id=\"devices\"></div>\n"
+    "<noscript>This report draws its plots with JavaScript.</noscript>\n";
+
+int report_write(const char *out_path, const char *trace_path, const struct replay_result *r) {
+  FILE *f = fopen(out_path, "w");
+  if (!f) {
+    fprintf(stderr, "gcalloc replay: cannot write the report %s\n", out_path);
+    return 1;
+  }
+  fputs(page_head, f);
+  fprintf(f, "<script>\nconst REPORT = {\"trace\": ");
+  json_put_string(f, trace_path);
+  fprintf(f, ", \"conf\": ");
+  json_put_string(f, r->conf);
+  const char *settings = "";
+  for (int i = 0; i < r->device_count; i++)
+    if (r->devices[i].peak_snapshot) settings = r->devices[i].peak_snapshot->settings;
+  fprintf(f, ", \"settings\": ");
+  json_put_string(f, settings);
+  fprintf(f, ", \"devices\": [");
+  for (int i = 0; i < r->device_count; i++) {
+    const replay_device_t *d = &r->devices[i];
+    fprintf(f, "%s\n{\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"peak_requested\": %" PRIu64
+               ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
+            i ? "," : "", d->device, d->events, d->seeded, d->peak_requested, d->peak_allocated, d->peak_reserved);
+    if (d->recorded_peak_reserved >= 0) fprintf(f, "%" PRId64, d->recorded_peak_reserved);
+    else fprintf(f, "null");
+    fprintf(f, ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"peak_op\": %zu, \"oom\": ",
+            d->segment_events_matched, d->segment_events_recorded, d->peak_op);
+    if (d->oom) json_put_string(f, d->oom_message);
+    else fprintf(f, "null");
+    fprintf(f, ", ");
+    put_timeline(f, d);
+    fprintf(f, ", ");
+    put_segments(f, d->peak_snapshot);
+    fprintf(f, "}");
+  }
+  fprintf(f, "]};\n%s</script>\n</body></html>\n", page_script);
+  bool failed = ferror(f);
+  if (fclose(f) != 0 || failed) {
+    fprintf(stderr, "gcalloc replay: cannot write the report %s\n", out_path);
+    return 1;
+  }
+  return 0;
+}

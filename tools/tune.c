@@ -1,0 +1,214 @@
+/* `gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]`: which
+ * settings make a recorded job reserve the least? Replays the trace on the
+ * simulated device under every combination of
+ *
+ *   max_split_size_mb          unset, 32, 64, 128, 256, 512, 1024
+ *   roundup_power2_divisions   unset, 1, 2, 4, 8, 16
+ *   garbage_collection_threshold  unset, 0.5, 0.7, 0.9   (only with --capacity:
+ *                              it acts only under a memory limit, which here is
+ *                              per_process_memory_fraction:1.0 of the capacity)
+ *   cross_stream_reuse         False, True   (only when the trace has several streams)
+ *
+ * and ranks them by peak reserved bytes (summed over the trace's devices),
+ * then by device allocations (each a cudaMalloc), then by the shortest
+ * configuration string. With --capacity, a configuration under which the job
+ * does not fit ranks below every one under which it does. Expandable
+ * segments are not searched: they are not built yet (issue 7).
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../src/internal.h"
+#include "../src/export/replay.h"
+#include "tool.h"
+
+typedef struct candidate {
+  char conf[256];
+  uint64_t peak_reserved;  /* summed over devices */
+  uint64_t peak_requested;
+  uint64_t device_allocs;
+  bool fits;
+} candidate_t;
+
+static int rank(const void *x, const void *y) {
+  const candidate_t *a = x, *b = y;
+  if (a->fits != b->fits) return a->fits ? -1 : 1;
+  if (a->peak_reserved != b->peak_reserved) return a->peak_reserved < b->peak_reserved ? -1 : 1;
+  if (a->device_allocs != b->device_allocs) return a->device_allocs < b->device_allocs ? -1 : 1;
+  size_t la = strlen(a->conf), lb = strlen(b->conf);
+  return la != lb ? (la < lb ? -1 : 1) : strcmp(a->conf, b->conf);
+}
+
+static double gib(uint64_t b) { return (double)b / (double)((uint64_t)1 << 30); }
+
+static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t *c) {
+  replay_options_t o = *base;
+  o.conf = c->conf;
+  replay_result_t r;
+  int rc = replay_trace(t, &o, &r);
+  if (rc) return rc;
+  c->fits = true;
+  for (int i = 0; i < r.device_count; i++) {
+    c->peak_reserved += r.devices[i].peak_reserved;
+    c->peak_requested += r.devices[i].peak_requested;
+    c->device_allocs += r.devices[i].device_allocs;
+    c->fits &= !r.devices[i].oom;
+  }
+  replay_result_free(&r);
+  return GCA_OK;
+}
+
+static bool several_streams(const trace_t *t) {
+  for (size_t i = 1; i < t->count; i++)
+    if (t->events[i].stream != t->events[0].stream) return true;
+  return false;
+}
+
+static void put(char *buf, size_t cap, const char *item) {
+  size_t n = strlen(buf);
+  snprintf(buf + n, cap - n, "%s%s", n ? "," : "", item);
+}
+
+int tune_main(int argc, char **argv) {
+  const char *path = NULL;
+  replay_options_t base = {.device = -1, .infer_empty_cache = true};
+  bool json = false;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--capacity") && i + 1 < argc) {
+      if (!parse_size(argv[i + 1], strlen(argv[i + 1]), &base.capacity) || base.capacity == 0) {
+        fprintf(stderr, "gcalloc tune: --capacity '%s' is not a size like 24GiB\n", argv[i + 1]);
+        return 2;
+      }
+      i++;
+    } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
+      char *end;
+      long d = strtol(argv[++i], &end, 10);
+      if (*end || d < 0 || d > 255) {
+        fprintf(stderr, "gcalloc tune: --device '%s' is not a device number\n", argv[i]);
+        return 2;
+      }
+      base.device = (int)d;
+    } else if (!strcmp(argv[i], "--json")) json = true;
+    else if (argv[i][0] != '-' && !path) path = argv[i];
+    else {
+      fprintf(stderr, "gcalloc tune: unknown option '%s'\nusage: gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]\n",
+              argv[i]);
+      return 2;
+    }
+  }
+  if (!path) {
+    fprintf(stderr, "usage: gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]\n");
+    return 2;
+  }
+  trace_t t;
+  if (trace_load(path, &t) != GCA_OK) {
+    fprintf(stderr, "gcalloc tune: %s\n", gca_last_error());
+    return 1;
+  }
+  static const char *const splits[] = {NULL, "32", "64", "128", "256", "512", "1024"};
+  static const char *const divisions[] = {NULL, "1", "2", "4", "8", "16"};
+  static const char *const gc_all[] = {NULL, "0.5", "0.7", "0.9"};
+  static const char *const reuse_all[] = {NULL, "True"};
+  size_t n_gc = base.capacity ? 4 : 1, n_reuse = several_streams(&t) ? 2 : 1;
+  size_t total = 7 * 6 * n_gc * n_reuse;
+  candidate_t *c = calloc(total + 1, sizeof *c);
+  if (!c) {
+    trace_free(&t);
+    fprintf(stderr, "gcalloc tune: out of host memory\n");
+    return 1;
+  }
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  /* Candidate 0 is the defaults (the empty string), the baseline. */
+  size_t n = 0;
+  int rc = GCA_OK;
+  for (size_t s = 0; s < 7; s++)
+    for (size_t d = 0; d < 6; d++)
+      for (size_t g = 0; g < n_gc; g++)
+        for (size_t x = 0; x < n_reuse; x++) {
+          candidate_t *k = &c[n++];
+          char item[64];
+          if (splits[s]) {
+            snprintf(item, sizeof item, "max_split_size_mb:%s", splits[s]);
+            put(k->conf, sizeof k->conf, item);
+          }
+          if (divisions[d]) {
+            snprintf(item, sizeof item, "roundup_power2_divisions:%s", divisions[d]);
+            put(k->conf, sizeof k->conf, item);
+          }
+          if (gc_all[g]) {
+            snprintf(item, sizeof item, "per_process_memory_fraction:1.0,garbage_collection_threshold:%s", gc_all[g]);
+            put(k->conf, sizeof k->conf, item);
+          }
+          if (reuse_all[x]) put(k->conf, sizeof k->conf, "cross_stream_reuse:True");
+          if (rc == GCA_OK) rc = evaluate(&t, &base, k);
+        }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  if (rc != GCA_OK) {
+    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+    free(c);
+    trace_free(&t);
+    return 1;
+  }
+  /* The recorded configuration (what the job ran with), for comparison. */
+  candidate_t recorded = {0};
+  bool have_recorded = t.settings && *t.settings;
+  if (have_recorded) {
+    snprintf(recorded.conf, sizeof recorded.conf, "%s", t.settings);
+    if (evaluate(&t, &base, &recorded) != GCA_OK) have_recorded = false;
+  }
+  candidate_t defaults = c[0];
+  qsort(c, n, sizeof *c, rank);
+  const candidate_t *best = &c[0];
+  if (json) {
+    printf("{\"trace\": ");
+    json_put_string(stdout, path);
+    printf(", \"capacity_bytes\": %" PRIu64 ", \"configurations\": %zu, \"seconds\": %.3f, \"best\": {\"conf\": ",
+           base.capacity, n, secs);
+    json_put_string(stdout, best->conf);
+    printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}"
+           ", \"defaults\": {\"peak_reserved_bytes\": %" PRIu64 ", \"fits\": %s}, \"ranked\": [",
+           best->peak_reserved, best->device_allocs, best->fits ? "true" : "false", defaults.peak_reserved,
+           defaults.fits ? "true" : "false");
+    for (size_t i = 0; i < n; i++) {
+      printf("%s\n  {\"conf\": ", i ? "," : "");
+      json_put_string(stdout, c[i].conf);
+      printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}", c[i].peak_reserved,
+             c[i].device_allocs, c[i].fits ? "true" : "false");
+    }
+    printf("\n]}\n");
+  } else {
+    printf("tuned %s: %zu configurations replayed in %.2f s%s\n", path, n, secs,
+           base.capacity ? "" : " (garbage_collection_threshold needs --capacity; not searched)");
+    if (!several_streams(&t)) printf("one stream in the trace: cross_stream_reuse not searched\n");
+    printf("expandable_segments: not searched (not built yet, issue 7)\n\n");
+    printf("rank  peak reserved  x requested  device allocs  %sconfiguration\n", base.capacity ? "fits  " : "");
+    for (size_t i = 0; i < n && i < 10; i++)
+      printf("%4zu  %9.3f GiB  %11.3f  %13" PRIu64 "  %s%s\n", i + 1, gib(c[i].peak_reserved),
+             c[i].peak_requested ? (double)c[i].peak_reserved / (double)c[i].peak_requested : 0, c[i].device_allocs,
+             base.capacity ? (c[i].fits ? "yes   " : "no    ") : "", c[i].conf[0] ? c[i].conf : "(defaults)");
+    printf("\ndefaults:          %9.3f GiB%s\n", gib(defaults.peak_reserved),
+           base.capacity ? (defaults.fits ? ", fits" : ", does not fit") : "");
+    if (have_recorded)
+      printf("recorded settings: %9.3f GiB  (%s)%s\n", gib(recorded.peak_reserved), recorded.conf,
+             base.capacity ? (recorded.fits ? ", fits" : ", does not fit") : "");
+    if (base.capacity && !best->fits) printf("\nno configuration searched fits in the capacity\n");
+    else
+      printf("\nbest: %.3f GiB reserved, %.1f%% below the defaults; paste:\nPYTORCH_CUDA_ALLOC_CONF=%s\n%s",
+             gib(best->peak_reserved),
+             defaults.peak_reserved ? 100.0 * (1.0 - (double)best->peak_reserved / (double)defaults.peak_reserved) : 0,
+             best->conf[0] ? best->conf : "(the defaults; nothing to set)",
+             strstr(best->conf, "cross_stream_reuse") || strstr(best->conf, "per_process_memory_fraction")
+                 ? "(cross_stream_reuse and per_process_memory_fraction are gcalloc's keys; under PyTorch's own "
+                   "allocator, drop them and call torch.cuda.set_per_process_memory_fraction)\n"
+                 : "");
+  }
+  int exit_code = base.capacity && !best->fits ? 3 : 0;
+  free(c);
+  trace_free(&t);
+  return exit_code;
+}
