@@ -118,6 +118,190 @@ static void test_own_snapshot_round_trip(void **state) {
   gca_close(a);
 }
 
+static bool have_traces(void);
+
+/* RMM's logging_resource_adaptor CSV: both spellings of a free, a clock
+ * passing midnight, two streams, and an allocation that failed in the
+ * original run (kept as an oom entry, not replayed). */
+static void test_rmm_csv(void **state) {
+  (void)state;
+  write_file("/tmp/gcalloc-replay-rmm.csv",
+             "Thread,Time,Action,Pointer,Size,Stream\n"
+             "140573312345856,23:59:59.500000,allocate,0x7f8a40000000,3000000,0x0\n"
+             "140573312345856,23:59:59.750000,allocate,0x7f8a40400000,5000000,0x7f8a38001020\n"
+             "140573312345856,00:00:00.250000,free,0x7f8a40000000,3000000,0x0\n"
+             "140573312345856,00:00:00.500000,allocate failure,nullptr,99999999999999,0x0\n"
+             "140573312345856,00:00:01.000000,deallocate,0x7f8a40400000,5000000,0x7f8a38001020\n");
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_OK);
+  assert_int_equal(t.count, 5);
+  assert_int_equal(t.device_count, 1);
+  assert_int_equal(t.events[0].action, TA_ALLOC);
+  assert_int_equal(t.events[1].stream, 0x7f8a38001020ull);
+  assert_int_equal(t.events[2].action, TA_FREE_COMPLETED);
+  assert_int_equal(t.events[3].action, TA_OOM);
+  assert_int_equal(t.events[4].action, TA_FREE_COMPLETED);
+  /* 23:59:59.5 then the next day: time keeps increasing. */
+  assert_int_equal(t.events[0].time_us, (int64_t)86399500000);
+  assert_int_equal(t.events[2].time_us, (int64_t)86400250000);
+  replay_options_t o = defaults();
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].events, 4);
+  assert_int_equal(r.devices[0].peak_requested, 8000000);
+  assert_int_equal(r.devices[0].recorded_peak_reserved, -1);
+  replay_result_free(&r);
+  trace_free(&t);
+
+  /* Newer RMM: seconds since the epoch. */
+  write_file("/tmp/gcalloc-replay-rmm.csv", "Thread,Time,Action,Pointer,Size,Stream\n"
+                                           "1,1634567890.123456,allocate,0x7f8a40000000,1024,0x0\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_OK);
+  assert_int_equal(t.events[0].time_us, (int64_t)1634567890123456);
+  trace_free(&t);
+
+  static const struct { const char *text, *error; } bad[] = {
+      {"Thread,Time,Action,Pointer\n1,2,allocate,0x1\n", ":1: an RMM log header needs the columns Action, Pointer and Size"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,alloc,0x1,2,0x0\n", ":2: unknown action 'alloc'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,-2,0x0\n", ":2: Pointer '0x1' or Size '-2'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,0x0\n1,1.0,allocate,0x1\n",
+       ":3: 4 fields where the header has 6"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,noon,allocate,0x1,2,0x0\n", ":2: Time 'noon'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,stream\n", ":2: Stream 'stream'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n", "no calls in the RMM log"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    write_file("/tmp/gcalloc-replay-rmm.csv", bad[i].text);
+    assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), bad[i].error);
+    assert_null(t.events);
+  }
+}
+
+/* With a timeline: the bytes after every operation, the peak's position and
+ * the segment map there, and PyTorch's recorded reserved alongside. */
+static void test_timeline(void **state) {
+  (void)state;
+  /* op 0: +3 MB, op 1: +5 MB, op 2: free a, op 3: +1000 B ... */
+  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  replay_options_t o = defaults();
+  o.timeline = true;
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  replay_device_t *d = &r.devices[0];
+  assert_int_equal(d->timeline_count, 6);
+  assert_null(d->recorded_reserved_at);
+  static const uint64_t requested[] = {3000000, 8000000, 5000000, 5001000, 1000, 0};
+  uint64_t max_reserved = 0;
+  for (size_t i = 0; i < 6; i++) {
+    assert_int_equal(d->requested_at[i], requested[i]);
+    assert_true(d->allocated_at[i] >= d->requested_at[i]);
+    assert_true(d->reserved_at[i] >= d->allocated_at[i]);
+    if (d->reserved_at[i] > max_reserved) max_reserved = d->reserved_at[i];
+  }
+  assert_int_equal(max_reserved, d->peak_reserved);
+  assert_int_equal(d->reserved_at[d->peak_op], d->peak_reserved);
+  /* The snapshot at the peak holds exactly the peak's segments. */
+  assert_non_null(d->peak_snapshot);
+  uint64_t total = 0;
+  for (size_t i = 0; i < d->peak_snapshot->segment_count; i++) total += d->peak_snapshot->segments[i].total_size;
+  assert_int_equal(total, d->peak_reserved);
+  replay_result_free(&r);
+  trace_free(&t);
+
+  if (!have_traces()) return;
+  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", &t), GCA_OK);
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  d = &r.devices[0];
+  assert_non_null(d->recorded_reserved_at);
+  int64_t recorded_max = 0;
+  for (size_t i = 0; i < d->timeline_count; i++)
+    if (d->recorded_reserved_at[i] > recorded_max) recorded_max = d->recorded_reserved_at[i];
+  assert_int_equal(recorded_max, d->recorded_peak_reserved);
+  replay_result_free(&r);
+  trace_free(&t);
+}
+
+typedef struct progress_seen {
+  size_t calls, last;
+  bool increasing;
+} progress_seen_t;
+
+static void count_progress(void *ctx, int device, size_t done, size_t total) {
+  progress_seen_t *p = ctx;
+  p->increasing &= done > p->last && done <= total && device == 0;
+  p->last = done;
+  p->calls++;
+}
+
+/* A long replay reports its progress (the tool shows it on a terminal). */
+static void test_progress(void **state) {
+  (void)state;
+  FILE *f = fopen("/tmp/gcalloc-replay-long.log", "w");
+  assert_non_null(f);
+  for (int i = 0; i < 100000; i++) fprintf(f, "%d %d %d\n", i, i + 3, 4096 + (i % 7) * 512);
+  fclose(f);
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-long.log", &t), GCA_OK);
+  replay_options_t o = defaults();
+  progress_seen_t seen = {0, 0, true};
+  o.progress = count_progress;
+  o.progress_ctx = &seen;
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].events, 200000);
+  assert_int_equal(seen.calls, 200000 / 65536); /* every 65,536 operations */
+  assert_true(seen.increasing);
+  replay_result_free(&r);
+  trace_free(&t);
+}
+
+/* gcalloc tune: the best configuration it prints reserves what a replay with
+ * it reserves, and no more than the defaults. */
+static void test_tune(void **state) {
+  (void)state;
+  if (!have_traces()) skip();
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%s tune %s/cranberrii__ftcourse/memory_snapshot.pickle --json > /tmp/gcalloc-tune.json",
+           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
+  assert_int_equal(system(cmd), 0);
+  json_object *root = json_object_from_file("/tmp/gcalloc-tune.json"), *best, *v, *defaults_obj, *ranked;
+  assert_non_null(root);
+  assert_true(json_object_object_get_ex(root, "best", &best));
+  assert_true(json_object_object_get_ex(root, "defaults", &defaults_obj));
+  assert_true(json_object_object_get_ex(root, "ranked", &ranked));
+  assert_int_equal(json_object_array_length(ranked), 42); /* 7 splits x 6 divisions, one stream, no capacity */
+  assert_true(json_object_object_get_ex(best, "conf", &v));
+  char conf[256];
+  snprintf(conf, sizeof conf, "%s", json_object_get_string(v));
+  assert_true(json_object_object_get_ex(best, "peak_reserved_bytes", &v));
+  uint64_t best_peak = (uint64_t)json_object_get_int64(v);
+  assert_true(json_object_object_get_ex(defaults_obj, "peak_reserved_bytes", &v));
+  assert_true(best_peak <= (uint64_t)json_object_get_int64(v));
+  for (size_t i = 1; i < json_object_array_length(ranked); i++) {
+    json_object *a = json_object_array_get_idx(ranked, i - 1), *b = json_object_array_get_idx(ranked, i), *pa, *pb;
+    json_object_object_get_ex(a, "peak_reserved_bytes", &pa);
+    json_object_object_get_ex(b, "peak_reserved_bytes", &pb);
+    assert_true(json_object_get_int64(pa) <= json_object_get_int64(pb));
+  }
+  json_object_put(root);
+  trace_t t;
+  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", &t), GCA_OK);
+  replay_options_t o = defaults();
+  o.conf = conf;
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].peak_reserved, best_peak);
+  replay_result_free(&r);
+  trace_free(&t);
+  /* Under a capacity nothing fits in: exit status 3. */
+  snprintf(cmd, sizeof cmd, "%s tune %s/ZidongLiu__DeComFL/memory.pickle --capacity 256MiB > /dev/null",
+           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
+  assert_int_equal(WEXITSTATUS(system(cmd)), 3);
+}
+
 static bool have_traces(void) {
   FILE *f = fopen(GCALLOC_TRACES_DIR "/SOURCES.txt", "r");
   if (f) fclose(f);
@@ -179,6 +363,8 @@ static void test_tool_json(void **state) {
   assert_non_null(root);
   assert_true(json_object_object_get_ex(root, "devices", &devices));
   json_object *d0 = json_object_array_get_idx(devices, 0);
+  assert_true(json_object_object_get_ex(root, "end_to_end_events_per_second", &v));
+  assert_true(json_object_get_double(v) > 0);
   static const char *const keys[] = {"events", "peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                                      "recorded_peak_reserved_bytes", "device_allocs", "device_frees", "oom",
                                      "events_per_second", "segment_events_matched", "segment_events_recorded"};
@@ -200,6 +386,8 @@ int main(void) {
       cmocka_unit_test(test_allocsim_lines),        cmocka_unit_test(test_gcalloc_trace_format),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_real_trace_decomfl),
       cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
+      cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
+      cmocka_unit_test(test_progress),              cmocka_unit_test(test_tune),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

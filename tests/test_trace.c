@@ -114,6 +114,28 @@ static void test_pickle_refuses_objects(void **state) {
   assert_contains(gca_last_error(), "memo index 5");
   static const unsigned char two_values[] = "\x80\x02K\x01K\x02.";
   assert_null(pickle_parse(two_values, sizeof two_values - 1));
+  /* Found by the fuzzer (tests/fuzz_pickle.c): an empty tuple before
+   * anything was pushed, an empty APPENDS, and a trace entry that is a list. */
+  static const unsigned char empty_tuple[] = "\x80\x02(t.";
+  pickle_doc_t *doc = pickle_parse(empty_tuple, sizeof empty_tuple - 1);
+  assert_non_null(doc);
+  assert_int_equal(pickle_root(doc)->kind, PV_LIST);
+  assert_int_equal(pv_len(pickle_root(doc)), 0);
+  pickle_free(doc);
+  static const unsigned char empty_appends[] = "\x80\x02](e.";
+  assert_non_null(doc = pickle_parse(empty_appends, sizeof empty_appends - 1));
+  pickle_free(doc);
+  /* {'device_traces': [[[1]]]} */
+  static const unsigned char list_entry[] =
+      "\x80\x02\x7d\x71\x00\x58\x0d\x00\x00\x00\x64\x65\x76\x69\x63\x65\x5f\x74\x72\x61\x63\x65\x73\x71\x01"
+      "\x5d\x71\x02\x5d\x71\x03\x5d\x71\x04\x4b\x01\x61\x61\x61\x73\x2e";
+  trace_t t;
+  assert_int_equal(trace_parse_snapshot("list-entry", list_entry, sizeof list_entry - 1, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "list-entry: device 0 trace entry 0 is not a dict");
+  /* A memo index past the file's length is refused before any memory is sized by it. */
+  static const unsigned char far_memo[] = "\x80\x02Nr\xff\xff\xff\x7f.";
+  assert_null(pickle_parse(far_memo, sizeof far_memo - 1));
+  assert_contains(gca_last_error(), "larger than the file");
   assert_null(pickle_load("/nonexistent/file.pickle"));
   assert_int_equal(gca_last_status(), GCA_ERR_IO);
 }

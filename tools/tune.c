@@ -130,7 +130,7 @@ int tune_main(int argc, char **argv) {
       for (size_t g = 0; g < n_gc; g++)
         for (size_t x = 0; x < n_reuse; x++) {
           candidate_t *k = &c[n++];
-          char item[64];
+          char item[128];
           if (splits[s]) {
             snprintf(item, sizeof item, "max_split_size_mb:%s", splits[s]);
             put(k->conf, sizeof k->conf, item);

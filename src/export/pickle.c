@@ -87,7 +87,7 @@ static bool prune_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, 
 /* Appends n values. Growth allocates a new array from the arena and leaves
  * the old one there: at most as much again, and no per-container free. */
 static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n) {
-  if (s->pruned) return true;
+  if (s->pruned || n == 0) return true;
   if (s->count + n > s->cap) {
     /* Most containers are filled by one batch: size the first exactly. */
     size_t cap = s->cap ? s->cap * 2 : n > 2 ? n : 2;
@@ -143,7 +143,12 @@ static uint32_t read_u32(const unsigned char *p) {
 static pickle_doc_t *parse(pickle_doc_t *doc) {
   const unsigned char *buf = doc->buf;
   size_t len = doc->len;
-  doc->arena = (arena_t){.chunk = ARENA_CHUNK, .huge = true, .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
+  /* Chunks in proportion to the input: a small pickle should not cost a
+   * 4 MiB chunk (the fuzzer parses thousands a second); a big one gets huge
+   * pages. */
+  size_t chunk = len * 4 < ((size_t)64 << 10) ? (size_t)64 << 10 : len * 4 > ARENA_CHUNK ? ARENA_CHUNK : len * 4;
+  doc->arena = (arena_t){.chunk = chunk, .huge = chunk >= ((size_t)2 << 20),
+                         .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
   /* The machine's state, in locals so that it stays in registers. */
   pv_t *stack = NULL, *memo = NULL;
   size_t depth = 0, stack_cap = 0, memo_cap = 0, memo_len = 0;
@@ -359,7 +364,8 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           if (depth < n) FAIL("pickle: tuple of %zu with %zu on the stack at offset %zu", n, depth, at);
         }
         v.kind = PV_LIST;
-        if (!(v.u.seq = seq_new(doc, false)) || !seq_add(doc, v.u.seq, stack + depth - n, n)) {
+        /* (An empty tuple may come before anything was pushed: no NULL + 0.) */
+        if (!(v.u.seq = seq_new(doc, false)) || (n && !seq_add(doc, v.u.seq, stack + depth - n, n))) {
           fail_memory(doc, at);
           goto failed;
         }

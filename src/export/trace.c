@@ -89,6 +89,8 @@ static int load_final_state(const char *path, const pv_t *segments, trace_t *t) 
 static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
   trace_event_t e = {.device = (int)d, .time_us = -1};
   const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL;
+  if (!entry || entry->kind != PV_DICT)
+    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu is not a dict", path, d, i);
   for (size_t k = 0; k < pv_len(entry); k++) {
     const pv_t *key = pv_key_at(entry, k), *value = pv_value_at(entry, k);
     if (key->kind != PV_STR) continue;
@@ -124,10 +126,8 @@ static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, t
   return push_event(t, cap, &e);
 }
 
-static int load_snapshot(const char *path, trace_t *t) {
-  /* Frames (call stacks) are most of a snapshot and a replay reads none. */
-  pickle_doc_t *doc = pickle_load_pruned(path, "frames");
-  if (!doc) return prefix_error(path);
+/* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
+static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
     int frc = load_final_state(path, segments, t);
@@ -151,6 +151,10 @@ static int load_snapshot(const char *path, trace_t *t) {
   }
   size_t cap = 0;
   int rc = GCA_OK;
+  if (pv_len(traces) > 256) {
+    pickle_free(doc);
+    return set_error(GCA_ERR_INVALID, "%s: %zu device traces; devices are numbered 0 to 255", path, pv_len(traces));
+  }
   t->device_count = (int)pv_len(traces);
   size_t total = 0;
   for (size_t d = 0; d < pv_len(traces); d++) total += pv_len(pv_at(traces, d));
@@ -403,6 +407,21 @@ static int load_gcalloc_trace(const char *path, trace_t *t) {
   }
   free(owners);
   record_free(&calls);
+  return rc;
+}
+
+static int load_snapshot(const char *path, trace_t *t) {
+  /* Frames (call stacks) are most of a snapshot and a replay reads none. */
+  pickle_doc_t *doc = pickle_load_pruned(path, "frames");
+  if (!doc) return prefix_error(path);
+  return snapshot_to_trace(path, doc, t);
+}
+
+int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
+  memset(out, 0, sizeof *out);
+  pickle_doc_t *doc = pickle_parse_pruned(data, len, "frames");
+  int rc = doc ? snapshot_to_trace(name, doc, out) : prefix_error(name);
+  if (rc != GCA_OK) trace_free(out);
   return rc;
 }
 

@@ -72,6 +72,8 @@ typedef struct trace {
  * the problem. */
 int trace_load(const char *path, trace_t *out);
 void trace_free(trace_t *t);
+/* A PyTorch snapshot already in memory (`name` is for the messages). */
+int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out);
 
 /* A replayable operation: allocate `size` into slot, or free the slot. */
 typedef struct trace_op {
