@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
 # One command for a fresh machine: install what is needed, build gcalloc,
-# and run the main job on the simulated device (the training-like demo,
-# which prints the statistics). Extra arguments go to `gcalloc demo`.
+# and run the main job on the simulated device: replay a real PyTorch job's
+# allocations (a trace from ../shared/traces), print gcalloc's peaks beside
+# what PyTorch's allocator reserved on the same sequence, and write the HTML
+# report to build/replay-report.html.
+#
+#   scripts/run.sh [TRACE] [gcalloc replay options]
+#
+# Without ../shared/traces (and no TRACE given) it runs the training-like
+# demo instead, which needs no input.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$(nproc)"
-exec build/gcalloc demo "$@"
+
+trace=../shared/traces/ZidongLiu__DeComFL/memory.pickle
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then
+  trace=$1
+  shift
+fi
+if [ ! -e "$trace" ]; then
+  echo "run.sh: $trace not found; running the demo instead (build/gcalloc demo)" >&2
+  exec build/gcalloc demo "$@"
+fi
+exec build/gcalloc replay "$trace" --report build/replay-report.html "$@"

@@ -8,6 +8,8 @@
  *   gcalloc bench-streams [--json] [--quick]
  *       peak reserved memory with and without cross-stream reuse on a
  *       multi-stream workload (bench/streams.c);
+ *   gcalloc bench-replay [--traces DIR] [--runs N] [--json]
+ *       the replay's speed and peak reserved on the real traces (bench/replay.c);
  *   gcalloc replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
  *                        [--no-empty-cache]
  *       replay a recorded trace on the simulated device (tools/replay.c,
@@ -31,6 +33,8 @@ static void usage(FILE *out) {
           "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
           "  bench-streams [--json] [--quick]\n"
           "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
+          "  bench-replay [--traces DIR] [--runs N] [--json]\n"
+          "        replay speed end to end and peak reserved against PyTorch on the real traces\n"
           "  replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]\n"
           "        replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device\n"
           "  tune TRACE [--capacity SIZE] [--device N] [--json]\n"
@@ -47,6 +51,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "replay") == 0) return replay_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-replay") == 0) return bench_replay_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());

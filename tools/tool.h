@@ -7,6 +7,7 @@ int bench_main(int argc, char **argv);
 int bench_streams_main(int argc, char **argv);
 int replay_main(int argc, char **argv);
 int tune_main(int argc, char **argv);
+int bench_replay_main(int argc, char **argv);
 
 #include <stdio.h>
 struct replay_result;
