@@ -108,28 +108,40 @@ static void show_progress(void *ctx, int device, size_t done, size_t total) {
           100.0 * (double)done / (double)(total ? total : 1), done, total, seconds_since(&p->start));
 }
 
+int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o) {
+  if (*i + 1 >= argc) return 0;
+  const char *value = argv[*i + 1];
+  if (!strcmp(argv[*i], "--capacity")) {
+    uint64_t c;
+    if (!parse_size(value, strlen(value), &c) || c == 0) {
+      fprintf(stderr, "gcalloc %s: --capacity '%s' is not a size like 24GiB\n", command, value);
+      return -1;
+    }
+    o->capacity = c;
+  } else if (!strcmp(argv[*i], "--device")) {
+    char *end;
+    long d = strtol(value, &end, 10);
+    if (!*value || *end || d < 0 || d > 255) {
+      fprintf(stderr, "gcalloc %s: --device '%s' is not a device number\n", command, value);
+      return -1;
+    }
+    o->device = (int)d;
+  } else {
+    return 0;
+  }
+  ++*i;
+  return 1;
+}
+
 int replay_main(int argc, char **argv) {
   const char *path = NULL, *report = NULL;
   replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
   bool json = false;
+  int common;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--conf") && i + 1 < argc) o.conf = argv[++i];
-    else if (!strcmp(argv[i], "--capacity") && i + 1 < argc) {
-      uint64_t c;
-      if (!parse_size(argv[i + 1], strlen(argv[i + 1]), &c) || c == 0) {
-        fprintf(stderr, "gcalloc replay: --capacity '%s' is not a size like 24GiB\n", argv[i + 1]);
-        return 2;
-      }
-      o.capacity = c;
-      i++;
-    } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      char *end;
-      long d = strtol(argv[++i], &end, 10);
-      if (*end || d < 0 || d > 255) {
-        fprintf(stderr, "gcalloc replay: --device '%s' is not a device number\n", argv[i]);
-        return 2;
-      }
-      o.device = (int)d;
+    else if ((common = replay_common_option("replay", argc, argv, &i, &o)) != 0) {
+      if (common < 0) return 2;
     } else if (!strcmp(argv[i], "--json")) json = true;
     else if (!strcmp(argv[i], "--no-empty-cache")) o.infer_empty_cache = false;
     else if (!strcmp(argv[i], "--report") && i + 1 < argc) report = argv[++i];

@@ -11,6 +11,11 @@ int bench_replay_main(int argc, char **argv);
 
 #include <stdio.h>
 struct replay_result;
+struct replay_options;
+/* The options replay and tune share (--capacity SIZE, --device N): 1 when
+ * argv[*i] was one (and *i is moved past its value), 0 when it was not, -1
+ * when its value is bad (the message is printed). */
+int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o);
 /* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
 int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
 /* A JSON string, escaped so that it is also safe inside an HTML script. */

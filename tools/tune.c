@@ -77,21 +77,10 @@ int tune_main(int argc, char **argv) {
   replay_options_t base = {.device = -1, .infer_empty_cache = true};
   bool json = false;
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--capacity") && i + 1 < argc) {
-      if (!parse_size(argv[i + 1], strlen(argv[i + 1]), &base.capacity) || base.capacity == 0) {
-        fprintf(stderr, "gcalloc tune: --capacity '%s' is not a size like 24GiB\n", argv[i + 1]);
-        return 2;
-      }
-      i++;
-    } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-      char *end;
-      long d = strtol(argv[++i], &end, 10);
-      if (*end || d < 0 || d > 255) {
-        fprintf(stderr, "gcalloc tune: --device '%s' is not a device number\n", argv[i]);
-        return 2;
-      }
-      base.device = (int)d;
-    } else if (!strcmp(argv[i], "--json")) json = true;
+    int common = replay_common_option("tune", argc, argv, &i, &base);
+    if (common < 0) return 2;
+    if (common > 0) continue;
+    if (!strcmp(argv[i], "--json")) json = true;
     else if (argv[i][0] != '-' && !path) path = argv[i];
     else {
       fprintf(stderr, "gcalloc tune: unknown option '%s'\nusage: gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]\n",
