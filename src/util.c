@@ -119,8 +119,11 @@ void arena_free(arena_t *ar) {
   ar->bytes = 0;
 }
 
+/* Fibonacci hashing: the product's top bits, which every bit of the key
+ * reaches. (Device addresses differ in high bits: blocks at the same offset
+ * of segments 128 MiB apart agree in their low 27.) */
 static size_t addr_map_slot(const addr_map_t *m, uint64_t stored) {
-  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> 17) & (m->cap - 1);
+  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(m->cap)));
   while (m->keys[i] && m->keys[i] != stored) i = (i + 1) & (m->cap - 1);
   return i;
 }
@@ -162,17 +165,29 @@ uint64_t *addr_map_get(const addr_map_t *m, uint64_t key) {
 }
 
 bool addr_map_put(addr_map_t *m, uint64_t key, uint64_t val) {
-  size_t i = addr_map_slot(m, key + 1);
-  if (!m->keys[i]) {
-    /* Deleted slots are not reused (lookups probe past them); they go at
-     * the next growth, which also drops them. */
-    if ((m->used + 1) * 2 > m->cap) {
-      if (!addr_map_rehash(m)) return false;
-      i = addr_map_slot(m, key + 1);
+  uint64_t stored = key + 1;
+  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(m->cap))), deleted = SIZE_MAX;
+  for (; m->keys[i]; i = (i + 1) & (m->cap - 1)) {
+    if (m->keys[i] == stored) {
+      m->vals[i] = val;
+      return true;
     }
-    m->keys[i] = key + 1;
+    if (m->keys[i] == ADDR_MAP_DELETED && deleted == SIZE_MAX) deleted = i;
+  }
+  /* A new key takes the first deleted slot on its path: an address freed
+   * and allocated again and again (what a caching allocator does) would
+   * otherwise leave a trail of deleted slots that every lookup walks. */
+  if (deleted != SIZE_MAX) {
+    i = deleted;
+  } else if ((m->used + 1) * 2 > m->cap) {
+    /* Deleted slots also count in `used` until a rehash drops them. */
+    if (!addr_map_rehash(m)) return false;
+    i = addr_map_slot(m, stored);
+    m->used++;
+  } else {
     m->used++;
   }
+  m->keys[i] = stored;
   m->vals[i] = val;
   return true;
 }

@@ -178,17 +178,15 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
          * list only needs its indices checked, not its values pushed. */
         if (mark_count && filling_pruned(stack, depth, marks[mark_count - 1])) {
           size_t scan = at;
-          /* Branch-free: 'h' and 'j' come mixed, and a mispredicted
-           * branch per reference costs more than the rest of the work. */
-          while (len - scan >= 5) {
-            unsigned c = buf[scan];
-            size_t is_short = c == 'h';
-            if (!is_short && c != 'j') break;
-            size_t index = read_u32(buf + scan + 1) & (0xffffffffu >> (24 * is_short));
+          while (scan < len) {
+            size_t width = buf[scan] == 'h' ? 1 : buf[scan] == 'j' ? 4 : 0;
+            if (!width || len - scan - 1 < width) break;
+            size_t index = width == 1 ? buf[scan + 1] : read_u32(buf + scan + 1);
             /* Stored? While the memo has no holes, the index alone tells,
-             * without touching the memo (a megabyte, out of cache). */
-            if (index >= memo_len || (!memo_dense && memo[index].kind == PV_UNSET)) break; /* reported below */
-            scan += 5 - 3 * is_short;
+             * without touching the memo (a megabyte, out of cache). An
+             * index that fails is reported by the plain path below. */
+            if (index >= memo_len || (!memo_dense && memo[index].kind == PV_UNSET)) break;
+            scan += 1 + width;
           }
           if (scan < len && buf[scan] == 'e') {
             pos = scan;
