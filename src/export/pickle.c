@@ -177,16 +177,17 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
          * to a pruned list at once: a run that ends in APPENDS to a pruned
          * list only needs its indices checked, not its values pushed. */
         if (mark_count && filling_pruned(stack, depth, marks[mark_count - 1])) {
-          size_t scan = at;
-          while (scan < len) {
-            size_t width = buf[scan] == 'h' ? 1 : buf[scan] == 'j' ? 4 : 0;
-            if (!width || len - scan - 1 < width) break;
-            size_t index = width == 1 ? buf[scan + 1] : read_u32(buf + scan + 1);
-            /* Stored? While the memo has no holes, the index alone tells,
-             * without touching the memo (a megabyte, out of cache). An
-             * index that fails is reported by the plain path below. */
-            if (index >= memo_len || (!memo_dense && memo[index].kind == PV_UNSET)) break;
-            scan += 1 + width;
+          /* Stored? While the memo has no holes, the index alone tells,
+           * without touching the memo (a megabyte, out of cache); with holes
+           * nothing is skipped and the plain path below checks each. Runs
+           * of one kind go in a tight loop of their own: a branch per
+           * reference that mispredicts costs more than the rest. */
+          size_t scan = at, stored = memo_dense ? memo_len : 0;
+          for (;;) {
+            size_t run_start = scan;
+            while (len - scan >= 2 && buf[scan] == 'h' && buf[scan + 1] < stored) scan += 2;
+            while (len - scan >= 5 && buf[scan] == 'j' && read_u32(buf + scan + 1) < stored) scan += 5;
+            if (scan == run_start) break;
           }
           if (scan < len && buf[scan] == 'e') {
             pos = scan;
