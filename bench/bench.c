@@ -49,16 +49,7 @@ typedef struct result {
   size_t gcalloc_failures;
 } result_t;
 
-static double now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
-}
-
-static int compare_doubles(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
+static double now_ns(void) { return tool_seconds() * 1e9; }
 
 static double median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, compare_doubles);

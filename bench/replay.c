@@ -22,16 +22,6 @@
 #include "../src/export/replay.h"
 #include "../tools/tool.h"
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *x, const void *y) {
-  double a = *(const double *)x, b = *(const double *)y;
-  return (a > b) - (a < b);
-}
 
 /* Best seconds of Python's pickle.load over `runs`, or -1 without python3. */
 static double python_load_seconds(const char *path, int runs) {
@@ -72,14 +62,14 @@ static int bench_one(const char *path, const char *name, int runs, row_t *row) {
   snprintf(row->name, sizeof row->name, "%s", name);
   int rc = GCA_OK;
   for (int i = 0; i < runs && rc == GCA_OK; i++) {
-    double t0 = now();
+    double t0 = tool_seconds();
     trace_t t;
     rc = trace_load(path, &t);
     if (rc) break;
     replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
     replay_result_t r;
     rc = replay_trace(&t, &o, &r);
-    times[i] = now() - t0;
+    times[i] = tool_seconds() - t0;
     row->events = t.count;
     trace_free(&t);
     if (rc) break;
@@ -87,7 +77,7 @@ static int bench_one(const char *path, const char *name, int runs, row_t *row) {
     else replay_result_free(&r);
   }
   if (rc == GCA_OK) {
-    qsort(times, (size_t)runs, sizeof *times, cmp_double);
+    qsort(times, (size_t)runs, sizeof *times, compare_doubles);
     row->best = times[0];
     row->median = times[runs / 2];
     row->python = strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
@@ -177,7 +167,7 @@ int bench_replay_main(int argc, char **argv) {
         if (dv->recorded_peak_reserved > 0)
           printf("%sdev%d %.3f", k ? ", " : "", dv->device, (double)dv->peak_reserved / (double)dv->recorded_peak_reserved);
         else
-          printf("%sdev%d %.3f GiB (not recorded)", k ? ", " : "", dv->device, (double)dv->peak_reserved / (1 << 30));
+          printf("%sdev%d %.3f GiB (not recorded)", k ? ", " : "", dv->device, gib((double)dv->peak_reserved));
       }
       printf("\n");
     }

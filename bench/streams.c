@@ -226,7 +226,6 @@ static size_t min_capacity(const scenario_t *sc, int engines, const char *conf, 
   return hi;
 }
 
-static double gib(int64_t bytes) { return (double)bytes / (double)((int64_t)1 << 30); }
 
 int bench_streams_main(int argc, char **argv) {
   bool json = false, quick = false;

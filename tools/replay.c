@@ -15,7 +15,6 @@
 #include "../src/export/replay.h"
 #include "tool.h"
 
-static double gib(uint64_t b) { return (double)b / (double)((uint64_t)1 << 30); }
 
 static void usage(void) {
   fprintf(stderr, "usage: gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] "
@@ -85,27 +84,20 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
   printf("\n]}\n");
 }
 
-static double seconds_since(const struct timespec *t0) {
-  struct timespec t1;
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) * 1e-9;
-}
-
 /* Progress on stderr, when it is a terminal, at most five times a second. */
 typedef struct progress {
-  struct timespec start, last;
+  double start, last; /* tool_seconds() */
   bool shown;
 } progress_t;
 
 static void show_progress(void *ctx, int device, size_t done, size_t total) {
   progress_t *p = ctx;
-  struct timespec now;
-  clock_gettime(CLOCK_MONOTONIC, &now);
-  if (seconds_since(&p->last) < 0.2 && p->shown) return;
+  double now = tool_seconds();
+  if (now - p->last < 0.2 && p->shown) return;
   p->last = now;
   p->shown = true;
   fprintf(stderr, "\rreplaying device %d: %3.0f%% (%zu of %zu operations, %.1f s)  ", device,
-          100.0 * (double)done / (double)(total ? total : 1), done, total, seconds_since(&p->start));
+          100.0 * (double)done / (double)(total ? total : 1), done, total, now - p->start);
 }
 
 int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o) {
@@ -162,22 +154,21 @@ int replay_main(int argc, char **argv) {
     o.progress = show_progress;
     o.progress_ctx = &progress;
   }
-  struct timespec t0;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  double t0 = tool_seconds();
   progress.start = progress.last = t0;
   trace_t t;
   if (trace_load(path, &t) != GCA_OK) {
     fprintf(stderr, "gcalloc replay: %s\n", gca_last_error());
     return 1;
   }
-  double load_s = seconds_since(&t0);
+  double load_s = tool_seconds() - t0;
   replay_result_t r;
   if (replay_trace(&t, &o, &r) != GCA_OK) {
     fprintf(stderr, "gcalloc replay: %s: %s\n", path, gca_last_error());
     trace_free(&t);
     return 1;
   }
-  double total_s = seconds_since(&t0);
+  double total_s = tool_seconds() - t0;
   if (progress.shown) fprintf(stderr, "\r%60s\r", "");
   if (json) print_json(path, &t, &r, load_s, total_s);
   else print_text(path, &t, &r, load_s, total_s);

@@ -21,18 +21,6 @@
 #define MAP_SEGMENTS 400   /* the largest ones; the rest are counted */
 #define MAP_BLOCKS 40000   /* in all; beyond, a segment is drawn as its totals */
 
-/* A JSON string, safe inside <script>: '<' is escaped so no "</script>". */
-void json_put_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; s && *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-    else if (c < 0x20 || c == '<' || c == '>' || c == '&') fprintf(f, "\\u%04x", c);
-    else fputc(c, f);
-  }
-  fputc('"', f);
-}
-
 static uint64_t max_in(const uint64_t *v, size_t from, size_t to) {
   uint64_t m = 0;
   for (size_t i = from; i < to; i++)

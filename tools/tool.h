@@ -18,7 +18,12 @@ struct replay_options;
 int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o);
 /* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
 int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
-/* A JSON string, escaped so that it is also safe inside an HTML script. */
+/* Shared helpers (common.c): a JSON string, escaped so that it is also safe
+ * inside an HTML script; seconds on the monotonic clock; a qsort comparison
+ * of doubles; bytes in GiB. */
 void json_put_string(FILE *f, const char *s);
+double tool_seconds(void);
+int compare_doubles(const void *a, const void *b);
+static inline double gib(double bytes) { return bytes / (double)(1 << 30); }
 
 #endif

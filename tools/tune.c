@@ -42,7 +42,6 @@ static int rank(const void *x, const void *y) {
   return la != lb ? (la < lb ? -1 : 1) : strcmp(a->conf, b->conf);
 }
 
-static double gib(uint64_t b) { return (double)b / (double)((uint64_t)1 << 30); }
 
 static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t *c) {
   replay_options_t o = *base;
@@ -109,8 +108,7 @@ int tune_main(int argc, char **argv) {
     fprintf(stderr, "gcalloc tune: out of host memory\n");
     return 1;
   }
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
+  double t0 = tool_seconds();
   /* Candidate 0 is the defaults (the empty string), the baseline. */
   size_t n = 0;
   int rc = GCA_OK;
@@ -135,8 +133,7 @@ int tune_main(int argc, char **argv) {
           if (reuse_all[x]) put(k->conf, sizeof k->conf, "cross_stream_reuse:True");
           if (rc == GCA_OK) rc = evaluate(&t, &base, k);
         }
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  double secs = tool_seconds() - t0;
   if (rc != GCA_OK) {
     fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
     free(c);
