@@ -122,8 +122,12 @@ void arena_free(arena_t *ar) {
 /* Fibonacci hashing: the product's top bits, which every bit of the key
  * reaches. (Device addresses differ in high bits: blocks at the same offset
  * of segments 128 MiB apart agree in their low 27.) */
+static size_t addr_map_home(const addr_map_t *m, uint64_t stored) {
+  return (size_t)((stored * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(m->cap)));
+}
+
 static size_t addr_map_slot(const addr_map_t *m, uint64_t stored) {
-  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(m->cap)));
+  size_t i = addr_map_home(m, stored);
   while (m->keys[i] && m->keys[i] != stored) i = (i + 1) & (m->cap - 1);
   return i;
 }
@@ -166,7 +170,7 @@ uint64_t *addr_map_get(const addr_map_t *m, uint64_t key) {
 
 bool addr_map_put(addr_map_t *m, uint64_t key, uint64_t val) {
   uint64_t stored = key + 1;
-  size_t i = (size_t)((stored * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctzll(m->cap))), deleted = SIZE_MAX;
+  size_t i = addr_map_home(m, stored), deleted = SIZE_MAX;
   for (; m->keys[i]; i = (i + 1) & (m->cap - 1)) {
     if (m->keys[i] == stored) {
       m->vals[i] = val;
