@@ -148,6 +148,7 @@ static int expect_colon(parser_t *p, const char *key) {
 /* An integer value in [0, max], or a failure quoting `rule`. */
 static int read_uint_upto(parser_t *p, const char *key, uint64_t max, const char *rule, uint64_t *out) {
   token_t *v = next(p);
+  *out = 0; /* defined even on failure: gcc -O3 cannot see that callers read it only on success */
   if (!parse_uint(v, out) || *out > max) return fail(p, key, v, rule);
   return GCA_OK;
 }
