@@ -31,7 +31,7 @@ extern "C" {
 #endif
 
 #define GCALLOC_VERSION_MAJOR 0
-#define GCALLOC_VERSION_MINOR 2
+#define GCALLOC_VERSION_MINOR 3
 #define GCALLOC_VERSION_PATCH 0
 
 /* Visibility: the shared library exports only what is declared here. */
@@ -362,6 +362,7 @@ typedef struct gca_stats {
   int64_t num_gc_releases;          /* segments given back by garbage collection */
   int64_t num_alloc_waits;          /* allocations that waited for memory to come back */
   int64_t num_oom_handler_retries;  /* tries made again because an OOM handler asked */
+  int64_t num_pages_moved;          /* stitching: free pages of expandable segments mapped elsewhere */
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

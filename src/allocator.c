@@ -63,6 +63,15 @@ static bool launch_blocking_from_environment(void) {
   return false;
 }
 
+/* expandable_segments:True on a backend without virtual memory is served
+ * with ordinary segments; say so (outside any device lock). */
+static void warn_if_no_virtual_memory(gca_allocator_t *a, const config_t *cfg) {
+  if (cfg->expandable_segments && a->device_count > 0 && a->devices[0].vm_state < 0)
+    log_message(GCA_LOG_WARNING,
+                "expandable_segments:True: backend %s has no virtual memory; ordinary segments are used instead",
+                a->backend.ops->name);
+}
+
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   log_init();
   if (!out) return set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
@@ -116,6 +125,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   }
   log_message(GCA_LOG_INFO, "allocator %d opened on %s with %d device%s", a->id, a->backend.ops->name,
               a->device_count, a->device_count == 1 ? "" : "s");
+  warn_if_no_virtual_memory(a, &cfg);
   *out = a;
   return GCA_OK;
 }
@@ -413,6 +423,7 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
       if (fraction_changed) (void)device_set_fraction_locked(d, next.memory_fraction);
       lock_release(&d->lock);
     }
+    if (next.expandable_segments) warn_if_no_virtual_memory(a, &next);
   }
   pthread_mutex_unlock(&a->config_lock);
   return rc;

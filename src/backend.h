@@ -14,8 +14,17 @@
  * for it. A stream is the caller's handle (gca_stream_t, a cudaStream_t on
  * CUDA); an event is the backend's handle. The stream and event entries may
  * be NULL: the core then treats the device as synchronous (every event has
- * completed when recorded). Virtual memory joins the table with expandable
- * segments.
+ * completed when recorded).
+ *
+ * Virtual memory (expandable segments) separates address space from
+ * physical memory, as CUDA's cuMemAddressReserve / cuMemCreate / cuMemMap
+ * do: reserve a range of addresses (no memory behind it), create physical
+ * memory (counted against the device's capacity; GCA_ERR_OOM when there is
+ * none), map it at an address of a reserved range (readable and writable by
+ * the device once mapped), unmap it, destroy it, give the range back. All
+ * addresses and sizes are multiples of vm_granularity. A backend without
+ * virtual memory leaves all seven entries NULL; the core then serves
+ * expandable_segments:True with ordinary segments and says so once.
  */
 #ifndef GCALLOC_BACKEND_H
 #define GCALLOC_BACKEND_H
@@ -53,6 +62,22 @@ typedef struct backend_ops {
   int (*stream_wait_event)(void *state, int device, gca_stream_t stream, uintptr_t event);
   /* Block the host until all work queued on `stream` has completed. */
   int (*stream_synchronize)(void *state, int device, gca_stream_t stream);
+  /* Virtual memory (may all be NULL). The page size mappings are made of. */
+  int (*vm_granularity)(void *state, int device, size_t *granularity);
+  /* Reserve `size` bytes of addresses, aligned to the granularity. */
+  int (*vm_reserve)(void *state, int device, size_t size, uintptr_t *addr);
+  /* Give back a reserved range (addr and size as reserved); nothing may be mapped in it. */
+  int (*vm_unreserve)(void *state, int device, uintptr_t addr, size_t size);
+  /* Create `size` bytes of physical memory; its handle in *handle. */
+  int (*vm_create)(void *state, int device, size_t size, uintptr_t *handle);
+  /* Destroy physical memory; it must not be mapped. */
+  int (*vm_destroy)(void *state, int device, uintptr_t handle);
+  /* Map the whole of `handle` (size bytes) at addr, inside a reserved range. */
+  int (*vm_map)(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle);
+  /* Unmap what is mapped at [addr, addr + size) (whole mappings). The
+   * caller must have waited for work that uses it: like a free,
+   * GCA_ERR_CORRUPT reports that it did not (the sim's race detector). */
+  int (*vm_unmap)(void *state, int device, uintptr_t addr, size_t size);
   void (*destroy)(void *state);
 } backend_ops_t;
 
@@ -84,6 +109,12 @@ typedef struct sim_counters {
   uint64_t host_waits;       /* event or stream synchronizations */
   uint64_t hazards;          /* unordered uses of memory, device frees of memory in use */
   uint64_t free_calls;       /* every free, failed ones included */
+  /* Virtual memory. Physical memory counts in `used` and, as an
+   * allocation, in malloc_calls (so fault injection reaches it). */
+  uint64_t vm_reserved;      /* bytes of address space reserved now */
+  uint64_t vm_handles;       /* physical allocations alive */
+  uint64_t vm_mapped;        /* bytes mapped now */
+  uint64_t vm_maps, vm_unmaps;
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */

@@ -16,10 +16,17 @@
  *      is below its current value;
  *   6. the backend never reported a segment free as a bookkeeping error (no
  *      such allocation, or memory still in use); a device that merely
- *      refused keeps the segment cached, which is not an error.
+ *      refused keeps the segment cached, which is not an error;
+ *   7. expandable segments: unmapped blocks start and end on page
+ *      boundaries, are never neighbours, have no page mapped and are all in
+ *      their pool's unmapped index (which holds nothing else); every page
+ *      under any other block is mapped; the segment's mapped bytes are its
+ *      mapped pages; reserved bytes count mapped bytes, and such segments
+ *      are not counted in `segment` (as PyTorch).
  * Tests call it after operations; it costs O(blocks).
  */
 #include <inttypes.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -30,6 +37,7 @@ typedef struct recount {
   int64_t split[3], split_bytes[3];
   int64_t oversize_allocations, oversize_segments;
   size_t free_blocks[3];
+  size_t unmapped_blocks[3];
   size_t allocated_blocks;
   size_t pending_blocks, quarantined_blocks, releasing_segments;
   uint64_t events_awaited; /* sum of pending blocks' event counts */
@@ -37,10 +45,48 @@ typedef struct recount {
 
 #define BAD(...) return set_error(GCA_ERR_CORRUPT, __VA_ARGS__)
 
+/* The pages of an expandable segment against its blocks. */
+static int check_pages(device_t *d, segment_t *seg, recount_t *r) {
+  size_t page = seg->page_size, mapped = 0;
+  for (size_t i = 0; i < seg->page_cap; i++) mapped += seg->pages[i] != 0;
+  if (mapped * page != seg->mapped_bytes)
+    BAD("device %d: expandable segment at %#" PRIxPTR " has %zu pages mapped but counts %zu bytes", d->index,
+        seg->addr, mapped, seg->mapped_bytes);
+  r->reserved[seg->pool->kind] += (int64_t)seg->mapped_bytes;
+  for (block_t *b = seg->head; b; b = b->next) {
+    size_t offset = b->addr - seg->addr;
+    size_t first = offset / page, end = (offset + b->size + page - 1) / page;
+    bool unmapped = b->state == BLOCK_UNMAPPED;
+    if (!b->expandable)
+      BAD("device %d: block at %#" PRIxPTR " of an expandable segment is not marked expandable", d->index, b->addr);
+    if (unmapped && (offset % page || b->size % page))
+      BAD("device %d: unmapped block at %#" PRIxPTR " (+%zu) does not lie on page boundaries", d->index, b->addr,
+          b->size);
+    if (unmapped && b->next && b->next->state == BLOCK_UNMAPPED)
+      BAD("device %d: unmapped blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged", d->index,
+          b->addr, b->next->addr);
+    if (unmapped && !pool_unmapped_contains(b->pool, b))
+      BAD("device %d: unmapped block at %#" PRIxPTR " is missing from the unmapped index", d->index, b->addr);
+    if (unmapped) r->unmapped_blocks[seg->pool->kind]++;
+    for (size_t i = first; i < end; i++) {
+      bool is_mapped = i < seg->page_cap && seg->pages[i] != 0;
+      if (is_mapped == unmapped)
+        BAD("device %d: page %zu of expandable segment at %#" PRIxPTR " is %s under the %s block at %#" PRIxPTR,
+            d->index, i, seg->addr, is_mapped ? "mapped" : "unmapped", unmapped ? "unmapped" : "mapped", b->addr);
+    }
+  }
+  return GCA_OK;
+}
+
 static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
   int kind = seg->pool->kind;
-  r->segment[kind]++;
-  r->reserved[kind] += (int64_t)seg->size;
+  if (seg->expandable) {
+    int rc = check_pages(d, seg, r);
+    if (rc) return rc;
+  } else {
+    r->segment[kind]++;
+    r->reserved[kind] += (int64_t)seg->size;
+  }
   if (seg->oversize) r->oversize_segments++;
   block_t *b = seg->head;
   if (!b || b->addr != seg->addr || b->prev)
@@ -82,7 +128,7 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
         if (!pool_contains(b->pool, b))
           BAD("device %d: free block at %#" PRIxPTR " is missing from its free index", d->index, b->addr);
         r->free_blocks[kind]++;
-        if (split) {
+        if (split && !b->expandable) {
           r->split[kind]++;
           r->split_bytes[kind] += (int64_t)b->size;
         }
@@ -97,6 +143,10 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
         r->requested[kind] += (int64_t)b->requested;
         r->active[kind]++;
         r->active_bytes[kind] += (int64_t)b->size;
+        break;
+      case BLOCK_UNMAPPED:
+        if (!seg->expandable)
+          BAD("device %d: block at %#" PRIxPTR " is unmapped in an ordinary segment", d->index, b->addr);
         break;
       case BLOCK_RELEASING:
         if (split || !seg->release_event)
@@ -162,6 +212,35 @@ static int check_events(device_t *d, const recount_t *r) {
   return GCA_OK;
 }
 
+static int compare_handles(const void *x, const void *y) {
+  uintptr_t a = *(const uintptr_t *)x, b = *(const uintptr_t *)y;
+  return a < b ? -1 : a > b;
+}
+
+/* No physical page is mapped at two places (stitching moves pages around). */
+static int check_pages_unique(device_t *d) {
+  size_t count = 0;
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->expandable) count += seg->mapped_bytes / seg->page_size;
+  if (count < 2) return GCA_OK;
+  uintptr_t *all = malloc(count * sizeof *all);
+  if (!all) return GCA_OK; /* no host memory to check with: not a broken invariant */
+  size_t n = 0;
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    for (size_t i = 0; seg->expandable && i < seg->page_cap; i++)
+      if (seg->pages[i] && n < count) all[n++] = seg->pages[i];
+  qsort(all, n, sizeof *all, compare_handles);
+  for (size_t i = 1; i < n; i++) {
+    if (all[i] == all[i - 1]) {
+      uintptr_t h = all[i];
+      free(all);
+      BAD("device %d: physical memory %#" PRIxPTR " is mapped at two places", d->index, h);
+    }
+  }
+  free(all);
+  return GCA_OK;
+}
+
 int device_check_locked(device_t *d) {
   recount_t r;
   memset(&r, 0, sizeof r);
@@ -182,11 +261,17 @@ int device_check_locked(device_t *d) {
   if (r.free_blocks[GCA_POOL_LARGE] != d->large_pool.free_count)
     BAD("device %d: large free index holds %zu blocks, the segments have %zu free", d->index,
         d->large_pool.free_count, r.free_blocks[GCA_POOL_LARGE]);
+  if (r.unmapped_blocks[GCA_POOL_SMALL] != d->small_pool.unmapped_count ||
+      r.unmapped_blocks[GCA_POOL_LARGE] != d->large_pool.unmapped_count)
+    BAD("device %d: the unmapped indexes hold %zu and %zu blocks, the segments have %zu and %zu unmapped", d->index,
+        d->small_pool.unmapped_count, d->large_pool.unmapped_count, r.unmapped_blocks[GCA_POOL_SMALL],
+        r.unmapped_blocks[GCA_POOL_LARGE]);
   if (r.allocated_blocks != d->allocated.count)
     BAD("device %d: allocation map holds %zu blocks, the segments have %zu allocated", d->index,
         d->allocated.count, r.allocated_blocks);
   int rc = check_events(d, &r);
   if (rc) return rc;
+  if ((rc = check_pages_unique(d))) return rc;
 
   gca_stats_t materialized;
   stats_materialize(&d->stats, &materialized);

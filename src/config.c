@@ -260,9 +260,11 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     return rc;
   }
   if (strcmp(key, "expandable_segments") == 0) {
-    rc = read_bool(p, key, &c->expandable_segments);
-    if (rc == GCA_OK && c->expandable_segments) warn_not_built(p, key);
-    return rc;
+    return read_bool(p, key, &c->expandable_segments);
+  }
+  if (strcmp(key, "stitching") == 0) {
+    /* gcalloc's own: with expandable segments, move free pages into place before mapping new ones. */
+    return read_bool(p, key, &c->stitching);
   }
   if (strcmp(key, "cross_stream_reuse") == 0) {
     /* gcalloc's own: True, False, or the largest segment (as a multiple of
@@ -380,6 +382,8 @@ int config_apply(config_t *cfg, const char *text, const char *origin) {
   if (rc == GCA_OK) {
     work.any_divisions = false;
     for (int i = 0; i < ROUNDUP_INTERVALS; i++) work.any_divisions |= work.roundup_divisions[i] > 1;
+    if (work.stitching && !work.expandable_segments)
+      warn(p, "stitching:True has an effect only with expandable_segments:True");
     *cfg = work;
     for (size_t i = 0; i < p->warning_count; i++) log_message(GCA_LOG_WARNING, "%s", p->warnings[i]);
   }
@@ -409,6 +413,7 @@ size_t config_format(const config_t *c, char *buf, size_t cap) {
   text_put(&o, ",oom_retry_timeout_ms:%llu", (unsigned long long)c->oom_retry_timeout_ms);
   text_put(&o, ",oom_handler_retries:%u", (unsigned)c->oom_handler_retries);
   text_put(&o, ",expandable_segments:%s", c->expandable_segments ? "True" : "False");
+  text_put(&o, ",stitching:%s", c->stitching ? "True" : "False");
   text_put(&o, ",release_lock_on_cudamalloc:%s", c->release_lock_on_malloc ? "True" : "False");
   text_put(&o, ",pinned_use_cuda_host_register:%s", c->pinned_use_host_register ? "True" : "False");
   text_put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);

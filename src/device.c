@@ -54,6 +54,7 @@ int device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *
   atomic_init(&d->span_hi, 0);
   atomic_init(&d->waiters, 0);
   if (cfg->memory_fraction_set) (void)device_set_fraction_locked(d, cfg->memory_fraction);
+  (void)expandable_available(d); /* ask the backend now, so the answer can be logged outside any lock */
   return GCA_OK;
 }
 
@@ -79,7 +80,8 @@ void device_destroy(device_t *d) {
   while (seg) {
     segment_t *next = seg->next;
     for (block_t *b = seg->head; b; b = b->next) history_drop_stack(b);
-    d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+    if (seg->expandable) expandable_segment_destroy(d, seg);
+    else d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
     free(seg);
     seg = next;
   }
@@ -118,7 +120,7 @@ static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t 
   for (block_t *first = pool_first(pool); first; first = pool_first_after_stream(pool, first->stream)) {
     if (first->stream == stream) continue;
     block_t *b = pool_lower_bound(pool, first->stream, rounded);
-    while (b && b->stream == first->stream && (b->prev || b->next)) b = pool_next(pool, b);
+    while (b && b->stream == first->stream && (b->prev || b->next || b->expandable)) b = pool_next(pool, b);
     if (!b || b->stream != first->stream || !pool_fits(&d->config, rounded, b)) continue;
     if ((double)b->size > d->config.cross_stream_reuse * (double)segment_size_for(rounded)) continue;
     if (best && *idle && b->size >= best->size) continue;
@@ -157,6 +159,8 @@ static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size
 
 static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                  size_t requested, int *rc) {
+  if (d->config.expandable_segments && expandable_available(d))
+    return expandable_take(d, pool, stream, rounded, requested, rc);
   block_t *b = segment_alloc(d, pool, stream, rounded, rc);
   return b ? block_take(d, b, NULL, false, rounded, requested) : NULL;
 }
@@ -371,6 +375,11 @@ GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char
         set_error(GCA_ERR_BAD_POINTER,
                   "cannot %s %p: it was freed already on device %d (its free waits for work queued on the "
                   "streams that used it)",
+                  action, (void *)addr, d->index);
+      } else if (b->state == BLOCK_UNMAPPED) {
+        set_error(GCA_ERR_BAD_POINTER,
+                  "cannot %s %p: it is not allocated (it lies in unmapped address space of an expandable "
+                  "segment of device %d)",
                   action, (void *)addr, d->index);
       } else {
         set_error(GCA_ERR_BAD_POINTER,

@@ -270,6 +270,8 @@ void events_finish_releases(device_t *d, bool wait) {
 
 /* ---- cross-stream reuse ------------------------------------------------- */
 
+int events_wait_stream(device_t *d, gca_stream_t stream) { return wait_stream(d, stream); }
+
 bool events_stream_is_idle(device_t *d, gca_stream_t stream) {
   uintptr_t e;
   if (record_event(d, stream, &e) != GCA_OK) return false;

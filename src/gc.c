@@ -14,7 +14,9 @@
  */
 #include "internal.h"
 
-static bool whole(const block_t *b) { return !b->prev && !b->next; }
+/* PyTorch's GC leaves expandable segments alone: their memory goes back
+ * page by page when the cache is released. */
+static bool whole(const block_t *b) { return !b->prev && !b->next && !b->expandable; }
 
 static uint64_t age_of(const pool_t *pool, const block_t *b) { return pool->lookups - b->gc_base; }
 

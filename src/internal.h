@@ -75,6 +75,9 @@ typedef struct config {
   uint32_t oom_handler_retries;   /* rounds of OOM handlers asking for another try */
   size_t pinned_num_register_threads;
   bool expandable_segments;
+  /* gcalloc's own, with expandable segments: before mapping new memory,
+   * move whole free pages of the same pool and stream into place. */
+  bool stitching;
   bool release_lock_on_malloc;
   bool pinned_use_host_register;
   bool pinned_use_background_threads;
@@ -133,7 +136,8 @@ enum block_state {
   BLOCK_ALLOCATED,   /* in the allocation map */
   BLOCK_PENDING,     /* freed; waits for events on the streams that used it */
   BLOCK_QUARANTINED, /* freed, but the backend could not order its reuse: never reused */
-  BLOCK_RELEASING    /* a whole segment whose device free waits for its stream */
+  BLOCK_RELEASING,   /* a whole segment whose device free waits for its stream */
+  BLOCK_UNMAPPED     /* expandable segments: addresses with no memory mapped, in the pool's unmapped index */
 };
 
 /* Streams other than its own a block was used on (record_stream). Usually
@@ -161,6 +165,7 @@ struct block {
   uint32_t event_count;      /* pending blocks: events not yet completed */
   uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
+  bool expandable;           /* lies in an expandable segment (segment->expandable, kept here, hot) */
   uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
 };
 
@@ -174,13 +179,25 @@ struct segment {
   segment_t *release_next;   /* the device's list of segments being released */
   uintptr_t release_event;   /* releasing: completes when its stream's work is done */
   bool oversize;             /* counted in oversize_segments */
+  /* Expandable segments (expandable.c): addr and size are the reserved
+   * address range, tiled by blocks of which the UNMAPPED ones have no
+   * memory; pages[i] is the physical memory mapped at page i (0: none). */
+  bool expandable;
+  size_t page_size;
+  uintptr_t *pages;          /* page_cap entries; pages past it are unmapped */
+  size_t page_cap;
+  size_t mapped_bytes;
 };
 
 RB_HEAD(free_index, block);
+RB_HEAD(unmapped_index, block);
 
 struct pool {
   struct free_index index;   /* free blocks by (stream, size, address) */
   size_t free_count;         /* nodes in the index */
+  size_t expandable_segments; /* of this pool: while 0, best fit pays one branch for them */
+  struct unmapped_index unmapped; /* unmapped blocks by (stream, address) */
+  size_t unmapped_count;
   uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
   int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
 };
@@ -209,6 +226,13 @@ block_t *pool_first_after_stream(pool_t *pool, gca_stream_t stream);
 block_t *pool_next(pool_t *pool, block_t *b);
 block_t *pool_prev(pool_t *pool, block_t *b);
 bool pool_contains(pool_t *pool, block_t *b);
+/* The unmapped index (expandable segments). */
+void pool_unmapped_insert(pool_t *pool, block_t *b);
+void pool_unmapped_remove(pool_t *pool, block_t *b);
+/* The unmapped block of `stream` at the lowest address, or NULL. */
+block_t *pool_unmapped_first(pool_t *pool, gca_stream_t stream);
+block_t *pool_unmapped_next(pool_t *pool, block_t *b);
+bool pool_unmapped_contains(pool_t *pool, block_t *b);
 
 /* ------------------------------------------------------------------------ */
 /* Allocation map (blockmap.c): allocated blocks by address, open hashing     */
@@ -294,7 +318,7 @@ typedef struct family_stats {
 #define KEPT_COUNTERS(X)                                                                                     \
   X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)              \
   X(num_cross_stream_reuses) X(num_device_free_failures) X(num_gc_releases) X(num_alloc_waits)                 \
-  X(num_oom_handler_retries)
+  X(num_oom_handler_retries) X(num_pages_moved)
 
 typedef struct kept_stats {
   family_stats_t family[FAM_COUNT];
@@ -392,6 +416,9 @@ struct device {
    * one branch. */
   void (*segment_observer)(void *ctx, bool alloc, size_t size);
   void *segment_observer_ctx;
+  /* Virtual memory of the backend (expandable.c): asked once. */
+  int vm_state;              /* 0 not asked, 1 available, -1 not (expandable segments fall back) */
+  size_t vm_granularity;
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
   bool fraction_set;
   double fraction;
@@ -457,6 +484,29 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 /* Return a freed block (out of the map, its free complete) to its pool,
  * merging with free neighbours; `b` may be recycled. */
 void block_give_back(device_t *d, block_t *b);
+/* Keep the lock-free mirror of reserved bytes and the device's address span current. */
+void mirror_reserved(device_t *d);
+void widen_span(device_t *d, uintptr_t lo, uintptr_t hi);
+
+/* expandable.c, with the lock held: PyTorch's expandable segments. */
+/* Whether the backend has virtual memory (asked once; logs once if not). */
+bool expandable_available(device_t *d);
+/* A block for `rounded` bytes from an expandable segment of (pool, stream),
+ * mapping memory as needed (PyTorch's try_allocate_expandable_block), handed
+ * out with block_take; NULL with *rc set. */
+block_t *expandable_take(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc);
+/* Best fit among expandable blocks: from the lower bound `b`, PyTorch's walk
+ * to the block whose size plus the unmapped space after it is smallest (or,
+ * with expandable segments off, past expandable blocks). */
+block_t *expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream, block_t *b);
+/* Unmap every whole free page of every expandable segment, after waiting
+ * for the segment's stream, and give back the address range of segments
+ * left with nothing mapped (PyTorch's release_blocks for them). */
+void expandable_release_all(device_t *d);
+/* At device destruction: unmap and destroy everything, give the range back. */
+void expandable_segment_destroy(device_t *d, segment_t *seg);
+/* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
+size_t expandable_snapshot_count(const device_t *d);
 
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
 
@@ -477,6 +527,8 @@ void events_finish_releases(device_t *d, bool wait);
  * on `from` (cross-stream reuse of a block cached for `from`); false if the
  * backend could do it neither with an event nor by waiting. */
 bool events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to);
+/* Block the host until the work queued on `stream` has completed. */
+int events_wait_stream(device_t *d, gca_stream_t stream);
 /* Whether every piece of work queued on `stream` has completed (false if
  * the backend cannot tell). */
 bool events_stream_is_idle(device_t *d, gca_stream_t stream);

@@ -7,6 +7,7 @@
  * a request below max_split_size never takes a block that large (it would be
  * wasted, since such blocks are never split), and a request of at least
  * max_split_size takes a block no more than max_non_split_rounding larger.
+ * Expandable segments bend the order a little (expandable.c, refit).
  */
 #include "internal.h"
 
@@ -19,9 +20,46 @@ static int compare_blocks(const block_t *a, const block_t *b) {
 
 RB_GENERATE_STATIC(free_index, block, link, compare_blocks)
 
+/* Unmapped blocks of expandable segments, by (stream, address): the search
+ * for room to map looks for the lowest address (PyTorch's pool.unmapped).
+ * A block is in at most one of the two trees, so they share its link. */
+static int compare_unmapped(const block_t *a, const block_t *b) {
+  if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
+  if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+  return 0;
+}
+
+RB_GENERATE_STATIC(unmapped_index, block, link, compare_unmapped)
+
+void pool_unmapped_insert(pool_t *pool, block_t *b) {
+  RB_INSERT(unmapped_index, &pool->unmapped, b);
+  pool->unmapped_count++;
+}
+
+void pool_unmapped_remove(pool_t *pool, block_t *b) {
+  RB_REMOVE(unmapped_index, &pool->unmapped, b);
+  pool->unmapped_count--;
+}
+
+block_t *pool_unmapped_first(pool_t *pool, gca_stream_t stream) {
+  block_t key = {.stream = stream, .addr = 0};
+  block_t *b = RB_NFIND(unmapped_index, &pool->unmapped, &key);
+  return b && b->stream == stream ? b : NULL;
+}
+
+block_t *pool_unmapped_next(pool_t *pool, block_t *b) {
+  (void)pool;
+  return RB_NEXT(unmapped_index, &pool->unmapped, b);
+}
+
+bool pool_unmapped_contains(pool_t *pool, block_t *b) { return RB_FIND(unmapped_index, &pool->unmapped, b) == b; }
+
 void pool_init(pool_t *pool, int kind) {
   RB_INIT(&pool->index);
+  RB_INIT(&pool->unmapped);
   pool->free_count = 0;
+  pool->unmapped_count = 0;
+  pool->expandable_segments = 0;
   pool->lookups = 0;
   pool->kind = kind;
 }
@@ -101,6 +139,11 @@ bool pool_fits(const config_t *cfg, size_t size, const block_t *b) {
 
 block_t *pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred) {
   block_t *b = lower_bound(pool, stream, size, pred);
+  if (unlikely(pool->expandable_segments != 0) && b && b->expandable) {
+    block_t *chosen = expandable_refit(pool, cfg, stream, b);
+    if (chosen != b) *pred = chosen ? RB_PREV(free_index, &pool->index, chosen) : NULL;
+    b = chosen;
+  }
   return b && pool_fits(cfg, size, b) ? b : NULL;
 }
 

@@ -44,6 +44,7 @@ block_t *block_new(device_t *d) {
   b->event_count = 0;
   b->state = BLOCK_FREE;
   b->oversize = false;
+  b->expandable = false;
   b->stack = NULL;
   return b;
 }
@@ -64,11 +65,11 @@ void block_recycle(device_t *d, block_t *b) {
 
 /* ---- segments ----------------------------------------------------------- */
 
-static void mirror_reserved(device_t *d) {
+void mirror_reserved(device_t *d) {
   atomic_store_explicit(&d->reserved_now, family_current(&d->stats, FAM_RESERVED_BYTES), memory_order_relaxed);
 }
 
-static void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
+void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
   if (lo < atomic_load_explicit(&d->span_lo, memory_order_relaxed))
     atomic_store_explicit(&d->span_lo, lo, memory_order_relaxed);
   if (hi > atomic_load_explicit(&d->span_hi, memory_order_relaxed))
@@ -113,6 +114,11 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   seg->prev = NULL;
   seg->release_next = NULL;
   seg->release_event = 0;
+  seg->expandable = false;
+  seg->page_size = 0;
+  seg->pages = NULL;
+  seg->page_cap = 0;
+  seg->mapped_bytes = 0;
   seg->next = d->segments;
   if (d->segments) d->segments->prev = seg;
   d->segments = seg;
@@ -196,13 +202,16 @@ bool segment_free_now(device_t *d, segment_t *seg) {
   return true;
 }
 
-static bool unsplit(const block_t *b) { return !b->prev && !b->next; }
+/* A whole ordinary segment (an expandable segment's memory goes back page by page instead). */
+static bool unsplit(const block_t *b) { return !b->prev && !b->next && !b->expandable; }
 
 bool segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
   size_t max_split = d->config.max_split_size;
   if (max_split == SIZE_MAX) return false;
   size_t want = rounded < max_split ? max_split : rounded;
   block_t *b = pool_lower_bound(pool, stream, want);
+  /* As PyTorch: an expandable block found here sends the search to the
+   * loop below, which skips expandable blocks. */
   if (b && unsplit(b)) {
     segment_release(d, b);
     return true;
@@ -232,13 +241,15 @@ void segment_release_all_cached(device_t *d) {
       b = next;
     }
   }
+  expandable_release_all(d);
 }
 
 /* ---- split and merge ---------------------------------------------------- */
 
 static bool should_split(const device_t *d, const block_t *b, size_t size) {
   size_t remaining = b->size - size;
-  if (b->pool->kind == GCA_POOL_SMALL) return remaining >= MIN_BLOCK_SIZE;
+  /* PyTorch decides by the setting, not by the block's segment. */
+  if (b->pool->kind == GCA_POOL_SMALL || d->config.expandable_segments) return remaining >= MIN_BLOCK_SIZE;
   return size < d->config.max_split_size && remaining > SMALL_SIZE;
 }
 
@@ -289,7 +300,12 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
     b->gc_base = b->pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
     if (in_index) pool_key_decreased(b->pool, b, pred);
     else pool_insert(b->pool, b);
-    if (already_split) {
+    /* PyTorch keeps expandable blocks out of inactive_split: their whole
+     * free pages can always be given back. */
+    piece->expandable = b->expandable;
+    if (unlikely(b->expandable)) {
+      /* nothing to count */
+    } else if (already_split) {
       /* An inactive split piece shrinks by what was handed out. */
       family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)rounded);
     } else {
@@ -303,7 +319,7 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
   /* No split (or no host memory for a descriptor: then the whole block is
    * handed out, a looser fit rather than a failure). */
   if (in_index) pool_remove(b->pool, b);
-  if (already_split) {
+  if (already_split && !b->expandable) {
     family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
     family_decrease(s, FAM_INACTIVE_SPLIT, kind, 1);
   }
@@ -368,10 +384,11 @@ void block_give_back(device_t *d, block_t *b) {
     pool_insert(b->pool, b);
   }
   survivor->gc_base = survivor->pool->lookups;
-  if (!unsplit(survivor)) {
+  if (survivor->prev || survivor->next) {
     split_blocks += 1;
     split_bytes += (int64_t)survivor->size;
   }
+  if (survivor->expandable) split_blocks = split_bytes = 0;
   if (split_blocks > 0) family_increase(s, FAM_INACTIVE_SPLIT, kind, split_blocks);
   else if (split_blocks < 0) family_decrease(s, FAM_INACTIVE_SPLIT, kind, -split_blocks);
   if (split_bytes > 0) family_increase(s, FAM_INACTIVE_SPLIT_BYTES, kind, split_bytes);

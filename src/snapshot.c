@@ -75,33 +75,45 @@ static int compare_segments(const void *x, const void *y) {
   return a->address < b->address ? -1 : a->address > b->address;
 }
 
-/* Copy one device's segments (with the lock held). */
+/* Fill one snapshot segment from `head` on: the whole segment, or for an
+ * expandable one (as PyTorch reports them) one run of mapped blocks. */
+static void copy_run(snapshot_impl_t *sn, device_t *d, segment_t *seg, block_t *head, gca_snapshot_segment_t *s) {
+  size_t n = 0;
+  for (block_t *b = head; b && b->state != BLOCK_UNMAPPED; b = b->next) n++;
+  gca_snapshot_block_t *blocks = arena_zalloc(&sn->arena, n * sizeof *blocks);
+  s->device = d->index;
+  s->address = head->addr;
+  s->stream = seg->stream;
+  s->pool = seg->pool->kind;
+  s->is_expandable = seg->expandable;
+  s->blocks = blocks;
+  s->block_count = blocks ? n : 0;
+  size_t k = 0;
+  for (block_t *b = head; b && b->state != BLOCK_UNMAPPED; b = b->next, k++) {
+    s->total_size += b->size;
+    if (!blocks) continue;
+    gca_snapshot_block_t *bl = &blocks[k];
+    bl->address = b->addr;
+    bl->size = b->size;
+    bl->state = block_state_of(b);
+    if (bl->state == GCA_BLOCK_INACTIVE) continue;
+    bl->requested_size = b->requested;
+    s->active_size += b->size;
+    s->requested_size += b->requested;
+    if (bl->state == GCA_BLOCK_ACTIVE_ALLOCATED) s->allocated_size += b->size;
+    if (b->stack) remember_stack(sn, b->stack->ips, b->stack->depth, &bl->frames, &bl->frame_count);
+  }
+}
+
+/* Copy one device's segments (with the lock held); room for
+ * expandable_snapshot_count(d). */
 static void copy_segments(snapshot_impl_t *sn, device_t *d, gca_snapshot_segment_t *out) {
   size_t i = 0;
-  for (segment_t *seg = d->segments; seg; seg = seg->next, i++) {
-    gca_snapshot_segment_t *s = &out[i];
-    size_t n = 0;
-    for (block_t *b = seg->head; b; b = b->next) n++;
-    gca_snapshot_block_t *blocks = arena_zalloc(&sn->arena, n * sizeof *blocks);
-    s->device = d->index;
-    s->address = seg->addr;
-    s->total_size = seg->size;
-    s->stream = seg->stream;
-    s->pool = seg->pool->kind;
-    s->blocks = blocks;
-    s->block_count = blocks ? n : 0;
-    size_t k = 0;
-    for (block_t *b = seg->head; b && blocks; b = b->next, k++) {
-      gca_snapshot_block_t *bl = &blocks[k];
-      bl->address = b->addr;
-      bl->size = b->size;
-      bl->state = block_state_of(b);
-      if (bl->state == GCA_BLOCK_INACTIVE) continue;
-      bl->requested_size = b->requested;
-      s->active_size += b->size;
-      s->requested_size += b->requested;
-      if (bl->state == GCA_BLOCK_ACTIVE_ALLOCATED) s->allocated_size += b->size;
-      if (b->stack) remember_stack(sn, b->stack->ips, b->stack->depth, &bl->frames, &bl->frame_count);
+  for (segment_t *seg = d->segments; seg; seg = seg->next) {
+    for (block_t *b = seg->head; b; b = b->next) {
+      bool starts_run = b->state != BLOCK_UNMAPPED && (!b->prev || b->prev->state == BLOCK_UNMAPPED);
+      if (starts_run) copy_run(sn, d, seg, b, &out[i++]);
+      if (!seg->expandable) break;
     }
   }
 }
@@ -202,8 +214,9 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
     lock_acquire(&d->lock);
     if (d->recording) history_event(d, GCA_TRACE_SNAPSHOT, 0, 0, 0);
     if (i == 0) sn->config = d->config;
-    if (total + d->segment_count > cap) {
-      size_t want = total + d->segment_count;
+    size_t here = expandable_snapshot_count(d);
+    if (total + here > cap) {
+      size_t want = total + here;
       gca_snapshot_segment_t *grown = realloc(segments, want * sizeof *grown);
       if (grown) {
         segments = grown;
@@ -212,10 +225,10 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
         sn->arena.failed = true;
       }
     }
-    if (d->segment_count && total + d->segment_count <= cap) {
-      memset(segments + total, 0, d->segment_count * sizeof *segments);
+    if (here && total + here <= cap) {
+      memset(segments + total, 0, here * sizeof *segments);
       copy_segments(sn, d, segments + total);
-      total += d->segment_count;
+      total += here;
     }
     copy_history(sn, d, &traces[i], &counts[i]);
     lock_release(&d->lock);

@@ -74,7 +74,7 @@ static void test_valid_keys(void **state) {
 static void test_not_built_keys_warn(void **state) {
   (void)state;
   static const char *const keys[] = {
-      "expandable_segments:True", "release_lock_on_cudamalloc:True", "pinned_use_cuda_host_register:True",
+      "release_lock_on_cudamalloc:True", "pinned_use_cuda_host_register:True",
       "pinned_num_register_threads:8", "pinned_use_background_threads:True", "backend:cudaMallocAsync",
       "pinned_reserve_segment_size_mb:64", "graph_capture_record_stream_reuse:True"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
@@ -84,7 +84,14 @@ static void test_not_built_keys_warn(void **state) {
     assert_contains(logs.last, "not built yet");
   }
   int warned = logs.count;
-  config_t c = apply_ok("garbage_collection_threshold:0.25,per_process_memory_fraction:0.75");
+  config_t c = apply_ok("expandable_segments:True,stitching:True");
+  assert_true(c.expandable_segments && c.stitching);
+  assert_int_equal(logs.count, warned); /* built: no warning */
+  c = apply_ok("stitching:True");
+  assert_int_equal(logs.count, warned + 1); /* alone it does nothing, and says so */
+  assert_contains(logs.last, "only with expandable_segments:True");
+  warned = logs.count;
+  c = apply_ok("garbage_collection_threshold:0.25,per_process_memory_fraction:0.75");
   assert_true(c.gc_threshold == 0.25);
   assert_true(c.memory_fraction == 0.75);
   assert_true(c.memory_fraction_set);

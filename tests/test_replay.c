@@ -272,7 +272,8 @@ static void test_tune(void **state) {
   assert_true(json_object_object_get_ex(root, "best", &best));
   assert_true(json_object_object_get_ex(root, "defaults", &defaults_obj));
   assert_true(json_object_object_get_ex(root, "ranked", &ranked));
-  assert_int_equal(json_object_array_length(ranked), 42); /* 7 splits x 6 divisions, one stream, no capacity */
+  /* 7 splits x 6 divisions x 3 expandable modes, one stream, no capacity */
+  assert_int_equal(json_object_array_length(ranked), 126);
   assert_true(json_object_object_get_ex(best, "conf", &v));
   char conf[256];
   snprintf(conf, sizeof conf, "%s", json_object_get_string(v));

@@ -8,12 +8,12 @@
  *                              it acts only under a memory limit, which here is
  *                              per_process_memory_fraction:1.0 of the capacity)
  *   cross_stream_reuse         False, True   (only when the trace has several streams)
+ *   expandable_segments        False, True, True with stitching
  *
  * and ranks them by peak reserved bytes (summed over the trace's devices),
  * then by device allocations (each a cudaMalloc), then by the shortest
  * configuration string. With --capacity, a configuration under which the job
- * does not fit ranks below every one under which it does. Expandable
- * segments are not searched: they are not built yet (issue 7).
+ * does not fit ranks below every one under which it does.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -100,8 +100,10 @@ int tune_main(int argc, char **argv) {
   static const char *const divisions[] = {NULL, "1", "2", "4", "8", "16"};
   static const char *const gc_all[] = {NULL, "0.5", "0.7", "0.9"};
   static const char *const reuse_all[] = {NULL, "True"};
+  static const char *const expandable_all[] = {NULL, "expandable_segments:True",
+                                               "expandable_segments:True,stitching:True"};
   size_t n_gc = base.capacity ? 4 : 1, n_reuse = several_streams(&t) ? 2 : 1;
-  size_t total = 7 * 6 * n_gc * n_reuse;
+  size_t total = 7 * 6 * n_gc * n_reuse * 3;
   candidate_t *c = calloc(total + 1, sizeof *c);
   if (!c) {
     trace_free(&t);
@@ -115,7 +117,8 @@ int tune_main(int argc, char **argv) {
   for (size_t s = 0; s < 7; s++)
     for (size_t d = 0; d < 6; d++)
       for (size_t g = 0; g < n_gc; g++)
-        for (size_t x = 0; x < n_reuse; x++) {
+        for (size_t x = 0; x < n_reuse; x++)
+          for (size_t e = 0; e < 3; e++) {
           candidate_t *k = &c[n++];
           char item[128];
           if (splits[s]) {
@@ -131,6 +134,7 @@ int tune_main(int argc, char **argv) {
             put(k->conf, sizeof k->conf, item);
           }
           if (reuse_all[x]) put(k->conf, sizeof k->conf, "cross_stream_reuse:True");
+          if (expandable_all[e]) put(k->conf, sizeof k->conf, expandable_all[e]);
           if (rc == GCA_OK) rc = evaluate(&t, &base, k);
         }
   double secs = tool_seconds() - t0;
@@ -171,7 +175,7 @@ int tune_main(int argc, char **argv) {
     printf("tuned %s: %zu configurations replayed in %.2f s%s\n", path, n, secs,
            base.capacity ? "" : " (garbage_collection_threshold needs --capacity; not searched)");
     if (!several_streams(&t)) printf("one stream in the trace: cross_stream_reuse not searched\n");
-    printf("expandable_segments: not searched (not built yet, issue 7)\n\n");
+    printf("\n");
     printf("rank  peak reserved  x requested  device allocs  %sconfiguration\n", base.capacity ? "fits  " : "");
     for (size_t i = 0; i < n && i < 10; i++)
       printf("%4zu  %9.3f GiB  %11.3f  %13" PRIu64 "  %s%s\n", i + 1, gib(c[i].peak_reserved),
@@ -188,9 +192,10 @@ int tune_main(int argc, char **argv) {
              gib(best->peak_reserved),
              defaults.peak_reserved ? 100.0 * (1.0 - (double)best->peak_reserved / (double)defaults.peak_reserved) : 0,
              best->conf[0] ? best->conf : "(the defaults; nothing to set)",
-             strstr(best->conf, "cross_stream_reuse") || strstr(best->conf, "per_process_memory_fraction")
-                 ? "(cross_stream_reuse and per_process_memory_fraction are gcalloc's keys; under PyTorch's own "
-                   "allocator, drop them and call torch.cuda.set_per_process_memory_fraction)\n"
+             strstr(best->conf, "cross_stream_reuse") || strstr(best->conf, "per_process_memory_fraction") ||
+                     strstr(best->conf, "stitching")
+                 ? "(cross_stream_reuse, stitching and per_process_memory_fraction are gcalloc's keys; under PyTorch's "
+                   "own allocator, drop them and call torch.cuda.set_per_process_memory_fraction)\n"
                  : "");
   }
   int exit_code = base.capacity && !best->fits ? 3 : 0;

@@ -33,6 +33,15 @@
  * another stream, or a device free of memory in use, is a hazard, counted
  * and reported. That is how the tests prove the allocator never hands out or
  * frees memory that queued work may still touch.
+ *
+ * Virtual memory: address ranges are reserved from the same address space
+ * (aligned to `granularity`, 2 MiB by default, as CUDA's); physical memory
+ * counts against capacity like an allocation (and fault injection treats it
+ * as one); a mapping must lie inside a reservation, at a multiple of the
+ * granularity, over nothing mapped, and cover its whole handle. Unmapping
+ * memory that queued work still uses is a hazard, as a free is. Mapped
+ * memory may be used by sim_launch like allocated memory. Backed mode does
+ * not model virtual memory (vm_granularity says so).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -43,7 +52,7 @@
 #include "../internal.h"
 
 #define SIM_ALIGN ((size_t)512)
-#define SIM_SPAN ((uintptr_t)1 << 44)        /* address range per device */
+#define SIM_SPAN ((uintptr_t)1 << 50)        /* address range per device: room for ~100 reservations of 9 TiB */
 #define SIM_MAX_CAPACITY ((size_t)1 << 43)   /* 8 TiB: half the range */
 #define SIM_MAX_DEVICES 64
 
@@ -67,6 +76,22 @@ static int compare_allocs(const sim_alloc_t *a, const sim_alloc_t *b) {
 
 RB_HEAD(sim_live, sim_alloc);
 RB_GENERATE_STATIC(sim_live, sim_alloc, link, compare_allocs)
+/* Reserved address ranges: the same records in a tree of their own. */
+RB_HEAD(sim_reserved, sim_alloc);
+RB_GENERATE_STATIC(sim_reserved, sim_alloc, link, compare_allocs)
+/* Mappings: addr and size of the mapping, `footprint` holds the handle. */
+RB_HEAD(sim_mapped, sim_alloc);
+RB_GENERATE_STATIC(sim_mapped, sim_alloc, link, compare_allocs)
+
+/* Physical memory, in a table like the events' (handle = generation << 32
+ * | slot + 1). */
+typedef struct sim_phys {
+  size_t size;
+  uintptr_t mapped_at;  /* 0: not mapped */
+  uint32_t generation;
+  uint32_t next_free;
+  bool live;
+} sim_phys_t;
 
 typedef struct sim_stream {
   gca_stream_t handle;
@@ -103,6 +128,11 @@ typedef struct sim_device {
   uint32_t event_cap;
   uint32_t free_events;     /* head of the free list, slot + 1; 0: none */
   uint64_t *engine_free_at; /* engines=N: when each engine finishes its work */
+  struct sim_reserved reserved;
+  struct sim_mapped mapped;
+  sim_phys_t *phys;
+  uint32_t phys_cap;
+  uint32_t free_phys;       /* head of the free list, slot + 1; 0: none */
 } sim_device_t;
 
 typedef struct sim {
@@ -121,6 +151,7 @@ typedef struct sim {
   uint64_t waits;         /* host waits so far, all devices */
   uint64_t now;         /* simulated ns */
   uint32_t engines;     /* 0: unlimited */
+  size_t granularity;   /* of virtual memory */
   bool backed;
   sim_device_t devices[];
 } sim_t;
@@ -279,6 +310,19 @@ static int wait_until(sim_t *s, sim_device_t *dev, uint64_t at) {
   return GCA_OK;
 }
 
+/* An allocation of device memory (malloc or vm_create) asks for
+ * `footprint` bytes: the injected failures and the capacity may refuse it. */
+static int charge(sim_t *s, sim_device_t *dev, int device, size_t size, size_t footprint) {
+  uint64_t call = ++dev->counters.malloc_calls;
+  if (injected_failure(s, call))
+    return set_error(GCA_ERR_OOM, "sim: injected failure of allocation #%llu on device %d",
+                     (unsigned long long)call, device);
+  if (footprint > s->capacity - dev->used)
+    return set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free)", device, size,
+                     s->capacity - dev->used);
+  return GCA_OK;
+}
+
 static int sim_device_count(void *state) { return ((sim_t *)state)->device_count; }
 
 static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
@@ -290,15 +334,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   size_t footprint = (size + SIM_ALIGN - 1) & ~(SIM_ALIGN - 1);
   pthread_mutex_lock(&s->lock);
   sim_device_t *dev = &s->devices[device];
-  uint64_t call = ++dev->counters.malloc_calls;
-  int rc = GCA_OK;
-  if (injected_failure(s, call)) {
-    rc = set_error(GCA_ERR_OOM, "sim: injected failure of allocation #%llu on device %d",
-                   (unsigned long long)call, device);
-  } else if (footprint > s->capacity - dev->used) {
-    rc = set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free)", device, size,
-                   s->capacity - dev->used);
-  }
+  int rc = charge(s, dev, device, size, footprint);
   sim_alloc_t *rec = NULL;
   if (rc == GCA_OK) {
     rec = calloc(1, sizeof *rec);
@@ -459,6 +495,280 @@ static int sim_stream_synchronize(void *state, int device, gca_stream_t stream) 
   return rc;
 }
 
+/* ---- virtual memory ----------------------------------------------------- */
+
+/* First fit of `size` bytes at a multiple of `align` in the free address ranges. */
+static bool take_aligned_range(sim_device_t *dev, size_t size, size_t align, uintptr_t *addr) {
+  for (sim_range_t **link = &dev->free_ranges; *link; link = &(*link)->next) {
+    sim_range_t *r = *link;
+    uintptr_t start = (r->addr + align - 1) & ~(uintptr_t)(align - 1);
+    if (start < r->addr || start - r->addr > r->size || r->size - (start - r->addr) < size) continue;
+    uintptr_t end = start + size, r_end = r->addr + r->size;
+    if (end < r_end) {
+      /* The part after the reservation stays free: a node of its own, or r
+       * itself when nothing is left before. */
+      if (start == r->addr) {
+        r->addr = end;
+        r->size = r_end - end;
+        *addr = start;
+        return true;
+      }
+      sim_range_t *after = malloc(sizeof *after);
+      if (!after) return false;
+      after->addr = end;
+      after->size = r_end - end;
+      after->next = r->next;
+      r->next = after;
+    }
+    r->size = start - r->addr;
+    if (r->size == 0) {
+      *link = r->next;
+      free(r);
+    }
+    *addr = start;
+    return true;
+  }
+  return false;
+}
+
+static bool vm_aligned(const sim_t *s, uintptr_t v) { return (v & (s->granularity - 1)) == 0; }
+
+static int no_vm(void) {
+  return set_error(GCA_ERR_BACKEND, "sim: virtual memory is not modelled in backed mode");
+}
+
+static int sim_vm_granularity(void *state, int device, size_t *granularity) {
+  sim_t *s = state;
+  (void)device;
+  if (s->backed) return no_vm();
+  *granularity = s->granularity;
+  return GCA_OK;
+}
+
+static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  if (size == 0 || !vm_aligned(s, size))
+    return set_error(GCA_ERR_INVALID, "sim: cannot reserve %zu bytes: not a positive multiple of %zu", size,
+                     s->granularity);
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = GCA_OK;
+  sim_alloc_t *rec = calloc(1, sizeof *rec);
+  if (!rec) rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  else if (!take_aligned_range(dev, size, s->granularity, &rec->addr))
+    rc = set_error(GCA_ERR_OOM, "sim: device %d has no free address range of %zu bytes to reserve", device, size);
+  if (rc == GCA_OK) {
+    rec->size = rec->footprint = size;
+    RB_INSERT(sim_reserved, &dev->reserved, rec);
+    dev->counters.vm_reserved += size;
+    *addr = rec->addr;
+  } else {
+    free(rec);
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* The reservation holding [addr, addr + size), or NULL. */
+static sim_alloc_t *reservation_of(sim_device_t *dev, uintptr_t addr, size_t size) {
+  sim_alloc_t key = {.addr = addr};
+  sim_alloc_t *r = RB_NFIND(sim_reserved, &dev->reserved, &key);
+  if (!r || r->addr != addr) r = r ? RB_PREV(sim_reserved, &dev->reserved, r) : RB_MAX(sim_reserved, &dev->reserved);
+  if (!r || addr < r->addr || addr - r->addr > r->size || r->size - (addr - r->addr) < size) return NULL;
+  return r;
+}
+
+/* The first mapping that ends after addr, or NULL. */
+static sim_alloc_t *first_mapping_from(sim_device_t *dev, uintptr_t addr) {
+  sim_alloc_t key = {.addr = addr};
+  sim_alloc_t *m = RB_NFIND(sim_mapped, &dev->mapped, &key);
+  sim_alloc_t *before = m ? RB_PREV(sim_mapped, &dev->mapped, m) : RB_MAX(sim_mapped, &dev->mapped);
+  return before && before->addr + before->size > addr ? before : m;
+}
+
+static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_alloc_t key = {.addr = addr};
+  sim_alloc_t *r = RB_FIND(sim_reserved, &dev->reserved, &key);
+  sim_alloc_t *m = NULL;
+  int rc = GCA_OK;
+  if (!r || r->size != size)
+    rc = set_error(GCA_ERR_BAD_POINTER, "sim: device %d has no reservation of %zu bytes at %#" PRIxPTR, device,
+                   size, addr);
+  else if ((m = first_mapping_from(dev, addr)) && m->addr < addr + size)
+    rc = set_error(GCA_ERR_INVALID,
+                   "sim: cannot give back the reservation at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is still mapped",
+                   addr, m->addr, m->size);
+  if (rc == GCA_OK) {
+    RB_REMOVE(sim_reserved, &dev->reserved, r);
+    (void)give_range(dev, r->addr, r->size);
+    dev->counters.vm_reserved -= r->size;
+    free(r);
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static sim_phys_t *phys_of(sim_device_t *dev, uintptr_t handle) {
+  uint64_t slot = ((uint64_t)handle & 0xffffffffu) - 1;
+  if (slot >= dev->phys_cap) return NULL;
+  sim_phys_t *p = &dev->phys[slot];
+  return p->live && p->generation == (uint32_t)((uint64_t)handle >> 32) ? p : NULL;
+}
+
+static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  if (size == 0 || !vm_aligned(s, size))
+    return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
+                     size, s->granularity);
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = charge(s, dev, device, size, size);
+  if (rc == GCA_OK && !dev->free_phys) {
+    uint32_t cap = dev->phys_cap ? 2 * dev->phys_cap : 64;
+    sim_phys_t *grown = cap > 0x7fffffffu ? NULL : realloc(dev->phys, (size_t)cap * sizeof *grown);
+    if (!grown) {
+      rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+    } else {
+      for (uint32_t i = dev->phys_cap; i < cap; i++) grown[i] = (sim_phys_t){.next_free = i + 1 < cap ? i + 2 : 0};
+      dev->free_phys = dev->phys_cap + 1;
+      dev->phys = grown;
+      dev->phys_cap = cap;
+    }
+  }
+  if (rc == GCA_OK) {
+    uint32_t slot = dev->free_phys - 1;
+    sim_phys_t *p = &dev->phys[slot];
+    dev->free_phys = p->next_free;
+    p->size = size;
+    p->mapped_at = 0;
+    p->live = true;
+    *handle = (uintptr_t)(((uint64_t)p->generation << 32) | (slot + 1));
+    dev->used += size;
+    dev->counters.mallocs++;
+    dev->counters.live++;
+    dev->counters.vm_handles++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_vm_destroy(void *state, int device, uintptr_t handle) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_phys_t *p = phys_of(dev, handle);
+  uint64_t call = ++dev->counters.free_calls;
+  int rc = GCA_OK;
+  if (!p)
+    rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle, device);
+  else if (p->mapped_at)
+    rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is still mapped at %#" PRIxPTR, handle,
+                   p->mapped_at);
+  else if (s->free_fail_at && call == s->free_fail_at)
+    rc = set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
+  if (rc == GCA_OK) {
+    dev->used -= p->size;
+    p->live = false;
+    p->generation++;
+    p->next_free = dev->free_phys;
+    dev->free_phys = (uint32_t)(p - dev->phys) + 1;
+    dev->counters.frees++;
+    dev->counters.live--;
+    dev->counters.vm_handles--;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  sim_phys_t *p = phys_of(dev, handle);
+  sim_alloc_t *m = NULL, *rec = NULL;
+  int rc = GCA_OK;
+  if (!p)
+    rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle, device);
+  else if (p->mapped_at)
+    rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is mapped already (at %#" PRIxPTR ")",
+                   handle, p->mapped_at);
+  else if (size != p->size || !vm_aligned(s, addr))
+    rc = set_error(GCA_ERR_INVALID, "sim: a mapping at %#" PRIxPTR " of %zu bytes must be aligned to %zu and cover "
+                   "its whole physical memory (%zu bytes)", addr, size, s->granularity, p->size);
+  else if (!reservation_of(dev, addr, size))
+    rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not inside a reserved range of device %d", addr,
+                   size, device);
+  else if ((m = first_mapping_from(dev, addr)) && m->addr < addr + size)
+    rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there", addr,
+                   m->addr, m->size);
+  else if (!(rec = calloc(1, sizeof *rec)))
+    rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  if (rc == GCA_OK) {
+    rec->addr = addr;
+    rec->size = size;
+    rec->footprint = handle;
+    RB_INSERT(sim_mapped, &dev->mapped, rec);
+    p->mapped_at = addr;
+    dev->counters.vm_mapped += size;
+    dev->counters.vm_maps++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
+  sim_t *s = state;
+  if (s->backed) return no_vm();
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = GCA_OK;
+  /* Whole mappings only, and no holes: check before changing anything. */
+  uintptr_t at = addr, end = addr + size;
+  for (sim_alloc_t *m = first_mapping_from(dev, addr); at < end; m = RB_NEXT(sim_mapped, &dev->mapped, m)) {
+    if (!m || m->addr != at || m->size > end - at) {
+      rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not a run of whole mappings of device %d "
+                     "(at %#" PRIxPTR ")", addr, size, device, at);
+      break;
+    }
+    at += m->size;
+  }
+  if (rc == GCA_OK && size) {
+    prune_work(dev, s->now);
+    const sim_work_t *w = conflicting_work(dev, addr, size, s->now);
+    if (w) {
+      dev->counters.hazards++;
+      rc = set_error(GCA_ERR_CORRUPT,
+                     "sim: hazard: device %d unmaps [%#" PRIxPTR ", +%zu) while work of stream %#" PRIxPTR
+                     " on [%#" PRIxPTR ", +%zu) runs until t=%" PRIu64 " ns (now %" PRIu64 ")",
+                     device, addr, size, (uintptr_t)w->stream, w->addr, w->size, w->end, s->now);
+    }
+    /* Unmapped either way, as the driver would. */
+    sim_alloc_t *m = first_mapping_from(dev, addr);
+    while (m && m->addr < end) {
+      sim_alloc_t *next = RB_NEXT(sim_mapped, &dev->mapped, m);
+      sim_phys_t *p = phys_of(dev, (uintptr_t)m->footprint);
+      if (p) p->mapped_at = 0;
+      dev->counters.vm_mapped -= m->size;
+      dev->counters.vm_unmaps++;
+      RB_REMOVE(sim_mapped, &dev->mapped, m);
+      free(m);
+      m = next;
+    }
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
 static void sim_destroy(void *state) {
   sim_t *s = state;
   for (int i = 0; i < s->device_count; i++) {
@@ -475,6 +785,17 @@ static void sim_destroy(void *state) {
       free(dev->free_ranges);
       dev->free_ranges = r;
     }
+    for (rec = RB_MIN(sim_reserved, &dev->reserved); rec; rec = next) {
+      next = RB_NEXT(sim_reserved, &dev->reserved, rec);
+      RB_REMOVE(sim_reserved, &dev->reserved, rec);
+      free(rec);
+    }
+    for (rec = RB_MIN(sim_mapped, &dev->mapped); rec; rec = next) {
+      next = RB_NEXT(sim_mapped, &dev->mapped, rec);
+      RB_REMOVE(sim_mapped, &dev->mapped, rec);
+      free(rec);
+    }
+    free(dev->phys);
     free(dev->streams);
     free(dev->work);
     free(dev->events);
@@ -496,6 +817,13 @@ static const backend_ops_t sim_ops = {
     .event_destroy = sim_event_destroy,
     .stream_wait_event = sim_stream_wait_event,
     .stream_synchronize = sim_stream_synchronize,
+    .vm_granularity = sim_vm_granularity,
+    .vm_reserve = sim_vm_reserve,
+    .vm_unreserve = sim_vm_unreserve,
+    .vm_create = sim_vm_create,
+    .vm_destroy = sim_vm_destroy,
+    .vm_map = sim_vm_map,
+    .vm_unmap = sim_vm_unmap,
     .destroy = sim_destroy,
 };
 
@@ -605,7 +933,7 @@ uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream
 
 typedef struct sim_options {
   uint64_t capacity, devices, fail_at, fail_count, fail_after, free_fail_at, seed, latency_ns, backed, event_fail_at,
-      wait_fail_at, engines;
+      wait_fail_at, engines, granularity;
   double fail_rate;
 } sim_options_t;
 
@@ -668,13 +996,17 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
   } else if (KEY_IS("engines")) {
     if (!parse_u64(val, vlen, &o->engines) || o->engines > 1024)
       return bad_option(key, klen, val, vlen, "expected 0 (unlimited) to 1024");
+  } else if (KEY_IS("granularity")) {
+    if (!parse_size(val, vlen, &o->granularity) || o->granularity < SIM_ALIGN ||
+        (o->granularity & (o->granularity - 1)) || o->granularity > ((uint64_t)1 << 30))
+      return bad_option(key, klen, val, vlen, "expected a power of two from 512 bytes to 1GiB, like 2MiB");
   } else if (KEY_IS("backed")) {
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
   } else {
     return set_error(GCA_ERR_BACKEND,
                      "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_count, "
                      "fail_after, fail_rate, seed, free_fail_at, latency_ns, event_fail_at, wait_fail_at, engines, "
-                     "backed)",
+                     "granularity, backed)",
                      (int)klen, key);
   }
   return GCA_OK;
@@ -682,7 +1014,8 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
 }
 
 int sim_backend_create(const char *options, backend_t *out) {
-  sim_options_t o = {.capacity = (uint64_t)80 << 30, .devices = 1, .fail_after = UINT64_MAX, .seed = 1};
+  sim_options_t o = {.capacity = (uint64_t)80 << 30, .devices = 1, .fail_after = UINT64_MAX, .seed = 1,
+                     .granularity = (uint64_t)2 << 20};
   const char *p = options ? options : "";
   while (*p) {
     const char *end = strchr(p, ',');
@@ -716,9 +1049,12 @@ int sim_backend_create(const char *options, backend_t *out) {
   s->wait_fail_at = o.wait_fail_at;
   s->engines = (uint32_t)o.engines;
   s->backed = o.backed != 0;
+  s->granularity = (size_t)o.granularity;
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
     RB_INIT(&dev->live);
+    RB_INIT(&dev->reserved);
+    RB_INIT(&dev->mapped);
     if (s->engines && !(dev->engine_free_at = calloc(s->engines, sizeof *dev->engine_free_at))) {
       sim_destroy(s);
       return set_error(GCA_ERR_NOMEM, "sim: out of host memory");

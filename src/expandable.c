@@ -1,0 +1,517 @@
+/* Expandable segments (expandable_segments:True), with PyTorch's semantics,
+ * and gcalloc's page stitching on top.
+ *
+ * An expandable segment is one range of addresses per (pool, stream),
+ * reserved once (1.125 x the device's memory, as PyTorch does, so that pages
+ * unmapped early in the range can be mapped again at its end) and backed by
+ * physical pages mapped on demand: 2 MiB pages for the small pool, 20 MiB
+ * for the large one (fewer, larger mappings: the driver's cost is per
+ * mapping). Blocks tile the whole range as in any segment; the parts with
+ * nothing mapped are UNMAPPED blocks, kept in the pool's unmapped index by
+ * (stream, address). Reserved bytes are the mapped bytes.
+ *
+ * A miss maps memory at the lowest address where a free block followed by
+ * unmapped space (or unmapped space alone) has room for the request, so
+ * allocations tile one range and shape changes leave no unusable slivers.
+ * Memory is unmapped only when the cache is released (empty_cache, or the
+ * out-of-memory ladder): every whole free page, after waiting for the
+ * segment's stream, since unmapping is not ordered with queued work.
+ *
+ * Stitching (stitching:True, gcalloc's own): before creating new physical
+ * pages for a miss, move whole free pages of the same pool and stream from
+ * wherever they sit in the range (unmap there, map here). The free memory
+ * inside the range is then used before the device is asked for more, so
+ * fragmentation costs no more than the partly used pages around live
+ * blocks. A move waits for the stream, like any unmap.
+ *
+ * Everything here runs with the device lock held.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define VM(d, fn, ...) ((d)->backend->ops->fn((d)->backend->state, (d)->index, __VA_ARGS__))
+
+bool expandable_available(device_t *d) {
+  if (d->vm_state == 0) {
+    const backend_ops_t *ops = d->backend->ops;
+    size_t granularity = 0;
+    bool ok = ops->vm_granularity && ops->vm_reserve && ops->vm_unreserve && ops->vm_create && ops->vm_destroy &&
+              ops->vm_map && ops->vm_unmap && ops->vm_granularity(d->backend->state, d->index, &granularity) == GCA_OK &&
+              granularity >= MIN_BLOCK_SIZE && (granularity & (granularity - 1)) == 0;
+    d->vm_granularity = granularity;
+    d->vm_state = ok ? 1 : -1;
+    if (!ok) clear_error();
+  }
+  return d->vm_state > 0;
+}
+
+/* The page size of the pool's segments: PyTorch's, rounded up to the device's granularity. */
+static size_t page_size_of(const device_t *d, const pool_t *pool) {
+  size_t want = pool->kind == GCA_POOL_SMALL ? SMALL_BUFFER : LARGE_BUFFER;
+  size_t g = d->vm_granularity;
+  return (want + g - 1) / g * g;
+}
+
+/* ---- segments ----------------------------------------------------------- */
+
+/* A fresh segment for (pool, stream): its whole range one unmapped block. */
+static block_t *new_segment(device_t *d, pool_t *pool, gca_stream_t stream, int *rc) {
+  size_t free_bytes = 0, total = 0;
+  *rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
+  if (*rc != GCA_OK) return NULL;
+  size_t page = page_size_of(d, pool);
+  size_t pages = (total + total / 8 + page - 1) / page;
+  if (pages == 0) pages = 1;
+  size_t size = pages * page;
+  segment_t *seg = calloc(1, sizeof *seg);
+  block_t *b = block_new(d);
+  if (!seg || !b) {
+    free(seg);
+    if (b) block_recycle(d, b);
+    *rc = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+    return NULL;
+  }
+  uintptr_t addr = 0;
+  *rc = VM(d, vm_reserve, size, &addr);
+  if (*rc != GCA_OK) {
+    free(seg);
+    block_recycle(d, b);
+    return NULL;
+  }
+  seg->addr = addr;
+  seg->size = size;
+  seg->stream = stream;
+  seg->pool = pool;
+  seg->head = b;
+  seg->expandable = true;
+  seg->page_size = page;
+  seg->next = d->segments;
+  if (d->segments) d->segments->prev = seg;
+  d->segments = seg;
+  d->segment_count++;
+  pool->expandable_segments++;
+
+  b->addr = addr;
+  b->size = size;
+  b->stream = stream;
+  b->segment = seg;
+  b->pool = pool;
+  b->state = BLOCK_UNMAPPED;
+  b->expandable = true;
+  pool_unmapped_insert(pool, b);
+  widen_span(d, addr, addr + size);
+  return b;
+}
+
+/* Give back the range of a segment with nothing mapped (one unmapped block). */
+static void release_segment(device_t *d, segment_t *seg) {
+  block_t *b = seg->head;
+  if (VM(d, vm_unreserve, seg->addr, seg->size) != GCA_OK) {
+    /* Kept: an empty range costs no memory, and may serve later. */
+    d->stats.num_device_free_failures++;
+    return;
+  }
+  pool_unmapped_remove(seg->pool, b);
+  if (seg->prev) seg->prev->next = seg->next;
+  else d->segments = seg->next;
+  if (seg->next) seg->next->prev = seg->prev;
+  d->segment_count--;
+  seg->pool->expandable_segments--;
+  free(seg->pages);
+  free(seg);
+  block_recycle(d, b);
+}
+
+void expandable_segment_destroy(device_t *d, segment_t *seg) {
+  size_t page = seg->page_size;
+  for (size_t i = 0; i < seg->page_cap; i++) {
+    if (!seg->pages[i]) continue;
+    (void)VM(d, vm_unmap, seg->addr + i * page, page);
+    (void)VM(d, vm_destroy, seg->pages[i]);
+  }
+  (void)VM(d, vm_unreserve, seg->addr, seg->size);
+  free(seg->pages);
+  seg->pages = NULL;
+}
+
+static bool ensure_pages(segment_t *seg, size_t end) {
+  if (end <= seg->page_cap) return true;
+  size_t cap = seg->page_cap ? seg->page_cap : 16;
+  while (cap < end) cap *= 2;
+  uintptr_t *grown = realloc(seg->pages, cap * sizeof *grown);
+  if (!grown) return false;
+  memset(grown + seg->page_cap, 0, (cap - seg->page_cap) * sizeof *grown);
+  seg->pages = grown;
+  seg->page_cap = cap;
+  return true;
+}
+
+/* The whole pages inside block b: how many, the first in *first. */
+static size_t whole_pages(const block_t *b, size_t *first) {
+  const segment_t *seg = b->segment;
+  size_t page = seg->page_size, offset = b->addr - seg->addr;
+  size_t begin = (offset + page - 1) / page, end = (offset + b->size) / page;
+  *first = begin;
+  return end > begin ? end - begin : 0;
+}
+
+/* ---- unmapping ---------------------------------------------------------- */
+
+/* Unmap up to `max` whole pages of free expandable block b (the highest
+ * ones), after waiting for its stream. The pages' physical memory goes into
+ * handles_out when given (a move), else back to the device. b becomes the
+ * unmapped part, merged with unmapped neighbours; the free parts around it
+ * get descriptors of their own. Returns the pages unmapped (0: nothing
+ * changed). */
+static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handles_out) {
+  segment_t *seg = b->segment;
+  pool_t *pool = b->pool;
+  size_t page = seg->page_size, first;
+  size_t n = whole_pages(b, &first);
+  if (n > max) {
+    first += n - max;
+    n = max;
+  }
+  if (n == 0) return 0;
+  uintptr_t at = seg->addr + first * page;
+  size_t bytes = n * page;
+  size_t before = at - b->addr, after = b->addr + b->size - (at + bytes);
+  block_t *low = before ? block_new(d) : NULL, *high = after ? block_new(d) : NULL;
+  if ((before && !low) || (after && !high)) {
+    if (low) block_recycle(d, low);
+    if (high) block_recycle(d, high);
+    return 0;
+  }
+  /* Work queued on the stream may still use these pages through the block
+   * freed to the cache; an unmap is not ordered behind it. */
+  int rc = events_wait_stream(d, seg->stream);
+  if (rc == GCA_OK) rc = VM(d, vm_unmap, at, bytes);
+  if (rc == GCA_ERR_CORRUPT) {
+    d->backend_free_errors++; /* unmapped, but the device says it was in use */
+  } else if (rc != GCA_OK) {
+    d->stats.num_device_free_failures++;
+    if (low) block_recycle(d, low);
+    if (high) block_recycle(d, high);
+    return 0;
+  }
+  for (size_t i = 0; i < n; i++) {
+    uintptr_t h = seg->pages[first + i];
+    seg->pages[first + i] = 0;
+    if (handles_out) handles_out[i] = h;
+    else if (VM(d, vm_destroy, h) != GCA_OK) d->stats.num_device_free_failures++; /* the device keeps it */
+  }
+  seg->mapped_bytes -= bytes;
+
+  pool_remove(pool, b);
+  if (low) {
+    *low = *b;
+    low->size = before;
+    low->next = b;
+    if (low->prev) low->prev->next = low;
+    else seg->head = low;
+    b->prev = low;
+    pool_insert(pool, low);
+  }
+  if (high) {
+    *high = *b;
+    high->addr = at + bytes;
+    high->size = after;
+    high->prev = b;
+    if (high->next) high->next->prev = high;
+    b->next = high;
+    pool_insert(pool, high);
+  }
+  b->addr = at;
+  b->size = bytes;
+  b->state = BLOCK_UNMAPPED;
+  block_t *x = b->prev;
+  if (x && x->state == BLOCK_UNMAPPED) {
+    pool_unmapped_remove(pool, x);
+    b->addr = x->addr;
+    b->size += x->size;
+    b->prev = x->prev;
+    if (x->prev) x->prev->next = b;
+    else seg->head = b;
+    block_recycle(d, x);
+  }
+  x = b->next;
+  if (x && x->state == BLOCK_UNMAPPED) {
+    pool_unmapped_remove(pool, x);
+    b->size += x->size;
+    b->next = x->next;
+    if (x->next) x->next->prev = b;
+    block_recycle(d, x);
+  }
+  pool_unmapped_insert(pool, b);
+
+  family_decrease(&d->stats, FAM_RESERVED_BYTES, pool->kind, (int64_t)bytes);
+  mirror_reserved(d);
+  if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, bytes, seg->stream);
+  if (handles_out) {
+    d->stats.num_pages_moved += (int64_t)n;
+  } else {
+    d->stats.num_device_free++;
+    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, bytes);
+  }
+  return n;
+}
+
+void expandable_release_all(device_t *d) {
+  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
+  for (int p = 0; p < 2; p++) {
+    pool_t *pool = pools[p];
+    if (!pool->expandable_segments) continue;
+    /* Gather first: unmapping changes the index under a walk. Unmapping one
+     * free block never touches another free block's descriptor. */
+    size_t count = 0;
+    for (block_t *b = pool_first(pool); b; b = pool_next(pool, b)) count += b->expandable;
+    block_t **list = count ? malloc(count * sizeof *list) : NULL;
+    if (!list) continue;
+    size_t n = 0;
+    for (block_t *b = pool_first(pool); b; b = pool_next(pool, b))
+      if (b->expandable) list[n++] = b;
+    for (size_t i = 0; i < n; i++) {
+      block_t *b = list[i];
+      unmap_pages(d, b, SIZE_MAX, NULL);
+      if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
+    }
+    free(list);
+  }
+}
+
+/* ---- mapping ------------------------------------------------------------ */
+
+/* Stitching: free expandable blocks of (pool, stream) outside [keep_lo,
+ * keep_hi) holding whole pages, smallest first (a small free block is the
+ * least likely to serve a request as it is), until `want` pages are found.
+ * Not a neighbour of `target`, the unmapped block being mapped: the
+ * unmapped part of a donor merges with unmapped neighbours, which would
+ * swallow the target. Fills list (room for `want`) and returns the pages
+ * found. */
+static size_t find_donors(pool_t *pool, gca_stream_t stream, size_t page, size_t want, uintptr_t keep_lo,
+                          uintptr_t keep_hi, const block_t *target, block_t **list, size_t *listed) {
+  size_t found = 0;
+  *listed = 0;
+  for (block_t *b = pool_lower_bound(pool, stream, page); b && b->stream == stream && found < want;
+       b = pool_next(pool, b)) {
+    if (!b->expandable || (b->addr < keep_hi && keep_lo < b->addr + b->size)) continue;
+    if (b->prev == target || b->next == target) continue;
+    size_t first, n = whole_pages(b, &first);
+    if (!n) continue;
+    found += n < want - found ? n : want - found;
+    list[(*listed)++] = b;
+  }
+  return found;
+}
+
+/* Physical pages for a mapping of `n` pages: moved from free blocks of the
+ * pool (stitching) first, then created. Returns GCA_OK with all n in
+ * handles, or an error with nothing held (moved pages then went back to the
+ * device). *created counts the new ones. */
+static int gather_pages(device_t *d, const block_t *target, size_t page, size_t n, uintptr_t keep_lo,
+                        uintptr_t keep_hi, uintptr_t *handles, size_t *created) {
+  pool_t *pool = target->pool;
+  size_t movable = 0, listed = 0;
+  block_t **donors = NULL;
+  if (d->config.stitching && (donors = malloc(n * sizeof *donors)))
+    movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
+  size_t fresh = n - movable;
+  if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->allowed) {
+    free(donors);
+    return set_error(GCA_ERR_OOM,
+                     "device %d: %zu more bytes would pass the %zu the process may reserve "
+                     "(per_process_memory_fraction %g)",
+                     d->index, fresh * page, d->allowed, d->fraction);
+  }
+  /* Create first: it is the step that can run out of memory, and nothing
+   * has moved yet if it does. */
+  int rc = GCA_OK;
+  size_t have = 0;
+  while (have < fresh && (rc = VM(d, vm_create, page, &handles[have])) == GCA_OK) have++;
+  size_t moved = 0;
+  for (size_t i = 0; rc == GCA_OK && i < listed && moved < movable; i++)
+    moved += unmap_pages(d, donors[i], movable - moved, handles + have + moved);
+  have += moved;
+  /* A move that could not wait for its stream leaves a shortfall: create it. */
+  while (rc == GCA_OK && have < n && (rc = VM(d, vm_create, page, &handles[have])) == GCA_OK) have++;
+  free(donors);
+  *created = have - moved;
+  if (rc == GCA_OK) return GCA_OK;
+  for (size_t i = 0; i < have; i++) (void)VM(d, vm_destroy, handles[i]);
+  if (moved) {
+    /* The moved pages went back to the device after all. */
+    d->stats.num_device_free++;
+    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, moved * page);
+  }
+  return rc;
+}
+
+/* Map memory over the start of unmapped block b: whole pages covering
+ * `size` bytes. The mapped part becomes free and merges with free
+ * neighbours; the survivor (in the free index) is returned. NULL with *rc
+ * set if the memory could not be had (nothing changed but moved pages, which
+ * went back to the device). Pages for stitching are not taken from
+ * [keep_lo, keep_hi), the range the caller is assembling. */
+static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_lo, uintptr_t keep_hi, int *rc) {
+  segment_t *seg = b->segment;
+  pool_t *pool = b->pool;
+  size_t page = seg->page_size;
+  size_t first = (b->addr - seg->addr) / page, n = (size + page - 1) / page;
+  size_t bytes = n * page;
+  block_t *rest = bytes < b->size ? block_new(d) : NULL;
+  uintptr_t *handles = malloc(n * sizeof *handles);
+  if (!ensure_pages(seg, first + n) || !handles || (bytes < b->size && !rest)) {
+    free(handles);
+    if (rest) block_recycle(d, rest);
+    *rc = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+    return NULL;
+  }
+  size_t created = 0;
+  *rc = gather_pages(d, b, page, n, keep_lo, keep_hi, handles, &created);
+  if (*rc == GCA_OK) {
+    size_t mapped = 0;
+    for (; mapped < n; mapped++) {
+      *rc = VM(d, vm_map, b->addr + mapped * page, page, handles[mapped]);
+      if (*rc != GCA_OK) break;
+    }
+    if (*rc != GCA_OK) {
+      if (mapped) (void)VM(d, vm_unmap, b->addr, mapped * page);
+      for (size_t i = 0; i < n; i++) (void)VM(d, vm_destroy, handles[i]);
+    }
+  }
+  if (*rc != GCA_OK) {
+    free(handles);
+    if (rest) block_recycle(d, rest);
+    return NULL;
+  }
+  memcpy(seg->pages + first, handles, n * sizeof *handles);
+  free(handles);
+  seg->mapped_bytes += bytes;
+
+  pool_unmapped_remove(pool, b);
+  if (rest) {
+    *rest = *b;
+    rest->addr = b->addr + bytes;
+    rest->size = b->size - bytes;
+    rest->prev = b;
+    if (rest->next) rest->next->prev = rest;
+    b->next = rest;
+    pool_unmapped_insert(pool, rest);
+    b->size = bytes;
+  }
+  b->state = BLOCK_FREE;
+
+  family_increase(&d->stats, FAM_RESERVED_BYTES, pool->kind, (int64_t)bytes);
+  mirror_reserved(d);
+  if (created) d->stats.num_device_alloc++;
+  if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_MAP, b->addr, bytes, b->stream);
+  if (unlikely(d->segment_observer != NULL) && created)
+    d->segment_observer(d->segment_observer_ctx, true, created * page);
+
+  /* Merge with free neighbours: the one before, already in the index,
+   * survives (its key only grows). */
+  block_t *survivor = b;
+  if (b->prev && b->prev->state == BLOCK_FREE) {
+    survivor = b->prev;
+    survivor->size += b->size;
+    survivor->next = b->next;
+    if (b->next) b->next->prev = survivor;
+    block_recycle(d, b);
+  }
+  block_t *next = survivor->next;
+  if (next && next->state == BLOCK_FREE) {
+    pool_remove(pool, next);
+    survivor->size += next->size;
+    survivor->next = next->next;
+    if (next->next) next->next->prev = survivor;
+    block_recycle(d, next);
+  }
+  if (survivor == b) pool_insert(pool, b);
+  else pool_key_increased(pool, survivor);
+  survivor->gc_base = pool->lookups;
+  *rc = GCA_OK;
+  return survivor;
+}
+
+/* Free and unmapped bytes from b on, counted until `size` is reached. */
+static size_t room_from(const block_t *b, size_t size) {
+  size_t bytes = 0;
+  for (; b && bytes < size && (b->state == BLOCK_FREE || b->state == BLOCK_UNMAPPED); b = b->next) bytes += b->size;
+  return bytes;
+}
+
+/* PyTorch's find_expandable_block: the lowest address, over the stream's
+ * unmapped blocks, where a free block before it (if any) and what follows
+ * have room for `size`; else a new segment. */
+static block_t *find_room(device_t *d, pool_t *pool, gca_stream_t stream, size_t size, int *rc) {
+  for (block_t *u = pool_unmapped_first(pool, stream); u && u->stream == stream; u = pool_unmapped_next(pool, u)) {
+    block_t *c = u->prev && u->prev->state == BLOCK_FREE ? u->prev : u;
+    if (room_from(c, size) >= size) return c;
+  }
+  return new_segment(d, pool, stream, rc);
+}
+
+block_t *expandable_take(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  block_t *c = find_room(d, pool, stream, rounded, rc);
+  if (!c) return NULL;
+  uintptr_t keep_lo = c->addr, keep_hi = c->addr + rounded + c->segment->page_size;
+  if (c->state == BLOCK_UNMAPPED) {
+    c = map_block(d, c, c->size < rounded ? c->size : rounded, keep_lo, keep_hi, rc);
+    if (!c) return NULL;
+  }
+  /* Now free, followed by unmapped space while it is too small: free
+   * neighbours are always merged, so what follows is unmapped. */
+  while (c->size < rounded) {
+    block_t *u = c->next;
+    if (!u || u->state != BLOCK_UNMAPPED) {
+      *rc = set_error(GCA_ERR_CORRUPT, "device %d: expandable block at %#" PRIxPTR " is not followed by unmapped space",
+                      d->index, c->addr);
+      return NULL;
+    }
+    size_t more = rounded - c->size;
+    c = map_block(d, u, u->size < more ? u->size : more, keep_lo, keep_hi, rc);
+    if (!c) return NULL;
+  }
+  pool_remove(pool, c);
+  *rc = GCA_OK;
+  return block_take(d, c, NULL, false, rounded, requested);
+}
+
+/* ---- best fit ----------------------------------------------------------- */
+
+/* For best fit, an expandable block counts as large as it could grow: its
+ * size plus the unmapped space right after it. */
+static size_t expandable_size(const block_t *b) {
+  return b->size + (b->next && b->next->state == BLOCK_UNMAPPED ? b->next->size : 0);
+}
+
+block_t *expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream, block_t *b) {
+  if (cfg->expandable_segments) {
+    for (block_t *next = pool_next(pool, b);
+         b->expandable && next && next->stream == stream && expandable_size(next) < expandable_size(b);
+         next = pool_next(pool, next))
+      b = next;
+    return b;
+  }
+  /* Turned off after expandable segments were made: new allocations stay out of them. */
+  while (b && b->stream == stream && b->expandable) b = pool_next(pool, b);
+  return b && b->stream == stream ? b : NULL;
+}
+
+/* ---- snapshots ---------------------------------------------------------- */
+
+size_t expandable_snapshot_count(const device_t *d) {
+  size_t n = 0;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next) {
+    if (!seg->expandable) {
+      n++;
+      continue;
+    }
+    for (const block_t *b = seg->head; b; b = b->next)
+      if (b->state != BLOCK_UNMAPPED && (!b->prev || b->prev->state == BLOCK_UNMAPPED)) n++;
+  }
+  return n;
+}
