@@ -294,7 +294,10 @@ GCA_API int gca_remove_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, vo
  *   after the whole ladder waits up to this long for other threads to free
  *   memory, woken by each free, retrying with exponential backoff),
  *   oom_handler_retries (default 3: how many times OOM handlers may ask
- *   for another try), and
+ *   for another try), stitching (True/False, default False: with
+ *   expandable_segments:True, before mapping new memory for a miss, move
+ *   whole free pages of the same pool and stream into place; see
+ *   docs/defrag.md), and
  *   cross_stream_reuse (True, False or a size ratio >= 1; default False: on
  *   a miss, before asking the device for memory, move a whole segment cached
  *   for another stream to the requesting stream, which is first made to wait
