@@ -88,10 +88,7 @@ static block_t *new_segment(device_t *d, pool_t *pool, gca_stream_t stream, int 
   seg->head = b;
   seg->expandable = true;
   seg->page_size = page;
-  seg->next = d->segments;
-  if (d->segments) d->segments->prev = seg;
-  d->segments = seg;
-  d->segment_count++;
+  segment_link(d, seg);
   pool->expandable_segments++;
 
   b->addr = addr;
@@ -115,10 +112,7 @@ static void release_segment(device_t *d, segment_t *seg) {
     return;
   }
   pool_unmapped_remove(seg->pool, b);
-  if (seg->prev) seg->prev->next = seg->next;
-  else d->segments = seg->next;
-  if (seg->next) seg->next->prev = seg->prev;
-  d->segment_count--;
+  segment_unlink(d, seg);
   seg->pool->expandable_segments--;
   free(seg->pages);
   free(seg);

@@ -484,6 +484,9 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 /* Return a freed block (out of the map, its free complete) to its pool,
  * merging with free neighbours; `b` may be recycled. */
 void block_give_back(device_t *d, block_t *b);
+/* Add a segment to the device's list, or take it off. */
+void segment_link(device_t *d, segment_t *seg);
+void segment_unlink(device_t *d, segment_t *seg);
 /* Keep the lock-free mirror of reserved bytes and the device's address span current. */
 void mirror_reserved(device_t *d);
 void widen_span(device_t *d, uintptr_t lo, uintptr_t hi);

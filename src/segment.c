@@ -76,6 +76,21 @@ void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
     atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
 }
 
+void segment_link(device_t *d, segment_t *seg) {
+  seg->prev = NULL;
+  seg->next = d->segments;
+  if (d->segments) d->segments->prev = seg;
+  d->segments = seg;
+  d->segment_count++;
+}
+
+void segment_unlink(device_t *d, segment_t *seg) {
+  if (seg->prev) seg->prev->next = seg->next;
+  else d->segments = seg->next;
+  if (seg->next) seg->next->prev = seg->prev;
+  d->segment_count--;
+}
+
 block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status) {
   size_t size = segment_size_for(rounded);
   if (size == 0) {
@@ -111,7 +126,6 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   seg->stream = stream;
   seg->pool = pool;
   seg->head = b;
-  seg->prev = NULL;
   seg->release_next = NULL;
   seg->release_event = 0;
   seg->expandable = false;
@@ -119,10 +133,7 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
   seg->pages = NULL;
   seg->page_cap = 0;
   seg->mapped_bytes = 0;
-  seg->next = d->segments;
-  if (d->segments) d->segments->prev = seg;
-  d->segments = seg;
-  d->segment_count++;
+  segment_link(d, seg);
   seg->oversize = size >= d->config.max_split_size;
 
   b->addr = addr;
@@ -193,10 +204,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
   if (seg->oversize) stat_decrease(&s->oversize_segments, 1);
   mirror_reserved(d);
 
-  if (seg->prev) seg->prev->next = seg->next;
-  else d->segments = seg->next;
-  if (seg->next) seg->next->prev = seg->prev;
-  d->segment_count--;
+  segment_unlink(d, seg);
   free(seg);
   block_recycle(d, b);
   return true;
