@@ -66,36 +66,19 @@ static block_t *new_segment(device_t *d, pool_t *pool, gca_stream_t stream, int 
   size_t pages = (total + total / 8 + page - 1) / page;
   if (pages == 0) pages = 1;
   size_t size = pages * page;
-  segment_t *seg = calloc(1, sizeof *seg);
-  block_t *b = block_new(d);
-  if (!seg || !b) {
-    free(seg);
-    if (b) block_recycle(d, b);
-    *rc = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
-    return NULL;
-  }
+  segment_t *seg;
+  block_t *b;
+  if (!segment_descriptors_new(d, &seg, &b, rc)) return NULL;
   uintptr_t addr = 0;
   *rc = VM(d, vm_reserve, size, &addr);
   if (*rc != GCA_OK) {
-    free(seg);
-    block_recycle(d, b);
+    segment_descriptors_drop(d, seg, b);
     return NULL;
   }
-  seg->addr = addr;
-  seg->size = size;
-  seg->stream = stream;
-  seg->pool = pool;
-  seg->head = b;
+  segment_start(d, seg, b, pool, stream, addr, size);
   seg->expandable = true;
   seg->page_size = page;
-  segment_link(d, seg);
   pool->expandable_segments++;
-
-  b->addr = addr;
-  b->size = size;
-  b->stream = stream;
-  b->segment = seg;
-  b->pool = pool;
   b->state = BLOCK_UNMAPPED;
   b->expandable = true;
   pool_unmapped_insert(pool, b);

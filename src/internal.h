@@ -484,6 +484,14 @@ block_t *block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_
 /* Return a freed block (out of the map, its free complete) to its pool,
  * merging with free neighbours; `b` may be recycled. */
 void block_give_back(device_t *d, block_t *b);
+/* A new segment's descriptor and its first block's; false with *status
+ * set (host OOM). _drop gives both back when the device refused. */
+bool segment_descriptors_new(device_t *d, segment_t **seg, block_t **b, int *status);
+void segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b);
+/* Describe a segment of [addr, addr + size) on `stream` in `pool`, tiled by
+ * the one block b, and put it on the device's list. */
+void segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_stream_t stream, uintptr_t addr,
+                   size_t size);
 /* Add a segment to the device's list, or take it off. */
 void segment_link(device_t *d, segment_t *seg);
 void segment_unlink(device_t *d, segment_t *seg);

@@ -76,6 +76,33 @@ void widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
     atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
 }
 
+bool segment_descriptors_new(device_t *d, segment_t **seg, block_t **b, int *status) {
+  *seg = malloc(sizeof **seg);
+  *b = block_new(d);
+  if (*seg && *b) return true;
+  free(*seg);
+  if (*b) block_recycle(d, *b);
+  *status = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+  return false;
+}
+
+void segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b) {
+  free(seg);
+  block_recycle(d, b);
+}
+
+void segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_stream_t stream, uintptr_t addr,
+                   size_t size) {
+  /* Every field not named starts clear, so a field added later cannot be forgotten here. */
+  *seg = (segment_t){.addr = addr, .size = size, .stream = stream, .pool = pool, .head = b};
+  segment_link(d, seg);
+  b->addr = addr;
+  b->size = size;
+  b->stream = stream;
+  b->segment = seg;
+  b->pool = pool;
+}
+
 void segment_link(device_t *d, segment_t *seg) {
   seg->prev = NULL;
   seg->next = d->segments;
@@ -105,42 +132,18 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
                         d->index, size, d->allowed, d->fraction);
     return NULL;
   }
-  segment_t *seg = malloc(sizeof *seg);
-  block_t *b = block_new(d);
-  if (!seg || !b) {
-    free(seg);
-    if (b) block_recycle(d, b);
-    *status = set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
-    return NULL;
-  }
+  segment_t *seg;
+  block_t *b;
+  if (!segment_descriptors_new(d, &seg, &b, status)) return NULL;
   uintptr_t addr = 0;
   int rc = d->backend->ops->malloc(d->backend->state, d->index, size, &addr);
   if (rc != GCA_OK) {
-    free(seg);
-    block_recycle(d, b);
+    segment_descriptors_drop(d, seg, b);
     *status = rc;
     return NULL;
   }
-  seg->addr = addr;
-  seg->size = size;
-  seg->stream = stream;
-  seg->pool = pool;
-  seg->head = b;
-  seg->release_next = NULL;
-  seg->release_event = 0;
-  seg->expandable = false;
-  seg->page_size = 0;
-  seg->pages = NULL;
-  seg->page_cap = 0;
-  seg->mapped_bytes = 0;
-  segment_link(d, seg);
+  segment_start(d, seg, b, pool, stream, addr, size);
   seg->oversize = size >= d->config.max_split_size;
-
-  b->addr = addr;
-  b->size = size;
-  b->stream = stream;
-  b->segment = seg;
-  b->pool = pool;
 
   kept_stats_t *s = &d->stats;
   if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
