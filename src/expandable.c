@@ -181,6 +181,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     else if (VM(d, vm_destroy, h) != GCA_OK) d->stats.num_device_free_failures++; /* the device keeps it */
   }
   seg->mapped_bytes -= bytes;
+  d->pages_unmapped += n;
 
   pool_remove(pool, b);
   if (low) {
@@ -367,6 +368,7 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   memcpy(seg->pages + first, handles, n * sizeof *handles);
   free(handles);
   seg->mapped_bytes += bytes;
+  d->pages_mapped += n;
 
   pool_unmapped_remove(pool, b);
   if (rest) {
@@ -491,4 +493,72 @@ size_t expandable_snapshot_count(const device_t *d) {
       if (b->state != BLOCK_UNMAPPED && (!b->prev || b->prev->state == BLOCK_UNMAPPED)) n++;
   }
   return n;
+}
+
+/* ---- census ------------------------------------------------------------- */
+
+/* One range's counts, and with `map` its runs up to the extent. */
+static int census_range(const segment_t *seg, page_range_t *r, bool map) {
+  uint64_t page = seg->page_size;
+  size_t top = 0, mapped = 0; /* top: one past the highest mapped page */
+  for (size_t i = 0; i < seg->page_cap; i++)
+    if (seg->pages[i]) {
+      mapped++;
+      top = i + 1;
+    }
+  *r = (page_range_t){.addr = seg->addr, .reserved = seg->size, .extent = top * page, .page_size = page,
+                      .pool = seg->pool->kind, .stream = seg->stream, .mapped_pages = mapped,
+                      .unmapped_pages = top - mapped};
+  size_t runs = 0;
+  for (const block_t *b = seg->head; b && b->addr - seg->addr < r->extent; b = b->next) {
+    runs++;
+    size_t first;
+    if (b->state == BLOCK_FREE) r->free_pages += whole_pages(b, &first);
+  }
+  if (!map || !runs) return GCA_OK;
+  r->runs = malloc(runs * sizeof *r->runs);
+  if (!r->runs) return set_error(GCA_ERR_NOMEM, "out of host memory for the page census");
+  for (const block_t *b = seg->head; b && b->addr - seg->addr < r->extent; b = b->next) {
+    uint64_t size = b->addr + b->size - seg->addr > r->extent ? seg->addr + r->extent - b->addr : b->size;
+    r->runs[r->run_count++] = (page_run_t){size, b->state == BLOCK_UNMAPPED ? PAGE_RUN_UNMAPPED : block_state_of(b)};
+  }
+  return GCA_OK;
+}
+
+int expandable_census(const device_t *d, bool maps, page_census_t *out) {
+  memset(out, 0, sizeof *out);
+  size_t n = 0;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next) n += seg->expandable;
+  if (!n) return GCA_OK;
+  page_range_t *ranges = calloc(n, sizeof *ranges);
+  if (!ranges) return set_error(GCA_ERR_NOMEM, "out of host memory for the page census");
+  out->maps = ranges;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next) {
+    if (!seg->expandable) continue;
+    page_range_t *r = &ranges[out->ranges++];
+    int rc = census_range(seg, r, maps);
+    if (rc) {
+      page_census_free(out);
+      return rc;
+    }
+    out->reserved_bytes += r->reserved;
+    out->mapped_pages += r->mapped_pages;
+    out->mapped_bytes += r->mapped_pages * r->page_size;
+    out->free_pages += r->free_pages;
+    out->free_bytes += r->free_pages * r->page_size;
+    out->unmapped_pages += r->unmapped_pages;
+    out->unmapped_bytes += r->unmapped_pages * r->page_size;
+  }
+  if (!maps) {
+    free(ranges);
+    out->maps = NULL;
+  }
+  return GCA_OK;
+}
+
+void page_census_free(page_census_t *c) {
+  if (c->maps)
+    for (size_t i = 0; i < c->ranges; i++) free(c->maps[i].runs);
+  free(c->maps);
+  memset(c, 0, sizeof *c);
 }

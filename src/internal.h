@@ -419,6 +419,8 @@ struct device {
   /* Virtual memory of the backend (expandable.c): asked once. */
   int vm_state;              /* 0 not asked, 1 available, -1 not (expandable segments fall back) */
   size_t vm_granularity;
+  uint64_t pages_mapped;     /* expandable pages mapped so far (moves included) */
+  uint64_t pages_unmapped;   /* ... and unmapped */
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
   bool fraction_set;
   double fraction;
@@ -519,7 +521,48 @@ void expandable_segment_destroy(device_t *d, segment_t *seg);
 /* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
 size_t expandable_snapshot_count(const device_t *d);
 
+/* The pages of a device's expandable segments at one moment: what is
+ * mapped, and what is not below each range's highest mapped page (the
+ * holes; the reservation above it is address space only). */
+enum { PAGE_RUN_UNMAPPED = 3 }; /* a page_run_t state beside GCA_BLOCK_* */
+typedef struct page_run {
+  uint64_t size;
+  uint8_t state;             /* GCA_BLOCK_* of a mapped block, or PAGE_RUN_UNMAPPED */
+} page_run_t;
+typedef struct page_range {
+  uintptr_t addr;
+  uint64_t reserved;         /* the address range */
+  uint64_t extent;           /* up to the end of its highest mapped page */
+  uint64_t page_size;
+  int pool;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
+  gca_stream_t stream;
+  uint64_t mapped_pages, free_pages, unmapped_pages;
+  page_run_t *runs;          /* the blocks of [addr, addr + extent) in address order */
+  size_t run_count;
+} page_range_t;
+typedef struct page_census {
+  size_t ranges;
+  uint64_t reserved_bytes;   /* address space of the ranges */
+  uint64_t mapped_pages, mapped_bytes;
+  uint64_t free_pages, free_bytes;         /* mapped pages inside free blocks: what empty_cache unmaps */
+  uint64_t unmapped_pages, unmapped_bytes; /* holes below each range's highest mapped page */
+  page_range_t *maps;        /* with expandable_census(..., true): `ranges` of them */
+} page_census_t;
+/* Count (and with `maps`, draw) the pages; GCA_ERR_NOMEM if the maps cannot be had. */
+int expandable_census(const device_t *d, bool maps, page_census_t *out);
+void page_census_free(page_census_t *c);
+
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
+
+/* A block's state as snapshots name it (gca_block_state). */
+static inline int block_state_of(const block_t *b) {
+  switch (b->state) {
+    case BLOCK_ALLOCATED: return GCA_BLOCK_ACTIVE_ALLOCATED;
+    case BLOCK_PENDING:
+    case BLOCK_QUARANTINED: return GCA_BLOCK_ACTIVE_PENDING_FREE;
+    default: return GCA_BLOCK_INACTIVE;
+  }
+}
 
 /* events.c: with the lock held. */
 /* A freed block with stream uses: record an event on each of those streams;

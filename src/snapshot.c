@@ -60,15 +60,6 @@ static void remember_stack(snapshot_impl_t *sn, const uintptr_t *ips, uint8_t de
   sn->raw[sn->raw_count++] = (raw_stack_t){copy, depth, frames, count};
 }
 
-static int block_state_of(const block_t *b) {
-  switch (b->state) {
-    case BLOCK_ALLOCATED: return GCA_BLOCK_ACTIVE_ALLOCATED;
-    case BLOCK_PENDING:
-    case BLOCK_QUARANTINED: return GCA_BLOCK_ACTIVE_PENDING_FREE;
-    default: return GCA_BLOCK_INACTIVE;
-  }
-}
-
 static int compare_segments(const void *x, const void *y) {
   const gca_snapshot_segment_t *a = x, *b = y;
   if (a->device != b->device) return a->device < b->device ? -1 : 1;

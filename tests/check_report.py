@@ -7,13 +7,19 @@
 2. the pixels (chromium --screenshot): the timeline's series colours are
    painted, in more pixels than the legend alone has.
 
+With --expect-unmapped (a replay with expandable segments whose peak has
+unmapped holes), the segment map must also draw each expandable range (one
+row each) and each hole in the unmapped colour: one rect per unmapped run of
+the data, and enough pixels of that colour.
+
 As a control, the same page with its drawing call removed must fail check 2:
 so the check can tell a drawn plot from a blank one.
 
-usage: check_report.py GCALLOC_TOOL TRACE WORKDIR
+usage: check_report.py GCALLOC_TOOL TRACE WORKDIR [--expect-unmapped] [REPLAY OPTIONS...]
 Exit 77 (CTest's skip) when Chromium is not installed, unless
 GCALLOC_REQUIRE_CHROMIUM=1 (CI sets it, so there it fails instead).
 """
+import json
 import os
 import re
 import shutil
@@ -26,6 +32,9 @@ import zlib
 SERIES = {"reserved": (0xD6, 0x27, 0x28), "allocated": (0x1F, 0x77, 0xB4), "recorded": (0xFF, 0x7F, 0x0E)}
 # A legend swatch is 14 x 4 pixels; a drawn series crosses the 880-pixel-wide plot.
 MIN_PIXELS = 400
+# The segment map's unmapped holes (tools/report.c UNMAPPED_COLOR); rows are 10 pixels high.
+UNMAPPED = (0x9E, 0xCA, 0xE1)
+MIN_UNMAPPED_PIXELS = 200
 
 
 def fail(msg):
@@ -43,7 +52,7 @@ def chromium():
 
 def run_chromium(browser, args, url):
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--window-size=1000,800", "--virtual-time-budget=5000"] + args + [url]
+           "--window-size=1000,1600", "--virtual-time-budget=5000"] + args + [url]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -96,10 +105,10 @@ def png_pixels(path):
     return width, height, rows, channels
 
 
-def colour_counts(png):
+def colour_counts(png, colours):
     width, height, rows, channels = png_pixels(png)
-    counts = {name: 0 for name in SERIES}
-    wanted = {rgb: name for name, rgb in SERIES.items()}
+    counts = {name: 0 for name in colours}
+    wanted = {rgb: name for name, rgb in colours.items()}
     for line in rows:
         for x in range(0, width * channels, channels):
             name = wanted.get((line[x], line[x + 1], line[x + 2]))
@@ -109,10 +118,16 @@ def colour_counts(png):
 
 
 def main():
-    if len(sys.argv) != 4:
+    if len(sys.argv) < 4:
         print(__doc__)
         sys.exit(2)
-    tool, trace, work = sys.argv[1:]
+    tool, trace, work = sys.argv[1:4]
+    extra = sys.argv[4:]
+    expect_unmapped = "--expect-unmapped" in extra
+    extra = [a for a in extra if a != "--expect-unmapped"]
+    colours = dict(SERIES, unmapped=UNMAPPED) if expect_unmapped else SERIES
+    minimum = {name: MIN_PIXELS for name in SERIES}
+    minimum["unmapped"] = MIN_UNMAPPED_PIXELS
     browser = chromium()
     if not browser:
         if os.environ.get("GCALLOC_REQUIRE_CHROMIUM") == "1":
@@ -121,7 +136,7 @@ def main():
         sys.exit(77)
     os.makedirs(work, exist_ok=True)
     page = os.path.join(work, "report.html")
-    out = subprocess.run([tool, "replay", trace, "--report", page], capture_output=True, text=True)
+    out = subprocess.run([tool, "replay", trace, "--report", page] + extra, capture_output=True, text=True)
     if out.returncode != 0:
         fail("gcalloc replay --report exited %d: %s" % (out.returncode, out.stderr))
     html = open(page, encoding="utf-8").read()
@@ -145,15 +160,30 @@ def main():
         if points != expected_points or points < 100:
             fail("the %s polyline has %d points, the data %d" % (name, points, expected_points))
 
+    if expect_unmapped:
+        data = json.loads(re.search(r"const REPORT = (\{.*?\});\n", html, re.S).group(1))
+        ranges = [g for d in data["devices"] for g in d["segments"] if g["range"]]
+        holes = sum(1 for g in ranges for size, state in g["blocks"] if state == 3)
+        pages = [d["pages"] for d in data["devices"] if d["pages"]]
+        if not ranges or not holes or not pages or not sum(p["unmapped_at_peak"] for p in pages):
+            fail("the replay has no unmapped pages at its peak to draw (%d ranges, %d holes)" % (len(ranges), holes))
+        drawn_ranges = len(re.findall(r'<rect [^>]*class="range"', dom.stdout))
+        drawn_holes = len(re.findall(r'<rect [^>]*class="unmapped"', dom.stdout))
+        print("ranges %d, drawn %d; unmapped runs %d, drawn %d" % (len(ranges), drawn_ranges, holes, drawn_holes))
+        if drawn_ranges != len(ranges) or drawn_holes != holes:
+            fail("the segment map does not draw each range and each unmapped run")
+        if 'class="pages"' not in dom.stdout:
+            fail("no line on the pages of expandable segments")
+
     # 2. The pixels.
     shot = os.path.join(work, "report.png")
     r = run_chromium(browser, ["--screenshot=" + shot], "file://" + os.path.abspath(page))
     if r.returncode != 0 or not os.path.exists(shot):
         fail("chromium --screenshot failed: %s" % r.stderr[-2000:])
-    counts = colour_counts(shot)
-    print("pixels of each series:", counts)
+    counts = colour_counts(shot, colours)
+    print("pixels of each colour:", counts)
     for name, n in counts.items():
-        if n < MIN_PIXELS:
+        if n < minimum[name]:
             fail("the %s series has %d pixels of its colour; the plot was not drawn" % (name, n))
 
     # The control: the same page, not drawn, must fail the pixel check.
@@ -161,9 +191,9 @@ def main():
     open(blank, "w", encoding="utf-8").write(html.replace("\ndraw();\n", "\n"))
     blank_shot = os.path.join(work, "report-not-drawn.png")
     run_chromium(browser, ["--screenshot=" + blank_shot], "file://" + os.path.abspath(blank))
-    control = colour_counts(blank_shot)
+    control = colour_counts(blank_shot, colours)
     print("control (not drawn):", control)
-    if any(n >= MIN_PIXELS for n in control.values()):
+    if any(n >= minimum[name] for name, n in control.items()):
         fail("the pixel check passes on a page that draws nothing: it cannot tell")
     print("OK")
 

@@ -328,6 +328,79 @@ static void test_history_and_snapshot(void **state) {
   gca_close(a);
 }
 
+/* ---- the page census (what the replay report shows) --------------------- */
+
+static page_census_t census_of(gca_allocator_t *a) {
+  page_census_t c;
+  assert_int_equal(expandable_census(&a->devices[0], true, &c), GCA_OK);
+  return c;
+}
+
+static void test_page_census(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=8GiB", "expandable_segments:True");
+  /* 30 MiB maps pages 0-1 of the large range; 50 MiB goes on at 30 MiB and
+   * maps pages 2-3; 20 MiB takes page 4. */
+  void *pa = gca_malloc(a, 30 * MiB, 0, S1), *pb = gca_malloc(a, 50 * MiB, 0, S1), *pc = gca_malloc(a, 20 * MiB, 0, S1);
+  assert_non_null(pa);
+  assert_int_equal((uintptr_t)pb, (uintptr_t)pa + 30 * MiB);
+  assert_int_equal((uintptr_t)pc, (uintptr_t)pa + 80 * MiB);
+  /* Freeing the middle and releasing the cache unmaps its whole pages, 2
+   * and 3: [40, 80) MiB; [30, 40) shares page 1 with the first block. */
+  assert_int_equal(gca_free(a, pb), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  page_census_t c = census_of(a);
+  assert_int_equal(c.ranges, 1);
+  assert_int_equal(c.reserved_bytes, 461 * 20 * MiB); /* 1.125 x 8 GiB in 20 MiB pages */
+  assert_int_equal(c.mapped_pages, 3);
+  assert_int_equal(c.mapped_bytes, 60 * MiB);
+  assert_int_equal(c.mapped_bytes, (uint64_t)stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current);
+  assert_int_equal(c.unmapped_pages, 2);
+  assert_int_equal(c.unmapped_bytes, 40 * MiB);
+  assert_int_equal(c.free_pages, 0);
+  const page_range_t *r = &c.maps[0];
+  assert_int_equal(r->addr, (uintptr_t)pa);
+  assert_int_equal(r->extent, 100 * MiB);
+  assert_int_equal(r->page_size, 20 * MiB);
+  assert_int_equal(r->pool, GCA_POOL_LARGE);
+  assert_true(r->stream == S1);
+  const page_run_t want[] = {{30 * MiB, GCA_BLOCK_ACTIVE_ALLOCATED}, {10 * MiB, GCA_BLOCK_INACTIVE},
+                             {40 * MiB, PAGE_RUN_UNMAPPED}, {20 * MiB, GCA_BLOCK_ACTIVE_ALLOCATED}};
+  assert_int_equal(r->run_count, 4);
+  for (size_t i = 0; i < 4; i++) {
+    assert_int_equal(r->runs[i].size, want[i].size);
+    assert_int_equal(r->runs[i].state, want[i].state);
+  }
+  page_census_free(&c);
+  assert_int_equal(a->devices[0].pages_mapped, 5);
+  assert_int_equal(a->devices[0].pages_unmapped, 2);
+  /* Freeing the first block leaves pages 0 and 1 mapped and wholly free:
+   * what the next empty_cache gives back. The map ends at page 4 still. */
+  assert_int_equal(gca_free(a, pa), GCA_OK);
+  c = census_of(a);
+  assert_int_equal(c.free_pages, 2);
+  assert_int_equal(c.free_bytes, 40 * MiB);
+  assert_int_equal(c.maps[0].run_count, 3);
+  assert_int_equal(c.maps[0].runs[0].size, 40 * MiB);
+  page_census_free(&c);
+  /* Without maps: the same counts, no runs. */
+  assert_int_equal(expandable_census(&a->devices[0], false, &c), GCA_OK);
+  assert_null(c.maps);
+  assert_int_equal(c.mapped_pages, 3);
+  assert_int_equal(c.unmapped_pages, 2);
+  page_census_free(&c);
+  /* Everything released: the range is given back, nothing to count. */
+  assert_int_equal(gca_free(a, pc), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  c = census_of(a);
+  assert_int_equal(c.ranges, 0);
+  assert_int_equal(c.mapped_pages + c.unmapped_pages, 0);
+  page_census_free(&c);
+  assert_int_equal(a->devices[0].pages_unmapped, 5);
+  assert_consistent(a);
+  gca_close(a);
+}
+
 /* ---- random sequences under every option combination ------------------- */
 
 #define SLOTS 96
@@ -356,6 +429,27 @@ static void launch(gca_allocator_t *a, gca_stream_t s, const slot_t *sl) {
   int rc = sim_launch(&a->backend, 0, s, below(3000), (uintptr_t)sl->ptr, sl->usable);
   if (rc) fprintf(stderr, "%s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
+}
+
+/* The page census agrees with the sim's books and with itself: each range's
+ * runs tile its extent, the extent is its mapped and unmapped pages. */
+static void assert_census_agrees(gca_allocator_t *a) {
+  page_census_t c = census_of(a);
+  assert_int_equal(c.mapped_bytes, sim_counters(a, 0).vm_mapped);
+  assert_int_equal(c.mapped_pages, a->devices[0].pages_mapped - a->devices[0].pages_unmapped);
+  for (size_t i = 0; i < c.ranges; i++) {
+    const page_range_t *r = &c.maps[i];
+    uint64_t runs = 0, holes = 0;
+    for (size_t k = 0; k < r->run_count; k++) {
+      runs += r->runs[k].size;
+      if (r->runs[k].state == PAGE_RUN_UNMAPPED) holes += r->runs[k].size;
+    }
+    assert_int_equal(runs, r->extent);
+    assert_int_equal(holes, r->unmapped_pages * r->page_size);
+    assert_int_equal(r->extent, (r->mapped_pages + r->unmapped_pages) * r->page_size);
+    assert_true(r->free_pages <= r->mapped_pages);
+  }
+  page_census_free(&c);
 }
 
 static void run(const char *conf, uint64_t seed, int ops) {
@@ -403,7 +497,10 @@ static void run(const char *conf, uint64_t seed, int ops) {
       assert_int_equal(gca_set_config(a, below(2) ? "expandable_segments:False" : "expandable_segments:True"),
                        GCA_OK);
     }
-    if (op % 64 == 0) assert_consistent(a);
+    if (op % 64 == 0) {
+      assert_consistent(a);
+      assert_census_agrees(a);
+    }
   }
   assert_consistent(a);
   for (int i = 0; i < SLOTS; i++)
@@ -460,6 +557,7 @@ int main(void) {
       cmocka_unit_test(test_unmap_waits_for_stream),
       cmocka_unit_test(test_streams_have_own_segments),
       cmocka_unit_test(test_history_and_snapshot),
+      cmocka_unit_test(test_page_census),
       cmocka_unit_test(test_random_every_option),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

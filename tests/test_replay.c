@@ -372,6 +372,31 @@ static void test_tool_json(void **state) {
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) assert_true(json_object_object_get_ex(d0, keys[i], &v));
   json_object_object_get_ex(d0, "oom", &v);
   assert_null(v);
+  assert_true(json_object_object_get_ex(d0, "pages", &v));
+  assert_null(v); /* no expandable segments */
+  json_object_put(root);
+  /* With expandable segments: the pages, and at the peak the mapped bytes are the reserved ones. */
+  snprintf(cmd, sizeof cmd,
+           "%s replay %s/ZidongLiu__DeComFL/memory.pickle --conf expandable_segments:True --json > /tmp/gcalloc-replay.json",
+           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
+  assert_int_equal(system(cmd), 0);
+  root = json_object_from_file("/tmp/gcalloc-replay.json");
+  assert_non_null(root);
+  json_object_object_get_ex(root, "devices", &devices);
+  d0 = json_object_array_get_idx(devices, 0);
+  json_object *pages, *at_peak;
+  assert_true(json_object_object_get_ex(d0, "pages", &pages) && pages);
+  assert_true(json_object_object_get_ex(pages, "at_peak", &at_peak) && at_peak);
+  json_object_object_get_ex(d0, "peak_reserved_bytes", &v);
+  int64_t peak = json_object_get_int64(v);
+  json_object_object_get_ex(at_peak, "mapped_bytes", &v);
+  assert_int_equal(json_object_get_int64(v), peak);
+  json_object_object_get_ex(at_peak, "mapped_pages", &v);
+  int64_t mapped_at_peak = json_object_get_int64(v);
+  json_object_object_get_ex(pages, "mapped", &v);
+  assert_true(mapped_at_peak > 0 && mapped_at_peak <= json_object_get_int64(v));
+  json_object_object_get_ex(at_peak, "ranges", &v);
+  assert_int_equal(json_object_get_int64(v), 2); /* one per pool, one stream */
   json_object_put(root);
   /* A capacity too small: exit status 3, oom filled in. */
   snprintf(cmd, sizeof cmd, "%s replay %s/ZidongLiu__DeComFL/memory.pickle --capacity 512MiB --json > /dev/null",

@@ -46,10 +46,34 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     if (d->recorded_peak_reserved >= 0)
       printf("  PyTorch's segment events reproduced in order: %zu of %zu (gcalloc made %zu)\n",
              d->segment_events_matched, d->segment_events_recorded, d->segment_events_replayed);
+    if (d->expandable) {
+      const page_census_t *c = &d->peak_pages;
+      printf("  pages of expandable segments: %" PRIu64 " mapped, %" PRIu64 " unmapped over the replay"
+             " (%" PRIu64 " of each moved by stitching)\n", d->pages_mapped, d->pages_unmapped, d->pages_moved);
+      printf("  at peak reserved: %" PRIu64 " pages mapped (%.3f GiB, %" PRIu64 " of them free), %" PRIu64
+             " unmapped below the top of %zu range%s (%.3f GiB)\n",
+             c->mapped_pages, gib(c->mapped_bytes), c->free_pages, c->unmapped_pages, c->ranges,
+             c->ranges == 1 ? "" : "s", gib(c->unmapped_bytes));
+    }
     if (d->oom)
       printf("  DOES NOT FIT: operation %zu (%" PRIu64 " bytes) fails: %s\n", d->oom_event, d->oom_size,
              d->oom_message);
   }
+}
+
+/* The pages of expandable segments, or null without them. */
+static void print_pages_json(const replay_device_t *d) {
+  if (!d->expandable) {
+    printf("null");
+    return;
+  }
+  const page_census_t *c = &d->peak_pages;
+  printf("{\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
+         ", \"at_peak\": {\"ranges\": %zu, \"reserved_address_bytes\": %" PRIu64 ", \"mapped_pages\": %" PRIu64
+         ", \"mapped_bytes\": %" PRIu64 ", \"free_pages\": %" PRIu64 ", \"free_bytes\": %" PRIu64
+         ", \"unmapped_pages\": %" PRIu64 ", \"unmapped_bytes\": %" PRIu64 "}}",
+         d->pages_mapped, d->pages_unmapped, d->pages_moved, c->ranges, c->reserved_bytes, c->mapped_pages,
+         c->mapped_bytes, c->free_pages, c->free_bytes, c->unmapped_pages, c->unmapped_bytes);
 }
 
 static void print_json(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
@@ -67,6 +91,8 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
            i ? "," : "", d->device, d->events, d->seeded, d->peak_requested, d->peak_allocated, d->peak_reserved);
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
+    printf(", \"pages\": ");
+    print_pages_json(d);
     printf(", \"device_allocs\": %" PRIu64 ", \"device_frees\": %" PRIu64 ", \"empty_cache_calls\": %zu"
            ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"segment_events_replayed\": %zu"
            ", \"events_per_second\": %.0f, \"oom\": ",
@@ -149,6 +175,7 @@ int replay_main(int argc, char **argv) {
     return 2;
   }
   o.timeline = report != NULL;
+  o.page_census = true;
   progress_t progress = {.shown = false};
   if (isatty(STDERR_FILENO)) {
     o.progress = show_progress;

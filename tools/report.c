@@ -64,27 +64,46 @@ static int by_size_desc(const void *x, const void *y) {
   return a->total_size < b->total_size ? 1 : a->total_size > b->total_size ? -1 : (a->address > b->address) - (a->address < b->address);
 }
 
-static void put_segments(FILE *f, const gca_snapshot_t *s) {
+/* One row of the segment map: [size, state] pairs (0 allocated, 1 pending
+ * free, 2 free, 3 unmapped), or none beyond the budget of blocks. */
+static void put_row(FILE *f, bool first, uint64_t address, uint64_t size, uint64_t allocated, gca_stream_t stream,
+                    int pool, bool range) {
+  fprintf(f, "%s\n{\"address\": %" PRIu64 ", \"size\": %" PRIu64 ", \"allocated\": %" PRIu64
+             ", \"stream\": %" PRIuPTR ", \"pool\": \"%s\", \"range\": %s, \"blocks\": [",
+          first ? "" : ",", address, size, allocated, (uintptr_t)stream, pool == GCA_POOL_SMALL ? "small" : "large",
+          range ? "true" : "false");
+}
+
+/* The segments at the peak: first each expandable segment's range up to its
+ * highest mapped page (mapped blocks and unmapped holes, from the page
+ * census), then the ordinary segments, largest first. */
+static void put_segments(FILE *f, const replay_device_t *d) {
+  const gca_snapshot_t *s = d->peak_snapshot;
+  const page_census_t *c = &d->peak_pages;
+  size_t rows = 0, blocks = 0, ordinary = 0;
   fprintf(f, "\"segments\": [");
-  if (!s || !s->segment_count) {
-    fprintf(f, "], \"segments_left_out\": 0");
-    return;
+  for (size_t i = 0; c->maps && i < c->ranges; i++) {
+    const page_range_t *g = &c->maps[i];
+    if (!g->extent) continue;
+    uint64_t allocated = 0;
+    for (size_t k = 0; k < g->run_count; k++)
+      if (g->runs[k].state == GCA_BLOCK_ACTIVE_ALLOCATED) allocated += g->runs[k].size;
+    put_row(f, rows++ == 0, g->addr, g->extent, allocated, g->stream, g->pool, true);
+    if (blocks + g->run_count <= MAP_BLOCKS) {
+      for (size_t k = 0; k < g->run_count; k++)
+        fprintf(f, "%s[%" PRIu64 ",%d]", k ? "," : "", g->runs[k].size, g->runs[k].state);
+      blocks += g->run_count;
+    }
+    fprintf(f, "]}");
   }
-  const gca_snapshot_segment_t **order = malloc(s->segment_count * sizeof *order);
-  if (!order) {
-    fprintf(f, "], \"segments_left_out\": %zu", s->segment_count);
-    return;
-  }
-  for (size_t i = 0; i < s->segment_count; i++) order[i] = &s->segments[i];
-  qsort(order, s->segment_count, sizeof *order, by_size_desc);
-  size_t shown = s->segment_count < MAP_SEGMENTS ? s->segment_count : MAP_SEGMENTS, blocks = 0;
+  const gca_snapshot_segment_t **order = s && s->segment_count ? malloc(s->segment_count * sizeof *order) : NULL;
+  for (size_t i = 0; order && i < s->segment_count; i++)
+    if (!s->segments[i].is_expandable) order[ordinary++] = &s->segments[i];
+  qsort(order, ordinary, sizeof *order, by_size_desc);
+  size_t shown = ordinary < MAP_SEGMENTS ? ordinary : MAP_SEGMENTS;
   for (size_t i = 0; i < shown; i++) {
     const gca_snapshot_segment_t *g = order[i];
-    fprintf(f, "%s\n{\"address\": %" PRIu64 ", \"size\": %" PRIu64 ", \"allocated\": %" PRIu64
-               ", \"stream\": %" PRIuPTR ", \"pool\": \"%s\", \"blocks\": [",
-            i ? "," : "", g->address, g->total_size, g->allocated_size, (uintptr_t)g->stream,
-            g->pool == GCA_POOL_SMALL ? "small" : "large");
-    /* [size, state] pairs; 0 allocated, 1 pending free, 2 free. */
+    put_row(f, rows++ == 0, g->address, g->total_size, g->allocated_size, g->stream, g->pool, false);
     if (blocks + g->block_count <= MAP_BLOCKS) {
       for (size_t b = 0; b < g->block_count; b++)
         fprintf(f, "%s[%" PRIu64 ",%d]", b ? "," : "", g->blocks[b].size, g->blocks[b].state);
@@ -92,8 +111,24 @@ static void put_segments(FILE *f, const gca_snapshot_t *s) {
     }
     fprintf(f, "]}");
   }
-  fprintf(f, "], \"segments_left_out\": %zu", s->segment_count - shown);
+  size_t left_out = 0;
+  for (size_t i = 0; s && i < s->segment_count; i++) left_out += !s->segments[i].is_expandable;
+  fprintf(f, "], \"segments_left_out\": %zu", left_out - shown);
   free(order);
+}
+
+/* The pages of expandable segments (as `gcalloc replay --json` has them), or null. */
+static void put_pages(FILE *f, const replay_device_t *d) {
+  const page_census_t *c = &d->peak_pages;
+  if (!d->expandable) {
+    fprintf(f, "\"pages\": null");
+    return;
+  }
+  fprintf(f, "\"pages\": {\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
+             ", \"ranges\": %zu, \"mapped_at_peak\": %" PRIu64 ", \"mapped_bytes_at_peak\": %" PRIu64
+             ", \"free_at_peak\": %" PRIu64 ", \"unmapped_at_peak\": %" PRIu64 ", \"unmapped_bytes_at_peak\": %" PRIu64 "}",
+          d->pages_mapped, d->pages_unmapped, d->pages_moved, c->ranges, c->mapped_pages, c->mapped_bytes,
+          c->free_pages, c->unmapped_pages, c->unmapped_bytes);
 }
 
 /* The page's script: draws what REPORT holds. Plain SVG, no library. */
@@ -154,20 +189,25 @@ static const char page_script[] =
     "  host.appendChild(legend);\n"
     "}\n"
     "// Not the timeline's colours: a test counts those to see that the plot was drawn.\n"
-    "const BLOCK_COLORS = ['#6a51a3', '#fdae6b', '#dddddd'];\n"
+    "const BLOCK_COLORS = ['#6a51a3', '#fdae6b', '#dddddd'], UNMAPPED_COLOR = '#9ecae1';\n"
     "function segmentMap(dev, host) {\n"
     "  const segs = dev.segments;\n"
     "  if (!segs.length) { host.appendChild(document.createTextNode('No segments at the peak.')); return; }\n"
-    "  const W = 960, L = 110, ROW = 12, biggest = segs[0].size;\n"
+    "  const W = 960, L = 130, ROW = 12, biggest = Math.max(...segs.map(g => g.size));\n"
     "  const svg = el('svg', {width: W, height: segs.length * ROW + 4, class: 'segments'}, host);\n"
     "  segs.forEach((g, r) => {\n"
     "    const y = r * ROW + 2, scale = (W - L - 10) / biggest;\n"
-    "    el('text', {x: L - 6, y: y + ROW - 3, 'text-anchor': 'end', 'font-size': 10}, svg).textContent = fmt(g.size) + ' ' + g.pool;\n"
-    "    el('rect', {x: L, y: y, width: Math.max(1, g.size * scale), height: ROW - 2, fill: BLOCK_COLORS[2]}, svg);\n"
+    "    el('text', {x: L - 6, y: y + ROW - 3, 'text-anchor': 'end', 'font-size': 10}, svg).textContent =\n"
+    "        fmt(g.size) + ' ' + g.pool + (g.range ? ' range' : '');\n"
+    "    el('rect', {x: L, y: y, width: Math.max(1, g.size * scale), height: ROW - 2, fill: BLOCK_COLORS[2],\n"
+    "                class: g.range ? 'range' : 'segment'}, svg);\n"
     "    if (g.blocks.length) {\n"
     "      let at = 0;\n"
     "      for (const [size, state] of g.blocks) {\n"
-    "        if (state !== 2) el('rect', {x: L + at * scale, y: y, width: Math.max(0.5, size * scale), height: ROW - 2, fill: BLOCK_COLORS[state]}, svg);\n"
+    "        if (state === 3) el('rect', {x: L + at * scale, y: y, width: Math.max(0.5, size * scale), height: ROW - 2,\n"
+    "                                     fill: UNMAPPED_COLOR, class: 'unmapped'}, svg);\n"
+    "        else if (state !== 2) el('rect', {x: L + at * scale, y: y, width: Math.max(0.5, size * scale), height: ROW - 2,\n"
+    "                                          fill: BLOCK_COLORS[state]}, svg);\n"
     "        at += size;\n"
     "      }\n"
     "    } else {\n"
@@ -176,6 +216,18 @@ static const char page_script[] =
     "  });\n"
     "  if (dev.segments_left_out)\n"
     "    host.appendChild(document.createTextNode('... and ' + dev.segments_left_out + ' smaller segments.'));\n"
+    "}\n"
+    "function pagesLine(dev, host) {\n"
+    "  const p = dev.pages;\n"
+    "  if (!p) return;\n"
+    "  const par = document.createElement('p');\n"
+    "  par.className = 'pages';\n"
+    "  par.textContent = 'Expandable segments: ' + p.mapped + ' pages mapped and ' + p.unmapped +\n"
+    "      ' unmapped over the replay (' + p.moved + ' of each moved by stitching). At the peak: ' + p.mapped_at_peak +\n"
+    "      ' pages mapped (' + fmt(p.mapped_bytes_at_peak) + ', ' + p.free_at_peak + ' of them free), ' + p.unmapped_at_peak +\n"
+    "      ' unmapped below the top of ' + p.ranges + ' range' + (p.ranges === 1 ? '' : 's') + ' (' +\n"
+    "      fmt(p.unmapped_bytes_at_peak) + ').';\n"
+    "  host.appendChild(par);\n"
     "}\n"
     "function row(table, cells, head) {\n"
     "  const tr = table.insertRow();\n"
@@ -186,14 +238,17 @@ static const char page_script[] =
     "  document.getElementById('conf').textContent = REPORT.conf || '(defaults)';\n"
     "  document.getElementById('settings').textContent = REPORT.settings;\n"
     "  const summary = document.getElementById('summary');\n"
+    "  const paged = REPORT.devices.some(d => d.pages);\n"
     "  row(summary, ['device', 'operations', 'seeded', 'peak requested', 'peak allocated', 'peak reserved',\n"
-    "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits'], true);\n"
+    "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits']\n"
+    "                .concat(paged ? ['pages mapped at peak', 'pages unmapped below the top'] : []), true);\n"
     "  for (const d of REPORT.devices) {\n"
     "    row(summary, [d.device, d.events, d.seeded, fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
     "                  d.recorded_peak_reserved === null ? 'unknown' : fmt(d.recorded_peak_reserved),\n"
     "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
     "                  d.segment_events_matched + ' of ' + d.segment_events_recorded,\n"
-    "                  d.oom ? 'no: ' + d.oom : 'yes']);\n"
+    "                  d.oom ? 'no: ' + d.oom : 'yes']\n"
+    "                 .concat(!paged ? [] : d.pages ? [d.pages.mapped_at_peak, d.pages.unmapped_at_peak] : ['', '']));\n"
     "    const sec = document.createElement('section');\n"
     "    const h = document.createElement('h2');\n"
     "    h.textContent = 'Device ' + d.device;\n"
@@ -201,8 +256,11 @@ static const char page_script[] =
     "    document.getElementById('devices').appendChild(sec);\n"
     "    timeline(d, sec);\n"
     "    const h3 = document.createElement('h3');\n"
-    "    h3.textContent = 'Segments at gcalloc\\'s peak reserved (operation ' + d.peak_op + '), largest first: allocated, pending free, free';\n"
+    "    h3.textContent = 'Segments at gcalloc\\'s peak reserved (operation ' + d.peak_op + '), ' +\n"
+    "        (d.pages ? 'expandable ranges up to their highest mapped page first, then ' : '') +\n"
+    "        'largest first: allocated, pending free, free' + (d.pages ? ', unmapped' : '');\n"
     "    sec.appendChild(h3);\n"
+    "    pagesLine(d, sec);\n"
     "    segmentMap(d, sec);\n"
     "  }\n"
     "  document.body.setAttribute('data-drawn', REPORT.devices.length);\n"
@@ -256,7 +314,9 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
     fprintf(f, ", ");
     put_timeline(f, d);
     fprintf(f, ", ");
-    put_segments(f, d->peak_snapshot);
+    put_segments(f, d);
+    fprintf(f, ", ");
+    put_pages(f, d);
     fprintf(f, "}");
   }
   fprintf(f, "]};\n%s</script>\n</body></html>\n", page_script);

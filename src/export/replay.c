@@ -198,9 +198,10 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
 
 /* Run the plan on a fresh device, up to operation `stop_at` (SIZE_MAX: all
  * of it). With `log`, gcalloc's segment events after the seeds go there;
- * with `peak`, a snapshot is taken after operation stop_at. */
+ * with `peak`, the state after operation stop_at: a snapshot (with
+ * options.timeline) and the page census into peak->peak_pages. */
 static int run_plan(const device_plan_t *p, const char *spec, const char *conf, const replay_options_t *o,
-                    size_t stop_at, seg_log_t *log, replay_device_t *r, gca_snapshot_t **peak) {
+                    size_t stop_at, seg_log_t *log, replay_device_t *r, replay_device_t *peak) {
   gca_allocator_t *a;
   int rc = gca_open(spec, conf, &a);
   if (rc) return rc;
@@ -277,8 +278,13 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     r->peak_reserved = (uint64_t)s.reserved_bytes[GCA_POOL_ALL].peak;
     r->device_allocs = (uint64_t)s.num_device_alloc;
     r->device_frees = (uint64_t)s.num_device_free;
+    r->pages_mapped = d->pages_mapped;
+    r->pages_unmapped = d->pages_unmapped;
+    r->pages_moved = (uint64_t)s.num_pages_moved;
+    r->expandable = d->pages_mapped > 0;
   }
-  if (peak && rc == GCA_OK) rc = gca_snapshot_take(a, peak);
+  if (peak && rc == GCA_OK && o->timeline) rc = gca_snapshot_take(a, &peak->peak_snapshot);
+  if (peak && rc == GCA_OK) rc = expandable_census(d, o->timeline, &peak->peak_pages);
   free(ptrs);
   gca_close(a);
   return rc;
@@ -341,9 +347,9 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
       }
       free(log.events);
       /* The segment map at the peak: the same replay again, stopped there. */
-      if (rc == GCA_OK && o->timeline && r->peak_reserved) {
+      if (rc == GCA_OK && (o->timeline || (o->page_census && r->expandable)) && r->peak_reserved) {
         replay_device_t again = {.device = d};
-        rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, &r->peak_snapshot);
+        rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, r);
       }
     }
     free(p.ops);
@@ -361,6 +367,7 @@ void replay_result_free(replay_result_t *r) {
     free(d->reserved_at);
     free(d->recorded_reserved_at);
     gca_snapshot_free(d->peak_snapshot);
+    page_census_free(&d->peak_pages);
   }
   free(r->devices);
   memset(r, 0, sizeof *r);

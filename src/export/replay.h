@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "gcalloc.h"
+#include "../internal.h"
 #include "trace.h"
 
 /* Called every few thousand operations of a long replay. */
@@ -20,6 +21,7 @@ typedef struct replay_options {
   bool infer_empty_cache;  /* a run of recorded segment frees gcalloc did not cause is an empty_cache() */
   bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
+  bool page_census;        /* with expandable segments: count their pages at the peak (a second run up to it) */
   replay_progress_fn progress;
   void *progress_ctx;
 } replay_options_t;
@@ -40,6 +42,13 @@ typedef struct replay_device {
   uint64_t oom_size;
   char oom_message[2048];
   double seconds;                 /* the replay loop, without loading */
+  /* Expandable segments (all zero when none was made): pages mapped and
+   * unmapped over the replay (moves included), moved by stitching, and with
+   * options.page_census or timeline the census at gcalloc's peak reserved
+   * (with timeline, with each range's map). */
+  bool expandable;
+  uint64_t pages_mapped, pages_unmapped, pages_moved;
+  page_census_t peak_pages;
   /* With options.timeline: the bytes after each operation (seeds included),
    * PyTorch's reserved where the trace records it (else NULL), and the
    * segments when gcalloc's reserved first reached its peak. */
