@@ -156,6 +156,45 @@ GCA_API int gca_device_count(const gca_allocator_t *a);
 /* The backend's name, e.g. "sim". */
 GCA_API const char *gca_backend_name(const gca_allocator_t *a);
 
+/* The CUDA backend: "cuda" or "cuda:driver=PATH". The driver is loaded at
+ * run time from PATH, else from $GCALLOC_CUDA_DRIVER, else libcuda.so.1; the
+ * library never links it. Where none can be loaded gca_open fails with
+ * GCA_ERR_BACKEND and a message that says "no CUDA driver" and why. Every
+ * device the driver sees is managed, each in its primary context (the one
+ * the CUDA runtime and PyTorch use). Streams are CUstream/cudaStream_t
+ * handles; 0 is the legacy default stream. Driver failures come back as
+ * gcalloc statuses whose message names the driver call and the driver's
+ * error name (CUDA_ERROR_OUT_OF_MEMORY is GCA_ERR_OOM). See docs/cuda.md. */
+
+/* ------------------------------------------------------------------------ */
+/* Devices                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct gca_device_properties {
+  char name[256];            /* e.g. "NVIDIA H100 80GB HBM3" */
+  int major, minor;          /* compute capability */
+  int multiprocessor_count;
+  uint64_t total_memory;     /* bytes */
+} gca_device_properties_t;
+
+/* The device's name, compute capability, multiprocessor count and memory.
+ * The sim reports "gcalloc sim device", capability 0.0, no multiprocessors
+ * and its capacity. */
+GCA_API int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out);
+
+/* Peer access between two devices of the allocator (cuDeviceCanAccessPeer,
+ * cuCtxEnablePeerAccess, cuCtxDisablePeerAccess): *can is 1 if `device` can
+ * read and write `peer`'s memory once enabled. Enabling twice, or disabling
+ * what is not enabled, fails with the driver's error. GCA_ERR_BACKEND on a
+ * backend without peers (the sim). */
+GCA_API int gca_can_access_peer(gca_allocator_t *a, int device, int peer, int *can);
+GCA_API int gca_enable_peer_access(gca_allocator_t *a, int device, int peer);
+GCA_API int gca_disable_peer_access(gca_allocator_t *a, int device, int peer);
+
+/* The range of stream priorities of the device (cuCtxGetStreamPriorityRange):
+ * *least (usually 0) to *greatest (negative: more urgent). */
+GCA_API int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *greatest);
+
 /* ------------------------------------------------------------------------ */
 /* Allocation                                                                */
 /* ------------------------------------------------------------------------ */

@@ -165,6 +165,55 @@ static device_t *device_of(const gca_allocator_t *a, int device, const char *wha
   return &a->devices[device];
 }
 
+/* ---- device facts and peers -------------------------------------------- */
+
+static int not_offered(const gca_allocator_t *a, const char *what) {
+  return set_error(GCA_ERR_BACKEND, "%s: the %s backend does not offer it", what, a->backend.ops->name);
+}
+
+int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out) {
+  if (!device_of(a, device, "gca_device_properties")) return gca_last_status();
+  if (!out) return set_error(GCA_ERR_INVALID, "gca_device_properties: out is NULL");
+  if (!a->backend.ops->device_properties) return not_offered(a, "gca_device_properties");
+  return a->backend.ops->device_properties(a->backend.state, device, out);
+}
+
+/* Both devices exist and differ. */
+static int peer_pair(const gca_allocator_t *a, int device, int peer, const char *what) {
+  if (!device_of(a, device, what) || !device_of(a, peer, what)) return gca_last_status();
+  if (device == peer) return set_error(GCA_ERR_INVALID, "%s: device %d cannot be its own peer", what, device);
+  return GCA_OK;
+}
+
+int gca_can_access_peer(gca_allocator_t *a, int device, int peer, int *can) {
+  int rc = peer_pair(a, device, peer, "gca_can_access_peer");
+  if (rc) return rc;
+  if (!can) return set_error(GCA_ERR_INVALID, "gca_can_access_peer: can is NULL");
+  if (!a->backend.ops->can_access_peer) return not_offered(a, "gca_can_access_peer");
+  return a->backend.ops->can_access_peer(a->backend.state, device, peer, can);
+}
+
+int gca_enable_peer_access(gca_allocator_t *a, int device, int peer) {
+  int rc = peer_pair(a, device, peer, "gca_enable_peer_access");
+  if (rc) return rc;
+  if (!a->backend.ops->enable_peer_access) return not_offered(a, "gca_enable_peer_access");
+  return a->backend.ops->enable_peer_access(a->backend.state, device, peer);
+}
+
+int gca_disable_peer_access(gca_allocator_t *a, int device, int peer) {
+  int rc = peer_pair(a, device, peer, "gca_disable_peer_access");
+  if (rc) return rc;
+  if (!a->backend.ops->disable_peer_access) return not_offered(a, "gca_disable_peer_access");
+  return a->backend.ops->disable_peer_access(a->backend.state, device, peer);
+}
+
+int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *greatest) {
+  if (!device_of(a, device, "gca_stream_priority_range")) return gca_last_status();
+  if (!least || !greatest) return set_error(GCA_ERR_INVALID, "gca_stream_priority_range: least or greatest is NULL");
+  if (!a->backend.ops->stream_priority_range) return not_offered(a, "gca_stream_priority_range");
+  return a->backend.ops->stream_priority_range(a->backend.state, device, least, greatest);
+}
+
 static inline void *malloc_plain(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
   device_t *d = device_of(a, device, "gca_malloc");
   if (unlikely(!d)) return NULL;

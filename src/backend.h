@@ -78,6 +78,18 @@ typedef struct backend_ops {
    * caller must have waited for work that uses it: like a free,
    * GCA_ERR_CORRUPT reports that it did not (the sim's race detector). */
   int (*vm_unmap)(void *state, int device, uintptr_t addr, size_t size);
+  /* Device facts and peers (may be NULL: the public calls then say the
+   * backend has none). */
+  int (*device_properties)(void *state, int device, gca_device_properties_t *out);
+  int (*can_access_peer)(void *state, int device, int peer, int *can);
+  int (*enable_peer_access)(void *state, int device, int peer);
+  int (*disable_peer_access)(void *state, int device, int peer);
+  int (*stream_priority_range)(void *state, int device, int *least, int *greatest);
+  /* Page-locked host memory for the pinned host allocator (may be NULL). */
+  int (*host_alloc)(void *state, size_t size, void **ptr);
+  int (*host_free)(void *state, void *ptr);
+  /* Whether the backend knows `ptr` as page-locked host memory. */
+  int (*host_is_pinned)(void *state, const void *ptr, int *pinned);
   void (*destroy)(void *state);
 } backend_ops_t;
 
@@ -92,6 +104,8 @@ void backend_close(backend_t *b);
 
 /* The sim backend (backend/sim.c). */
 int sim_backend_create(const char *options, backend_t *out);
+/* The CUDA backend (backend/cuda.c): the driver API through dlopen. */
+int cuda_backend_create(const char *options, backend_t *out);
 
 /* Ground truth kept by the sim device, for tests that check the allocator's
  * own counting against the device's. */

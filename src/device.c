@@ -248,17 +248,28 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
 
 /* Device failures gcalloc handled since the last report: with the lock
  * held, how many; logged (without the lock) by report_absorbed. */
-static size_t take_absorbed(device_t *d) {
-  size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;
-  size_t fresh = now - d->reported_errors;
-  d->reported_errors = now;
-  return fresh;
+void note_absorbed(device_t *d) {
+  snprintf(d->absorbed_message, sizeof d->absorbed_message, "%s", gca_last_error());
 }
 
-GCA_COLD static void report_absorbed(device_t *d, size_t fresh) {
-  if (fresh)
-    log_message(GCA_LOG_ERROR, "device %d: %zu device failures handled (events waited out, frees refused and kept); "
-                "see num_device_free_failures", d->index, fresh);
+typedef struct absorbed {
+  size_t fresh;
+  char last[256];
+} absorbed_t;
+
+static absorbed_t take_absorbed(device_t *d) {
+  absorbed_t a;
+  size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;
+  a.fresh = now - d->reported_errors;
+  d->reported_errors = now;
+  if (a.fresh) memcpy(a.last, d->absorbed_message, sizeof a.last);
+  return a;
+}
+
+GCA_COLD static void report_absorbed(device_t *d, const absorbed_t *a) {
+  if (a->fresh)
+    log_message(GCA_LOG_ERROR, "device %d: %zu device failures handled (events waited out, frees refused and kept; "
+                "see num_device_free_failures); the last: %s", d->index, a->fresh, a->last);
 }
 
 /* The miss path, with the lock held; returns the address (0 on failure,
@@ -276,11 +287,11 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   }
   if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
   if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
-  size_t absorbed = take_absorbed(d);
+  absorbed_t absorbed = take_absorbed(d);
   if (b || rc != GCA_ERR_OOM) {
     uintptr_t addr = b ? b->addr : 0;
     lock_release(&d->lock);
-    report_absorbed(d, absorbed);
+    report_absorbed(d, &absorbed);
     return addr;
   }
   d->stats.num_ooms++;
@@ -288,7 +299,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   oom_explain(d, stream, rounded, &report);
   if (d->recording) history_oom(d, report.size, stream, report.free_bytes);
   lock_release(&d->lock);
-  report_absorbed(d, absorbed);
+  report_absorbed(d, &absorbed);
   oom_notify(d, &report);
   return 0;
 }
@@ -355,9 +366,9 @@ void device_synchronize(device_t *d) {
   lock_acquire(&d->lock);
   d->stats.num_sync_all_streams++;
   events_synchronize(d);
-  size_t absorbed = take_absorbed(d);
+  absorbed_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
-  report_absorbed(d, absorbed);
+  report_absorbed(d, &absorbed);
   device_wake_waiters(d);
 }
 
@@ -396,8 +407,8 @@ GCA_COLD bool device_explain_bad_pointer(device_t *d, uintptr_t addr, const char
 void device_empty_cache(device_t *d) {
   lock_acquire(&d->lock);
   release_cached_blocks(d);
-  size_t absorbed = take_absorbed(d);
+  absorbed_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
-  report_absorbed(d, absorbed);
+  report_absorbed(d, &absorbed);
   device_wake_waiters(d);
 }

@@ -55,6 +55,7 @@ static int wait_stream(device_t *d, gca_stream_t stream) {
 /* The fallback when an event failed: wait for the whole stream. */
 static int wait_stream_instead(device_t *d, gca_stream_t stream) {
   d->event_errors++;
+  note_absorbed(d);
   return wait_stream(d, stream);
 }
 

@@ -92,6 +92,7 @@ static void release_segment(device_t *d, segment_t *seg) {
   if (VM(d, vm_unreserve, seg->addr, seg->size) != GCA_OK) {
     /* Kept: an empty range costs no memory, and may serve later. */
     d->stats.num_device_free_failures++;
+    note_absorbed(d);
     return;
   }
   pool_unmapped_remove(seg->pool, b);
@@ -170,6 +171,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     d->backend_free_errors++; /* unmapped, but the device says it was in use */
   } else if (rc != GCA_OK) {
     d->stats.num_device_free_failures++;
+    note_absorbed(d);
     if (low) block_recycle(d, low);
     if (high) block_recycle(d, high);
     return 0;
@@ -178,7 +180,10 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     uintptr_t h = seg->pages[first + i];
     seg->pages[first + i] = 0;
     if (handles_out) handles_out[i] = h;
-    else if (VM(d, vm_destroy, h) != GCA_OK) d->stats.num_device_free_failures++; /* the device keeps it */
+    else if (VM(d, vm_destroy, h) != GCA_OK) { /* the device keeps it */
+      d->stats.num_device_free_failures++;
+      note_absorbed(d);
+    }
   }
   seg->mapped_bytes -= bytes;
   d->pages_unmapped += n;

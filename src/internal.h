@@ -408,6 +408,7 @@ struct device {
   size_t releasing_count;
   size_t event_errors;       /* backend event failures (each handled by waiting instead) */
   size_t reported_errors;    /* event_errors + refused frees already logged */
+  char absorbed_message[256]; /* the backend's message for the last of them (note_absorbed) */
   bool launch_blocking;      /* every free completes before gca_free returns */
   bool recording;            /* the history records (history.c) */
   struct history *history;   /* NULL until recording is first started */
@@ -494,6 +495,10 @@ void segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b);
  * the one block b, and put it on the device's list. */
 void segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_stream_t stream, uintptr_t addr,
                    size_t size);
+/* Keep the backend's message (gca_last_error) for a failure the device
+ * handled itself (an event waited out, a free refused), for the report. */
+void note_absorbed(device_t *d);
+
 /* Add a segment to the device's list, or take it off. */
 void segment_link(device_t *d, segment_t *seg);
 void segment_unlink(device_t *d, segment_t *seg);

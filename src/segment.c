@@ -193,6 +193,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
     /* The device refused and still holds the memory: keep the segment
      * cached, whole, to be given back another time. */
     d->stats.num_device_free_failures++;
+    note_absorbed(d);
     b->state = BLOCK_FREE;
     pool_insert(b->pool, b);
     return false;

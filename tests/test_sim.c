@@ -54,8 +54,8 @@ static void test_bad_options(void **state) {
   expect_bad("sim:latency_ns=-1", "latency_ns");
   expect_bad("sim:bogus=1", "unknown option 'bogus'");
   expect_bad("sim:capacity", "needs a value");
-  expect_bad("cuda", "unknown backend 'cuda'");
-  expect_bad("nope:x=1", "unknown backend 'nope'");
+  expect_bad("cuda:driver=/nonexistent/libcuda.so.1", "no CUDA driver");
+  expect_bad("nope:x=1", "unknown backend 'nope' (available: sim, cuda)");
 }
 
 static void test_capacity_and_address_reuse(void **state) {

@@ -1,6 +1,6 @@
 /* Opening a backend by name: "NAME" or "NAME:options". The registry is a
- * plain table; backends that need a driver (cuda) join it in their issue and
- * load their driver at run time, so the library never links one.
+ * plain table; backends that need a driver (cuda) load it at run time, so
+ * the library never links one.
  */
 #include <string.h>
 
@@ -13,6 +13,7 @@ typedef struct backend_entry {
 
 static const backend_entry_t registry[] = {
     {"sim", sim_backend_create},
+    {"cuda", cuda_backend_create},
 };
 
 int backend_open(const char *spec, backend_t *out) {
@@ -24,7 +25,7 @@ int backend_open(const char *spec, backend_t *out) {
     if (strlen(registry[i].name) == name_len && strncmp(registry[i].name, spec, name_len) == 0)
       return registry[i].create(options, out);
   }
-  return set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim)", (int)name_len, spec);
+  return set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim, cuda)", (int)name_len, spec);
 }
 
 void backend_close(backend_t *b) {

@@ -805,6 +805,15 @@ static void sim_destroy(void *state) {
   free(s);
 }
 
+static int sim_device_properties(void *state, int device, gca_device_properties_t *out) {
+  sim_t *s = state;
+  (void)device;
+  memset(out, 0, sizeof *out);
+  snprintf(out->name, sizeof out->name, "gcalloc sim device");
+  out->total_memory = s->capacity;
+  return GCA_OK;
+}
+
 static const backend_ops_t sim_ops = {
     .name = "sim",
     .device_count = sim_device_count,
@@ -824,6 +833,7 @@ static const backend_ops_t sim_ops = {
     .vm_destroy = sim_vm_destroy,
     .vm_map = sim_vm_map,
     .vm_unmap = sim_vm_unmap,
+    .device_properties = sim_device_properties,
     .destroy = sim_destroy,
 };
 

@@ -1,0 +1,649 @@
+/* A test double of the CUDA driver: the entry points gcalloc's cuda backend
+ * loads (src/backend/cuda.c), implemented on host memory, so CI exercises
+ * the whole backend without a GPU. Loaded through GCALLOC_CUDA_DRIVER or
+ * "cuda:driver=PATH"; a test that dlopens the same file gets the same copy
+ * and drives it with the fakecuda_* functions below.
+ *
+ * What it models:
+ *  - devices (FAKECUDA_DEVICES, default 2) with a capacity each
+ *    (fakecuda_set_capacity, default 1 GiB) that device allocations and
+ *    physical memory count against: CUDA_ERROR_OUT_OF_MEMORY beyond it;
+ *  - primary contexts and a current context per thread; calls that need one
+ *    fail with CUDA_ERROR_INVALID_CONTEXT without it;
+ *  - device memory as real host memory (512-byte aligned), so tests can
+ *    write what they allocate; frees of unknown pointers are refused;
+ *  - events: complete when recorded, unless fakecuda_hold_events(1) keeps
+ *    them pending until fakecuda_complete_events(), a synchronization on
+ *    them, or on their stream;
+ *  - virtual memory with real mappings: reserved ranges are PROT_NONE
+ *    address space, physical memory is a memfd, cuMemMap maps it there and
+ *    cuMemSetAccess makes it read-write; unmapping puts PROT_NONE back;
+ *  - device properties, peer access, stream priorities, pinned host memory
+ *    and cuPointerGetAttribute;
+ *  - failure injection: fakecuda_fail(entry, skip, times, code) makes the
+ *    named entry point fail with `code` after `skip` more calls, `times`
+ *    times; fakecuda_calls(entry) counts the calls.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create */
+#endif
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEVICES 8
+#define MAX_ITEMS 65536
+#define GRANULARITY ((size_t)2 << 20)
+
+enum {
+  OK = 0,
+  INVALID_VALUE = 1,
+  OUT_OF_MEMORY = 2,
+  NOT_INITIALIZED = 3,
+  NO_DEVICE = 100,
+  INVALID_DEVICE = 101,
+  INVALID_CONTEXT = 201,
+  NOT_READY = 600,
+  PEER_ALREADY_ENABLED = 704,
+  PEER_NOT_ENABLED = 705,
+  NOT_SUPPORTED = 801,
+  UNKNOWN = 999
+};
+
+typedef struct fake_ctx {
+  int device;
+  int retained;
+  int peers[MAX_DEVICES];
+} fake_ctx_t;
+
+typedef struct fake_event {
+  uintptr_t stream;
+  int pending;
+  int recorded;
+} fake_event_t;
+
+/* One table for everything that has an address: device allocations, host
+ * allocations, reservations, mappings, physical handles. */
+enum { ITEM_FREE, ITEM_DEVICE, ITEM_HOST, ITEM_RESERVED, ITEM_MAPPED, ITEM_PHYSICAL };
+typedef struct item {
+  int kind;
+  int device;
+  uintptr_t addr;
+  size_t size;
+  int fd;          /* physical memory */
+  uint64_t handle; /* mapped: the physical handle */
+} item_t;
+
+typedef struct injection {
+  char entry[64];
+  unsigned skip, times;
+  int code;
+} injection_t;
+
+typedef struct call_count {
+  char entry[64];
+  unsigned long calls;
+} call_count_t;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int initialized, device_count = -1, hold_events, no_vmm;
+static size_t capacity = (size_t)1 << 30, used[MAX_DEVICES];
+static fake_ctx_t contexts[MAX_DEVICES];
+static __thread fake_ctx_t *current;
+static item_t items[MAX_ITEMS];
+static injection_t injections[32];
+static call_count_t counts[128];
+static fake_event_t *events[MAX_ITEMS];
+static size_t live_events;
+
+/* ---- control ------------------------------------------------------------ */
+
+EXPORT void fakecuda_reset(void) {
+  pthread_mutex_lock(&lock);
+  memset(injections, 0, sizeof injections);
+  memset(counts, 0, sizeof counts);
+  hold_events = 0;
+  no_vmm = 0;
+  device_count = -1;
+  pthread_mutex_unlock(&lock);
+}
+
+EXPORT void fakecuda_fail(const char *entry, unsigned skip, unsigned times, int code) {
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < sizeof injections / sizeof injections[0]; i++)
+    if (!injections[i].times) {
+      strncpy(injections[i].entry, entry, sizeof injections[i].entry - 1);
+      injections[i].skip = skip;
+      injections[i].times = times;
+      injections[i].code = code;
+      break;
+    }
+  pthread_mutex_unlock(&lock);
+}
+
+EXPORT unsigned long fakecuda_calls(const char *entry) {
+  unsigned long n = 0;
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
+    if (!strcmp(counts[i].entry, entry)) n = counts[i].calls;
+  pthread_mutex_unlock(&lock);
+  return n;
+}
+
+EXPORT void fakecuda_set_capacity(size_t bytes) { capacity = bytes; }
+EXPORT void fakecuda_set_devices(int n) { device_count = n; }
+EXPORT void fakecuda_set_no_vmm(int on) { no_vmm = on; }
+EXPORT void fakecuda_hold_events(int on) { hold_events = on; }
+
+EXPORT void fakecuda_complete_events(void) {
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (events[i]) events[i]->pending = 0;
+  pthread_mutex_unlock(&lock);
+}
+
+/* Bytes of device memory in use on `device` (allocations and physical memory). */
+EXPORT size_t fakecuda_used(int device) { return used[device]; }
+
+/* How many items of a kind are alive: 1 device, 2 host, 3 reserved, 4 mapped, 5 physical. */
+EXPORT size_t fakecuda_live(int kind) {
+  size_t n = 0;
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < MAX_ITEMS; i++) n += items[i].kind == kind;
+  pthread_mutex_unlock(&lock);
+  return n;
+}
+
+EXPORT size_t fakecuda_live_events(void) { return live_events; }
+EXPORT int fakecuda_retained(int device) { return contexts[device].retained; }
+
+/* ---- plumbing ----------------------------------------------------------- */
+
+/* Count the call; an injected failure's code, or OK. With the lock held. */
+static int enter(const char *entry) {
+  size_t i;
+  for (i = 0; i < sizeof counts / sizeof counts[0] && counts[i].entry[0]; i++)
+    if (!strcmp(counts[i].entry, entry)) break;
+  if (i < sizeof counts / sizeof counts[0]) {
+    if (!counts[i].entry[0]) strncpy(counts[i].entry, entry, sizeof counts[i].entry - 1);
+    counts[i].calls++;
+  }
+  for (size_t k = 0; k < sizeof injections / sizeof injections[0]; k++) {
+    injection_t *in = &injections[k];
+    if (!in->times || strcmp(in->entry, entry)) continue;
+    if (in->skip) {
+      in->skip--;
+      continue;
+    }
+    in->times--;
+    return in->code;
+  }
+  return OK;
+}
+
+#define ENTER(name)                           \
+  pthread_mutex_lock(&lock);                  \
+  int rc_ = enter(name);                      \
+  if (rc_) {                                  \
+    pthread_mutex_unlock(&lock);              \
+    return rc_;                               \
+  }
+#define LEAVE(code)            \
+  do {                         \
+    pthread_mutex_unlock(&lock); \
+    return (code);             \
+  } while (0)
+
+static int devices(void) {
+  if (device_count >= 0) return device_count;
+  const char *env = getenv("FAKECUDA_DEVICES");
+  int n = env ? atoi(env) : 2;
+  return n < 0 ? 0 : n > MAX_DEVICES ? MAX_DEVICES : n;
+}
+
+static item_t *new_item(int kind, int device, uintptr_t addr, size_t size) {
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (items[i].kind == ITEM_FREE) {
+      items[i] = (item_t){kind, device, addr, size, -1, 0};
+      return &items[i];
+    }
+  return NULL;
+}
+
+static item_t *find(int kind, uintptr_t addr) {
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (items[i].kind == kind && items[i].addr == addr) return &items[i];
+  return NULL;
+}
+
+static item_t *containing(int kind, uintptr_t addr) {
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (items[i].kind == kind && addr >= items[i].addr && addr < items[i].addr + items[i].size) return &items[i];
+  return NULL;
+}
+
+/* ---- the driver API ------------------------------------------------------ */
+
+EXPORT int cuInit(unsigned flags) {
+  ENTER("cuInit");
+  if (flags) LEAVE(INVALID_VALUE);
+  initialized = 1;
+  LEAVE(OK);
+}
+
+static const struct {
+  int code;
+  const char *name;
+} names[] = {{OK, "CUDA_SUCCESS"},
+             {INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"},
+             {OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"},
+             {NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED"},
+             {NO_DEVICE, "CUDA_ERROR_NO_DEVICE"},
+             {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"},
+             {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT"},
+             {NOT_READY, "CUDA_ERROR_NOT_READY"},
+             {PEER_ALREADY_ENABLED, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"},
+             {PEER_NOT_ENABLED, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED"},
+             {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
+             {UNKNOWN, "CUDA_ERROR_UNKNOWN"}};
+
+EXPORT int cuGetErrorName(int error, const char **name) {
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (names[i].code == error) {
+      *name = names[i].name;
+      return OK;
+    }
+  *name = NULL;
+  return INVALID_VALUE;
+}
+
+EXPORT int cuDeviceGetCount(int *count) {
+  ENTER("cuDeviceGetCount");
+  if (!initialized) LEAVE(NOT_INITIALIZED);
+  *count = devices();
+  LEAVE(OK);
+}
+
+EXPORT int cuDeviceGet(int *device, int ordinal) {
+  ENTER("cuDeviceGet");
+  if (!initialized) LEAVE(NOT_INITIALIZED);
+  if (ordinal < 0 || ordinal >= devices()) LEAVE(INVALID_DEVICE);
+  *device = ordinal;
+  LEAVE(OK);
+}
+
+EXPORT int cuDevicePrimaryCtxRetain(void **ctx, int device) {
+  ENTER("cuDevicePrimaryCtxRetain");
+  if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);
+  contexts[device].device = device;
+  contexts[device].retained++;
+  *ctx = &contexts[device];
+  LEAVE(OK);
+}
+
+EXPORT int cuDevicePrimaryCtxRelease_v2(int device) {
+  ENTER("cuDevicePrimaryCtxRelease_v2");
+  if (device < 0 || device >= devices() || !contexts[device].retained) LEAVE(INVALID_DEVICE);
+  contexts[device].retained--;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxGetCurrent(void **ctx) {
+  ENTER("cuCtxGetCurrent");
+  *ctx = current;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxSetCurrent(void *ctx) {
+  ENTER("cuCtxSetCurrent");
+  current = ctx;
+  LEAVE(OK);
+}
+
+/* The current context's device, or -1. */
+static int current_device(void) { return current && current->retained ? current->device : -1; }
+
+EXPORT int cuMemAlloc_v2(uint64_t *ptr, size_t size) {
+  ENTER("cuMemAlloc_v2");
+  int d = current_device();
+  if (d < 0) LEAVE(INVALID_CONTEXT);
+  if (!size) LEAVE(INVALID_VALUE);
+  if (used[d] + size > capacity) LEAVE(OUT_OF_MEMORY);
+  void *p = NULL;
+  if (posix_memalign(&p, 512, size)) LEAVE(OUT_OF_MEMORY);
+  if (!new_item(ITEM_DEVICE, d, (uintptr_t)p, size)) {
+    free(p);
+    LEAVE(OUT_OF_MEMORY);
+  }
+  used[d] += size;
+  *ptr = (uintptr_t)p;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemFree_v2(uint64_t ptr) {
+  ENTER("cuMemFree_v2");
+  item_t *it = find(ITEM_DEVICE, (uintptr_t)ptr);
+  if (!it) LEAVE(INVALID_VALUE);
+  used[it->device] -= it->size;
+  free((void *)it->addr);
+  it->kind = ITEM_FREE;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+  ENTER("cuMemGetInfo_v2");
+  int d = current_device();
+  if (d < 0) LEAVE(INVALID_CONTEXT);
+  *free_bytes = capacity - used[d];
+  *total = capacity;
+  LEAVE(OK);
+}
+
+EXPORT int cuEventCreate(fake_event_t **event, unsigned flags) {
+  ENTER("cuEventCreate");
+  (void)flags;
+  if (current_device() < 0) LEAVE(INVALID_CONTEXT);
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (!events[i]) {
+      events[i] = calloc(1, sizeof *events[i]);
+      if (!events[i]) LEAVE(OUT_OF_MEMORY);
+      live_events++;
+      *event = events[i];
+      LEAVE(OK);
+    }
+  LEAVE(OUT_OF_MEMORY);
+}
+
+static size_t event_slot(const fake_event_t *e) {
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (events[i] == e && e) return i;
+  return MAX_ITEMS;
+}
+
+EXPORT int cuEventRecord(fake_event_t *e, uintptr_t stream) {
+  ENTER("cuEventRecord");
+  if (event_slot(e) == MAX_ITEMS) LEAVE(INVALID_VALUE);
+  e->stream = stream;
+  e->recorded = 1;
+  e->pending = hold_events;
+  LEAVE(OK);
+}
+
+EXPORT int cuEventQuery(fake_event_t *e) {
+  ENTER("cuEventQuery");
+  if (event_slot(e) == MAX_ITEMS) LEAVE(INVALID_VALUE);
+  LEAVE(e->pending ? NOT_READY : OK);
+}
+
+EXPORT int cuEventSynchronize(fake_event_t *e) {
+  ENTER("cuEventSynchronize");
+  if (event_slot(e) == MAX_ITEMS) LEAVE(INVALID_VALUE);
+  e->pending = 0;
+  LEAVE(OK);
+}
+
+EXPORT int cuEventDestroy_v2(fake_event_t *e) {
+  ENTER("cuEventDestroy_v2");
+  size_t i = event_slot(e);
+  if (i == MAX_ITEMS) LEAVE(INVALID_VALUE);
+  free(events[i]);
+  events[i] = NULL;
+  live_events--;
+  LEAVE(OK);
+}
+
+EXPORT int cuStreamWaitEvent(uintptr_t stream, fake_event_t *e, unsigned flags) {
+  ENTER("cuStreamWaitEvent");
+  (void)stream;
+  if (flags || event_slot(e) == MAX_ITEMS) LEAVE(INVALID_VALUE);
+  LEAVE(OK);
+}
+
+EXPORT int cuStreamSynchronize(uintptr_t stream) {
+  ENTER("cuStreamSynchronize");
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (events[i] && events[i]->stream == stream) events[i]->pending = 0;
+  LEAVE(OK);
+}
+
+EXPORT int cuDeviceGetName(char *name, int len, int device) {
+  ENTER("cuDeviceGetName");
+  if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);
+  const char *text = "gcalloc fake CUDA device";
+  if (len <= 0) LEAVE(INVALID_VALUE);
+  strncpy(name, text, (size_t)len - 1);
+  name[len - 1] = 0;
+  LEAVE(OK);
+}
+
+EXPORT int cuDeviceGetAttribute(int *value, int attribute, int device) {
+  ENTER("cuDeviceGetAttribute");
+  if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);
+  switch (attribute) {
+    case 16: *value = 132; break;                /* multiprocessors */
+    case 75: *value = 9; break;                  /* compute capability */
+    case 76: *value = 0; break;
+    case 102: *value = !no_vmm; break;           /* virtual memory management */
+    default: LEAVE(INVALID_VALUE);
+  }
+  LEAVE(OK);
+}
+
+EXPORT int cuDeviceTotalMem_v2(size_t *bytes, int device) {
+  ENTER("cuDeviceTotalMem_v2");
+  if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);
+  *bytes = capacity;
+  LEAVE(OK);
+}
+
+EXPORT int cuDeviceCanAccessPeer(int *can, int device, int peer) {
+  ENTER("cuDeviceCanAccessPeer");
+  if (device < 0 || device >= devices() || peer < 0 || peer >= devices()) LEAVE(INVALID_DEVICE);
+  *can = device != peer;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxEnablePeerAccess(fake_ctx_t *peer, unsigned flags) {
+  ENTER("cuCtxEnablePeerAccess");
+  if (!current || !peer || flags) LEAVE(INVALID_VALUE);
+  if (peer == current) LEAVE(INVALID_DEVICE);
+  if (current->peers[peer->device]) LEAVE(PEER_ALREADY_ENABLED);
+  current->peers[peer->device] = 1;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxDisablePeerAccess(fake_ctx_t *peer) {
+  ENTER("cuCtxDisablePeerAccess");
+  if (!current || !peer) LEAVE(INVALID_VALUE);
+  if (!current->peers[peer->device]) LEAVE(PEER_NOT_ENABLED);
+  current->peers[peer->device] = 0;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+  ENTER("cuCtxGetStreamPriorityRange");
+  if (!current) LEAVE(INVALID_CONTEXT);
+  *least = 0;
+  *greatest = -5;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemHostAlloc(void **ptr, size_t size, unsigned flags) {
+  ENTER("cuMemHostAlloc");
+  (void)flags;
+  if (!current) LEAVE(INVALID_CONTEXT);
+  if (!size) LEAVE(INVALID_VALUE);
+  void *p = NULL;
+  if (posix_memalign(&p, 4096, size)) LEAVE(OUT_OF_MEMORY);
+  if (!new_item(ITEM_HOST, -1, (uintptr_t)p, size)) {
+    free(p);
+    LEAVE(OUT_OF_MEMORY);
+  }
+  *ptr = p;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemFreeHost(void *ptr) {
+  ENTER("cuMemFreeHost");
+  item_t *it = find(ITEM_HOST, (uintptr_t)ptr);
+  if (!it) LEAVE(INVALID_VALUE);
+  free(ptr);
+  it->kind = ITEM_FREE;
+  LEAVE(OK);
+}
+
+EXPORT int cuPointerGetAttribute(void *data, int attribute, uint64_t ptr) {
+  ENTER("cuPointerGetAttribute");
+  if (attribute != 2) LEAVE(INVALID_VALUE);
+  if (containing(ITEM_HOST, (uintptr_t)ptr)) *(unsigned *)data = 1;
+  else if (containing(ITEM_DEVICE, (uintptr_t)ptr) || containing(ITEM_MAPPED, (uintptr_t)ptr)) *(unsigned *)data = 2;
+  else LEAVE(INVALID_VALUE);
+  LEAVE(OK);
+}
+
+/* ---- virtual memory ----------------------------------------------------- */
+
+typedef struct prop {
+  int type, handle_types, location_type, location_id;
+} prop_t; /* the leading fields of CUmemAllocationProp */
+
+EXPORT int cuMemGetAllocationGranularity(size_t *granularity, const prop_t *prop, int option) {
+  ENTER("cuMemGetAllocationGranularity");
+  if (!prop || prop->type != 1 || prop->location_type != 1 || option < 0 || option > 1) LEAVE(INVALID_VALUE);
+  *granularity = GRANULARITY;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemAddressReserve(uint64_t *ptr, size_t size, size_t alignment, uint64_t addr, unsigned long long flags) {
+  ENTER("cuMemAddressReserve");
+  if (!size || size % GRANULARITY || addr || flags || (alignment && alignment != GRANULARITY)) LEAVE(INVALID_VALUE);
+  char *base = mmap(NULL, size + GRANULARITY, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) LEAVE(OUT_OF_MEMORY);
+  uintptr_t at = ((uintptr_t)base + GRANULARITY - 1) & ~(GRANULARITY - 1);
+  if (at > (uintptr_t)base) munmap(base, at - (uintptr_t)base);
+  munmap((void *)(at + size), (uintptr_t)base + size + GRANULARITY - (at + size));
+  if (!new_item(ITEM_RESERVED, current_device(), at, size)) {
+    munmap((void *)at, size);
+    LEAVE(OUT_OF_MEMORY);
+  }
+  *ptr = at;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemAddressFree(uint64_t ptr, size_t size) {
+  ENTER("cuMemAddressFree");
+  item_t *r = find(ITEM_RESERVED, (uintptr_t)ptr);
+  if (!r || r->size != size) LEAVE(INVALID_VALUE);
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (items[i].kind == ITEM_MAPPED && items[i].addr >= ptr && items[i].addr < ptr + size) LEAVE(INVALID_VALUE);
+  munmap((void *)r->addr, size);
+  r->kind = ITEM_FREE;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemCreate(uint64_t *handle, size_t size, const prop_t *prop, unsigned long long flags) {
+  ENTER("cuMemCreate");
+  if (!prop || prop->type != 1 || prop->location_type != 1 || flags || !size || size % GRANULARITY)
+    LEAVE(INVALID_VALUE);
+  int d = prop->location_id;
+  if (d < 0 || d >= devices()) LEAVE(INVALID_DEVICE);
+  if (used[d] + size > capacity) LEAVE(OUT_OF_MEMORY);
+  int fd = memfd_create("fakecuda", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+    if (fd >= 0) close(fd);
+    LEAVE(OUT_OF_MEMORY);
+  }
+  item_t *it = new_item(ITEM_PHYSICAL, d, 0, size);
+  if (!it) {
+    close(fd);
+    LEAVE(OUT_OF_MEMORY);
+  }
+  it->fd = fd;
+  it->handle = (uint64_t)(it - items) + 1;
+  used[d] += size;
+  *handle = it->handle;
+  LEAVE(OK);
+}
+
+static item_t *physical(uint64_t handle) {
+  if (!handle || handle > MAX_ITEMS || items[handle - 1].kind != ITEM_PHYSICAL) return NULL;
+  return &items[handle - 1];
+}
+
+static int mapped_count(uint64_t handle) {
+  int n = 0;
+  for (size_t i = 0; i < MAX_ITEMS; i++) n += items[i].kind == ITEM_MAPPED && items[i].handle == handle;
+  return n;
+}
+
+static void release_physical(item_t *p) {
+  used[p->device] -= p->size;
+  close(p->fd);
+  p->kind = ITEM_FREE;
+}
+
+EXPORT int cuMemRelease(uint64_t handle) {
+  ENTER("cuMemRelease");
+  item_t *p = physical(handle);
+  if (!p) LEAVE(INVALID_VALUE);
+  /* The driver keeps mapped memory until it is unmapped; gcalloc never
+   * releases mapped memory, so the double refuses it to catch a slip. */
+  if (mapped_count(handle)) LEAVE(INVALID_VALUE);
+  release_physical(p);
+  LEAVE(OK);
+}
+
+EXPORT int cuMemMap(uint64_t ptr, size_t size, size_t offset, uint64_t handle, unsigned long long flags) {
+  ENTER("cuMemMap");
+  item_t *p = physical(handle);
+  item_t *r = containing(ITEM_RESERVED, (uintptr_t)ptr);
+  if (!p || !r || offset || flags || size != p->size || ptr % GRANULARITY || ptr + size > r->addr + r->size)
+    LEAVE(INVALID_VALUE);
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (items[i].kind == ITEM_MAPPED && items[i].addr < ptr + size && ptr < items[i].addr + items[i].size)
+      LEAVE(INVALID_VALUE);
+  if (mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, p->fd, 0) == MAP_FAILED)
+    LEAVE(OUT_OF_MEMORY);
+  item_t *m = new_item(ITEM_MAPPED, p->device, (uintptr_t)ptr, size);
+  if (!m) LEAVE(OUT_OF_MEMORY);
+  m->handle = handle;
+  LEAVE(OK);
+}
+
+typedef struct access {
+  int location_type, location_id, flags;
+} access_t;
+
+EXPORT int cuMemSetAccess(uint64_t ptr, size_t size, const access_t *desc, size_t count) {
+  ENTER("cuMemSetAccess");
+  if (!desc || count != 1 || desc->location_type != 1 || desc->flags != 3) LEAVE(INVALID_VALUE);
+  /* Every byte must be mapped. */
+  for (uint64_t at = ptr; at < ptr + size;) {
+    item_t *m = containing(ITEM_MAPPED, (uintptr_t)at);
+    if (!m) LEAVE(INVALID_VALUE);
+    at = m->addr + m->size;
+  }
+  if (mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) != 0) LEAVE(INVALID_VALUE);
+  LEAVE(OK);
+}
+
+EXPORT int cuMemUnmap(uint64_t ptr, size_t size) {
+  ENTER("cuMemUnmap");
+  /* Whole mappings only, covering the range without a gap. */
+  for (uint64_t at = ptr; at < ptr + size;) {
+    item_t *m = find(ITEM_MAPPED, (uintptr_t)at);
+    if (!m || m->addr + m->size > ptr + size) LEAVE(INVALID_VALUE);
+    at = m->addr + m->size;
+  }
+  for (uint64_t at = ptr; at < ptr + size;) {
+    item_t *m = find(ITEM_MAPPED, (uintptr_t)at);
+    at = m->addr + m->size;
+    m->kind = ITEM_FREE;
+  }
+  mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  LEAVE(OK);
+}
