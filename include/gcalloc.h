@@ -585,6 +585,38 @@ GCA_API size_t gca_round_size(gca_allocator_t *a, size_t size);
  * rounded size `size` misses the cache (PyTorch's get_allocation_size). */
 GCA_API size_t gca_segment_size(size_t rounded_size);
 
+/* ------------------------------------------------------------------------ */
+/* PyTorch drop-in (docs/pytorch.md)                                         */
+/* ------------------------------------------------------------------------ */
+
+/* One process-wide allocator for PyTorch. gca_torch_malloc and
+ * gca_torch_free have the signatures torch.cuda.memory.CUDAPluggableAllocator
+ * loads (void *alloc(ssize_t size, int device, cudaStream_t stream) and
+ * void free(void *ptr, ssize_t size, int device, cudaStream_t stream);
+ * ptrdiff_t is ssize_t on the platforms PyTorch supports):
+ *
+ *   torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(
+ *       "libgcalloc.so", "gca_torch_malloc", "gca_torch_free"))
+ *
+ * or `gcalloc.torch.install()` from the Python package, which does that.
+ * PyTorch cannot be told why an allocation failed: gca_torch_malloc logs
+ * gcalloc's message (PyTorch's out-of-memory text) as an error and returns
+ * NULL. */
+
+/* Open the process-wide allocator on `backend` (NULL: GCALLOC_TORCH_BACKEND,
+ * else "cuda") with `config` on top of the environment's. If it is already
+ * open, apply `config` to it (GCA_ERR_INVALID if `backend` names another). */
+GCA_API int gca_torch_init(const char *backend, const char *config);
+/* The process-wide allocator, opened with the defaults if it is not yet; NULL on failure. */
+GCA_API gca_allocator_t *gca_torch_allocator(void);
+GCA_API void *gca_torch_malloc(ptrdiff_t size, int device, void *stream);
+GCA_API void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
+GCA_API void gca_torch_record_stream(void *ptr, void *stream);
+GCA_API void gca_torch_empty_cache(void);
+GCA_API void gca_torch_set_memory_fraction(double fraction, int device);
+/* Close the process-wide allocator (every pointer it gave becomes invalid). */
+GCA_API void gca_torch_shutdown(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -3,14 +3,14 @@
 # a C toolchain (gcc and clang), CMake, cmocka (tests), libbsd (its
 # header-only red-black tree), json-c (the JSON export), libunwind (stacks
 # in the history), python3 (a test reads the pickle export with Python's own
-# unpickler), the sanitizer runtimes and libFuzzer (clang's runtime), Chromium
+# unpickler) and python3-pytest (the Python package's tests), the sanitizer runtimes and libFuzzer (clang's runtime), Chromium
 # and a font (a test renders the replay's HTML report headless), and the peers
 # the benchmark measures against (mimalloc, jemalloc). Runs apt-get as root, or through sudo when
 # available; does nothing when all is there already.
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev libcmocka-dev libbsd-dev
-          libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev libjson-c-dev libunwind-dev python3
+          libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev libjson-c-dev libunwind-dev python3 python3-pytest
           chromium fonts-liberation)
 
 missing=()

@@ -11,9 +11,11 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 
 jobs=$(nproc)
-# The report's render test skips where Chromium is missing; here it was
-# installed above, so a missing one is a failure.
+# The report's render test skips where Chromium is missing, the Python
+# package's where pytest is; here both were installed above, so a missing
+# one is a failure.
 export GCALLOC_REQUIRE_CHROMIUM=1
+export GCALLOC_REQUIRE_PYTEST=1
 ctest_args=("$@")
 
 run() { # name, ctest label filter or "", cmake options...

@@ -1,0 +1,56 @@
+"""gcalloc as PyTorch's CUDA allocator.
+
+    import gcalloc.torch
+    gcalloc.torch.install("expandable_segments:True")   # before the first CUDA allocation
+    ...
+    gcalloc.memory_stats()      # gcalloc's, with torch.cuda.memory_stats()'s keys
+
+install() opens gcalloc's process-wide allocator (gca_torch_init) and hands
+its C functions gca_torch_malloc / gca_torch_free to
+torch.cuda.memory.CUDAPluggableAllocator, then makes it the current
+allocator. PyTorch accepts that only before its allocator has been used, and
+offers no way back: the context manager `using(conf)` installs on entry and
+on exit waits for the device and empties gcalloc's cache, but PyTorch keeps
+allocating through gcalloc afterwards.
+"""
+import contextlib
+
+from . import GcallocError, _lib, _text, library_path
+
+__all__ = ["install", "using", "installed"]
+
+_installed = False
+
+
+def installed():
+    return _installed
+
+
+def install(conf=None, backend=None):
+    """Make gcalloc PyTorch's CUDA allocator. `conf` is a configuration in
+    PYTORCH_CUDA_ALLOC_CONF's syntax (on top of the environment's); `backend`
+    defaults to $GCALLOC_TORCH_BACKEND, else "cuda"."""
+    global _installed
+    import torch  # only here: the rest of the package works without PyTorch
+
+    rc = _lib.gca_torch_init(_text(backend), _text(conf))
+    if rc < 0:
+        raise GcallocError(rc, _lib.gca_last_error().decode())
+    if _installed:
+        return
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
+    torch.cuda.memory.change_current_allocator(allocator)
+    _installed = True
+
+
+@contextlib.contextmanager
+def using(conf=None, backend=None):
+    install(conf, backend)
+    try:
+        yield
+    finally:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        _lib.gca_torch_empty_cache()

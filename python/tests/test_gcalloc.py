@@ -1,0 +1,144 @@
+"""The Python package on the sim backend (label cuda, run by CTest with
+GCALLOC_LIBRARY pointing at the build's libgcalloc.so): the Allocator's
+calls with PyTorch's names and values worked out by hand, bad input, the
+snapshot files, and the PyTorch drop-in functions with a stand-in for the
+torch module (the real one is not installed in CI)."""
+import ctypes
+import pickle
+import sys
+import types
+
+import pytest
+
+import gcalloc
+import gcalloc.torch
+
+MiB = 1 << 20
+
+
+def test_malloc_free_and_statistics():
+    with gcalloc.Allocator("sim:capacity=4GiB") as a:
+        assert a.backend == "sim" and a.device_count == 1
+        p = a.malloc(1000)
+        assert p and p % 512 == 0
+        s = a.memory_stats()
+        assert len(s) == 122  # torch.cuda.memory_stats() has these keys
+        assert list(s) == sorted(s)
+        # 1000 bytes round to 1024 in the small pool's 2 MiB segment.
+        assert s["allocated_bytes.all.current"] == 1024
+        assert s["requested_bytes.all.current"] == 1000
+        assert s["reserved_bytes.small_pool.current"] == 2 * MiB
+        assert s["segment.all.current"] == 1
+        q = a.malloc(30 * MiB)
+        a.free(q)
+        a.free(p)
+        assert a.memory_stats()["allocated_bytes.all.peak"] == 1024 + 30 * MiB
+        a.reset_peak_memory_stats()
+        assert a.memory_stats()["allocated_bytes.all.peak"] == 0
+        a.empty_cache()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+        assert "gcalloc" in a.memory_summary() and "Allocated memory" in a.memory_summary()
+
+
+def test_bad_input():
+    with pytest.raises(gcalloc.GcallocError, match="unknown backend 'nope'"):
+        gcalloc.Allocator("nope")
+    with pytest.raises(gcalloc.GcallocError, match="max_split_size_mb"):
+        gcalloc.Allocator("sim", "max_split_size_mb:-3")
+    with gcalloc.Allocator("sim:capacity=1GiB") as a:
+        p = a.malloc(4096)
+        with pytest.raises(gcalloc.GcallocError, match="GCA_ERR_BAD_POINTER|not|free") as e:
+            a.free(p + 512)
+        assert e.value.status == -5
+        with pytest.raises(MemoryError, match="out of memory"):
+            a.malloc(2 << 30)
+        with pytest.raises(ValueError):
+            a.malloc(-1)
+        with pytest.raises(gcalloc.GcallocError, match="device 3"):
+            a.memory_stats(3)
+        a.free(p)  # still there: nothing was lost
+
+
+def test_fraction_and_config():
+    with gcalloc.Allocator("sim:capacity=1GiB", "expandable_segments:True") as a:
+        assert "expandable_segments:True" in a.get_config()
+        a.set_per_process_memory_fraction(0.5)
+        with pytest.raises(MemoryError):
+            a.malloc(600 * MiB)
+        p = a.malloc(400 * MiB)
+        a.free(p)
+        with pytest.raises(gcalloc.GcallocError, match="fraction"):
+            a.set_per_process_memory_fraction(1.5)
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError("global %s.%s" % (module, name))
+
+
+def test_snapshots(tmp_path):
+    with gcalloc.Allocator("sim:capacity=4GiB") as a:
+        a.record_history(True, "state")
+        p = a.malloc(3 * MiB)
+        snap = a.memory_snapshot()
+        assert [s["total_size"] for s in snap["segments"]] == [20 * MiB]
+        assert any(e["action"] == "alloc" and e["size"] == 3 * MiB for e in snap["device_traces"][0])
+        path = tmp_path / "snapshot.pickle"
+        a.dump_snapshot(str(path))
+        with open(path, "rb") as f:
+            loaded = _NoGlobals(f).load()
+        assert loaded["segments"][0]["blocks"][0]["state"] == "active_allocated"
+        a.free(p)
+        with pytest.raises(gcalloc.GcallocError, match="/nonexistent"):
+            a.dump_snapshot("/nonexistent/dir/x.pickle")
+
+
+def test_torch_entry_points(monkeypatch):
+    """The C functions PyTorch calls, on the process-wide allocator (the sim here)."""
+    lib = ctypes.CDLL(gcalloc.library_path)
+    calls = {}
+
+    class PluggableAllocator:
+        def __init__(self, path, alloc_name, free_name):
+            # What PyTorch does with these: look both names up in the library.
+            so = ctypes.CDLL(path)
+            calls["alloc"], calls["free"] = getattr(so, alloc_name), getattr(so, free_name)
+            calls["names"] = (alloc_name, free_name)
+
+    def change_current_allocator(allocator):
+        calls["installed"] = allocator
+
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=PluggableAllocator,
+                                   change_current_allocator=change_current_allocator)
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory, is_available=lambda: False,
+                                                                  synchronize=lambda: None))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    gcalloc.torch.install("max_split_size_mb:64", backend="sim:capacity=2GiB")
+    assert calls["names"] == ("gca_torch_malloc", "gca_torch_free")
+    assert isinstance(calls["installed"], PluggableAllocator)
+    alloc, free = calls["alloc"], calls["free"]
+    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    p = alloc(100 * MiB, 0, None)
+    assert p
+    s = gcalloc.memory_stats()
+    assert s["allocated_bytes.all.current"] == 100 * MiB
+    assert s["oversize_allocations.current"] == 1  # max_split_size_mb:64 applied
+    assert "max_split_size_mb:64" in gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    free(p, 100 * MiB, 0, None)
+    assert gcalloc.memory_stats()["allocated_bytes.all.current"] == 0
+    # Out of memory: NULL back to PyTorch (and the message logged).
+    assert not alloc(3 << 30, 0, None)
+    gcalloc.set_per_process_memory_fraction(0.5)
+    assert not alloc(1500 * MiB, 0, None)
+    gcalloc.reset_peak_memory_stats()
+    gcalloc.empty_cache()
+    assert gcalloc.memory_stats()["reserved_bytes.all.current"] == 0
+    # Already open on the sim: another backend is refused, settings apply.
+    with pytest.raises(gcalloc.GcallocError, match="already open"):
+        gcalloc.torch.install(backend="cuda")
+    with gcalloc.torch.using("garbage_collection_threshold:0.8"):
+        p = alloc(MiB, 0, None)
+        free(p, MiB, 0, None)
+    assert "garbage_collection_threshold:0.8" in gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    lib.gca_torch_shutdown()
