@@ -252,6 +252,11 @@ void note_absorbed(device_t *d) {
   snprintf(d->absorbed_message, sizeof d->absorbed_message, "%s", gca_last_error());
 }
 
+void note_refused_free(device_t *d) {
+  d->stats.num_device_free_failures++;
+  note_absorbed(d);
+}
+
 typedef struct absorbed {
   size_t fresh;
   char last[256];

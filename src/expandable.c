@@ -91,8 +91,7 @@ static void release_segment(device_t *d, segment_t *seg) {
   block_t *b = seg->head;
   if (VM(d, vm_unreserve, seg->addr, seg->size) != GCA_OK) {
     /* Kept: an empty range costs no memory, and may serve later. */
-    d->stats.num_device_free_failures++;
-    note_absorbed(d);
+    note_refused_free(d);
     return;
   }
   pool_unmapped_remove(seg->pool, b);
@@ -170,8 +169,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   if (rc == GCA_ERR_CORRUPT) {
     d->backend_free_errors++; /* unmapped, but the device says it was in use */
   } else if (rc != GCA_OK) {
-    d->stats.num_device_free_failures++;
-    note_absorbed(d);
+    note_refused_free(d);
     if (low) block_recycle(d, low);
     if (high) block_recycle(d, high);
     return 0;
@@ -180,10 +178,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     uintptr_t h = seg->pages[first + i];
     seg->pages[first + i] = 0;
     if (handles_out) handles_out[i] = h;
-    else if (VM(d, vm_destroy, h) != GCA_OK) { /* the device keeps it */
-      d->stats.num_device_free_failures++;
-      note_absorbed(d);
-    }
+    else if (VM(d, vm_destroy, h) != GCA_OK) note_refused_free(d); /* the device keeps it */
   }
   seg->mapped_bytes -= bytes;
   d->pages_unmapped += n;
@@ -199,12 +194,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     pool_insert(pool, low);
   }
   if (high) {
-    *high = *b;
-    high->addr = at + bytes;
-    high->size = after;
-    high->prev = b;
-    if (high->next) high->next->prev = high;
-    b->next = high;
+    block_split_tail(b, high, after);
     pool_insert(pool, high);
   }
   b->addr = at;
@@ -213,19 +203,13 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   block_t *x = b->prev;
   if (x && x->state == BLOCK_UNMAPPED) {
     pool_unmapped_remove(pool, x);
-    b->addr = x->addr;
-    b->size += x->size;
-    b->prev = x->prev;
-    if (x->prev) x->prev->next = b;
-    else seg->head = b;
+    block_absorb_prev(b);
     block_recycle(d, x);
   }
   x = b->next;
   if (x && x->state == BLOCK_UNMAPPED) {
     pool_unmapped_remove(pool, x);
-    b->size += x->size;
-    b->next = x->next;
-    if (x->next) x->next->prev = b;
+    block_absorb_next(b);
     block_recycle(d, x);
   }
   pool_unmapped_insert(pool, b);
@@ -377,14 +361,8 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
 
   pool_unmapped_remove(pool, b);
   if (rest) {
-    *rest = *b;
-    rest->addr = b->addr + bytes;
-    rest->size = b->size - bytes;
-    rest->prev = b;
-    if (rest->next) rest->next->prev = rest;
-    b->next = rest;
+    block_split_tail(b, rest, b->size - bytes);
     pool_unmapped_insert(pool, rest);
-    b->size = bytes;
   }
   b->state = BLOCK_FREE;
 
@@ -400,17 +378,13 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   block_t *survivor = b;
   if (b->prev && b->prev->state == BLOCK_FREE) {
     survivor = b->prev;
-    survivor->size += b->size;
-    survivor->next = b->next;
-    if (b->next) b->next->prev = survivor;
+    block_absorb_next(survivor);
     block_recycle(d, b);
   }
   block_t *next = survivor->next;
   if (next && next->state == BLOCK_FREE) {
     pool_remove(pool, next);
-    survivor->size += next->size;
-    survivor->next = next->next;
-    if (next->next) next->next->prev = survivor;
+    block_absorb_next(survivor);
     block_recycle(d, next);
   }
   if (survivor == b) pool_insert(pool, b);

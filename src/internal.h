@@ -460,6 +460,35 @@ int device_check_locked(device_t *d);
 /* segment.c: with the lock held. */
 block_t *block_new(device_t *d);
 void block_recycle(device_t *d, block_t *b);
+
+/* Surgery on a segment's address list, shared by every merge and split.
+ * b takes in its neighbour after (before) it, which leaves the list; the
+ * caller takes it out of any index first and recycles it. */
+static inline void block_absorb_next(block_t *b) {
+  block_t *next = b->next;
+  b->size += next->size;
+  b->next = next->next;
+  if (next->next) next->next->prev = b;
+}
+static inline void block_absorb_prev(block_t *b) {
+  block_t *prev = b->prev;
+  b->addr = prev->addr;
+  b->size += prev->size;
+  b->prev = prev->prev;
+  if (prev->prev) prev->prev->next = b;
+  else b->segment->head = b;
+}
+/* The last `size` bytes of b become `tail` (a spare descriptor, given b's
+ * other fields), linked after it. */
+static inline void block_split_tail(block_t *b, block_t *tail, size_t size) {
+  *tail = *b;
+  tail->addr = b->addr + b->size - size;
+  tail->size = size;
+  tail->prev = b;
+  if (tail->next) tail->next->prev = tail;
+  b->next = tail;
+  b->size -= size;
+}
 /* Free every descriptor chunk (at device destruction). */
 void block_chunks_free(device_t *d);
 /* Obtain a segment for a request of `rounded` bytes; NULL with error set. */
@@ -498,6 +527,9 @@ void segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_st
 /* Keep the backend's message (gca_last_error) for a failure the device
  * handled itself (an event waited out, a free refused), for the report. */
 void note_absorbed(device_t *d);
+/* The device refused to take memory back (it keeps it, so the cache does):
+ * count it in num_device_free_failures and keep its message. */
+void note_refused_free(device_t *d);
 
 /* Add a segment to the device's list, or take it off. */
 void segment_link(device_t *d, segment_t *seg);

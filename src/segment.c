@@ -192,8 +192,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
   } else if (rc != GCA_OK) {
     /* The device refused and still holds the memory: keep the segment
      * cached, whole, to be given back another time. */
-    d->stats.num_device_free_failures++;
-    note_absorbed(d);
+    note_refused_free(d);
     b->state = BLOCK_FREE;
     pool_insert(b->pool, b);
     return false;
@@ -364,17 +363,13 @@ void block_give_back(device_t *d, block_t *b) {
     survivor = prev;
     split_blocks -= 1;
     split_bytes -= (int64_t)prev->size;
-    prev->size += b->size;
-    prev->next = b->next;
-    if (b->next) b->next->prev = prev;
+    block_absorb_next(prev);
     block_recycle(d, b);
     if (next) {
       split_blocks -= 1;
       split_bytes -= (int64_t)next->size;
       pool_remove(next->pool, next);
-      prev->size += next->size;
-      prev->next = next->next;
-      if (next->next) next->next->prev = prev;
+      block_absorb_next(prev);
       block_recycle(d, next);
     }
     pool_key_increased(prev->pool, prev);
@@ -382,11 +377,7 @@ void block_give_back(device_t *d, block_t *b) {
     survivor = next;
     split_blocks -= 1;
     split_bytes -= (int64_t)next->size;
-    next->addr = b->addr;
-    next->size += b->size;
-    next->prev = b->prev;
-    if (b->prev) b->prev->next = next;
-    else next->segment->head = next;
+    block_absorb_prev(next);
     block_recycle(d, b);
     pool_key_increased(next->pool, next);
   } else {
