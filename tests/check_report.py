@@ -165,7 +165,7 @@ def main():
         ranges = [g for d in data["devices"] for g in d["segments"] if g["range"]]
         holes = sum(1 for g in ranges for size, state in g["blocks"] if state == 3)
         pages = [d["pages"] for d in data["devices"] if d["pages"]]
-        if not ranges or not holes or not pages or not sum(p["unmapped_at_peak"] for p in pages):
+        if not ranges or not holes or not pages or not sum(p["at_peak"]["unmapped_pages"] for p in pages):
             fail("the replay has no unmapped pages at its peak to draw (%d ranges, %d holes)" % (len(ranges), holes))
         drawn_ranges = len(re.findall(r'<rect [^>]*class="range"', dom.stdout))
         drawn_holes = len(re.findall(r'<rect [^>]*class="unmapped"', dom.stdout))

@@ -61,14 +61,13 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
   }
 }
 
-/* The pages of expandable segments, or null without them. */
-static void print_pages_json(const replay_device_t *d) {
+void pages_json_put(FILE *f, const replay_device_t *d) {
   if (!d->expandable) {
-    printf("null");
+    fprintf(f, "null");
     return;
   }
   const page_census_t *c = &d->peak_pages;
-  printf("{\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
+  fprintf(f, "{\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
          ", \"at_peak\": {\"ranges\": %zu, \"reserved_address_bytes\": %" PRIu64 ", \"mapped_pages\": %" PRIu64
          ", \"mapped_bytes\": %" PRIu64 ", \"free_pages\": %" PRIu64 ", \"free_bytes\": %" PRIu64
          ", \"unmapped_pages\": %" PRIu64 ", \"unmapped_bytes\": %" PRIu64 "}}",
@@ -92,7 +91,7 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
     printf(", \"pages\": ");
-    print_pages_json(d);
+    pages_json_put(stdout, d);
     printf(", \"device_allocs\": %" PRIu64 ", \"device_frees\": %" PRIu64 ", \"empty_cache_calls\": %zu"
            ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"segment_events_replayed\": %zu"
            ", \"events_per_second\": %.0f, \"oom\": ",

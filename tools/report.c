@@ -64,8 +64,9 @@ static int by_size_desc(const void *x, const void *y) {
   return a->total_size < b->total_size ? 1 : a->total_size > b->total_size ? -1 : (a->address > b->address) - (a->address < b->address);
 }
 
-/* One row of the segment map: [size, state] pairs (0 allocated, 1 pending
- * free, 2 free, 3 unmapped), or none beyond the budget of blocks. */
+/* The opening of one row of the segment map; the caller writes its blocks
+ * as [size, state] pairs (0 allocated, 1 pending free, 2 free, 3 unmapped),
+ * or none beyond the budget of blocks, and closes it. */
 static void put_row(FILE *f, bool first, uint64_t address, uint64_t size, uint64_t allocated, gca_stream_t stream,
                     int pool, bool range) {
   fprintf(f, "%s\n{\"address\": %" PRIu64 ", \"size\": %" PRIu64 ", \"allocated\": %" PRIu64
@@ -96,11 +97,12 @@ static void put_segments(FILE *f, const replay_device_t *d) {
     }
     fprintf(f, "]}");
   }
-  const gca_snapshot_segment_t **order = s && s->segment_count ? malloc(s->segment_count * sizeof *order) : NULL;
-  for (size_t i = 0; order && i < s->segment_count; i++)
-    if (!s->segments[i].is_expandable) order[ordinary++] = &s->segments[i];
-  qsort(order, ordinary, sizeof *order, by_size_desc);
-  size_t shown = ordinary < MAP_SEGMENTS ? ordinary : MAP_SEGMENTS;
+  for (size_t i = 0; s && i < s->segment_count; i++) ordinary += !s->segments[i].is_expandable;
+  const gca_snapshot_segment_t **order = ordinary ? malloc(ordinary * sizeof *order) : NULL;
+  for (size_t i = 0, k = 0; order && i < s->segment_count; i++)
+    if (!s->segments[i].is_expandable) order[k++] = &s->segments[i];
+  if (order) qsort(order, ordinary, sizeof *order, by_size_desc);
+  size_t shown = !order ? 0 : ordinary < MAP_SEGMENTS ? ordinary : MAP_SEGMENTS;
   for (size_t i = 0; i < shown; i++) {
     const gca_snapshot_segment_t *g = order[i];
     put_row(f, rows++ == 0, g->address, g->total_size, g->allocated_size, g->stream, g->pool, false);
@@ -111,24 +113,8 @@ static void put_segments(FILE *f, const replay_device_t *d) {
     }
     fprintf(f, "]}");
   }
-  size_t left_out = 0;
-  for (size_t i = 0; s && i < s->segment_count; i++) left_out += !s->segments[i].is_expandable;
-  fprintf(f, "], \"segments_left_out\": %zu", left_out - shown);
+  fprintf(f, "], \"segments_left_out\": %zu", ordinary - shown);
   free(order);
-}
-
-/* The pages of expandable segments (as `gcalloc replay --json` has them), or null. */
-static void put_pages(FILE *f, const replay_device_t *d) {
-  const page_census_t *c = &d->peak_pages;
-  if (!d->expandable) {
-    fprintf(f, "\"pages\": null");
-    return;
-  }
-  fprintf(f, "\"pages\": {\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
-             ", \"ranges\": %zu, \"mapped_at_peak\": %" PRIu64 ", \"mapped_bytes_at_peak\": %" PRIu64
-             ", \"free_at_peak\": %" PRIu64 ", \"unmapped_at_peak\": %" PRIu64 ", \"unmapped_bytes_at_peak\": %" PRIu64 "}",
-          d->pages_mapped, d->pages_unmapped, d->pages_moved, c->ranges, c->mapped_pages, c->mapped_bytes,
-          c->free_pages, c->unmapped_pages, c->unmapped_bytes);
 }
 
 /* The page's script: draws what REPORT holds. Plain SVG, no library. */
@@ -222,11 +208,12 @@ static const char page_script[] =
     "  if (!p) return;\n"
     "  const par = document.createElement('p');\n"
     "  par.className = 'pages';\n"
+    "  const a = p.at_peak;\n"
     "  par.textContent = 'Expandable segments: ' + p.mapped + ' pages mapped and ' + p.unmapped +\n"
-    "      ' unmapped over the replay (' + p.moved + ' of each moved by stitching). At the peak: ' + p.mapped_at_peak +\n"
-    "      ' pages mapped (' + fmt(p.mapped_bytes_at_peak) + ', ' + p.free_at_peak + ' of them free), ' + p.unmapped_at_peak +\n"
-    "      ' unmapped below the top of ' + p.ranges + ' range' + (p.ranges === 1 ? '' : 's') + ' (' +\n"
-    "      fmt(p.unmapped_bytes_at_peak) + ').';\n"
+    "      ' unmapped over the replay (' + p.moved + ' of each moved by stitching). At the peak: ' + a.mapped_pages +\n"
+    "      ' pages mapped (' + fmt(a.mapped_bytes) + ', ' + a.free_pages + ' of them free), ' + a.unmapped_pages +\n"
+    "      ' unmapped below the top of ' + a.ranges + ' range' + (a.ranges === 1 ? '' : 's') + ' (' +\n"
+    "      fmt(a.unmapped_bytes) + ').';\n"
     "  host.appendChild(par);\n"
     "}\n"
     "function row(table, cells, head) {\n"
@@ -248,7 +235,7 @@ static const char page_script[] =
     "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
     "                  d.segment_events_matched + ' of ' + d.segment_events_recorded,\n"
     "                  d.oom ? 'no: ' + d.oom : 'yes']\n"
-    "                 .concat(!paged ? [] : d.pages ? [d.pages.mapped_at_peak, d.pages.unmapped_at_peak] : ['', '']));\n"
+    "                 .concat(!paged ? [] : d.pages ? [d.pages.at_peak.mapped_pages, d.pages.at_peak.unmapped_pages] : ['', '']));\n"
     "    const sec = document.createElement('section');\n"
     "    const h = document.createElement('h2');\n"
     "    h.textContent = 'Device ' + d.device;\n"
@@ -315,8 +302,8 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
     put_timeline(f, d);
     fprintf(f, ", ");
     put_segments(f, d);
-    fprintf(f, ", ");
-    put_pages(f, d);
+    fprintf(f, ", \"pages\": ");
+    pages_json_put(f, d);
     fprintf(f, "}");
   }
   fprintf(f, "]};\n%s</script>\n</body></html>\n", page_script);

@@ -18,6 +18,10 @@ struct replay_options;
 int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o);
 /* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
 int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
+/* The pages of a device's expandable segments as `gcalloc replay --json`
+ * writes them (replay.c), or null without them; the report embeds the same. */
+struct replay_device;
+void pages_json_put(FILE *f, const struct replay_device *d);
 /* Shared helpers (common.c): a JSON string, escaped so that it is also safe
  * inside an HTML script; seconds on the monotonic clock; a qsort comparison
  * of doubles; bytes in GiB. */
