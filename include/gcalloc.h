@@ -439,6 +439,93 @@ typedef struct gca_stat_item {
 GCA_API size_t gca_stats_flatten(const gca_stats_t *stats, gca_stat_item_t *items, size_t cap);
 
 /* ------------------------------------------------------------------------ */
+/* Pinned host memory (docs/pinned.md)                                       */
+/* ------------------------------------------------------------------------ */
+
+/* A caching allocator of page-locked host memory with the semantics of
+ * PyTorch's CachingHostAllocator (torch's pin_memory): sizes round up to a
+ * power of two and each power of two has its own free list (most recently
+ * freed first); blocks are never split; a block used by work on streams
+ * (gca_host_record_stream) goes back to its list only when the events
+ * recorded on those streams at its free have completed. One per allocator,
+ * shared by all its devices. On a cache miss the memory comes from the
+ * backend (cuMemHostAlloc on CUDA), or, with
+ * pinned_use_cuda_host_register:True, from malloc, pre-faulted by
+ * pinned_num_register_threads threads, then registered (cuMemHostRegister). */
+
+/* Allocate `size` bytes of pinned host memory (page-aligned; the block is
+ * the next power of two). Size 0 returns NULL with status GCA_OK. Completed
+ * events are collected first; on a miss, the blocks of the same size whose
+ * events have completed are looked for before new memory is pinned. If
+ * pinning fails for want of memory, the cached blocks are given back and it
+ * is tried once more (PyTorch fails at once). On failure returns NULL:
+ * GCA_ERR_OOM naming the size and what is cached, GCA_ERR_INVALID for a size
+ * too large to round, GCA_ERR_BACKEND for a backend with no pinned memory. */
+GCA_API void *gca_host_malloc(gca_allocator_t *a, size_t size);
+
+/* Free a pointer returned by gca_host_malloc (NULL: a no-op). A pointer that
+ * is not the start of a live block (unknown, inside one, freed already)
+ * returns GCA_ERR_BAD_POINTER and changes nothing. The block is cached, not
+ * unpinned; if it was used on streams, an event is recorded on each and it
+ * is reused only once they have all completed. */
+GCA_API int gca_host_free(gca_allocator_t *a, void *ptr);
+
+/* Declare that the pinned block holding `ptr` (any address inside it, as a
+ * view of a tensor would give) is used by work on `stream` of `device`
+ * (PyTorch's CachingHostAllocator_recordEvent, called by copies from pinned
+ * memory). GCA_ERR_BAD_POINTER if no live block holds `ptr` (PyTorch
+ * returns false then), GCA_ERR_NOMEM if the use cannot be recorded. */
+GCA_API int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream_t stream);
+
+/* Collect completed events, then unpin every cached block (blocks in use or
+ * waiting for their events stay). If the backend refuses to free a block,
+ * it stays cached and the backend's error is returned after the others are
+ * freed. */
+GCA_API int gca_host_empty_cache(gca_allocator_t *a);
+
+/* *pinned = 1 if `ptr` points into page-locked host memory: a block of this
+ * allocator, or, where the backend can tell, memory pinned by anyone
+ * (cuPointerGetAttribute on CUDA, as torch's is_pinned). */
+GCA_API int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned);
+
+/* The size of the live pinned block starting at `ptr` (the power of two),
+ * or 0 with the error set. */
+GCA_API size_t gca_host_usable_size(gca_allocator_t *a, void *ptr);
+
+/* Durations in microseconds (PyTorch's DurationStat). */
+typedef struct gca_duration_stat {
+  int64_t total, max, min, count;
+} gca_duration_stat_t;
+
+/* torch.cuda.host_memory_stats(), with the same meanings:
+ *   allocation / allocated_bytes: blocks handed out and not yet back in a
+ *     free list (a freed block waiting for its events still counts);
+ *   segment / reserved_bytes: pinned memory obtained from the backend;
+ *   host_alloc_time / host_free_time: time in the backend's pin and unpin
+ *     calls; num_host_alloc / num_host_free: how many. */
+typedef struct gca_host_stats {
+  gca_stat_t allocation;
+  gca_stat_t segment;
+  gca_stat_t allocated_bytes;
+  gca_stat_t reserved_bytes;
+  gca_duration_stat_t host_alloc_time;
+  gca_duration_stat_t host_free_time;
+  int64_t num_host_alloc;
+  int64_t num_host_free;
+  /* gcalloc's own: */
+  int64_t pending_blocks;     /* freed blocks waiting for events */
+  int64_t cached_bytes;       /* in the free lists, ready for reuse */
+  int64_t num_alloc_retries;  /* pinning retried after giving the cache back */
+  int64_t num_event_errors;   /* events that failed (a stream wait was made instead) */
+  int64_t quarantined_blocks; /* never reused: even the stream wait failed */
+} gca_host_stats_t;
+
+GCA_API int gca_host_stats(gca_allocator_t *a, gca_host_stats_t *out);
+/* Peaks to current values; totals (allocated, freed, durations, num_*) to zero. */
+GCA_API int gca_host_reset_peak_stats(gca_allocator_t *a);
+GCA_API int gca_host_reset_accumulated_stats(gca_allocator_t *a);
+
+/* ------------------------------------------------------------------------ */
 /* Observability: summary, history, snapshot (docs/observability.md)         */
 /* ------------------------------------------------------------------------ */
 

@@ -102,8 +102,9 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     free(a);
     return set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
   }
-  for (int i = 0; i < a->device_count; i++) {
-    rc = device_init(&a->devices[i], a, i, &cfg);
+  for (int i = 0; i <= a->device_count; i++) {
+    /* The devices, then the pinned host allocator. */
+    rc = i < a->device_count ? device_init(&a->devices[i], a, i, &cfg) : host_cache_create(a);
     if (rc) {
       while (i-- > 0) device_destroy(&a->devices[i]);
       pthread_mutex_destroy(&a->config_lock);
@@ -136,6 +137,7 @@ void gca_close(gca_allocator_t *a) {
   record_line("close", "%d", a->id);
   record_unlock_calls();
   log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
+  host_cache_destroy(a);
   for (int i = 0; i < a->device_count; i++) device_destroy(&a->devices[i]);
   free(a->devices);
   pthread_mutex_destroy(&a->config_lock);

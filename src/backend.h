@@ -88,6 +88,11 @@ typedef struct backend_ops {
   /* Page-locked host memory for the pinned host allocator (may be NULL). */
   int (*host_alloc)(void *state, size_t size, void **ptr);
   int (*host_free)(void *state, void *ptr);
+  /* Page-lock `size` bytes of the caller's memory at ptr (cudaHostRegister),
+   * and undo it (may be NULL: pinned_use_cuda_host_register then falls back
+   * to host_alloc). */
+  int (*host_register)(void *state, void *ptr, size_t size);
+  int (*host_unregister)(void *state, void *ptr);
   /* Whether the backend knows `ptr` as page-locked host memory. */
   int (*host_is_pinned)(void *state, const void *ptr, int *pinned);
   void (*destroy)(void *state);
@@ -129,6 +134,10 @@ typedef struct sim_counters {
   uint64_t vm_handles;       /* physical allocations alive */
   uint64_t vm_mapped;        /* bytes mapped now */
   uint64_t vm_maps, vm_unmaps;
+  /* Pinned host memory (one host for all devices: the same in each). */
+  uint64_t host_calls;       /* host_alloc and host_register calls, failed ones included */
+  uint64_t host_live;        /* ranges allocated or registered now */
+  size_t host_used;          /* bytes in them */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */

@@ -283,9 +283,7 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     return rc;
   }
   if (strcmp(key, "pinned_use_cuda_host_register") == 0 || strcmp(key, "pinned_use_hip_host_register") == 0) {
-    rc = read_bool(p, key, &c->pinned_use_host_register);
-    if (rc == GCA_OK && c->pinned_use_host_register) warn_not_built(p, key);
-    return rc;
+    return read_bool(p, key, &c->pinned_use_host_register);
   }
   if (strcmp(key, "pinned_use_background_threads") == 0) {
     rc = read_bool(p, key, &c->pinned_use_background_threads);
@@ -298,7 +296,6 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     if (!parse_uint(v, &n) || !is_pow2(n) || n > 128)
       return fail(p, key, v, "must be a power of two <= 128");
     c->pinned_num_register_threads = (size_t)n;
-    if (n != 1) warn_not_built(p, key);
     return GCA_OK;
   }
   if (strcmp(key, "backend") == 0) {

@@ -729,6 +729,8 @@ void oom_notify(device_t *d, const oom_report_t *report);
 /* The allocator (allocator.c)                                               */
 /* ------------------------------------------------------------------------ */
 
+typedef struct host_cache host_cache_t;
+
 struct gca_allocator {
   backend_t backend;
   int device_count;
@@ -739,7 +741,15 @@ struct gca_allocator {
   int id;                      /* the allocator's number in the trace file */
   pthread_mutex_t callbacks_lock;
   callback_list_t callbacks[CB_KINDS];
+  host_cache_t *host;          /* the pinned host allocator (host.c) */
 };
+
+/* The pinned host allocator (host.c): made at open, destroyed at close
+ * (before the backend closes); host_cache_check tests its invariants (call
+ * it when no other thread uses the host allocator). */
+int host_cache_create(gca_allocator_t *a);
+void host_cache_destroy(gca_allocator_t *a);
+int host_cache_check(gca_allocator_t *a);
 
 /* ------------------------------------------------------------------------ */
 /* Errors and logging (error.c)                                              */

@@ -19,7 +19,7 @@
  *    address space, physical memory is a memfd, cuMemMap maps it there and
  *    cuMemSetAccess makes it read-write; unmapping puts PROT_NONE back;
  *  - device properties, peer access, stream priorities, pinned host memory
- *    and cuPointerGetAttribute;
+ *    (allocated, or the caller's registered) and cuPointerGetAttribute;
  *  - failure injection: fakecuda_fail(entry, skip, times, code) makes the
  *    named entry point fail with `code` after `skip` more calls, `times`
  *    times; fakecuda_calls(entry) counts the calls.
@@ -50,6 +50,8 @@ enum {
   NOT_READY = 600,
   PEER_ALREADY_ENABLED = 704,
   PEER_NOT_ENABLED = 705,
+  HOST_MEMORY_ALREADY_REGISTERED = 712,
+  HOST_MEMORY_NOT_REGISTERED = 713,
   NOT_SUPPORTED = 801,
   UNKNOWN = 999
 };
@@ -68,7 +70,7 @@ typedef struct fake_event {
 
 /* One table for everything that has an address: device allocations, host
  * allocations, reservations, mappings, physical handles. */
-enum { ITEM_FREE, ITEM_DEVICE, ITEM_HOST, ITEM_RESERVED, ITEM_MAPPED, ITEM_PHYSICAL };
+enum { ITEM_FREE, ITEM_DEVICE, ITEM_HOST, ITEM_RESERVED, ITEM_MAPPED, ITEM_PHYSICAL, ITEM_REGISTERED };
 typedef struct item {
   int kind;
   int device;
@@ -149,7 +151,7 @@ EXPORT void fakecuda_complete_events(void) {
 /* Bytes of device memory in use on `device` (allocations and physical memory). */
 EXPORT size_t fakecuda_used(int device) { return used[device]; }
 
-/* How many items of a kind are alive: 1 device, 2 host, 3 reserved, 4 mapped, 5 physical. */
+/* How many items of a kind are alive: 1 device, 2 host, 3 reserved, 4 mapped, 5 physical, 6 registered. */
 EXPORT size_t fakecuda_live(int kind) {
   size_t n = 0;
   pthread_mutex_lock(&lock);
@@ -248,6 +250,8 @@ static const struct {
              {NOT_READY, "CUDA_ERROR_NOT_READY"},
              {PEER_ALREADY_ENABLED, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED"},
              {PEER_NOT_ENABLED, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED"},
+             {HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
+             {HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
              {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
              {UNKNOWN, "CUDA_ERROR_UNKNOWN"}};
 
@@ -496,10 +500,31 @@ EXPORT int cuMemFreeHost(void *ptr) {
   LEAVE(OK);
 }
 
+EXPORT int cuMemHostRegister_v2(void *ptr, size_t size, unsigned flags) {
+  ENTER("cuMemHostRegister_v2");
+  if (!current) LEAVE(INVALID_CONTEXT);
+  if (!ptr || !size || flags > 0xf) LEAVE(INVALID_VALUE);
+  uintptr_t p = (uintptr_t)ptr;
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if ((items[i].kind == ITEM_HOST || items[i].kind == ITEM_REGISTERED) && p < items[i].addr + items[i].size &&
+        items[i].addr < p + size)
+      LEAVE(HOST_MEMORY_ALREADY_REGISTERED);
+  if (!new_item(ITEM_REGISTERED, -1, p, size)) LEAVE(OUT_OF_MEMORY);
+  LEAVE(OK);
+}
+
+EXPORT int cuMemHostUnregister(void *ptr) {
+  ENTER("cuMemHostUnregister");
+  item_t *it = find(ITEM_REGISTERED, (uintptr_t)ptr);
+  if (!it) LEAVE(HOST_MEMORY_NOT_REGISTERED);
+  it->kind = ITEM_FREE;
+  LEAVE(OK);
+}
+
 EXPORT int cuPointerGetAttribute(void *data, int attribute, uint64_t ptr) {
   ENTER("cuPointerGetAttribute");
   if (attribute != 2) LEAVE(INVALID_VALUE);
-  if (containing(ITEM_HOST, (uintptr_t)ptr)) *(unsigned *)data = 1;
+  if (containing(ITEM_HOST, (uintptr_t)ptr) || containing(ITEM_REGISTERED, (uintptr_t)ptr)) *(unsigned *)data = 1;
   else if (containing(ITEM_DEVICE, (uintptr_t)ptr) || containing(ITEM_MAPPED, (uintptr_t)ptr)) *(unsigned *)data = 2;
   else LEAVE(INVALID_VALUE);
   LEAVE(OK);

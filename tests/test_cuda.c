@@ -29,7 +29,7 @@ static size_t (*fake_live)(int kind);
 static size_t (*fake_live_events)(void);
 static int (*fake_retained)(int device);
 
-enum { LIVE_DEVICE = 1, LIVE_HOST = 2, LIVE_RESERVED = 3, LIVE_MAPPED = 4, LIVE_PHYSICAL = 5 };
+enum { LIVE_DEVICE = 1, LIVE_HOST = 2, LIVE_RESERVED = 3, LIVE_MAPPED = 4, LIVE_PHYSICAL = 5, LIVE_REGISTERED = 6 };
 
 #define SPEC "cuda:driver=" FAKE_CUDA_PATH
 
@@ -79,6 +79,7 @@ static void assert_driver_empty(void) {
   assert_int_equal(fake_live(LIVE_RESERVED), 0);
   assert_int_equal(fake_live(LIVE_MAPPED), 0);
   assert_int_equal(fake_live(LIVE_PHYSICAL), 0);
+  assert_int_equal(fake_live(LIVE_REGISTERED), 0);
   assert_int_equal(fake_live_events(), 0);
   assert_int_equal(fake_retained(0), 0);
   assert_int_equal(fake_retained(1), 0);
@@ -356,6 +357,145 @@ static void test_event_errors(void **state) {
   }
 }
 
+/* ---- the pinned host allocator over the driver -------------------------- */
+
+static gca_host_stats_t host_stats(gca_allocator_t *a) {
+  gca_host_stats_t st;
+  assert_int_equal(gca_host_stats(a, &st), GCA_OK);
+  assert_int_equal(host_cache_check(a), GCA_OK);
+  return st;
+}
+
+static void test_pinned_host(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  char *p = gca_host_malloc(a, 3000);
+  assert_non_null(p);
+  assert_int_equal(fake_calls("cuMemHostAlloc"), 1);
+  assert_int_equal(fake_live(LIVE_HOST), 1);
+  assert_int_equal(gca_host_usable_size(a, p), 4096);
+  memset(p, 1, 4096);
+  int pinned = 0;
+  assert_int_equal(gca_host_is_pinned(a, p + 4000, &pinned), GCA_OK);
+  assert_int_equal(pinned, 1);
+  /* Memory the allocator does not know: the driver is asked. */
+  char *plain = malloc(64);
+  assert_int_equal(gca_host_is_pinned(a, plain, &pinned), GCA_OK);
+  assert_int_equal(pinned, 0);
+  assert_int_equal(fake_calls("cuPointerGetAttribute"), 1);
+  free(plain);
+
+  /* Used on a stream of device 1: reused only after its event completes. */
+  fake_hold_events(1);
+  assert_int_equal(gca_host_record_stream(a, p, 1, S1), GCA_OK);
+  assert_int_equal(gca_host_free(a, p), GCA_OK);
+  assert_int_equal(fake_calls("cuEventRecord"), 1);
+  char *q = gca_host_malloc(a, 3000);
+  assert_true(q != p);
+  assert_int_equal(fake_calls("cuMemHostAlloc"), 2);
+  fake_complete_events();
+  assert_ptr_equal(gca_host_malloc(a, 4096), p);
+  assert_int_equal(host_stats(a).pending_blocks, 0);
+  assert_int_equal(gca_host_free(a, p), GCA_OK);
+  assert_int_equal(gca_host_free(a, q), GCA_OK);
+  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  assert_int_equal(fake_calls("cuMemFreeHost"), 2);
+  assert_int_equal(fake_live(LIVE_HOST), 0);
+
+  /* The register path: malloc, touch, cuMemHostRegister; undone in reverse. */
+  assert_int_equal(gca_set_config(a, "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"), GCA_OK);
+  char *r = gca_host_malloc(a, 256 * KiB);
+  assert_non_null(r);
+  memset(r, 2, 256 * KiB);
+  assert_int_equal(fake_calls("cuMemHostRegister_v2"), 1);
+  assert_int_equal(fake_live(LIVE_REGISTERED), 1);
+  assert_int_equal(gca_host_is_pinned(a, r, &pinned), GCA_OK);
+  assert_int_equal(pinned, 1);
+  assert_int_equal(gca_host_free(a, r), GCA_OK);
+  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  assert_int_equal(fake_calls("cuMemHostUnregister"), 1);
+  assert_int_equal(fake_live(LIVE_REGISTERED), 0);
+  /* Blocks still in use at close are unpinned with it. */
+  assert_non_null(gca_host_malloc(a, 100));
+  gca_close(a);
+  assert_driver_empty();
+}
+
+static void test_pinned_host_errors(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  /* Out of memory with nothing cached: the driver's error, named. */
+  fake_fail("cuMemHostAlloc", 0, 1, 2);
+  assert_null(gca_host_malloc(a, 5000));
+  assert_error(gca_last_status(), GCA_ERR_OOM, "cuMemHostAlloc", "CUDA_ERROR_OUT_OF_MEMORY");
+  assert_non_null(strstr(gca_last_error(), "rounded to 8192"));
+  /* With a block cached: it is given back and the pin tried again. */
+  void *p = gca_host_malloc(a, 5000);
+  assert_non_null(p);
+  assert_int_equal(gca_host_free(a, p), GCA_OK);
+  fake_fail("cuMemHostAlloc", 0, 1, 2);
+  void *q = gca_host_malloc(a, 100000);
+  assert_non_null(q);
+  gca_host_stats_t st = host_stats(a);
+  assert_int_equal(st.num_alloc_retries, 1);
+  assert_int_equal(st.num_host_free, 1);
+  /* Another failure is final at once. */
+  fake_fail("cuMemHostAlloc", 0, 1, 999);
+  assert_null(gca_host_malloc(a, 1));
+  assert_error(gca_last_status(), GCA_ERR_BACKEND, "cuMemHostAlloc", "CUDA_ERROR_UNKNOWN");
+  assert_int_equal(host_stats(a).num_alloc_retries, 1);
+
+  /* A refused unpin: the block stays cached and pinned; the next try unpins it. */
+  assert_int_equal(gca_host_free(a, q), GCA_OK);
+  fake_fail("cuMemFreeHost", 0, 1, 999);
+  assert_error(gca_host_empty_cache(a), GCA_ERR_BACKEND, "cuMemFreeHost", "CUDA_ERROR_UNKNOWN");
+  assert_non_null(strstr(gca_last_error(), "stays pinned"));
+  st = host_stats(a);
+  assert_int_equal(st.segment.current, 1);
+  assert_int_equal(st.cached_bytes, 128 * (int64_t)KiB);
+  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  assert_int_equal(host_stats(a).segment.current, 0);
+
+  /* Registering refused: the driver's error, the malloc'd memory given back. */
+  assert_int_equal(gca_set_config(a, "pinned_use_cuda_host_register:True"), GCA_OK);
+  fake_fail("cuMemHostRegister_v2", 0, 1, 712);
+  assert_null(gca_host_malloc(a, 4096));
+  assert_error(gca_last_status(), GCA_ERR_BACKEND, "cuMemHostRegister", "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED");
+  fake_fail("cuMemHostUnregister", 0, 1, 713);
+  void *r = gca_host_malloc(a, 4096);
+  assert_int_equal(gca_host_free(a, r), GCA_OK);
+  assert_error(gca_host_empty_cache(a), GCA_ERR_BACKEND, "cuMemHostUnregister",
+               "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED");
+  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  assert_int_equal(fake_live(LIVE_REGISTERED), 0);
+  assert_int_equal(gca_set_config(a, "pinned_use_cuda_host_register:False"), GCA_OK);
+
+  /* Event failures: the stream is waited for instead, and the log says so. */
+  /* cuEventCreate first: later frees reuse the backend's cached events. */
+  static const char *const entries[] = {"cuEventCreate", "cuEventRecord", "cuEventQuery"};
+  for (size_t i = 0; i < 3; i++) {
+    fake_hold_events(1);
+    void *b = gca_host_malloc(a, 4096);
+    assert_int_equal(gca_host_record_stream(a, b, 0, S2), GCA_OK);
+    unsigned long syncs = fake_calls("cuStreamSynchronize");
+    fake_fail(entries[i], 0, 1, 999);
+    log_capture_t log = {0};
+    gca_set_log_handler(capture_log, &log);
+    assert_int_equal(gca_host_free(a, b), GCA_OK);
+    assert_ptr_equal(gca_host_malloc(a, 4096), b); /* waited for: reusable */
+    gca_set_log_handler(NULL, NULL);
+    assert_int_equal(fake_calls("cuStreamSynchronize"), syncs + 1);
+    assert_non_null(strstr(log.all, entries[i]));
+    assert_non_null(strstr(log.all, "CUDA_ERROR_UNKNOWN"));
+    assert_int_equal(host_stats(a).num_event_errors, (int64_t)i + 1);
+    assert_int_equal(gca_host_free(a, b), GCA_OK);
+    fake_complete_events();
+    fake_hold_events(0);
+  }
+  gca_close(a);
+  assert_driver_empty();
+}
+
 static void test_virtual_memory_errors(void **state) {
   (void)state;
   static const error_case_t cases[] = {
@@ -479,6 +619,8 @@ int main(void) {
       cmocka_unit_test_setup(test_allocation_errors, fresh),
       cmocka_unit_test_setup(test_event_errors, fresh),
       cmocka_unit_test_setup(test_virtual_memory_errors, fresh),
+      cmocka_unit_test_setup(test_pinned_host, fresh),
+      cmocka_unit_test_setup(test_pinned_host_errors, fresh),
       cmocka_unit_test_setup(test_random, fresh),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

@@ -21,7 +21,8 @@ import os
 import tempfile
 
 __all__ = ["Allocator", "GcallocError", "library_path", "memory_stats", "memory_summary", "memory_snapshot",
-           "dump_snapshot", "empty_cache", "set_per_process_memory_fraction", "reset_peak_memory_stats"]
+           "dump_snapshot", "empty_cache", "set_per_process_memory_fraction", "reset_peak_memory_stats",
+           "host_memory_stats", "host_empty_cache"]
 
 
 class GcallocError(RuntimeError):
@@ -57,6 +58,25 @@ class _StatItem(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_int64)]
 
 
+class _Stat(ctypes.Structure):
+    _fields_ = [("current", ctypes.c_int64), ("peak", ctypes.c_int64), ("allocated", ctypes.c_int64),
+                ("freed", ctypes.c_int64)]
+
+
+class _DurationStat(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_int64), ("max", ctypes.c_int64), ("min", ctypes.c_int64),
+                ("count", ctypes.c_int64)]
+
+
+class _HostStats(ctypes.Structure):  # gca_host_stats_t
+    _fields_ = [("allocation", _Stat), ("segment", _Stat), ("allocated_bytes", _Stat), ("reserved_bytes", _Stat),
+                ("host_alloc_time", _DurationStat), ("host_free_time", _DurationStat),
+                ("num_host_alloc", ctypes.c_int64), ("num_host_free", ctypes.c_int64),
+                ("pending_blocks", ctypes.c_int64), ("cached_bytes", ctypes.c_int64),
+                ("num_alloc_retries", ctypes.c_int64), ("num_event_errors", ctypes.c_int64),
+                ("quarantined_blocks", ctypes.c_int64)]
+
+
 def _sig(name, restype, *argtypes):
     fn = getattr(_lib, name)
     fn.restype = restype
@@ -88,6 +108,13 @@ _sig("gca_snapshot_write", ctypes.c_int, _P, ctypes.c_char_p, ctypes.c_int)
 _sig("gca_get_stats", ctypes.c_int, _P, ctypes.c_int, _P)
 _sig("gca_stats_flatten", ctypes.c_size_t, _P, ctypes.POINTER(_StatItem), ctypes.c_size_t)
 _sig("gca_record_history", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
+_sig("gca_host_malloc", _P, _P, ctypes.c_size_t)
+_sig("gca_host_free", ctypes.c_int, _P, _P)
+_sig("gca_host_record_stream", ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_size_t)
+_sig("gca_host_empty_cache", ctypes.c_int, _P)
+_sig("gca_host_is_pinned", ctypes.c_int, _P, _P, ctypes.POINTER(ctypes.c_int))
+_sig("gca_host_stats", ctypes.c_int, _P, ctypes.POINTER(_HostStats))
+_sig("gca_host_reset_peak_stats", ctypes.c_int, _P)
 _sig("gca_torch_init", ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p)
 _sig("gca_torch_allocator", _P)
 _sig("gca_torch_malloc", _P, ctypes.c_ssize_t, ctypes.c_int, _P)
@@ -207,6 +234,52 @@ class Allocator:
         _check(_lib.gca_memory_summary(self._a, device, int(abbreviated), buf, n + 1))
         return buf.value.decode()
 
+    # Pinned host memory (gca_host_*): PyTorch's CachingHostAllocator.
+
+    def host_malloc(self, size):
+        """Address of `size` bytes of pinned host memory (0 for size 0); MemoryError when out of it."""
+        if size < 0:
+            raise ValueError("size must be >= 0, not %d" % size)
+        p = _lib.gca_host_malloc(self._a, size)
+        if not p:
+            status = _lib.gca_last_status()
+            if status == -2:
+                raise MemoryError(_lib.gca_last_error().decode())
+            _check(status)
+        return p or 0
+
+    def host_free(self, ptr):
+        _check(_lib.gca_host_free(self._a, ptr))
+
+    def host_record_stream(self, ptr, stream, device=0):
+        _check(_lib.gca_host_record_stream(self._a, ptr, device, stream))
+
+    def host_empty_cache(self):
+        _check(_lib.gca_host_empty_cache(self._a))
+
+    def host_is_pinned(self, ptr):
+        pinned = ctypes.c_int(0)
+        _check(_lib.gca_host_is_pinned(self._a, ptr, ctypes.byref(pinned)))
+        return bool(pinned.value)
+
+    def host_memory_stats(self):
+        """torch.cuda.host_memory_stats(): its keys ("allocation.current", "host_alloc_time.total",
+        "num_host_alloc", ...), then gcalloc's own (pending_blocks, cached_bytes, ...)."""
+        st = _HostStats()
+        _check(_lib.gca_host_stats(self._a, ctypes.byref(st)))
+        out = {}
+        for name, kind in _HostStats._fields_:
+            value = getattr(st, name)
+            if kind in (_Stat, _DurationStat):
+                for field, _ in kind._fields_:
+                    out["%s.%s" % (name, field)] = getattr(value, field)
+            else:
+                out[name] = value
+        return out
+
+    def host_reset_peak_memory_stats(self):
+        _check(_lib.gca_host_reset_peak_stats(self._a))
+
     def record_history(self, enabled=True, context="state", max_entries=100000):
         levels = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
         _check(_lib.gca_record_history(self._a, int(enabled), levels[context], max_entries))
@@ -268,3 +341,11 @@ def set_per_process_memory_fraction(fraction, device=0):
 
 def reset_peak_memory_stats(device=0):
     _process_allocator().reset_peak_memory_stats(device)
+
+
+def host_memory_stats():
+    return _process_allocator().host_memory_stats()
+
+
+def host_empty_cache():
+    _process_allocator().host_empty_cache()

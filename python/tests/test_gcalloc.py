@@ -76,6 +76,32 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError("global %s.%s" % (module, name))
 
 
+def test_pinned_host_memory():
+    with gcalloc.Allocator("sim:host_capacity=64KiB") as a:
+        p = a.host_malloc(3000)
+        assert p and p % 4096 == 0
+        ctypes.memset(p, 7, 4096)  # real memory, the whole power-of-two block
+        assert a.host_is_pinned(p + 4095)
+        assert not a.host_is_pinned(ctypes.addressof(ctypes.c_int(0)))
+        a.host_record_stream(p, stream=0x10)
+        a.host_free(p)
+        s = a.host_memory_stats()
+        # torch.cuda.host_memory_stats()'s keys, worked out: one 4096-byte block.
+        assert s["segment.current"] == 1 and s["reserved_bytes.current"] == 4096
+        assert s["num_host_alloc"] == 1 and s["host_alloc_time.count"] == 1
+        assert s["allocation.allocated"] == 1
+        assert a.host_malloc(4096) == p  # the event completed: reused
+        assert a.host_malloc(0) == 0
+        with pytest.raises(MemoryError, match="out of pinned host memory"):
+            a.host_malloc(128 * 1024)
+        with pytest.raises(gcalloc.GcallocError, match="freed already"):
+            a.host_free(p)
+            a.host_free(p)
+        a.host_empty_cache()
+        s = a.host_memory_stats()
+        assert s["segment.current"] == 0 and s["num_host_free"] == 1
+
+
 def test_snapshots(tmp_path):
     with gcalloc.Allocator("sim:capacity=4GiB") as a:
         a.record_history(True, "state")

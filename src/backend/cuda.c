@@ -54,6 +54,7 @@ enum {
   CUDA_ERROR_NOT_READY = 600,
   CU_EVENT_DISABLE_TIMING = 0x2,
   CU_MEMHOSTALLOC_PORTABLE = 0x1,
+  CU_MEMHOSTREGISTER_PORTABLE = 0x1,
   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
   CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75,
   CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76,
@@ -118,6 +119,8 @@ typedef struct CUmemAccessDesc {
   X(cuCtxGetStreamPriorityRange, "cuCtxGetStreamPriorityRange", 0, (int *least, int *greatest))             \
   X(cuMemHostAlloc, "cuMemHostAlloc", 0, (void **ptr, size_t size, unsigned flags))                         \
   X(cuMemFreeHost, "cuMemFreeHost", 0, (void *ptr))                                                         \
+  X(cuMemHostRegister, "cuMemHostRegister_v2", 0, (void *ptr, size_t size, unsigned flags))                 \
+  X(cuMemHostUnregister, "cuMemHostUnregister", 0, (void *ptr))                                             \
   X(cuPointerGetAttribute, "cuPointerGetAttribute", 0, (void *data, int attribute, CUdeviceptr ptr))        \
   X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", 0,                                      \
     (size_t * granularity, const CUmemAllocationProp *prop, int option))                                    \
@@ -464,6 +467,27 @@ static int cuda_host_free(void *state, void *ptr) {
   return GCA_OK;
 }
 
+/* Page-lock the caller's memory, portable across contexts (PyTorch's
+ * pinned_use_cuda_host_register path). */
+static int cuda_host_register(void *state, void *ptr, size_t size) {
+  cuda_t *c = state;
+  if (!c->drv.cuMemHostRegister) return missing("cuMemHostRegister_v2");
+  int rc = enter(c, 0);
+  if (rc) return rc;
+  CHECK(c, c->drv.cuMemHostRegister(ptr, size, CU_MEMHOSTREGISTER_PORTABLE), GCA_ERR_INVALID,
+        "cuMemHostRegister (%p, %zu bytes)", ptr, size);
+  return GCA_OK;
+}
+
+static int cuda_host_unregister(void *state, void *ptr) {
+  cuda_t *c = state;
+  if (!c->drv.cuMemHostUnregister) return missing("cuMemHostUnregister");
+  int rc = enter(c, 0);
+  if (rc) return rc;
+  CHECK(c, c->drv.cuMemHostUnregister(ptr), GCA_ERR_BAD_POINTER, "cuMemHostUnregister (%p)", ptr);
+  return GCA_OK;
+}
+
 /* Whether the driver knows `ptr` as page-locked host memory (any allocator's). */
 static int cuda_host_is_pinned(void *state, const void *ptr, int *pinned) {
   cuda_t *c = state;
@@ -522,6 +546,8 @@ static const backend_ops_t cuda_ops = {
     .stream_priority_range = cuda_stream_priority_range,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
+    .host_register = cuda_host_register,
+    .host_unregister = cuda_host_unregister,
     .host_is_pinned = cuda_host_is_pinned,
     .destroy = cuda_destroy,
 };

@@ -19,6 +19,14 @@
  * makes every allocate and free take that much longer, as driver calls do.
  * event_fail_at makes the Nth event record fail and wait_fail_at the Nth
  * host wait (event or stream synchronize), as driver errors would.
+ * host_fail_at makes the Nth pinned host allocation or registration fail
+ * as out of memory; host_capacity bounds the pinned host memory.
+ *
+ * Pinned host memory is real host memory (the caller writes it): allocated
+ * page-aligned, or the caller's own registered; the sim tracks both by
+ * address, so is_pinned answers for any pointer inside. Work queued with
+ * sim_launch may name host addresses, as a copy from pinned memory would;
+ * freeing or unregistering memory such work still uses is a hazard.
  *
  * Asynchrony: simulated time (one clock for all devices) moves only when the
  * driver of the sim advances it or when the host waits. Each stream knows
@@ -153,6 +161,14 @@ typedef struct sim {
   uint32_t engines;     /* 0: unlimited */
   size_t granularity;   /* of virtual memory */
   bool backed;
+  /* Pinned host memory: real host memory (callers write it), allocated
+   * (host_alloc) or registered (host_register), in one tree by address. */
+  struct sim_live host;
+  size_t host_capacity;   /* SIZE_MAX: only the host's own limit */
+  size_t host_used;
+  uint64_t host_fail_at;  /* 0: off */
+  uint64_t host_calls;    /* host_alloc and host_register calls */
+  uint64_t host_live;
   sim_device_t devices[];
 } sim_t;
 
@@ -771,6 +787,12 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
 
 static void sim_destroy(void *state) {
   sim_t *s = state;
+  for (sim_alloc_t *rec = RB_MIN(sim_live, &s->host), *next; rec; rec = next) {
+    next = RB_NEXT(sim_live, &s->host, rec);
+    RB_REMOVE(sim_live, &s->host, rec);
+    free(rec->host);
+    free(rec);
+  }
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
     sim_alloc_t *rec, *next;
@@ -805,6 +827,137 @@ static void sim_destroy(void *state) {
   free(s);
 }
 
+/* ---- pinned host memory ------------------------------------------------ */
+
+/* The pinned range holding `ptr`, or NULL. With the sim lock held. */
+static sim_alloc_t *pinned_range_of(sim_t *s, uintptr_t ptr) {
+  sim_alloc_t key = {.addr = ptr};
+  sim_alloc_t *r = RB_NFIND(sim_live, &s->host, &key);
+  if (!r || r->addr != ptr) r = r ? RB_PREV(sim_live, &s->host, r) : RB_MAX(sim_live, &s->host);
+  return r && ptr - r->addr < r->size ? r : NULL;
+}
+
+/* Pinning `size` bytes more: fault injection and host_capacity may refuse. */
+static int charge_host(sim_t *s, size_t size) {
+  uint64_t call = ++s->host_calls;
+  if (s->host_fail_at && call == s->host_fail_at)
+    return set_error(GCA_ERR_OOM, "sim: injected failure of pinned host allocation #%" PRIu64, call);
+  if (size > s->host_capacity - s->host_used)
+    return set_error(GCA_ERR_OOM, "sim: out of pinned host memory (%zu bytes asked, %zu free)", size,
+                     s->host_capacity - s->host_used);
+  return GCA_OK;
+}
+
+/* Track [ptr, ptr + size) as pinned; `owned`: the sim allocated it. */
+static int pin_range(sim_t *s, void *ptr, size_t size, bool owned) {
+  sim_alloc_t *rec = calloc(1, sizeof *rec);
+  if (!rec) return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  rec->addr = (uintptr_t)ptr;
+  rec->size = rec->footprint = size;
+  rec->host = owned ? ptr : NULL;
+  RB_INSERT(sim_live, &s->host, rec);
+  s->host_used += size;
+  s->host_live++;
+  return GCA_OK;
+}
+
+/* Stop tracking a pinned range, as a free or an unregister. Queued work
+ * still using it (sim_launch on host addresses, as a copy from pinned
+ * memory would) is a hazard: the memory may be reused under it. */
+static int unpin_range(sim_t *s, sim_alloc_t *rec, const char *what) {
+  int rc = GCA_OK;
+  for (int i = 0; i < s->device_count && rc == GCA_OK; i++) {
+    sim_device_t *dev = &s->devices[i];
+    prune_work(dev, s->now);
+    const sim_work_t *w = conflicting_work(dev, rec->addr, rec->size, s->now);
+    if (w) {
+      dev->counters.hazards++;
+      rc = set_error(GCA_ERR_CORRUPT,
+                     "sim: hazard: %s of pinned [%#" PRIxPTR ", +%zu) while work of stream %#" PRIxPTR
+                     " of device %d runs until t=%" PRIu64 " ns (now %" PRIu64 ")",
+                     what, rec->addr, rec->size, (uintptr_t)w->stream, i, w->end, s->now);
+    }
+  }
+  RB_REMOVE(sim_live, &s->host, rec);
+  s->host_used -= rec->size;
+  s->host_live--;
+  free(rec->host);
+  free(rec);
+  return rc;
+}
+
+static int sim_host_alloc(void *state, size_t size, void **ptr) {
+  sim_t *s = state;
+  *ptr = NULL;
+  if (size == 0) return set_error(GCA_ERR_INVALID, "sim: pinned host allocation of 0 bytes");
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  int rc = charge_host(s, size);
+  void *p = NULL;
+  if (rc == GCA_OK && posix_memalign(&p, 4096, size) != 0)
+    rc = set_error(GCA_ERR_OOM, "sim: the host has no %zu bytes to pin", size);
+  if (rc == GCA_OK && (rc = pin_range(s, p, size, true)) != GCA_OK) free(p);
+  if (rc == GCA_OK) *ptr = p;
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_host_free(void *state, void *ptr) {
+  sim_t *s = state;
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  sim_alloc_t key = {.addr = (uintptr_t)ptr};
+  sim_alloc_t *rec = RB_FIND(sim_live, &s->host, &key);
+  int rc = !rec || !rec->host
+               ? set_error(GCA_ERR_BAD_POINTER, "sim: %p is not pinned host memory the sim allocated", ptr)
+               : unpin_range(s, rec, "free");
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_host_register(void *state, void *ptr, size_t size) {
+  sim_t *s = state;
+  if (!ptr || size == 0 || (uintptr_t)ptr + size < (uintptr_t)ptr)
+    return set_error(GCA_ERR_INVALID, "sim: cannot register [%p, +%zu)", ptr, size);
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  int rc = GCA_OK;
+  /* Any pinned range overlapping the new one: the last starting below its end. */
+  sim_alloc_t *r = pinned_range_of(s, (uintptr_t)ptr + size - 1);
+  if (!r) {
+    sim_alloc_t key = {.addr = (uintptr_t)ptr};
+    r = RB_NFIND(sim_live, &s->host, &key);
+    if (r && r->addr >= (uintptr_t)ptr + size) r = NULL;
+  }
+  if (r)
+    rc = set_error(GCA_ERR_INVALID, "sim: [%p, +%zu) overlaps pinned [%#" PRIxPTR ", +%zu)", ptr, size, r->addr,
+                   r->size);
+  if (rc == GCA_OK) rc = charge_host(s, size);
+  if (rc == GCA_OK) rc = pin_range(s, ptr, size, false);
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_host_unregister(void *state, void *ptr) {
+  sim_t *s = state;
+  add_latency(s);
+  pthread_mutex_lock(&s->lock);
+  sim_alloc_t key = {.addr = (uintptr_t)ptr};
+  sim_alloc_t *rec = RB_FIND(sim_live, &s->host, &key);
+  int rc = !rec || rec->host ? set_error(GCA_ERR_BAD_POINTER, "sim: %p was not registered", ptr)
+                             : unpin_range(s, rec, "unregister");
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+static int sim_host_is_pinned(void *state, const void *ptr, int *pinned) {
+  sim_t *s = state;
+  pthread_mutex_lock(&s->lock);
+  *pinned = pinned_range_of(s, (uintptr_t)ptr) != NULL;
+  pthread_mutex_unlock(&s->lock);
+  return GCA_OK;
+}
+
 static int sim_device_properties(void *state, int device, gca_device_properties_t *out) {
   sim_t *s = state;
   (void)device;
@@ -834,6 +987,11 @@ static const backend_ops_t sim_ops = {
     .vm_map = sim_vm_map,
     .vm_unmap = sim_vm_unmap,
     .device_properties = sim_device_properties,
+    .host_alloc = sim_host_alloc,
+    .host_free = sim_host_free,
+    .host_register = sim_host_register,
+    .host_unregister = sim_host_unregister,
+    .host_is_pinned = sim_host_is_pinned,
     .destroy = sim_destroy,
 };
 
@@ -858,6 +1016,9 @@ int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
   *out = s->devices[device].counters;
   out->used = s->devices[device].used;
   out->capacity = s->capacity;
+  out->host_calls = s->host_calls;
+  out->host_live = s->host_live;
+  out->host_used = s->host_used;
   pthread_mutex_unlock(&s->lock);
   return GCA_OK;
 }
@@ -943,7 +1104,7 @@ uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream
 
 typedef struct sim_options {
   uint64_t capacity, devices, fail_at, fail_count, fail_after, free_fail_at, seed, latency_ns, backed, event_fail_at,
-      wait_fail_at, engines, granularity;
+      wait_fail_at, engines, granularity, host_capacity, host_fail_at;
   double fail_rate;
 } sim_options_t;
 
@@ -1010,13 +1171,19 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
     if (!parse_size(val, vlen, &o->granularity) || o->granularity < SIM_ALIGN ||
         (o->granularity & (o->granularity - 1)) || o->granularity > ((uint64_t)1 << 30))
       return bad_option(key, klen, val, vlen, "expected a power of two from 512 bytes to 1GiB, like 2MiB");
+  } else if (KEY_IS("host_capacity")) {
+    if (!parse_size(val, vlen, &o->host_capacity) || o->host_capacity == 0)
+      return bad_option(key, klen, val, vlen, "expected a size of at least 1 byte, like 4GiB");
+  } else if (KEY_IS("host_fail_at")) {
+    if (!parse_u64(val, vlen, &o->host_fail_at) || o->host_fail_at == 0)
+      return bad_option(key, klen, val, vlen, "expected a pinned host allocation number >= 1");
   } else if (KEY_IS("backed")) {
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
   } else {
     return set_error(GCA_ERR_BACKEND,
                      "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_count, "
                      "fail_after, fail_rate, seed, free_fail_at, latency_ns, event_fail_at, wait_fail_at, engines, "
-                     "granularity, backed)",
+                     "granularity, backed, host_capacity, host_fail_at)",
                      (int)klen, key);
   }
   return GCA_OK;
@@ -1060,6 +1227,9 @@ int sim_backend_create(const char *options, backend_t *out) {
   s->engines = (uint32_t)o.engines;
   s->backed = o.backed != 0;
   s->granularity = (size_t)o.granularity;
+  s->host_capacity = o.host_capacity ? (size_t)o.host_capacity : SIZE_MAX;
+  s->host_fail_at = o.host_fail_at;
+  RB_INIT(&s->host);
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
     RB_INIT(&dev->live);
