@@ -17,7 +17,8 @@
  *    them, or on their stream;
  *  - virtual memory with real mappings: reserved ranges are PROT_NONE
  *    address space, physical memory is a memfd, cuMemMap maps it there and
- *    cuMemSetAccess makes it read-write; unmapping puts PROT_NONE back;
+ *    cuMemSetAccess makes it read-write and records which devices may
+ *    access it (fakecuda_access); unmapping puts PROT_NONE back;
  *  - device properties, peer access, stream priorities, pinned host memory
  *    (allocated, or the caller's registered) and cuPointerGetAttribute;
  *  - failure injection: fakecuda_fail(entry, skip, times, code) makes the
@@ -78,6 +79,7 @@ typedef struct item {
   size_t size;
   int fd;          /* physical memory */
   uint64_t handle; /* mapped: the physical handle */
+  unsigned access; /* mapped: the devices that may read and write it, a bit each */
 } item_t;
 
 typedef struct injection {
@@ -210,7 +212,7 @@ static int devices(void) {
 static item_t *new_item(int kind, int device, uintptr_t addr, size_t size) {
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (items[i].kind == ITEM_FREE) {
-      items[i] = (item_t){kind, device, addr, size, -1, 0};
+      items[i] = (item_t){kind, device, addr, size, -1, 0, 0};
       return &items[i];
     }
   return NULL;
@@ -645,15 +647,38 @@ typedef struct access {
 
 EXPORT int cuMemSetAccess(uint64_t ptr, size_t size, const access_t *desc, size_t count) {
   ENTER("cuMemSetAccess");
-  if (!desc || count != 1 || desc->location_type != 1 || desc->flags != 3) LEAVE(INVALID_VALUE);
+  if (!desc || count == 0 || count > MAX_DEVICES) LEAVE(INVALID_VALUE);
   /* Every byte must be mapped. */
   for (uint64_t at = ptr; at < ptr + size;) {
     item_t *m = containing(ITEM_MAPPED, (uintptr_t)at);
     if (!m) LEAVE(INVALID_VALUE);
     at = m->addr + m->size;
   }
+  /* Each descriptor: a device, read-write (3) or none (0). Another device
+   * than the memory's own must be able to reach it (every pair can here). */
+  for (size_t k = 0; k < count; k++)
+    if (desc[k].location_type != 1 || desc[k].location_id < 0 || desc[k].location_id >= devices() ||
+        (desc[k].flags != 3 && desc[k].flags != 0))
+      LEAVE(INVALID_VALUE);
+  for (uint64_t at = ptr; at < ptr + size;) {
+    item_t *m = containing(ITEM_MAPPED, (uintptr_t)at);
+    for (size_t k = 0; k < count; k++) {
+      if (desc[k].flags) m->access |= 1u << desc[k].location_id;
+      else m->access &= ~(1u << desc[k].location_id);
+    }
+    at = m->addr + m->size;
+  }
   if (mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) != 0) LEAVE(INVALID_VALUE);
   LEAVE(OK);
+}
+
+/* The devices that may access the mapping holding addr (a bit each); -1 if none holds it. */
+EXPORT int fakecuda_access(uintptr_t addr) {
+  pthread_mutex_lock(&lock);
+  item_t *m = containing(ITEM_MAPPED, addr);
+  int access = m ? (int)m->access : -1;
+  pthread_mutex_unlock(&lock);
+  return access;
 }
 
 EXPORT int cuMemUnmap(uint64_t ptr, size_t size) {

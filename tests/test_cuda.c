@@ -28,6 +28,7 @@ static size_t (*fake_used)(int device);
 static size_t (*fake_live)(int kind);
 static size_t (*fake_live_events)(void);
 static int (*fake_retained)(int device);
+static int (*fake_access)(uintptr_t addr);
 
 enum { LIVE_DEVICE = 1, LIVE_HOST = 2, LIVE_RESERVED = 3, LIVE_MAPPED = 4, LIVE_PHYSICAL = 5, LIVE_REGISTERED = 6 };
 
@@ -53,8 +54,9 @@ static int setup(void **state) {
   LOAD(fake_live, "fakecuda_live");
   LOAD(fake_live_events, "fakecuda_live_events");
   LOAD(fake_retained, "fakecuda_retained");
+  LOAD(fake_access, "fakecuda_access");
 #undef LOAD
-  return fake_retained ? 0 : -1;
+  return fake_retained && fake_access ? 0 : -1;
 }
 
 static int teardown(void **state) {
@@ -357,6 +359,48 @@ static void test_event_errors(void **state) {
   }
 }
 
+/* Peer access reaches expandable segments: cuCtxEnablePeerAccess does not
+ * cover cuMemMap'd memory, so each mapping's access is set for the peer. */
+static void test_peer_access_to_mappings(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, "expandable_segments:True");
+  const int own1 = 1 << 1, both = (1 << 0) | (1 << 1);
+  char *p = gca_malloc(a, 30 * MiB, 1, S1);
+  char *r = gca_malloc(a, 30 * MiB, 0, S1);
+  assert_non_null(p);
+  assert_int_equal(fake_access((uintptr_t)p), own1);
+  /* Device 0 may use device 1's memory: what is mapped already, and what is mapped next. */
+  assert_int_equal(gca_enable_peer_access(a, 0, 1), GCA_OK);
+  assert_int_equal(fake_access((uintptr_t)p), both);
+  assert_int_equal(fake_access((uintptr_t)p + 30 * MiB - 1), both);
+  char *q = gca_malloc(a, 60 * MiB, 1, S1);
+  assert_non_null(q);
+  assert_int_equal(fake_access((uintptr_t)q + 60 * MiB - 1), both);
+  assert_int_equal(fake_access((uintptr_t)r), 1 << 0); /* the other direction is not enabled */
+  memset(q, 3, 60 * MiB);
+  /* Disabled: the peer's access is taken back from every mapping. */
+  assert_int_equal(gca_disable_peer_access(a, 0, 1), GCA_OK);
+  assert_int_equal(fake_access((uintptr_t)p), own1);
+  assert_int_equal(fake_access((uintptr_t)q + 60 * MiB - 1), own1);
+  /* A mapping's access refused: nothing enabled (a second try is not "already enabled"). */
+  fake_fail("cuMemSetAccess", 0, 1, 999);
+  assert_error(gca_enable_peer_access(a, 0, 1), GCA_ERR_BACKEND, "cuMemSetAccess", "peer access not enabled");
+  assert_int_equal(fake_access((uintptr_t)p), own1);
+  assert_int_equal(gca_enable_peer_access(a, 0, 1), GCA_OK);
+  assert_int_equal(fake_access((uintptr_t)p), both);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_free(a, q), GCA_OK);
+  assert_int_equal(gca_free(a, r), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  /* Mapped again after the unmap: still opened to the enabled peer. */
+  p = gca_malloc(a, 30 * MiB, 1, S1);
+  assert_int_equal(fake_access((uintptr_t)p), both);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+  assert_driver_empty();
+}
+
 /* ---- the pinned host allocator over the driver -------------------------- */
 
 static gca_host_stats_t host_stats(gca_allocator_t *a) {
@@ -619,6 +663,7 @@ int main(void) {
       cmocka_unit_test_setup(test_allocation_errors, fresh),
       cmocka_unit_test_setup(test_event_errors, fresh),
       cmocka_unit_test_setup(test_virtual_memory_errors, fresh),
+      cmocka_unit_test_setup(test_peer_access_to_mappings, fresh),
       cmocka_unit_test_setup(test_pinned_host, fresh),
       cmocka_unit_test_setup(test_pinned_host_errors, fresh),
       cmocka_unit_test_setup(test_random, fresh),

@@ -63,6 +63,7 @@ enum {
   CU_MEMORYTYPE_HOST = 1,
   CU_MEM_ALLOCATION_TYPE_PINNED = 1,
   CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
   CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
   CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
 };
@@ -145,6 +146,12 @@ typedef struct driver {
 } driver_t;
 
 #define EVENT_CACHE 256 /* events kept for reuse per device */
+#define MAX_PEERS 64    /* devices that can be given access to mappings */
+
+typedef struct vm_mapping {
+  uintptr_t addr;
+  size_t size;
+} vm_mapping_t;
 
 typedef struct cuda_device {
   CUdevice dev;
@@ -155,6 +162,17 @@ typedef struct cuda_device {
   pthread_mutex_t event_lock;
   CUevent events[EVENT_CACHE];
   size_t event_count;
+  /* Virtual memory mapped on this device, and the other devices given
+   * access to it (a bit each, devices 0..63): cuCtxEnablePeerAccess does not
+   * reach cuMemMap'd memory, whose access is set per mapping, so a peer
+   * enabled later is given access to what is mapped already, and every new
+   * mapping is opened to the enabled peers (as PyTorch's expandable
+   * segments do). Guarded by vm_lock: peers change outside the core's
+   * device lock. */
+  pthread_mutex_t vm_lock;
+  uint64_t accessors;
+  vm_mapping_t *mappings;
+  size_t mapping_count, mapping_cap;
 } cuda_device_t;
 
 typedef struct cuda {
@@ -358,28 +376,83 @@ static int cuda_vm_destroy(void *state, int device, uintptr_t handle) {
   return GCA_OK;
 }
 
+/* Access descriptors for a mapping of `device`: itself and its enabled
+ * peers. With d->vm_lock held. */
+static size_t access_list(const cuda_t *c, int device, CUmemAccessDesc *out) {
+  size_t n = 0;
+  out[n++] = (CUmemAccessDesc){{CU_MEM_LOCATION_TYPE_DEVICE, device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  uint64_t peers = c->devices[device].accessors;
+  for (int p = 0; p < c->device_count && p < MAX_PEERS; p++)
+    if (peers >> p & 1) out[n++] = (CUmemAccessDesc){{CU_MEM_LOCATION_TYPE_DEVICE, p}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  return n;
+}
+
 static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
   cuda_t *c = state;
+  cuda_device_t *d = &c->devices[device];
   int rc = enter(c, device);
   if (rc) return rc;
-  CHECK(c, c->drv.cuMemMap((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0), GCA_ERR_INVALID,
-        "cuMemMap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
-  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, device}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  CUresult r = c->drv.cuMemSetAccess((CUdeviceptr)addr, size, &access, 1);
-  if (r != CUDA_SUCCESS) {
-    c->drv.cuMemUnmap((CUdeviceptr)addr, size); /* mapped but unusable: undo */
-    return driver_error(c, r, GCA_ERR_INVALID, "cuMemSetAccess (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size,
-                        device);
+  pthread_mutex_lock(&d->vm_lock);
+  if (d->mapping_count == d->mapping_cap) {
+    vm_mapping_t *grown = grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
+    if (!grown) {
+      pthread_mutex_unlock(&d->vm_lock);
+      return set_error(GCA_ERR_NOMEM, "cuda backend: out of host memory recording a mapping");
+    }
+    d->mappings = grown;
   }
+  CUresult r = c->drv.cuMemMap((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0);
+  if (r != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&d->vm_lock);
+    return driver_error(c, r, GCA_ERR_INVALID, "cuMemMap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
+  }
+  CUmemAccessDesc access[MAX_PEERS + 1];
+  size_t n = access_list(c, device, access);
+  r = c->drv.cuMemSetAccess((CUdeviceptr)addr, size, access, n);
+  if (r != CUDA_SUCCESS) {
+    pthread_mutex_unlock(&d->vm_lock);
+    c->drv.cuMemUnmap((CUdeviceptr)addr, size); /* mapped but unusable: undo */
+    return driver_error(c, r, GCA_ERR_INVALID, "cuMemSetAccess (0x%" PRIxPTR ", %zu bytes, device %d, %zu device%s)",
+                        addr, size, device, n, n == 1 ? "" : "s");
+  }
+  d->mappings[d->mapping_count++] = (vm_mapping_t){addr, size};
+  pthread_mutex_unlock(&d->vm_lock);
   return GCA_OK;
 }
 
 static int cuda_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
+  cuda_device_t *d = &c->devices[device];
   int rc = enter(c, device);
   if (rc) return rc;
-  CHECK(c, c->drv.cuMemUnmap((CUdeviceptr)addr, size), GCA_ERR_INVALID, "cuMemUnmap (0x%" PRIxPTR ", %zu bytes, device %d)",
-        addr, size, device);
+  pthread_mutex_lock(&d->vm_lock);
+  CUresult r = c->drv.cuMemUnmap((CUdeviceptr)addr, size);
+  if (r == CUDA_SUCCESS) {
+    /* Forget the mappings in the range (whole mappings, maybe several). */
+    size_t kept = 0;
+    for (size_t i = 0; i < d->mapping_count; i++)
+      if (d->mappings[i].addr < addr || d->mappings[i].addr >= addr + size) d->mappings[kept++] = d->mappings[i];
+    d->mapping_count = kept;
+  }
+  pthread_mutex_unlock(&d->vm_lock);
+  if (r != CUDA_SUCCESS)
+    return driver_error(c, r, GCA_ERR_INVALID, "cuMemUnmap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size,
+                        device);
+  return GCA_OK;
+}
+
+/* Give `accessor` access `flags` to every mapping of `owner`. With the
+ * owner's vm_lock held. */
+static int set_mappings_access(cuda_t *c, int owner, int accessor, unsigned flags) {
+  cuda_device_t *d = &c->devices[owner];
+  CUmemAccessDesc access = {{CU_MEM_LOCATION_TYPE_DEVICE, accessor}, flags};
+  for (size_t i = 0; i < d->mapping_count; i++) {
+    CUresult r = c->drv.cuMemSetAccess((CUdeviceptr)d->mappings[i].addr, d->mappings[i].size, &access, 1);
+    if (r != CUDA_SUCCESS)
+      return driver_error(c, r, GCA_ERR_INVALID,
+                          "cuMemSetAccess (0x%" PRIxPTR ", %zu bytes of device %d, %s for device %d)",
+                          d->mappings[i].addr, d->mappings[i].size, owner, flags ? "read-write" : "none", accessor);
+  }
   return GCA_OK;
 }
 
@@ -416,13 +489,33 @@ static int cuda_can_access_peer(void *state, int device, int peer, int *can) {
   return GCA_OK;
 }
 
+/* `device` may read and write `peer`'s memory from now on: its ordinary
+ * allocations through the context (cuCtxEnablePeerAccess), its mapped
+ * virtual memory (expandable segments) through each mapping's access. */
 static int cuda_enable_peer_access(void *state, int device, int peer) {
   cuda_t *c = state;
   if (!c->drv.cuCtxEnablePeerAccess) return missing("cuCtxEnablePeerAccess");
+  if (device >= MAX_PEERS)
+    return set_error(GCA_ERR_INVALID, "cuda backend: peer access for device %d: at most %d devices", device, MAX_PEERS);
   int rc = enter(c, device);
   if (rc) return rc;
   CHECK(c, c->drv.cuCtxEnablePeerAccess(c->devices[peer].ctx, 0), GCA_ERR_INVALID,
         "cuCtxEnablePeerAccess (device %d, peer %d)", device, peer);
+  cuda_device_t *p = &c->devices[peer];
+  pthread_mutex_lock(&p->vm_lock);
+  rc = set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+  if (rc == GCA_OK) p->accessors |= (uint64_t)1 << device;
+  pthread_mutex_unlock(&p->vm_lock);
+  if (rc) {
+    /* All or nothing: take back what was given. */
+    char why[512];
+    snprintf(why, sizeof why, "%s", gca_last_error());
+    pthread_mutex_lock(&p->vm_lock);
+    (void)set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+    pthread_mutex_unlock(&p->vm_lock);
+    if (enter(c, device) == GCA_OK) c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx);
+    return set_error(rc, "%s; peer access not enabled", why);
+  }
   return GCA_OK;
 }
 
@@ -433,7 +526,12 @@ static int cuda_disable_peer_access(void *state, int device, int peer) {
   if (rc) return rc;
   CHECK(c, c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx), GCA_ERR_INVALID,
         "cuCtxDisablePeerAccess (device %d, peer %d)", device, peer);
-  return GCA_OK;
+  cuda_device_t *p = &c->devices[peer];
+  pthread_mutex_lock(&p->vm_lock);
+  if (device < MAX_PEERS) p->accessors &= ~((uint64_t)1 << device);
+  rc = set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+  pthread_mutex_unlock(&p->vm_lock);
+  return rc;
 }
 
 static int cuda_stream_priority_range(void *state, int device, int *least, int *greatest) {
@@ -514,6 +612,8 @@ static void cuda_destroy(void *state) {
     if (d->event_count && enter(c, i) == GCA_OK)
       for (size_t k = 0; k < d->event_count; k++) c->drv.cuEventDestroy(d->events[k]);
     pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    free(d->mappings);
     if (d->retained) c->drv.cuDevicePrimaryCtxRelease(d->dev);
   }
   if (c->drv.handle) dlclose(c->drv.handle);
@@ -636,6 +736,7 @@ int cuda_backend_create(const char *options, backend_t *out) {
   for (int i = 0; i < count; i++) {
     cuda_device_t *d = &c->devices[i];
     pthread_mutex_init(&d->event_lock, NULL);
+    pthread_mutex_init(&d->vm_lock, NULL);
     c->device_count = i + 1;
     if ((r = drv.cuDeviceGet(&d->dev, i)) != CUDA_SUCCESS ||
         (r = drv.cuDevicePrimaryCtxRetain(&d->ctx, d->dev)) != CUDA_SUCCESS) {
