@@ -2,6 +2,9 @@
  *
  * Workloads:
  *   alloc_free_4KiB   malloc + free of 4 KiB in a loop (ns per pair);
+ *   pinned 4 KiB      the same loop through the pinned host allocator
+ *                     (gca_host_malloc + gca_host_free, cached), against
+ *                     the same host allocators: no target, the cost shown;
  *   trace:<name>      the alloc/free sequence of each real trace in the
  *                     traces folder (sizes and order as recorded, memory never
  *                     touched), ns per operation, replayed warm several times.
@@ -86,30 +89,38 @@ static double loop_host(const host_alloc_t *h, long n) {
   return (now_ns() - t0) / (double)n;
 }
 
-static double loop_gcalloc(gca_allocator_t *a, long n) {
+static double loop_gcalloc(gca_allocator_t *a, long n, bool pinned) {
   double t0 = now_ns();
-  for (long i = 0; i < n; i++) {
-    void *p = gca_malloc(a, 4096, 0, 0);
-    sink += (uintptr_t)p;
-    gca_free(a, p);
+  if (pinned) {
+    for (long i = 0; i < n; i++) {
+      void *p = gca_host_malloc(a, 4096);
+      sink += (uintptr_t)p;
+      gca_host_free(a, p);
+    }
+  } else {
+    for (long i = 0; i < n; i++) {
+      void *p = gca_malloc(a, 4096, 0, 0);
+      sink += (uintptr_t)p;
+      gca_free(a, p);
+    }
   }
   return (now_ns() - t0) / (double)n;
 }
 
-static int run_loop(const host_alloc_t *hosts, int reps, long n, result_t *r) {
+static int run_loop(const host_alloc_t *hosts, int reps, long n, bool pinned, result_t *r) {
   gca_allocator_t *a;
   if (gca_open("sim", NULL, &a) != GCA_OK) {
     fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
     return 1;
   }
-  snprintf(r->name, sizeof r->name, "alloc_free_4KiB");
+  snprintf(r->name, sizeof r->name, pinned ? "pinned_alloc_free_4KiB" : "alloc_free_4KiB");
   r->ops = (size_t)n;
   double samples[HOSTS + 1][32];
-  loop_gcalloc(a, n / 10);
+  loop_gcalloc(a, n / 10, pinned);
   for (int h = 0; h < HOSTS; h++) loop_host(&hosts[h], n / 10);
   /* Interleave allocators within each repetition so drift hits all alike. */
   for (int rep = 0; rep < reps; rep++) {
-    samples[HOSTS][rep] = loop_gcalloc(a, n);
+    samples[HOSTS][rep] = loop_gcalloc(a, n, pinned);
     for (int h = 0; h < HOSTS; h++) samples[h][rep] = loop_host(&hosts[h], n);
   }
   r->gcalloc_ns = median(samples[HOSTS], reps);
@@ -136,11 +147,11 @@ static int run_history_cost(int reps, long n, history_cost_t *out) {
       fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
       return 1;
     }
-    loop_gcalloc(a[i], n / 10);
+    loop_gcalloc(a[i], n / 10, false);
   }
   double samples[3][32];
   for (int rep = 0; rep < reps; rep++)
-    for (int i = 0; i < 3; i++) samples[i][rep] = loop_gcalloc(a[i], i == 2 ? n / 10 : n);
+    for (int i = 0; i < 3; i++) samples[i][rep] = loop_gcalloc(a[i], i == 2 ? n / 10 : n, false);
   out->off_ns = median(samples[0], reps);
   out->on_ns = median(samples[1], reps);
   out->stacks_ns = median(samples[2], reps);
@@ -306,11 +317,12 @@ typedef struct loop_args {
   const host_alloc_t *hosts;
   int reps;
   long n;
+  bool pinned;
 } loop_args_t;
 
 static int loop_job(void *p, result_t *r) {
   loop_args_t *a = p;
-  return run_loop(a->hosts, a->reps, a->n, r);
+  return run_loop(a->hosts, a->reps, a->n, a->pinned, r);
 }
 
 typedef struct history_args {
@@ -411,7 +423,7 @@ int bench_main(int argc, char **argv) {
   int reps = quick ? 3 : 9;
   result_t results[32];
   memset(results, 0, sizeof results);
-  loop_args_t loop = {hosts, reps, quick ? 200000 : 3000000};
+  loop_args_t loop = {hosts, reps, quick ? 200000 : 3000000, false};
   if (isolated(loop_job, &loop, &results[0])) return 1;
   trace_ctx_t ctx = {hosts, reps, results + 1, 0};
   if (for_each_trace(traces, trace_visit, &ctx) < 0) return 1;
@@ -448,13 +460,25 @@ int bench_main(int argc, char **argv) {
   memset(&hist, 0, sizeof hist);
   history_args_t hargs = {reps, quick ? 200000 : 3000000};
   if (isolated(history_job, &hargs, &hist)) return 1;
+  result_t pinned;
+  memset(&pinned, 0, sizeof pinned);
+  loop.pinned = true;
+  if (isolated(loop_job, &loop, &pinned)) return 1;
   if (json) {
     printf("  ],\n  \"history_4KiB_ns\": {\"off\": %.2f, \"on\": %.2f, \"on_with_stacks\": %.2f},\n",
            hist.gcalloc_ns, hist.host_ns[0], hist.host_ns[1]);
+    printf("  \"pinned_4KiB_ns\": {\"gcalloc\": %.2f, \"glibc\": %.2f, \"mimalloc\": %.2f, \"jemalloc\": %.2f, "
+           "\"ratio_vs_mimalloc\": %.3f},\n",
+           pinned.gcalloc_ns, pinned.host_ns[0], pinned.host_ns[1], pinned.host_ns[2],
+           pinned.gcalloc_ns / pinned.host_ns[HOST_MIMALLOC]);
     printf("  \"all_targets_met\": %s\n}\n", all_met ? "true" : "false");
   } else {
     printf("history, 4 KiB loop: off %.1f ns, on %.1f ns (%.2fx), on with stacks %.1f ns (%.2fx)\n", hist.gcalloc_ns,
            hist.host_ns[0], hist.host_ns[0] / hist.gcalloc_ns, hist.host_ns[1], hist.host_ns[1] / hist.gcalloc_ns);
+    printf("pinned host, 4 KiB loop (no target): gcalloc %.1f ns, glibc %.1f, mimalloc %.1f, jemalloc %.1f "
+           "(%.2fx mimalloc)\n",
+           pinned.gcalloc_ns, pinned.host_ns[0], pinned.host_ns[1], pinned.host_ns[2],
+           pinned.gcalloc_ns / pinned.host_ns[HOST_MIMALLOC]);
     printf("all targets %s\n", all_met ? "met" : "NOT met");
   }
   return 0;
