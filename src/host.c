@@ -420,22 +420,28 @@ static size_t host_release(host_cache_t *h, host_block_t *taken, int *status) {
     if (rc) b->state = HOST_CACHED; /* refused: still pinned, still ours */
   }
   pthread_mutex_lock(&h->lock);
+  size_t lost = 0;
   for (host_block_t *b = taken, *next; b; b = next) {
     next = b->next_free;
-    if (b->state == HOST_CACHED) {
-      /* The table had room for it a moment ago and never shrinks. */
-      (void)host_table_insert(h, b);
+    /* Refused: back in the table and its list. The table had room for it a
+     * moment ago, but other threads may have filled it since; if it cannot
+     * grow, the block stays pinned, untracked (out of host memory). */
+    if (b->state == HOST_CACHED && host_table_insert(h, b)) {
       int k = host_bucket_of(b->size);
       b->next_free = h->free_lists[k];
       h->free_lists[k] = b;
       h->stats.cached_bytes += (int64_t)b->size;
-    } else {
-      stat_decrease(&h->stats.segment, 1);
-      stat_decrease(&h->stats.reserved_bytes, (int64_t)b->size);
-      host_drop_block(b);
+      continue;
     }
+    lost += b->state == HOST_CACHED;
+    stat_decrease(&h->stats.segment, 1);
+    stat_decrease(&h->stats.reserved_bytes, (int64_t)b->size);
+    host_drop_block(b);
   }
   pthread_mutex_unlock(&h->lock);
+  if (lost)
+    log_message(GCA_LOG_ERROR, "pinned host allocator: out of host memory: %zu block%s the backend refused to unpin "
+                "left pinned and untracked", lost, lost == 1 ? "" : "s");
   return released;
 }
 
