@@ -32,6 +32,7 @@
  * milliseconds for large blocks, are made without it.
  */
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
