@@ -136,6 +136,19 @@ def _text(s):
     return s.encode() if isinstance(s, str) else s
 
 
+def _allocated(size, call):
+    """Run an allocating call: its address, 0 for size 0; MemoryError when out of memory."""
+    if size < 0:
+        raise ValueError("size must be >= 0, not %d" % size)
+    p = call()
+    if not p:
+        status = _lib.gca_last_status()
+        if status == -2:  # GCA_ERR_OOM
+            raise MemoryError(_lib.gca_last_error().decode())
+        _check(status)
+    return p or 0
+
+
 def version():
     return _lib.gca_version().decode()
 
@@ -179,15 +192,7 @@ class Allocator:
 
     def malloc(self, size, device=0, stream=0):
         """Device address of `size` bytes; MemoryError when out of memory."""
-        if size < 0:
-            raise ValueError("size must be >= 0, not %d" % size)
-        p = _lib.gca_malloc(self._a, size, device, stream)
-        if not p:
-            status = _lib.gca_last_status()
-            if status == -2:
-                raise MemoryError(_lib.gca_last_error().decode())
-            _check(status)
-        return p or 0
+        return _allocated(size, lambda: _lib.gca_malloc(self._a, size, device, stream))
 
     def free(self, ptr):
         _check(_lib.gca_free(self._a, ptr))
@@ -238,15 +243,7 @@ class Allocator:
 
     def host_malloc(self, size):
         """Address of `size` bytes of pinned host memory (0 for size 0); MemoryError when out of it."""
-        if size < 0:
-            raise ValueError("size must be >= 0, not %d" % size)
-        p = _lib.gca_host_malloc(self._a, size)
-        if not p:
-            status = _lib.gca_last_status()
-            if status == -2:
-                raise MemoryError(_lib.gca_last_error().decode())
-            _check(status)
-        return p or 0
+        return _allocated(size, lambda: _lib.gca_host_malloc(self._a, size))
 
     def host_free(self, ptr):
         _check(_lib.gca_host_free(self._a, ptr))
