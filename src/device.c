@@ -257,11 +257,6 @@ void note_refused_free(device_t *d) {
   note_absorbed(d);
 }
 
-typedef struct absorbed {
-  size_t fresh;
-  char last[256];
-} absorbed_t;
-
 static absorbed_t take_absorbed(device_t *d) {
   absorbed_t a;
   size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;

@@ -81,7 +81,7 @@ struct host_cache {
   size_t head, queued, ring_cap;
   gca_host_stats_t stats;
   size_t absorbed;       /* failures absorbed since the last report */
-  char absorbed_message[256];
+  char absorbed_message[256]; /* the size of absorbed_t.last */
 };
 
 static inline int host_bucket_of(size_t pow2) { return __builtin_ctzll((unsigned long long)pow2); }
@@ -173,21 +173,24 @@ static bool host_wait_stream_instead(host_cache_t *h, int device, gca_stream_t s
   return false;
 }
 
-/* Log what was absorbed (after the lock is dropped: a log handler may call
- * back into the library). */
-static void host_report_absorbed(size_t count, const char *last) {
-  if (count)
+/* What was absorbed since the last report; with the lock held. */
+static absorbed_t host_take_absorbed(host_cache_t *h) {
+  absorbed_t a;
+  a.fresh = h->absorbed;
+  h->absorbed = 0;
+  if (a.fresh) memcpy(a.last, h->absorbed_message, sizeof a.last);
+  return a;
+}
+
+/* Log it (after the lock is dropped: a log handler may call back into the
+ * library). */
+static void host_report_absorbed(const absorbed_t *a) {
+  if (a->fresh)
     log_message(GCA_LOG_ERROR,
                 "pinned host allocator: %zu backend failure%s absorbed (waited for the stream instead, or "
                 "quarantined the block); the last: %s",
-                count, count == 1 ? "" : "s", last);
+                a->fresh, a->fresh == 1 ? "" : "s", a->last);
 }
-
-#define TAKE_ABSORBED(h, count, last)                               \
-  size_t count = (h)->absorbed;                                     \
-  char last[sizeof(h)->absorbed_message];                           \
-  memcpy(last, (h)->absorbed_message, sizeof last);                 \
-  (h)->absorbed = 0
 
 /* ---- block states ------------------------------------------------------- */
 
@@ -513,9 +516,9 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   stat_increase(&h->stats.reserved_bytes, (int64_t)size);
   stat_increase(&h->stats.allocation, 1);
   stat_increase(&h->stats.allocated_bytes, (int64_t)size);
-  TAKE_ABSORBED(h, count, last);
+  absorbed_t absorbed = host_take_absorbed(h);
   pthread_mutex_unlock(&h->lock);
-  host_report_absorbed(count, last);
+  host_report_absorbed(&absorbed);
   clear_error();
   return (void *)addr;
 }
@@ -540,9 +543,9 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
     b = host_pop_free(h, host_bucket_of(rounded));
   }
   if (b) {
-    TAKE_ABSORBED(h, count, last);
+    absorbed_t absorbed = host_take_absorbed(h);
     pthread_mutex_unlock(&h->lock);
-    host_report_absorbed(count, last);
+    host_report_absorbed(&absorbed);
     clear_error();
     return (void *)b->addr;
   }
@@ -597,9 +600,9 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
   } else {
     host_defer_reuse(h, b);
   }
-  TAKE_ABSORBED(h, count, last);
+  absorbed_t absorbed = host_take_absorbed(h);
   pthread_mutex_unlock(&h->lock);
-  host_report_absorbed(count, last);
+  host_report_absorbed(&absorbed);
   return rc;
 }
 
@@ -637,9 +640,9 @@ int gca_host_empty_cache(gca_allocator_t *a) {
   pthread_mutex_lock(&h->lock);
   host_process_events(h);
   host_block_t *taken = host_take_cached(h);
-  TAKE_ABSORBED(h, count, last);
+  absorbed_t absorbed = host_take_absorbed(h);
   pthread_mutex_unlock(&h->lock);
-  host_report_absorbed(count, last);
+  host_report_absorbed(&absorbed);
   int rc = GCA_OK;
   if (taken) {
     (void)host_release(h, taken, &rc);

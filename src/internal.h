@@ -530,6 +530,13 @@ void note_absorbed(device_t *d);
 /* The device refused to take memory back (it keeps it, so the cache does):
  * count it in num_device_free_failures and keep its message. */
 void note_refused_free(device_t *d);
+/* Failures absorbed since the last report, and the last one's message:
+ * taken under a lock, logged after it is dropped (a log handler may call
+ * back into the library). The device cache and the pinned host cache use it. */
+typedef struct absorbed {
+  size_t fresh;
+  char last[256];
+} absorbed_t;
 
 /* Add a segment to the device's list, or take it off. */
 void segment_link(device_t *d, segment_t *seg);
