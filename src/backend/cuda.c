@@ -502,21 +502,20 @@ static int cuda_enable_peer_access(void *state, int device, int peer) {
   CHECK(c, c->drv.cuCtxEnablePeerAccess(c->devices[peer].ctx, 0), GCA_ERR_INVALID,
         "cuCtxEnablePeerAccess (device %d, peer %d)", device, peer);
   cuda_device_t *p = &c->devices[peer];
+  char why[512];
   pthread_mutex_lock(&p->vm_lock);
   rc = set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
-  if (rc == GCA_OK) p->accessors |= (uint64_t)1 << device;
-  pthread_mutex_unlock(&p->vm_lock);
-  if (rc) {
+  if (rc == GCA_OK) {
+    p->accessors |= (uint64_t)1 << device;
+  } else {
     /* All or nothing: take back what was given. */
-    char why[512];
     snprintf(why, sizeof why, "%s", gca_last_error());
-    pthread_mutex_lock(&p->vm_lock);
     (void)set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_NONE);
-    pthread_mutex_unlock(&p->vm_lock);
-    if (enter(c, device) == GCA_OK) c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx);
-    return set_error(rc, "%s; peer access not enabled", why);
   }
-  return GCA_OK;
+  pthread_mutex_unlock(&p->vm_lock);
+  if (rc == GCA_OK) return GCA_OK;
+  if (enter(c, device) == GCA_OK) c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx);
+  return set_error(rc, "%s; peer access not enabled", why);
 }
 
 static int cuda_disable_peer_access(void *state, int device, int peer) {
