@@ -829,11 +829,17 @@ static void sim_destroy(void *state) {
 
 /* ---- pinned host memory ------------------------------------------------ */
 
-/* The pinned range holding `ptr`, or NULL. With the sim lock held. */
-static sim_alloc_t *pinned_range_of(sim_t *s, uintptr_t ptr) {
+/* The pinned range starting last at or below `ptr`, or NULL. With the sim lock held. */
+static sim_alloc_t *pinned_range_below(sim_t *s, uintptr_t ptr) {
   sim_alloc_t key = {.addr = ptr};
   sim_alloc_t *r = RB_NFIND(sim_live, &s->host, &key);
   if (!r || r->addr != ptr) r = r ? RB_PREV(sim_live, &s->host, r) : RB_MAX(sim_live, &s->host);
+  return r;
+}
+
+/* The pinned range holding `ptr`, or NULL. */
+static sim_alloc_t *pinned_range_of(sim_t *s, uintptr_t ptr) {
+  sim_alloc_t *r = pinned_range_below(s, ptr);
   return r && ptr - r->addr < r->size ? r : NULL;
 }
 
@@ -922,14 +928,10 @@ static int sim_host_register(void *state, void *ptr, size_t size) {
   add_latency(s);
   pthread_mutex_lock(&s->lock);
   int rc = GCA_OK;
-  /* Any pinned range overlapping the new one: the last starting below its end. */
-  sim_alloc_t *r = pinned_range_of(s, (uintptr_t)ptr + size - 1);
-  if (!r) {
-    sim_alloc_t key = {.addr = (uintptr_t)ptr};
-    r = RB_NFIND(sim_live, &s->host, &key);
-    if (r && r->addr >= (uintptr_t)ptr + size) r = NULL;
-  }
-  if (r)
+  /* Ranges are disjoint: only the last one starting before the new one's
+   * end can overlap it. */
+  sim_alloc_t *r = pinned_range_below(s, (uintptr_t)ptr + size - 1);
+  if (r && r->addr + r->size > (uintptr_t)ptr)
     rc = set_error(GCA_ERR_INVALID, "sim: [%p, +%zu) overlaps pinned [%#" PRIxPTR ", +%zu)", ptr, size, r->addr,
                    r->size);
   if (rc == GCA_OK) rc = charge_host(s, size);
