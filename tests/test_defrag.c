@@ -16,6 +16,53 @@
 
 /* ---- the sim's virtual memory ------------------------------------------ */
 
+/* The sim's mappings live in a page table of leaves of 4096 pages: with a
+ * 4 KiB granularity a leaf spans 16 MiB, so mappings of 6 MiB cross leaves,
+ * and the rules must hold across them. */
+static void test_sim_mappings_across_leaves(void **state) {
+  (void)state;
+  const size_t leaf = 16 * MiB;
+  gca_allocator_t *a = open_sim("sim:capacity=256MiB,granularity=4KiB", NULL);
+  const backend_ops_t *ops = a->backend.ops;
+  void *st = a->backend.state;
+  uintptr_t va = 0, h[8] = {0};
+  assert_int_equal(ops->vm_reserve(st, 0, 96 * MiB, &va), GCA_OK);
+  for (int i = 0; i < 8; i++) assert_int_equal(ops->vm_create(st, 0, 6 * MiB, &h[i]), GCA_OK);
+  /* Back to back from the first leaf boundary above va: [b, b + 36 MiB). */
+  uintptr_t b = (va / leaf + 1) * leaf - 3 * MiB;
+  assert_true(b >= va + 4 * MiB && b + 42 * MiB <= va + 96 * MiB);
+  for (int i = 0; i < 6; i++) assert_int_equal(ops->vm_map(st, 0, b + (uintptr_t)i * 6 * MiB, 6 * MiB, h[i]), GCA_OK);
+  /* Over the mapping that crosses a leaf boundary, from either side of it. */
+  assert_int_equal(ops->vm_map(st, 0, b + 2 * MiB, 6 * MiB, h[6]), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "is mapped there");
+  assert_int_equal(ops->vm_map(st, 0, b - 4 * MiB, 6 * MiB, h[6]), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_map(st, 0, b + 36 * MiB - 4096, 6 * MiB, h[6]), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_map(st, 0, b + 36 * MiB, 6 * MiB, h[6]), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).vm_mapped, 42 * MiB);
+  /* Unmaps: not from the middle of a mapping, not past the last one, but a
+   * run of whole mappings across leaves in one call. */
+  assert_int_equal(ops->vm_unmap(st, 0, b + 3 * MiB, 6 * MiB), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_unmap(st, 0, b + 30 * MiB, 18 * MiB), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_unmap(st, 0, b + 6 * MiB, 18 * MiB), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).vm_mapped, 24 * MiB);
+  assert_int_equal(ops->vm_destroy(st, 0, h[2]), GCA_OK); /* unmapped: may go */
+  assert_int_equal(ops->vm_destroy(st, 0, h[4]), GCA_ERR_INVALID); /* still mapped */
+  /* The freed pages take a new mapping; the reservation cannot go while
+   * anything is mapped, and the error names a mapping. */
+  assert_int_equal(ops->vm_map(st, 0, b + 12 * MiB, 6 * MiB, h[7]), GCA_OK);
+  assert_int_equal(ops->vm_unreserve(st, 0, va, 96 * MiB), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "is still mapped");
+  assert_int_equal(ops->vm_unmap(st, 0, b, 6 * MiB), GCA_OK);
+  assert_int_equal(ops->vm_unmap(st, 0, b + 12 * MiB, 6 * MiB), GCA_OK);
+  assert_int_equal(ops->vm_unmap(st, 0, b + 24 * MiB, 18 * MiB), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).vm_mapped, 0);
+  assert_int_equal(ops->vm_unreserve(st, 0, va, 96 * MiB), GCA_OK);
+  for (int i = 0; i < 8; i++)
+    if (i != 2) assert_int_equal(ops->vm_destroy(st, 0, h[i]), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  gca_close(a);
+}
+
 static void test_sim_virtual_memory(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:capacity=64MiB,granularity=2MiB", NULL);
@@ -549,6 +596,7 @@ static void test_random_every_option(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_sim_virtual_memory),
+      cmocka_unit_test(test_sim_mappings_across_leaves),
       cmocka_unit_test(test_pages_and_statistics),
       cmocka_unit_test(test_split_rule),
       cmocka_unit_test(test_lowest_address_and_best_fit),

@@ -74,6 +74,7 @@ typedef struct sim_alloc {
   uintptr_t addr;
   size_t size;       /* as asked */
   size_t footprint;  /* rounded to SIM_ALIGN, what counts against capacity */
+  size_t mapped;     /* reservations: bytes mapped inside */
   void *host;        /* backed mode: the host memory */
   RB_ENTRY(sim_alloc) link;
 } sim_alloc_t;
@@ -87,9 +88,19 @@ RB_GENERATE_STATIC(sim_live, sim_alloc, link, compare_allocs)
 /* Reserved address ranges: the same records in a tree of their own. */
 RB_HEAD(sim_reserved, sim_alloc);
 RB_GENERATE_STATIC(sim_reserved, sim_alloc, link, compare_allocs)
-/* Mappings: addr and size of the mapping, `footprint` holds the handle. */
-RB_HEAD(sim_mapped, sim_alloc);
-RB_GENERATE_STATIC(sim_mapped, sim_alloc, link, compare_allocs)
+/* Mappings are kept in a page table: for each page (granularity) of device
+ * addresses, the physical memory mapped there, found by hashing the page
+ * number's high bits to a leaf of MAP_LEAF_PAGES entries. An expandable
+ * segment maps and unmaps a page at a time, thousands of them in a replay,
+ * and a tree of mappings cost a descent of cache misses for each (half of
+ * such a replay's time); a page's entry costs one hash probe, and the pages
+ * of one call share their leaf. The physical memory's record says where its
+ * mapping starts and how long it is. */
+#define MAP_LEAF_BITS 12
+#define MAP_LEAF_PAGES ((size_t)1 << MAP_LEAF_BITS)
+typedef struct map_leaf {
+  uint32_t phys[MAP_LEAF_PAGES]; /* slot + 1 of the physical memory mapped at the page; 0: none */
+} map_leaf_t;
 
 /* Physical memory, in a table like the events' (handle = generation << 32
  * | slot + 1). */
@@ -137,7 +148,8 @@ typedef struct sim_device {
   uint32_t free_events;     /* head of the free list, slot + 1; 0: none */
   uint64_t *engine_free_at; /* engines=N: when each engine finishes its work */
   struct sim_reserved reserved;
-  struct sim_mapped mapped;
+  addr_map_t map_leaves;    /* page number >> MAP_LEAF_BITS -> map_leaf_t * (see map_leaf_t); empty until
+                             * the first mapping */
   sim_phys_t *phys;
   uint32_t phys_cap;
   uint32_t free_phys;       /* head of the free list, slot + 1; 0: none */
@@ -587,20 +599,80 @@ static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
 }
 
 /* The reservation holding [addr, addr + size), or NULL. */
+/* The record with the greatest address at or below addr, in the tree whose
+ * root is `node`, or NULL: one descent. (The trees share their record type
+ * and link field. NFIND followed by PREV was two descents with a walk back
+ * up, and the mapping lookups were a fifth of a replay with expandable
+ * segments.) */
+static sim_alloc_t *floor_record(sim_alloc_t *node, uintptr_t addr) {
+  sim_alloc_t *best = NULL;
+  while (node) {
+    if (node->addr <= addr) {
+      best = node;
+      node = RB_RIGHT(node, link);
+    } else {
+      node = RB_LEFT(node, link);
+    }
+  }
+  return best;
+}
+
 static sim_alloc_t *reservation_of(sim_device_t *dev, uintptr_t addr, size_t size) {
-  sim_alloc_t key = {.addr = addr};
-  sim_alloc_t *r = RB_NFIND(sim_reserved, &dev->reserved, &key);
-  if (!r || r->addr != addr) r = r ? RB_PREV(sim_reserved, &dev->reserved, r) : RB_MAX(sim_reserved, &dev->reserved);
-  if (!r || addr < r->addr || addr - r->addr > r->size || r->size - (addr - r->addr) < size) return NULL;
+  sim_alloc_t *r = floor_record(RB_ROOT(&dev->reserved), addr);
+  if (!r || addr - r->addr > r->size || r->size - (addr - r->addr) < size) return NULL;
   return r;
 }
 
-/* The first mapping that ends after addr, or NULL. */
-static sim_alloc_t *first_mapping_from(sim_device_t *dev, uintptr_t addr) {
-  sim_alloc_t key = {.addr = addr};
-  sim_alloc_t *m = RB_NFIND(sim_mapped, &dev->mapped, &key);
-  sim_alloc_t *before = m ? RB_PREV(sim_mapped, &dev->mapped, m) : RB_MAX(sim_mapped, &dev->mapped);
-  return before && before->addr + before->size > addr ? before : m;
+/* The page table's entry for the page at addr (granularity-aligned), or
+ * NULL when its leaf does not exist; with `create`, the leaf is made (NULL
+ * then only when the host is out of memory). `*leaf_key`/`*leaf` cache the
+ * last leaf between calls on neighbouring pages (key UINT64_MAX: none). */
+static uint32_t *map_entry(const sim_t *s, sim_device_t *dev, uintptr_t addr, bool create, uint64_t *leaf_key,
+                           map_leaf_t **leaf) {
+  /* (A shift: the granularity is a power of two, and a division was most
+   * of this function's time.) */
+  uint64_t page = addr >> __builtin_ctzll(s->granularity), key = page >> MAP_LEAF_BITS;
+  if (key != *leaf_key) {
+    /* The table is made at the first mapping: most sims never map. */
+    if (!dev->map_leaves.keys && (!create || !addr_map_init(&dev->map_leaves))) return NULL;
+    uint64_t *found = addr_map_get(&dev->map_leaves, key);
+    map_leaf_t *l = found ? (map_leaf_t *)(uintptr_t)*found : NULL;
+    if (!l && create) {
+      if (!(l = calloc(1, sizeof *l))) return NULL;
+      if (!addr_map_put(&dev->map_leaves, key, (uint64_t)(uintptr_t)l)) {
+        free(l);
+        return NULL;
+      }
+    }
+    if (!l) return NULL;
+    *leaf_key = key;
+    *leaf = l;
+  }
+  return &(*leaf)->phys[page & (MAP_LEAF_PAGES - 1)];
+}
+
+/* The physical memory mapped at the page of addr, or NULL. */
+static sim_phys_t *mapped_at_page(const sim_t *s, sim_device_t *dev, uintptr_t addr, uint64_t *leaf_key,
+                                  map_leaf_t **leaf) {
+  uint32_t *e = map_entry(s, dev, addr, false, leaf_key, leaf);
+  return e && *e ? &dev->phys[*e - 1] : NULL;
+}
+
+/* The first mapping that starts in [addr, addr + size) or covers addr, or
+ * NULL. Walks the pages (for the error messages and the checks that a
+ * range is free: a mapping or a reservation, rarely more than a few pages;
+ * a reservation's scan skips the leaves that do not exist). */
+static sim_phys_t *first_mapping_in(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t size) {
+  uint64_t leaf_key = UINT64_MAX;
+  map_leaf_t *leaf = NULL;
+  size_t leaf_span = MAP_LEAF_PAGES * s->granularity;
+  for (uintptr_t at = addr; at - addr < size;) {
+    uint32_t *e = map_entry(s, dev, at, false, &leaf_key, &leaf);
+    if (e && *e) return &dev->phys[*e - 1];
+    /* No leaf: skip to the next one. */
+    at = e ? at + s->granularity : (at | (leaf_span - 1)) + 1;
+  }
+  return NULL;
 }
 
 static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
@@ -610,15 +682,17 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
   sim_device_t *dev = &s->devices[device];
   sim_alloc_t key = {.addr = addr};
   sim_alloc_t *r = RB_FIND(sim_reserved, &dev->reserved, &key);
-  sim_alloc_t *m = NULL;
+  sim_phys_t *m = NULL;
   int rc = GCA_OK;
   if (!r || r->size != size)
     rc = set_error(GCA_ERR_BAD_POINTER, "sim: device %d has no reservation of %zu bytes at %#" PRIxPTR, device,
                    size, addr);
-  else if ((m = first_mapping_from(dev, addr)) && m->addr < addr + size)
+  else if (r->mapped) {
+    m = first_mapping_in(s, dev, addr, size);
     rc = set_error(GCA_ERR_INVALID,
                    "sim: cannot give back the reservation at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is still mapped",
-                   addr, m->addr, m->size);
+                   addr, m ? m->mapped_at : addr, m ? m->size : r->mapped);
+  }
   if (rc == GCA_OK) {
     RB_REMOVE(sim_reserved, &dev->reserved, r);
     (void)give_range(dev, r->addr, r->size);
@@ -710,8 +784,8 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
   if (s->backed) return no_vm();
   pthread_mutex_lock(&s->lock);
   sim_device_t *dev = &s->devices[device];
-  sim_phys_t *p = phys_of(dev, handle);
-  sim_alloc_t *m = NULL, *rec = NULL;
+  sim_phys_t *p = phys_of(dev, handle), *m = NULL;
+  sim_alloc_t *r = NULL;
   int rc = GCA_OK;
   if (!p)
     rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle, device);
@@ -721,20 +795,24 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
   else if (size != p->size || !vm_aligned(s, addr))
     rc = set_error(GCA_ERR_INVALID, "sim: a mapping at %#" PRIxPTR " of %zu bytes must be aligned to %zu and cover "
                    "its whole physical memory (%zu bytes)", addr, size, s->granularity, p->size);
-  else if (!reservation_of(dev, addr, size))
+  else if (!(r = reservation_of(dev, addr, size)))
     rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not inside a reserved range of device %d", addr,
                    size, device);
-  else if ((m = first_mapping_from(dev, addr)) && m->addr < addr + size)
+  else if ((m = first_mapping_in(s, dev, addr, size)))
     rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there", addr,
-                   m->addr, m->size);
-  else if (!(rec = calloc(1, sizeof *rec)))
-    rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+                   m->mapped_at, m->size);
+  /* Every page's entry first (leaves are made here, so a host out of
+   * memory changes nothing), then the entries set. */
+  uint64_t leaf_key = UINT64_MAX;
+  map_leaf_t *leaf = NULL;
+  for (uintptr_t at = addr; rc == GCA_OK && at - addr < size; at += s->granularity)
+    if (!map_entry(s, dev, at, true, &leaf_key, &leaf)) rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   if (rc == GCA_OK) {
-    rec->addr = addr;
-    rec->size = size;
-    rec->footprint = handle;
-    RB_INSERT(sim_mapped, &dev->mapped, rec);
+    uint32_t slot = (uint32_t)(p - dev->phys) + 1;
+    for (uintptr_t at = addr; at - addr < size; at += s->granularity)
+      *map_entry(s, dev, at, false, &leaf_key, &leaf) = slot;
     p->mapped_at = addr;
+    r->mapped += size;
     dev->counters.vm_mapped += size;
     dev->counters.vm_maps++;
   }
@@ -748,10 +826,13 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   pthread_mutex_lock(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
+  uint64_t leaf_key = UINT64_MAX;
+  map_leaf_t *leaf = NULL;
   /* Whole mappings only, and no holes: check before changing anything. */
   uintptr_t at = addr, end = addr + size;
-  for (sim_alloc_t *m = first_mapping_from(dev, addr); at < end; m = RB_NEXT(sim_mapped, &dev->mapped, m)) {
-    if (!m || m->addr != at || m->size > end - at) {
+  while (at < end) {
+    sim_phys_t *m = vm_aligned(s, at) ? mapped_at_page(s, dev, at, &leaf_key, &leaf) : NULL;
+    if (!m || m->mapped_at != at || m->size > end - at) {
       rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not a run of whole mappings of device %d "
                      "(at %#" PRIxPTR ")", addr, size, device, at);
       break;
@@ -769,16 +850,17 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
                      device, addr, size, (uintptr_t)w->stream, w->addr, w->size, w->end, s->now);
     }
     /* Unmapped either way, as the driver would. */
-    sim_alloc_t *m = first_mapping_from(dev, addr);
-    while (m && m->addr < end) {
-      sim_alloc_t *next = RB_NEXT(sim_mapped, &dev->mapped, m);
-      sim_phys_t *p = phys_of(dev, (uintptr_t)m->footprint);
-      if (p) p->mapped_at = 0;
-      dev->counters.vm_mapped -= m->size;
+    for (at = addr; at < end;) {
+      sim_phys_t *m = mapped_at_page(s, dev, at, &leaf_key, &leaf);
+      size_t mapping = m->size;
+      sim_alloc_t *r = reservation_of(dev, at, mapping);
+      if (r) r->mapped -= mapping;
+      for (size_t off = 0; off < mapping; off += s->granularity)
+        *map_entry(s, dev, at + off, false, &leaf_key, &leaf) = 0;
+      m->mapped_at = 0;
+      dev->counters.vm_mapped -= mapping;
       dev->counters.vm_unmaps++;
-      RB_REMOVE(sim_mapped, &dev->mapped, m);
-      free(m);
-      m = next;
+      at += mapping;
     }
   }
   pthread_mutex_unlock(&s->lock);
@@ -812,11 +894,10 @@ static void sim_destroy(void *state) {
       RB_REMOVE(sim_reserved, &dev->reserved, rec);
       free(rec);
     }
-    for (rec = RB_MIN(sim_mapped, &dev->mapped); rec; rec = next) {
-      next = RB_NEXT(sim_mapped, &dev->mapped, rec);
-      RB_REMOVE(sim_mapped, &dev->mapped, rec);
-      free(rec);
-    }
+    for (size_t k = 0; k < dev->map_leaves.cap; k++)
+      if (dev->map_leaves.keys && dev->map_leaves.keys[k] && dev->map_leaves.keys[k] != ADDR_MAP_DELETED)
+        free((map_leaf_t *)(uintptr_t)dev->map_leaves.vals[k]);
+    addr_map_free(&dev->map_leaves);
     free(dev->phys);
     free(dev->streams);
     free(dev->work);
@@ -1236,7 +1317,6 @@ int sim_backend_create(const char *options, backend_t *out) {
     sim_device_t *dev = &s->devices[i];
     RB_INIT(&dev->live);
     RB_INIT(&dev->reserved);
-    RB_INIT(&dev->mapped);
     if (s->engines && !(dev->engine_free_at = calloc(s->engines, sizeof *dev->engine_free_at))) {
       sim_destroy(s);
       return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
