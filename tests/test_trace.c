@@ -195,6 +195,26 @@ static void test_bad_text_trace(void **state) {
   assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), ":2:");
   assert_null(t.events);
+  /* Each field is digits only, and nothing follows the third but blanks. */
+  static const char *const bad_lines[] = {
+      "-1 3 100\n", "0 -3 100\n", "0 3 +100\n", "0 3\n", "0 3 100 7\n", "0 3 100x\n", "0 3 0x10\n",
+      "0 3 18446744073709551616\n", /* 2^64 */
+  };
+  for (size_t i = 0; i < sizeof bad_lines / sizeof *bad_lines; i++) {
+    f = fopen(path, "w");
+    fprintf(f, "0 1 64\n%s", bad_lines[i]);
+    fclose(f);
+    assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), ":2:");
+  }
+  /* Tabs, CRLF and the largest size are fine. */
+  f = fopen(path, "w");
+  fputs("0\t2 18446744073709551615\r\n1 2  512 \n", f);
+  fclose(f);
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  assert_int_equal(t.count, 4);
+  assert_int_equal(t.events[0].size, UINT64_MAX);
+  trace_free(&t);
   f = fopen(path, "w");
   static const char not_snapshot[] = "\x80\x02}q\x00."; /* a pickle, but not a snapshot */
   fwrite(not_snapshot, 1, sizeof not_snapshot - 1, f);

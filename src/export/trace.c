@@ -172,6 +172,24 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
 
 /* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
  * come before the allocations at the same index. */
+/* A decimal field of a text line after blanks: digits only (no sign, so a
+ * negative number is refused, not wrapped) and no overflow. sscanf was
+ * most of the time of reading a small log. */
+static bool read_decimal(const char **text, uint64_t *out) {
+  const char *p = *text;
+  while (*p == ' ' || *p == '\t') p++;
+  if (*p < '0' || *p > '9') return false;
+  uint64_t v = 0;
+  for (; *p >= '0' && *p <= '9'; p++) {
+    unsigned digit = (unsigned)(*p - '0');
+    if (v > (UINT64_MAX - digit) / 10) return false;
+    v = v * 10 + digit;
+  }
+  *text = p;
+  *out = v;
+  return true;
+}
+
 static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   typedef struct { uint64_t alloc_at, free_at, size; } line_t;
   line_t *lines = NULL;
@@ -183,9 +201,11 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   while (fgets(text, sizeof text, f)) {
     lineno++;
     if (text[0] == '\n' || text[0] == '#') continue;
-    unsigned long long a, b, s;
-    char extra;
-    if (sscanf(text, "%llu %llu %llu %c", &a, &b, &s, &extra) != 3 || b < a) {
+    uint64_t a, b, s;
+    const char *at = text;
+    bool parsed = read_decimal(&at, &a) && read_decimal(&at, &b) && read_decimal(&at, &s);
+    while (parsed && (*at == ' ' || *at == '\t' || *at == '\r' || *at == '\n')) at++;
+    if (!parsed || *at || b < a) {
       rc = set_error(GCA_ERR_INVALID, "%s:%zu: expected '<alloc_op> <free_op> <size>' with free_op >= alloc_op",
                      path, lineno);
       break;
