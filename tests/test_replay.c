@@ -258,6 +258,101 @@ static void test_progress(void **state) {
   trace_free(&t);
 }
 
+typedef struct device_progress {
+  size_t calls[4], last[4];
+  bool increasing;
+} device_progress_t;
+
+static void count_device_progress(void *ctx, int device, size_t done, size_t total) {
+  device_progress_t *p = ctx; /* not atomic: the replay makes the calls one at a time */
+  assert_true(device >= 0 && device < 4);
+  p->increasing &= done > p->last[device] && done <= total;
+  p->last[device] = done;
+  p->calls[device]++;
+}
+
+/* Devices replay on threads of their own: the results are those of one
+ * thread, device by device, whatever the number of threads, progress calls
+ * come one at a time, and a device's failure reaches the caller with its
+ * message. */
+static void test_devices_in_parallel(void **state) {
+  (void)state;
+  FILE *f = fopen("/tmp/gcalloc-replay-devices.trace", "w");
+  assert_non_null(f);
+  fputs("# gcalloc trace 1\n1 7 open 0 sim:devices=4 -\n", f);
+  uint64_t rng = 42;
+  uint64_t live[4][64] = {{0}};
+  int time = 2;
+  /* Devices 0 and 2 get over 65,536 operations each, for progress calls. */
+  for (int i = 0; i < 160000; i++) {
+    rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+    int dev = (int)(rng >> 60) % 4, k = (int)(rng >> 50) % 64;
+    /* Device 3 only takes a few: uneven devices, as in real traces. */
+    if (dev == 3 && i % 50) dev = 0;
+    if (dev == 1 && i % 4) dev = 2;
+    if (live[dev][k]) {
+      fprintf(f, "%d 7 free 0 %llx 0\n", time++, (unsigned long long)live[dev][k]);
+      live[dev][k] = 0;
+    } else {
+      uint64_t size = 512 + (rng >> 20) % (dev == 1 ? (64u << 20) : (1u << 20));
+      live[dev][k] = ((uint64_t)(dev + 1) << 40) + (uint64_t)i * 4096;
+      fprintf(f, "%d 7 malloc 0 %d 0 %llu %llx\n", time++, dev, (unsigned long long)size,
+              (unsigned long long)live[dev][k]);
+    }
+  }
+  fputs("9999999 7 close 0\n", f);
+  fclose(f);
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-devices.trace", &t), GCA_OK);
+  assert_int_equal(t.device_count, 4);
+  const char *confs[] = {"", "expandable_segments:True"};
+  for (int c = 0; c < 2; c++) {
+    replay_options_t o = defaults();
+    o.conf = confs[c];
+    o.threads = 1;
+    replay_result_t one, many;
+    assert_int_equal(replay_trace(&t, &o, &one), GCA_OK);
+    o.threads = 4;
+    device_progress_t seen = {.increasing = true};
+    o.progress = count_device_progress;
+    o.progress_ctx = &seen;
+    assert_int_equal(replay_trace(&t, &o, &many), GCA_OK);
+    assert_true(seen.increasing);
+    assert_int_equal(one.device_count, 4);
+    assert_int_equal(many.device_count, 4);
+    for (int d = 0; d < 4; d++) {
+      const replay_device_t *x = &one.devices[d], *y = &many.devices[d];
+      assert_int_equal(x->device, d);
+      assert_int_equal(y->device, d);
+      assert_true(x->events > 0);
+      assert_int_equal(x->events, y->events);
+      assert_int_equal(x->peak_requested, y->peak_requested);
+      assert_int_equal(x->peak_allocated, y->peak_allocated);
+      assert_int_equal(x->peak_reserved, y->peak_reserved);
+      assert_int_equal(x->device_allocs, y->device_allocs);
+      assert_int_equal(x->device_frees, y->device_frees);
+      assert_int_equal(x->segment_events_replayed, y->segment_events_replayed);
+      assert_int_equal(x->pages_mapped, y->pages_mapped);
+      assert_int_equal(seen.calls[d], y->events / 65536);
+    }
+    assert_true(seen.calls[0] > 0 && seen.calls[2] > 0);
+    assert_true(one.devices[1].peak_reserved > one.devices[3].peak_reserved);
+    assert_int_equal(c == 1, one.devices[0].pages_mapped > 0);
+    replay_result_free(&one);
+    replay_result_free(&many);
+  }
+  /* Every device's allocator refuses the configuration: the caller gets the
+   * error, whichever thread met it. */
+  replay_options_t o = defaults();
+  o.conf = "max_split_size_mb:banana";
+  o.threads = 4;
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_ERR_CONFIG);
+  assert_contains(gca_last_error(), "max_split_size_mb");
+  assert_null(r.devices);
+  trace_free(&t);
+}
+
 /* gcalloc tune: the best configuration it prints reserves what a replay with
  * it reserves, and no more than the defaults. */
 static void test_tune(void **state) {
@@ -413,7 +508,8 @@ int main(void) {
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_real_trace_decomfl),
       cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
       cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
-      cmocka_unit_test(test_progress),              cmocka_unit_test(test_tune),
+      cmocka_unit_test(test_progress),
+      cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

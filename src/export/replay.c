@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include "../internal.h"
 #include "replay.h"
@@ -313,6 +315,90 @@ static size_t lcs(const seg_event_t *x, size_t n, const seg_event_t *y, size_t m
   return result;
 }
 
+/* Steps 1 to 3 for device d, into r. */
+static int replay_device(const trace_t *t, int d, const replay_options_t *o, const char *spec, const char *conf,
+                         replay_device_t *r) {
+  device_plan_t p;
+  int rc = plan_device(t, d, o, &p);
+  r->device = d;
+  if (rc == GCA_OK) {
+    r->seeded = p.seeded;
+    r->events = p.count - p.seeded;
+    r->recorded_peak_reserved = p.recorded_peak;
+    r->segment_events_recorded = p.recorded_count;
+    seg_log_t log = {0};
+    rc = run_plan(&p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
+    if (rc == GCA_OK && log.failed) rc = set_error(GCA_ERR_NOMEM, "out of host memory replaying");
+    if (rc == GCA_OK && o->match_segments) {
+      r->segment_events_replayed = log.count;
+      r->segment_events_matched = lcs(p.recorded, p.recorded_count, log.events, log.count);
+    }
+    free(log.events);
+    /* The segment map at the peak: the same replay again, stopped there. */
+    if (rc == GCA_OK && (o->timeline || (o->page_census && r->expandable)) && r->peak_reserved) {
+      replay_device_t again = {.device = d};
+      rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, r);
+    }
+  }
+  free(p.ops);
+  free(p.recorded);
+  return rc;
+}
+
+/* Devices replay in parallel: each has its own allocator on its own
+ * simulated device, so they share nothing but the trace (read only), and the
+ * results are the same in any order. A worker takes the next device until
+ * none is left, and keeps a failure's status and message (errors are per
+ * thread) for the caller's thread. */
+typedef struct device_jobs {
+  const trace_t *t;
+  const replay_options_t *o; /* progress calls go through progress_serialized */
+  const char *spec, *conf;
+  int first, count;
+  replay_device_t *results;
+  int *status;
+  char (*messages)[1024];
+  pthread_mutex_t lock; /* next, and the caller's progress callback */
+  int next;
+  replay_progress_fn progress;
+  void *progress_ctx;
+} device_jobs_t;
+
+static void progress_serialized(void *ctx, int device, size_t done, size_t total) {
+  device_jobs_t *jobs = ctx;
+  pthread_mutex_lock(&jobs->lock);
+  jobs->progress(jobs->progress_ctx, device, done, total);
+  pthread_mutex_unlock(&jobs->lock);
+}
+
+static void *device_worker(void *arg) {
+  device_jobs_t *jobs = arg;
+  for (;;) {
+    pthread_mutex_lock(&jobs->lock);
+    int k = jobs->next < jobs->count ? jobs->next++ : -1;
+    pthread_mutex_unlock(&jobs->lock);
+    if (k < 0) return NULL;
+    jobs->status[k] = replay_device(jobs->t, jobs->first + k, jobs->o, jobs->spec, jobs->conf, &jobs->results[k]);
+    if (jobs->status[k]) snprintf(jobs->messages[k], sizeof jobs->messages[k], "%s", gca_last_error());
+  }
+}
+
+/* How many threads replay: o->threads, or one per processor online; never
+ * more than the devices that have events. */
+static int replay_threads(const trace_t *t, const replay_options_t *o, int first, int count) {
+  int busy = 0;
+  for (int k = 0; k < count; k++) {
+    for (size_t i = 0; i < t->count; i++)
+      if (t->events[i].device == first + k) {
+        busy++;
+        break;
+      }
+  }
+  long online = o->threads > 0 ? o->threads : sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = online < 1 ? 1 : online > 64 ? 64 : (int)online;
+  return threads < busy ? threads : busy > 0 ? busy : 1;
+}
+
 int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out) {
   memset(out, 0, sizeof *out);
   const char *conf = o->conf ? o->conf : (t->settings ? t->settings : "");
@@ -325,36 +411,43 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
   int last = o->device >= 0 ? o->device : t->device_count - 1;
   if (o->device >= t->device_count)
     return set_error(GCA_ERR_INVALID, "the trace has no device %d (it has %d)", o->device, t->device_count);
-  out->devices = calloc((size_t)(last - first + 1) + 1, sizeof *out->devices);
-  if (!out->devices) return set_error(GCA_ERR_NOMEM, "out of host memory replaying");
-  int rc = GCA_OK;
-  for (int d = first; d <= last && rc == GCA_OK; d++) {
-    device_plan_t p;
-    rc = plan_device(t, d, o, &p);
-    replay_device_t *r = &out->devices[out->device_count++];
-    r->device = d;
-    if (rc == GCA_OK) {
-      r->seeded = p.seeded;
-      r->events = p.count - p.seeded;
-      r->recorded_peak_reserved = p.recorded_peak;
-      r->segment_events_recorded = p.recorded_count;
-      seg_log_t log = {0};
-      rc = run_plan(&p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
-      if (rc == GCA_OK && log.failed) rc = set_error(GCA_ERR_NOMEM, "out of host memory replaying");
-      if (rc == GCA_OK && o->match_segments) {
-        r->segment_events_replayed = log.count;
-        r->segment_events_matched = lcs(p.recorded, p.recorded_count, log.events, log.count);
-      }
-      free(log.events);
-      /* The segment map at the peak: the same replay again, stopped there. */
-      if (rc == GCA_OK && (o->timeline || (o->page_census && r->expandable)) && r->peak_reserved) {
-        replay_device_t again = {.device = d};
-        rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, r);
-      }
-    }
-    free(p.ops);
-    free(p.recorded);
+  int count = last - first + 1 > 0 ? last - first + 1 : 0;
+  out->devices = calloc((size_t)count + 1, sizeof *out->devices);
+  int *status = calloc((size_t)count + 1, sizeof *status);
+  char(*messages)[1024] = calloc((size_t)count + 1, sizeof *messages);
+  if (!out->devices || !status || !messages) {
+    free(out->devices);
+    free(status);
+    free(messages);
+    out->devices = NULL;
+    return set_error(GCA_ERR_NOMEM, "out of host memory replaying");
   }
+  out->device_count = count;
+  device_jobs_t jobs = {.t = t, .spec = spec, .conf = conf, .first = first, .count = count,
+                        .results = out->devices, .status = status, .messages = messages};
+  replay_options_t worker_options = *o;
+  if (o->progress) {
+    jobs.progress = o->progress;
+    jobs.progress_ctx = o->progress_ctx;
+    worker_options.progress = progress_serialized;
+    worker_options.progress_ctx = &jobs;
+  }
+  jobs.o = &worker_options;
+  pthread_mutex_init(&jobs.lock, NULL);
+  int threads = replay_threads(t, o, first, count);
+  pthread_t helpers[64];
+  int started = 0;
+  /* The caller's thread is one of the workers; a helper that cannot start
+   * only makes the replay slower. */
+  while (started < threads - 1 && pthread_create(&helpers[started], NULL, device_worker, &jobs) == 0) started++;
+  device_worker(&jobs);
+  for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+  pthread_mutex_destroy(&jobs.lock);
+  int rc = GCA_OK;
+  for (int k = 0; k < count && rc == GCA_OK; k++)
+    if (status[k]) rc = set_error(status[k], "%s", messages[k]);
+  free(status);
+  free(messages);
   if (rc) replay_result_free(out);
   return rc;
 }

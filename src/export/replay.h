@@ -22,7 +22,8 @@ typedef struct replay_options {
   bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
   bool page_census;        /* with expandable segments: count their pages at the peak (a second run up to it) */
-  replay_progress_fn progress;
+  int threads;              /* devices replayed at once; 0: one per processor online (results do not depend on it) */
+  replay_progress_fn progress; /* called from the replaying threads, one call at a time */
   void *progress_ctx;
 } replay_options_t;
 
