@@ -394,6 +394,7 @@ static int replay_threads(const trace_t *t, const replay_options_t *o, int first
         break;
       }
   }
+  if (busy <= 1) return 1; /* (sysconf reads a file under /sys: a fifth of replaying a small log) */
   long online = o->threads > 0 ? o->threads : sysconf(_SC_NPROCESSORS_ONLN);
   int threads = online < 1 ? 1 : online > 64 ? 64 : (int)online;
   return threads < busy ? threads : busy > 0 ? busy : 1;
