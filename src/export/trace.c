@@ -170,8 +170,6 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
   return rc;
 }
 
-/* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
- * come before the allocations at the same index. */
 /* A decimal field of a text line after blanks: digits only (no sign, so a
  * negative number is refused, not wrapped) and no overflow. sscanf was
  * most of the time of reading a small log. */
@@ -190,6 +188,8 @@ static bool read_decimal(const char **text, uint64_t *out) {
   return true;
 }
 
+/* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
+ * come before the allocations at the same index. */
 static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   typedef struct { uint64_t alloc_at, free_at, size; } line_t;
   line_t *lines = NULL;
