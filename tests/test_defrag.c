@@ -43,6 +43,8 @@ static void test_sim_mappings_across_leaves(void **state) {
    * run of whole mappings across leaves in one call. */
   assert_int_equal(ops->vm_unmap(st, 0, b + 3 * MiB, 6 * MiB), GCA_ERR_INVALID);
   assert_int_equal(ops->vm_unmap(st, 0, b + 30 * MiB, 18 * MiB), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_unmap(st, 0, b + 6 * MiB, SIZE_MAX - 4095), GCA_ERR_INVALID); /* wraps around */
+  assert_contains(gca_last_error(), "wraps around");
   assert_int_equal(ops->vm_unmap(st, 0, b + 6 * MiB, 18 * MiB), GCA_OK);
   assert_int_equal(sim_counters(a, 0).vm_mapped, 24 * MiB);
   assert_int_equal(ops->vm_destroy(st, 0, h[2]), GCA_OK); /* unmapped: may go */

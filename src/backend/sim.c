@@ -598,12 +598,9 @@ static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
   return rc;
 }
 
-/* The reservation holding [addr, addr + size), or NULL. */
 /* The record with the greatest address at or below addr, in the tree whose
- * root is `node`, or NULL: one descent. (The trees share their record type
- * and link field. NFIND followed by PREV was two descents with a walk back
- * up, and the mapping lookups were a fifth of a replay with expandable
- * segments.) */
+ * root is `node`, or NULL: one descent (NFIND followed by PREV is two, and a
+ * walk back up). */
 static sim_alloc_t *floor_record(sim_alloc_t *node, uintptr_t addr) {
   sim_alloc_t *best = NULL;
   while (node) {
@@ -617,6 +614,7 @@ static sim_alloc_t *floor_record(sim_alloc_t *node, uintptr_t addr) {
   return best;
 }
 
+/* The reservation holding [addr, addr + size), or NULL. */
 static sim_alloc_t *reservation_of(sim_device_t *dev, uintptr_t addr, size_t size) {
   sim_alloc_t *r = floor_record(RB_ROOT(&dev->reserved), addr);
   if (!r || addr - r->addr > r->size || r->size - (addr - r->addr) < size) return NULL;
@@ -830,7 +828,9 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   map_leaf_t *leaf = NULL;
   /* Whole mappings only, and no holes: check before changing anything. */
   uintptr_t at = addr, end = addr + size;
-  while (at < end) {
+  if (end < addr)
+    rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) wraps around the address space", addr, size);
+  while (rc == GCA_OK && at < end) {
     sim_phys_t *m = vm_aligned(s, at) ? mapped_at_page(s, dev, at, &leaf_key, &leaf) : NULL;
     if (!m || m->mapped_at != at || m->size > end - at) {
       rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not a run of whole mappings of device %d "
