@@ -112,13 +112,7 @@ static void warn_not_built(parser_t *p, const char *key) {
 static bool parse_uint(const token_t *t, uint64_t *out) {
   if (!t || t->len == 0 || t->len > 20) return false;
   uint64_t v = 0;
-  for (size_t i = 0; i < t->len; i++) {
-    char c = t->text[i];
-    if (c < '0' || c > '9') return false;
-    unsigned d = (unsigned)(c - '0');
-    if (v > (UINT64_MAX - d) / 10) return false;
-    v = v * 10 + d;
-  }
+  if (parse_decimal(t->text, t->len, &v) != t->len) return false;
   *out = v;
   return true;
 }

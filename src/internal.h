@@ -831,6 +831,10 @@ typedef struct text {
 void text_put(text_t *t, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* Parse "24GiB", "1.5GB", "4096" into bytes. Returns false on bad text or overflow. */
 bool parse_size(const char *text, size_t len, uint64_t *out);
+/* The decimal digits at the start of text[0, len) into *out: how many were
+ * read, 0 when none or when the value overflows 64 bits (no sign, no
+ * blanks: callers decide what may surround the number). */
+size_t parse_decimal(const char *text, size_t len, uint64_t *out);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
  * "X.YY KiB/MiB/GiB". */
 void format_bytes(uint64_t bytes, char *buf, size_t cap);

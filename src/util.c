@@ -207,18 +207,25 @@ void addr_map_free(addr_map_t *m) {
   *m = (addr_map_t){0};
 }
 
+size_t parse_decimal(const char *text, size_t len, uint64_t *out) {
+  uint64_t v = 0;
+  size_t i = 0;
+  for (; i < len && text[i] >= '0' && text[i] <= '9'; i++) {
+    unsigned d = (unsigned)(text[i] - '0');
+    if (v > (UINT64_MAX - d) / 10) return 0;
+    v = v * 10 + d;
+  }
+  if (i) *out = v;
+  return i;
+}
+
 bool parse_size(const char *text, size_t len, uint64_t *out) {
   size_t i = 0;
   while (i < len && isspace((unsigned char)text[i])) i++;
-  size_t digits_start = i;
   uint64_t whole = 0;
-  bool overflow = false;
-  while (i < len && isdigit((unsigned char)text[i])) {
-    unsigned d = (unsigned)(text[i] - '0');
-    if (whole > (UINT64_MAX - d) / 10) overflow = true;
-    whole = whole * 10 + d;
-    i++;
-  }
+  size_t digits = parse_decimal(text + i, len - i, &whole);
+  if (!digits) return false; /* none, or past 64 bits */
+  i += digits;
   double frac = 0.0, scale = 0.1;
   bool has_frac = false;
   if (i < len && text[i] == '.') {
@@ -230,7 +237,6 @@ bool parse_size(const char *text, size_t len, uint64_t *out) {
       i++;
     }
   }
-  if (i == digits_start || overflow) return false;
   size_t unit_start = i;
   size_t unit_end = len;
   while (unit_end > unit_start && isspace((unsigned char)text[unit_end - 1])) unit_end--;

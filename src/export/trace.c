@@ -176,16 +176,9 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
 static bool read_decimal(const char **text, uint64_t *out) {
   const char *p = *text;
   while (*p == ' ' || *p == '\t') p++;
-  if (*p < '0' || *p > '9') return false;
-  uint64_t v = 0;
-  for (; *p >= '0' && *p <= '9'; p++) {
-    unsigned digit = (unsigned)(*p - '0');
-    if (v > (UINT64_MAX - digit) / 10) return false;
-    v = v * 10 + digit;
-  }
-  *text = p;
-  *out = v;
-  return true;
+  size_t digits = parse_decimal(p, strlen(p), out);
+  *text = p + digits;
+  return digits > 0;
 }
 
 /* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
