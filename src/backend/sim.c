@@ -657,9 +657,9 @@ static sim_phys_t *mapped_at_page(const sim_t *s, sim_device_t *dev, uintptr_t a
 }
 
 /* The first mapping that starts in [addr, addr + size) or covers addr, or
- * NULL. Walks the pages (for the error messages and the checks that a
- * range is free: a mapping or a reservation, rarely more than a few pages;
- * a reservation's scan skips the leaves that do not exist). */
+ * NULL, for the message of a refused unreserve (the reservation's count of
+ * mapped bytes is what refuses). Walks the pages, skipping the leaves that
+ * do not exist. */
 static sim_phys_t *first_mapping_in(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t size) {
   uint64_t leaf_key = UINT64_MAX;
   map_leaf_t *leaf = NULL;
@@ -796,15 +796,20 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
   else if (!(r = reservation_of(dev, addr, size)))
     rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not inside a reserved range of device %d", addr,
                    size, device);
-  else if ((m = first_mapping_in(s, dev, addr, size)))
-    rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there", addr,
-                   m->mapped_at, m->size);
-  /* Every page's entry first (leaves are made here, so a host out of
-   * memory changes nothing), then the entries set. */
+  /* Every page's entry first, free or not (leaves are made here, so a host
+   * out of memory changes nothing but empty leaves), then the entries set. */
   uint64_t leaf_key = UINT64_MAX;
   map_leaf_t *leaf = NULL;
-  for (uintptr_t at = addr; rc == GCA_OK && at - addr < size; at += s->granularity)
-    if (!map_entry(s, dev, at, true, &leaf_key, &leaf)) rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  for (uintptr_t at = addr; rc == GCA_OK && at - addr < size; at += s->granularity) {
+    uint32_t *e = map_entry(s, dev, at, true, &leaf_key, &leaf);
+    if (!e) {
+      rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+    } else if (*e) {
+      m = &dev->phys[*e - 1];
+      rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there", addr,
+                     m->mapped_at, m->size);
+    }
+  }
   if (rc == GCA_OK) {
     uint32_t slot = (uint32_t)(p - dev->phys) + 1;
     for (uintptr_t at = addr; at - addr < size; at += s->granularity)
