@@ -1,11 +1,17 @@
 /* libFuzzer target for the snapshot reader (label `replay`): the pickle
  * reader on arbitrary bytes, then, for what parses as a snapshot, the
- * conversion to a trace and a replay of it on the simulated device. Built
+ * conversion to a trace and a replay of it on the simulated device. The
+ * reader's fast paths (the loop for flat dicts, snapshot entries taken as
+ * they are read) are checked against its general machine alone on every
+ * input: the same tree and trace, or the same error, else abort. Built
  * only with clang (-fsanitize=fuzzer), with AddressSanitizer and UBSan;
  * CTest runs it for a short while from the seeds in tests/fuzz/seeds, and
- * any crash, leak, sanitizer report or timeout fails the test. */
+ * any crash, leak, sanitizer report, mismatch or timeout fails the test. */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 #include "export/pickle.h"
@@ -27,15 +33,43 @@ static void walk(const pv_t *v, int depth, size_t *budget) {
   }
 }
 
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  pickle_doc_t *doc = pickle_parse(data, size);
+static void mismatch(const char *what, const char *slow_error) {
+  fprintf(stderr, "fast path and machine disagree on %s: machine \"%s\", fast \"%s\"\n", what, slow_error,
+          gca_last_error());
+  abort();
+}
+
+/* The flat-dict loop against the machine alone, with and without pruning. */
+static void check_parse(const uint8_t *data, size_t size, const char *pruned_key) {
+  pickle_options_t machine = {.pruned_key = pruned_key, .machine_only = true}, fast = {.pruned_key = pruned_key};
+  pickle_doc_t *slow_doc = pickle_parse(data, size, &machine);
+  char slow_error[1024];
+  snprintf(slow_error, sizeof slow_error, "%s", slow_doc ? "" : gca_last_error());
+  pickle_doc_t *doc = pickle_parse(data, size, &fast);
+  size_t budget = 100000;
+  if (!doc != !slow_doc || (!doc && strcmp(slow_error, gca_last_error())) ||
+      (doc && !pv_equal(pickle_root(slow_doc), pickle_root(doc), 0, &budget)))
+    mismatch("a tree", slow_error);
   if (doc) {
-    size_t budget = 100000;
+    budget = 100000;
     walk(pickle_root(doc), 0, &budget);
-    pickle_free(doc);
   }
-  trace_t t;
-  if (trace_parse_snapshot("fuzz", data, size, &t) != GCA_OK) return 0;
+  pickle_free(doc);
+  pickle_free(slow_doc);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  check_parse(data, size, NULL);
+  check_parse(data, size, "frames");
+  trace_t t, slow;
+  int slow_rc = trace_parse_snapshot_slowly("fuzz", data, size, &slow);
+  char slow_error[1024];
+  snprintf(slow_error, sizeof slow_error, "%s", slow_rc ? gca_last_error() : "");
+  int rc = trace_parse_snapshot("fuzz", data, size, &t);
+  if (rc != slow_rc || (rc && strcmp(slow_error, gca_last_error())) || (!rc && !trace_equal(&t, &slow)))
+    mismatch("a trace", slow_error);
+  if (!slow_rc) trace_free(&slow);
+  if (rc != GCA_OK) return 0;
   /* Replays stay small so that one input costs milliseconds. */
   if (t.count <= 4096) {
     replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true, .timeline = true,

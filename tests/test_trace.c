@@ -1,7 +1,11 @@
 /* The plain-data pickle reader and the trace readers: small pickles written
  * by Python (pickle.dumps, protocols 2 and 4), every truncation of them,
  * refusal of object-building opcodes, and the real traces in
- * ../shared/traces with the counts SOURCES.txt gives. */
+ * ../shared/traces with the counts SOURCES.txt gives. The reader's loop for
+ * flat dicts, and the snapshot entries it hands over as they are read, are
+ * checked against the general machine alone: the same tree, trace or
+ * error on a small snapshot written by Python (data/snapshot_small.pickle),
+ * on the real ones, and on thousands of seeded mutations of them. */
 #include <sys/stat.h>
 
 #include "helpers.h"
@@ -21,7 +25,7 @@ static const unsigned char shared_p2[] =
 
 static void test_pickle_values(void **state) {
   (void)state;
-  pickle_doc_t *doc = pickle_parse(dict_p4, sizeof dict_p4 - 1);
+  pickle_doc_t *doc = pickle_parse(dict_p4, sizeof dict_p4 - 1, NULL);
   assert_non_null(doc);
   const pv_t *root = pickle_root(doc);
   assert_int_equal(root->kind, PV_DICT);
@@ -42,7 +46,7 @@ static void test_pickle_values(void **state) {
   assert_null(pv_at(b, 7));
   pickle_free(doc);
 
-  doc = pickle_parse(shared_p2, sizeof shared_p2 - 1);
+  doc = pickle_parse(shared_p2, sizeof shared_p2 - 1, NULL);
   assert_non_null(doc);
   root = pickle_root(doc);
   assert_int_equal(pv_len(root), 3);
@@ -61,8 +65,9 @@ static const unsigned char pruned_p4[] =
 
 static void test_pickle_pruned(void **state) {
   (void)state;
-  pickle_doc_t *whole = pickle_parse(pruned_p4, sizeof pruned_p4 - 1);
-  pickle_doc_t *pruned = pickle_parse_pruned(pruned_p4, sizeof pruned_p4 - 1, "frames");
+  pickle_doc_t *whole = pickle_parse(pruned_p4, sizeof pruned_p4 - 1, NULL);
+  pickle_options_t frames = {.pruned_key = "frames"};
+  pickle_doc_t *pruned = pickle_parse(pruned_p4, sizeof pruned_p4 - 1, &frames);
   assert_non_null(whole);
   assert_non_null(pruned);
   const pv_t *w = pickle_root(whole), *p = pickle_root(pruned);
@@ -87,14 +92,37 @@ static void test_pickle_pruned(void **state) {
   unsigned char bad[sizeof pruned_p4];
   memcpy(bad, pruned_p4, sizeof bad);
   bad[42] = 0x60; /* the BINGET at offset 41 now names index 0x60 */
-  assert_null(pickle_parse_pruned(bad, sizeof bad - 1, "frames"));
+  assert_null(pickle_parse(bad, sizeof bad - 1, &frames));
   assert_contains(gca_last_error(), "memo index 96");
+}
+
+/* A pruned list holding a run of a million memo references that does not
+ * end in APPENDS (here a None follows it): each reference is pushed, and
+ * the run is scanned once, not once from each of its references (which took
+ * hours). The general machine reads it: the root is a list, not a dict. */
+static void test_pickle_long_reference_run(void **state) {
+  (void)state;
+  const size_t refs = 1000000;
+  static const char head[] = "\x80\x04]\x94(\x8c\x06" "frames]("; /* [ 'frames', [ ... */
+  size_t len = sizeof head - 1 + 2 * refs + 4;
+  unsigned char *data = malloc(len);
+  assert_non_null(data);
+  memcpy(data, head, sizeof head - 1);
+  for (size_t i = 0; i < refs; i++) memcpy(data + sizeof head - 1 + 2 * i, "h\x00", 2);
+  memcpy(data + len - 4, "Nee.", 4);
+  pickle_options_t frames = {.pruned_key = "frames"};
+  pickle_doc_t *doc = pickle_parse(data, len, &frames);
+  assert_non_null(doc);
+  assert_int_equal(pv_len(pickle_root(doc)), 2);
+  assert_int_equal(pv_len(pv_at(pickle_root(doc), 1)), 0);
+  pickle_free(doc);
+  free(data);
 }
 
 static void test_pickle_truncations_fail_cleanly(void **state) {
   (void)state;
   for (size_t n = 0; n + 1 < sizeof dict_p4 - 1; n++) {
-    pickle_doc_t *doc = pickle_parse(dict_p4, n);
+    pickle_doc_t *doc = pickle_parse(dict_p4, n, NULL);
     assert_null(doc);
     assert_int_equal(gca_last_status(), GCA_ERR_INVALID);
     assert_contains(gca_last_error(), "pickle:");
@@ -104,26 +132,26 @@ static void test_pickle_truncations_fail_cleanly(void **state) {
 static void test_pickle_refuses_objects(void **state) {
   (void)state;
   static const unsigned char evil[] = "\x80\x02\x63os\nsystem\n\x58\x02\x00\x00\x00ls\x85R.";
-  assert_null(pickle_parse(evil, sizeof evil - 1));
+  assert_null(pickle_parse(evil, sizeof evil - 1, NULL));
   assert_contains(gca_last_error(), "build a Python object");
   static const unsigned char unknown_op[] = "\x80\x02\x01.";
-  assert_null(pickle_parse(unknown_op, sizeof unknown_op - 1));
+  assert_null(pickle_parse(unknown_op, sizeof unknown_op - 1, NULL));
   assert_contains(gca_last_error(), "unsupported opcode 0x01");
   static const unsigned char bad_memo[] = "\x80\x02h\x05.";
-  assert_null(pickle_parse(bad_memo, sizeof bad_memo - 1));
+  assert_null(pickle_parse(bad_memo, sizeof bad_memo - 1, NULL));
   assert_contains(gca_last_error(), "memo index 5");
   static const unsigned char two_values[] = "\x80\x02K\x01K\x02.";
-  assert_null(pickle_parse(two_values, sizeof two_values - 1));
+  assert_null(pickle_parse(two_values, sizeof two_values - 1, NULL));
   /* Found by the fuzzer (tests/fuzz_pickle.c): an empty tuple before
    * anything was pushed, an empty APPENDS, and a trace entry that is a list. */
   static const unsigned char empty_tuple[] = "\x80\x02(t.";
-  pickle_doc_t *doc = pickle_parse(empty_tuple, sizeof empty_tuple - 1);
+  pickle_doc_t *doc = pickle_parse(empty_tuple, sizeof empty_tuple - 1, NULL);
   assert_non_null(doc);
   assert_int_equal(pickle_root(doc)->kind, PV_LIST);
   assert_int_equal(pv_len(pickle_root(doc)), 0);
   pickle_free(doc);
   static const unsigned char empty_appends[] = "\x80\x02](e.";
-  assert_non_null(doc = pickle_parse(empty_appends, sizeof empty_appends - 1));
+  assert_non_null(doc = pickle_parse(empty_appends, sizeof empty_appends - 1, NULL));
   pickle_free(doc);
   /* {'device_traces': [[[1]]]} */
   static const unsigned char list_entry[] =
@@ -134,9 +162,9 @@ static void test_pickle_refuses_objects(void **state) {
   assert_contains(gca_last_error(), "list-entry: device 0 trace entry 0 is not a dict");
   /* A memo index past the file's length is refused before any memory is sized by it. */
   static const unsigned char far_memo[] = "\x80\x02Nr\xff\xff\xff\x7f.";
-  assert_null(pickle_parse(far_memo, sizeof far_memo - 1));
+  assert_null(pickle_parse(far_memo, sizeof far_memo - 1, NULL));
   assert_contains(gca_last_error(), "larger than the file");
-  assert_null(pickle_load("/nonexistent/file.pickle"));
+  assert_null(pickle_load("/nonexistent/file.pickle", NULL));
   assert_int_equal(gca_last_status(), GCA_ERR_IO);
 }
 
@@ -225,11 +253,180 @@ static void test_bad_text_trace(void **state) {
   assert_int_equal(trace_load("/nonexistent/trace.log", &t), GCA_ERR_IO);
 }
 
+/* ---- the flat-dict loop against the general machine ------------------- */
+
+/* Both readers give the same tree, or both refuse with the same message. */
+static void expect_same_parse(const unsigned char *data, size_t len, const char *pruned_key, size_t budget) {
+  pickle_options_t machine = {.pruned_key = pruned_key, .machine_only = true}, flat = {.pruned_key = pruned_key};
+  pickle_doc_t *slow = pickle_parse(data, len, &machine);
+  char slow_error[1024];
+  snprintf(slow_error, sizeof slow_error, "%s", slow ? "" : gca_last_error());
+  pickle_doc_t *fast = pickle_parse(data, len, &flat);
+  if (!slow || !fast) {
+    if (fast || slow) fprintf(stderr, "only one reader refused: %s\n", slow ? gca_last_error() : slow_error);
+    assert_true(!slow && !fast);
+    assert_string_equal(gca_last_error(), slow_error);
+    return;
+  }
+  assert_true(pv_equal(pickle_root(slow), pickle_root(fast), 0, &budget));
+  pickle_free(slow);
+  pickle_free(fast);
+}
+
+/* The snapshot's trace, with entries taken as they are read or through the
+ * machine: the same events, final state and settings, or the same error. */
+static void expect_same_trace(const unsigned char *data, size_t len) {
+  trace_t slow, fast;
+  int slow_rc = trace_parse_snapshot_slowly("s", data, len, &slow);
+  char slow_error[1024];
+  snprintf(slow_error, sizeof slow_error, "%s", slow_rc ? gca_last_error() : "");
+  int fast_rc = trace_parse_snapshot("s", data, len, &fast);
+  assert_int_equal(fast_rc, slow_rc);
+  if (slow_rc) {
+    assert_string_equal(gca_last_error(), slow_error);
+    return;
+  }
+  assert_true(trace_equal(&fast, &slow));
+  trace_free(&slow);
+  trace_free(&fast);
+}
+
+static unsigned char *read_whole(const char *path, size_t *len) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  rewind(f);
+  unsigned char *data = malloc((size_t)n + 1);
+  assert_non_null(data);
+  assert_int_equal(fread(data, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  *len = (size_t)n;
+  return data;
+}
+
+static bool count_record(void *ctx, const pv_t *pairs, size_t count, int64_t *id) {
+  (void)pairs;
+  (void)count;
+  *id = (*(int64_t *)ctx)++;
+  return true;
+}
+
+static void test_flat_reader_same_as_machine(void **state) {
+  (void)state;
+  size_t len;
+  unsigned char *small = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(small);
+  expect_same_parse(small, len, NULL, SIZE_MAX);
+  expect_same_parse(small, len, "frames", SIZE_MAX);
+  expect_same_trace(small, len);
+  trace_t t;
+  assert_int_equal(trace_parse_snapshot("small", small, len, &t), GCA_OK);
+  assert_int_equal(t.count, 61);
+  assert_int_equal(t.device_count, 2);
+  assert_int_equal(t.events[30].action, TA_OOM);
+  assert_int_equal(t.events[30].addr, 12345); /* device_free */
+  assert_int_equal(t.events[60].device, 1);
+  assert_string_equal(t.settings, "max_split_size_mb:64");
+  trace_free(&t);
+  /* The entries go to the record reader as they are read, except those
+   * whose frames list is empty (4) or has one frame (3, APPEND): those are
+   * the machine's. Device 1's only entry (APPEND into its list) is one. */
+  int64_t records = 0;
+  pickle_options_t o = {.pruned_key = "frames", .records_key = "device_traces", .record = count_record,
+                        .record_ctx = &records};
+  pickle_doc_t *doc = pickle_parse(small, len, &o);
+  assert_non_null(doc);
+  assert_int_equal(records, 61 - 4 - 3);
+  const pv_t *traces = pv_get(pickle_root(doc), "device_traces");
+  assert_int_equal(pv_at(pv_at(traces, 1), 0)->kind, PV_RECORD);
+  assert_int_equal(pv_at(pv_at(traces, 0), 5)->kind, PV_DICT); /* the empty frames list */
+  assert_int_equal(pv_at(pv_at(traces, 0), 6)->kind, PV_RECORD);
+  pickle_free(doc);
+  free(small);
+  if (!have_traces()) return;
+  static const char *const real[] = {
+      GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle",
+      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
+      GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
+  };
+  for (size_t i = 0; i < sizeof real / sizeof *real; i++) {
+    unsigned char *data = read_whole(real[i], &len);
+    assert_non_null(data);
+    expect_same_parse(data, len, NULL, SIZE_MAX);
+    expect_same_parse(data, len, "frames", SIZE_MAX);
+    expect_same_trace(data, len);
+    free(data);
+  }
+}
+
+/* Seeded mutations: a byte set to a random value or to an opcode, a byte
+ * deleted (a memo store dropped shifts the numbering after it), some
+ * truncations. Whatever the input, both readers agree. */
+static void mutate(unsigned char *data, size_t *len, uint64_t *seed) {
+  static const unsigned char opcodes[] = {'h', 'j', 0x94, 'q', 'r', '(', ')', '}', ']', 'u', 'e', 's', 'a',
+                                          'K', 'M', 'J', 0x8a, 0x8c, 'X', 'N', 0x88, 0x95, 't', '.', 0x86};
+  int edits = 1 + (int)(next_random(seed) % 3);
+  for (int k = 0; k < edits && *len > 1; k++) {
+    size_t at = (size_t)(next_random(seed) % *len);
+    uint64_t r = next_random(seed);
+    if (r % 3 == 0) {
+      memmove(data + at, data + at + 1, *len - at - 1);
+      --*len;
+    } else {
+      data[at] = r & 8 ? (unsigned char)(r >> 8) : opcodes[(r >> 8) % sizeof opcodes];
+    }
+  }
+  if (next_random(seed) % 8 == 0) *len = 1 + (size_t)(next_random(seed) % *len);
+}
+
+static void test_flat_reader_mutations(void **state) {
+  (void)state;
+  uint64_t seed = 0x5eed0f1a7;
+  size_t len;
+  unsigned char *small = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(small);
+  unsigned char *copy = malloc(len);
+  /* Each container's memo store dropped in turn: the numbering after it
+   * shifts, and the dict that is not stored must not take a slot. */
+  for (size_t at = 0; at + 1 < len; at++) {
+    if ((small[at] != '}' && small[at] != ']') || small[at + 1] != 0x94) continue;
+    memcpy(copy, small, at + 1);
+    memcpy(copy + at + 1, small + at + 2, len - at - 2);
+    expect_same_parse(copy, len - 1, at % 2 ? "frames" : NULL, 100000);
+    expect_same_trace(copy, len - 1);
+  }
+  for (int i = 0; i < 4000; i++) {
+    size_t n = len;
+    memcpy(copy, small, len);
+    mutate(copy, &n, &seed);
+    expect_same_parse(copy, n, i % 2 ? "frames" : NULL, 100000);
+    expect_same_trace(copy, n);
+  }
+  free(copy);
+  free(small);
+  if (!have_traces()) return;
+  unsigned char *data = read_whole(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", &len);
+  assert_non_null(data);
+  copy = malloc(len);
+  for (int i = 0; i < 12; i++) {
+    size_t n = len;
+    memcpy(copy, data, len);
+    mutate(copy, &n, &seed);
+    expect_same_parse(copy, n, "frames", 100000);
+    expect_same_trace(copy, n);
+  }
+  free(copy);
+  free(data);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
-      cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_real_traces),
-      cmocka_unit_test(test_bad_text_trace),
+      cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
+      cmocka_unit_test(test_real_traces),
+      cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
+      cmocka_unit_test(test_flat_reader_mutations),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -24,10 +24,11 @@ struct pickle_doc {
   unsigned char *buf;
   size_t len;
   bool mapped;   /* buf is the file, mapped; else malloc'd */
-  const char *pruned_key;
-  size_t pruned_len;
+  pickle_options_t options;
+  size_t pruned_len, records_len; /* of the two keys; 0 without them */
   arena_t arena; /* containers and their item arrays */
   pv_t root;
+  pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none */
 };
 
 void pickle_free(pickle_doc_t *doc) {
@@ -52,8 +53,12 @@ static int fail_memory(const pickle_doc_t *doc, size_t at) {
 
 static pv_seq_t *seq_new(pickle_doc_t *doc, bool pruned) {
   pv_seq_t *s = arena_alloc(&doc->arena, sizeof *s);
-  if (s) *s = (pv_seq_t){NULL, 0, 0, pruned};
+  if (s) *s = (pv_seq_t){NULL, 0, 0, pruned, 0};
   return s;
+}
+
+static inline bool str_is(const pv_t *v, const char *s, size_t n) {
+  return n && v->kind == PV_STR && v->len == n && !memcmp(v->u.data, s, n);
 }
 
 /* Is the container being filled (the one under the MARK at `base`) pruned? */
@@ -68,12 +73,7 @@ static inline bool filling_pruned(const pv_t *stack, size_t depth, size_t base) 
 static bool prune_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, const size_t *marks,
                       size_t mark_count) {
   if (!doc->pruned_len) return false;
-  if (depth) {
-    const pv_t *below = &stack[depth - 1];
-    if (below->kind == PV_STR && below->len == doc->pruned_len &&
-        !memcmp(below->u.data, doc->pruned_key, doc->pruned_len))
-      return true;
-  }
+  if (depth && str_is(&stack[depth - 1], doc->options.pruned_key, doc->pruned_len)) return true;
   if (mark_count) {
     size_t base = marks[mark_count - 1];
     if (base && base <= depth) {
@@ -81,6 +81,32 @@ static bool prune_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, 
       return (filling->kind == PV_LIST || filling->kind == PV_DICT) && filling->u.seq->pruned;
     }
   }
+  return false;
+}
+
+/* Records (pickle_options): the list under the records key has role 1, a
+ * list pushed into it role 2, and a dict pushed into one of those is a
+ * record. "Into" is: the container being filled (under the latest MARK),
+ * or, for a one-item list written with APPEND, the list right below. */
+static inline unsigned list_role(const pv_t *v) { return v->kind == PV_LIST ? v->u.seq->role : 0; }
+
+static bool inside_role(const pv_t *stack, size_t depth, const size_t *marks, size_t mark_count, unsigned role) {
+  if (depth && list_role(&stack[depth - 1]) == role) return true;
+  if (!mark_count) return false;
+  size_t base = marks[mark_count - 1];
+  return base && base <= depth && list_role(&stack[base - 1]) == role;
+}
+
+static uint8_t role_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, const size_t *marks,
+                        size_t mark_count) {
+  if (!doc->records_len || !depth) return 0;
+  if (str_is(&stack[depth - 1], doc->options.records_key, doc->records_len)) return 1;
+  return inside_role(stack, depth, marks, mark_count, 1) ? 2 : 0;
+}
+
+static bool holds_record(const pv_t *items, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (items[i].kind == PV_RECORD) return true;
   return false;
 }
 
@@ -112,6 +138,284 @@ static uint64_t read_le(const unsigned char *p, size_t n) {
 /* Fixed widths, which compilers turn into one load. */
 static uint32_t read_u32(const unsigned char *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* The end of a run of memo references (BINGET, LONG_BINGET) starting at
+ * pos whose indices are all below `stored`: where the first other opcode,
+ * or the first reference to an index not below it, begins. The indices are
+ * checked a run at a time, by their maximum, so that the loop has one
+ * branch per reference and it is taken until the run ends. */
+static inline size_t skip_refs(const unsigned char *buf, size_t len, size_t pos, size_t stored) {
+  for (;;) {
+    size_t run_start = pos;
+    if (stored > 0xff) {
+      while (len - pos >= 2 && buf[pos] == 'h') pos += 2;
+    } else {
+      while (len - pos >= 2 && buf[pos] == 'h' && buf[pos + 1] < stored) pos += 2;
+    }
+    size_t long_start = pos;
+    uint32_t top = 0;
+    while (len - pos >= 5 && buf[pos] == 'j') {
+      uint32_t index = read_u32(buf + pos + 1);
+      top = index > top ? index : top;
+      pos += 5;
+    }
+    if (top >= stored) { /* one is not stored yet: stop right before it */
+      pos = long_start;
+      while (len - pos >= 5 && buf[pos] == 'j' && read_u32(buf + pos + 1) < stored) pos += 5;
+      return pos;
+    }
+    if (pos == run_start) return pos;
+  }
+}
+
+/* ---- flat dicts ----------------------------------------------------------
+ * Most of a snapshot is dicts whose values are scalars, memo references
+ * and the pruned key's list: each device_traces entry, each block, each
+ * frame. The machine reads them an opcode at a time through the stack;
+ * this reads such a dict, and the pruned list in it, in loops of their own
+ * that put pairs straight into an array: each entry has the same layout, so
+ * their branches are predicted. It is only a shortcut. Anything it does not
+ * know (a tuple, a nested container off the pruned key, a FRAME opcode, a
+ * memo store off the next index, the memo with holes) ends the attempt, the
+ * memo stores it made are undone, and the machine reads the dict from its
+ * first opcode as if no attempt had been made, with the same result and the
+ * same errors. An attempt goes at most three containers deep, so a byte is
+ * read by at most three attempts and the machine: a hostile file costs a
+ * constant factor more, not a power of its size. */
+
+/* The flat readers' small steps are inlined where they are used: each use
+ * then has its own branches, and a key's (nearly always a BINGET) is
+ * predicted apart from a value's. */
+#if defined(__GNUC__)
+#define FLAT_STEP static inline __attribute__((always_inline))
+#else
+#define FLAT_STEP static inline
+#endif
+
+typedef struct flat {
+  const unsigned char *buf;
+  size_t len;
+  pv_t *memo;         /* the machine's memo, dense below memo_len */
+  size_t memo_len, memo_cap;
+  pickle_doc_t *doc;
+  pv_t *pairs;        /* keys and values of the dict being read, before they go to the arena */
+  size_t pairs_cap;
+} flat_t;
+
+/* The memo store that may follow a value at pos: the position after it, pos
+ * when there is none, 0 when it is one that only the machine handles. */
+FLAT_STEP size_t flat_memo(flat_t *f, size_t pos, pv_t v) {
+  if (pos >= f->len) return pos;
+  unsigned op = f->buf[pos];
+  size_t index, width;
+  if (op == 0x94) {
+    index = f->memo_len;
+    width = 1;
+  } else if (op == 'q' && f->len - pos >= 2) {
+    index = f->buf[pos + 1];
+    width = 2;
+  } else if (op == 'r' && f->len - pos >= 5) {
+    index = read_u32(f->buf + pos + 1);
+    width = 5;
+  } else {
+    return op == 'q' || op == 'r' ? 0 : pos;
+  }
+  if (index != f->memo_len) return 0;
+  if (index >= f->memo_cap) {
+    size_t cap = f->memo_cap ? f->memo_cap * 2 : 64;
+    pv_t *grown = realloc(f->memo, cap * sizeof *grown);
+    if (!grown) return 0;
+    memset(grown + f->memo_cap, 0, (cap - f->memo_cap) * sizeof *grown);
+    f->memo = grown;
+    f->memo_cap = cap;
+  }
+  f->memo[f->memo_len++] = v;
+  return pos + width;
+}
+
+/* A scalar or a memo reference at *at, and its memo store: *at moves past
+ * them. PV_UNSET when it is not one (or, with *at 0, a memo store only the
+ * machine makes). The value is returned, not stored through a pointer: the
+ * caller's 16-byte load of two 8-byte stores would wait for them to reach
+ * the cache, many cycles per value. */
+FLAT_STEP pv_t flat_scalar(flat_t *f, size_t *at) {
+  const unsigned char *buf = f->buf;
+  size_t len = f->len, index, n, pos = *at;
+  pv_t v = {0};
+  if (pos >= len) return v;
+  unsigned op = buf[pos++];
+  switch (op) {
+    case 'h':
+      if (pos >= len) return (pv_t){0};
+      index = buf[pos++];
+      goto reference;
+    case 'j':
+      if (len - pos < 4) return (pv_t){0};
+      index = read_u32(buf + pos);
+      pos += 4;
+    reference:
+      if (index >= f->memo_len) return (pv_t){0};
+      v = f->memo[index];
+      if (v.kind == PV_RECORD) return (pv_t){0}; /* the machine's: see records_escaped */
+      break;
+    case 'K':
+      if (pos >= len) return (pv_t){0};
+      v.kind = PV_INT;
+      v.u.i = buf[pos++];
+      break;
+    case 'M':
+      if (len - pos < 2) return (pv_t){0};
+      v.kind = PV_INT;
+      v.u.i = buf[pos] | buf[pos + 1] << 8;
+      pos += 2;
+      break;
+    case 'J':
+      if (len - pos < 4) return (pv_t){0};
+      v.kind = PV_INT;
+      v.u.i = (int32_t)read_u32(buf + pos);
+      pos += 4;
+      break;
+    case 0x8a: { /* LONG1 */
+      if (pos >= len || buf[pos] > 8 || len - pos - 1 < buf[pos]) return (pv_t){0};
+      n = buf[pos++];
+      uint64_t raw = read_le(buf + pos, n);
+      pos += n;
+      if (n && n < 8 && (raw >> (8 * n - 1)) & 1) raw |= ~(uint64_t)0 << (8 * n);
+      v.kind = PV_INT;
+      v.u.i = (int64_t)raw;
+      break;
+    }
+    case 0x8c: /* SHORT_BINUNICODE */
+    case 'X':  /* BINUNICODE */
+      n = op == 0x8c ? 1 : 4;
+      if (len - pos < n) return (pv_t){0};
+      index = op == 0x8c ? buf[pos] : read_u32(buf + pos); /* the length */
+      pos += n;
+      if (index > len - pos) return (pv_t){0};
+      v.kind = PV_STR;
+      v.len = (uint32_t)index;
+      v.u.data = (const char *)buf + pos;
+      pos += index;
+      break;
+    case 'N':
+      v.kind = PV_NONE;
+      break;
+    case 0x88:
+    case 0x89:
+      v.kind = PV_BOOL;
+      v.u.i = op == 0x88;
+      break;
+    default:
+      return (pv_t){0};
+  }
+  *at = flat_memo(f, pos, v);
+  return v;
+}
+
+/* What flat_dict does with the pairs it reads. */
+typedef enum flat_mode { FLAT_KEEP, FLAT_PRUNED, FLAT_RECORD } flat_mode;
+
+static size_t flat_dict(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *out);
+
+/* Would the machine prune a container pushed on this key? */
+static inline bool is_pruned_key(const pickle_doc_t *doc, const pv_t *key) {
+  return str_is(key, doc->options.pruned_key, doc->pruned_len);
+}
+
+/* A list at pos (its ']') that the machine would prune: its items are
+ * checked and dropped. Only the batched form (MARK ... APPENDS) is read. */
+static size_t flat_pruned_list(flat_t *f, size_t pos, int depth) {
+  const unsigned char *buf = f->buf;
+  size_t len = f->len;
+  pv_t list = {.kind = PV_LIST, .u.seq = &f->doc->pruned_seq};
+  if (!(pos = flat_memo(f, pos + 1, list)) || pos >= len || buf[pos] != '(') return 0;
+  pos++;
+  for (;;) {
+    if (pos >= len) return 0;
+    unsigned op = buf[pos];
+    if (op == 'e') return pos + 1;
+    if (op == 'h' || op == 'j') {
+      size_t end = skip_refs(buf, len, pos, f->memo_len);
+      /* (A reference stored again in the memo is the machine's.) */
+      if (end < len && (buf[end] == 0x94 || buf[end] == 'q' || buf[end] == 'r')) return 0;
+      if (end != pos) {
+        pos = end;
+        continue;
+      }
+    }
+    if (op == '}') pos = flat_dict(f, pos, FLAT_PRUNED, depth + 1, NULL);
+    else if (flat_scalar(f, &pos).kind == PV_UNSET) return 0;
+    if (!pos) return 0;
+  }
+}
+
+/* A dict at pos (its '}'), read in the batched form (MARK ... SETITEMS):
+ * its pairs go to a new dict, nowhere (pruned), or to the record reader.
+ * A kept dict or a record is made once it is read, so that an attempt
+ * given up allocates nothing; its memo slot is held empty (PV_UNSET) till
+ * then, and a reference to it from inside itself ends the attempt. */
+static size_t flat_dict(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *out) {
+  const unsigned char *buf = f->buf;
+  size_t len = f->len, count = 0;
+  pv_t dict = {.kind = mode == FLAT_RECORD ? PV_RECORD : PV_DICT, .u.seq = &f->doc->pruned_seq};
+  if (depth > 2) return 0; /* an entry, its frames, a frame: deeper is the machine's */
+  size_t memo_at = f->memo_len;
+  if (!(pos = flat_memo(f, pos + 1, mode == FLAT_PRUNED ? dict : (pv_t){0})) || pos >= len || buf[pos] != '(')
+    return 0;
+  bool stored = f->memo_len > memo_at; /* (its pairs may store more) */
+  pos++;
+  for (;;) {
+    if (pos >= len) return 0;
+    if (buf[pos] == 'u') break;
+    pv_t key = flat_scalar(f, &pos), value;
+    if (key.kind == PV_UNSET || !pos || pos >= len) return 0;
+    unsigned op = buf[pos];
+    if (op == ']' || op == '}') {
+      /* A container: only where the machine would drop its contents. */
+      if (mode != FLAT_PRUNED && !is_pruned_key(f->doc, &key)) return 0;
+      /* (Built here, not returned through memory: see flat_scalar.) */
+      value = (pv_t){.kind = op == ']' ? PV_LIST : PV_DICT, .u.seq = &f->doc->pruned_seq};
+      pos = op == ']' ? flat_pruned_list(f, pos, depth + 1) : flat_dict(f, pos, FLAT_PRUNED, depth + 1, NULL);
+    } else if ((value = flat_scalar(f, &pos)).kind == PV_UNSET) {
+      return 0;
+    }
+    if (!pos) return 0;
+    if (mode == FLAT_PRUNED) continue;
+    if (count + 2 > f->pairs_cap) {
+      size_t cap = f->pairs_cap ? f->pairs_cap * 2 : 32;
+      pv_t *grown = realloc(f->pairs, cap * sizeof *grown);
+      if (!grown) return 0;
+      f->pairs = grown;
+      f->pairs_cap = cap;
+    }
+    f->pairs[count++] = key;
+    f->pairs[count++] = value;
+  }
+  if (mode == FLAT_RECORD) {
+    /* Last, so that a record taken is never undone. */
+    const pickle_options_t *o = &f->doc->options;
+    int64_t id; /* (not &dict.u.i: dict stays in registers) */
+    if (!o->record(o->record_ctx, f->pairs, count, &id)) return 0;
+    dict.u.i = id;
+  } else if (mode == FLAT_KEEP) {
+    if (!(dict.u.seq = seq_new(f->doc, false)) || !seq_add(f->doc, dict.u.seq, f->pairs, count)) return 0;
+  }
+  if (mode != FLAT_PRUNED && stored) f->memo[memo_at] = dict;
+  if (out) *out = dict;
+  return pos + 1;
+}
+
+/* Reads the dict at pos as flat_dict does, or leaves the memo as it was
+ * and returns 0. */
+static size_t flat_try(flat_t *f, size_t pos, flat_mode mode, pv_t *out) {
+  size_t memo_len = f->memo_len;
+  size_t end = flat_dict(f, pos, mode, 0, out);
+  if (!end) {
+    for (size_t i = memo_len; i < f->memo_len; i++) f->memo[i].kind = PV_UNSET;
+    f->memo_len = memo_len;
+  }
+  return end;
 }
 
 #define FAIL(...) do { set_error(GCA_ERR_INVALID, __VA_ARGS__); goto failed; } while (0)
@@ -154,7 +458,8 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
   size_t depth = 0, stack_cap = 0, memo_cap = 0, memo_len = 0;
   bool memo_dense = true; /* every index below memo_len is stored */
   size_t *marks = NULL, mark_count = 0, mark_cap = 0;
-  size_t pos = 0, at = 0;
+  size_t pos = 0, at = 0, run_read_to = 0;
+  flat_t flat = {.buf = buf, .len = len, .doc = doc};
   for (;;) {
     if (pos >= len) FAIL("pickle: ended at offset %zu without a STOP opcode", pos);
     at = pos;
@@ -176,23 +481,18 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         /* A snapshot's frames lists are runs of memo references appended
          * to a pruned list at once: a run that ends in APPENDS to a pruned
          * list only needs its indices checked, not its values pushed. */
-        if (mark_count && filling_pruned(stack, depth, marks[mark_count - 1])) {
+        if (at >= run_read_to && mark_count && filling_pruned(stack, depth, marks[mark_count - 1])) {
           /* Stored? While the memo has no holes, the index alone tells,
            * without touching the memo (a megabyte, out of cache); with holes
-           * nothing is skipped and the plain path below checks each. Runs
-           * of one kind go in a tight loop of their own: a branch per
-           * reference that mispredicts costs more than the rest. */
-          size_t scan = at, stored = memo_dense ? memo_len : 0;
-          for (;;) {
-            size_t run_start = scan;
-            while (len - scan >= 2 && buf[scan] == 'h' && buf[scan + 1] < stored) scan += 2;
-            while (len - scan >= 5 && buf[scan] == 'j' && read_u32(buf + scan + 1) < stored) scan += 5;
-            if (scan == run_start) break;
-          }
+           * nothing is skipped and the plain path below checks each. A run
+           * that does not end in APPENDS is pushed one at a time, and not
+           * scanned again from each of its references (run_read_to). */
+          size_t scan = skip_refs(buf, len, at, memo_dense ? memo_len : 0);
           if (scan < len && buf[scan] == 'e') {
             pos = scan;
             continue;
           }
+          run_read_to = scan;
         }
         if (op == 'j') goto long_binget;
         NEED(1, "a memo index");
@@ -205,6 +505,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
       memo_get:
         if (base >= memo_cap || memo[base].kind == PV_UNSET)
           FAIL("pickle: memo index %zu used before it was stored (offset %zu)", base, at);
+        if (unlikely(memo[base].kind == PV_RECORD)) goto records_escaped;
         PUSH(memo[base]);
         continue;
       case 0x94: /* MEMOIZE */
@@ -236,6 +537,24 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         marks[mark_count++] = depth;
         continue;
       case '}': /* EMPTY_DICT */
+        if (memo_dense && !doc->options.machine_only) {
+          flat_mode mode = prune_new(doc, stack, depth, marks, mark_count) ? FLAT_PRUNED
+                           : doc->options.record && inside_role(stack, depth, marks, mark_count, 2) ? FLAT_RECORD
+                                                                                                     : FLAT_KEEP;
+          flat.memo = memo;
+          flat.memo_len = memo_len;
+          flat.memo_cap = memo_cap;
+          size_t end = flat_try(&flat, at, mode, &v);
+          memo = flat.memo; /* perhaps grown */
+          memo_cap = flat.memo_cap;
+          memo_len = flat.memo_len;
+          if (end) {
+            pos = end;
+            PUSH(v);
+            continue;
+          }
+        }
+        /* fall through */
       case ']': /* EMPTY_LIST */
       case ')': /* EMPTY_TUPLE */
         v.kind = op == '}' ? PV_DICT : PV_LIST;
@@ -243,6 +562,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           fail_memory(doc, at);
           goto failed;
         }
+        if (op == ']') v.u.seq->role = role_new(doc, stack, depth, marks, mark_count);
         PUSH(v);
         continue;
       case 'u': /* SETITEMS */
@@ -262,6 +582,10 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         {
           const pv_t *container = &stack[base - 1];
           bool dict_op = op == 'u' || op == 's';
+          /* A record may only go into the list it was read for. */
+          if (unlikely(doc->records_len) && (dict_op || list_role(container) != 2) &&
+              (container->kind == PV_RECORD || holds_record(stack + base, depth - base)))
+            goto records_escaped;
           if (container->kind != (dict_op ? PV_DICT : PV_LIST))
             FAIL("pickle: %s on a non-%s at offset %zu", dict_op ? "SETITEM" : "APPEND", dict_op ? "dict" : "list", at);
           if (dict_op && (depth - base) % 2) FAIL("pickle: SETITEMS with odd items at offset %zu", at);
@@ -362,6 +686,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           n = op - 0x85 + 1;
           if (depth < n) FAIL("pickle: tuple of %zu with %zu on the stack at offset %zu", n, depth, at);
         }
+        if (unlikely(doc->records_len) && n && holds_record(stack + depth - n, n)) goto records_escaped;
         v.kind = PV_LIST;
         /* (An empty tuple may come before anything was pushed: no NULL + 0.) */
         if (!(v.u.seq = seq_new(doc, false)) || (n && !seq_add(doc, v.u.seq, stack + depth - n, n))) {
@@ -373,7 +698,9 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         continue;
       case '.': /* STOP */
         if (depth != 1) FAIL("pickle: STOP with %zu values on the stack", depth);
+        if (unlikely(stack[0].kind == PV_RECORD)) goto records_escaped;
         doc->root = stack[0];
+        free(flat.pairs);
         free(stack);
         free(marks);
         free(memo);
@@ -393,15 +720,30 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
     }
   }
 failed:
+  free(flat.pairs);
   free(stack);
   free(marks);
   free(memo);
   pickle_free(doc);
   return NULL;
+records_escaped:
+  /* A record was referenced again, or put somewhere other than its list:
+   * where the caller would find a dict, it would find a record. Read the
+   * file again without records (once: none are made then), so that the
+   * tree, and every error, is the dicts' one. The records already handed
+   * over are not in that tree, so the caller ignores them. */
+  free(flat.pairs);
+  free(stack);
+  free(marks);
+  free(memo);
+  arena_free(&doc->arena);
+  doc->options.record = NULL;
+  doc->records_len = 0;
+  return parse(doc);
 }
 
 /* A document for buf (taken over: munmap'd or freed with the document). */
-static pickle_doc_t *new_doc(unsigned char *buf, size_t len, bool mapped, const char *pruned_key) {
+static pickle_doc_t *new_doc(unsigned char *buf, size_t len, bool mapped, const pickle_options_t *options) {
   pickle_doc_t *doc = calloc(1, sizeof *doc);
   if (!doc) {
     if (mapped) munmap(buf, len);
@@ -412,25 +754,26 @@ static pickle_doc_t *new_doc(unsigned char *buf, size_t len, bool mapped, const 
   doc->buf = buf;
   doc->len = len;
   doc->mapped = mapped;
-  doc->pruned_key = pruned_key;
-  doc->pruned_len = pruned_key ? strlen(pruned_key) : 0;
+  if (options) doc->options = *options;
+  if (!doc->options.record) doc->options.records_key = NULL;
+  doc->pruned_len = doc->options.pruned_key ? strlen(doc->options.pruned_key) : 0;
+  doc->records_len = doc->options.records_key ? strlen(doc->options.records_key) : 0;
+  doc->pruned_seq.pruned = true;
   return doc;
 }
 
-pickle_doc_t *pickle_parse(const void *data, size_t len) { return pickle_parse_pruned(data, len, NULL); }
-
-pickle_doc_t *pickle_parse_pruned(const void *data, size_t len, const char *pruned_key) {
+pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t *options) {
   unsigned char *buf = malloc(len ? len : 1);
   if (!buf) {
     set_error(GCA_ERR_NOMEM, "pickle: out of host memory");
     return NULL;
   }
   memcpy(buf, data, len);
-  pickle_doc_t *doc = new_doc(buf, len, false, pruned_key);
+  pickle_doc_t *doc = new_doc(buf, len, false, options);
   return doc ? parse(doc) : NULL;
 }
 
-pickle_doc_t *pickle_load_pruned(const char *path, const char *pruned_key) {
+pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options) {
   FILE *f = fopen(path, "rb");
   if (!f) {
     set_error(GCA_ERR_IO, "cannot open %s", path); /* callers add nothing: the path is named */
@@ -447,7 +790,7 @@ pickle_doc_t *pickle_load_pruned(const char *path, const char *pruned_key) {
     void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, flags, fileno(f), 0);
     if (map != MAP_FAILED) {
       fclose(f);
-      pickle_doc_t *doc = new_doc(map, (size_t)st.st_size, true, pruned_key);
+      pickle_doc_t *doc = new_doc(map, (size_t)st.st_size, true, options);
       return doc ? parse(doc) : NULL;
     }
   }
@@ -474,11 +817,10 @@ pickle_doc_t *pickle_load_pruned(const char *path, const char *pruned_key) {
     set_error(failed ? GCA_ERR_IO : GCA_ERR_NOMEM, "cannot read %s", path);
     return NULL;
   }
-  pickle_doc_t *doc = new_doc(buf, len, false, pruned_key);
+  pickle_doc_t *doc = new_doc(buf, len, false, options);
   return doc ? parse(doc) : NULL;
 }
 
-pickle_doc_t *pickle_load(const char *path) { return pickle_load_pruned(path, NULL); }
 
 /* ---- walking ------------------------------------------------------------ */
 
@@ -514,4 +856,27 @@ const pv_t *pv_key_at(const pv_t *dict, size_t i) {
 
 const pv_t *pv_value_at(const pv_t *dict, size_t i) {
   return dict && dict->kind == PV_DICT && 2 * i + 1 < dict->u.seq->count ? &dict->u.seq->items[2 * i + 1] : NULL;
+}
+
+bool pv_equal(const pv_t *a, const pv_t *b, int depth, size_t *budget) {
+  if (depth > 64 || !*budget) return true;
+  --*budget;
+  if (a->kind != b->kind) return false;
+  switch (a->kind) {
+    case PV_STR:
+    case PV_BYTES:
+      return a->len == b->len && !memcmp(a->u.data, b->u.data, a->len);
+    case PV_FLOAT:
+      return !memcmp(&a->u.f, &b->u.f, sizeof a->u.f);
+    case PV_LIST:
+    case PV_DICT:
+      if (a->u.seq->count != b->u.seq->count || a->u.seq->pruned != b->u.seq->pruned) return false;
+      for (size_t i = 0; i < a->u.seq->count; i++)
+        if (!pv_equal(&a->u.seq->items[i], &b->u.seq->items[i], depth + 1, budget)) return false;
+      return true;
+    case PV_NONE:
+      return true;
+    default:
+      return a->u.i == b->u.i;
+  }
 }

@@ -13,8 +13,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* PV_UNSET is never seen by callers: it marks a memo slot not yet stored. */
-typedef enum pv_kind { PV_UNSET, PV_NONE, PV_BOOL, PV_INT, PV_FLOAT, PV_STR, PV_BYTES, PV_LIST, PV_DICT } pv_kind;
+/* PV_UNSET is never seen by callers: it marks a memo slot not yet stored.
+ * PV_RECORD is only seen by callers that ask for records (pickle_options). */
+typedef enum pv_kind { PV_UNSET, PV_NONE, PV_BOOL, PV_INT, PV_FLOAT, PV_STR, PV_BYTES, PV_LIST, PV_DICT, PV_RECORD } pv_kind;
 
 typedef struct pv_seq pv_seq_t;
 
@@ -26,7 +27,7 @@ typedef struct pv {
   uint32_t kind;    /* pv_kind; tuples are read as lists */
   uint32_t len;     /* PV_STR, PV_BYTES: length in bytes */
   union {
-    int64_t i;        /* PV_INT, PV_BOOL */
+    int64_t i;        /* PV_INT, PV_BOOL; PV_RECORD: the id its reader gave it */
     double f;         /* PV_FLOAT */
     const char *data; /* PV_STR, PV_BYTES: into the document's buffer, not NUL-terminated */
     pv_seq_t *seq;    /* PV_LIST, PV_DICT */
@@ -37,23 +38,44 @@ struct pv_seq {
   pv_t *items;  /* PV_LIST: items; PV_DICT: key, value, key, value ... */
   size_t count; /* entries of items[] (a dict has two per pair) */
   size_t cap;
-  bool pruned;  /* under the pruned key (pickle_load_pruned): its contents were dropped */
+  bool pruned;  /* under the pruned key (pickle_options): its contents were dropped */
+  uint8_t role; /* records (pickle_options): 1 the list under the key, 2 a list in it */
 };
 
 #define GCA_PICKLE_BYTES_PER_INPUT_BYTE 64
 
 typedef struct pickle_doc pickle_doc_t;
 
+/* A record reader (pickle_options): given a dict's pairs (key, value,
+ * key, value ...), it either takes them, setting *id, or declines, and the
+ * dict is then read as any other. */
+typedef bool (*pickle_record_fn)(void *ctx, const pv_t *pairs, size_t count, int64_t *id);
+
+typedef struct pickle_options {
+  /* Every container stored under the dict key `pruned_key`, and every
+   * container built inside one, is kept empty: a PyTorch snapshot's
+   * "frames" are most of its values, and a replay never reads them. */
+  const char *pruned_key;
+  /* Every dict in a list in the list stored under the dict key
+   * `records_key` (a snapshot's device_traces entries) whose values are
+   * scalars, memo references or pruned containers is handed to `record`
+   * as it is read, and stands in the tree as a PV_RECORD with the id it
+   * was given; there is no dict for it. A dict that does not have that
+   * shape, or that `record` declines, is read as a dict. */
+  const char *records_key;
+  pickle_record_fn record;
+  void *record_ctx;
+  /* Tests: read every dict through the general machine, not the loop for
+   * flat dicts (the two must give the same tree). */
+  bool machine_only;
+} pickle_options_t;
+
 /* Parse `len` bytes (the document keeps its own copy). On failure returns
- * NULL with GCA_ERR_INVALID set and a message naming the offset and why. */
-pickle_doc_t *pickle_parse(const void *data, size_t len);
+ * NULL with GCA_ERR_INVALID set and a message naming the offset and why.
+ * `options` may be NULL. */
+pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t *options);
 /* Read a whole file and parse it; GCA_ERR_IO when it cannot be read. */
-pickle_doc_t *pickle_load(const char *path);
-/* The same, but every container stored under the dict key `pruned_key`, and
- * every container built inside one, is kept empty: a PyTorch snapshot's
- * "frames" are most of its values, and a replay never reads them. */
-pickle_doc_t *pickle_load_pruned(const char *path, const char *pruned_key);
-pickle_doc_t *pickle_parse_pruned(const void *data, size_t len, const char *pruned_key);
+pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options);
 void pickle_free(pickle_doc_t *doc);
 const pv_t *pickle_root(const pickle_doc_t *doc);
 
@@ -62,6 +84,10 @@ const pv_t *pv_get(const pv_t *dict, const char *key); /* NULL if absent or not 
 int pv_str_eq(const pv_t *v, const char *s);
 size_t pv_len(const pv_t *v);                      /* list items or dict pairs; 0 otherwise */
 const pv_t *pv_at(const pv_t *list, size_t index);
+/* Same values (tests, the fuzzer): compared through the memo's sharing, to
+ * a depth of 64 and at most *budget values, beyond which they count as the
+ * same (a tree shared by the memo may be exponential, a hostile one cyclic). */
+bool pv_equal(const pv_t *a, const pv_t *b, int depth, size_t *budget);
 /* A dict's i-th pair (in file order), or NULLs past the end. */
 const pv_t *pv_key_at(const pv_t *dict, size_t i);
 const pv_t *pv_value_at(const pv_t *dict, size_t i);

@@ -84,15 +84,13 @@ static int load_final_state(const char *path, const pv_t *segments, trace_t *t) 
   return GCA_OK;
 }
 
-/* One device_traces entry, in one pass over its pairs: an entry has half a
- * dozen keys, and looking each up by name would scan them six times. */
-static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
-  trace_event_t e = {.device = (int)d, .time_us = -1};
+/* One device_traces entry's fields from its pairs (key, value, key, value
+ * ...), in one pass: an entry has half a dozen keys, and looking each up by
+ * name would scan them six times. Returns NULL, or what is wrong with it. */
+static const char *entry_fields(const pv_t *pairs, size_t count, trace_event_t *e) {
   const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL;
-  if (!entry || entry->kind != PV_DICT)
-    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu is not a dict", path, d, i);
-  for (size_t k = 0; k < pv_len(entry); k++) {
-    const pv_t *key = pv_key_at(entry, k), *value = pv_value_at(entry, k);
+  for (size_t k = 0; k + 1 < count; k += 2) {
+    const pv_t *key = &pairs[k], *value = &pairs[k + 1];
     if (key->kind != PV_STR) continue;
     switch (key->len) {
       case 4:
@@ -113,21 +111,54 @@ static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, t
         break;
     }
   }
-  if (!action || action->kind != PV_STR)
-    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu has no action", path, d, i);
-  e.action = action_of(action);
+  *e = (trace_event_t){.time_us = -1};
+  if (!action || action->kind != PV_STR) return "has no action";
+  e->action = action_of(action);
   /* An oom entry carries the device's free bytes where others have addr. */
-  const char *addr_key = e.action == TA_OOM ? "device_free" : "addr";
-  if (!read_uint(e.action == TA_OOM ? device_free : addr, &e.addr) || !read_uint(size, &e.size))
-    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu lacks a valid %s or size", path, d, i, addr_key);
-  if (!read_uint(stream, &e.stream)) e.stream = 0;
+  if (!read_uint(e->action == TA_OOM ? device_free : addr, &e->addr) || !read_uint(size, &e->size))
+    return e->action == TA_OOM ? "lacks a valid device_free or size" : "lacks a valid addr or size";
+  if (!read_uint(stream, &e->stream)) e->stream = 0;
   uint64_t us;
-  if (read_uint(time_us, &us)) e.time_us = (int64_t)us;
+  if (read_uint(time_us, &us)) e->time_us = (int64_t)us;
+  return NULL;
+}
+
+static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
+  if (!entry || entry->kind != PV_DICT)
+    return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu is not a dict", path, d, i);
+  trace_event_t e;
+  const char *wrong = entry_fields(entry->u.seq->items, entry->u.seq->count, &e);
+  if (wrong) return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu %s", path, d, i, wrong);
+  e.device = (int)d;
   return push_event(t, cap, &e);
 }
 
+/* device_traces entries taken as the pickle is parsed (pickle_options):
+ * no dict is built for them, and no second pass reads it. */
+typedef struct entry_sink {
+  trace_event_t *events;
+  size_t count, cap;
+} entry_sink_t;
+
+static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) {
+  entry_sink_t *sink = ctx;
+  trace_event_t e;
+  /* One with a problem is declined: read as a dict, read_entry names it. */
+  if (entry_fields(pairs, count, &e)) return false;
+  if (sink->count == sink->cap) {
+    size_t cap = sink->cap ? sink->cap * 2 : 4096;
+    trace_event_t *grown = realloc(sink->events, cap * sizeof *grown);
+    if (!grown) return false;
+    sink->events = grown;
+    sink->cap = cap;
+  }
+  sink->events[sink->count] = e;
+  *id = (int64_t)sink->count++;
+  return true;
+}
+
 /* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
-static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
+static int snapshot_to_trace(const char *path, pickle_doc_t *doc, const entry_sink_t *sink, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
     int frc = load_final_state(path, segments, t);
@@ -163,8 +194,16 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, trace_t *t) {
   cap = total;
   for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
     const pv_t *list = pv_at(traces, d);
-    for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++)
-      rc = read_entry(path, pv_at(list, i), d, i, t, &cap);
+    for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
+      const pv_t *entry = pv_at(list, i);
+      if (entry && entry->kind == PV_RECORD && (uint64_t)entry->u.i < sink->count) {
+        trace_event_t e = sink->events[entry->u.i];
+        e.device = (int)d;
+        rc = push_event(t, &cap, &e);
+      } else {
+        rc = read_entry(path, entry, d, i, t, &cap);
+      }
+    }
   }
   pickle_free(doc);
   return rc;
@@ -423,19 +462,60 @@ static int load_gcalloc_trace(const char *path, trace_t *t) {
   return rc;
 }
 
-static int load_snapshot(const char *path, trace_t *t) {
+/* Reads a snapshot from a file (path) or from memory (data, len); `name`
+ * names it in the messages. */
+static int read_snapshot(const char *name, const char *path, const void *data, size_t len, bool machine_only,
+                         trace_t *t) {
+  entry_sink_t sink = {0};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
-  pickle_doc_t *doc = pickle_load_pruned(path, "frames");
-  if (!doc) return prefix_error(path);
-  return snapshot_to_trace(path, doc, t);
+  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only};
+  if (!machine_only) {
+    options.records_key = "device_traces";
+    options.record = take_entry;
+    options.record_ctx = &sink;
+  }
+  pickle_doc_t *doc = path ? pickle_load(path, &options) : pickle_parse(data, len, &options);
+  int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : prefix_error(name);
+  free(sink.events);
+  return rc;
 }
 
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
   memset(out, 0, sizeof *out);
-  pickle_doc_t *doc = pickle_parse_pruned(data, len, "frames");
-  int rc = doc ? snapshot_to_trace(name, doc, out) : prefix_error(name);
+  int rc = read_snapshot(name, NULL, data, len, false, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
+}
+
+int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out) {
+  memset(out, 0, sizeof *out);
+  int rc = read_snapshot(name, NULL, data, len, true, out);
+  if (rc != GCA_OK) trace_free(out);
+  return rc;
+}
+
+bool trace_equal(const trace_t *a, const trace_t *b) {
+  if (a->count != b->count || a->device_count != b->device_count || a->final_block_count != b->final_block_count ||
+      a->final_segment_count != b->final_segment_count || a->has_segment_state != b->has_segment_state ||
+      !a->settings != !b->settings || (a->settings && strcmp(a->settings, b->settings)))
+    return false;
+  for (size_t i = 0; i < a->count; i++) {
+    const trace_event_t *x = &a->events[i], *y = &b->events[i];
+    if (x->device != y->device || x->action != y->action || x->addr != y->addr || x->size != y->size ||
+        x->stream != y->stream || x->time_us != y->time_us)
+      return false;
+  }
+  for (size_t i = 0; i < a->final_block_count; i++) {
+    const trace_block_t *x = &a->final_blocks[i], *y = &b->final_blocks[i];
+    if (x->device != y->device || x->addr != y->addr || x->size != y->size || x->requested != y->requested ||
+        x->stream != y->stream || x->active != y->active)
+      return false;
+  }
+  for (size_t i = 0; i < a->final_segment_count; i++) {
+    const trace_segment_t *x = &a->final_segments[i], *y = &b->final_segments[i];
+    if (x->device != y->device || x->addr != y->addr || x->size != y->size) return false;
+  }
+  return true;
 }
 
 int trace_load(const char *path, trace_t *out) {
@@ -446,7 +526,7 @@ int trace_load(const char *path, trace_t *out) {
   int rc;
   if (first == 0x80) {
     fclose(f);
-    rc = load_snapshot(path, out);
+    rc = read_snapshot(path, path, NULL, 0, false, out);
   } else if (first == '#') {
     fclose(f);
     rc = load_gcalloc_trace(path, out);

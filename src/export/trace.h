@@ -74,6 +74,12 @@ int trace_load(const char *path, trace_t *out);
 void trace_free(trace_t *t);
 /* A PyTorch snapshot already in memory (`name` is for the messages). */
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out);
+/* Tests: the same through the pickle reader's general machine alone (no
+ * flat-dict loop, no entries taken as they are read), which must give the
+ * same trace or the same error. */
+int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out);
+/* The same events, final state and settings (tests, the fuzzer). */
+bool trace_equal(const trace_t *a, const trace_t *b);
 
 /* A replayable operation: allocate `size` into slot, or free the slot. */
 typedef struct trace_op {
