@@ -794,6 +794,17 @@ void log_refresh_observed(void);
  * Returns the new array and updates *cap, or returns NULL on host OOM and
  * leaves both untouched. */
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* Arrays of megabytes filled at once (the pickle reader's memo, a
+ * snapshot's events): zero-filled, and from 256 KiB on mapped on their own
+ * on transparent huge pages where Linux allows, so that a fresh process
+ * takes a fault per 2 MiB, not per 4 KiB (each fault costs microseconds on
+ * a virtual machine, and they were half of reading a snapshot in a new
+ * process). `bytes` must be what the array was allocated or last grown to.
+ * big_rezalloc zero-fills the new part; on failure it returns NULL and
+ * leaves the array as it was. */
+void *big_zalloc(size_t bytes);
+void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
+void big_free(void *array, size_t bytes);
 /* A bump allocator for things freed all at once (a snapshot, a parsed
  * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,
  * no more than that many bytes in all. A refused allocation sets `failed`,

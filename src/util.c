@@ -54,6 +54,66 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
   return grown;
 }
 
+#define BIG_PAGE ((size_t)2 << 20)
+#define BIG_MIN ((size_t)256 << 10)
+
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#define BIG_MAPPED 1
+/* A mapping is zero-filled; the huge pages need it aligned to 2 MiB, so map
+ * one more and trim. */
+static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE; }
+
+static void *big_map(size_t bytes) {
+  size_t size = big_size(bytes);
+  if (size < bytes || size + BIG_PAGE < size) return NULL;
+  char *raw = mmap(NULL, size + BIG_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return NULL;
+  char *p = (char *)(((uintptr_t)raw + BIG_PAGE - 1) & ~(uintptr_t)(BIG_PAGE - 1));
+  if (p > raw) munmap(raw, (size_t)(p - raw));
+  if (raw + size + BIG_PAGE > p + size) munmap(p + size, (size_t)(raw + size + BIG_PAGE - (p + size)));
+  (void)madvise(p, size, MADV_HUGEPAGE);
+  return p;
+}
+#else
+#define BIG_MAPPED 0
+#endif
+
+void *big_zalloc(size_t bytes) {
+#if BIG_MAPPED
+  if (bytes >= BIG_MIN) return big_map(bytes);
+#endif
+  return calloc(1, bytes ? bytes : 1);
+}
+
+void big_free(void *array, size_t bytes) {
+  if (!array) return;
+#if BIG_MAPPED
+  if (bytes >= BIG_MIN) {
+    munmap(array, big_size(bytes));
+    return;
+  }
+#endif
+  (void)bytes;
+  free(array);
+}
+
+void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes) {
+  if (new_bytes <= old_bytes) return array;
+  if (!BIG_MAPPED || new_bytes < BIG_MIN) {
+    char *grown = realloc(array, new_bytes);
+    if (grown) memset(grown + old_bytes, 0, new_bytes - old_bytes);
+    return grown;
+  }
+#if BIG_MAPPED
+  if (old_bytes >= BIG_MIN && big_size(new_bytes) == big_size(old_bytes)) return array; /* already mapped, zero */
+#endif
+  void *grown = big_zalloc(new_bytes);
+  if (!grown) return NULL;
+  if (old_bytes) memcpy(grown, array, old_bytes);
+  big_free(array, old_bytes);
+  return grown;
+}
+
 struct arena_chunk {
   struct arena_chunk *next;
   size_t used, cap;

@@ -140,6 +140,18 @@ static uint32_t read_u32(const unsigned char *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
+/* Grows the memo (*cap entries, unstored ones PV_UNSET) to hold index
+ * `need`. It is a big array (util.c): a snapshot's memo is a megabyte. */
+static bool memo_grow(pv_t **memo, size_t *cap, size_t need) {
+  size_t grown_cap = *cap ? *cap : 64;
+  while (grown_cap <= need) grown_cap *= 2;
+  pv_t *grown = big_rezalloc(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
+  if (!grown) return false;
+  *memo = grown;
+  *cap = grown_cap;
+  return true;
+}
+
 /* The end of a run of memo references (BINGET, LONG_BINGET) starting at
  * pos whose indices are all below `stored`: where the first other opcode,
  * or the first reference to an index not below it, begins. The indices are
@@ -176,8 +188,8 @@ static inline size_t skip_refs(const unsigned char *buf, size_t len, size_t pos,
  * this reads such a dict, and the pruned list in it, in loops of their own
  * that put pairs straight into an array: each entry has the same layout, so
  * their branches are predicted. It is only a shortcut. Anything it does not
- * know (a tuple, a nested container off the pruned key, a FRAME opcode, a
- * memo store off the next index, the memo with holes) ends the attempt, the
+ * know (a tuple, a nested container off the pruned key, a memo store off
+ * the next index, the memo with holes) ends the attempt, the
  * memo stores it made are undone, and the machine reads the dict from its
  * first opcode as if no attempt had been made, with the same result and the
  * same errors. An attempt goes at most three containers deep, so a byte is
@@ -222,14 +234,7 @@ FLAT_STEP size_t flat_memo(flat_t *f, size_t pos, pv_t v) {
     return op == 'q' || op == 'r' ? 0 : pos;
   }
   if (index != f->memo_len) return 0;
-  if (index >= f->memo_cap) {
-    size_t cap = f->memo_cap ? f->memo_cap * 2 : 64;
-    pv_t *grown = realloc(f->memo, cap * sizeof *grown);
-    if (!grown) return 0;
-    memset(grown + f->memo_cap, 0, (cap - f->memo_cap) * sizeof *grown);
-    f->memo = grown;
-    f->memo_cap = cap;
-  }
+  if (index >= f->memo_cap && !memo_grow(&f->memo, &f->memo_cap, index)) return 0;
   f->memo[f->memo_len++] = v;
   return pos + width;
 }
@@ -313,6 +318,15 @@ FLAT_STEP pv_t flat_scalar(flat_t *f, size_t *at) {
   return v;
 }
 
+/* Past the FRAME opcodes at pos, if any. A pickler of protocol 4 ends a
+ * frame (64 KiB) between two objects, so one can stand before any key,
+ * value, item or closer: a snapshot has one every few hundred entries. A
+ * truncated one is left for the machine to name. */
+FLAT_STEP size_t flat_frames(const flat_t *f, size_t pos) {
+  while (pos < f->len && f->buf[pos] == 0x95 && f->len - pos >= 9) pos += 9;
+  return pos;
+}
+
 /* What flat_dict does with the pairs it reads. */
 typedef enum flat_mode { FLAT_KEEP, FLAT_PRUNED, FLAT_RECORD } flat_mode;
 
@@ -323,15 +337,34 @@ static inline bool is_pruned_key(const pickle_doc_t *doc, const pv_t *key) {
   return str_is(key, doc->options.pruned_key, doc->pruned_len);
 }
 
+/* Undoes the memo stores made since the memo held `memo_len` entries. */
+static void flat_unstore(flat_t *f, size_t memo_len) {
+  for (size_t i = memo_len; i < f->memo_len; i++) f->memo[i].kind = PV_UNSET;
+  f->memo_len = memo_len;
+}
+
+static size_t flat_item(flat_t *f, size_t pos, int depth);
+
 /* A list at pos (its ']') that the machine would prune: its items are
- * checked and dropped. Only the batched form (MARK ... APPENDS) is read. */
+ * checked and dropped. Written in one of three forms: MARK items APPENDS;
+ * one item and APPEND; or nothing, when what follows is the dict's next
+ * key or its end. */
 static size_t flat_pruned_list(flat_t *f, size_t pos, int depth) {
   const unsigned char *buf = f->buf;
   size_t len = f->len;
   pv_t list = {.kind = PV_LIST, .u.seq = &f->doc->pruned_seq};
-  if (!(pos = flat_memo(f, pos + 1, list)) || pos >= len || buf[pos] != '(') return 0;
+  if (!(pos = flat_memo(f, pos + 1, list)) || (pos = flat_frames(f, pos)) >= len) return 0;
+  if (buf[pos] != '(') {
+    /* One item then APPEND, or else the list was empty and what was read
+     * is the dict's: undone, and read again as that. */
+    size_t memo_len = f->memo_len, end = flat_item(f, pos, depth);
+    if (end && (end = flat_frames(f, end)) < len && buf[end] == 'a') return end + 1;
+    flat_unstore(f, memo_len);
+    return pos;
+  }
   pos++;
   for (;;) {
+    pos = flat_frames(f, pos);
     if (pos >= len) return 0;
     unsigned op = buf[pos];
     if (op == 'e') return pos + 1;
@@ -344,10 +377,15 @@ static size_t flat_pruned_list(flat_t *f, size_t pos, int depth) {
         continue;
       }
     }
-    if (op == '}') pos = flat_dict(f, pos, FLAT_PRUNED, depth + 1, NULL);
-    else if (flat_scalar(f, &pos).kind == PV_UNSET) return 0;
-    if (!pos) return 0;
+    if (!(pos = flat_item(f, pos, depth))) return 0;
   }
+}
+
+/* One item of a pruned list at pos, checked and dropped: a dict, a scalar
+ * or a memo reference. */
+static size_t flat_item(flat_t *f, size_t pos, int depth) {
+  if (f->buf[pos] == '}') return flat_dict(f, pos, FLAT_PRUNED, depth + 1, NULL);
+  return flat_scalar(f, &pos).kind == PV_UNSET ? 0 : pos;
 }
 
 /* A dict at pos (its '}'), read in the batched form (MARK ... SETITEMS):
@@ -366,10 +404,11 @@ static size_t flat_dict(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *
   bool stored = f->memo_len > memo_at; /* (its pairs may store more) */
   pos++;
   for (;;) {
+    pos = flat_frames(f, pos);
     if (pos >= len) return 0;
     if (buf[pos] == 'u') break;
     pv_t key = flat_scalar(f, &pos), value;
-    if (key.kind == PV_UNSET || !pos || pos >= len) return 0;
+    if (key.kind == PV_UNSET || !pos || (pos = flat_frames(f, pos)) >= len) return 0;
     unsigned op = buf[pos];
     if (op == ']' || op == '}') {
       /* A container: only where the machine would drop its contents. */
@@ -411,10 +450,7 @@ static size_t flat_dict(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *
 static size_t flat_try(flat_t *f, size_t pos, flat_mode mode, pv_t *out) {
   size_t memo_len = f->memo_len;
   size_t end = flat_dict(f, pos, mode, 0, out);
-  if (!end) {
-    for (size_t i = memo_len; i < f->memo_len; i++) f->memo[i].kind = PV_UNSET;
-    f->memo_len = memo_len;
-  }
+  if (!end) flat_unstore(f, memo_len);
   return end;
 }
 
@@ -454,8 +490,17 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
   doc->arena = (arena_t){.chunk = chunk, .huge = chunk >= ((size_t)2 << 20),
                          .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
   /* The machine's state, in locals so that it stays in registers. */
-  pv_t *stack = NULL, *memo = NULL;
-  size_t depth = 0, stack_cap = 0, memo_cap = 0, memo_len = 0;
+  pv_t *stack = NULL;
+  size_t depth = 0, stack_cap = 0, memo_len = 0;
+  /* A snapshot stores about one memo entry per 30 bytes: sized for that
+   * at once, the memo is not copied as it grows. */
+  size_t memo_cap = len / 32 > 64 ? len / 32 : 64;
+  pv_t *memo = big_zalloc(memo_cap * sizeof *memo);
+  if (!memo) {
+    set_error(GCA_ERR_NOMEM, "pickle: out of host memory");
+    pickle_free(doc);
+    return NULL;
+  }
   bool memo_dense = true; /* every index below memo_len is stored */
   size_t *marks = NULL, mark_count = 0, mark_cap = 0;
   size_t pos = 0, at = 0, run_read_to = 0;
@@ -523,10 +568,9 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         /* A pickler numbers the memo from 0, one entry per store, so an
          * index past the file's length can only be an attack on memory. */
         if (base > len) FAIL("pickle: memo index %zu at offset %zu is larger than the file", base, at);
-        if (base >= memo_cap) {
-          size_t old = memo_cap;
-          GROW(memo, memo_cap, base + 1);
-          memset(memo + old, 0, (memo_cap - old) * sizeof *memo);
+        if (base >= memo_cap && !memo_grow(&memo, &memo_cap, base)) {
+          fail_memory(doc, at);
+          goto failed;
         }
         memo[base] = stack[depth - 1];
         if (base > memo_len) memo_dense = false; /* a hole below it */
@@ -703,7 +747,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         free(flat.pairs);
         free(stack);
         free(marks);
-        free(memo);
+        big_free(memo, memo_cap * sizeof *memo);
         return doc;
       case 'c':
       case 0x93:
@@ -723,7 +767,7 @@ failed:
   free(flat.pairs);
   free(stack);
   free(marks);
-  free(memo);
+  big_free(memo, memo_cap * sizeof *memo);
   pickle_free(doc);
   return NULL;
 records_escaped:
@@ -735,7 +779,7 @@ records_escaped:
   free(flat.pairs);
   free(stack);
   free(marks);
-  free(memo);
+  big_free(memo, memo_cap * sizeof *memo);
   arena_free(&doc->arena);
   doc->options.record = NULL;
   doc->records_len = 0;

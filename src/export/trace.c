@@ -134,7 +134,10 @@ static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, t
 }
 
 /* device_traces entries taken as the pickle is parsed (pickle_options):
- * no dict is built for them, and no second pass reads it. */
+ * no dict is built for them, and no second pass reads it. The array is a
+ * big one (util.c), and becomes the trace's when the device lists hold
+ * its entries in order, as PyTorch writes them: a new process then faults
+ * in one array, not two, and nothing is copied. */
 typedef struct entry_sink {
   trace_event_t *events;
   size_t count, cap;
@@ -146,8 +149,8 @@ static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) 
   /* One with a problem is declined: read as a dict, read_entry names it. */
   if (entry_fields(pairs, count, &e)) return false;
   if (sink->count == sink->cap) {
-    size_t cap = sink->cap ? sink->cap * 2 : 4096;
-    trace_event_t *grown = realloc(sink->events, cap * sizeof *grown);
+    size_t cap = sink->cap ? sink->cap * 2 : 32768;
+    trace_event_t *grown = big_rezalloc(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
     if (!grown) return false;
     sink->events = grown;
     sink->cap = cap;
@@ -158,7 +161,22 @@ static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) 
 }
 
 /* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
-static int snapshot_to_trace(const char *path, pickle_doc_t *doc, const entry_sink_t *sink, trace_t *t) {
+/* Whether the device lists hold the sink's records and nothing else, in the
+ * order they were read. */
+static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
+  size_t next = 0;
+  for (size_t d = 0; d < pv_len(traces); d++) {
+    const pv_t *list = pv_at(traces, d);
+    if (!list) return false;
+    for (size_t i = 0; i < pv_len(list); i++) {
+      const pv_t *entry = pv_at(list, i);
+      if (!entry || entry->kind != PV_RECORD || (uint64_t)entry->u.i != next++) return false;
+    }
+  }
+  return next == sink->count;
+}
+
+static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *sink, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
     int frc = load_final_state(path, segments, t);
@@ -187,6 +205,15 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, const entry_si
     return set_error(GCA_ERR_INVALID, "%s: %zu device traces; devices are numbered 0 to 255", path, pv_len(traces));
   }
   t->device_count = (int)pv_len(traces);
+  if (sink->count && records_in_order(traces, sink)) {
+    t->events = sink->events;
+    t->events_big = sink->cap * sizeof *sink->events;
+    sink->events = NULL;
+    for (size_t d = 0; d < pv_len(traces); d++)
+      for (size_t i = 0; i < pv_len(pv_at(traces, d)); i++) t->events[t->count++].device = (int)d;
+    pickle_free(doc);
+    return GCA_OK;
+  }
   size_t total = 0;
   for (size_t d = 0; d < pv_len(traces); d++) total += pv_len(pv_at(traces, d));
   if (total && !(t->events = malloc(total * sizeof *t->events)))
@@ -476,7 +503,7 @@ static int read_snapshot(const char *name, const char *path, const void *data, s
   }
   pickle_doc_t *doc = path ? pickle_load(path, &options) : pickle_parse(data, len, &options);
   int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : prefix_error(name);
-  free(sink.events);
+  big_free(sink.events, sink.cap * sizeof *sink.events);
   return rc;
 }
 
@@ -544,7 +571,8 @@ int trace_load(const char *path, trace_t *out) {
 }
 
 void trace_free(trace_t *t) {
-  free(t->events);
+  if (t->events_big) big_free(t->events, t->events_big);
+  else free(t->events);
   free(t->final_blocks);
   free(t->final_segments);
   free(t->settings);

@@ -55,6 +55,7 @@ typedef struct trace_segment {
 
 typedef struct trace {
   trace_event_t *events; /* device 0's events, then device 1's ... in recorded order */
+  size_t events_big;     /* bytes when events is a big array (util.c), else 0 (malloc'd) */
   size_t count;
   int device_count;
   /* Snapshots only (else empty): the state when recording ended, and the
