@@ -420,13 +420,75 @@ static void test_flat_reader_mutations(void **state) {
   free(data);
 }
 
+/* Big arrays (util.c): zero-filled when made and when grown, contents
+ * kept across the 256 KiB line between calloc and a mapping of their own,
+ * within one mapping and to a bigger one; mappings on 2 MiB boundaries. */
+static void test_big_arrays(void **state) {
+  (void)state;
+  static const size_t sizes[] = {100, 200, 100 << 10, 300 << 10, 1 << 20, 5 << 20};
+  size_t bytes = sizes[0];
+  unsigned char *a = big_zalloc(bytes);
+  assert_non_null(a);
+  for (size_t i = 0; i < bytes; i++) assert_int_equal(a[i], 0);
+  memset(a, 0xab, bytes);
+  for (size_t k = 1; k < sizeof sizes / sizeof *sizes; k++) {
+    unsigned char *grown = big_rezalloc(a, bytes, sizes[k]);
+    assert_non_null(grown);
+    for (size_t i = 0; i < bytes; i++) assert_int_equal(grown[i], 0xab);
+    for (size_t i = bytes; i < sizes[k]; i++) assert_int_equal(grown[i], 0);
+#if defined(__linux__)
+    if (sizes[k] >= (256 << 10)) assert_int_equal((uintptr_t)grown % (2 << 20), 0);
+#endif
+    a = grown;
+    bytes = sizes[k];
+    memset(a, 0xab, bytes);
+  }
+  assert_true(big_rezalloc(a, bytes, bytes / 2) == a); /* never shrinks */
+  big_free(a, bytes);
+  big_free(NULL, 0);
+}
+
+/* A snapshot of 40,000 entries, more than the entries' first array holds:
+ * it grows (past one 2 MiB mapping), and the trace is the machine's. */
+static void test_many_entries(void **state) {
+  (void)state;
+  const size_t entries = 40000;
+  static const char head[] = "\x80\x04}(\x8c\x0d" "device_traces](]("; /* {'device_traces': [[ */
+  static const char entry[] = "}(\x8c\x06" "action\x8c\x05" "alloc\x8c\x04" "addrJ\x00\x00\x00\x00\x8c\x04"
+                              "sizeK\x01u";
+  size_t len = sizeof head - 1 + entries * (sizeof entry - 1) + 4;
+  unsigned char *data = malloc(len), *at = data;
+  assert_non_null(data);
+  memcpy(at, head, sizeof head - 1);
+  at += sizeof head - 1;
+  for (size_t i = 0; i < entries; i++) {
+    memcpy(at, entry, sizeof entry - 1);
+    uint32_t addr = (uint32_t)(i * 512);
+    for (int b = 0; b < 4; b++) at[24 + b] = (unsigned char)(addr >> (8 * b)); /* BININT: little-endian */
+    at += sizeof entry - 1;
+  }
+  memcpy(at, "eeu.", 4);
+  trace_t t;
+  assert_int_equal(trace_parse_snapshot("many", data, len, &t), GCA_OK);
+  assert_int_equal(t.count, entries);
+  assert_int_equal(t.events[entries - 1].addr, (entries - 1) * 512);
+  assert_int_equal(t.events[entries - 1].action, TA_ALLOC);
+  trace_t slow;
+  assert_int_equal(trace_parse_snapshot_slowly("many", data, len, &slow), GCA_OK);
+  assert_true(trace_equal(&t, &slow));
+  trace_free(&t);
+  trace_free(&slow);
+  free(data);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
       cmocka_unit_test(test_real_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
-      cmocka_unit_test(test_flat_reader_mutations),
+      cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_big_arrays),
+      cmocka_unit_test(test_many_entries),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
