@@ -502,13 +502,56 @@ static void test_tool_json(void **state) {
   assert_int_equal(WEXITSTATUS(system(cmd)), 1);
 }
 
+/* The segment matching's LCS with its common prefix and suffix taken first
+ * gives what the whole table gives, on seeded random logs that agree at
+ * the ends, in the middle, or nowhere; and two logs of 20,000 identical
+ * events cost a pass (the table would be 400 million cells). */
+static size_t full_table_lcs(const seg_event_t *x, size_t n, const seg_event_t *y, size_t m) {
+  size_t *t = calloc((n + 1) * (m + 1), sizeof *t);
+  assert_non_null(t);
+  for (size_t i = 1; i <= n; i++)
+    for (size_t j = 1; j <= m; j++) {
+      size_t up = t[(i - 1) * (m + 1) + j], left = t[i * (m + 1) + j - 1];
+      bool same = x[i - 1].alloc == y[j - 1].alloc && x[i - 1].size == y[j - 1].size;
+      t[i * (m + 1) + j] = same ? t[(i - 1) * (m + 1) + j - 1] + 1 : up > left ? up : left;
+    }
+  size_t result = t[n * (m + 1) + m];
+  free(t);
+  return result;
+}
+
+static void test_segment_matching(void **state) {
+  (void)state;
+  uint64_t seed = 0x5e9;
+  seg_event_t x[64], y[64];
+  for (int round = 0; round < 2000; round++) {
+    size_t n = next_random(&seed) % 40, m = next_random(&seed) % 40;
+    for (size_t i = 0; i < n; i++) x[i] = (seg_event_t){next_random(&seed) & 1, (next_random(&seed) % 3 + 1) << 20};
+    for (size_t j = 0; j < m; j++) y[j] = (seg_event_t){next_random(&seed) & 1, (next_random(&seed) % 3 + 1) << 20};
+    /* Often the same ends, as a replay close to PyTorch gives. */
+    size_t shared = next_random(&seed) % 8;
+    for (size_t k = 0; k < shared && k < n && k < m; k++) {
+      y[k] = x[k];
+      if (round % 2) y[m - 1 - k] = x[n - 1 - k];
+    }
+    assert_int_equal(replay_segment_lcs(x, n, y, m), full_table_lcs(x, n, y, m));
+  }
+  size_t big = 20000;
+  seg_event_t *a = malloc(big * sizeof *a);
+  assert_non_null(a);
+  for (size_t i = 0; i < big; i++) a[i] = (seg_event_t){i % 2 == 0, (i % 7 + 1) << 21};
+  assert_int_equal(replay_segment_lcs(a, big, a, big), big);
+  assert_int_equal(replay_segment_lcs(a, big, a + 1, big - 1), big - 1);
+  free(a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocsim_lines),        cmocka_unit_test(test_gcalloc_trace_format),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_real_trace_decomfl),
       cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
       cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
-      cmocka_unit_test(test_progress),
+      cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -67,6 +67,15 @@ typedef struct replay_result {
 } replay_result_t;
 
 int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out);
+
+/* A segment event, PyTorch's or the replay's: what the matching compares. */
+typedef struct seg_event {
+  bool alloc; /* segment_alloc/map; else free/unmap */
+  uint64_t size;
+} seg_event_t;
+/* How many of x's events y reproduces in order: the longest common
+ * subsequence by (action, size). In the header for the tests. */
+size_t replay_segment_lcs(const seg_event_t *x, size_t n, const seg_event_t *y, size_t m);
 void replay_result_free(replay_result_t *r);
 
 #endif
