@@ -801,7 +801,8 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
  * a virtual machine, and they were half of reading a snapshot in a new
  * process). `bytes` must be what the array was allocated or last grown to.
  * big_rezalloc zero-fills the new part; on failure it returns NULL and
- * leaves the array as it was. */
+ * leaves the array as it was. A few freed mappings are kept for reuse, as
+ * malloc keeps freed memory. */
 void *big_zalloc(size_t bytes);
 void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
 void big_free(void *array, size_t bytes);

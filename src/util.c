@@ -78,9 +78,57 @@ static void *big_map(size_t bytes) {
 #define BIG_MAPPED 0
 #endif
 
+#if BIG_MAPPED
+/* The last mappings freed, kept for the next big array of the same size,
+ * as malloc keeps freed memory: a process that reads trace after trace (the
+ * benchmark, a tuning loop) then zeroes what it uses instead of having the
+ * kernel zero fresh pages, twice as slow, every time. At most BIG_KEPT of
+ * them, none over BIG_KEEP_MAX bytes. */
+#define BIG_KEPT 4
+#define BIG_KEEP_MAX ((size_t)16 << 20)
+static pthread_mutex_t big_kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct {
+  void *start;
+  size_t size;
+} big_kept[BIG_KEPT];
+
+static void *big_take_kept(size_t size) {
+  void *p = NULL;
+  pthread_mutex_lock(&big_kept_lock);
+  for (int i = 0; i < BIG_KEPT && !p; i++)
+    if (big_kept[i].start && big_kept[i].size == size) {
+      p = big_kept[i].start;
+      big_kept[i].start = NULL;
+    }
+  pthread_mutex_unlock(&big_kept_lock);
+  return p;
+}
+
+static bool big_keep(void *start, size_t size) {
+  bool kept = false;
+  if (size > BIG_KEEP_MAX) return false;
+  pthread_mutex_lock(&big_kept_lock);
+  for (int i = 0; i < BIG_KEPT && !kept; i++)
+    if (!big_kept[i].start) {
+      big_kept[i].start = start;
+      big_kept[i].size = size;
+      kept = true;
+    }
+  pthread_mutex_unlock(&big_kept_lock);
+  return kept;
+}
+#endif
+
 void *big_zalloc(size_t bytes) {
 #if BIG_MAPPED
-  if (bytes >= BIG_MIN) return big_map(bytes);
+  if (bytes >= BIG_MIN) {
+    void *kept = big_take_kept(big_size(bytes));
+    if (kept) {
+      memset(kept, 0, bytes); /* (past bytes, big_rezalloc zeroes what it adds) */
+      return kept;
+    }
+    return big_map(bytes);
+  }
 #endif
   return calloc(1, bytes ? bytes : 1);
 }
@@ -89,7 +137,7 @@ void big_free(void *array, size_t bytes) {
   if (!array) return;
 #if BIG_MAPPED
   if (bytes >= BIG_MIN) {
-    munmap(array, big_size(bytes));
+    if (!big_keep(array, big_size(bytes))) munmap(array, big_size(bytes));
     return;
   }
 #endif
@@ -105,7 +153,10 @@ void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes) {
     return grown;
   }
 #if BIG_MAPPED
-  if (old_bytes >= BIG_MIN && big_size(new_bytes) == big_size(old_bytes)) return array; /* already mapped, zero */
+  if (old_bytes >= BIG_MIN && big_size(new_bytes) == big_size(old_bytes)) {
+    memset((char *)array + old_bytes, 0, new_bytes - old_bytes); /* (a kept mapping is not zero there) */
+    return array;
+  }
 #endif
   void *grown = big_zalloc(new_bytes);
   if (!grown) return NULL;

@@ -422,7 +422,8 @@ static void test_flat_reader_mutations(void **state) {
 
 /* Big arrays (util.c): zero-filled when made and when grown, contents
  * kept across the 256 KiB line between calloc and a mapping of their own,
- * within one mapping and to a bigger one; mappings on 2 MiB boundaries. */
+ * within one mapping and to a bigger one; mappings on 2 MiB boundaries;
+ * a freed mapping handed out again zeroed. */
 static void test_big_arrays(void **state) {
   (void)state;
   static const size_t sizes[] = {100, 200, 100 << 10, 300 << 10, 1 << 20, 5 << 20};
@@ -446,6 +447,18 @@ static void test_big_arrays(void **state) {
   assert_true(big_rezalloc(a, bytes, bytes / 2) == a); /* never shrinks */
   big_free(a, bytes);
   big_free(NULL, 0);
+  /* A freed mapping may be kept and handed out again: still zero, also in
+   * the part a later growth within it adds (the old contents were 0xab). */
+  for (int round = 0; round < 3; round++) {
+    unsigned char *b = big_zalloc(300 << 10);
+    assert_non_null(b);
+    for (size_t i = 0; i < (300 << 10); i++) assert_int_equal(b[i], 0);
+    unsigned char *c = big_rezalloc(b, 300 << 10, 1 << 20);
+    assert_non_null(c);
+    for (size_t i = 0; i < (1 << 20); i++) assert_int_equal(c[i], 0);
+    memset(c, 0xab, 1 << 20);
+    big_free(c, 1 << 20);
+  }
 }
 
 /* A snapshot of 40,000 entries, more than the entries' first array holds:
