@@ -160,7 +160,6 @@ static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) 
   return true;
 }
 
-/* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
 /* Whether the device lists hold the sink's records and nothing else, in the
  * order they were read. */
 static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
@@ -176,6 +175,7 @@ static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
   return next == sink->count;
 }
 
+/* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
 static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *sink, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
