@@ -96,6 +96,11 @@ typedef struct backend_ops {
   /* Whether the backend knows `ptr` as page-locked host memory. */
   int (*host_is_pinned)(void *state, const void *ptr, int *pinned);
   void (*destroy)(void *state);
+  /* destroy() gives back all the device's memory at once (the sim, whose
+   * device memory is its own bookkeeping): closing an allocator then need
+   * not give it back a segment and a page at a time. A real device's
+   * memory outlives the backend's state, so the CUDA backend says no. */
+  bool destroy_releases_memory;
 } backend_ops_t;
 
 typedef struct backend {

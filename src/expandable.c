@@ -102,14 +102,14 @@ static void release_segment(device_t *d, segment_t *seg) {
   block_recycle(d, b);
 }
 
-void expandable_segment_destroy(device_t *d, segment_t *seg) {
+void expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back) {
   size_t page = seg->page_size;
-  for (size_t i = 0; i < seg->page_cap; i++) {
+  for (size_t i = 0; give_back && i < seg->page_cap; i++) {
     if (!seg->pages[i]) continue;
     (void)VM(d, vm_unmap, seg->addr + i * page, page);
     (void)VM(d, vm_destroy, seg->pages[i]);
   }
-  (void)VM(d, vm_unreserve, seg->addr, seg->size);
+  if (give_back) (void)VM(d, vm_unreserve, seg->addr, seg->size);
   free(seg->pages);
   seg->pages = NULL;
 }

@@ -560,8 +560,9 @@ block_t *expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream
  * for the segment's stream, and give back the address range of segments
  * left with nothing mapped (PyTorch's release_blocks for them). */
 void expandable_release_all(device_t *d);
-/* At device destruction: unmap and destroy everything, give the range back. */
-void expandable_segment_destroy(device_t *d, segment_t *seg);
+/* At device destruction: unmap and destroy everything and give the range
+ * back (when give_back: see device_destroy), and free the page table. */
+void expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
 /* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
 size_t expandable_snapshot_count(const device_t *d);
 

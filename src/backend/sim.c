@@ -1081,6 +1081,7 @@ static const backend_ops_t sim_ops = {
     .host_unregister = sim_host_unregister,
     .host_is_pinned = sim_host_is_pinned,
     .destroy = sim_destroy,
+    .destroy_releases_memory = true,
 };
 
 /* The sim behind a backend handle, or NULL with the error set. */
