@@ -146,8 +146,9 @@ typedef uintptr_t gca_stream_t;
 GCA_API int gca_open(const char *backend, const char *config, gca_allocator_t **out);
 
 /* Give every segment back to the device and free the allocator. Blocks still
- * allocated are released with it (their pointers become invalid). NULL is a
- * no-op. */
+ * allocated are released with it (their pointers become invalid). On the
+ * simulated device, whose memory goes away with the allocator, segments are
+ * not given back one by one first. NULL is a no-op. */
 GCA_API void gca_close(gca_allocator_t *a);
 
 /* Number of devices the allocator manages (>= 1), or a negative status. */
