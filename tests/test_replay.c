@@ -502,6 +502,115 @@ static void test_tool_json(void **state) {
   assert_int_equal(WEXITSTATUS(system(cmd)), 1);
 }
 
+/* The start state and the operations, against the rule worked out by hand
+ * on random traces of two devices, with the odd things a record can hold
+ * (a free of what was never allocated, two frees, an alloc at a live
+ * address, free_requested without free_completed, duplicate and inactive
+ * final blocks): a literal walk back from the final blocks (going back, an
+ * alloc takes its address out, a release puts it in if absent) gives the
+ * seeds, and a forward run of the plan's rule (alloc: a new block at the
+ * address, the old one left allocated; free_completed: frees the block
+ * there, if any) the requested bytes; the replay's seeded count and peak
+ * requested must be those. */
+typedef struct ref_block {
+  uint64_t addr, size;
+  bool live;
+} ref_block_t;
+
+static ref_block_t *ref_find(ref_block_t *blocks, size_t n, uint64_t addr) {
+  for (size_t i = 0; i < n; i++)
+    if (blocks[i].live && blocks[i].addr == addr) return &blocks[i];
+  return NULL;
+}
+
+static void test_plan_matches_walk_back(void **state) {
+  (void)state;
+  uint64_t seed = 0x91a;
+  for (int round = 0; round < 400; round++) {
+    trace_t t = {0};
+    size_t n = next_random(&seed) % 80, addrs = 2 + next_random(&seed) % 6;
+    t.events = calloc(n + 1, sizeof *t.events);
+    t.count = n;
+    t.device_count = 2;
+    for (size_t i = 0; i < n; i++) {
+      trace_event_t *e = &t.events[i];
+      int r = (int)(next_random(&seed) % 10);
+      e->device = (int)(next_random(&seed) % 2);
+      e->action = r < 4 ? TA_ALLOC : r < 7 ? TA_FREE_COMPLETED : r < 9 ? TA_FREE_REQUESTED : TA_OOM;
+      e->addr = (next_random(&seed) % addrs) << 20;
+      e->size = (1 + next_random(&seed) % 8) << 9;
+      e->time_us = -1;
+    }
+    t.final_block_count = next_random(&seed) % 5;
+    t.final_blocks = calloc(t.final_block_count + 1, sizeof *t.final_blocks);
+    for (size_t i = 0; i < t.final_block_count; i++)
+      t.final_blocks[i] = (trace_block_t){(int)(next_random(&seed) % 2), (next_random(&seed) % addrs) << 20, 1 << 20,
+                                          (1 + next_random(&seed) % 8) << 9, 0, next_random(&seed) % 3 != 0};
+    t.has_segment_state = true;
+    replay_options_t o = defaults();
+    o.match_segments = false;
+    replay_result_t r;
+    assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+    for (int d = 0; d < 2; d++) {
+      ref_block_t blocks[256];
+      size_t nb = 0;
+      /* The walk back. */
+      for (size_t i = 0; i < t.final_block_count; i++) {
+        const trace_block_t *b = &t.final_blocks[i];
+        if (b->device != d || !b->active) continue;
+        ref_block_t *had = ref_find(blocks, nb, b->addr);
+        if (had) had->size = b->requested;
+        else blocks[nb++] = (ref_block_t){b->addr, b->requested, true};
+      }
+      for (size_t k = n; k-- > 0;) {
+        const trace_event_t *e = &t.events[k];
+        if (e->device != d) continue;
+        ref_block_t *there = ref_find(blocks, nb, e->addr);
+        if (e->action == TA_ALLOC && there) there->live = false;
+        else if ((e->action == TA_FREE_COMPLETED || e->action == TA_FREE_REQUESTED) && !there)
+          blocks[nb++] = (ref_block_t){e->addr, e->size, true};
+      }
+      size_t seeds = 0;
+      uint64_t requested = 0, peak = 0;
+      ref_block_t live[256];
+      size_t nl = 0;
+      for (size_t i = 0; i < nb; i++)
+        if (blocks[i].live) {
+          seeds++;
+          requested += blocks[i].size;
+          live[nl++] = blocks[i];
+        }
+      peak = requested;
+      /* Forward. */
+      for (size_t k = 0; k < n; k++) {
+        const trace_event_t *e = &t.events[k];
+        if (e->device != d) continue;
+        ref_block_t *there = ref_find(live, nl, e->addr);
+        if (e->action == TA_ALLOC) {
+          if (there) there->live = false; /* left allocated: its bytes stay counted */
+          live[nl++] = (ref_block_t){e->addr, e->size, true};
+          requested += e->size;
+        } else if (e->action == TA_FREE_COMPLETED && there) {
+          there->live = false;
+          requested -= there->size;
+        }
+        if (requested > peak) peak = requested;
+      }
+      const replay_device_t *dv = NULL;
+      for (int i = 0; i < r.device_count; i++)
+        if (r.devices[i].device == d) dv = &r.devices[i];
+      if (!dv) {
+        assert_int_equal(seeds, 0);
+        continue;
+      }
+      assert_int_equal(dv->seeded, seeds);
+      assert_int_equal(dv->peak_requested, peak);
+    }
+    replay_result_free(&r);
+    trace_free(&t);
+  }
+}
+
 /* The segment matching's LCS with its common prefix and suffix taken first
  * gives what the whole table gives, on seeded random logs that agree at
  * the ends, in the middle, or nowhere; and two logs of 20,000 identical
@@ -552,6 +661,7 @@ int main(void) {
       cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
       cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
+      cmocka_unit_test(test_plan_matches_walk_back),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

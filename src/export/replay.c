@@ -2,10 +2,11 @@
  *
  * Per device of the trace, in three steps:
  *  1. The start state. Recording rarely starts with an empty device: the
- *     allocations live at its start are found by walking back from the
- *     snapshot's final blocks (an alloc in the trace was not live before
- *     it; a free in the trace was), and are allocated first, in address
- *     order ("seeded"). PyTorch's reserved memory at the start is found the
+ *     allocations live at its start are those a walk back from the
+ *     snapshot's final blocks finds (an alloc in the trace was not live
+ *     before it; a free in the trace was; plan_device tells it per address
+ *     going forward), and are allocated first, in address order
+ *     ("seeded"). PyTorch's reserved memory at the start is found the
  *     same way from the final segments and the segment events.
  *  2. The operations: each alloc a new slot, each free_completed (the
  *     release) frees its slot, and a run of recorded segment frees that the
@@ -50,6 +51,7 @@ typedef struct device_plan {
 typedef struct seed {
   uint64_t addr, size;
   gca_stream_t stream;
+  uint32_t state; /* its addr_state_t */
 } seed_t;
 
 static int compare_seeds(const void *x, const void *y) {
@@ -61,72 +63,121 @@ static bool is_release(trace_action a) { return a == TA_FREE_COMPLETED || a == T
 static bool is_segment_up(trace_action a) { return a == TA_SEGMENT_ALLOC || a == TA_SEGMENT_MAP; }
 static bool is_segment_down(trace_action a) { return a == TA_SEGMENT_FREE || a == TA_SEGMENT_UNMAP; }
 
-/* Steps 1 and 2 for device d. */
+/* What the plan knows of one address of the device. */
+typedef struct addr_state {
+  uint64_t addr;
+  int64_t final_block;   /* index in final_blocks of an active block there (the last), or -1 */
+  int64_t early_release; /* the last release (free_requested or _completed) before its first alloc, or -1 */
+  bool allocated;        /* an alloc seen (pass 1) */
+  uint32_t live_slot;    /* pass 2: slot + 1 of the allocation live there, or 0 */
+} addr_state_t;
+
+typedef struct addr_states {
+  addr_map_t index; /* addr -> state + 1 */
+  addr_state_t *states;
+  size_t count, cap;
+} addr_states_t;
+
+/* The state of addr, made if new; UINT32_MAX when the host is out of memory. */
+static uint32_t state_of(addr_states_t *as, uint64_t addr) {
+  uint64_t *found = addr_map_get(&as->index, addr);
+  if (found) return (uint32_t)(*found - 1);
+  if (as->count == as->cap) {
+    addr_state_t *grown = grow_array(as->states, &as->cap, sizeof *grown, 1024);
+    if (!grown) return UINT32_MAX;
+    as->states = grown;
+  }
+  if (as->count >= UINT32_MAX - 1 || !addr_map_put(&as->index, addr, as->count + 1)) return UINT32_MAX;
+  as->states[as->count] = (addr_state_t){addr, -1, -1, false, 0};
+  return (uint32_t)as->count++;
+}
+
+/* Steps 1 and 2 for device d, in two passes over its events with one
+ * address lookup per alloc or release (three or four were half the time of
+ * replaying a trace).
+ *
+ * Step 1 is the walk back from the final blocks (going back, an alloc takes
+ * its address out of the live set and a release puts it in if absent), told
+ * per address from the forward order: the address is live at the start if
+ * its first alloc or release is a release, or if it has neither and holds
+ * an active final block. What was live there is the last release before the
+ * first alloc (the one the walk back puts in last), or the final block when
+ * the address is never allocated. */
 static int plan_device(const trace_t *t, int d, const replay_options_t *o, device_plan_t *p) {
   memset(p, 0, sizeof *p);
   size_t n = 0;
   for (size_t i = 0; i < t->count; i++) n += t->events[i].device == d;
-  addr_map_t live;    /* addr -> requested size + 1; then addr -> slot + 1 */
-  addr_map_t streams; /* addr -> stream, for the seeds */
+  addr_states_t as = {0};
+  uint32_t *state_at = malloc((n + 1) * sizeof *state_at); /* per event of the device, for pass 2 */
   seed_t *seeds = NULL;
-  bool live_ok = addr_map_init(&live), streams_ok = addr_map_init(&streams); /* both, to free both */
-  bool ok = live_ok && streams_ok;
+  bool ok = addr_map_init(&as.index) && state_at;
   for (size_t i = 0; ok && i < t->final_block_count; i++) {
     const trace_block_t *b = &t->final_blocks[i];
     if (b->device != d || !b->active) continue;
-    ok = addr_map_put(&live, b->addr, b->requested + 1) && addr_map_put(&streams, b->addr, b->stream);
+    uint32_t s = state_of(&as, b->addr);
+    if (!(ok = s != UINT32_MAX)) break;
+    as.states[s].final_block = (int64_t)i;
   }
-  /* Walk back: what was live before the first event. */
+  /* Pass 1: first allocs and early releases; PyTorch's reserved bytes at
+   * the start (the final segments less what the segment events added). */
   int64_t reserved = 0;
   for (size_t i = 0; i < t->final_segment_count; i++)
     if (t->final_segments[i].device == d) reserved += (int64_t)t->final_segments[i].size;
-  size_t segment_events = 0;
-  for (size_t k = t->count; ok && k-- > 0;) {
+  size_t segment_events = 0, j = 0;
+  for (size_t k = 0; ok && k < t->count; k++) {
     const trace_event_t *e = &t->events[k];
     if (e->device != d) continue;
-    if (e->action == TA_ALLOC) addr_map_del(&live, e->addr);
-    else if (is_release(e->action) && !addr_map_get(&live, e->addr))
-      ok = addr_map_put(&live, e->addr, e->size + 1) && addr_map_put(&streams, e->addr, e->stream);
-    else if (is_segment_up(e->action) || is_segment_down(e->action)) {
+    state_at[j] = UINT32_MAX;
+    if (e->action == TA_ALLOC || is_release(e->action)) {
+      uint32_t s = state_of(&as, e->addr);
+      if (!(ok = s != UINT32_MAX)) break;
+      state_at[j] = s;
+      if (e->action == TA_ALLOC) as.states[s].allocated = true;
+      else if (!as.states[s].allocated) as.states[s].early_release = (int64_t)k;
+    } else if (is_segment_up(e->action) || is_segment_down(e->action)) {
       reserved += is_segment_up(e->action) ? -(int64_t)e->size : (int64_t)e->size;
       segment_events++;
     }
+    j++;
   }
   /* The seeds, in address order. */
   size_t ns = 0;
   if (ok) {
-    seeds = malloc((live.used + 1) * sizeof *seeds);
+    seeds = malloc((as.count + 1) * sizeof *seeds);
     p->recorded = malloc((segment_events + 1) * sizeof *p->recorded);
     ok = seeds && p->recorded;
   }
-  for (size_t i = 0; ok && i < live.cap; i++) {
-    if (!live.keys[i] || live.keys[i] == ADDR_MAP_DELETED) continue;
-    uint64_t addr = live.keys[i] - 1;
-    uint64_t *stream = addr_map_get(&streams, addr);
-    seeds[ns++] = (seed_t){addr, live.vals[i] - 1, stream ? (gca_stream_t)*stream : 0};
+  for (size_t i = 0; ok && i < as.count; i++) {
+    const addr_state_t *st = &as.states[i];
+    if (st->early_release >= 0 && (st->allocated || st->final_block < 0)) {
+      const trace_event_t *e = &t->events[st->early_release];
+      seeds[ns++] = (seed_t){st->addr, e->size, (gca_stream_t)e->stream, (uint32_t)i};
+    } else if (!st->allocated && st->final_block >= 0) {
+      const trace_block_t *b = &t->final_blocks[st->final_block];
+      seeds[ns++] = (seed_t){st->addr, b->requested, (gca_stream_t)b->stream, (uint32_t)i};
+    }
   }
   if (ok) qsort(seeds, ns, sizeof *seeds, compare_seeds);
-  addr_map_free(&live);
-  addr_map_free(&streams);
 
-  /* Forward: slots for the seeds, then the events; at most one operation
+  /* Pass 2: slots for the seeds, then the events; at most one operation
    * each. */
-  ok = ok && addr_map_init(&live);
   if (ok) {
     p->cap = n + ns + 1;
     ok = (p->ops = malloc(p->cap * sizeof *p->ops)) != NULL;
   }
   uint32_t slots = 0;
   for (size_t i = 0; ok && i < ns; i++) {
-    ok = addr_map_put(&live, seeds[i].addr, ++slots);
+    as.states[seeds[i].state].live_slot = ++slots;
     p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, seeds[i].size, seeds[i].stream, reserved};
   }
   p->seeded = ns;
   int64_t peak = reserved;
   bool in_free_run = false;
+  j = 0;
   for (size_t k = 0; k < t->count && ok; k++) {
     const trace_event_t *e = &t->events[k];
     if (e->device != d) continue;
+    uint32_t s = state_at[j++];
     if (is_segment_down(e->action) && e->size == 0) {
       /* gcalloc's own traces mark an empty_cache() call so. */
       if (!in_free_run && o->infer_empty_cache) p->ops[p->count++] = (op_t){OP_EMPTY_CACHE, 0, 0, 0, reserved};
@@ -145,20 +196,22 @@ static int plan_device(const trace_t *t, int d, const replay_options_t *o, devic
     }
     if (e->action == TA_ALLOC) {
       in_free_run = false;
-      ok = addr_map_put(&live, e->addr, ++slots);
+      as.states[s].live_slot = ++slots;
       p->allocs++;
       p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)e->stream, reserved};
     } else if (e->action == TA_FREE_COMPLETED) {
       in_free_run = false;
-      uint64_t *slot = addr_map_get(&live, e->addr);
-      if (!slot) continue; /* freed twice in the record, or never allocated: nothing to replay */
-      p->ops[p->count++] = (op_t){OP_FREE, (uint32_t)(*slot - 1), 0, 0, reserved};
-      addr_map_del(&live, e->addr);
+      uint32_t *live = &as.states[s].live_slot;
+      if (!*live) continue; /* freed twice in the record, or never allocated: nothing to replay */
+      p->ops[p->count++] = (op_t){OP_FREE, *live - 1, 0, 0, reserved};
+      *live = 0;
     }
   }
   p->recorded_peak = t->has_segment_state ? peak : -1;
   free(seeds);
-  addr_map_free(&live);
+  free(state_at);
+  free(as.states);
+  addr_map_free(&as.index);
   if (!ok) {
     free(p->ops);
     free(p->recorded);
