@@ -804,7 +804,23 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
  * big_rezalloc zero-fills the new part; on failure it returns NULL and
  * leaves the array as it was. A few freed mappings are kept for reuse, as
  * malloc keeps freed memory. */
+#if defined(__SANITIZE_ADDRESS__)
+#define GCA_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define GCA_UNDER_ASAN 1
+#endif
+#endif
+/* Whether big arrays are mappings of their own: on Linux, but not under
+ * AddressSanitizer, which checks the bounds of what malloc gives only. */
+#if defined(__linux__) && !defined(GCA_UNDER_ASAN)
+#define GCA_BIG_MAPPED 1
+#else
+#define GCA_BIG_MAPPED 0
+#endif
 void *big_zalloc(size_t bytes);
+/* The same, not zero-filled (a kept mapping is handed out as it was). */
+void *big_alloc(size_t bytes);
 void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
 void big_free(void *array, size_t bytes);
 /* A bump allocator for things freed all at once (a snapshot, a parsed

@@ -57,7 +57,7 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
 #define BIG_PAGE ((size_t)2 << 20)
 #define BIG_MIN ((size_t)256 << 10)
 
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
+#if GCA_BIG_MAPPED
 #define BIG_MAPPED 1
 /* A mapping is zero-filled; the huge pages need it aligned to 2 MiB, so map
  * one more and trim. */
@@ -71,7 +71,9 @@ static void *big_map(size_t bytes) {
   char *p = (char *)(((uintptr_t)raw + BIG_PAGE - 1) & ~(uintptr_t)(BIG_PAGE - 1));
   if (p > raw) munmap(raw, (size_t)(p - raw));
   if (raw + size + BIG_PAGE > p + size) munmap(p + size, (size_t)(raw + size + BIG_PAGE - (p + size)));
+#ifdef MADV_HUGEPAGE
   (void)madvise(p, size, MADV_HUGEPAGE);
+#endif
   return p;
 }
 #else
@@ -118,6 +120,16 @@ static bool big_keep(void *start, size_t size) {
   return kept;
 }
 #endif
+
+void *big_alloc(size_t bytes) {
+#if BIG_MAPPED
+  if (bytes >= BIG_MIN) {
+    void *kept = big_take_kept(big_size(bytes));
+    return kept ? kept : big_map(bytes);
+  }
+#endif
+  return malloc(bytes ? bytes : 1);
+}
 
 void *big_zalloc(size_t bytes) {
 #if BIG_MAPPED
@@ -188,8 +200,7 @@ void *arena_alloc(arena_t *ar, size_t n) {
        * were most of the time reading a snapshot. */
       size_t huge = (size_t)2 << 20;
       cap = (sizeof *c + cap + huge - 1) / huge * huge - sizeof *c;
-      c = aligned_alloc(huge, sizeof *c + cap);
-      if (c) (void)madvise(c, sizeof *c + cap, MADV_HUGEPAGE);
+      c = big_alloc(sizeof *c + cap); /* (a kept mapping when one fits: see big_alloc) */
     } else
 #endif
     c = malloc(sizeof *c + cap);
@@ -224,7 +235,11 @@ char *arena_strdup(arena_t *ar, const char *s) {
 void arena_free(arena_t *ar) {
   while (ar->head) {
     arena_chunk_t *next = ar->head->next;
-    free(ar->head);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (ar->huge) big_free(ar->head, sizeof *ar->head + ar->head->cap);
+    else
+#endif
+      free(ar->head);
     ar->head = next;
   }
   ar->bytes = 0;
