@@ -149,7 +149,7 @@ static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) 
   /* One with a problem is declined: read as a dict, read_entry names it. */
   if (entry_fields(pairs, count, &e)) return false;
   if (sink->count == sink->cap) {
-    size_t cap = sink->cap ? sink->cap * 2 : 32768;
+    size_t cap = sink->cap ? sink->cap * 2 : 1024;
     trace_event_t *grown = big_rezalloc(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
     if (!grown) return false;
     sink->events = grown;
