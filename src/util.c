@@ -58,7 +58,6 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
 #define BIG_MIN ((size_t)256 << 10)
 
 #if GCA_BIG_MAPPED
-#define BIG_MAPPED 1
 /* A mapping is zero-filled; the huge pages need it aligned to 2 MiB, so map
  * one more and trim. */
 static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE; }
@@ -76,11 +75,7 @@ static void *big_map(size_t bytes) {
 #endif
   return p;
 }
-#else
-#define BIG_MAPPED 0
-#endif
 
-#if BIG_MAPPED
 /* The last mappings freed, kept for the next big array of the same size,
  * as malloc keeps freed memory: a process that reads trace after trace (the
  * benchmark, a tuning loop) then zeroes what it uses instead of having the
@@ -119,27 +114,31 @@ static bool big_keep(void *start, size_t size) {
   pthread_mutex_unlock(&big_kept_lock);
   return kept;
 }
+
+/* A mapping of at least `bytes`: a kept one (*dirty: as its last user left
+ * it), else a new one (zero). */
+static void *big_get(size_t bytes, bool *dirty) {
+  void *kept = big_take_kept(big_size(bytes));
+  *dirty = kept != NULL;
+  return kept ? kept : big_map(bytes);
+}
 #endif
 
 void *big_alloc(size_t bytes) {
-#if BIG_MAPPED
-  if (bytes >= BIG_MIN) {
-    void *kept = big_take_kept(big_size(bytes));
-    return kept ? kept : big_map(bytes);
-  }
+#if GCA_BIG_MAPPED
+  bool dirty;
+  if (bytes >= BIG_MIN) return big_get(bytes, &dirty);
 #endif
   return malloc(bytes ? bytes : 1);
 }
 
 void *big_zalloc(size_t bytes) {
-#if BIG_MAPPED
+#if GCA_BIG_MAPPED
+  bool dirty;
   if (bytes >= BIG_MIN) {
-    void *kept = big_take_kept(big_size(bytes));
-    if (kept) {
-      memset(kept, 0, bytes); /* (past bytes, big_rezalloc zeroes what it adds) */
-      return kept;
-    }
-    return big_map(bytes);
+    void *p = big_get(bytes, &dirty);
+    if (p && dirty) memset(p, 0, bytes); /* (past bytes, big_rezalloc zeroes what it adds) */
+    return p;
   }
 #endif
   return calloc(1, bytes ? bytes : 1);
@@ -147,7 +146,7 @@ void *big_zalloc(size_t bytes) {
 
 void big_free(void *array, size_t bytes) {
   if (!array) return;
-#if BIG_MAPPED
+#if GCA_BIG_MAPPED
   if (bytes >= BIG_MIN) {
     if (!big_keep(array, big_size(bytes))) munmap(array, big_size(bytes));
     return;
@@ -159,12 +158,12 @@ void big_free(void *array, size_t bytes) {
 
 void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes) {
   if (new_bytes <= old_bytes) return array;
-  if (!BIG_MAPPED || new_bytes < BIG_MIN) {
+  if (!GCA_BIG_MAPPED || new_bytes < BIG_MIN) {
     char *grown = realloc(array, new_bytes);
     if (grown) memset(grown + old_bytes, 0, new_bytes - old_bytes);
     return grown;
   }
-#if BIG_MAPPED
+#if GCA_BIG_MAPPED
   if (old_bytes >= BIG_MIN && big_size(new_bytes) == big_size(old_bytes)) {
     memset((char *)array + old_bytes, 0, new_bytes - old_bytes); /* (a kept mapping is not zero there) */
     return array;

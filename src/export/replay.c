@@ -93,7 +93,7 @@ static uint32_t state_of(addr_states_t *as, uint64_t addr) {
 }
 
 /* Steps 1 and 2 for device d, in two passes over its events with one
- * address lookup per alloc or release (three or four were half the time of
+ * address lookup per alloc or release (three or four were a third of the time of
  * replaying a trace).
  *
  * Step 1 is the walk back from the final blocks (going back, an alloc takes

@@ -507,18 +507,19 @@ static int read_snapshot(const char *name, const char *path, const void *data, s
   return rc;
 }
 
-int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
+static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, trace_t *out) {
   memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, data, len, false, out);
+  int rc = read_snapshot(name, NULL, data, len, machine_only, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
 
+int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
+  return parse_snapshot(name, data, len, false, out);
+}
+
 int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out) {
-  memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, data, len, true, out);
-  if (rc != GCA_OK) trace_free(out);
-  return rc;
+  return parse_snapshot(name, data, len, true, out);
 }
 
 bool trace_equal(const trace_t *a, const trace_t *b) {
