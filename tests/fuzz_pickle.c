@@ -2,8 +2,9 @@
  * reader on arbitrary bytes, then, for what parses as a snapshot, the
  * conversion to a trace and a replay of it on the simulated device. The
  * reader's fast paths (the loop for flat dicts, snapshot entries taken as
- * they are read) are checked against its general machine alone on every
- * input: the same tree and trace, or the same error, else abort. Built
+ * they are read, and for one input in 16 the second reader) are
+ * checked against its general machine alone on every input: the same tree
+ * and trace, or the same error, else abort. Built
  * only with clang (-fsanitize=fuzzer), with AddressSanitizer and UBSan;
  * CTest runs it for a short while from the seeds in tests/fuzz/seeds, and
  * any crash, leak, sanitizer report, mismatch or timeout fails the test. */
@@ -68,6 +69,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   int rc = trace_parse_snapshot("fuzz", data, size, &t);
   if (rc != slow_rc || (rc && strcmp(slow_error, gca_last_error())) || (!rc && !trace_equal(&t, &slow)))
     mismatch("a trace", slow_error);
+  /* The second reader (pickle.c, "Reading on two cores") started at an
+   * offset the input picks, for one input in 16 (it is a thread). */
+  if (size > 1 && data[size / 2] % 16 == 0) {
+    trace_t split;
+    size_t at = 1 + ((size_t)data[0] * 131 + size) % (size - 1);
+    int split_rc = trace_parse_snapshot_split("fuzz", data, size, at, &split);
+    if (split_rc != slow_rc || (split_rc && strcmp(slow_error, gca_last_error())) ||
+        (!split_rc && !trace_equal(&split, &slow)))
+      mismatch("a trace read on two threads", slow_error);
+    if (!split_rc) trace_free(&split);
+  }
   if (!slow_rc) trace_free(&slow);
   if (rc != GCA_OK) return 0;
   /* Replays stay small so that one input costs milliseconds. */

@@ -46,10 +46,16 @@ struct pv_seq {
 
 typedef struct pickle_doc pickle_doc_t;
 
-/* A record reader (pickle_options): given a dict's pairs (key, value,
- * key, value ...), it either takes them, setting *id, or declines, and the
- * dict is then read as any other. */
-typedef bool (*pickle_record_fn)(void *ctx, const pv_t *pairs, size_t count, int64_t *id);
+/* A record reader (pickle_options), in two steps. `prepare` turns a dict's
+ * pairs (key, value, key, value ...) into `record_size` bytes at `out` (at
+ * most PICKLE_RECORD_MAX, aligned for any scalar), or declines, and the
+ * dict is then read as any other; it may run on the second reader's thread
+ * (see `split`), so it reads `ctx` and writes `out`, nothing else. `take`
+ * then takes prepared records one at a time in file order, on the thread
+ * that called pickle_parse, setting *id, or declines (out of memory). */
+typedef bool (*pickle_prepare_fn)(const void *ctx, const pv_t *pairs, size_t count, void *out);
+typedef bool (*pickle_take_fn)(void *ctx, const void *prepared, int64_t *id);
+#define PICKLE_RECORD_MAX 64
 
 typedef struct pickle_options {
   /* Every container stored under the dict key `pruned_key`, and every
@@ -58,17 +64,36 @@ typedef struct pickle_options {
   const char *pruned_key;
   /* Every dict in a list in the list stored under the dict key
    * `records_key` (a snapshot's device_traces entries) whose values are
-   * scalars, memo references or pruned containers is handed to `record`
-   * as it is read, and stands in the tree as a PV_RECORD with the id it
-   * was given; there is no dict for it. A dict that does not have that
-   * shape, or that `record` declines, is read as a dict. */
+   * scalars, memo references or pruned containers is handed to `prepare`
+   * and `take` as it is read, and stands in the tree as a PV_RECORD with
+   * the id it was given; there is no dict for it. A dict that does not have
+   * that shape, or that they decline, is read as a dict. */
   const char *records_key;
-  pickle_record_fn record;
+  pickle_prepare_fn prepare;
+  pickle_take_fn take;
+  size_t record_size;
   void *record_ctx;
   /* Tests: read every dict through the general machine, not the loop for
    * flat dicts (the two must give the same tree). */
   bool machine_only;
+  /* With records, a second thread reads entries from past the middle of
+   * the file on (pickle.c, "Reading on two cores"): 0 decides (files of
+   * 512 KiB or more, framed by a protocol-4 pickler, with two processors
+   * to run on); PICKLE_ONE_READER never; any other value starts it at that
+   * offset, whatever the file (tests: the result must not depend on it;
+   * and the first reader then waits for the second to the end rather than
+   * reading on alone when it catches up, so that how many entries the
+   * second reads does not depend on the timing).
+   * `prepare` then runs on that thread for the entries it reads, while
+   * `take` runs on the caller's: `prepare` must not read what `take`
+   * changes, and may read a value's scalars and strings but not a
+   * container's contents (the first reader may be filling it). An empty
+   * pruned container (under the pruned key) may be given as another of its
+   * kind: they are all alike but for where they are. */
+  size_t split;
 } pickle_options_t;
+
+#define PICKLE_ONE_READER SIZE_MAX
 
 /* Parse `len` bytes (the document keeps its own copy). On failure returns
  * NULL with GCA_ERR_INVALID set and a message naming the offset and why.
@@ -78,6 +103,9 @@ pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t 
 pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options);
 void pickle_free(pickle_doc_t *doc);
 const pv_t *pickle_root(const pickle_doc_t *doc);
+/* Records the first reader took from the second (pickle_options.split):
+ * tests use it to know that the second reader did its part. */
+size_t pickle_split_taken(const pickle_doc_t *doc);
 
 /* Helpers for walking the tree. */
 const pv_t *pv_get(const pv_t *dict, const char *key); /* NULL if absent or not a dict */

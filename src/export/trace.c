@@ -143,11 +143,17 @@ typedef struct entry_sink {
   size_t count, cap;
 } entry_sink_t;
 
-static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) {
+/* The pickle reader's record steps (pickle_options): an entry's event from
+ * its pairs, on whichever thread read it; then into the sink, in order.
+ * One with a problem is declined: read as a dict, read_entry names it. */
+static bool prepare_entry(const void *ctx, const pv_t *pairs, size_t count, void *out) {
+  (void)ctx;
+  return entry_fields(pairs, count, out) == NULL;
+}
+
+static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
   entry_sink_t *sink = ctx;
-  trace_event_t e;
-  /* One with a problem is declined: read as a dict, read_entry names it. */
-  if (entry_fields(pairs, count, &e)) return false;
+  const trace_event_t *e = prepared;
   if (sink->count == sink->cap) {
     size_t cap = sink->cap ? sink->cap * 2 : 1024;
     trace_event_t *grown = big_rezalloc(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
@@ -155,7 +161,7 @@ static bool take_entry(void *ctx, const pv_t *pairs, size_t count, int64_t *id) 
     sink->events = grown;
     sink->cap = cap;
   }
-  sink->events[sink->count] = e;
+  sink->events[sink->count] = *e;
   *id = (int64_t)sink->count++;
   return true;
 }
@@ -492,13 +498,15 @@ static int load_gcalloc_trace(const char *path, trace_t *t) {
 /* Reads a snapshot from a file (path) or from memory (data, len); `name`
  * names it in the messages. */
 static int read_snapshot(const char *name, const char *path, const void *data, size_t len, bool machine_only,
-                         trace_t *t) {
+                         size_t split, trace_t *t) {
   entry_sink_t sink = {0};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
-  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only};
+  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split};
   if (!machine_only) {
     options.records_key = "device_traces";
-    options.record = take_entry;
+    options.prepare = prepare_entry;
+    options.take = take_entry;
+    options.record_size = sizeof(trace_event_t);
     options.record_ctx = &sink;
   }
   pickle_doc_t *doc = path ? pickle_load(path, &options) : pickle_parse(data, len, &options);
@@ -507,19 +515,24 @@ static int read_snapshot(const char *name, const char *path, const void *data, s
   return rc;
 }
 
-static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, trace_t *out) {
+static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, size_t split,
+                          trace_t *out) {
   memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, data, len, machine_only, out);
+  int rc = read_snapshot(name, NULL, data, len, machine_only, split, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
 
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
-  return parse_snapshot(name, data, len, false, out);
+  return parse_snapshot(name, data, len, false, 0, out);
 }
 
 int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out) {
-  return parse_snapshot(name, data, len, true, out);
+  return parse_snapshot(name, data, len, true, 0, out);
+}
+
+int trace_parse_snapshot_split(const char *name, const void *data, size_t len, size_t split, trace_t *out) {
+  return parse_snapshot(name, data, len, false, split, out);
 }
 
 bool trace_equal(const trace_t *a, const trace_t *b) {
@@ -554,7 +567,7 @@ int trace_load(const char *path, trace_t *out) {
   int rc;
   if (first == 0x80) {
     fclose(f);
-    rc = read_snapshot(path, path, NULL, 0, false, out);
+    rc = read_snapshot(path, path, NULL, 0, false, 0, out);
   } else if (first == '#') {
     fclose(f);
     rc = load_gcalloc_trace(path, out);

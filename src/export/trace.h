@@ -79,6 +79,9 @@ int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t
  * flat-dict loop, no entries taken as they are read), which must give the
  * same trace or the same error. */
 int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out);
+/* Tests: the same with the pickle reader's second reader started at
+ * offset `split` of the data (pickle_options.split), wherever that is. */
+int trace_parse_snapshot_split(const char *name, const void *data, size_t len, size_t split, trace_t *out);
 /* The same events, final state and settings (tests, the fuzzer). */
 bool trace_equal(const trace_t *a, const trace_t *b);
 
