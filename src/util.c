@@ -81,7 +81,7 @@ static void *big_map(size_t bytes) {
  * benchmark, a tuning loop) then zeroes what it uses instead of having the
  * kernel zero fresh pages, twice as slow, every time. At most BIG_KEPT of
  * them, none over BIG_KEEP_MAX bytes. */
-#define BIG_KEPT 4
+#define BIG_KEPT 6
 #define BIG_KEEP_MAX ((size_t)16 << 20)
 static pthread_mutex_t big_kept_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {

@@ -1002,11 +1002,10 @@ static split_t *split_start(pickle_doc_t *doc, const pv_t *memo) {
   s->at = s->next = at;
   s->memo = memo;
   s->record_units = (doc->options.record_size + sizeof(pv_t) - 1) / sizeof(pv_t);
-  /* Units: 8 bytes per byte of input, mapped but touched only as used
-   * (DeComFL's small entries take 1.5 bytes a byte, a tiny test file's up
-   * to 6). When it is full, the second reader stops and the first reads
-   * the rest. */
-  s->cap = (len - at) / 2 + 64;
+  /* Units: 2.7 bytes per byte of input (DeComFL's small entries take 1.8),
+   * and 64 KiB at least (a tiny test file's take up to 6). When it is
+   * full, the second reader stops and the first reads the rest. */
+  s->cap = (len - at) / 6 > 4096 ? (len - at) / 6 : 4096;
   if (!(s->stream = big_alloc(s->cap * sizeof *s->stream))) {
     free(s);
     return NULL;
