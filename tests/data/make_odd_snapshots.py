@@ -5,8 +5,8 @@ writes them) whose device_traces entries share objects in the ways the
 pickle reader's second reader (pickle.c, "Reading on two cores") must get
 right or hand back: a free_completed entry's frames list shared with its
 free_requested entry, as PyTorch does; a frames value that is a string, a
-frame dict, an int or a dict; an entry that is its own frames; a key and
-an action first seen late in the file. In snapshot_escape.pickle one
+frame dict, an int or a dict; a list under another key; an entry that is
+its own frames; a key and an action first seen late in the file. In snapshot_escape.pickle one
 entry's frames is another entry, which makes the reader read the file
 again without records.
 
@@ -54,6 +54,8 @@ def main(kind):
             entries.append({"action": "alloc", "addr": addr, "size": 8, "stream": 0, "frames": frames[3]})
             entries.append({"action": "alloc", "addr": addr, "size": 8, "stream": 0, "frames": 7})
             entries.append({"action": "alloc", "addr": addr, "size": 8, "stream": 0, "frames": {"a": 1}})
+            entries.append({"action": "alloc", "addr": addr, "size": 8, "stream": 0, "compile_context": [],
+                            "frames": []})  # a container under another key: read as a dict
             entries.append({"action": "segment_map", "addr": addr, "size": 8, "stream": 0, "user_metadata": "x",
                             "frames": []})  # an action and a key first seen late
             selfish = {"action": "alloc", "addr": addr, "size": 8, "stream": 0}
