@@ -621,12 +621,17 @@ static sim_alloc_t *reservation_of(sim_device_t *dev, uintptr_t addr, size_t siz
   return r;
 }
 
-/* The page table's entry for the page at addr (granularity-aligned), or
- * NULL when its leaf does not exist; with `create`, the leaf is made (NULL
- * then only when the host is out of memory). `*leaf_key`/`*leaf` cache the
- * last leaf between calls on neighbouring pages (key UINT64_MAX: none). */
-static uint32_t *map_entry(const sim_t *s, sim_device_t *dev, uintptr_t addr, bool create, uint64_t *leaf_key,
-                           map_leaf_t **leaf) {
+/* The page table's entries of up to `pages` pages from the page at addr
+ * (granularity-aligned) that lie in one leaf: a pointer to the first, and
+ * in *run how many (at least one); NULL when the leaf does not exist. With
+ * `create`, the leaf is made (NULL then only when the host is out of
+ * memory). `*leaf_key`/`*leaf` cache the last leaf between calls on
+ * neighbouring pages (key UINT64_MAX: none). A mapping's pages are walked a
+ * leaf at a time, not looked up one by one: a 20 MiB page of an expandable
+ * segment is ten entries of 2 MiB (Constructor-Sun's replay, whose device
+ * 1 maps and unmaps 4,205 of them, took 0.53-0.57 ms instead of 0.68). */
+static uint32_t *map_run(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t pages, bool create,
+                         uint64_t *leaf_key, map_leaf_t **leaf, size_t *run) {
   /* (A shift: the granularity is a power of two, and a division was most
    * of this function's time.) */
   uint64_t page = addr >> __builtin_ctzll(s->granularity), key = page >> MAP_LEAF_BITS;
@@ -646,7 +651,16 @@ static uint32_t *map_entry(const sim_t *s, sim_device_t *dev, uintptr_t addr, bo
     *leaf_key = key;
     *leaf = l;
   }
-  return &(*leaf)->phys[page & (MAP_LEAF_PAGES - 1)];
+  size_t first = (size_t)(page & (MAP_LEAF_PAGES - 1)), room = MAP_LEAF_PAGES - first;
+  *run = pages < 1 ? 1 : pages < room ? pages : room;
+  return &(*leaf)->phys[first];
+}
+
+/* The entry of the page at addr alone (as map_run). */
+static uint32_t *map_entry(const sim_t *s, sim_device_t *dev, uintptr_t addr, bool create, uint64_t *leaf_key,
+                           map_leaf_t **leaf) {
+  size_t run;
+  return map_run(s, dev, addr, 1, create, leaf_key, leaf, &run);
 }
 
 /* The physical memory mapped at the page of addr, or NULL. */
@@ -800,20 +814,27 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
    * out of memory changes nothing but empty leaves), then the entries set. */
   uint64_t leaf_key = UINT64_MAX;
   map_leaf_t *leaf = NULL;
-  for (uintptr_t at = addr; rc == GCA_OK && at - addr < size; at += s->granularity) {
-    uint32_t *e = map_entry(s, dev, at, true, &leaf_key, &leaf);
+  size_t pages = (size + s->granularity - 1) / s->granularity, run = 1;
+  for (size_t done = 0; rc == GCA_OK && done < pages; done += run) {
+    uint32_t *e = map_run(s, dev, addr + done * s->granularity, pages - done, true, &leaf_key, &leaf, &run);
     if (!e) {
       rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-    } else if (*e) {
-      m = &dev->phys[*e - 1];
-      rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there", addr,
-                     m->mapped_at, m->size);
+      break;
     }
+    for (size_t i = 0; i < run; i++)
+      if (e[i]) {
+        m = &dev->phys[e[i] - 1];
+        rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there",
+                       addr, m->mapped_at, m->size);
+        break;
+      }
   }
   if (rc == GCA_OK) {
     uint32_t slot = (uint32_t)(p - dev->phys) + 1;
-    for (uintptr_t at = addr; at - addr < size; at += s->granularity)
-      *map_entry(s, dev, at, false, &leaf_key, &leaf) = slot;
+    for (size_t done = 0; done < pages; done += run) {
+      uint32_t *e = map_run(s, dev, addr + done * s->granularity, pages - done, false, &leaf_key, &leaf, &run);
+      for (size_t i = 0; i < run; i++) e[i] = slot;
+    }
     p->mapped_at = addr;
     r->mapped += size;
     dev->counters.vm_mapped += size;
@@ -860,8 +881,11 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
       size_t mapping = m->size;
       sim_alloc_t *r = reservation_of(dev, at, mapping);
       if (r) r->mapped -= mapping;
-      for (size_t off = 0; off < mapping; off += s->granularity)
-        *map_entry(s, dev, at + off, false, &leaf_key, &leaf) = 0;
+      size_t pages = (mapping + s->granularity - 1) / s->granularity, run = 1;
+      for (size_t done = 0; done < pages; done += run) {
+        uint32_t *e = map_run(s, dev, at + done * s->granularity, pages - done, false, &leaf_key, &leaf, &run);
+        if (e) memset(e, 0, run * sizeof *e); /* (its leaf exists: it is mapped) */
+      }
       m->mapped_at = 0;
       dev->counters.vm_mapped -= mapping;
       dev->counters.vm_unmaps++;
