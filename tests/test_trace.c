@@ -293,6 +293,13 @@ static void expect_same_trace(const unsigned char *data, size_t len, size_t spli
   trace_free(&fast);
 }
 
+/* The PyTorch snapshots in ../shared/traces. */
+static const char *const real_snapshots[] = {
+    GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle",
+    GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
+    GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
+};
+
 static unsigned char *read_whole(const char *path, size_t *len) {
   FILE *f = fopen(path, "rb");
   if (!f) return NULL;
@@ -354,13 +361,8 @@ static void test_flat_reader_same_as_machine(void **state) {
   pickle_free(doc);
   free(small);
   if (!have_traces()) return;
-  static const char *const real[] = {
-      GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle",
-      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
-      GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
-  };
-  for (size_t i = 0; i < sizeof real / sizeof *real; i++) {
-    unsigned char *data = read_whole(real[i], &len);
+  for (size_t i = 0; i < sizeof real_snapshots / sizeof *real_snapshots; i++) {
+    unsigned char *data = read_whole(real_snapshots[i], &len);
     assert_non_null(data);
     expect_same_parse(data, len, NULL, SIZE_MAX);
     expect_same_parse(data, len, "frames", SIZE_MAX);
@@ -595,13 +597,8 @@ static void test_second_reader(void **state) {
     free(data);
   }
   if (!have_traces()) return;
-  static const char *const real[] = {
-      GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle",
-      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
-      GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
-  };
-  for (size_t i = 0; i < sizeof real / sizeof *real; i++) {
-    unsigned char *data = read_whole(real[i], &len);
+  for (size_t i = 0; i < sizeof real_snapshots / sizeof *real_snapshots; i++) {
+    unsigned char *data = read_whole(real_snapshots[i], &len);
     assert_non_null(data);
     reference_read(&ref, data, len);
     expect_as_reference(&ref, data, len, 0);
