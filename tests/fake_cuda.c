@@ -416,6 +416,70 @@ EXPORT int cuStreamSynchronize(uintptr_t stream) {
   LEAVE(OK);
 }
 
+/* Streams and copies, for tests that drive the device themselves
+ * (test_cuda_driver): work runs at once, so a stream is never busy. */
+EXPORT int cuStreamCreate(uintptr_t *stream, unsigned flags) {
+  ENTER("cuStreamCreate");
+  if (!current || flags > 1) LEAVE(current ? INVALID_VALUE : INVALID_CONTEXT);
+  static uintptr_t next_stream = 0x5000;
+  *stream = next_stream += 16;
+  LEAVE(OK);
+}
+
+EXPORT int cuStreamDestroy_v2(uintptr_t stream) {
+  ENTER("cuStreamDestroy_v2");
+  LEAVE(stream ? OK : INVALID_VALUE);
+}
+
+EXPORT int cuStreamQuery(uintptr_t stream) {
+  ENTER("cuStreamQuery");
+  (void)stream;
+  LEAVE(OK);
+}
+
+EXPORT int cuCtxSynchronize(void) {
+  ENTER("cuCtxSynchronize");
+  LEAVE(current ? OK : INVALID_CONTEXT);
+}
+
+/* Device memory is host memory here: the bytes must lie in one allocation,
+ * or in mapped ranges that follow each other (an expandable segment's
+ * pages). */
+static int device_range(uint64_t addr, size_t bytes) {
+  item_t *it = containing(ITEM_DEVICE, (uintptr_t)addr);
+  if (it) return addr + bytes <= it->addr + it->size;
+  uint64_t end = addr + bytes;
+  while (addr < end) {
+    it = containing(ITEM_MAPPED, (uintptr_t)addr);
+    if (!it) return 0;
+    addr = it->addr + it->size;
+  }
+  return 1;
+}
+
+EXPORT int cuMemsetD32Async(uint64_t addr, unsigned value, size_t count, uintptr_t stream) {
+  ENTER("cuMemsetD32Async");
+  (void)stream;
+  if (addr % 4 || !device_range(addr, count * 4)) LEAVE(INVALID_VALUE);
+  unsigned *p = (unsigned *)(uintptr_t)addr;
+  for (size_t i = 0; i < count; i++) p[i] = value;
+  LEAVE(OK);
+}
+
+EXPORT int cuMemcpyDtoH_v2(void *dst, uint64_t src, size_t bytes) {
+  ENTER("cuMemcpyDtoH_v2");
+  if (!device_range(src, bytes)) LEAVE(INVALID_VALUE);
+  memcpy(dst, (void *)(uintptr_t)src, bytes);
+  LEAVE(OK);
+}
+
+EXPORT int cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t bytes) {
+  ENTER("cuMemcpyHtoD_v2");
+  if (!device_range(dst, bytes)) LEAVE(INVALID_VALUE);
+  memcpy((void *)(uintptr_t)dst, src, bytes);
+  LEAVE(OK);
+}
+
 EXPORT int cuDeviceGetName(char *name, int len, int device) {
   ENTER("cuDeviceGetName");
   if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);

@@ -10,6 +10,9 @@
  *       multi-stream workload (bench/streams.c);
  *   gcalloc bench-replay [--traces DIR] [--runs N] [--json]
  *       the replay's speed and peak reserved on the real traces (bench/replay.c);
+ *   gcalloc bench-cuda [--json]
+ *       the cuda backend against the driver's allocators on a real GPU
+ *       (bench/cuda.c);
  *   gcalloc replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
  *                        [--no-empty-cache]
  *       replay a recorded trace on the simulated device (tools/replay.c,
@@ -35,6 +38,8 @@ static void usage(FILE *out) {
           "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
           "  bench-replay [--traces DIR] [--runs N] [--json]\n"
           "        replay speed end to end and peak reserved against PyTorch on the real traces\n"
+          "  bench-cuda [--json]\n"
+          "        on a GPU: gcalloc's alloc+free and growth against cuMemAlloc and the driver's pool\n"
           "  replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]\n"
           "        replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device\n"
           "  tune TRACE [--capacity SIZE] [--device N] [--json]\n"
@@ -52,6 +57,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "replay") == 0) return replay_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-replay") == 0) return bench_replay_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-cuda") == 0) return bench_cuda_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());

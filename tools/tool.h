@@ -8,6 +8,7 @@ int bench_streams_main(int argc, char **argv);
 int replay_main(int argc, char **argv);
 int tune_main(int argc, char **argv);
 int bench_replay_main(int argc, char **argv);
+int bench_cuda_main(int argc, char **argv);
 
 #include <stdio.h>
 struct replay_result;

@@ -1,0 +1,192 @@
+/* `gcalloc bench-cuda`: gcalloc's cuda backend against the driver's own
+ * allocators, measured in one run on a real GPU.
+ *
+ * Workloads (ns per operation, best of 5 repetitions after a warm-up):
+ *   pair SIZE      allocate SIZE then free it, in a loop on one stream:
+ *                  gcalloc (cached after the first), cuMemAlloc/cuMemFree
+ *                  (what an allocator without a cache pays), and
+ *                  cuMemAllocAsync/cuMemFreeAsync on the device's default
+ *                  memory pool (cudaMallocAsync, PyTorch's other backend);
+ *   grow 64 MiB    64 blocks of 64 MiB from an empty cache, then freed and
+ *                  the cache emptied: per block, the cost of obtaining memory
+ *                  from the device (gcalloc ordinary segments: one cuMemAlloc
+ *                  each; expandable segments: cuMemCreate + cuMemMap +
+ *                  cuMemSetAccess per 20 MiB page; the driver's pool).
+ * Needs libcuda.so.1 and a device: without one it says so and exits 1 (CI
+ * has no GPU; this is a benchmark, not a test).
+ */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gcalloc.h"
+#include "../tools/tool.h"
+
+static struct {
+  int (*cuInit)(unsigned);
+  int (*cuDeviceGet)(int *, int);
+  int (*cuDevicePrimaryCtxRetain)(void **, int);
+  int (*cuDevicePrimaryCtxRelease_v2)(int);
+  int (*cuCtxSetCurrent)(void *);
+  int (*cuStreamCreate)(uintptr_t *, unsigned);
+  int (*cuStreamDestroy_v2)(uintptr_t);
+  int (*cuStreamSynchronize)(uintptr_t);
+  int (*cuMemAlloc_v2)(uint64_t *, size_t);
+  int (*cuMemFree_v2)(uint64_t);
+  int (*cuMemAllocAsync)(uint64_t *, size_t, uintptr_t);
+  int (*cuMemFreeAsync)(uint64_t, uintptr_t);
+} drv;
+
+static int load_driver(void) {
+  void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!lib) {
+    fprintf(stderr, "bench-cuda: no CUDA driver (%s); this benchmark needs a GPU\n", dlerror());
+    return -1;
+  }
+#define LOAD(name)                                                      \
+  if (!(*(void **)&drv.name = dlsym(lib, #name))) {                     \
+    fprintf(stderr, "bench-cuda: the driver has no %s\n", #name);      \
+    return -1;                                                          \
+  }
+  LOAD(cuInit);
+  LOAD(cuDeviceGet);
+  LOAD(cuDevicePrimaryCtxRetain);
+  LOAD(cuDevicePrimaryCtxRelease_v2);
+  LOAD(cuCtxSetCurrent);
+  LOAD(cuStreamCreate);
+  LOAD(cuStreamDestroy_v2);
+  LOAD(cuStreamSynchronize);
+  LOAD(cuMemAlloc_v2);
+  LOAD(cuMemFree_v2);
+  LOAD(cuMemAllocAsync);
+  LOAD(cuMemFreeAsync);
+#undef LOAD
+  int device;
+  void *ctx;
+  if (drv.cuInit(0) || drv.cuDeviceGet(&device, 0) || drv.cuDevicePrimaryCtxRetain(&ctx, device) ||
+      drv.cuCtxSetCurrent(ctx)) {
+    fprintf(stderr, "bench-cuda: the driver sees no usable device\n");
+    return -1;
+  }
+  return 0;
+}
+
+typedef enum { GCALLOC, GCALLOC_EXPANDABLE, DRIVER, DRIVER_POOL, PEERS } peer_t;
+static const char *peer_names[PEERS] = {"gcalloc", "gcalloc expandable", "cuMemAlloc", "cuMemAllocAsync pool"};
+
+typedef struct ctx {
+  gca_allocator_t *a[2];
+  uintptr_t stream;
+} ctx_t;
+
+static int do_alloc(ctx_t *c, peer_t p, size_t size, uint64_t *out) {
+  switch (p) {
+    case GCALLOC:
+    case GCALLOC_EXPANDABLE:
+      *out = (uint64_t)(uintptr_t)gca_malloc(c->a[p], size, 0, c->stream);
+      return *out ? 0 : -1;
+    case DRIVER: return drv.cuMemAlloc_v2(out, size);
+    default: return drv.cuMemAllocAsync(out, size, c->stream);
+  }
+}
+
+static int do_free(ctx_t *c, peer_t p, uint64_t ptr) {
+  switch (p) {
+    case GCALLOC:
+    case GCALLOC_EXPANDABLE: return gca_free(c->a[p], (void *)(uintptr_t)ptr);
+    case DRIVER: return drv.cuMemFree_v2(ptr);
+    default: return drv.cuMemFreeAsync(ptr, c->stream);
+  }
+}
+
+/* ns per alloc+free pair, best of 5. */
+static double time_pairs(ctx_t *c, peer_t p, size_t size, int n) {
+  double best = 1e30;
+  for (int rep = -1; rep < 5; rep++) {
+    double t0 = tool_seconds();
+    for (int i = 0; i < n; i++) {
+      uint64_t ptr;
+      if (do_alloc(c, p, size, &ptr) || do_free(c, p, ptr)) return -1;
+    }
+    double t = (tool_seconds() - t0) * 1e9 / n;
+    if (rep >= 0 && t < best) best = t;
+  }
+  drv.cuStreamSynchronize(c->stream);
+  return best;
+}
+
+/* ns per 64 MiB block obtained from an empty cache, best of 5. */
+static double time_growth(ctx_t *c, peer_t p) {
+  enum { BLOCKS = 64 };
+  const size_t size = (size_t)64 << 20;
+  uint64_t ptr[BLOCKS];
+  double best = 1e30;
+  for (int rep = 0; rep < 5; rep++) {
+    double t0 = tool_seconds();
+    for (int i = 0; i < BLOCKS; i++)
+      if (do_alloc(c, p, size, &ptr[i])) return -1;
+    if (p == DRIVER_POOL) drv.cuStreamSynchronize(c->stream);
+    double t = (tool_seconds() - t0) * 1e9 / BLOCKS;
+    if (t < best) best = t;
+    for (int i = 0; i < BLOCKS; i++) do_free(c, p, ptr[i]);
+    drv.cuStreamSynchronize(c->stream);
+    if (p <= GCALLOC_EXPANDABLE) gca_empty_cache(c->a[p], 0);
+  }
+  return best;
+}
+
+int bench_cuda_main(int argc, char **argv) {
+  int json = argc > 1 && !strcmp(argv[1], "--json");
+  if (argc > 1 + json) {
+    fprintf(stderr, "usage: gcalloc bench-cuda [--json]\n");
+    return 2;
+  }
+  if (load_driver()) return 1;
+  ctx_t c = {0};
+  if (drv.cuStreamCreate(&c.stream, 1)) return 1;
+  if (gca_open("cuda", NULL, &c.a[0]) || gca_open("cuda", "expandable_segments:True", &c.a[1])) {
+    fprintf(stderr, "bench-cuda: %s\n", gca_last_error());
+    return 1;
+  }
+  gca_device_properties_t props;
+  gca_device_properties(c.a[0], 0, &props);
+  const size_t sizes[] = {512, 64 << 10, 4 << 20, 64 << 20};
+  enum { SIZES = sizeof sizes / sizeof sizes[0] };
+  double pair[PEERS][SIZES], grow[PEERS];
+  for (int p = 0; p < PEERS; p++) {
+    for (int s = 0; s < SIZES; s++) pair[p][s] = time_pairs(&c, (peer_t)p, sizes[s], p == DRIVER ? 200 : 20000);
+    grow[p] = time_growth(&c, (peer_t)p);
+  }
+  if (json) {
+    printf("{\"device\":");
+    json_put_string(stdout, props.name);
+    printf(",\"peers\":[");
+    for (int p = 0; p < PEERS; p++) {
+      printf("%s{\"name\":\"%s\",\"pair_ns\":{", p ? "," : "", peer_names[p]);
+      for (int s = 0; s < SIZES; s++) printf("%s\"%zu\":%.1f", s ? "," : "", sizes[s], pair[p][s]);
+      printf("},\"grow_64MiB_ns\":%.0f}", grow[p]);
+    }
+    printf("]}\n");
+  } else {
+    printf("%s: ns per alloc+free pair on one stream (best of 5), and per 64 MiB block from an empty cache\n",
+           props.name);
+    printf("%-22s %10s %10s %10s %10s %14s\n", "", "512 B", "64 KiB", "4 MiB", "64 MiB", "grow 64 MiB");
+    for (int p = 0; p < PEERS; p++) {
+      printf("%-22s", peer_names[p]);
+      for (int s = 0; s < SIZES; s++) printf(" %10.0f", pair[p][s]);
+      printf(" %14.0f\n", grow[p]);
+    }
+    printf("%-22s", "cuMemAlloc / gcalloc");
+    for (int s = 0; s < SIZES; s++) printf(" %9.0fx", pair[DRIVER][s] / pair[GCALLOC][s]);
+    printf("\n%-22s", "pool / gcalloc");
+    for (int s = 0; s < SIZES; s++) printf(" %9.2fx", pair[DRIVER_POOL][s] / pair[GCALLOC][s]);
+    printf("\n");
+  }
+  gca_close(c.a[0]);
+  gca_close(c.a[1]);
+  drv.cuStreamDestroy_v2(c.stream);
+  drv.cuDevicePrimaryCtxRelease_v2(0);
+  return 0;
+}
