@@ -99,15 +99,9 @@ static size_t seen_count;
 
 static const char *const level_names[] = {"off", "error", "warning", "info", "debug", "trace"};
 
-static uint64_t hash_text(const char *s) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a */
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-  return h ? h : 1;
-}
-
 /* True the first time a message is seen (or when the table is full). */
 static bool first_sighting(const char *msg) {
-  uint64_t h = hash_text(msg);
+  uint64_t h = text_hash(msg);
   size_t slot = (size_t)h & (SEEN_SLOTS - 1);
   for (size_t probe = 0; probe < SEEN_SLOTS; probe++) {
     size_t i = (slot + probe) & (SEEN_SLOTS - 1);

@@ -795,6 +795,8 @@ void log_refresh_observed(void);
  * Returns the new array and updates *cap, or returns NULL on host OOM and
  * leaves both untouched. */
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* FNV-1a of a string's bytes, never 0 (so 0 can mark an empty slot). */
+uint64_t text_hash(const char *s);
 /* Arrays of megabytes filled at once (the pickle reader's memo, a
  * snapshot's events): zero-filled, and from 256 KiB on mapped on their own
  * on transparent huge pages where Linux allows, so that a fresh process

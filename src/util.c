@@ -46,6 +46,12 @@ void text_put(text_t *t, const char *fmt, ...) {
   if (n > 0) t->len += (size_t)n;
 }
 
+uint64_t text_hash(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h ? h : 1;
+}
+
 void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
   size_t n = *cap ? 2 * *cap : first;
   if (n < *cap || n > SIZE_MAX / elem_size) return NULL;

@@ -3,8 +3,11 @@
 
 The pickle must load with an unpickler that refuses every global, use only
 the opcodes memory_viz's JavaScript unpickler reads, hold only plain data,
-follow torch.cuda.memory._snapshot()'s layout, and equal the JSON.
-Usage: check_snapshot.py SNAPSHOT.pickle SNAPSHOT.json EXPECTED_SEGMENTS EXPECTED_ENTRIES
+follow torch.cuda.memory._snapshot()'s layout, and equal the JSON. Every
+distinct string must be written once (then referred to through the memo),
+and equal frames must be one shared object, as in PyTorch's own pickles.
+Usage: check_snapshot.py SNAPSHOT.pickle SNAPSHOT.json EXPECTED_SEGMENTS EXPECTED_ENTRIES [OPCODE,...]
+(the opcodes listed last must appear: LONG_BINPUT,LONG_BINGET for a memo of more than 256 objects).
 """
 import json
 import pickle
@@ -12,7 +15,8 @@ import pickletools
 import sys
 
 ALLOWED_OPCODES = {"PROTO", "EMPTY_DICT", "EMPTY_LIST", "MARK", "SETITEMS", "APPENDS", "BININT1", "BININT2",
-                   "BININT", "LONG1", "BINUNICODE", "BINFLOAT", "NEWTRUE", "NEWFALSE", "NONE", "STOP"}
+                   "BININT", "LONG1", "BINUNICODE", "BINFLOAT", "NEWTRUE", "NEWFALSE", "NONE", "BINPUT",
+                   "LONG_BINPUT", "BINGET", "LONG_BINGET", "STOP"}
 
 
 class Restricted(pickle.Unpickler):
@@ -50,10 +54,23 @@ def main():
     pickle_path, json_path, want_segments, want_entries = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     data = open(pickle_path, "rb").read()
     used = {op.name for op, _, _ in pickletools.genops(data)}
+    required = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else set()
+    if not required <= used:
+        fail(f"opcodes expected but not used: {sorted(required - used)}")
     if not used <= ALLOWED_OPCODES:
         fail(f"opcodes outside what memory_viz reads: {sorted(used - ALLOWED_OPCODES)}")
+    strings = [arg for op, arg, _ in pickletools.genops(data) if op.name == "BINUNICODE"]
+    if len(strings) != len(set(strings)):
+        fail(f"strings written more than once: {sorted({x for x in strings if strings.count(x) > 1})[:5]}")
     snap = Restricted(open(pickle_path, "rb")).load()
     check_types(snap)
+    frames = {}
+    for owner in [b for seg in snap["segments"] for b in seg["blocks"]] + [t for d in snap["device_traces"] for t in d]:
+        for f in owner["frames"]:
+            if frames.setdefault((f["filename"], f["line"], f["name"]), f) is not f:
+                fail(f"frame {f} written twice, not shared")
+    if not frames:
+        fail("no frames: the memo of frames went untested")
     need(snap, ["segments", "device_traces", "allocator_settings"], [list, list, dict], "snapshot")
     for i, seg in enumerate(snap["segments"]):
         p = f"segments[{i}]"

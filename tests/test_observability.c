@@ -356,6 +356,48 @@ static void test_export_pickle_and_json(void **state) {
   gca_close(a);
 }
 
+/* Past 256 memoized objects the pickle refers to them with 4-byte indexes
+ * (LONG_BINPUT, LONG_BINGET): 300 distinct frames, each used three times. */
+static void test_export_long_memo(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_STATE, 1000), GCA_OK);
+  for (int i = 0; i < 300; i++) gca_free(a, gca_malloc(a, 4096, 0, 0));
+  gca_snapshot_t *s;
+  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
+  const size_t count = s->trace_counts[0]; /* alloc, free_requested, free_completed each, and the segment */
+  assert_true(count >= 600);
+  enum { DISTINCT = 300 };
+  static char files[DISTINCT][32], names[DISTINCT][32];
+  static gca_frame_t frames[DISTINCT];
+  for (int i = 0; i < DISTINCT; i++) {
+    snprintf(files[i], sizeof files[i], "model/layer%03d.py", i);
+    snprintf(names[i], sizeof names[i], "forward_%03d", i);
+    frames[i] = (gca_frame_t){files[i], names[i], i};
+  }
+  /* The test's own frames in place of the recorded ones (the snapshot's
+   * arena still owns those, and is freed as usual). */
+  gca_trace_entry_t *entries = (gca_trace_entry_t *)s->device_traces[0];
+  for (size_t i = 0; i < count; i++) {
+    entries[i].frames = &frames[i % DISTINCT];
+    entries[i].frame_count = 1;
+  }
+  char pickle_path[512], json_path[512], cmd[2048];
+  snprintf(pickle_path, sizeof pickle_path, "%s", temp_path("long-memo.pickle"));
+  snprintf(json_path, sizeof json_path, "%s", temp_path("long-memo.json"));
+  assert_int_equal(gca_snapshot_write(s, pickle_path, GCA_SNAPSHOT_PICKLE), GCA_OK);
+  assert_int_equal(gca_snapshot_write(s, json_path, GCA_SNAPSHOT_JSON), GCA_OK);
+  snprintf(cmd, sizeof cmd, "python3 %s/tests/check_snapshot.py %s %s %zu %zu LONG_BINPUT,LONG_BINGET",
+           GCALLOC_SOURCE_DIR, pickle_path, json_path, s->segment_count, count);
+  assert_int_equal(system(cmd), 0);
+  trace_t t;
+  assert_int_equal(trace_load(pickle_path, &t), GCA_OK);
+  assert_int_equal(t.count, count);
+  trace_free(&t);
+  gca_snapshot_free(s);
+  gca_close(a);
+}
+
 /* ---- logging ------------------------------------------------------------ */
 
 static void test_log_levels(void **state) {
@@ -524,6 +566,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_summary_golden),
       cmocka_unit_test(test_summary_units),
       cmocka_unit_test(test_snapshot_contents),
+      cmocka_unit_test(test_export_long_memo),
       cmocka_unit_test(test_history_ring_wraps),
       cmocka_unit_test(test_history_context_levels),
       cmocka_unit_test(test_history_records_oom_and_segments),

@@ -11,10 +11,14 @@
  * Pickle: protocol 2, with only the opcodes the standard library's
  * unpickler and memory_viz's JavaScript unpickler both read (PROTO,
  * EMPTY_DICT, EMPTY_LIST, MARK, SETITEMS, APPENDS, BININT1/BININT2/BININT,
- * LONG1, BINUNICODE, BINFLOAT, NEWTRUE, NEWFALSE, NONE, STOP); no memo, no
- * globals. JSON: json-c serializes every string and number; the containers
- * are streamed, so a history of millions of entries never sits in memory
- * twice.
+ * LONG1, BINUNICODE, BINFLOAT, NEWTRUE, NEWFALSE, NONE, BINPUT/LONG_BINPUT,
+ * BINGET/LONG_BINGET, STOP); no globals. Every distinct string and every
+ * distinct stack frame is written once and referred to through the memo
+ * after, as Python's pickler does with the objects PyTorch's snapshot
+ * shares: without it a history's frames repeat their file names thousands
+ * of times (a PyTorch training run's snapshot was 84 MB, PyTorch's own 12).
+ * JSON: json-c serializes every string and number; the containers are
+ * streamed, so a history of millions of entries never sits in memory twice.
  */
 #include <errno.h>
 #include <json-c/json.h>
@@ -22,6 +26,24 @@
 #include <string.h>
 
 #include "../internal.h"
+
+/* The pickle's memo: strings and frames already written, by content. The
+ * texts are the snapshot's own, alive for the whole write. */
+typedef struct memo_slot {
+  uint64_t hash; /* 0: empty */
+  const char *text; /* the string, or the frame's file name */
+  const char *name; /* the frame's function */
+  int line;
+  bool is_frame;
+  uint32_t id;
+} memo_slot_t;
+
+typedef struct memo {
+  memo_slot_t *slots;
+  size_t cap, count; /* cap: a power of two, or 0 */
+  uint32_t next_id;
+  bool off; /* host memory ran out: everything after is written in full */
+} memo_t;
 
 typedef struct emitter emitter_t;
 struct emitter {
@@ -36,6 +58,8 @@ struct emitter {
   void (*real)(emitter_t *, double);
   void (*boolean)(emitter_t *, bool);
   void (*none)(emitter_t *);
+  void (*frame)(emitter_t *, const gca_frame_t *);
+  memo_t memo; /* pickle only */
   /* JSON: whether a ',' is due before the next item, per nesting level. */
   bool comma[16];
   int depth;
@@ -46,7 +70,8 @@ struct emitter {
 enum {
   P_PROTO = 0x80, P_STOP = '.', P_MARK = '(', P_EMPTY_DICT = '}', P_EMPTY_LIST = ']', P_SETITEMS = 'u',
   P_APPENDS = 'e', P_BININT1 = 'K', P_BININT2 = 'M', P_BININT = 'J', P_LONG1 = 0x8a, P_BINUNICODE = 'X',
-  P_BINFLOAT = 'G', P_NEWTRUE = 0x88, P_NEWFALSE = 0x89, P_NONE = 'N'
+  P_BINFLOAT = 'G', P_NEWTRUE = 0x88, P_NEWFALSE = 0x89, P_NONE = 'N', P_BINPUT = 'q', P_LONG_BINPUT = 'r',
+  P_BINGET = 'h', P_LONG_BINGET = 'j'
 };
 
 static void p_byte(emitter_t *e, int b) { fputc(b, e->f); }
@@ -67,12 +92,77 @@ static void p_begin_list(emitter_t *e) {
 }
 static void p_end_list(emitter_t *e) { p_byte(e, P_APPENDS); }
 
+static bool memo_same(const memo_slot_t *m, uint64_t hash, const char *text, const char *name, int line,
+                      bool is_frame) {
+  return m->hash == hash && m->is_frame == is_frame && !strcmp(m->text, text) &&
+         (!is_frame || (m->line == line && !strcmp(m->name, name)));
+}
+
+/* Whether this string or frame was written before (*id: its memo index).
+ * If not, it is entered under a new index (*id), which the caller stores
+ * with p_put right after writing it; *id is UINT32_MAX when the memo is off
+ * (nothing to store). */
+static bool memo_seen(memo_t *m, const char *text, const char *name, int line, bool is_frame, uint32_t *id) {
+  *id = UINT32_MAX;
+  if (m->off) return false;
+  if ((m->count + 1) * 2 > m->cap) {
+    size_t cap = m->cap ? 2 * m->cap : 1024;
+    memo_slot_t *slots = calloc(cap, sizeof *slots);
+    if (!slots) {
+      m->off = true;
+      return false;
+    }
+    for (size_t i = 0; i < m->cap; i++) {
+      if (!m->slots[i].hash) continue;
+      size_t j = (size_t)m->slots[i].hash & (cap - 1);
+      while (slots[j].hash) j = (j + 1) & (cap - 1);
+      slots[j] = m->slots[i];
+    }
+    free(m->slots);
+    m->slots = slots;
+    m->cap = cap;
+  }
+  uint64_t hash = text_hash(text);
+  if (is_frame) hash = (hash ^ (text_hash(name) * 31) ^ (uint64_t)(unsigned)line) | 1;
+  size_t i = (size_t)hash & (m->cap - 1);
+  for (; m->slots[i].hash; i = (i + 1) & (m->cap - 1))
+    if (memo_same(&m->slots[i], hash, text, name, line, is_frame)) {
+      *id = m->slots[i].id;
+      return true;
+    }
+  m->slots[i] = (memo_slot_t){hash, text, name, line, is_frame, m->next_id};
+  *id = m->next_id++;
+  m->count++;
+  return false;
+}
+
+static void p_memo_op(emitter_t *e, int short_op, int long_op, uint32_t id) {
+  if (id < 256) {
+    p_byte(e, short_op);
+    p_byte(e, (int)id);
+  } else {
+    p_byte(e, long_op);
+    p_le(e, id, 4);
+  }
+}
+static void p_put(emitter_t *e, uint32_t id) {
+  if (id != UINT32_MAX) p_memo_op(e, P_BINPUT, P_LONG_BINPUT, id);
+}
+static void p_get(emitter_t *e, uint32_t id) { p_memo_op(e, P_BINGET, P_LONG_BINGET, id); }
+
 static void p_str(emitter_t *e, const char *s) {
+  uint32_t id;
+  if (memo_seen(&e->memo, s, NULL, 0, false, &id)) {
+    p_get(e, id);
+    return;
+  }
   size_t n = strlen(s);
   p_byte(e, P_BINUNICODE);
   p_le(e, n, 4);
   fwrite(s, 1, n, e->f);
+  p_put(e, id);
 }
+
 
 static void p_integer(emitter_t *e, int64_t v) {
   if (v >= 0 && v < 256) {
@@ -173,15 +263,35 @@ static void kv_bool(emitter_t *e, const char *k, bool v) {
   e->boolean(e, v);
 }
 
+/* A frame's dict; in a pickle, written once and referred to after. */
+static void frame_fields(emitter_t *e, const gca_frame_t *f) {
+  kv_str(e, "filename", f->filename);
+  kv_int(e, "line", f->line);
+  kv_str(e, "name", f->name);
+}
+
+static void p_frame(emitter_t *e, const gca_frame_t *f) {
+  uint32_t id;
+  if (memo_seen(&e->memo, f->filename, f->name, f->line, true, &id)) {
+    p_get(e, id);
+    return;
+  }
+  p_byte(e, P_EMPTY_DICT);
+  p_put(e, id);
+  p_byte(e, P_MARK);
+  frame_fields(e, f);
+  p_byte(e, P_SETITEMS);
+}
+
+static void j_frame(emitter_t *e, const gca_frame_t *f) {
+  e->begin_dict(e);
+  frame_fields(e, f);
+  e->end_dict(e);
+}
+
 static void emit_frames(emitter_t *e, const gca_frame_t *frames, size_t n) {
   e->begin_list(e);
-  for (size_t i = 0; i < n; i++) {
-    e->begin_dict(e);
-    kv_str(e, "filename", frames[i].filename);
-    kv_int(e, "line", frames[i].line);
-    kv_str(e, "name", frames[i].name);
-    e->end_dict(e);
-  }
+  for (size_t i = 0; i < n; i++) e->frame(e, &frames[i]);
   e->end_list(e);
 }
 
@@ -292,16 +402,17 @@ int gca_snapshot_write(const gca_snapshot_t *s, const char *path, gca_snapshot_f
   e.f = f;
   if (format == GCA_SNAPSHOT_PICKLE) {
     e = (emitter_t){f, p_begin_dict, p_end_dict, p_begin_list, p_end_list, p_str, p_str, p_integer, p_real,
-                    p_boolean, p_none, {0}, 0};
+                    p_boolean, p_none, p_frame, {0}, {0}, 0};
     p_byte(&e, P_PROTO);
     p_byte(&e, 2);
   } else {
     e = (emitter_t){f, j_begin_dict, j_end_dict, j_begin_list, j_end_list, j_key, j_str, j_integer, j_real,
-                    j_boolean, j_none, {0}, 0};
+                    j_boolean, j_none, j_frame, {0}, {0}, 0};
   }
   emit_snapshot(&e, s);
   if (format == GCA_SNAPSHOT_PICKLE) p_byte(&e, P_STOP);
   else fputc('\n', f);
+  free(e.memo.slots);
   bool failed = ferror(f) != 0;
   if (fclose(f) != 0) failed = true;
   if (failed) return set_error(GCA_ERR_IO, "cannot write the snapshot to %s: %s", path, strerror(errno));
