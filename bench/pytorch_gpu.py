@@ -28,7 +28,15 @@ history on, its snapshot is replayed with `gcalloc replay`, and the replay's
 prediction of PyTorch's peak reserved is set against the peak measured; the
 same for gcalloc's own snapshot (the replay should give gcalloc's measured
 peak), which is also read by PyTorch's memory_viz code (torch.cuda._memory_viz)
-to check that it opens.
+to check that it opens. `gcalloc tune` on the native snapshot names the
+settings that reserve least; the run is repeated under them (the best one
+PyTorch's allocator understands, under PyTorch; the best of all, under
+gcalloc) and the peak measured set against tune's prediction.
+
+Under memory pressure: the training again with a memory fraction of 0.2
+(16 GB of the H100's 80: above the run's peak allocated, below what it
+reserves when nothing limits it), where the allocator must free its cache
+and retry; step time, retries and peak reserved, PyTorch's and gcalloc's.
 """
 import argparse
 import json
@@ -52,26 +60,27 @@ def child(mode, args):
     import torch
 
     use_gcalloc = "GCALLOC_BENCH_CONF" in os.environ
+    fraction = float(os.environ.get("GCALLOC_BENCH_FRACTION", "0"))
     if use_gcalloc:
         import gcalloc
         import gcalloc.torch
 
         gcalloc.torch.install(os.environ["GCALLOC_BENCH_CONF"] or None)
+        if fraction:
+            gcalloc.set_per_process_memory_fraction(fraction)
+    elif fraction:
+        torch.cuda.set_per_process_memory_fraction(fraction)
     torch.use_deterministic_algorithms(True)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
     out = {"mode": mode, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
 
-    def peaks():
-        if use_gcalloc:
-            s = gcalloc.memory_stats()
-        else:
-            s = torch.cuda.memory_stats()
-        return s.get("reserved_bytes.all.peak"), s.get("allocated_bytes.all.peak")
+    def stats():
+        return gcalloc.memory_stats() if use_gcalloc else torch.cuda.memory_stats()
 
     # alloc+free pairs
-    if not args.record:
+    if not args.record and not args.train_only:
         pairs = {}
         for size in PAIR_SIZES:
             n = 20000 if size <= 4 << 20 else 5000
@@ -117,23 +126,33 @@ def child(mode, args):
     lengths = [int(x) for x in torch.randint(64, 1025, (args.steps,), generator=g)]
     batch = 12
     losses, times = [], []
+    out["oom"] = None
     for step, seq in enumerate(lengths):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(dev)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        h = model["enc"](model["emb"](tokens[:, :-1]))
-        logits = model["head"](h)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        try:
+            h = model["enc"](model["emb"](tokens[:, :-1]))
+            logits = model["head"](h)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        except RuntimeError as e:  # out of memory (under a memory fraction): reported, the run ends
+            out["oom"] = f"step {step}: {str(e)[:300]}"
+            if use_gcalloc:  # PyTorch's message does not say why; gcalloc's does
+                out["oom"] += f" [gcalloc.torch.last_failure(): {gcalloc.torch.last_failure()[:300]}]"
+            break
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     out["losses"] = losses
-    out["step_ms_median"] = round(statistics.median(times[3:]) * 1e3, 3)
+    out["step_ms_median"] = round(statistics.median(times[3:] or times or [0]) * 1e3, 3)
     out["steps_s"] = round(sum(times), 3)
-    out["peak_reserved"], out["peak_allocated"] = peaks()
+    st = stats()
+    for key, name in (("reserved_bytes.all.peak", "peak_reserved"), ("allocated_bytes.all.peak", "peak_allocated"),
+                      ("num_alloc_retries", "alloc_retries"), ("num_ooms", "ooms")):
+        out[name] = st.get(key)
 
     if args.record:
         path = os.path.join(args.out, f"{mode}.pickle")
@@ -146,9 +165,10 @@ def child(mode, args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def run_child(mode, args, record=False):
+def run_child(mode, args, record=False, extra=None, train_only=False):
     env = dict(os.environ)
     env.update(MODES[mode])
+    env.update(extra or {})
     env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     env["GCALLOC_LIBRARY"] = os.path.abspath(args.lib)
     env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python") + os.pathsep + env.get(
@@ -156,6 +176,8 @@ def run_child(mode, args, record=False):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--out", args.out, "--steps", str(args.steps)]
     if record:
         cmd.append("--record")
+    if train_only:
+        cmd.append("--train-only")
     t0 = time.time()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in p.stdout.splitlines():
@@ -190,6 +212,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--child")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--train-only", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.child:
@@ -238,6 +261,50 @@ def main():
               f"{d['segment_events_recorded']} recorded, {d['segment_events_replayed']} replayed; "
               f"{rep['trace_events']} events")
         r["replay"] = rep
+    for m, r in recorded.items():
+        print(f"{m:20s} snapshot {os.path.getsize(r['snapshot']) / 2**20:.1f} MiB")
+
+    # Which settings: tune on the native snapshot, then measured under them.
+    tuned = {}
+    if "native" in recorded:
+        p = subprocess.run([args.tool, "tune", recorded["native"]["snapshot"], "--json"], capture_output=True,
+                           text=True)
+        if p.returncode != 0:
+            print(f"tune failed: {p.stderr.strip()[-500:]}")
+        else:
+            ranked = json.loads(p.stdout)["ranked"]
+            pytorch_best = next((c for c in ranked if "stitching" not in c["conf"]), None)
+            print(f"\ngcalloc tune on the native snapshot: best {ranked[0]['conf']} "
+                  f"({mib(ranked[0]['peak_reserved_bytes'])} MiB predicted); best PyTorch understands: "
+                  f"{pytorch_best['conf'] if pytorch_best else '-'}"
+                  f" ({mib(pytorch_best['peak_reserved_bytes']) if pytorch_best else '-'} MiB predicted)")
+            runs = [("gcalloc", ranked[0], {"GCALLOC_BENCH_CONF": ranked[0]["conf"]})]
+            if pytorch_best:
+                runs.append(("native", pytorch_best, {"PYTORCH_CUDA_ALLOC_CONF": pytorch_best["conf"]}))
+            for m, choice, extra in runs:
+                r = run_child(m, args, extra=extra, train_only=True)
+                if not r:
+                    continue
+                tuned[f"{m} {choice['conf']}"] = r
+                same = "identical" if base and r["losses"] == base["losses"] else "DIFFERENT"
+                print(f"  {m} under {choice['conf']}: measured peak reserved {mib(r['peak_reserved'])} MiB, "
+                      f"predicted {mib(choice['peak_reserved_bytes'])}; step {r['step_ms_median']:.2f} ms; "
+                      f"losses {same}")
+
+    # Under memory pressure.
+    print("\nmemory fraction 0.2: median step ms, peak reserved MiB, alloc retries, OOMs, losses vs native")
+    pressure = {}
+    for m in ("native", "gcalloc", "native-expandable", "gcalloc-expandable"):
+        r = run_child(m, args, extra={"GCALLOC_BENCH_FRACTION": "0.2"}, train_only=True)
+        if not r:
+            continue
+        pressure[m] = r
+        same = "identical" if base and r["losses"] == base["losses"] else "DIFFERENT"
+        if r["oom"]:
+            same = "out of memory at " + r["oom"]
+        print("%-20s %9.2f ms %9s %6s %6s  %s" % (m, r["step_ms_median"], mib(r["peak_reserved"]),
+                                                  r["alloc_retries"], r["ooms"], same))
+
     if "gcalloc" in recorded:
         try:
             import pickle
@@ -255,7 +322,7 @@ def main():
             print(f"\ngcalloc's snapshot: PyTorch's _memory_viz failed: {type(e).__name__}: {e}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"modes": results, "recorded": recorded}, f, indent=1)
+            json.dump({"modes": results, "recorded": recorded, "tuned": tuned, "pressure": pressure}, f, indent=1)
     return 0
 
 

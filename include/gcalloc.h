@@ -688,8 +688,11 @@ GCA_API size_t gca_segment_size(size_t rounded_size);
  *
  * or `gcalloc.torch.install()` from the Python package, which does that.
  * PyTorch cannot be told why an allocation failed: gca_torch_malloc logs
- * gcalloc's message (PyTorch's out-of-memory text) as an error and returns
- * NULL. */
+ * gcalloc's message (PyTorch's out-of-memory text) as an error, keeps it for
+ * gca_torch_last_failure, and returns NULL. (PyTorch 2.11 does not check for
+ * NULL: the failure surfaces later as "The tensor has a non-zero number of
+ * elements, but its data is not allocated yet", often on autograd's thread,
+ * where a thread-local gca_last_error() cannot be read.) */
 
 /* Open the process-wide allocator on `backend` (NULL: GCALLOC_TORCH_BACKEND,
  * else "cuda") with `config` on top of the environment's. If it is already
@@ -702,6 +705,10 @@ GCA_API void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream)
 GCA_API void gca_torch_record_stream(void *ptr, void *stream);
 GCA_API void gca_torch_empty_cache(void);
 GCA_API void gca_torch_set_memory_fraction(double fraction, int device);
+/* The message of the last failed gca_torch_malloc in the process, from any
+ * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
+ * failed since the allocator was opened. Returns the message's full length. */
+GCA_API size_t gca_torch_last_failure(char *buf, size_t cap);
 /* Close the process-wide allocator (every pointer it gave becomes invalid). */
 GCA_API void gca_torch_shutdown(void);
 

@@ -11,6 +11,7 @@
  * "cuda") and the environment's configuration.
  */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,6 +19,24 @@
 
 static pthread_mutex_t torch_lock = PTHREAD_MUTEX_INITIALIZER;
 static gca_allocator_t *_Atomic torch_allocator;
+/* The last failed allocation's message, for whichever thread asks: PyTorch
+ * allocates on autograd's threads too, where gca_last_error() stays. */
+static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
+static char last_failure[4096];
+
+static void keep_failure(const char *message) {
+  pthread_mutex_lock(&failure_lock);
+  snprintf(last_failure, sizeof last_failure, "%s", message);
+  pthread_mutex_unlock(&failure_lock);
+}
+
+size_t gca_torch_last_failure(char *buf, size_t cap) {
+  pthread_mutex_lock(&failure_lock);
+  size_t len = strlen(last_failure);
+  if (buf && cap) snprintf(buf, cap, "%s", last_failure);
+  pthread_mutex_unlock(&failure_lock);
+  return len;
+}
 
 int gca_torch_init(const char *backend, const char *config) {
   pthread_mutex_lock(&torch_lock);
@@ -34,7 +53,10 @@ int gca_torch_init(const char *backend, const char *config) {
     const char *env = getenv("GCALLOC_TORCH_BACKEND");
     const char *spec = backend && *backend ? backend : env && *env ? env : "cuda";
     rc = gca_open(spec, config, &a);
-    if (rc == GCA_OK) atomic_store(&torch_allocator, a);
+    if (rc == GCA_OK) {
+      keep_failure("");
+      atomic_store(&torch_allocator, a);
+    }
   }
   pthread_mutex_unlock(&torch_lock);
   return rc;
@@ -51,15 +73,21 @@ void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
   if (!a) {
     log_message(GCA_LOG_ERROR, "PyTorch allocation of %td bytes on device %d: no allocator: %s", size, device,
                 gca_last_error());
+    keep_failure(gca_last_error());
     return NULL;
   }
   if (size < 0) {
     set_error(GCA_ERR_INVALID, "gca_torch_malloc: negative size %td", size);
+    keep_failure(gca_last_error());
     return NULL;
   }
   void *p = gca_malloc(a, (size_t)size, device, (gca_stream_t)stream);
-  /* PyTorch has no way to hear why: say it where the user will see it. */
-  if (!p && size) log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, gca_last_error());
+  /* PyTorch has no way to hear why: say it where the user will see it, and
+   * keep it for gca_torch_last_failure. */
+  if (!p && size) {
+    log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, gca_last_error());
+    keep_failure(gca_last_error());
+  }
   return p;
 }
 

@@ -17,7 +17,7 @@ import contextlib
 
 from . import GcallocError, _lib, _text, library_path
 
-__all__ = ["install", "using", "installed"]
+__all__ = ["install", "using", "installed", "last_failure"]
 
 _installed = False
 
@@ -41,6 +41,19 @@ def install(conf=None, backend=None):
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
     torch.cuda.memory.change_current_allocator(allocator)
     _installed = True
+
+
+def last_failure():
+    """gcalloc's message for the last allocation it refused PyTorch, from any
+    thread ("" if none). PyTorch does not check a pluggable allocator's NULL:
+    out of memory then surfaces as "The tensor has a non-zero number of
+    elements, but its data is not allocated yet", and this says why."""
+    import ctypes
+
+    n = _lib.gca_torch_last_failure(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    _lib.gca_torch_last_failure(buf, n + 1)
+    return buf.value.decode()
 
 
 @contextlib.contextmanager

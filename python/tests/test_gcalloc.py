@@ -6,6 +6,7 @@ torch module (the real one is not installed in CI)."""
 import ctypes
 import pickle
 import sys
+import threading
 import types
 
 import pytest
@@ -153,7 +154,15 @@ def test_torch_entry_points(monkeypatch):
     assert "max_split_size_mb:64" in gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
     free(p, 100 * MiB, 0, None)
     assert gcalloc.memory_stats()["allocated_bytes.all.current"] == 0
-    # Out of memory: NULL back to PyTorch (and the message logged).
+    # Out of memory: NULL back to PyTorch (and the message logged, and kept
+    # for any thread: autograd allocates on threads of its own).
+    assert gcalloc.torch.last_failure() == ""
+    failed = []
+    worker = threading.Thread(target=lambda: failed.append(alloc(3 << 30, 0, None)))
+    worker.start()
+    worker.join()
+    assert failed == [None]
+    assert "out of memory. Tried to allocate 3.00 GiB" in gcalloc.torch.last_failure()
     assert not alloc(3 << 30, 0, None)
     gcalloc.set_per_process_memory_fraction(0.5)
     assert not alloc(1500 * MiB, 0, None)
