@@ -318,6 +318,9 @@ def main():
             print(f"\ngcalloc's snapshot: PyTorch's _memory_viz made a trace plot of {len(html)} bytes and a segment "
                   f"plot of {len(seg)} bytes; {len(snap['segments'])} segments, "
                   f"{sum(len(t) for t in snap['device_traces'])} trace entries")
+            allocs = [e for t in snap["device_traces"] for e in t if e["action"] == "alloc" and e["frames"]]
+            if allocs:
+                print("  an allocation's stack: " + " <- ".join(f["name"] for f in allocs[len(allocs) // 2]["frames"]))
         except Exception as e:  # reported, not hidden: this is what the check is for
             print(f"\ngcalloc's snapshot: PyTorch's _memory_viz failed: {type(e).__name__}: {e}")
     if args.json:

@@ -839,6 +839,14 @@ typedef struct arena {
 void *arena_alloc(arena_t *ar, size_t n);
 void *arena_zalloc(arena_t *ar, size_t n);
 char *arena_strdup(arena_t *ar, const char *s);
+
+/* Symbol names in snapshots (snapshot.c): the C++ runtime's
+ * __cxa_demangle if the process has it loaded, else NULL; and a copy of
+ * `name` in the arena, demangled when it is a C++ name and `demangle` is
+ * given (as it was otherwise). NULL when the arena refuses. */
+typedef char *(*demangle_fn)(const char *mangled, char *out, size_t *length, int *status);
+demangle_fn find_demangler(void);
+const char *readable_name(arena_t *ar, demangle_fn demangle, const char *name);
 void arena_free(arena_t *ar);
 /* Integer key -> integer value, open addressing with linear probing,
  * growing as it fills; for the trace readers and the replay (not the hot

@@ -4,8 +4,10 @@
  * Each device is copied under its lock, as raw data (addresses, sizes, return
  * addresses); turning return addresses into names (dladdr: the object file
  * and the exported symbol) happens after, outside every lock, with a cache,
- * since histories repeat the same few hundred call sites. Everything a
- * snapshot holds lives in one arena, freed at once by gca_snapshot_free.
+ * since histories repeat the same few hundred call sites. C++ names are
+ * demangled when the process has the C++ runtime loaded (PyTorch's does;
+ * gcalloc does not load it). Everything a snapshot holds lives in one arena,
+ * freed at once by gca_snapshot_free.
  */
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -36,6 +38,7 @@ typedef struct snapshot_impl {
   size_t raw_count, raw_cap;
   symbol_t *symbols;  /* ip -> frame cache, open addressing */
   size_t symbol_cap, symbol_count;
+  demangle_fn demangle; /* the C++ runtime's, if loaded */
 } snapshot_impl_t;
 
 const config_t *snapshot_config(const gca_snapshot_t *s) { return &((const snapshot_impl_t *)s)->config; }
@@ -134,6 +137,33 @@ static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **o
 
 /* ---- symbols ------------------------------------------------------------ */
 
+demangle_fn find_demangler(void) {
+  /* Found once, then kept: the C++ runtime is not unloaded once loaded, and
+   * the handle taken below holds it. */
+  static _Atomic(demangle_fn) found;
+  demangle_fn fn = atomic_load(&found);
+  if (fn) return fn;
+  *(void **)&fn = dlsym(RTLD_DEFAULT, "__cxa_demangle");
+  /* Python loads extension modules with RTLD_LOCAL, so PyTorch's C++ runtime
+   * is not in the global scope: ask for it by name, without loading it. */
+  static const char *const runtimes[] = {"libstdc++.so.6", "libc++abi.so.1", "libc++.so.1"};
+  for (size_t i = 0; !fn && i < sizeof runtimes / sizeof runtimes[0]; i++) {
+    void *lib = dlopen(runtimes[i], RTLD_LAZY | RTLD_LOCAL | RTLD_NOLOAD);
+    if (lib) *(void **)&fn = dlsym(lib, "__cxa_demangle");
+  }
+  if (fn) atomic_store(&found, fn);
+  return fn;
+}
+
+const char *readable_name(arena_t *ar, demangle_fn demangle, const char *name) {
+  if (!demangle || strncmp(name, "_Z", 2) != 0) return arena_strdup(ar, name);
+  int status = -1;
+  char *plain = demangle(name, NULL, NULL, &status);
+  const char *kept = arena_strdup(ar, status == 0 && plain ? plain : name);
+  free(plain);
+  return kept;
+}
+
 static const gca_frame_t *resolve(snapshot_impl_t *sn, uintptr_t ip) {
   if (sn->symbol_count * 2 >= sn->symbol_cap) {
     size_t cap = sn->symbol_cap ? 2 * sn->symbol_cap : 1024;
@@ -166,7 +196,7 @@ static const gca_frame_t *resolve(snapshot_impl_t *sn, uintptr_t ip) {
   }
   sym->ip = ip;
   sym->frame.filename = arena_strdup(&sn->arena, file);
-  sym->frame.name = arena_strdup(&sn->arena, name);
+  sym->frame.name = readable_name(&sn->arena, sn->demangle, name);
   sym->frame.line = offset;
   sn->symbol_count++;
   return sym->frame.filename && sym->frame.name ? &sym->frame : NULL;
@@ -231,6 +261,7 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
     qsort(kept, total, sizeof *kept, compare_segments);
   }
   free(segments);
+  sn->demangle = find_demangler();
   resolve_all(sn);
   free(sn->raw);
   free(sn->symbols);

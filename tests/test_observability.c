@@ -4,6 +4,7 @@
  * exports, checked by Python's own pickle (an unpickler that refuses every
  * global) and json modules against the schema; log levels, GCALLOC_LOG and
  * GCALLOC_LOG_FILE; and a recorded trace read back equal to the calls made. */
+#include <dlfcn.h>
 #include <json-c/json.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -398,6 +399,31 @@ static void test_export_long_memo(void **state) {
   gca_close(a);
 }
 
+/* C++ names in stacks read as PyTorch's do, once the process has the C++
+ * runtime (a PyTorch process has; this test loads it, locally, as Python
+ * loads PyTorch's extension modules), and as they were without it. */
+static void test_cxx_names_demangled(void **state) {
+  (void)state;
+  const char *mangled = "_ZN5torch4cuda22CUDAPluggableAllocator22CUDAPluggableAllocator6mallocEmaP11CUstream_st";
+  arena_t ar = {0};
+  if (!find_demangler()) { /* not loaded yet: names stay as they are */
+    assert_string_equal(readable_name(&ar, NULL, mangled), mangled);
+  }
+  void *cxx = dlopen("libstdc++.so.6", RTLD_NOW | RTLD_LOCAL);
+  if (!cxx) fprintf(stderr, "cannot load the C++ runtime: %s\n", dlerror());
+  assert_non_null(cxx);
+  demangle_fn demangle = find_demangler();
+  assert_non_null(demangle);
+  assert_string_equal(readable_name(&ar, demangle, mangled),
+                      "torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator::malloc(unsigned long, signed char, "
+                      "CUstream_st*)");
+  /* C names, and what is not a valid mangled name, are kept. */
+  assert_string_equal(readable_name(&ar, demangle, "gca_torch_malloc"), "gca_torch_malloc");
+  assert_string_equal(readable_name(&ar, demangle, "_Zbroken"), "_Zbroken");
+  assert_string_equal(readable_name(&ar, demangle, "??"), "??");
+  arena_free(&ar);
+}
+
 /* ---- logging ------------------------------------------------------------ */
 
 static void test_log_levels(void **state) {
@@ -567,6 +593,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_summary_units),
       cmocka_unit_test(test_snapshot_contents),
       cmocka_unit_test(test_export_long_memo),
+      cmocka_unit_test(test_cxx_names_demangled),
       cmocka_unit_test(test_history_ring_wraps),
       cmocka_unit_test(test_history_context_levels),
       cmocka_unit_test(test_history_records_oom_and_segments),
