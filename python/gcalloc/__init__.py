@@ -120,6 +120,7 @@ _sig("gca_torch_allocator", _P)
 _sig("gca_torch_malloc", _P, ctypes.c_ssize_t, ctypes.c_int, _P)
 _sig("gca_torch_free", None, _P, ctypes.c_ssize_t, ctypes.c_int, _P)
 _sig("gca_torch_shutdown", None)
+_sig("gca_torch_record_stream", None, _P, _P)
 _sig("gca_torch_last_failure", ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
 
 # gca_stats_t (about 1 KiB) is read as opaque bytes and handed to

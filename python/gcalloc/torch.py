@@ -8,7 +8,10 @@
 install() opens gcalloc's process-wide allocator (gca_torch_init) and hands
 its C functions gca_torch_malloc / gca_torch_free to
 torch.cuda.memory.CUDAPluggableAllocator, then makes it the current
-allocator. PyTorch accepts that only before its allocator has been used, and
+allocator. It also wraps torch.Tensor.record_stream so that the use reaches
+gcalloc: PyTorch's pluggable allocator drops record_stream unless a C++ hook
+is set, which Python cannot do, and memory used on a side stream would then
+be reused while that stream still works on it. PyTorch accepts that only before its allocator has been used, and
 offers no way back: the context manager `using(conf)` installs on entry and
 on exit waits for the device and empties gcalloc's cache, but PyTorch keeps
 allocating through gcalloc afterwards.
@@ -40,7 +43,30 @@ def install(conf=None, backend=None):
         return
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
     torch.cuda.memory.change_current_allocator(allocator)
+    _wrap_record_stream(torch)
     _installed = True
+
+
+def _wrap_record_stream(torch):
+    """Tensor.record_stream(stream) also tells gcalloc, for the storage's
+    block (what gcalloc handed out: the storage's start, not a view's).
+    Callers in PyTorch's C++ (none on the paths of a single-process program)
+    are not reached."""
+    import ctypes
+
+    original = torch.Tensor.record_stream
+    if getattr(original, "_gcalloc", False):
+        return
+
+    def record_stream(self, stream):
+        original(self, stream)
+        ptr = self.untyped_storage().data_ptr()
+        if self.is_cuda and ptr:
+            _lib.gca_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(stream.cuda_stream))
+
+    record_stream._gcalloc = True
+    record_stream.__doc__ = original.__doc__
+    torch.Tensor.record_stream = record_stream
 
 
 def last_failure():

@@ -135,10 +135,23 @@ def test_torch_entry_points(monkeypatch):
     def change_current_allocator(allocator):
         calls["installed"] = allocator
 
+    class Tensor:
+        """What the record_stream wrapper uses of torch.Tensor."""
+        is_cuda = True
+
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def untyped_storage(self):
+            return types.SimpleNamespace(data_ptr=lambda: self.ptr)
+
+        def record_stream(self, stream):  # PyTorch's own, which never reaches gcalloc
+            calls.setdefault("record_stream", []).append(stream.cuda_stream)
+
     memory = types.SimpleNamespace(CUDAPluggableAllocator=PluggableAllocator,
                                    change_current_allocator=change_current_allocator)
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory, is_available=lambda: False,
-                                                                  synchronize=lambda: None))
+                                                                  synchronize=lambda: None), Tensor=Tensor)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     gcalloc.torch.install("max_split_size_mb:64", backend="sim:capacity=2GiB")
     assert calls["names"] == ("gca_torch_malloc", "gca_torch_free")
@@ -154,6 +167,19 @@ def test_torch_entry_points(monkeypatch):
     assert "max_split_size_mb:64" in gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
     free(p, 100 * MiB, 0, None)
     assert gcalloc.memory_stats()["allocated_bytes.all.current"] == 0
+    assert gcalloc.memory_stats()["active_bytes.all.current"] == 0
+    # Tensor.record_stream reaches gcalloc too: the block freed after a use
+    # on stream 7 stays active (its free waits for the stream's event) until
+    # the next allocation completes it.
+    p = alloc(100 * MiB, 0, None)
+    fake_torch.Tensor(p).record_stream(types.SimpleNamespace(cuda_stream=7))
+    fake_torch.Tensor(0).record_stream(types.SimpleNamespace(cuda_stream=7))  # no storage: not gcalloc's business
+    assert calls["record_stream"] == [7, 7]  # PyTorch's own still called
+    free(p, 100 * MiB, 0, None)
+    s = gcalloc.memory_stats()
+    assert (s["allocated_bytes.all.current"], s["active_bytes.all.current"]) == (0, 100 * MiB)
+    free(alloc(MiB, 0, None), MiB, 0, None)
+    assert gcalloc.memory_stats()["active_bytes.all.current"] == 0
     # Out of memory: NULL back to PyTorch (and the message logged, and kept
     # for any thread: autograd allocates on threads of its own).
     assert gcalloc.torch.last_failure() == ""
