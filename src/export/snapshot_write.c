@@ -163,7 +163,6 @@ static void p_str(emitter_t *e, const char *s) {
   p_put(e, id);
 }
 
-
 static void p_integer(emitter_t *e, int64_t v) {
   if (v >= 0 && v < 256) {
     p_byte(e, P_BININT1);
