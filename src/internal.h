@@ -848,6 +848,24 @@ typedef char *(*demangle_fn)(const char *mangled, char *out, size_t *length, int
 demangle_fn find_demangler(void);
 const char *readable_name(arena_t *ar, demangle_fn demangle, const char *name);
 void arena_free(arena_t *ar);
+
+/* Kept helper threads (helpers.c) for the tools' parallel steps: the trace
+ * reader's second reader, the replay's device workers. A job runs
+ * run(arg) on one of them. helper_submit queues it, and returns false when
+ * no thread could be had (the caller runs it itself). helper_wait returns
+ * once it has run, or takes it back if no thread has started it yet and
+ * returns false. helper_detach runs run(arg) soon, and nobody waits. */
+typedef struct helper_job {
+  void (*run)(void *arg);
+  void *arg;
+  struct helper_job *next;
+  atomic_int state;
+  bool detached;
+} helper_job_t;
+#define GCA_HELPERS_MAX 64 /* threads kept at most */
+bool helper_submit(helper_job_t *job);
+bool helper_wait(helper_job_t *job);
+bool helper_detach(void (*run)(void *arg), void *arg);
 /* Integer key -> integer value, open addressing with linear probing,
  * growing as it fills; for the trace readers and the replay (not the hot
  * path, which has block_map). Keys must be below UINT64_MAX - 1. */

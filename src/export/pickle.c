@@ -34,9 +34,19 @@ struct pickle_doc {
   size_t split_taken;  /* records taken from the second reader */
 };
 
+static void unmap_doc(void *arg) {
+  pickle_doc_t *doc = arg;
+  munmap(doc->buf, doc->len);
+  free(doc);
+}
+
 void pickle_free(pickle_doc_t *doc) {
   if (!doc) return;
   arena_free(&doc->arena);
+  /* Unmapping a file read takes 0.1 ms (its pages' entries, and the other
+   * processor's, where the second reader read it): a kept helper thread
+   * does it while the caller goes on with what it read. */
+  if (doc->mapped && helper_detach(unmap_doc, doc)) return;
   if (doc->mapped) munmap(doc->buf, doc->len);
   else free(doc->buf);
   free(doc);
@@ -188,6 +198,137 @@ static inline size_t skip_refs(const unsigned char *buf, size_t len, size_t pos,
   }
 }
 
+/* The end of a run of memo references at pos, and in *top the largest
+ * index in it: what the second reader, which has no count to check them
+ * by, keeps to check later, and the first reader's quick test (all below
+ * its count: the run is good to its end). */
+static inline size_t scan_refs(const unsigned char *buf, size_t len, size_t pos, uint32_t *top) {
+  uint32_t max = 0;
+  for (;;) {
+    size_t run_start = pos;
+    while (len - pos >= 2 && buf[pos] == 'h') {
+      max = buf[pos + 1] > max ? buf[pos + 1] : max;
+      pos += 2;
+    }
+    while (len - pos >= 5 && buf[pos] == 'j') {
+      uint32_t index = read_u32(buf + pos + 1);
+      max = index > max ? index : max;
+      pos += 5;
+    }
+    if (pos == run_start) break;
+  }
+  *top = max;
+  return pos;
+}
+
+/* ---- runs seen before -----------------------------------------------------
+ * A snapshot's frames lists repeat: a training loop allocates from the same
+ * call stacks step after step, and PyTorch's pickler writes each frame once
+ * and refers to it by memo index after, so the same stack is the same bytes
+ * (94% of the bytes in cranberrii's runs are a run seen before). Decoding a
+ * run reference by reference mispredicts a branch wherever BINGET and
+ * LONG_BINGET alternate (106,000 times in cranberrii); comparing its bytes
+ * with a run seen before goes tens of bytes a cycle. Two guesses, from what
+ * a reader learned of the runs it decoded: the run that followed the
+ * previous run the last time that one was read (a program repeats its
+ * order), and the last run that began with the same 64 bytes. A guess is
+ * taken only if its bytes are the same, the run here ends where it ended,
+ * and its largest index is below the count stored: exactly when decoding
+ * would have gone over the same bytes to the same place (tests compare the
+ * two). Guesses are only a way to read faster: a wrong one costs a compare. */
+typedef struct known_run {
+  uint32_t start, len; /* where its bytes were decoded; 0 len: none */
+  uint32_t top;        /* its largest memo index */
+  uint32_t id;         /* a hash of its bytes: the same for every copy */
+} known_run_t;
+
+#define KNOWN_RUN_BITS 9
+#define KNOWN_RUN_MIN 48 /* bytes: shorter runs decode as fast as they compare */
+#define KNOWN_RUN_HEAD 64
+
+typedef struct known_runs {
+  uint32_t previous;                        /* id of the run before */
+  known_run_t next[1u << KNOWN_RUN_BITS];    /* by the id of the run before it */
+  known_run_t by_head[1u << KNOWN_RUN_BITS]; /* by its first KNOWN_RUN_HEAD bytes */
+} known_runs_t;
+
+static uint64_t read_u64(const unsigned char *p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static uint32_t known_slot(uint64_t key) {
+  return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - KNOWN_RUN_BITS));
+}
+
+/* Hashes of a run's bytes with independent multiplies (a chained hash over
+ * a whole run of 300 bytes was a quarter of the time of the runs it had to
+ * decode). Collisions only cost a guess that fails its compare. */
+static uint64_t head_hash(const unsigned char *p) { /* KNOWN_RUN_HEAD bytes */
+  uint64_t a = read_u64(p) * 0x9E3779B97F4A7C15ull + read_u64(p + 8);
+  uint64_t b = read_u64(p + 16) * 0xC2B2AE3D27D4EB4Full + read_u64(p + 24);
+  uint64_t c = read_u64(p + 32) * 0x165667B19E3779F9ull + read_u64(p + 40);
+  uint64_t d = read_u64(p + 48) * 0x27D4EB2F165667C5ull + read_u64(p + 56);
+  uint64_t h = (a ^ (b >> 17)) * 0xFF51AFD7ED558CCDull + (c ^ (d >> 23));
+  return h ^ (h >> 29);
+}
+
+static uint32_t run_id(const unsigned char *p, size_t n) { /* n >= KNOWN_RUN_MIN */
+  uint64_t h = (read_u64(p) * 0x9E3779B97F4A7C15ull) ^ (read_u64(p + 16) * 0xC2B2AE3D27D4EB4Full) ^
+               (read_u64(p + n - 24) * 0x165667B19E3779F9ull) ^ (read_u64(p + n - 8) + n);
+  return (uint32_t)(h >> 32) ^ (uint32_t)h;
+}
+
+static inline bool is_known_here(const unsigned char *buf, size_t len, size_t pos, const known_run_t *k,
+                                 size_t stored) {
+  /* (c | 2) == 'j' for BINGET and LONG_BINGET alone: the run goes on. */
+  return k->len && len - pos > k->len && (buf[pos + k->len] | 2) != 'j' && k->top < stored &&
+         read_u64(buf + pos) == read_u64(buf + k->start) && !memcmp(buf + pos, buf + k->start, k->len);
+}
+
+/* The end of the run of memo references at pos, with its largest index in
+ * *top, when a known run is there: else 0, and *head is where to learn it. */
+static inline size_t known_run_at(known_runs_t *r, const unsigned char *buf, size_t len, size_t pos, size_t stored,
+                                  uint32_t *top, known_run_t **head) {
+  known_run_t *next = &r->next[known_slot(r->previous)], *k = next;
+  *head = NULL;
+  if (!is_known_here(buf, len, pos, k, stored)) {
+    if (len - pos < KNOWN_RUN_HEAD) return 0;
+    k = *head = &r->by_head[known_slot(head_hash(buf + pos))];
+    if (!is_known_here(buf, len, pos, k, stored)) return 0;
+    *next = *k;
+  }
+  r->previous = k->id;
+  *top = k->top;
+  return pos + k->len;
+}
+
+/* A run decoded at [pos, end) becomes known. */
+static inline void known_run_learn(known_runs_t *r, const unsigned char *buf, size_t pos, size_t end, uint32_t top,
+                                   known_run_t *head) {
+  if (!head || end - pos < KNOWN_RUN_MIN || end > UINT32_MAX) return;
+  known_run_t k = {(uint32_t)pos, (uint32_t)(end - pos), top, run_id(buf + pos, end - pos)};
+  r->next[known_slot(r->previous)] = k;
+  *head = k;
+  r->previous = k.id;
+}
+
+/* The end of the run of memo references at pos: all of it with *top its
+ * largest index, when every index is below `stored` (SIZE_MAX: the second
+ * reader, which checks later); else, the first reader's, where skip_refs
+ * stops. */
+static inline size_t skip_run(known_runs_t *r, const unsigned char *buf, size_t len, size_t pos, size_t stored,
+                              uint32_t *top) {
+  known_run_t *head;
+  size_t end = known_run_at(r, buf, len, pos, stored, top, &head);
+  if (end) return end;
+  end = scan_refs(buf, len, pos, top);
+  if (*top >= stored) return skip_refs(buf, len, pos, stored);
+  known_run_learn(r, buf, pos, end, *top, head);
+  return end;
+}
+
 /* ---- flat dicts ----------------------------------------------------------
  * Most of a snapshot is dicts whose values are scalars, memo references
  * and the pruned key's list: each device_traces entry, each block, each
@@ -243,6 +384,7 @@ typedef struct flat {
   uint32_t *checks;
   size_t checks_len, checks_cap;
   bool had_container;
+  known_runs_t *known; /* runs of memo references this reader decoded (see skip_run) */
   split_t *split; /* the first reader's: the second reader, which must not see the memo move */
 } flat_t;
 
@@ -398,28 +540,6 @@ FLAT_STEP void flat_unstore(flat_t *f, size_t memo_len, const bool sym) {
   f->memo_len = memo_len;
 }
 
-/* The end of a run of memo references at pos, and in *top the largest
- * index in it: the second reader's skip_refs, which has no count to check
- * them by. */
-static inline size_t skip_refs_sym(const unsigned char *buf, size_t len, size_t pos, uint32_t *top) {
-  uint32_t max = 0;
-  for (;;) {
-    size_t run_start = pos;
-    while (len - pos >= 2 && buf[pos] == 'h') {
-      max = buf[pos + 1] > max ? buf[pos + 1] : max;
-      pos += 2;
-    }
-    while (len - pos >= 5 && buf[pos] == 'j') {
-      uint32_t index = read_u32(buf + pos + 1);
-      max = index > max ? index : max;
-      pos += 5;
-    }
-    if (pos == run_start) break;
-  }
-  *top = max;
-  return pos;
-}
-
 /* One item of a pruned list at pos, checked and dropped: a dict, a scalar
  * or a memo reference. Out of line: it is rare (a frame first seen), and
  * the lists' loop is tighter without it. */
@@ -478,13 +598,11 @@ FLAT_STEP size_t flat_pruned_list(flat_t *f, size_t pos, int depth, const bool s
     if (op == 'e') return pos + 1;
     if (op == 'h' || op == 'j') {
       size_t end;
+      uint32_t top;
+      end = skip_run(f->known, buf, len, pos, sym ? SIZE_MAX : f->memo_len, &top);
       if (sym) {
-        uint32_t top;
-        end = skip_refs_sym(buf, len, pos, &top);
         int64_t excess = (int64_t)top - (int64_t)f->memo_len;
         if (end != pos && excess > f->excess) f->excess = excess;
-      } else {
-        end = skip_refs(buf, len, pos, f->memo_len);
       }
       /* (A reference stored again in the memo is the machine's.) */
       if (end < len && (buf[end] == 0x94 || buf[end] == 'q' || buf[end] == 'r')) return 0;
@@ -657,8 +775,8 @@ struct split {
   size_t next;                          /* the position of the next '}' to ask about (SIZE_MAX: none), */
   atomic_bool wanted;         /* the first reader is at the split: publish */
   atomic_bool done, stop;
-  pthread_t thread;
-  bool running;               /* started, not joined */
+  helper_job_t job;          /* split_main on a kept thread (helpers.c) */
+  bool running;               /* submitted, not waited for */
   /* The first reader's: */
   size_t taken;               /* units merged */
   size_t base;                /* its memo index of the second reader's count 0, once one is merged */
@@ -838,12 +956,47 @@ static void split_retry(split_t *s, split_pending_t *p, size_t shown, pv_t *reso
 /* The second reader: reads entries into the stream, and publishes them
  * once the first reader wants them (till then it may still prepare them
  * in place, as the first reader shows more of its memo). */
-static void *split_main(void *arg) {
+/* The least offset the second reader may start at on its own: 55% of the
+ * file. It does more per entry (it prepares and writes out each, the first
+ * merges it), and a snapshot's second half has the smaller entries.
+ * Measured on the three snapshots (load, best of 100, twice): 45% and 50%
+ * were slower on all three, 60% on DeComFL. */
+static size_t split_least(size_t len) { return len / 20 * 11; }
+
+/* The second reader's start when it was not given: the first FRAME that
+ * starts at split_least or past it (frames hold whole opcodes, and their
+ * lengths chain from the start in about 20 hops); 0 if the file is not
+ * framed so. */
+static size_t split_find(const unsigned char *buf, size_t len) {
+  size_t at = 2;
+  while (at < split_least(len)) {
+    if (len - at < 9 || buf[at] != 0x95) return 0;
+    uint64_t frame = read_le(buf + at + 1, 8);
+    if (frame > len - at - 9) return 0;
+    at += 9 + (size_t)frame;
+  }
+  return at < len ? at : 0;
+}
+
+static void split_main(void *arg) {
   split_t *s = arg;
+  if (!s->at) s->at = split_find(s->doc->buf, s->doc->len);
+  /* Units: 2.7 bytes per byte of input (DeComFL's small entries take 1.8),
+   * and 64 KiB at least (a tiny test file's take up to 6). When it is
+   * full, the second reader stops and the first reads the rest. */
+  s->cap = (s->doc->len - s->at) / 6 > 4096 ? (s->doc->len - s->at) / 6 : 4096;
+  /* Its stream is allocated here, not before the thread starts: the first
+   * reader would wait for it (0.08 ms when the mapping is new). The first
+   * reads it only once something is published; without it, nothing is. */
+  if (!s->at || !(s->stream = big_alloc(s->cap * sizeof *s->stream))) {
+    atomic_store_explicit(&s->done, true, memory_order_release);
+    return;
+  }
   pv_t memo[SPLIT_SCRATCH], *resolved = NULL;
   uint32_t checks[SPLIT_SCRATCH];
+  known_runs_t known = {0};
   flat_t f = {.buf = s->doc->buf, .len = s->doc->len, .memo = memo, .memo_cap = SPLIT_SCRATCH, .doc = s->doc,
-              .checks = checks, .checks_cap = SPLIT_SCRATCH};
+              .checks = checks, .checks_cap = SPLIT_SCRATCH, .known = &known};
   split_pending_t pending = {.need = SIZE_MAX};
   size_t pos = s->at, used = 0, resolved_cap = 0;
   bool synced = false;  /* an entry was read: from here on, only entries and what lies between them */
@@ -958,7 +1111,6 @@ static void *split_main(void *arg) {
   free(resolved);
   free(pending.entries);
   atomic_store_explicit(&s->done, true, memory_order_release);
-  return NULL;
 }
 
 static bool two_processors(void) {
@@ -978,45 +1130,28 @@ static split_t *split_start(pickle_doc_t *doc, const pv_t *memo) {
   const unsigned char *buf = doc->buf;
   size_t len = doc->len, at = doc->options.split;
   if (!doc->options.take || doc->options.machine_only || at == PICKLE_ONE_READER) return NULL;
-  if (!at) {
-    if (len < SPLIT_MIN_LEN || buf[0] != 0x80 || buf[2] != 0x95 || !two_processors()) return NULL;
-    /* The first frame that starts past 55% of the file: the second reader
-     * does more per entry (it prepares and writes out each, the first
-     * merges it), and a snapshot's second half has the smaller entries.
-     * Measured on the three snapshots (load, best of 100, twice): 45% and
-     * 50% were slower on all three, 60% on DeComFL. */
-    at = 2;
-    while (at < len / 20 * 11) {
-      if (len - at < 9 || buf[at] != 0x95) return NULL;
-      uint64_t frame = read_le(buf + at + 1, 8);
-      if (frame > len - at - 9) return NULL;
-      at += 9 + (size_t)frame;
-    }
-  }
+  if (!at && (len < SPLIT_MIN_LEN || buf[0] != 0x80 || buf[2] != 0x95 || !two_processors())) return NULL;
   if (at >= len) return NULL;
   split_t *s = aligned_alloc(alignof(split_t), sizeof *s);
   if (!s) return NULL;
   memset(s, 0, sizeof *s);
   s->doc = doc;
   s->patient = doc->options.split != 0;
-  s->at = s->next = at;
+  /* Where the second reader starts is found on its thread (split_find):
+   * the walk there touches a page every 64 KiB, and faulting them in
+   * delayed the first reader by 0.05-0.1 ms. The first asks about no
+   * entry before the least it can be. */
+  s->at = at;
+  s->next = at ? at : split_least(len);
   s->memo = memo;
   s->record_units = (doc->options.record_size + sizeof(pv_t) - 1) / sizeof(pv_t);
-  /* Units: 2.7 bytes per byte of input (DeComFL's small entries take 1.8),
-   * and 64 KiB at least (a tiny test file's take up to 6). When it is
-   * full, the second reader stops and the first reads the rest. */
-  s->cap = (len - at) / 6 > 4096 ? (len - at) / 6 : 4096;
-  if (!(s->stream = big_alloc(s->cap * sizeof *s->stream))) {
-    free(s);
-    return NULL;
-  }
   atomic_init(&s->memo_shown, 0);
   atomic_init(&s->published, 0);
   atomic_init(&s->wanted, false);
   atomic_init(&s->done, false);
   atomic_init(&s->stop, false);
-  if (pthread_create(&s->thread, NULL, split_main, s)) {
-    big_free(s->stream, s->cap * sizeof *s->stream);
+  s->job = (helper_job_t){.run = split_main, .arg = s};
+  if (!helper_submit(&s->job)) {
     free(s);
     return NULL;
   }
@@ -1029,7 +1164,9 @@ static split_t *split_start(pickle_doc_t *doc, const pv_t *memo) {
 static void split_join(split_t *s) {
   if (!s || !s->running) return;
   atomic_store_explicit(&s->stop, true, memory_order_relaxed);
-  pthread_join(s->thread, NULL);
+  /* Taken back if it never started: then nothing was published, and it is
+   * done as a stopped one would be. */
+  if (!helper_wait(&s->job)) atomic_store_explicit(&s->done, true, memory_order_release);
   s->running = false;
 }
 
@@ -1202,7 +1339,8 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
    * it is asked about. */
   doc->split_taken = 0; /* (a second reading counts afresh) */
   split_t *split = split_start(doc, memo);
-  flat_t flat = {.buf = buf, .len = len, .doc = doc, .split = split};
+  known_runs_t known = {0};
+  flat_t flat = {.buf = buf, .len = len, .doc = doc, .split = split, .known = &known};
   for (;;) {
     if (pos >= len) FAIL("pickle: ended at offset %zu without a STOP opcode", pos);
     at = pos;

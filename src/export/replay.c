@@ -435,13 +435,13 @@ static void progress_serialized(void *ctx, int device, size_t done, size_t total
   pthread_mutex_unlock(&jobs->lock);
 }
 
-static void *device_worker(void *arg) {
+static void device_worker(void *arg) {
   device_jobs_t *jobs = arg;
   for (;;) {
     pthread_mutex_lock(&jobs->lock);
     int k = jobs->next < jobs->count ? jobs->next++ : -1;
     pthread_mutex_unlock(&jobs->lock);
-    if (k < 0) return NULL;
+    if (k < 0) return;
     jobs->status[k] = replay_device(jobs->t, jobs->first + k, jobs->o, jobs->spec, jobs->conf, &jobs->results[k]);
     if (jobs->status[k]) snprintf(jobs->messages[k], sizeof jobs->messages[k], "%s", gca_last_error());
   }
@@ -500,13 +500,18 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
   jobs.o = &worker_options;
   pthread_mutex_init(&jobs.lock, NULL);
   int threads = replay_threads(t, o, first, count);
-  pthread_t helpers[64];
+  helper_job_t helpers[64];
   int started = 0;
-  /* The caller's thread is one of the workers; a helper that cannot start
-   * only makes the replay slower. */
-  while (started < threads - 1 && pthread_create(&helpers[started], NULL, device_worker, &jobs) == 0) started++;
+  /* The caller's thread is one of the workers, on kept threads (helpers.c);
+   * a helper that cannot be had only makes the replay slower, and one that
+   * has not started when the caller is done is taken back. */
+  while (started < threads - 1) {
+    helpers[started] = (helper_job_t){.run = device_worker, .arg = &jobs};
+    if (!helper_submit(&helpers[started])) break;
+    started++;
+  }
   device_worker(&jobs);
-  for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
+  for (int i = 0; i < started; i++) helper_wait(&helpers[i]);
   pthread_mutex_destroy(&jobs.lock);
   int rc = GCA_OK;
   for (int k = 0; k < count && rc == GCA_OK; k++)

@@ -1,0 +1,196 @@
+/* The kept helper threads (src/helpers.c) that the trace reader and the
+ * replay run their parallel steps on: every job submitted runs exactly
+ * once, or is taken back unrun and says so; chores run without anyone
+ * waiting; many threads submit at once; the pool has a ceiling and refuses
+ * past it; a child of fork gets a pool of its own. ThreadSanitizer runs it
+ * (label `threads`). */
+#include <pthread.h>
+#include <sched.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+typedef struct counted {
+  atomic_int runs;
+  atomic_int *total;
+  atomic_bool *hold; /* when set, the job waits till it is cleared */
+} counted_t;
+
+static void count_run(void *arg) {
+  counted_t *c = arg;
+  while (c->hold && atomic_load(c->hold)) sched_yield();
+  atomic_fetch_add(&c->runs, 1);
+  if (c->total) atomic_fetch_add(c->total, 1);
+}
+
+static void test_jobs_run_once(void **state) {
+  (void)state;
+  atomic_int total = 0;
+  counted_t c[16];
+  helper_job_t jobs[16];
+  int submitted = 0, ran = 0;
+  for (int i = 0; i < 16; i++) {
+    c[i] = (counted_t){.total = &total};
+    atomic_init(&c[i].runs, 0);
+    jobs[i] = (helper_job_t){.run = count_run, .arg = &c[i]};
+    submitted += helper_submit(&jobs[i]);
+  }
+  assert_int_equal(submitted, 16);
+  for (int i = 0; i < 16; i++) {
+    bool did = helper_wait(&jobs[i]);
+    assert_int_equal(atomic_load(&c[i].runs), did ? 1 : 0);
+    ran += did;
+  }
+  assert_int_equal(atomic_load(&total), ran);
+}
+
+/* Waiting at once races with a thread taking the job: either way, the
+ * answer must be what happened. */
+static void test_wait_takes_back_or_waits(void **state) {
+  (void)state;
+  int taken_back = 0;
+  for (int i = 0; i < 3000; i++) {
+    counted_t c = {0};
+    atomic_init(&c.runs, 0);
+    helper_job_t job = {.run = count_run, .arg = &c};
+    assert_true(helper_submit(&job));
+    bool did = helper_wait(&job);
+    assert_int_equal(atomic_load(&c.runs), did ? 1 : 0);
+    taken_back += !did;
+  }
+  /* (Both ways are taken on a loaded machine; neither is required.) */
+  print_message("taken back unrun: %d of 3000\n", taken_back);
+}
+
+static void test_chores_run(void **state) {
+  (void)state;
+  static atomic_int total;
+  static counted_t c[100];
+  atomic_store(&total, 0);
+  int inline_runs = 0;
+  for (int i = 0; i < 100; i++) {
+    c[i] = (counted_t){.total = &total};
+    atomic_init(&c[i].runs, 0);
+    if (!helper_detach(count_run, &c[i])) {
+      count_run(&c[i]);
+      inline_runs++;
+    }
+  }
+  struct timespec start;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  for (;;) {
+    if (atomic_load(&total) == 100) break;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    assert_true(now.tv_sec - start.tv_sec < 30); /* chores must not be left queued */
+    sched_yield();
+  }
+  for (int i = 0; i < 100; i++) assert_int_equal(atomic_load(&c[i].runs), 1);
+  assert_int_equal(inline_runs, 0);
+}
+
+typedef struct submitter {
+  atomic_int *total;
+  int ran;
+} submitter_t;
+
+static void *submit_many(void *arg) {
+  submitter_t *s = arg;
+  for (int i = 0; i < 400; i++) {
+    counted_t c = {.total = s->total};
+    atomic_init(&c.runs, 0);
+    helper_job_t job = {.run = count_run, .arg = &c};
+    if (!helper_submit(&job)) continue;
+    if (helper_wait(&job)) s->ran++;
+    else count_run(&c); /* taken back: the caller does it, as the replay does */
+    if (atomic_load(&c.runs) != 1) abort();
+  }
+  return NULL;
+}
+
+static void test_many_submitters(void **state) {
+  (void)state;
+  atomic_int total = 0;
+  pthread_t threads[4];
+  submitter_t s[4];
+  for (int i = 0; i < 4; i++) {
+    s[i] = (submitter_t){.total = &total};
+    assert_int_equal(pthread_create(&threads[i], NULL, submit_many, &s[i]), 0);
+  }
+  for (int i = 0; i < 4; i++) pthread_join(threads[i], NULL);
+  assert_int_equal(atomic_load(&total), 4 * 400);
+}
+
+/* GCA_HELPERS_MAX jobs that hold their threads: one more is refused (the
+ * caller runs it), and the held ones all run once let go. */
+static void test_ceiling(void **state) {
+  (void)state;
+  atomic_bool hold = true;
+  atomic_int total = 0;
+  static counted_t c[GCA_HELPERS_MAX + 1];
+  static helper_job_t jobs[GCA_HELPERS_MAX + 1];
+  int accepted = 0;
+  for (int i = 0; i < GCA_HELPERS_MAX + 1; i++) {
+    c[i] = (counted_t){.total = &total, .hold = &hold};
+    atomic_init(&c[i].runs, 0);
+    jobs[i] = (helper_job_t){.run = count_run, .arg = &c[i]};
+    if (!helper_submit(&jobs[i])) break;
+    accepted++;
+    /* Each held job has a thread before the next is submitted, so that the
+     * count does not depend on how fast threads start. */
+    while (atomic_load_explicit(&jobs[i].state, memory_order_acquire) == 1 /* queued */) sched_yield();
+  }
+  assert_int_equal(accepted, GCA_HELPERS_MAX);
+  assert_int_equal(atomic_load(&c[GCA_HELPERS_MAX].runs), 0);
+  atomic_store(&hold, false);
+  for (int i = 0; i < accepted; i++) assert_true(helper_wait(&jobs[i]));
+  assert_int_equal(atomic_load(&total), GCA_HELPERS_MAX);
+}
+
+#if defined(__SANITIZE_THREAD__)
+#define UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define UNDER_TSAN 1
+#endif
+#endif
+
+static void test_fork_child_has_own_pool(void **state) {
+  (void)state;
+#ifdef UNDER_TSAN
+  skip(); /* ThreadSanitizer refuses threads started after a fork of a threaded process */
+#endif
+  counted_t warm = {0};
+  atomic_init(&warm.runs, 0);
+  helper_job_t job = {.run = count_run, .arg = &warm};
+  assert_true(helper_submit(&job)); /* the parent has threads */
+  helper_wait(&job);
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    counted_t c = {0};
+    atomic_init(&c.runs, 0);
+    helper_job_t mine = {.run = count_run, .arg = &c};
+    if (!helper_submit(&mine)) _exit(2);
+    bool did = helper_wait(&mine);
+    _exit(atomic_load(&c.runs) == (did ? 1 : 0) ? 0 : 3);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_jobs_run_once),
+      cmocka_unit_test(test_wait_takes_back_or_waits),
+      cmocka_unit_test(test_chores_run),
+      cmocka_unit_test(test_many_submitters),
+      cmocka_unit_test(test_ceiling),
+      cmocka_unit_test(test_fork_child_has_own_pool),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
