@@ -273,6 +273,97 @@ static void expect_same_parse(const unsigned char *data, size_t len, const char 
   pickle_free(fast);
 }
 
+/* Writes one memo reference: BINGET below 256, else LONG_BINGET. */
+static size_t put_ref(unsigned char *out, uint32_t index) {
+  if (index < 256) {
+    out[0] = 'h';
+    out[1] = (unsigned char)index;
+    return 2;
+  }
+  out[0] = 'j';
+  memcpy(out + 1, &index, 4); /* (little-endian host) */
+  return 5;
+}
+
+/* Runs of memo references seen before (pickle.c, "runs seen before") are
+ * recognised by their bytes rather than decoded: the same tree and the
+ * same errors as the machine alone, on frames lists built to meet every
+ * case: a run repeated (guessed as the one after the run before, or by its
+ * first 64 bytes), a known run followed by more references (not taken as
+ * known: it must end where the run here ends), one sharing only its first
+ * 64 bytes, short ones, fresh ones, one at the very end of the file, and
+ * a reference not yet stored inside a run otherwise known. */
+static void test_pickle_runs_seen_before(void **state) {
+  (void)state;
+  uint64_t seed = 0x7e9ea7;
+  size_t cap = 4 << 20;
+  unsigned char *data = malloc(cap);
+  assert_non_null(data);
+  uint32_t base[6][60];
+  size_t base_len[6];
+  for (int round = 0; round < 40; round++) {
+    size_t n = 0;
+    memcpy(data, "\x80\x04]\x94(", 5);
+    n = 5;
+    uint32_t stored = 1; /* the outer list */
+    memcpy(data + n, "\x8c\x06" "frames\x94", 9);
+    n += 9;
+    uint32_t frames_key = stored++;
+    for (int i = 0; i < 400; i++) { /* strings to refer to: indices up to 400 */
+      n += (size_t)sprintf((char *)data + n, "\x8c\x03s%02d", i % 100);
+      data[n++] = 0x94;
+      stored++;
+    }
+    for (int b = 0; b < 6; b++) {
+      base_len[b] = 10 + next_random(&seed) % 50;
+      for (size_t k = 0; k < base_len[b]; k++) base[b][k] = 2 + (uint32_t)(next_random(&seed) % (stored - 2));
+      base[b][base_len[b] - 1] = 256 + (uint32_t)(next_random(&seed) % (stored - 256)); /* a LONG_BINGET last */
+    }
+    int entries = 150 + (int)(next_random(&seed) % 100);
+    bool unstored_at_end = round % 4 == 3, at_file_end = round % 5 == 4;
+    for (int e = 0; e < entries; e++) {
+      /* {'frames': [run]} */
+      data[n++] = '}';
+      data[n++] = 0x94;
+      stored++;
+      data[n++] = '(';
+      n += put_ref(data + n, frames_key);
+      data[n++] = ']';
+      data[n++] = 0x94;
+      stored++;
+      data[n++] = '(';
+      int b = (int)(next_random(&seed) % 6), kind = (int)(next_random(&seed) % 8);
+      bool unstored = unstored_at_end && e == entries - 1;
+      if (unstored_at_end && e >= entries - 3) { /* b, b, then b but for one reference: guessed as b */
+        b = 0;
+        kind = 0;
+      }
+      size_t count = base_len[b];
+      for (size_t k = 0; k < count; k++) {
+        uint32_t index = base[b][k];
+        if (kind == 5 && k >= 32) index = 2 + (uint32_t)(next_random(&seed) % (stored - 2)); /* same head only */
+        if (kind == 6) index = 2 + (uint32_t)(next_random(&seed) % (stored - 2));             /* fresh */
+        /* A known run but for its last reference, not stored yet and of the
+         * same width: the bytes differ only there. */
+        if (unstored && k == count - 1) index = stored + 7;
+        n += put_ref(data + n, index);
+      }
+      if (kind == 4) /* a known run with more after it */
+        for (int k = 0; k < 5; k++) n += put_ref(data + n, 2 + (uint32_t)(next_random(&seed) % (stored - 2)));
+      data[n++] = 'e'; /* APPENDS */
+      data[n++] = 'u'; /* SETITEMS */
+      assert_true(n + 4096 < cap);
+    }
+    data[n++] = 'e';
+    data[n++] = '.';
+    /* The file may also end right after a run: truncated there, both
+     * readers must refuse it with the same message. */
+    size_t len = at_file_end ? n - 4 : n;
+    expect_same_parse(data, len, "frames", 1000000);
+  }
+  free(data);
+}
+
 /* The snapshot's trace, with entries taken as they are read, is the one
  * the machine alone gave (slow, or its error): the same events, final
  * state and settings, or the same error. `split`: where the second reader
@@ -696,6 +787,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
+      cmocka_unit_test(test_pickle_runs_seen_before),
       cmocka_unit_test(test_real_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
       cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_second_reader),
