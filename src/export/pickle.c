@@ -761,28 +761,32 @@ _Static_assert(SPLIT_SCRATCH <= UINT16_MAX, "check_count holds the checks");
 
 struct split {
   pickle_doc_t *doc;
-  size_t at;                  /* where the second reader starts */
-  pv_t *stream;               /* its entries, one after another */
+  size_t at;                  /* where the second reader starts (it finds it when not given) */
+  pv_t *stream;               /* its entries, one after another (allocated on its thread) */
   size_t cap;                 /* units */
   size_t record_units;        /* of a prepared record */
   const pv_t *memo;           /* the first reader's memo ... */
+  helper_job_t job;           /* split_main on a kept thread (helpers.c) */
+  bool patient;               /* started where asked (tests): wait for it rather than read on alone */
   /* ... stored and final below this. Each reader writes one of these two,
    * and each has a cache line of its own, so that the other's reads do
    * not take it away from the writer on every write. */
   alignas(64) _Atomic size_t memo_shown;
   alignas(64) _Atomic size_t published; /* units of whole entries in the stream */
-  alignas(64) size_t shown_next;        /* the first reader's: when to show more, */
-  size_t next;                          /* the position of the next '}' to ask about (SIZE_MAX: none), */
-  atomic_bool wanted;         /* the first reader is at the split: publish */
+  /* What the second reads at every step and the first writes once: a
+   * line of their own too (beside the first's counters below, every entry
+   * merged took the line from the second, and its next step took it back). */
+  alignas(64) atomic_bool wanted; /* the first reader is at the split: publish */
   atomic_bool done, stop;
-  helper_job_t job;          /* split_main on a kept thread (helpers.c) */
-  bool running;               /* submitted, not waited for */
   /* The first reader's: */
-  size_t taken;               /* units merged */
-  size_t base;                /* its memo index of the second reader's count 0, once one is merged */
+  alignas(64) size_t shown_next; /* when to show more, */
+  size_t next;                   /* the position of the next '}' to ask about (SIZE_MAX: none), */
+  size_t seen;                   /* published, as last read (read again when taken catches up) */
+  bool running;                  /* submitted, not waited for */
+  size_t taken;                  /* units merged */
+  size_t base;                   /* its memo index of the second reader's count 0, once one is merged */
   bool merging;
-  size_t merged;              /* entries */
-  bool patient;               /* started where asked (tests): wait for it rather than read on alone */
+  size_t merged;                 /* entries */
 };
 
 
@@ -1185,7 +1189,10 @@ static void split_finish(split_t *s) {
 __attribute__((noinline)) /* (kept out of the machine's loop) */
 #endif
 static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t *out) {
-  size_t published = atomic_load_explicit(&s->published, memory_order_acquire);
+  /* (published is read again only when what was seen is merged: each read
+   * after the second reader's store takes its cache line.) */
+  size_t published = s->seen;
+  if (s->taken == published) published = s->seen = atomic_load_explicit(&s->published, memory_order_acquire);
   if (s->taken == published && s->merging && !s->patient) {
     /* Caught up with it: reading on alone is faster than waiting for it
      * (it prepares and writes out each entry, the first only reads). What
@@ -1193,7 +1200,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
      * it, the first waits, so that what the second reads does not depend
      * on the timing.) */
     split_join(s);
-    published = atomic_load_explicit(&s->published, memory_order_acquire);
+    published = s->seen = atomic_load_explicit(&s->published, memory_order_acquire);
     if (s->taken == published) goto abandon;
   }
   if (s->taken == published) {
@@ -1204,12 +1211,12 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
   while (s->taken == published) {
     /* Behind: wait while it reads on (it is on the other processor). */
     if (atomic_load_explicit(&s->done, memory_order_acquire)) {
-      published = atomic_load_explicit(&s->published, memory_order_acquire);
+      published = s->seen = atomic_load_explicit(&s->published, memory_order_acquire);
       if (s->taken == published) goto abandon;
       break;
     }
     sched_yield();
-    published = atomic_load_explicit(&s->published, memory_order_acquire);
+    published = s->seen = atomic_load_explicit(&s->published, memory_order_acquire);
   }
   split_entry_t e;
   memcpy(&e, s->stream + s->taken, sizeof e);
