@@ -960,12 +960,16 @@ static void split_retry(split_t *s, split_pending_t *p, size_t shown, pv_t *reso
 /* The second reader: reads entries into the stream, and publishes them
  * once the first reader wants them (till then it may still prepare them
  * in place, as the first reader shows more of its memo). */
-/* The least offset the second reader may start at on its own: 55% of the
- * file. It does more per entry (it prepares and writes out each, the first
- * merges it), and a snapshot's second half has the smaller entries.
- * Measured on the three snapshots (load, best of 100, twice): 45% and 50%
- * were slower on all three, 60% on DeComFL. */
-static size_t split_least(size_t len) { return len / 20 * 11; }
+/* The least offset the second reader may start at on its own: 62% of the
+ * file. It does more per byte (it prepares and writes out each entry, the
+ * first merges it), 1.5-1.8 times as much on these snapshots, and the
+ * first caught up with it before the end at 55%. Measured (load and
+ * replay, best of 400, builds alternating): from 55% to 61-64%,
+ * Constructor-Sun 1.60 -> 1.49 ms and cranberrii 2.01 -> 1.93-1.96;
+ * DeComFL, whose later entries are smaller, 2.85 -> 3.0-3.07 (still 7.5 M
+ * events/s); 67% was slower on all three. (Earlier, with the second
+ * reader starting later: 45% and 50% were slower than 55%.) */
+static size_t split_least(size_t len) { return len / 50 * 31; }
 
 /* The second reader's start when it was not given: the first FRAME that
  * starts at split_least or past it (frames hold whole opcodes, and their
