@@ -17,12 +17,10 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 #include <time.h>
 
 #include "internal.h"
 
-#define HELPERS_MAX GCA_HELPERS_MAX
 /* How long a thread that finished a job looks for the next before it
  * sleeps: longer than the gaps between a replay's steps (reading, the
  * plan, the next trace of a benchmark), short enough to cost nothing
@@ -87,16 +85,17 @@ static size_t queued(const job_queue_t *q) { return atomic_load_explicit(&q->len
 /* Threads that may look for work at once: one processor is the caller's,
  * and a thread looking on a processor that the others need slows them. */
 static int look_limit(void) {
-  static int limit;
-  if (!limit) {
-    int n = 0;
+  static atomic_int limit; /* found once (threads may race to: they find the same) */
+  int n = atomic_load_explicit(&limit, memory_order_relaxed);
+  if (!n) {
 #ifdef CPU_COUNT
     cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set) - 1;
 #endif
-    limit = n > 1 ? n - 1 : 1;
+    n = n > 1 ? n : 1;
+    atomic_store_explicit(&limit, n, memory_order_relaxed);
   }
-  return limit;
+  return n;
 }
 
 static void *helper_main(void *arg) {
@@ -164,7 +163,7 @@ static void helpers_after_fork(void) {
 
 /* Under the lock: a new thread; false when none starts. */
 static bool start_helper(void) {
-  if (helper_count >= HELPERS_MAX) return false;
+  if (helper_count >= GCA_HELPERS_MAX) return false;
   pthread_t thread;
   pthread_attr_t attr;
   if (pthread_attr_init(&attr) != 0) return false;
