@@ -1,5 +1,5 @@
-/* `gcalloc bench-replay [--traces DIR] [--runs N] [--json]`: the replay's
- * two targets on the real traces of ../shared/traces.
+/* `gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only]`:
+ * the replay's two targets on the real traces of ../shared/traces.
  *
  * Speed, end to end: reading the file, planning, replaying every device
  * with the segment matching on (what `gcalloc replay` does), best and
@@ -14,6 +14,10 @@
  *
  * Memory: gcalloc's peak reserved with default settings against PyTorch's
  * recorded peak reserved, per device.
+ *
+ * --speed-only leaves out the new processes and Python (their columns
+ * print "-", JSON -1): scripts/compare-replay.sh runs it many times over,
+ * alternating two builds.
  */
 #include <dirent.h>
 #include <inttypes.h>
@@ -86,7 +90,7 @@ static bool is_trace(const char *name) {
   return strstr(name, ".pickle") || strstr(name, ".log") || strstr(name, ".csv") || strstr(name, ".trace");
 }
 
-static int bench_one(const char *path, const char *name, int runs, row_t *row) {
+static int bench_one(const char *path, const char *name, int runs, bool peers, row_t *row) {
   double *times = calloc((size_t)runs, sizeof *times);
   if (!times) return GCA_ERR_NOMEM;
   snprintf(row->name, sizeof row->name, "%s", name);
@@ -110,8 +114,8 @@ static int bench_one(const char *path, const char *name, int runs, row_t *row) {
     qsort(times, (size_t)runs, sizeof *times, compare_doubles);
     row->best = times[0];
     row->median = times[runs / 2];
-    row->python = strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
-    row->fresh = fresh_process_rate(path, runs);
+    row->python = peers && strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
+    row->fresh = peers ? fresh_process_rate(path, runs) : -1;
   }
   free(times);
   return rc;
@@ -120,13 +124,14 @@ static int bench_one(const char *path, const char *name, int runs, row_t *row) {
 int bench_replay_main(int argc, char **argv) {
   const char *dir = "../shared/traces";
   int runs = 10;
-  bool json = false;
+  bool json = false, peers = true;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--traces") && i + 1 < argc) dir = argv[++i];
     else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--json")) json = true;
+    else if (!strcmp(argv[i], "--speed-only")) peers = false;
     else {
-      fprintf(stderr, "usage: gcalloc bench-replay [--traces DIR] [--runs N] [--json]\n");
+      fprintf(stderr, "usage: gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only]\n");
       return 2;
     }
   }
@@ -156,7 +161,7 @@ int bench_replay_main(int argc, char **argv) {
       char path[2048];
       snprintf(path, sizeof path, "%s/%s", sub, e->d_name);
       memset(&rows[n], 0, sizeof rows[n]);
-      if (bench_one(path, names[k], runs, &rows[n]) != GCA_OK) {
+      if (bench_one(path, names[k], runs, peers, &rows[n]) != GCA_OK) {
         fprintf(stderr, "gcalloc bench-replay: %s: %s\n", path, gca_last_error());
         rc = 1;
         break;
@@ -207,7 +212,7 @@ int bench_replay_main(int argc, char **argv) {
     replay_result_free(&r->result);
   }
   if (json) printf("\n]}\n");
-  else
+  else if (peers)
     printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock)\n"
            "(x) = gcalloc's whole replay / Python's pickle load of the same file alone, both best of %d\n",
            runs, runs);

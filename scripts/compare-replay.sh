@@ -1,0 +1,52 @@
+#!/bin/sh
+# Compare the replay's end-to-end speed of two commits on this machine:
+#   scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]
+# builds both (Release, in a temporary directory; NEW_REV defaults to the
+# working tree), then runs `gcalloc bench-replay --speed-only --runs 40`
+# of each in turn, ROUNDS times (default 10), and prints the best time per
+# trace and build. Alternating matters on a machine whose speed drifts
+# from one minute to the next: a slow stretch then hits both builds.
+set -eu
+old=${1:?usage: scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]}
+new=${2:-}
+rounds=${3:-10}
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'git -C "$root" worktree remove --force "$work/old" 2>/dev/null; [ -z "$new" ] || git -C "$root" worktree remove --force "$work/new" 2>/dev/null; rm -rf "$work"' EXIT
+
+build() { # SOURCE_DIR BUILD_DIR
+  cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DGCALLOC_BUILD_TESTS=OFF >/dev/null
+  cmake --build "$2" -j "$(nproc)" --target gcalloc_tool >/dev/null
+}
+git -C "$root" worktree add -q --detach "$work/old" "$old"
+build "$work/old" "$work/build-old"
+if [ -n "$new" ]; then
+  git -C "$root" worktree add -q --detach "$work/new" "$new"
+  build "$work/new" "$work/build-new"
+else
+  build "$root" "$work/build-new"
+fi
+traces="$root/../shared/traces"
+# (A build from before --speed-only measures the peers too: slower, the same figures.)
+speed_only() { "$1" bench-replay --speed-only --runs 1 --traces "$traces" >/dev/null 2>&1 && echo --speed-only || true; }
+flag_old=$(speed_only "$work/build-old/gcalloc")
+flag_new=$(speed_only "$work/build-new/gcalloc")
+for r in $(seq "$rounds"); do
+  for b in old new; do
+    eval "flag=\$flag_$b"
+    "$work/build-$b/gcalloc" bench-replay $flag --runs 40 --json --traces "$traces" |
+      python3 -c "import json,sys; [print('$b', t['trace'], t['best_seconds']) for t in json.load(sys.stdin)['traces']]"
+  done
+done | python3 -c "
+import sys
+best = {}
+for line in sys.stdin:
+    build, trace, s = line.split()
+    k = (trace, build)
+    best[k] = min(best.get(k, 1e9), float(s))
+print('best of %s runs (%s rounds of 40), ms:' % (40 * $rounds, $rounds))
+print('%-34s %10s %10s %8s' % ('trace', 'old', 'new', 'new/old'))
+for trace in sorted({t for t, _ in best}):
+    o, n = best[(trace, 'old')], best[(trace, 'new')]
+    print('%-34s %10.3f %10.3f %8.3f' % (trace, o * 1e3, n * 1e3, n / o))
+"
