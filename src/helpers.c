@@ -185,7 +185,8 @@ static bool queue_job(helper_job_t *job) {
   push_job(q, job);
   size_t free_threads = (size_t)(helper_count - helper_busy);
   bool short_of_threads = job->detached ? helper_count == 0 : queued(&waited_jobs) > free_threads;
-  if (short_of_threads && !start_helper() && (job->detached ? helper_count == 0 : queued(&waited_jobs) > free_threads)) {
+  /* (A thread that cannot start changes nothing: still short, it is refused.) */
+  if (short_of_threads && !start_helper()) {
     remove_job(q, job);
     atomic_store_explicit(&job->state, 0, memory_order_relaxed);
     return false;
