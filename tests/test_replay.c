@@ -511,7 +511,9 @@ static void test_tool_json(void **state) {
  * seeds, and a forward run of the plan's rule (alloc: a new block at the
  * address, the old one left allocated; free_completed: frees the block
  * there, if any) the requested bytes; the replay's seeded count and peak
- * requested must be those. */
+ * requested must be those, and the seeds must be made in address order
+ * (the requested bytes after each, from the timeline). The addresses differ
+ * in every byte, as the plan's sort of the seeds goes byte by byte. */
 typedef struct ref_block {
   uint64_t addr, size;
   bool live;
@@ -529,6 +531,8 @@ static void test_plan_matches_walk_back(void **state) {
   for (int round = 0; round < 400; round++) {
     trace_t t = {0};
     size_t n = next_random(&seed) % 80, addrs = 2 + next_random(&seed) % 6;
+    uint64_t addr_of[8];
+    for (size_t i = 0; i < 8; i++) addr_of[i] = (next_random(&seed) << 3 ^ next_random(&seed) << 35) | i;
     t.events = calloc(n + 1, sizeof *t.events);
     t.count = n;
     t.device_count = 2;
@@ -537,18 +541,19 @@ static void test_plan_matches_walk_back(void **state) {
       int r = (int)(next_random(&seed) % 10);
       e->device = (int)(next_random(&seed) % 2);
       e->action = r < 4 ? TA_ALLOC : r < 7 ? TA_FREE_COMPLETED : r < 9 ? TA_FREE_REQUESTED : TA_OOM;
-      e->addr = (next_random(&seed) % addrs) << 20;
+      e->addr = addr_of[next_random(&seed) % addrs];
       e->size = (1 + next_random(&seed) % 8) << 9;
       e->time_us = -1;
     }
     t.final_block_count = next_random(&seed) % 5;
     t.final_blocks = calloc(t.final_block_count + 1, sizeof *t.final_blocks);
     for (size_t i = 0; i < t.final_block_count; i++)
-      t.final_blocks[i] = (trace_block_t){(int)(next_random(&seed) % 2), (next_random(&seed) % addrs) << 20, 1 << 20,
+      t.final_blocks[i] = (trace_block_t){(int)(next_random(&seed) % 2), addr_of[next_random(&seed) % addrs], 1 << 20,
                                           (1 + next_random(&seed) % 8) << 9, 0, next_random(&seed) % 3 != 0};
     t.has_segment_state = true;
     replay_options_t o = defaults();
     o.match_segments = false;
+    o.timeline = true;
     replay_result_t r;
     assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
     for (int d = 0; d < 2; d++) {
@@ -605,6 +610,21 @@ static void test_plan_matches_walk_back(void **state) {
       }
       assert_int_equal(dv->seeded, seeds);
       assert_int_equal(dv->peak_requested, peak);
+      /* The seeds in address order: the requested bytes after each. */
+      ref_block_t sorted[256];
+      size_t ns = 0;
+      for (size_t i = 0; i < nb; i++) {
+        if (!blocks[i].live) continue;
+        size_t at = ns++;
+        for (; at > 0 && sorted[at - 1].addr > blocks[i].addr; at--) sorted[at] = sorted[at - 1];
+        sorted[at] = blocks[i];
+      }
+      uint64_t sum = 0;
+      assert_true(dv->timeline_count >= ns);
+      for (size_t i = 0; i < ns; i++) {
+        sum += sorted[i].size;
+        assert_int_equal(dv->requested_at[i], sum);
+      }
     }
     replay_result_free(&r);
     trace_free(&t);
