@@ -140,6 +140,24 @@ static void test_pickle_refuses_objects(void **state) {
   static const unsigned char bad_memo[] = "\x80\x02h\x05.";
   assert_null(pickle_parse(bad_memo, sizeof bad_memo - 1, NULL));
   assert_contains(gca_last_error(), "memo index 5");
+  /* A store past the memo's count leaves a hole below it: a get there is
+   * refused, whatever the memory under the memo held before (the memo is
+   * not zeroed; the memory it will be given is filled first). */
+  static const unsigned char memo_hole[] = "\x80\x02](Nq\x03h\x01" "e.";
+  static const unsigned char memo_past_hole[] = "\x80\x02](Nq\x03h\x03" "e.";
+  for (int round = 0; round < 2; round++) {
+    void *dirty = malloc(64 * sizeof(pv_t));
+    assert_non_null(dirty);
+    memset(dirty, round ? 0x01 : 0xff, 64 * sizeof(pv_t));
+    free(dirty);
+    assert_null(pickle_parse(memo_hole, sizeof memo_hole - 1, NULL));
+    assert_contains(gca_last_error(), "memo index 1 used before it was stored");
+  }
+  pickle_doc_t *stored = pickle_parse(memo_past_hole, sizeof memo_past_hole - 1, NULL);
+  assert_non_null(stored);
+  assert_int_equal(pv_len(pickle_root(stored)), 2);
+  assert_int_equal(pv_at(pickle_root(stored), 1)->kind, PV_NONE);
+  pickle_free(stored);
   static const unsigned char two_values[] = "\x80\x02K\x01K\x02.";
   assert_null(pickle_parse(two_values, sizeof two_values - 1, NULL));
   /* Found by the fuzzer (tests/fuzz_pickle.c): an empty tuple before
