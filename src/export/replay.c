@@ -146,6 +146,14 @@ static void sort_seeds(seed_t *seeds, seed_t *tmp, size_t n) {
   }
 }
 
+/* Where a device's events lie in the trace: from its first to past its
+ * last (lo == hi: none). A trace's readers group events by device, so a
+ * device's plan looks at its own events only, not at every event of the
+ * trace three times (a tenth of replaying Constructor-Sun's four devices). */
+typedef struct event_span {
+  size_t lo, hi;
+} event_span_t;
+
 /* Steps 1 and 2 for device d, in two passes over its events with one
  * address lookup per alloc or release (three or four were a third of the time of
  * replaying a trace).
@@ -157,14 +165,6 @@ static void sort_seeds(seed_t *seeds, seed_t *tmp, size_t n) {
  * an active final block. What was live there is the last release before the
  * first alloc (the one the walk back puts in last), or the final block when
  * the address is never allocated. */
-/* Where a device's events lie in the trace: from its first to past its
- * last (lo == hi: none). A trace's readers group events by device, so a
- * device's plan looks at its own events only, not at every event of the
- * trace three times (a tenth of replaying Constructor-Sun's four devices). */
-typedef struct event_span {
-  size_t lo, hi;
-} event_span_t;
-
 static int plan_device(const trace_t *t, int d, event_span_t span, const replay_options_t *o, device_plan_t *p) {
   memset(p, 0, sizeof *p);
   size_t n = 0;
