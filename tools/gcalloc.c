@@ -59,7 +59,8 @@ int main(int argc, char **argv) {
    * own, and heaps are trimmed), so the next took the pages' faults again,
    * serialized on the process's memory map: Constructor-Sun's replay after
    * a read took 0.7-1.9 ms instead of 0.5-0.6, a third of the time. `tune`
-   * and the benchmark replay many times in one process. (The library
+   * and the benchmark replay many times in one process; `replay` counts on
+   * it to fault its heap in ahead (tools/replay.c, heap_warm). (The library
    * leaves malloc's settings to the program that links it.) */
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 128 << 20);
