@@ -12,6 +12,7 @@
 #include <time.h>
 #if defined(__linux__) && defined(__GLIBC__)
 #include <sys/mman.h>
+#include <stdatomic.h>
 #include <sys/stat.h>
 #endif
 
@@ -153,13 +154,15 @@ static void show_progress(void *ctx, int device, size_t done, size_t total) {
 static struct {
   char *start;
   size_t bytes;
+  atomic_bool called_off; /* the replay will keep both processors busy */
 } heap_warm_range;
 
 static void heap_warm_run(void *arg) {
   (void)arg;
   char *start = heap_warm_range.start;
   size_t bytes = heap_warm_range.bytes;
-  for (size_t at = 0; at < bytes; at += HEAP_WARM_STEP)
+  for (size_t at = 0; at < bytes && !atomic_load_explicit(&heap_warm_range.called_off, memory_order_relaxed);
+       at += HEAP_WARM_STEP)
     if (madvise(start + at, bytes - at < HEAP_WARM_STEP ? bytes - at : HEAP_WARM_STEP, MADV_POPULATE_WRITE) != 0)
       break;
 }
@@ -177,8 +180,16 @@ static void heap_warm(const char *path) {
   heap_warm_range.bytes = end - start;
   (void)helper_detach(heap_warm_run, NULL);
 }
+
+/* Devices replayed at once fill the processors, each in a heap of its own
+ * (one per thread): the chore, if it has not run yet, would only delay one
+ * of them. */
+static void heap_warm_call_off(const trace_t *t, int device) {
+  if (t->device_count > 1 && device < 0) atomic_store_explicit(&heap_warm_range.called_off, true, memory_order_relaxed);
+}
 #else
 static void heap_warm(const char *path) { (void)path; }
+static void heap_warm_call_off(const trace_t *t, int device) { (void)t, (void)device; }
 #endif
 
 int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o) {
@@ -245,6 +256,7 @@ int replay_main(int argc, char **argv) {
     return 1;
   }
   double load_s = tool_seconds() - t0;
+  heap_warm_call_off(&t, o.device);
   replay_result_t r;
   if (replay_trace(&t, &o, &r) != GCA_OK) {
     fprintf(stderr, "gcalloc replay: %s: %s\n", path, gca_last_error());
