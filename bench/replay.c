@@ -7,7 +7,9 @@
  * best of N runs of `gcalloc replay --json` each in a new process, as a
  * user meets it (the tool's own clock: from opening the file to the last
  * device replayed, so not the process's start), which pays what runs in
- * one process do not: faulting in fresh memory, creating threads. The peer,
+ * one process do not: faulting in fresh memory, creating threads; with the
+ * fewest page faults one took, and what a page fault costs on the machine
+ * (measured here), to tell the kernel's share. The peer,
  * measured in the same run: Python's own unpickler loading the same file
  * (the first step of PyTorch's tooling, torch.cuda._memory_viz), best of N,
  * with the ratio gcalloc's whole replay / Python's load alone.
@@ -20,11 +22,18 @@
  * alternating two builds.
  */
 #include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 
 #include "../src/internal.h"
 #include "../src/export/replay.h"
@@ -58,32 +67,85 @@ typedef struct row {
   size_t events;
   double best, median, python;
   double fresh; /* best events/s of `gcalloc replay` in new processes; -1 when not measured */
+  long fresh_faults; /* the fewest page faults one of them took; -1 when not measured */
   replay_result_t result;
 } row_t;
 
-/* Best end-to-end events/s that `gcalloc replay --json PATH` reports over
- * `runs` new processes, or -1 (no /proc/self/exe, or a run failed). */
-static double fresh_process_rate(const char *path, int runs) {
+/* `gcalloc replay --json PATH` in `runs` new processes: the best
+ * end-to-end events/s they report and the fewest page faults one took
+ * (its own, from wait4: the kernel mapping a page of memory or of the
+ * file for it the first time it was touched). -1 each when it cannot be
+ * measured (no /proc/self/exe, a run that failed). */
+static void fresh_processes(const char *path, int runs, double *best_rate, long *fewest_faults) {
+  *best_rate = -1;
+  *fewest_faults = -1;
   char self[1024];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n <= 0) return -1;
+  if (n <= 0) return;
   self[n] = '\0';
-  char cmd[4096];
-  snprintf(cmd, sizeof cmd, "'%s' replay --json '%s' 2>/dev/null", self, path);
+  char *args[] = {self, "replay", "--json", (char *)path, NULL};
   double best = -1;
+  long fewest = -1;
   for (int i = 0; i < runs; i++) {
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
+    int out[2];
+    if (pipe(out) != 0) return;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+    posix_spawn_file_actions_addclose(&actions, out[0]);
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+    pid_t pid;
+    int spawned = posix_spawn(&pid, self, &actions, NULL, args, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(out[1]);
     char buf[4096];
-    size_t got = fread(buf, 1, sizeof buf - 1, p);
+    size_t got = 0;
+    for (ssize_t r; spawned == 0 && got < sizeof buf - 1 && (r = read(out[0], buf + got, sizeof buf - 1 - got)) != 0;)
+      if (r > 0) got += (size_t)r;
+      else if (errno != EINTR) break;
     buf[got] = '\0';
-    if (pclose(p) != 0) return -1;
+    close(out[0]);
+    if (spawned != 0) return;
+    int status;
+    struct rusage usage;
+    while (wait4(pid, &status, 0, &usage) < 0)
+      if (errno != EINTR) return;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return;
     const char *key = strstr(buf, "\"end_to_end_events_per_second\": ");
-    if (!key) return -1;
+    if (!key) return;
     double rate = strtod(key + strlen("\"end_to_end_events_per_second\": "), NULL);
     if (rate > best) best = rate;
+    if (fewest < 0 || usage.ru_minflt < fewest) fewest = usage.ru_minflt;
   }
-  return best;
+  *best_rate = best;
+  *fewest_faults = fewest;
+}
+
+/* What fresh memory costs on this machine, which a new process pays and
+ * runs in one process mostly do not: microseconds to fault in a 4 KiB
+ * page (touching 8 MiB page by page, huge pages refused) and a 2 MiB huge
+ * page (the same where the kernel gives huge pages), best of 5; -1 where
+ * it cannot be measured. */
+static void fresh_memory_cost(double *page_us, double *huge_us) {
+  *page_us = *huge_us = -1;
+#if defined(__linux__) && defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  const size_t bytes = (size_t)8 << 20, huge = (size_t)2 << 20, page = 4096;
+  for (int round = 0; round < 5; round++) {
+    for (int kind = 0; kind < 2; kind++) {
+      char *raw = mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (raw == MAP_FAILED) return;
+      char *p = (char *)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
+      if (madvise(p, bytes, kind ? MADV_HUGEPAGE : MADV_NOHUGEPAGE) == 0) {
+        double t0 = tool_seconds();
+        for (size_t at = 0; at < bytes; at += page) ((volatile char *)p)[at] = 1;
+        double us = (tool_seconds() - t0) * 1e6 / (double)(bytes / (kind ? huge : page));
+        double *best = kind ? huge_us : page_us;
+        if (*best < 0 || us < *best) *best = us;
+      }
+      munmap(raw, bytes + huge);
+    }
+  }
+#endif
 }
 
 static bool is_trace(const char *name) {
@@ -115,7 +177,8 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, r
     row->best = times[0];
     row->median = times[runs / 2];
     row->python = peers && strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
-    row->fresh = peers ? fresh_process_rate(path, runs) : -1;
+    row->fresh = row->fresh_faults = -1;
+    if (peers) fresh_processes(path, runs, &row->fresh, &row->fresh_faults);
   }
   free(times);
   return rc;
@@ -173,8 +236,8 @@ int bench_replay_main(int argc, char **argv) {
   if (json) printf("{\"runs\": %d, \"traces\": [", runs);
   else {
     printf("replay end to end (load, plan, replay every device with segment matching), best/median of %d runs\n", runs);
-    printf("%-32s %8s %9s %9s %12s %9s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s", "new proc",
-           "Python load ms (x)", "peak reserved gcalloc / PyTorch, per device");
+    printf("%-32s %8s %9s %9s %12s %16s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s",
+           "new proc (faults)", "Python load ms (x)", "peak reserved gcalloc / PyTorch, per device");
   }
   for (int i = 0; i < n; i++) {
     row_t *r = &rows[i];
@@ -183,8 +246,9 @@ int bench_replay_main(int argc, char **argv) {
       printf("%s\n {\"trace\": ", i ? "," : "");
       json_put_string(stdout, r->name);
       printf(", \"events\": %zu, \"best_seconds\": %.6f, \"median_seconds\": %.6f, \"events_per_second\": %.0f"
-             ", \"new_process_events_per_second\": %.0f, \"python_load_seconds\": %.6f, \"devices\": [",
-             r->events, r->best, r->median, rate, r->fresh, r->python);
+             ", \"new_process_events_per_second\": %.0f, \"new_process_page_faults\": %ld"
+             ", \"python_load_seconds\": %.6f, \"devices\": [",
+             r->events, r->best, r->median, rate, r->fresh, r->fresh_faults, r->python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
         printf("%s{\"device\": %d, \"peak_reserved_bytes\": %" PRIu64 ", \"recorded_peak_reserved_bytes\": %" PRId64
@@ -196,8 +260,8 @@ int bench_replay_main(int argc, char **argv) {
       char python[64] = "-";
       if (r->python > 0) snprintf(python, sizeof python, "%.1f (%.2fx)", r->python * 1e3, r->best / r->python);
       char fresh[32] = "-";
-      if (r->fresh > 0) snprintf(fresh, sizeof fresh, "%.2f", r->fresh / 1e6);
-      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %9s  %18s  ", r->name, r->events, r->best * 1e3, r->median * 1e3,
+      if (r->fresh > 0) snprintf(fresh, sizeof fresh, "%.2f (%ld)", r->fresh / 1e6, r->fresh_faults);
+      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %16s  %18s  ", r->name, r->events, r->best * 1e3, r->median * 1e3,
              rate / 1e6, fresh, python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
@@ -211,10 +275,18 @@ int bench_replay_main(int argc, char **argv) {
     }
     replay_result_free(&r->result);
   }
-  if (json) printf("\n]}\n");
-  else if (peers)
-    printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock)\n"
+  double page_us = -1, huge_us = -1;
+  if (peers) fresh_memory_cost(&page_us, &huge_us);
+  if (json) printf("\n], \"fresh_page_fault_us\": %.3f, \"fresh_huge_page_fault_us\": %.1f}\n", page_us, huge_us);
+  else if (peers) {
+    printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock);\n"
+           "  faults = the fewest page faults one of them took: memory and file pages, a huge page counting one,\n"
+           "  those a helper took ahead of the replaying thread (tools/replay.c, heap_warm) included\n"
            "(x) = gcalloc's whole replay / Python's pickle load of the same file alone, both best of %d\n",
            runs, runs);
+    if (page_us >= 0 && huge_us >= 0)
+      printf("fresh memory on this machine, best of 5: %.2f us to fault in a 4 KiB page, %.0f us a 2 MiB huge page\n",
+             page_us, huge_us);
+  }
   return rc;
 }

@@ -7,6 +7,11 @@
 # trace and build, and the first quartile of the rounds' bests.
 # Alternating matters on a machine whose speed drifts from one minute to
 # the next: a slow stretch then hits both builds.
+#   NEW_PROCESS=1 scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]
+# compares them in new processes instead, as a user runs `gcalloc replay`
+# once: each round runs `gcalloc replay --json` three times per trace and
+# build, in turn, and it prints the best, first quartile and median of
+# the times the processes report (their own clocks, from opening the file).
 set -eu
 old=${1:?usage: scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]}
 new=${2:-}
@@ -28,6 +33,30 @@ else
   build "$root" "$work/build-new"
 fi
 traces="$root/../shared/traces"
+if [ "${NEW_PROCESS:-}" = 1 ]; then
+  python3 - "$work/build-old/gcalloc" "$work/build-new/gcalloc" "$traces" "$rounds" <<'PY'
+import json, os, subprocess, sys
+old, new, traces, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+paths = sorted(os.path.join(traces, d, f) for d in os.listdir(traces) if os.path.isdir(os.path.join(traces, d))
+               for f in os.listdir(os.path.join(traces, d)) if f.endswith(('.pickle', '.log', '.csv', '.trace')))
+times = {}
+for _ in range(rounds):
+    for path in paths:
+        for build, exe in (('old', old), ('new', new)):
+            for _ in range(3):
+                out = subprocess.run([exe, 'replay', '--json', path], capture_output=True, text=True, check=True).stdout
+                times.setdefault((path, build), []).append(json.loads(out)['seconds'] * 1e3)
+print('new processes, %d of each build per trace, ms: best, first quartile, median' % (3 * rounds))
+print('%-34s %22s %22s' % ('trace', 'old', 'new'))
+for path in paths:
+    cells = []
+    for build in ('old', 'new'):
+        v = sorted(times[(path, build)])
+        cells.append('%6.2f %6.2f %6.2f' % (v[0], v[len(v) // 4], v[len(v) // 2]))
+    print('%-34s %22s %22s' % (os.path.basename(os.path.dirname(path))[:34], cells[0], cells[1]))
+PY
+  exit 0
+fi
 # (A build from before --speed-only measures the peers too: slower, the same figures.)
 speed_only() { "$1" bench-replay --speed-only --runs 1 --traces "$traces" >/dev/null 2>&1 && echo --speed-only || true; }
 flag_old=$(speed_only "$work/build-old/gcalloc")
