@@ -2,7 +2,8 @@
  * the replay's two targets on the real traces of ../shared/traces.
  *
  * Speed, end to end: reading the file, planning, replaying every device
- * with the segment matching on (what `gcalloc replay` does), best and
+ * with the segment matching and the page census at the peak on (what
+ * `gcalloc replay` does without --report), best and
  * median of N runs in this process, in trace events per second; and the
  * best of N runs of `gcalloc replay --json` each in a new process, as a
  * user meets it (the tool's own clock: from opening the file to the last
@@ -162,7 +163,9 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, r
     trace_t t;
     rc = trace_load(path, &t);
     if (rc) break;
-    replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
+    /* The options `gcalloc replay` runs with (tools/replay.c), the page
+     * census at the peak included. */
+    replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true, .page_census = true};
     replay_result_t r;
     rc = replay_trace(&t, &o, &r);
     times[i] = tool_seconds() - t0;
