@@ -47,11 +47,15 @@ typedef struct recount {
 
 /* The pages of an expandable segment against its blocks. */
 static int check_pages(device_t *d, segment_t *seg, recount_t *r) {
-  size_t page = seg->page_size, mapped = 0;
-  for (size_t i = 0; i < seg->page_cap; i++) mapped += seg->pages[i] != 0;
+  size_t page = seg->page_size, mapped = 0, top = 0;
+  for (size_t i = 0; i < seg->page_cap; i++)
+    if (seg->pages[i]) mapped++, top = i + 1;
   if (mapped * page != seg->mapped_bytes)
     BAD("device %d: expandable segment at %#" PRIxPTR " has %zu pages mapped but counts %zu bytes", d->index,
         seg->addr, mapped, seg->mapped_bytes);
+  if (top != seg->mapped_top)
+    BAD("device %d: expandable segment at %#" PRIxPTR " has its highest page mapped at %zu but keeps %zu",
+        d->index, seg->addr, top, seg->mapped_top);
   r->reserved[seg->pool->kind] += (int64_t)seg->mapped_bytes;
   for (block_t *b = seg->head; b; b = b->next) {
     size_t offset = b->addr - seg->addr;

@@ -187,6 +187,7 @@ struct segment {
   uintptr_t *pages;          /* page_cap entries; pages past it are unmapped */
   size_t page_cap;
   size_t mapped_bytes;
+  size_t mapped_top;         /* one past the highest page mapped (0: none), for the census */
 };
 
 RB_HEAD(free_index, block);
@@ -595,6 +596,13 @@ typedef struct page_census {
 } page_census_t;
 /* Count (and with `maps`, draw) the pages; GCA_ERR_NOMEM if the maps cannot be had. */
 int expandable_census(const device_t *d, bool maps, page_census_t *out);
+/* The same counts without maps, from what the device keeps up to date
+ * (each range's mapped bytes and top, the free indexes): cheap enough to
+ * take at every new peak of a replay. Nothing to free. */
+void expandable_census_counts(device_t *d, page_census_t *out);
+static inline bool device_has_expandable(const device_t *d) {
+  return d->small_pool.expandable_segments || d->large_pool.expandable_segments;
+}
 void page_census_free(page_census_t *c);
 
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }

@@ -379,9 +379,26 @@ static void test_history_and_snapshot(void **state) {
 
 /* ---- the page census (what the replay report shows) --------------------- */
 
+/* The census's counts kept up to date (what the replay takes at each new
+ * peak) are the walk's, field by field. */
+static void assert_counts_match(gca_allocator_t *a, const page_census_t *walked) {
+  page_census_t kept;
+  expandable_census_counts(&a->devices[0], &kept);
+  assert_null(kept.maps);
+  assert_int_equal(kept.ranges, walked->ranges);
+  assert_int_equal(kept.reserved_bytes, walked->reserved_bytes);
+  assert_int_equal(kept.mapped_pages, walked->mapped_pages);
+  assert_int_equal(kept.mapped_bytes, walked->mapped_bytes);
+  assert_int_equal(kept.free_pages, walked->free_pages);
+  assert_int_equal(kept.free_bytes, walked->free_bytes);
+  assert_int_equal(kept.unmapped_pages, walked->unmapped_pages);
+  assert_int_equal(kept.unmapped_bytes, walked->unmapped_bytes);
+}
+
 static page_census_t census_of(gca_allocator_t *a) {
   page_census_t c;
   assert_int_equal(expandable_census(&a->devices[0], true, &c), GCA_OK);
+  assert_counts_match(a, &c);
   return c;
 }
 

@@ -21,7 +21,7 @@ typedef struct replay_options {
   bool infer_empty_cache;  /* a run of recorded segment frees gcalloc did not cause is an empty_cache() */
   bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
-  bool page_census;        /* with expandable segments: count their pages at the peak (a second run up to it) */
+  bool page_census;        /* with expandable segments: count their pages at the peak (maps: with timeline) */
   int threads;              /* devices replayed at once; 0: one per processor online (results do not depend on it) */
   replay_progress_fn progress; /* called from the replaying threads, one call at a time */
   void *progress_ctx;
