@@ -38,6 +38,18 @@ static inline void assert_consistent(gca_allocator_t *a) {
   assert_int_equal(rc, GCA_OK);
 }
 
+/* Two page censuses count the same, field by field (their maps aside). */
+static inline void assert_census_counts_equal(const page_census_t *a, const page_census_t *b) {
+  assert_int_equal(a->ranges, b->ranges);
+  assert_int_equal(a->reserved_bytes, b->reserved_bytes);
+  assert_int_equal(a->mapped_pages, b->mapped_pages);
+  assert_int_equal(a->mapped_bytes, b->mapped_bytes);
+  assert_int_equal(a->free_pages, b->free_pages);
+  assert_int_equal(a->free_bytes, b->free_bytes);
+  assert_int_equal(a->unmapped_pages, b->unmapped_pages);
+  assert_int_equal(a->unmapped_bytes, b->unmapped_bytes);
+}
+
 static inline sim_counters_t sim_counters(gca_allocator_t *a, int device) {
   sim_counters_t c;
   assert_int_equal(sim_get_counters(&a->backend, device, &c), GCA_OK);
