@@ -99,7 +99,7 @@ static void fresh_processes(const char *path, int runs, double *best_rate, long 
     int spawned = posix_spawn(&pid, self, &actions, NULL, args, environ);
     posix_spawn_file_actions_destroy(&actions);
     close(out[1]);
-    char buf[4096];
+    char buf[16384]; /* (the JSON of a few devices: a new process that wrote more would fail on the closed pipe) */
     size_t got = 0;
     for (ssize_t r; spawned == 0 && got < sizeof buf - 1 && (r = read(out[0], buf + got, sizeof buf - 1 - got)) != 0;)
       if (r > 0) got += (size_t)r;
