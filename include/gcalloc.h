@@ -329,6 +329,7 @@ GCA_API int gca_remove_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, vo
  *   garbage_collection_threshold, expandable_segments,
  *   release_lock_on_cudamalloc, pinned_use_cuda_host_register,
  *   pinned_num_register_threads, pinned_use_background_threads,
+ *   pinned_reserve_segment_size_mb,
  *   per_process_memory_fraction, backend, and gcalloc's own
  *   oom_retry_timeout_ms (default 0: an allocation the device cannot serve
  *   after the whole ladder waits up to this long for other threads to free

@@ -305,14 +305,16 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     }
     return GCA_OK;
   }
-  /* Keys of newer PyTorch versions that gcalloc knows but does not build. */
   if (strcmp(key, "pinned_reserve_segment_size_mb") == 0) {
     token_t *v = next(p);
     uint64_t n;
-    if (!parse_uint(v, &n) || n == 0) return fail(p, key, v, "must be an integer > 0");
-    warn_not_built(p, key);
+    /* (The bound keeps n MiB a size_t with room to spare.) */
+    if (!parse_uint(v, &n) || n == 0 || n > ((uint64_t)1 << 30))
+      return fail(p, key, v, "must be an integer > 0 and at most 2^30");
+    c->pinned_reserve_segment_mb = (size_t)n;
     return GCA_OK;
   }
+  /* Keys of newer PyTorch versions that gcalloc knows but does not build. */
   if (strcmp(key, "graph_capture_record_stream_reuse") == 0) {
     bool ignored;
     rc = read_bool(p, key, &ignored);
@@ -409,6 +411,7 @@ size_t config_format(const config_t *c, char *buf, size_t cap) {
   text_put(&o, ",pinned_use_cuda_host_register:%s", c->pinned_use_host_register ? "True" : "False");
   text_put(&o, ",pinned_num_register_threads:%zu", c->pinned_num_register_threads);
   text_put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
+  if (c->pinned_reserve_segment_mb) text_put(&o, ",pinned_reserve_segment_size_mb:%zu", c->pinned_reserve_segment_mb);
   text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
   if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
     text_put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");

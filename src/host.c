@@ -28,6 +28,14 @@
  * stream instead; if even that fails, the block is quarantined, never
  * reused).
  *
+ * With pinned_reserve_segment_size_mb (newer PyTorch), the first miss pins
+ * one segment of that size, and misses carve their blocks from it, each
+ * rounded to 4 KiB, one after another, until it is used up; then they pin
+ * as before. A carved block cannot be unpinned alone: PyTorch drops it from
+ * the cache at empty_cache and never reuses its memory; here it stays
+ * cached (and pinned) through empty_cache, and the segment is unpinned at
+ * close.
+ *
  * One lock guards the cache. The backend's pin and unpin calls, which take
  * milliseconds for large blocks, are made without it.
  */
@@ -58,6 +66,7 @@ struct host_block {
   uint32_t events_pending; /* events recorded at its free, not yet completed */
   uint8_t state;
   bool registered;         /* malloc + register, not host_alloc */
+  bool carved;             /* from the reserve segment: never unpinned alone */
   bool doomed;             /* a use could not be waited for: quarantine when settled */
   host_block_t *next_free;
 };
@@ -80,6 +89,14 @@ struct host_cache {
   host_event_t *events;  /* a ring, oldest at head */
   size_t head, queued, ring_cap;
   gca_host_stats_t stats;
+  /* The reserve segment (pinned_reserve_segment_size_mb): pinned at the
+   * first miss that finds it configured (tried: asked once, pinned or not),
+   * carved from start up to used. */
+  struct {
+    uintptr_t start;
+    size_t size, used;
+    bool registered, tried;
+  } reserve;
   size_t absorbed;       /* failures absorbed since the last report */
   char absorbed_message[256]; /* the size of absorbed_t.last */
 };
@@ -385,7 +402,8 @@ static void host_drop_block(host_block_t *b) {
   free(b);
 }
 
-/* Take every cached block out of the free lists and the table (they become
+/* Take every cached block not carved from the reserve segment out of the
+ * free lists and the table (they become
  * RELEASING: no lookup finds them while they are unpinned, so an address
  * the backend hands out again is never found twice), chained through
  * next_free. With the lock held. The statistics still count them until
@@ -393,9 +411,14 @@ static void host_drop_block(host_block_t *b) {
 static host_block_t *host_take_cached(host_cache_t *h) {
   host_block_t *taken = NULL;
   for (int k = 0; k < HOST_BUCKETS; k++) {
-    while (h->free_lists[k]) {
-      host_block_t *b = h->free_lists[k];
-      h->free_lists[k] = b->next_free;
+    host_block_t **at = &h->free_lists[k];
+    while (*at) {
+      host_block_t *b = *at;
+      if (b->carved) { /* (stays cached: it cannot be unpinned alone) */
+        at = &b->next_free;
+        continue;
+      }
+      *at = b->next_free;
       b->state = HOST_RELEASING;
       h->stats.cached_bytes -= (int64_t)b->size;
       b->next_free = taken;
@@ -459,6 +482,45 @@ static host_cache_t *host_of(gca_allocator_t *a, const char *what) {
   return a->host;
 }
 
+/* A block of `size` carved from the reserve segment, which the first miss
+ * that finds pinned_reserve_segment_size_mb set pins: false when none is
+ * configured, it could not be pinned, or it has no room left (the caller
+ * pins the block alone). Called without the lock. */
+static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
+  size_t take = (size + 4095) & ~(size_t)4095; /* (PyTorch's rounding: a small block takes a page) */
+  pthread_mutex_lock(&h->lock);
+  if (!h->reserve.tried) {
+    gca_allocator_t *a = h->owner;
+    pthread_mutex_lock(&a->config_lock);
+    size_t mb = a->config.pinned_reserve_segment_mb;
+    pthread_mutex_unlock(&a->config_lock);
+    if (mb) {
+      /* Pinned without the lock; a miss meanwhile pins its block alone. */
+      h->reserve.tried = true;
+      pthread_mutex_unlock(&h->lock);
+      uintptr_t start = 0;
+      bool registered = false;
+      int rc = host_pin(h, mb << 20, &start, &registered);
+      if (rc != GCA_OK)
+        log_message(GCA_LOG_WARNING, "pinned host allocator: the reserve segment (%zu MiB) could not be pinned, "
+                    "blocks are pinned one by one: %s", mb, gca_last_error());
+      pthread_mutex_lock(&h->lock);
+      if (rc == GCA_OK) {
+        h->reserve.start = start;
+        h->reserve.size = mb << 20;
+        h->reserve.registered = registered;
+      }
+    }
+  }
+  bool carved = h->reserve.start && take >= size && h->reserve.size - h->reserve.used >= take;
+  if (carved) {
+    *addr = h->reserve.start + h->reserve.used;
+    h->reserve.used += take;
+  }
+  pthread_mutex_unlock(&h->lock);
+  return carved;
+}
+
 GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t asked) {
   const backend_ops_t *ops = host_ops_of(h);
   if (!ops->host_alloc) {
@@ -466,8 +528,8 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     return NULL;
   }
   uintptr_t addr = 0;
-  bool registered = false;
-  int rc = host_pin(h, size, &addr, &registered);
+  bool registered = false, carved = host_carve(h, size, &addr);
+  int rc = carved ? GCA_OK : host_pin(h, size, &addr, &registered);
   if (rc == GCA_ERR_OOM) {
     /* Give the cache back and try once more. */
     pthread_mutex_lock(&h->lock);
@@ -502,13 +564,17 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     b->addr = addr;
     b->size = size;
     b->registered = registered;
+    b->carved = carved;
     b->state = HOST_IN_USE;
   }
   if (!b || !host_table_insert(h, b)) {
+    /* A carved block goes back to the reserve if it was the last carved. */
+    size_t take = (size + 4095) & ~(size_t)4095;
+    if (carved && addr + take == h->reserve.start + h->reserve.used) h->reserve.used -= take;
     pthread_mutex_unlock(&h->lock);
     free(b);
     host_block_t tmp = {.addr = addr, .registered = registered};
-    (void)host_unpin(h, &tmp);
+    if (!carved) (void)host_unpin(h, &tmp);
     set_error(GCA_ERR_NOMEM, "gca_host_malloc: out of host memory for the block's record");
     return NULL;
   }
@@ -656,7 +722,9 @@ int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned) {
   if (!h) return GCA_ERR_INVALID;
   if (!pinned) return set_error(GCA_ERR_INVALID, "gca_host_is_pinned: pinned is NULL");
   pthread_mutex_lock(&h->lock);
-  *pinned = host_block_containing(h, (uintptr_t)ptr) != NULL;
+  uintptr_t at = (uintptr_t)ptr;
+  *pinned = host_block_containing(h, at) != NULL ||
+            (h->reserve.start && at >= h->reserve.start && at - h->reserve.start < h->reserve.size);
   pthread_mutex_unlock(&h->lock);
   if (*pinned || !ptr || !host_ops_of(h)->host_is_pinned) return GCA_OK;
   return host_ops_of(h)->host_is_pinned(host_state_of(h), ptr, pinned);
@@ -744,13 +812,21 @@ void host_cache_destroy(gca_allocator_t *a) {
       e->block->state = HOST_QUARANTINED;
     host_destroy_event(h, e);
   }
+  bool reserve_doomed = false; /* a carved block the device may still copy into */
   for (size_t i = 0; i < h->count; i++) {
     host_block_t *b = h->blocks[i];
     in_use += b->state == HOST_IN_USE;
     for (uint32_t k = 0; k < b->use_count; k++)
       if (host_wait_stream(h, b->uses[k].device, b->uses[k].stream) != GCA_OK) b->state = HOST_QUARANTINED;
-    if (b->state == HOST_QUARANTINED || host_unpin(h, b) != GCA_OK) kept++;
+    if (b->carved) reserve_doomed |= b->state == HOST_QUARANTINED;
+    else if (b->state == HOST_QUARANTINED || host_unpin(h, b) != GCA_OK) kept++;
     host_drop_block(b);
+  }
+  if (h->reserve.start) {
+    host_block_t whole = {.addr = h->reserve.start, .registered = h->reserve.registered};
+    if (reserve_doomed || host_unpin(h, &whole) != GCA_OK)
+      log_message(GCA_LOG_WARNING, "pinned host allocator: the reserve segment (%zu bytes) left pinned at close",
+                  h->reserve.size);
   }
   if (in_use)
     log_message(GCA_LOG_INFO, "pinned host allocator: %zu block%s still in use at close unpinned", in_use,
@@ -792,6 +868,11 @@ int host_cache_check(gca_allocator_t *a) {
     else if (i > 0 && h->blocks[i - 1]->addr + h->blocks[i - 1]->size > b->addr)
       rc = set_error(GCA_ERR_CORRUPT, "host cache: blocks %p and %p overlap or are out of order",
                      (void *)h->blocks[i - 1]->addr, (void *)b->addr);
+    else if (b->carved != (h->reserve.start && b->addr >= h->reserve.start &&
+                           b->addr - h->reserve.start < h->reserve.size) ||
+             (b->carved && b->addr + b->size > h->reserve.start + h->reserve.used))
+      rc = set_error(GCA_ERR_CORRUPT, "host cache: block %p is %s the reserve segment's carved part",
+                     (void *)b->addr, b->carved ? "carved, but not in" : "not carved, but in");
     reserved += (int64_t)b->size;
     if (b->state != HOST_CACHED) allocated += (int64_t)b->size, allocations++;
     if (b->state == HOST_PENDING) pending++, events += b->events_pending;

@@ -81,6 +81,7 @@ typedef struct config {
   bool release_lock_on_malloc;
   bool pinned_use_host_register;
   bool pinned_use_background_threads;
+  size_t pinned_reserve_segment_mb; /* 0: none; the pinned allocator pins it at the first miss that finds it set */
   bool backend_async;             /* backend:cudaMallocAsync */
   /* A miss may take a whole segment cached for another stream, up to this
    * many times the size of the segment the device would be asked for:

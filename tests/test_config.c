@@ -75,7 +75,7 @@ static void test_not_built_keys_warn(void **state) {
   (void)state;
   static const char *const keys[] = {
       "release_lock_on_cudamalloc:True", "pinned_use_background_threads:True", "backend:cudaMallocAsync",
-      "pinned_reserve_segment_size_mb:64", "graph_capture_record_stream_reuse:True"};
+      "graph_capture_record_stream_reuse:True"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     int before = logs.count;
     apply_ok(keys[i]);
@@ -83,10 +83,13 @@ static void test_not_built_keys_warn(void **state) {
     assert_contains(logs.last, "not built yet");
   }
   int warned = logs.count;
-  /* The pinned host allocator's register path is built. */
+  /* The pinned host allocator's register path and reserve segment are built. */
   config_t c = apply_ok("pinned_use_cuda_host_register:True,pinned_num_register_threads:8");
   assert_true(c.pinned_use_host_register);
   assert_int_equal(c.pinned_num_register_threads, 8);
+  assert_int_equal(c.pinned_reserve_segment_mb, 0);
+  c = apply_ok("pinned_reserve_segment_size_mb:64");
+  assert_int_equal(c.pinned_reserve_segment_mb, 64);
   assert_int_equal(logs.count, warned);
   c = apply_ok("expandable_segments:True,stitching:True");
   assert_true(c.expandable_segments && c.stitching);
@@ -149,6 +152,7 @@ static void test_errors_name_key_value_rule(void **state) {
   apply_bad("roundup_power2_divisions:[256]", "roundup_power2_divisions", NULL);
   apply_bad(":30", "expected a key", NULL);
   apply_bad("pinned_reserve_segment_size_mb:0", "pinned_reserve_segment_size_mb", "> 0");
+  apply_bad("pinned_reserve_segment_size_mb:1073741825", "pinned_reserve_segment_size_mb", "at most 2^30");
 }
 
 static void test_all_or_nothing(void **state) {
@@ -251,10 +255,12 @@ static void test_cross_stream_reuse_key(void **state) {
 static void test_config_round_trip(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim", "max_split_size_mb:256,roundup_power2_divisions:[256:1,512:2,>:8],"
-                                       "max_non_split_rounding_mb:32,cross_stream_reuse:2.5");
+                                       "max_non_split_rounding_mb:32,cross_stream_reuse:2.5,"
+                                       "pinned_reserve_segment_size_mb:16");
   char text[1024], again[1024];
   int n = gca_get_config(a, text, sizeof text);
   assert_true(n > 0 && (size_t)n < sizeof text);
+  assert_contains(text, ",pinned_reserve_segment_size_mb:16");
   gca_allocator_t *b = open_sim("sim", text);
   gca_get_config(b, again, sizeof again);
   assert_string_equal(text, again);

@@ -5,7 +5,8 @@
  * streams it was used on), gcalloc's additions (a miss looks for a finished
  * block of its size anywhere in the queue; a failed pin gives the cache back
  * and tries again), bad pointers, backend failures absorbed (stream waits,
- * quarantine), the register path, launch-blocking mode, and seeded random
+ * quarantine), the register path, the reserve segment, launch-blocking
+ * mode, and seeded random
  * sequences and threads under the invariant checker, with every block's
  * contents checked and the sim's race detector watching host addresses.
  */
@@ -409,6 +410,72 @@ static void test_register_path(void **state) {
   gca_close(a);
 }
 
+/* pinned_reserve_segment_size_mb: the first miss pins the segment, misses
+ * carve their blocks from it at 4 KiB steps until it is used up, carved
+ * blocks count as PyTorch counts them (a segment each) and stay cached
+ * through empty_cache; the segment goes back at close. */
+static void test_reserve_segment(void **state) {
+  (void)state;
+  log_capture_t log = {0};
+  gca_set_log_handler(capture_log, &log);
+  for (int registered = 0; registered < 2; registered++) {
+    gca_allocator_t *a = open_sim("sim", registered ? "pinned_use_cuda_host_register:True,pinned_reserve_segment_size_mb:1"
+                                                    : "pinned_reserve_segment_size_mb:1");
+    char *p1 = gca_host_malloc(a, 100), *p2 = gca_host_malloc(a, 5000), *p3 = gca_host_malloc(a, 512 * KiB);
+    assert_non_null(p1);
+    assert_non_null(p2);
+    assert_non_null(p3);
+    assert_int_equal(p2 - p1, 4096);        /* 128 bytes take a page of the segment */
+    assert_int_equal(p3 - p2, 8192);
+    assert_int_equal(sim_counters(a, 0).host_live, 1); /* one pin: the segment */
+    assert_int_equal(sim_counters(a, 0).host_used, MiB);
+    /* 512 KiB more does not fit in the 500 KiB left: pinned alone. */
+    char *p4 = gca_host_malloc(a, 512 * KiB);
+    assert_non_null(p4);
+    assert_true(p4 < p1 || p4 >= p1 + MiB);
+    assert_int_equal(sim_counters(a, 0).host_live, 2);
+    /* A small one still fits. */
+    char *p5 = gca_host_malloc(a, 4096);
+    assert_int_equal(p5 - p3, 512 * KiB);
+    memset(p1, 1, 100), memset(p2, 2, 5000), memset(p3, 3, 512 * KiB), memset(p5, 5, 4096);
+    gca_host_stats_t s = host_stats(a);
+    assert_int_equal(s.segment.current, 5);
+    assert_int_equal(s.reserved_bytes.current, 128 + 8192 + 2 * 512 * KiB + 4096);
+    assert_int_equal(s.host_alloc_time.count, 2); /* the segment's pin and p4's */
+    int pinned = 0;
+    assert_int_equal(gca_host_is_pinned(a, p1 + MiB - 1, &pinned), GCA_OK); /* not carved yet, but pinned */
+    assert_int_equal(pinned, 1);
+    assert_host_consistent(a);
+    char *all[] = {p1, p2, p3, p4, p5};
+    for (int i = 0; i < 5; i++) assert_int_equal(gca_host_free(a, all[i]), GCA_OK);
+    /* empty_cache unpins p4; the carved blocks stay cached and pinned. */
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+    s = host_stats(a);
+    assert_int_equal(sim_counters(a, 0).host_live, 1);
+    assert_int_equal(s.segment.current, 4);
+    assert_int_equal(s.cached_bytes, 128 + 8192 + 512 * KiB + 4096);
+    assert_int_equal(s.num_host_free, 1);
+    assert_true(gca_host_malloc(a, 100) == p1); /* reused, not carved again */
+    assert_int_equal(gca_host_free(a, p1), GCA_OK);
+    assert_host_consistent(a);
+    gca_close(a); /* the segment goes back (ASan sees a leak otherwise) */
+  }
+  assert_int_equal(log.count, 0);
+  /* A segment that cannot be pinned: said once, and blocks are pinned alone. */
+  gca_allocator_t *a = open_sim("sim:host_capacity=512KiB", "pinned_reserve_segment_size_mb:1");
+  char *p = gca_host_malloc(a, 100), *q = gca_host_malloc(a, 100);
+  assert_non_null(p);
+  assert_non_null(q);
+  assert_int_equal(log.count, 1);
+  assert_contains(log.last, "reserve segment (1 MiB) could not be pinned");
+  assert_int_equal(sim_counters(a, 0).host_live, 2);
+  assert_int_equal(gca_host_free(a, p), GCA_OK);
+  assert_int_equal(gca_host_free(a, q), GCA_OK);
+  assert_host_consistent(a);
+  gca_close(a);
+  gca_set_log_handler(NULL, NULL);
+}
+
 static void test_launch_blocking(void **state) {
   (void)state;
   setenv("GCALLOC_LAUNCH_BLOCKING", "1", 1);
@@ -450,17 +517,22 @@ static bool intact(const live_block_t *b) {
 static void test_random(void **state) {
   (void)state;
   static const gca_stream_t streams[] = {S1, S2, S3};
-  for (uint64_t seed = 1; seed <= 4; seed++) {
+  for (uint64_t seed = 1; seed <= 6; seed++) {
     gca_set_log_level(GCA_LOG_OFF);
     /* Seeds 3 and 4: a small pinned capacity (the retry path) and an absorbed
      * event failure; with seed 3 the stream wait fails too, quarantining a
      * block. A quarantined block is left pinned at close on purpose, so seed
      * 3 never registers (the sim frees what it allocated, not the caller's
-     * registered memory: the sanitizer would see a leak). */
+     * registered memory: the sanitizer would see a leak). Seeds 5 and 6: a
+     * reserve segment of 1 MiB, blocks carved from it while it lasts. */
     static const char *const specs[] = {"sim", "sim", "sim:host_capacity=1MiB,event_fail_at=50,wait_fail_at=1",
-                                        "sim:host_capacity=1MiB,event_fail_at=50"};
+                                        "sim:host_capacity=1MiB,event_fail_at=50", "sim", "sim"};
+    static const char *const confs[] = {NULL, "pinned_use_cuda_host_register:True", NULL,
+                                        "pinned_use_cuda_host_register:True", "pinned_reserve_segment_size_mb:1",
+                                        "pinned_use_cuda_host_register:True,pinned_reserve_segment_size_mb:1"};
     const char *spec = specs[seed - 1];
-    gca_allocator_t *a = open_sim(spec, seed % 2 ? NULL : "pinned_use_cuda_host_register:True");
+    bool reserve = seed >= 5;
+    gca_allocator_t *a = open_sim(spec, confs[seed - 1]);
     live_block_t live[64];
     size_t nlive = 0;
     uint64_t rng = seed * 0x9E3779B97F4A7C15ull;
@@ -536,9 +608,18 @@ static void test_random(void **state) {
     assert_int_equal(gca_host_empty_cache(a), GCA_OK);
     gca_host_stats_t s = host_stats(a);
     assert_int_equal(s.pending_blocks, 0);
-    assert_int_equal(s.segment.current, s.quarantined_blocks);
     assert_int_equal(sim_counters(a, 0).hazards, 0);
-    assert_int_equal(sim_counters(a, 0).host_live, (uint64_t)s.quarantined_blocks);
+    if (reserve) { /* what is left is the segment, with the blocks carved from it cached */
+      assert_int_equal(s.quarantined_blocks, 0);
+      assert_int_equal(s.allocated_bytes.current, 0);
+      assert_true(s.segment.current > 0);
+      assert_int_equal(s.cached_bytes, s.reserved_bytes.current);
+      assert_true(s.reserved_bytes.current <= (int64_t)MiB);
+      assert_int_equal(sim_counters(a, 0).host_live, 1);
+    } else {
+      assert_int_equal(s.segment.current, s.quarantined_blocks);
+      assert_int_equal(sim_counters(a, 0).host_live, (uint64_t)s.quarantined_blocks);
+    }
     assert_true(s.quarantined_blocks <= (seed == 3)); /* one failed wait: at most one block */
     assert_host_consistent(a);
     gca_close(a);
@@ -592,20 +673,26 @@ static void *host_worker(void *arg) {
 
 static void test_threads(void **state) {
   (void)state;
-  gca_allocator_t *a = open_sim("sim", NULL);
-  pthread_t tid[4];
-  worker_t w[4];
-  for (int i = 0; i < 4; i++) {
-    w[i] = (worker_t){a, (uint64_t)i + 1};
-    assert_int_equal(pthread_create(&tid[i], NULL, host_worker, &w[i]), 0);
+  /* Without and with a reserve segment (the first misses race to it). */
+  for (int reserve = 0; reserve < 2; reserve++) {
+    gca_allocator_t *a = open_sim("sim", reserve ? "pinned_reserve_segment_size_mb:1" : NULL);
+    pthread_t tid[4];
+    worker_t w[4];
+    for (int i = 0; i < 4; i++) {
+      w[i] = (worker_t){a, (uint64_t)i + 1};
+      assert_int_equal(pthread_create(&tid[i], NULL, host_worker, &w[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) pthread_join(tid[i], NULL);
+    assert_int_equal(atomic_load(&helper_failures), 0);
+    assert_host_consistent(a);
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+    gca_host_stats_t s = host_stats(a);
+    assert_int_equal(s.allocated_bytes.current, 0);
+    assert_int_equal(s.cached_bytes, s.reserved_bytes.current); /* carved blocks stay cached */
+    assert_int_equal(s.segment.current > 0, reserve);
+    assert_int_equal(sim_counters(a, 0).host_live, (uint64_t)reserve);
+    gca_close(a);
   }
-  for (int i = 0; i < 4; i++) pthread_join(tid[i], NULL);
-  assert_int_equal(atomic_load(&helper_failures), 0);
-  assert_host_consistent(a);
-  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
-  assert_int_equal(host_stats(a).segment.current, 0);
-  assert_int_equal(sim_counters(a, 0).host_live, 0);
-  gca_close(a);
 }
 
 int main(void) {
@@ -621,6 +708,7 @@ int main(void) {
       cmocka_unit_test(test_event_failures),
       cmocka_unit_test(test_query_failure),
       cmocka_unit_test(test_register_path),
+      cmocka_unit_test(test_reserve_segment),
       cmocka_unit_test(test_launch_blocking),
       cmocka_unit_test(test_random),
       cmocka_unit_test(test_threads),
