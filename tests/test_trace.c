@@ -307,7 +307,7 @@ static size_t put_ref(unsigned char *out, uint32_t index) {
  * recognised by their bytes rather than decoded: the same tree and the
  * same errors as the machine alone, on frames lists built to meet every
  * case: a run repeated (guessed as the one after the run before, or by its
- * first 64 bytes), a known run followed by more references (not taken as
+ * first 64 bytes, among runs sharing them), a known run followed by more references (not taken as
  * known: it must end where the run here ends), one sharing only its first
  * 64 bytes, short ones, fresh ones, one at the very end of the file, and
  * a reference not yet stored inside a run otherwise known. */
@@ -335,6 +335,11 @@ static void test_pickle_runs_seen_before(void **state) {
     for (int b = 0; b < 6; b++) {
       base_len[b] = 10 + next_random(&seed) % 50;
       for (size_t k = 0; k < base_len[b]; k++) base[b][k] = 2 + (uint32_t)(next_random(&seed) % (stored - 2));
+      /* Runs 3 to 5 share run 2's first 32 references (its first 64 bytes
+       * and more), as stacks share their innermost frames: found among the
+       * ways of one head, moved to its front, evicted by the fresh runs of
+       * that head. */
+      for (size_t k = 0; b >= 3 && k < 32 && k < base_len[b] && k < base_len[2]; k++) base[b][k] = base[2][k];
       base[b][base_len[b] - 1] = 256 + (uint32_t)(next_random(&seed) % (stored - 256)); /* a LONG_BINGET last */
     }
     int entries = 150 + (int)(next_random(&seed) % 100);
