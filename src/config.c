@@ -280,9 +280,7 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     return read_bool(p, key, &c->pinned_use_host_register);
   }
   if (strcmp(key, "pinned_use_background_threads") == 0) {
-    rc = read_bool(p, key, &c->pinned_use_background_threads);
-    if (rc == GCA_OK && c->pinned_use_background_threads) warn_not_built(p, key);
-    return rc;
+    return read_bool(p, key, &c->pinned_use_background_threads);
   }
   if (strcmp(key, "pinned_num_register_threads") == 0) {
     token_t *v = next(p);

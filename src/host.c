@@ -36,10 +36,18 @@
  * cached (and pinned) through empty_cache, and the segment is unpinned at
  * close.
  *
+ * With pinned_use_background_threads, a thread of the cache's own
+ * collects completed events every 100 us (PyTorch's background thread), so
+ * a freed block returns to its list without waiting for the next
+ * allocation. Unlike PyTorch, allocations still collect too (one query
+ * when the oldest event has not completed): a child of fork has no thread,
+ * and loses nothing.
+ *
  * One lock guards the cache. The backend's pin and unpin calls, which take
  * milliseconds for large blocks, are made without it.
  */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,6 +105,12 @@ struct host_cache {
     size_t size, used;
     bool registered, tried;
   } reserve;
+  /* pinned_use_background_threads: the collecting thread, started when a
+   * block first waits for events with the key set, stopped at close. */
+  pthread_t collector;
+  pid_t collector_pid;   /* the process that started it (a child of fork has no such thread) */
+  bool collector_started;
+  atomic_bool collector_stop;
   size_t absorbed;       /* failures absorbed since the last report */
   char absorbed_message[256]; /* the size of absorbed_t.last */
 };
@@ -619,6 +633,42 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
   return host_malloc_miss(h, rounded, size);
 }
 
+#define HOST_COLLECT_EVERY_NS 100000 /* PyTorch's background thread sleeps 100 us between rounds */
+
+static void *host_collector_main(void *arg) {
+  host_cache_t *h = arg;
+  while (!atomic_load_explicit(&h->collector_stop, memory_order_relaxed)) {
+    pthread_mutex_lock(&h->lock);
+    host_process_events(h);
+    absorbed_t absorbed = host_take_absorbed(h);
+    pthread_mutex_unlock(&h->lock);
+    host_report_absorbed(&absorbed);
+    struct timespec pause = {0, HOST_COLLECT_EVERY_NS};
+    nanosleep(&pause, NULL);
+  }
+  return NULL;
+}
+
+/* With the lock held: the collecting thread, if the configuration asks for
+ * one and it is not running. A thread that cannot start is logged once; the
+ * allocations' own collection goes on. */
+static void host_start_collector(host_cache_t *h) {
+  if (h->collector_started) return;
+  gca_allocator_t *a = h->owner;
+  pthread_mutex_lock(&a->config_lock);
+  bool wanted = a->config.pinned_use_background_threads;
+  pthread_mutex_unlock(&a->config_lock);
+  if (!wanted) return;
+  h->collector_started = true;
+  h->collector_pid = getpid();
+  int rc = pthread_create(&h->collector, NULL, host_collector_main, h);
+  if (rc != 0) {
+    h->collector_started = false;
+    log_message(GCA_LOG_WARNING, "pinned host allocator: the background thread for pinned_use_background_threads "
+                "could not start (%s); events are collected at each allocation", strerror(rc));
+  }
+}
+
 /* Order the block's reuse after the work of the streams it was used on. */
 static void host_defer_reuse(host_cache_t *h, host_block_t *b) {
   /* Launch-blocking mode, or no room to queue events: wait here instead. */
@@ -645,6 +695,7 @@ static void host_defer_reuse(host_cache_t *h, host_block_t *b) {
   }
   b->use_count = 0;
   host_settle(h, b, true);
+  if (h->queued) host_start_collector(h);
 }
 
 int gca_host_free(gca_allocator_t *a, void *ptr) {
@@ -803,6 +854,10 @@ int host_cache_create(gca_allocator_t *a) {
 void host_cache_destroy(gca_allocator_t *a) {
   host_cache_t *h = a->host;
   if (!h) return;
+  if (h->collector_started && h->collector_pid == getpid()) {
+    atomic_store(&h->collector_stop, true);
+    pthread_join(h->collector, NULL);
+  }
   size_t in_use = 0, kept = 0;
   for (size_t i = 0; i < h->queued; i++) {
     host_event_t *e = host_queued(h, i);

@@ -74,8 +74,7 @@ static void test_valid_keys(void **state) {
 static void test_not_built_keys_warn(void **state) {
   (void)state;
   static const char *const keys[] = {
-      "release_lock_on_cudamalloc:True", "pinned_use_background_threads:True", "backend:cudaMallocAsync",
-      "graph_capture_record_stream_reuse:True"};
+      "release_lock_on_cudamalloc:True", "backend:cudaMallocAsync", "graph_capture_record_stream_reuse:True"};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     int before = logs.count;
     apply_ok(keys[i]);
@@ -88,8 +87,9 @@ static void test_not_built_keys_warn(void **state) {
   assert_true(c.pinned_use_host_register);
   assert_int_equal(c.pinned_num_register_threads, 8);
   assert_int_equal(c.pinned_reserve_segment_mb, 0);
-  c = apply_ok("pinned_reserve_segment_size_mb:64");
+  c = apply_ok("pinned_reserve_segment_size_mb:64,pinned_use_background_threads:True");
   assert_int_equal(c.pinned_reserve_segment_mb, 64);
+  assert_true(c.pinned_use_background_threads);
   assert_int_equal(logs.count, warned);
   c = apply_ok("expandable_segments:True,stitching:True");
   assert_true(c.expandable_segments && c.stitching);

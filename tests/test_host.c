@@ -11,6 +11,7 @@
  * contents checked and the sim's race detector watching host addresses.
  */
 #include <pthread.h>
+#include <time.h>
 
 #include "helpers.h"
 
@@ -476,6 +477,37 @@ static void test_reserve_segment(void **state) {
   gca_set_log_handler(NULL, NULL);
 }
 
+/* pinned_use_background_threads: a block freed while a copy still uses it
+ * comes back to its list once the copy is done, with no allocation to
+ * collect it (without the thread it waits for the next allocation). */
+static void test_background_collection(void **state) {
+  (void)state;
+  for (int background = 0; background < 2; background++) {
+    gca_allocator_t *a = open_sim("sim", background ? "pinned_use_background_threads:True" : NULL);
+    char *p = gca_host_malloc(a, 4096);
+    assert_non_null(p);
+    assert_int_equal(copy_on(a, S1, p, 4096, 500), GCA_OK);
+    assert_int_equal(gca_host_record_stream(a, p, 0, S1), GCA_OK);
+    assert_int_equal(gca_host_free(a, p), GCA_OK);
+    assert_int_equal(host_stats(a).pending_blocks, 1);
+    sim_advance(&a->backend, 500); /* the copy is done */
+    /* Up to 2 s for the thread's next round (every 100 us). */
+    gca_host_stats_t s = host_stats(a);
+    for (int i = 0; i < 2000 && s.pending_blocks; i++) {
+      struct timespec pause = {0, 1000000};
+      nanosleep(&pause, NULL);
+      if (!background && i == 20) break; /* 20 ms: nothing collects without the thread */
+      s = host_stats(a);
+    }
+    assert_int_equal(s.pending_blocks, background ? 0 : 1);
+    assert_int_equal(s.cached_bytes, background ? 4096 : 0);
+    assert_host_consistent(a);
+    assert_true(gca_host_malloc(a, 4096) == p); /* collected here at the latest */
+    assert_int_equal(gca_host_free(a, p), GCA_OK);
+    gca_close(a); /* the thread stops */
+  }
+}
+
 static void test_launch_blocking(void **state) {
   (void)state;
   setenv("GCALLOC_LAUNCH_BLOCKING", "1", 1);
@@ -673,9 +705,11 @@ static void *host_worker(void *arg) {
 
 static void test_threads(void **state) {
   (void)state;
-  /* Without and with a reserve segment (the first misses race to it). */
+  /* Without and with a reserve segment (the first misses race to it) and
+   * the background thread collecting beside the workers. */
   for (int reserve = 0; reserve < 2; reserve++) {
-    gca_allocator_t *a = open_sim("sim", reserve ? "pinned_reserve_segment_size_mb:1" : NULL);
+    gca_allocator_t *a = open_sim("sim", reserve ? "pinned_reserve_segment_size_mb:1,pinned_use_background_threads:True"
+                                                 : NULL);
     pthread_t tid[4];
     worker_t w[4];
     for (int i = 0; i < 4; i++) {
@@ -709,6 +743,7 @@ int main(void) {
       cmocka_unit_test(test_query_failure),
       cmocka_unit_test(test_register_path),
       cmocka_unit_test(test_reserve_segment),
+      cmocka_unit_test(test_background_collection),
       cmocka_unit_test(test_launch_blocking),
       cmocka_unit_test(test_random),
       cmocka_unit_test(test_threads),
