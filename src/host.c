@@ -500,8 +500,12 @@ static host_cache_t *host_of(gca_allocator_t *a, const char *what) {
  * that finds pinned_reserve_segment_size_mb set pins: false when none is
  * configured, it could not be pinned, or it has no room left (the caller
  * pins the block alone). Called without the lock. */
+/* What a block of `size` takes of the reserve segment: PyTorch rounds to
+ * 4 KiB, so a small block takes a page. */
+static size_t reserve_take(size_t size) { return (size + 4095) & ~(size_t)4095; }
+
 static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
-  size_t take = (size + 4095) & ~(size_t)4095; /* (PyTorch's rounding: a small block takes a page) */
+  size_t take = reserve_take(size);
   pthread_mutex_lock(&h->lock);
   if (!h->reserve.tried) {
     gca_allocator_t *a = h->owner;
@@ -583,7 +587,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   }
   if (!b || !host_table_insert(h, b)) {
     /* A carved block goes back to the reserve if it was the last carved. */
-    size_t take = (size + 4095) & ~(size_t)4095;
+    size_t take = reserve_take(size);
     if (carved && addr + take == h->reserve.start + h->reserve.used) h->reserve.used -= take;
     pthread_mutex_unlock(&h->lock);
     free(b);

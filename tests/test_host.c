@@ -420,8 +420,9 @@ static void test_reserve_segment(void **state) {
   log_capture_t log = {0};
   gca_set_log_handler(capture_log, &log);
   for (int registered = 0; registered < 2; registered++) {
-    gca_allocator_t *a = open_sim("sim", registered ? "pinned_use_cuda_host_register:True,pinned_reserve_segment_size_mb:1"
-                                                    : "pinned_reserve_segment_size_mb:1");
+    gca_allocator_t *a = open_sim("sim", registered
+                                             ? "pinned_use_cuda_host_register:True,pinned_reserve_segment_size_mb:1"
+                                             : "pinned_reserve_segment_size_mb:1");
     char *p1 = gca_host_malloc(a, 100), *p2 = gca_host_malloc(a, 5000), *p3 = gca_host_malloc(a, 512 * KiB);
     assert_non_null(p1);
     assert_non_null(p2);
