@@ -833,6 +833,9 @@ void *big_zalloc(size_t bytes);
 /* The same, not zero-filled (a kept mapping is handed out as it was). */
 void *big_alloc(size_t bytes);
 void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
+/* big_rezalloc without the zero fill, for an array written before it is
+ * read (the new part is garbage where a kept mapping is reused). */
+void *big_regrow(void *array, size_t old_bytes, size_t new_bytes);
 void big_free(void *array, size_t bytes);
 /* A bump allocator for things freed all at once (a snapshot, a parsed
  * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,

@@ -162,24 +162,33 @@ void big_free(void *array, size_t bytes) {
   free(array);
 }
 
-void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes) {
+/* Grows a big array, the new part zero-filled when `zero`. */
+static void *big_grow(void *array, size_t old_bytes, size_t new_bytes, bool zero) {
   if (new_bytes <= old_bytes) return array;
   if (!GCA_BIG_MAPPED || new_bytes < BIG_MIN) {
     char *grown = realloc(array, new_bytes);
-    if (grown) memset(grown + old_bytes, 0, new_bytes - old_bytes);
+    if (grown && zero) memset(grown + old_bytes, 0, new_bytes - old_bytes);
     return grown;
   }
 #if GCA_BIG_MAPPED
   if (old_bytes >= BIG_MIN && big_size(new_bytes) == big_size(old_bytes)) {
-    memset((char *)array + old_bytes, 0, new_bytes - old_bytes); /* (a kept mapping is not zero there) */
+    if (zero) memset((char *)array + old_bytes, 0, new_bytes - old_bytes); /* (a kept mapping is not zero there) */
     return array;
   }
 #endif
-  void *grown = big_zalloc(new_bytes);
+  void *grown = zero ? big_zalloc(new_bytes) : big_alloc(new_bytes);
   if (!grown) return NULL;
   if (old_bytes) memcpy(grown, array, old_bytes);
   big_free(array, old_bytes);
   return grown;
+}
+
+void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes) {
+  return big_grow(array, old_bytes, new_bytes, true);
+}
+
+void *big_regrow(void *array, size_t old_bytes, size_t new_bytes) {
+  return big_grow(array, old_bytes, new_bytes, false);
 }
 
 struct arena_chunk {
