@@ -40,8 +40,7 @@
  * collects completed events every 100 us (PyTorch's background thread), so
  * a freed block returns to its list without waiting for the next
  * allocation. Unlike PyTorch, allocations still collect too (one query
- * when the oldest event has not completed): a child of fork has no thread,
- * and loses nothing.
+ * when the oldest event has not completed). Across fork, see host_caches.
  *
  * One lock guards the cache. The backend's pin and unpin calls, which take
  * milliseconds for large blocks, are made without it.
@@ -106,11 +105,12 @@ struct host_cache {
     bool registered, tried;
   } reserve;
   /* pinned_use_background_threads: the collecting thread, started when a
-   * block first waits for events with the key set, stopped at close. */
+   * block first waits for events with the key set, stopped at close (a
+   * child of fork has none: host_after_fork_child). */
   pthread_t collector;
-  pid_t collector_pid;   /* the process that started it (a child of fork has no such thread) */
   bool collector_started;
   atomic_bool collector_stop;
+  host_cache_t *next_cache; /* every cache, for fork (host_caches) */
   size_t absorbed;       /* failures absorbed since the last report */
   char absorbed_message[256]; /* the size of absorbed_t.last */
 };
@@ -664,7 +664,6 @@ static void host_start_collector(host_cache_t *h) {
   pthread_mutex_unlock(&a->config_lock);
   if (!wanted) return;
   h->collector_started = true;
-  h->collector_pid = getpid();
   int rc = pthread_create(&h->collector, NULL, host_collector_main, h);
   if (rc != 0) {
     h->collector_started = false;
@@ -839,6 +838,55 @@ int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
 
 /* ---- life and checking -------------------------------------------------- */
 
+/* Every cache, so that fork finds them: a child must not inherit a cache
+ * whose lock the collecting thread held at that moment, nor a thread it
+ * does not have. Before fork every cache's lock is taken (so no collector
+ * is inside one, nor inside the backend for it); after, the locks are
+ * released in both processes, and the child's caches have no collector
+ * (one starts again when wanted). */
+static pthread_mutex_t host_caches_lock = PTHREAD_MUTEX_INITIALIZER;
+static host_cache_t *host_caches;
+static pthread_once_t host_atfork_once = PTHREAD_ONCE_INIT;
+
+static void host_before_fork(void) {
+  pthread_mutex_lock(&host_caches_lock);
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) pthread_mutex_lock(&h->lock);
+}
+
+static void host_after_fork_parent(void) {
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) pthread_mutex_unlock(&h->lock);
+  pthread_mutex_unlock(&host_caches_lock);
+}
+
+static void host_after_fork_child(void) {
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) {
+    h->collector_started = false;
+    atomic_store(&h->collector_stop, false);
+    pthread_mutex_unlock(&h->lock);
+  }
+  pthread_mutex_unlock(&host_caches_lock);
+}
+
+static void host_register_atfork(void) {
+  (void)pthread_atfork(host_before_fork, host_after_fork_parent, host_after_fork_child);
+}
+
+static void host_caches_add(host_cache_t *h) {
+  pthread_once(&host_atfork_once, host_register_atfork);
+  pthread_mutex_lock(&host_caches_lock);
+  h->next_cache = host_caches;
+  host_caches = h;
+  pthread_mutex_unlock(&host_caches_lock);
+}
+
+static void host_caches_remove(host_cache_t *h) {
+  pthread_mutex_lock(&host_caches_lock);
+  host_cache_t **at = &host_caches;
+  while (*at && *at != h) at = &(*at)->next_cache;
+  if (*at) *at = h->next_cache;
+  pthread_mutex_unlock(&host_caches_lock);
+}
+
 int host_cache_create(gca_allocator_t *a) {
   host_cache_t *h = calloc(1, sizeof *h);
   if (!h) return set_error(GCA_ERR_NOMEM, "out of host memory opening the pinned host allocator");
@@ -848,6 +896,7 @@ int host_cache_create(gca_allocator_t *a) {
   }
   h->owner = a;
   a->host = h;
+  host_caches_add(h);
   return GCA_OK;
 }
 
@@ -858,7 +907,8 @@ int host_cache_create(gca_allocator_t *a) {
 void host_cache_destroy(gca_allocator_t *a) {
   host_cache_t *h = a->host;
   if (!h) return;
-  if (h->collector_started && h->collector_pid == getpid()) {
+  host_caches_remove(h);
+  if (h->collector_started) {
     atomic_store(&h->collector_stop, true);
     pthread_join(h->collector, NULL);
   }

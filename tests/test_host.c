@@ -11,7 +11,9 @@
  * contents checked and the sim's race detector watching host addresses.
  */
 #include <pthread.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "helpers.h"
 
@@ -509,6 +511,50 @@ static void test_background_collection(void **state) {
   }
 }
 
+/* A child of fork, forked while the collecting thread runs, has no such
+ * thread but a working cache: it allocates, frees, starts a collector of
+ * its own, which collects, and closes without waiting on the parent's. Forks many times so that some land while the parent's thread
+ * is inside the cache. */
+static void test_fork_with_background_thread(void **state) {
+  (void)state;
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+  skip(); /* ThreadSanitizer refuses threads started after a fork of a threaded process */
+#endif
+#endif
+  gca_allocator_t *a = open_sim("sim", "pinned_use_background_threads:True");
+  char *kept = gca_host_malloc(a, 4096);
+  assert_int_equal(copy_on(a, S1, kept, 4096, 1000000), GCA_OK);
+  assert_int_equal(gca_host_record_stream(a, kept, 0, S1), GCA_OK);
+  assert_int_equal(gca_host_free(a, kept), GCA_OK); /* pending for long: the collector keeps asking */
+  for (int round = 0; round < 20; round++) {
+    pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+      alarm(20); /* a deadlock fails the test instead of hanging it */
+      char *p = gca_host_malloc(a, 8192);
+      if (!p || copy_on(a, S2, p, 8192, 100) != GCA_OK || gca_host_record_stream(a, p, 0, S2) != GCA_OK ||
+          gca_host_free(a, p) != GCA_OK)
+        _exit(2);
+      /* Both copies done: the child's own collector takes both blocks back. */
+      sim_advance(&a->backend, 1000000);
+      for (int i = 0; i < 2000 && host_stats(a).pending_blocks; i++) {
+        struct timespec pause = {0, 1000000};
+        nanosleep(&pause, NULL);
+      }
+      if (host_stats(a).pending_blocks != 0 || host_cache_check(a) != GCA_OK) _exit(3);
+      gca_close(a);
+      _exit(0);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(child, &status, 0), child);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+  }
+  assert_host_consistent(a);
+  gca_close(a);
+}
+
 static void test_launch_blocking(void **state) {
   (void)state;
   setenv("GCALLOC_LAUNCH_BLOCKING", "1", 1);
@@ -745,6 +791,7 @@ int main(void) {
       cmocka_unit_test(test_register_path),
       cmocka_unit_test(test_reserve_segment),
       cmocka_unit_test(test_background_collection),
+      cmocka_unit_test(test_fork_with_background_thread),
       cmocka_unit_test(test_launch_blocking),
       cmocka_unit_test(test_random),
       cmocka_unit_test(test_threads),
