@@ -9,6 +9,8 @@
  */
 #include <dlfcn.h>
 
+#include <time.h>
+
 #include "helpers.h"
 
 #define S1 ((gca_stream_t)0x1000)
@@ -465,6 +467,44 @@ static void test_pinned_host(void **state) {
   assert_driver_empty();
 }
 
+/* The pinned allocator's reserve segment and background thread on the
+ * driver: one cuMemHostAlloc for the segment, blocks carved from it, a
+ * freed block collected by the thread (cuEventQuery from a thread of its
+ * own) with no allocation, the segment kept through empty_cache and freed
+ * at close. */
+static void test_pinned_host_reserve_and_thread(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, "pinned_reserve_segment_size_mb:1,pinned_use_background_threads:True");
+  char *p = gca_host_malloc(a, 3000), *q = gca_host_malloc(a, 100);
+  assert_non_null(p);
+  assert_non_null(q);
+  assert_int_equal(q - p, 4096);
+  assert_int_equal(fake_calls("cuMemHostAlloc"), 1);
+  assert_int_equal(fake_live(LIVE_HOST), 1);
+  memset(p, 1, 4096);
+  fake_hold_events(1);
+  assert_int_equal(gca_host_record_stream(a, p, 1, S1), GCA_OK);
+  assert_int_equal(gca_host_free(a, p), GCA_OK);
+  assert_int_equal(host_stats(a).pending_blocks, 1);
+  fake_complete_events();
+  gca_host_stats_t s = host_stats(a);
+  for (int i = 0; i < 2000 && s.pending_blocks; i++) { /* up to 2 s for the thread's next round */
+    struct timespec pause = {0, 1000000};
+    nanosleep(&pause, NULL);
+    s = host_stats(a);
+  }
+  assert_int_equal(s.pending_blocks, 0);
+  assert_int_equal(s.num_event_errors, 0);
+  assert_int_equal(gca_host_free(a, q), GCA_OK);
+  assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  assert_int_equal(fake_calls("cuMemFreeHost"), 0); /* carved blocks stay, and the segment */
+  assert_int_equal(fake_live(LIVE_HOST), 1);
+  fake_hold_events(0);
+  gca_close(a);
+  assert_int_equal(fake_calls("cuMemFreeHost"), 1);
+  assert_driver_empty();
+}
+
 static void test_pinned_host_errors(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim(SPEC, NULL);
@@ -666,6 +706,7 @@ int main(void) {
       cmocka_unit_test_setup(test_peer_access_to_mappings, fresh),
       cmocka_unit_test_setup(test_pinned_host, fresh),
       cmocka_unit_test_setup(test_pinned_host_errors, fresh),
+      cmocka_unit_test_setup(test_pinned_host_reserve_and_thread, fresh),
       cmocka_unit_test_setup(test_random, fresh),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
