@@ -732,8 +732,8 @@ static void test_second_reader(void **state) {
   }
 }
 
-/* Big arrays (util.c): zero-filled when made and when grown, contents
- * kept across the 256 KiB line between calloc and a mapping of their own,
+/* Big arrays (util.c): zero-filled when made and when grown (big_regrow:
+ * not zeroed), contents kept across the 256 KiB line between calloc and a mapping of their own,
  * within one mapping and to a bigger one; mappings on 2 MiB boundaries
  * (where they are mappings); a freed mapping handed out again zeroed. */
 static void test_big_arrays(void **state) {
@@ -757,6 +757,22 @@ static void test_big_arrays(void **state) {
     memset(a, 0xab, bytes);
   }
   assert_true(big_rezalloc(a, bytes, bytes / 2) == a); /* never shrinks */
+  big_free(a, bytes);
+  /* big_regrow: the same growth, contents kept, the new part not promised
+   * zero (the memo and the events' array write it before reading it). */
+  bytes = sizes[0];
+  a = big_alloc(bytes);
+  assert_non_null(a);
+  memset(a, 0xcd, bytes);
+  for (size_t k = 1; k < sizeof sizes / sizeof *sizes; k++) {
+    unsigned char *grown = big_regrow(a, bytes, sizes[k]);
+    assert_non_null(grown);
+    for (size_t i = 0; i < bytes; i++) assert_int_equal(grown[i], 0xcd);
+    a = grown;
+    bytes = sizes[k];
+    memset(a, 0xcd, bytes);
+  }
+  assert_true(big_regrow(a, bytes, bytes / 2) == a);
   big_free(a, bytes);
   big_free(NULL, 0);
   /* A freed mapping may be kept and handed out again: still zero, also in

@@ -159,11 +159,12 @@ static uint32_t read_u32(const unsigned char *p) {
 
 /* Grows the memo (*cap entries) to hold index `need`. It is a big array
  * (util.c): a snapshot's memo is a megabyte. Below the memo's count a slot
- * is stored or PV_UNSET (a hole); from the count up nothing is read. */
+ * is stored or PV_UNSET (a hole); from the count up nothing is read, so the
+ * new part is not zeroed, as the memo first allocated is not. */
 static bool memo_grow(pv_t **memo, size_t *cap, size_t need) {
   size_t grown_cap = *cap ? *cap : 64;
   while (grown_cap <= need) grown_cap *= 2;
-  pv_t *grown = big_rezalloc(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
+  pv_t *grown = big_regrow(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
   if (!grown) return false;
   *memo = grown;
   *cap = grown_cap;
@@ -286,7 +287,6 @@ static uint64_t head_hash(const unsigned char *p) { /* KNOWN_RUN_HEAD bytes */
   uint64_t h = (a ^ (b >> 17)) * 0xFF51AFD7ED558CCDull + (c ^ (d >> 23));
   return h ^ (h >> 29);
 }
-
 
 static inline bool is_known_here(const unsigned char *buf, size_t len, size_t pos, const known_run_t *k,
                                  size_t stored) {
