@@ -2,8 +2,10 @@
  * replay run their parallel steps on: every job submitted runs exactly
  * once, or is taken back unrun and says so; chores run without anyone
  * waiting; many threads submit at once; the pool has a ceiling and refuses
- * past it; a child of fork gets a pool of its own. ThreadSanitizer runs it
- * (label `threads`). */
+ * past it; a child of fork gets a pool of its own; a thread started on
+ * another processor than its creator's runs its jobs allowed on all of the
+ * creator's processors again, and one starts where only one processor is
+ * allowed. ThreadSanitizer runs it (label `threads`). */
 #include <pthread.h>
 #include <sched.h>
 #include <sys/wait.h>
@@ -183,6 +185,80 @@ static void test_fork_child_has_own_pool(void **state) {
   assert_int_equal(WEXITSTATUS(status), 0);
 }
 
+#if defined(__linux__) && defined(__GLIBC__) && defined(CPU_COUNT)
+typedef struct affinity_seen {
+  atomic_bool *hold;
+  atomic_bool recorded;
+  cpu_set_t set;
+  int got;
+} affinity_seen_t;
+
+static void record_affinity(void *arg) {
+  affinity_seen_t *a = arg;
+  a->got = pthread_getaffinity_np(pthread_self(), sizeof a->set, &a->set);
+  atomic_store(&a->recorded, true);
+  while (atomic_load(a->hold)) sched_yield();
+}
+
+/* Jobs held on threads of their own, so that fresh threads are started
+ * (helpers.c starts each off its creator's processor): each must run
+ * allowed on exactly the creator's processors. Dropping the restore in
+ * helper_main leaves them off one processor and fails this on any machine
+ * with two or more. */
+static void test_threads_keep_the_creators_processors(void **state) {
+  (void)state;
+  enum { HELD = 6 };
+  cpu_set_t mine;
+  assert_int_equal(pthread_getaffinity_np(pthread_self(), sizeof mine, &mine), 0);
+  atomic_bool hold = true;
+  static affinity_seen_t seen[HELD];
+  static helper_job_t jobs[HELD];
+  for (int i = 0; i < HELD; i++) {
+    seen[i] = (affinity_seen_t){.hold = &hold, .got = -1};
+    atomic_init(&seen[i].recorded, false);
+    jobs[i] = (helper_job_t){.run = record_affinity, .arg = &seen[i]};
+    assert_true(helper_submit(&jobs[i]));
+    while (!atomic_load(&seen[i].recorded)) sched_yield(); /* its thread holds it: the next needs another */
+  }
+  atomic_store(&hold, false);
+  for (int i = 0; i < HELD; i++) {
+    assert_true(helper_wait(&jobs[i]));
+    assert_int_equal(seen[i].got, 0);
+    assert_true(CPU_EQUAL(&seen[i].set, &mine));
+  }
+}
+
+/* A process allowed one processor (taskset -c 0) still gets its helpers:
+ * there is nowhere else to start them, so they start there. */
+static void test_one_processor_allowed(void **state) {
+  (void)state;
+#ifdef UNDER_TSAN
+  skip(); /* (a fork of a threaded process: see above) */
+#endif
+  pid_t child = fork();
+  assert_true(child >= 0);
+  if (child == 0) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    int cpu = sched_getcpu();
+    CPU_SET(cpu >= 0 ? cpu : 0, &one);
+    if (sched_setaffinity(0, sizeof one, &one) != 0) _exit(0); /* (not allowed here: nothing to check) */
+    atomic_bool hold = false;
+    affinity_seen_t a = {.hold = &hold, .got = -1};
+    atomic_init(&a.recorded, false);
+    helper_job_t job = {.run = record_affinity, .arg = &a};
+    if (!helper_submit(&job)) _exit(2);
+    bool did = helper_wait(&job);
+    if (!did) record_affinity(&a); /* taken back: the caller runs it */
+    _exit(a.got == 0 && CPU_EQUAL(&a.set, &one) ? 0 : 3);
+  }
+  int status = 0;
+  assert_int_equal(waitpid(child, &status, 0), child);
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 0);
+}
+#endif
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_jobs_run_once),
@@ -191,6 +267,10 @@ int main(void) {
       cmocka_unit_test(test_many_submitters),
       cmocka_unit_test(test_ceiling),
       cmocka_unit_test(test_fork_child_has_own_pool),
+#if defined(__linux__) && defined(__GLIBC__) && defined(CPU_COUNT)
+      cmocka_unit_test(test_threads_keep_the_creators_processors),
+      cmocka_unit_test(test_one_processor_allowed),
+#endif
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
