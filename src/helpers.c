@@ -180,41 +180,41 @@ static void helpers_after_fork(void) {
   atomic_store(&helper_busy, 0);
 }
 
-/* Under the lock: a new thread; false when none starts. */
-static bool start_helper(void) {
-  if (helper_count >= GCA_HELPERS_MAX) return false;
+/* A detached helper thread; with `others`, started there, and given
+ * `allowed` (the creator's set) to take once it runs and free. */
+static bool create_helper(const void *others, void *allowed) { /* (cpu_set_t, where there is one) */
   pthread_t thread;
   pthread_attr_t attr;
   if (pthread_attr_init(&attr) != 0) return false;
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-  cpu_set_t *allowed = NULL; /* the creator's processors, when the thread starts elsewhere */
+  bool placed = true;
 #ifdef HELPER_START_ELSEWHERE
+  if (others) placed = pthread_attr_setaffinity_np(&attr, sizeof(cpu_set_t), others) == 0;
+#else
+  (void)others;
+#endif
+  bool started = placed && pthread_create(&thread, &attr, helper_main, allowed) == 0;
+  pthread_attr_destroy(&attr);
+  return started;
+}
+
+/* Under the lock: a new thread; false when none starts. */
+static bool start_helper(void) {
+  if (helper_count >= GCA_HELPERS_MAX) return false;
+  bool started = false;
+#ifdef HELPER_START_ELSEWHERE
+  cpu_set_t *allowed = malloc(sizeof *allowed);
   int here = sched_getcpu();
-  allowed = malloc(sizeof *allowed);
   if (allowed && here >= 0 && here < CPU_SETSIZE && pthread_getaffinity_np(pthread_self(), sizeof *allowed, allowed) == 0 &&
       CPU_ISSET(here, allowed) && CPU_COUNT(allowed) > 1) {
     cpu_set_t others = *allowed;
     CPU_CLR(here, &others);
-    if (pthread_attr_setaffinity_np(&attr, sizeof others, &others) != 0) {
-      free(allowed);
-      allowed = NULL;
-    }
-  } else {
-    free(allowed);
-    allowed = NULL;
+    started = create_helper(&others, allowed);
   }
+  if (!started) free(allowed);
 #endif
-  bool started = pthread_create(&thread, &attr, helper_main, allowed) == 0;
-  pthread_attr_destroy(&attr);
-  if (!started && allowed) { /* (the processors left were refused: started anywhere, then) */
-    free(allowed);
-    pthread_attr_t plain;
-    if (pthread_attr_init(&plain) == 0) {
-      pthread_attr_setdetachstate(&plain, PTHREAD_CREATE_DETACHED);
-      started = pthread_create(&thread, &plain, helper_main, NULL) == 0;
-      pthread_attr_destroy(&plain);
-    }
-  }
+  /* Anywhere: one processor allowed, or the others refused. */
+  if (!started) started = create_helper(NULL, NULL);
   helper_count += started;
   return started;
 }

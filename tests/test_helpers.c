@@ -186,6 +186,10 @@ static void test_fork_child_has_own_pool(void **state) {
 }
 
 #if defined(__linux__) && defined(__GLIBC__) && defined(CPU_COUNT)
+#define TEST_AFFINITY 1
+#endif
+
+#ifdef TEST_AFFINITY
 typedef struct affinity_seen {
   atomic_bool *hold;
   atomic_bool recorded;
@@ -267,7 +271,7 @@ int main(void) {
       cmocka_unit_test(test_many_submitters),
       cmocka_unit_test(test_ceiling),
       cmocka_unit_test(test_fork_child_has_own_pool),
-#if defined(__linux__) && defined(__GLIBC__) && defined(CPU_COUNT)
+#ifdef TEST_AFFINITY
       cmocka_unit_test(test_threads_keep_the_creators_processors),
       cmocka_unit_test(test_one_processor_allowed),
 #endif
