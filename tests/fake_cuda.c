@@ -480,6 +480,15 @@ EXPORT int cuMemcpyHtoD_v2(uint64_t dst, const void *src, size_t bytes) {
   LEAVE(OK);
 }
 
+/* The double's streams run their work at once. */
+EXPORT int cuMemcpyHtoDAsync_v2(uint64_t dst, const void *src, size_t bytes, uintptr_t stream) {
+  ENTER("cuMemcpyHtoDAsync_v2");
+  (void)stream;
+  if (!device_range(dst, bytes)) LEAVE(INVALID_VALUE);
+  memcpy((void *)(uintptr_t)dst, src, bytes);
+  LEAVE(OK);
+}
+
 EXPORT int cuDeviceGetName(char *name, int len, int device) {
   ENTER("cuDeviceGetName");
   if (device < 0 || device >= devices()) LEAVE(INVALID_DEVICE);

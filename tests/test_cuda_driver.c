@@ -38,6 +38,7 @@ static struct driver {
   int (*cuMemsetD32Async)(uint64_t, unsigned, size_t, uintptr_t);
   int (*cuMemcpyDtoH_v2)(void *, uint64_t, size_t);
   int (*cuMemcpyHtoD_v2)(uint64_t, const void *, size_t);
+  int (*cuMemcpyHtoDAsync_v2)(uint64_t, const void *, size_t, uintptr_t);
   int (*cuMemGetInfo_v2)(size_t *, size_t *);
 } cu;
 
@@ -69,11 +70,12 @@ static int load(const char *path) {
   LOAD(cuMemsetD32Async);
   LOAD(cuMemcpyDtoH_v2);
   LOAD(cuMemcpyHtoD_v2);
+  LOAD(cuMemcpyHtoDAsync_v2);
   LOAD(cuMemGetInfo_v2);
 #undef LOAD
   int device;
   void *ctx;
-  if (!cu.cuMemGetInfo_v2 || !cu.cuMemcpyHtoD_v2 || cu.cuInit(0) != CU_OK || cu.cuDeviceGet(&device, 0) != CU_OK ||
+  if (!cu.cuMemGetInfo_v2 || !cu.cuMemcpyHtoD_v2 || !cu.cuMemcpyHtoDAsync_v2 || cu.cuInit(0) != CU_OK || cu.cuDeviceGet(&device, 0) != CU_OK ||
       cu.cuDevicePrimaryCtxRetain(&ctx, device) != CU_OK) {
     dlclose(cu.lib);
     cu.lib = NULL;
@@ -350,6 +352,119 @@ static void test_pinned_host(void **state) {
   gca_close(a);
 }
 
+static gca_host_stats_t host_stats_of(gca_allocator_t *a) {
+  gca_host_stats_t s;
+  assert_int_equal(gca_host_stats(a, &s), GCA_OK);
+  return s;
+}
+
+/* Keeps stream 1 busy for a while (2 GiB filled 40 times on a GPU: about
+ * 30 ms), so that what is queued after it waits. */
+static void keep_busy(void *busy, size_t busy_size) {
+  for (int i = 0; i < 40; i++) fill(busy, busy_size, (unsigned)i, streams[1]);
+}
+
+/* The pinned keys of newer PyTorch on the driver, each way of pinning:
+ * pinned_reserve_segment_size_mb carves blocks from one pinned segment, and
+ * the device copies through them as through any pinned memory, the
+ * asynchronous copies included; a carved block freed under a queued copy is
+ * not handed out again until the copy has run; with
+ * pinned_use_background_threads such a block comes back to its list once
+ * the copy is done, with no allocation to collect it, and without the key
+ * it waits for the next allocation. */
+static void test_pinned_keys(void **state) {
+  (void)state;
+  const size_t busy_size = cu.real ? 2048 * MiB : 16 * MiB;
+  for (int c = 0; c < 4; c++) {
+    int background = c & 1, registered = c >> 1;
+    char conf[160];
+    snprintf(conf, sizeof conf, "pinned_reserve_segment_size_mb:4%s%s",
+             background ? ",pinned_use_background_threads:True" : "",
+             registered ? ",pinned_use_cuda_host_register:True,pinned_num_register_threads:4" : "");
+    gca_allocator_t *a = open_cuda(conf);
+    void *busy = gca_malloc(a, busy_size, 0, streams[1]);
+    void *d = gca_malloc(a, 2 * MiB, 0, streams[1]);
+    assert_non_null(busy);
+    assert_non_null(d);
+    /* Carved one after another from the segment: one pin for three blocks. */
+    char *p1 = gca_host_malloc(a, 64 * KiB), *p2 = gca_host_malloc(a, MiB), *p3 = gca_host_malloc(a, MiB);
+    assert_non_null(p1);
+    assert_non_null(p2);
+    assert_non_null(p3);
+    assert_int_equal(p2 - p1, 64 * KiB);
+    assert_int_equal(p3 - p2, MiB);
+    gca_host_stats_t s = host_stats_of(a);
+    assert_int_equal(s.host_alloc_time.count, 1);
+    assert_int_equal(s.segment.current, 3);
+    int pinned = 0;
+    assert_int_equal(gca_host_is_pinned(a, p1 + 4 * MiB - 1, &pinned), GCA_OK); /* the segment's last byte */
+    assert_int_equal(pinned, 1);
+    /* A round trip through two carved blocks. */
+    unsigned *w2 = (unsigned *)p2, *w3 = (unsigned *)p3;
+    for (size_t i = 0; i < MiB / 4; i++) w2[i] = (unsigned)(i * 2654435761u) ^ (unsigned)c;
+    DRV(cu.cuMemcpyHtoD_v2((uint64_t)(uintptr_t)d, p2, MiB));
+    DRV(cu.cuMemcpyDtoH_v2(p3, (uint64_t)(uintptr_t)d, MiB));
+    assert_memory_equal(w2, w3, MiB);
+
+    /* A copy from p1 queued behind stream 1's work; p1 freed at once. */
+    unsigned *w1 = (unsigned *)p1;
+    for (size_t i = 0; i < 64 * KiB / 4; i++) w1[i] = 0x5a5a0000u + (unsigned)c;
+    keep_busy(busy, busy_size);
+    DRV(cu.cuMemcpyHtoDAsync_v2((uint64_t)(uintptr_t)d, p1, 64 * KiB, streams[1]));
+    assert_int_equal(gca_host_record_stream(a, p1, 0, streams[1]), GCA_OK);
+    assert_int_equal(gca_host_free(a, p1), GCA_OK);
+    int queued = cu.cuStreamQuery(streams[1]) == CU_NOT_READY;
+    char *q = gca_host_malloc(a, 64 * KiB);
+    assert_non_null(q);
+    if (queued) assert_ptr_not_equal(q, p1); /* its copy has not run */
+    memset(q, 0xee, 64 * KiB);                /* would spoil the copy if q were p1 */
+    DRV(cu.cuStreamSynchronize(streams[1]));
+    expect_filled(d, 64 * KiB, 0x5a5a0000u + (unsigned)c);
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* collects p1; carved blocks stay */
+    assert_int_equal(host_stats_of(a).pending_blocks, 0);
+    printf("[ pinned   ] %s: stream 1 %s at the free; the next block %s the freed one\n", conf,
+           queued ? "busy" : "idle", q == (char *)p1 ? "is" : "is not");
+
+    /* Background collection: a block freed under a queued copy, then the
+     * copy done, and no allocation. */
+    keep_busy(busy, busy_size);
+    DRV(cu.cuMemcpyHtoDAsync_v2((uint64_t)(uintptr_t)d, p2, MiB, streams[1]));
+    assert_int_equal(gca_host_record_stream(a, p2, 0, streams[1]), GCA_OK);
+    assert_int_equal(gca_host_free(a, p2), GCA_OK);
+    assert_int_equal(host_stats_of(a).pending_blocks, 1);
+    DRV(cu.cuStreamSynchronize(streams[1]));
+    s = host_stats_of(a);
+    for (int i = 0; i < 2000 && s.pending_blocks; i++) { /* up to 2 s; the thread looks every 100 us */
+      struct timespec pause = {0, 1000000};
+      nanosleep(&pause, NULL);
+      if (!background && i == 20) break; /* 20 ms: nothing collects without the thread */
+      s = host_stats_of(a);
+    }
+    assert_int_equal(s.pending_blocks, background ? 0 : 1);
+    assert_true(gca_host_malloc(a, MiB) == p2); /* collected here at the latest */
+
+    /* A block larger than what is left of the segment is pinned alone, and
+     * the device copies through it too. */
+    char *big = gca_host_malloc(a, 4 * MiB);
+    assert_non_null(big);
+    assert_true(big + 4 * MiB <= p1 || big >= p1 + 4 * MiB);
+    assert_int_equal(host_stats_of(a).host_alloc_time.count, 2);
+    memset(big, 0x77, 2 * MiB);
+    DRV(cu.cuMemcpyHtoDAsync_v2((uint64_t)(uintptr_t)d, big, 2 * MiB, streams[0]));
+    DRV(cu.cuStreamSynchronize(streams[0]));
+    expect_filled(d, 2 * MiB, 0x77777777u);
+    char *all[] = {q, p2, p3, big};
+    for (int i = 0; i < 4; i++) assert_int_equal(gca_host_free(a, all[i]), GCA_OK);
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* big is unpinned, carved blocks stay */
+    s = host_stats_of(a);
+    assert_int_equal(s.num_host_free, 1);
+    assert_int_equal(s.segment.current, q == (char *)p1 ? 3 : 4); /* p1 too, if q was carved apart */
+    assert_int_equal(gca_free(a, busy), GCA_OK);
+    assert_int_equal(gca_free(a, d), GCA_OK);
+    gca_close(a); /* the segment is unpinned */
+  }
+}
+
 /* Seeded random sequences on two streams, every allocation filled by the
  * device on its streams, under the invariant checker; the device's words
  * checked every 64 operations. */
@@ -437,6 +552,7 @@ int main(void) {
       cmocka_unit_test(test_expandable_segments),
       cmocka_unit_test(test_out_of_memory),
       cmocka_unit_test(test_pinned_host),
+      cmocka_unit_test(test_pinned_keys),
       cmocka_unit_test(test_random_sequences),
   };
   return cmocka_run_group_tests(tests, setup, teardown);
