@@ -143,6 +143,7 @@ typedef struct sim_counters {
   uint64_t host_calls;       /* host_alloc and host_register calls, failed ones included */
   uint64_t host_live;        /* ranges allocated or registered now */
   size_t host_used;          /* bytes in them */
+  uint64_t host_unbacked_pages; /* pages not yet backed when registered (mincore), all registrations */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */

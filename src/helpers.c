@@ -1,5 +1,7 @@
 /* Kept helper threads for the tools' parallel steps: the trace reader's
- * second reader, the replay's device workers, and unmapping a file read.
+ * second reader, the replay's device workers, and unmapping a file read;
+ * and for the pinned host allocator's page touching before registering
+ * (pinned_num_register_threads, host.c).
  *
  * Starting a thread costs its creator 25-60 us on the project's VM, and the
  * thread starts 50-130 us later (its processor is woken); a replay of a
@@ -12,7 +14,7 @@
  *
  * A job is queued; a thread is started only when more jobs wait than kept
  * threads are free, so a caller gets at least the concurrency that starting
- * one thread per job gave. The allocator itself never uses them. */
+ * one thread per job gave. The device allocator's paths never use them. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>

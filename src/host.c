@@ -50,6 +50,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -326,15 +327,52 @@ typedef struct prefault {
   size_t len, page;
 } prefault_t;
 
-static void *host_touch_pages(void *arg) {
+static void host_touch_pages(void *arg) {
   prefault_t *p = arg;
   for (size_t off = 0; off < p->len; off += p->page) p->start[off] = 0;
-  return NULL;
+}
+
+/* Host memory to register. Blocks of 2 MiB or more are mapped on their
+ * own, aligned to 2 MiB, with the kernel asked for huge pages
+ * (MADV_HUGEPAGE; Linux's transparent huge pages are often in madvise
+ * mode, as on the H100 machines measured): there a 16 MiB block was
+ * touched in 2.6 ms instead of 6.4, registered in 0.46 ms instead of 0.63,
+ * and unregistered and freed in 0.41 ms instead of 0.83. PyTorch mallocs
+ * every block. Smaller blocks still come from malloc, page-aligned: a
+ * huge page would be mostly wasted on them. */
+#define HOST_HUGE_PAGE ((size_t)2 << 20)
+
+static bool host_mapped(size_t bytes) { return bytes >= HOST_HUGE_PAGE; }
+
+static void *host_memory_get(size_t bytes, size_t page) {
+  if (!host_mapped(bytes)) return aligned_alloc(page, bytes);
+  size_t span = bytes + HOST_HUGE_PAGE;
+  char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return NULL;
+  char *p = (char *)(((uintptr_t)raw + HOST_HUGE_PAGE - 1) & ~(uintptr_t)(HOST_HUGE_PAGE - 1));
+  if (p > raw) munmap(raw, (size_t)(p - raw));
+  if (raw + span > p + bytes) munmap(p + bytes, (size_t)(raw + span - (p + bytes)));
+#ifdef MADV_HUGEPAGE
+  (void)madvise(p, bytes, MADV_HUGEPAGE); /* advice only: without huge pages it works as before */
+#endif
+  return p;
+}
+
+static void host_memory_put(void *p, size_t bytes) {
+  if (host_mapped(bytes)) munmap(p, bytes);
+  else free(p);
 }
 
 /* Touch every page of [p, p + size) with `threads` threads (PyTorch does
  * when size >= page * threads): registering memory that is not yet backed
- * makes the kernel fault it in page by page under the driver's lock. */
+ * makes the kernel fault it in page by page under the driver's lock. The
+ * parts go to the kept helper threads (helpers.c; PyTorch keeps a thread
+ * pool for this too): starting threads for each block cost more than the
+ * touching saved on an H100 machine (8 threads: 260 us for a 1 MiB block,
+ * against 100 us with one). A part no helper has started when this
+ * thread is done with its own is taken back and touched here. Parts of a
+ * mapped block are whole huge pages, so that no two threads fault the
+ * same one. */
 static void host_prefault(char *p, size_t size, size_t threads, size_t page) {
   if (threads > 64) threads = 64;
   if (threads <= 1 || size < page * threads) {
@@ -342,21 +380,23 @@ static void host_prefault(char *p, size_t size, size_t threads, size_t page) {
     host_touch_pages(&all);
     return;
   }
-  pthread_t tid[64];
+  helper_job_t job[64];
   prefault_t part[64];
-  bool started[64] = {false};
-  size_t chunk = (size / threads + page - 1) / page * page;
+  bool queued[64] = {false};
+  size_t grain = host_mapped(size) ? HOST_HUGE_PAGE : page;
+  size_t chunk = (size / threads + grain - 1) / grain * grain;
   for (size_t i = 0; i < threads; i++) {
     size_t from = i * chunk < size ? i * chunk : size;
     size_t to = from + chunk < size ? from + chunk : size;
     part[i] = (prefault_t){p + from, to - from, page};
-    /* The first part runs here; a thread that cannot start is run here too. */
-    if (i > 0) started[i] = pthread_create(&tid[i], NULL, host_touch_pages, &part[i]) == 0;
+    if (i > 0 && to > from) {
+      job[i] = (helper_job_t){.run = host_touch_pages, .arg = &part[i]};
+      queued[i] = helper_submit(&job[i]);
+    }
   }
-  for (size_t i = 0; i < threads; i++)
-    if (!started[i]) host_touch_pages(&part[i]);
+  host_touch_pages(&part[0]);
   for (size_t i = 1; i < threads; i++)
-    if (started[i]) pthread_join(tid[i], NULL);
+    if (!queued[i] || !helper_wait(&job[i])) host_touch_pages(&part[i]);
 }
 
 /* Pin `size` bytes: host_alloc, or malloc + touch + register. Called without the lock. */
@@ -374,13 +414,13 @@ static int host_pin(host_cache_t *h, size_t size, uintptr_t *addr, bool *registe
   if (use_register) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     size_t bytes = (size + page - 1) / page * page;
-    p = aligned_alloc(page, bytes);
+    p = host_memory_get(bytes, page);
     if (!p) {
       rc = set_error(GCA_ERR_OOM, "out of host memory allocating %zu bytes to register", bytes);
     } else {
       host_prefault(p, size, threads, page);
       rc = ops->host_register(host_state_of(h), p, size);
-      if (rc) free(p);
+      if (rc) host_memory_put(p, bytes);
     }
   } else {
     rc = ops->host_alloc(host_state_of(h), size, &p);
@@ -399,8 +439,9 @@ static int host_unpin(host_cache_t *h, const host_block_t *b) {
   int64_t start = now_us();
   int rc;
   if (b->registered) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
     rc = ops->host_unregister(host_state_of(h), (void *)b->addr);
-    if (rc == GCA_OK) free((void *)b->addr);
+    if (rc == GCA_OK) host_memory_put((void *)b->addr, (b->size + page - 1) / page * page);
   } else {
     rc = ops->host_free(host_state_of(h), (void *)b->addr);
   }
@@ -591,7 +632,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     if (carved && addr + take == h->reserve.start + h->reserve.used) h->reserve.used -= take;
     pthread_mutex_unlock(&h->lock);
     free(b);
-    host_block_t tmp = {.addr = addr, .registered = registered};
+    host_block_t tmp = {.addr = addr, .size = size, .registered = registered};
     if (!carved) (void)host_unpin(h, &tmp);
     set_error(GCA_ERR_NOMEM, "gca_host_malloc: out of host memory for the block's record");
     return NULL;
@@ -932,7 +973,7 @@ void host_cache_destroy(gca_allocator_t *a) {
     host_drop_block(b);
   }
   if (h->reserve.start) {
-    host_block_t whole = {.addr = h->reserve.start, .registered = h->reserve.registered};
+    host_block_t whole = {.addr = h->reserve.start, .size = h->reserve.size, .registered = h->reserve.registered};
     if (reserve_doomed || host_unpin(h, &whole) != GCA_OK)
       log_message(GCA_LOG_WARNING, "pinned host allocator: the reserve segment (%zu bytes) left pinned at close",
                   h->reserve.size);

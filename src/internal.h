@@ -862,7 +862,8 @@ const char *readable_name(arena_t *ar, demangle_fn demangle, const char *name);
 void arena_free(arena_t *ar);
 
 /* Kept helper threads (helpers.c) for the tools' parallel steps: the trace
- * reader's second reader, the replay's device workers. A job runs
+ * reader's second reader, the replay's device workers; and the pinned host
+ * allocator's page touching (host.c). A job runs
  * run(arg) on one of them. helper_submit queues it, and returns false when
  * no thread could be had (the caller runs it itself). helper_wait returns
  * once it has run, or takes it back if no thread has started it yet and

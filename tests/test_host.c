@@ -393,6 +393,17 @@ static void test_register_path(void **state) {
   char *small = gca_host_malloc(a, 100);
   assert_non_null(r);
   assert_non_null(small);
+  /* Every page was touched before it was registered, by whichever thread;
+   * blocks of 2 MiB or more are mapped on their own, 2 MiB-aligned. */
+  assert_int_equal(sim_counters(a, 0).host_unbacked_pages, 0);
+  for (int i = 0; i < 20; i++) { /* again, with the kept helpers now running or asleep */
+    char *again = gca_host_malloc(a, 4 * MiB << (i % 3));
+    assert_non_null(again);
+    assert_int_equal((uintptr_t)again % (2 * MiB), 0); /* mapped on its own, for huge pages */
+    assert_int_equal(sim_counters(a, 0).host_unbacked_pages, 0);
+    assert_int_equal(gca_host_free(a, again), GCA_OK);
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+  }
   memset(r, 7, MiB);
   assert_int_equal(sim_counters(a, 0).host_live, 2);
   assert_int_equal(sim_counters(a, 0).host_used, MiB + 128);
@@ -408,7 +419,7 @@ static void test_register_path(void **state) {
   assert_int_equal(gca_host_free(a, h), GCA_OK);
   assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* the sim refuses a mismatched unpin */
   assert_int_equal(sim_counters(a, 0).host_live, 0);
-  assert_int_equal(host_stats(a).num_host_free, 3);
+  assert_int_equal(host_stats(a).num_host_free, 3 + 20);
   assert_host_consistent(a);
   gca_close(a);
 }
@@ -521,6 +532,22 @@ static void test_fork_with_background_thread(void **state) {
 #if __has_feature(thread_sanitizer)
   skip(); /* ThreadSanitizer refuses threads started after a fork of a threaded process */
 #endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) /* gcc */
+#define UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) /* clang */
+#define UNDER_ASAN 1
+#endif
+#endif
+#ifdef UNDER_ASAN
+  /* The child starts a thread, and AddressSanitizer's allocator (gcc 12,
+   * clang 14) is not locked around fork: a child forked while one of the
+   * parent's threads held an allocator lock (the parent's collector
+   * freeing, a kept helper) hangs in its new thread's start, inside
+   * AddressSanitizer (seen: 1 run in 5). glibc's malloc is locked around
+   * fork, so the other builds run this test. */
+  skip();
 #endif
   gca_allocator_t *a = open_sim("sim", "pinned_use_background_threads:True");
   char *kept = gca_host_malloc(a, 4096);

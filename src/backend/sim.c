@@ -55,7 +55,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../internal.h"
 
@@ -181,6 +183,7 @@ typedef struct sim {
   uint64_t host_fail_at;  /* 0: off */
   uint64_t host_calls;    /* host_alloc and host_register calls */
   uint64_t host_live;
+  uint64_t host_unbacked_pages;
   sim_device_t devices[];
 } sim_t;
 
@@ -1031,6 +1034,21 @@ static int sim_host_free(void *state, void *ptr) {
   return rc;
 }
 
+/* Pages of [ptr, ptr + size) the kernel has not backed yet (mincore): a
+ * real driver faults them in one by one under its lock, which is why
+ * PyTorch, and gcalloc, touch them first. 0 if it cannot tell. */
+static uint64_t unbacked_pages(const void *ptr, size_t size) {
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  uintptr_t from = (uintptr_t)ptr / page * page, to = ((uintptr_t)ptr + size + page - 1) / page * page;
+  size_t pages = (to - from) / page;
+  unsigned char *resident = malloc(pages);
+  uint64_t missing = 0;
+  if (resident && mincore((void *)from, to - from, resident) == 0)
+    for (size_t i = 0; i < pages; i++) missing += !(resident[i] & 1);
+  free(resident);
+  return missing;
+}
+
 static int sim_host_register(void *state, void *ptr, size_t size) {
   sim_t *s = state;
   if (!ptr || size == 0 || (uintptr_t)ptr + size < (uintptr_t)ptr)
@@ -1046,6 +1064,7 @@ static int sim_host_register(void *state, void *ptr, size_t size) {
                    r->size);
   if (rc == GCA_OK) rc = charge_host(s, size);
   if (rc == GCA_OK) rc = pin_range(s, ptr, size, false);
+  if (rc == GCA_OK) s->host_unbacked_pages += unbacked_pages(ptr, size);
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
@@ -1132,6 +1151,7 @@ int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
   out->host_calls = s->host_calls;
   out->host_live = s->host_live;
   out->host_used = s->host_used;
+  out->host_unbacked_pages = s->host_unbacked_pages;
   pthread_mutex_unlock(&s->lock);
   return GCA_OK;
 }
