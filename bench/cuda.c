@@ -11,7 +11,15 @@
  *                  the cache emptied: per block, the cost of obtaining memory
  *                  from the device (gcalloc ordinary segments: one cuMemAlloc
  *                  each; expandable segments: cuMemCreate + cuMemMap +
- *                  cuMemSetAccess per 20 MiB page; the driver's pool).
+ *                  cuMemSetAccess per 20 MiB page; the driver's pool);
+ *   pinned host    64 blocks of 64 KiB, 1 MiB and 16 MiB from an empty pinned
+ *                  cache (a fresh allocator each repetition), µs per block:
+ *                  cuMemHostAlloc per block (the default, and the driver
+ *                  called directly), one reserve segment carved
+ *                  (pinned_reserve_segment_size_mb, its pin counted), and
+ *                  malloc + page touching + cuMemHostRegister with 1 and 8
+ *                  threads (pinned_use_cuda_host_register); then ns per
+ *                  cached host alloc+free pair.
  * Needs libcuda.so.1 and a device: without one it says so and exits 1 (CI
  * has no GPU; this is a benchmark, not a test).
  */
@@ -37,6 +45,8 @@ static struct {
   int (*cuMemFree_v2)(uint64_t);
   int (*cuMemAllocAsync)(uint64_t *, size_t, uintptr_t);
   int (*cuMemFreeAsync)(uint64_t, uintptr_t);
+  int (*cuMemHostAlloc)(void **, size_t, unsigned);
+  int (*cuMemFreeHost)(void *);
 } drv;
 
 static int load_driver(void) {
@@ -62,6 +72,8 @@ static int load_driver(void) {
   LOAD(cuMemFree_v2);
   LOAD(cuMemAllocAsync);
   LOAD(cuMemFreeAsync);
+  LOAD(cuMemHostAlloc);
+  LOAD(cuMemFreeHost);
 #undef LOAD
   int device;
   void *ctx;
@@ -137,6 +149,66 @@ static double time_growth(ctx_t *c, peer_t p) {
   return best;
 }
 
+/* Pinned host memory: µs per block of `size` for `blocks` new blocks, best
+ * of 5, each repetition on a fresh allocator opened with `conf` (so nothing
+ * is cached, and a reserve segment is pinned anew); conf NULL and driver set:
+ * cuMemHostAlloc (portable) and cuMemFreeHost called directly. */
+enum { PINNED_BLOCKS = 64 };
+static double time_pinning(const char *conf, int driver, size_t size) {
+  void *ptr[PINNED_BLOCKS];
+  double best = 1e30;
+  for (int rep = 0; rep < 5; rep++) {
+    gca_allocator_t *a = NULL;
+    if (!driver && gca_open("cuda", conf, &a)) return -1;
+    double t0 = tool_seconds();
+    for (int i = 0; i < PINNED_BLOCKS; i++) {
+      if (driver ? drv.cuMemHostAlloc(&ptr[i], size, 1 /* portable */) != 0 : !(ptr[i] = gca_host_malloc(a, size)))
+        return -1;
+    }
+    double t = (tool_seconds() - t0) * 1e6 / PINNED_BLOCKS;
+    if (t < best) best = t;
+    for (int i = 0; i < PINNED_BLOCKS; i++) driver ? (void)drv.cuMemFreeHost(ptr[i]) : (void)gca_host_free(a, ptr[i]);
+    if (a) gca_close(a);
+  }
+  return best;
+}
+
+/* ns per cached pinned alloc+free pair of `size`, best of 5. */
+static double time_pinned_pairs(size_t size) {
+  gca_allocator_t *a = NULL;
+  if (gca_open("cuda", NULL, &a)) return -1;
+  double best = 1e30;
+  for (int rep = -1; rep < 5; rep++) {
+    double t0 = tool_seconds();
+    for (int i = 0; i < 20000; i++) {
+      void *p = gca_host_malloc(a, size);
+      if (!p) return -1;
+      gca_host_free(a, p);
+    }
+    double t = (tool_seconds() - t0) * 1e9 / 20000;
+    if (rep >= 0 && t < best) best = t;
+  }
+  gca_close(a);
+  return best;
+}
+
+enum { PINNING_WAYS = 5 };
+static const char *pinning_names[PINNING_WAYS] = {"cuMemHostAlloc (driver)", "gcalloc", "gcalloc reserve segment",
+                                                  "gcalloc register, 1 thr", "gcalloc register, 8 thr"};
+
+static double time_pinning_way(int way, size_t size) {
+  char conf[128];
+  switch (way) {
+    case 0: return time_pinning(NULL, 1, size);
+    case 1: return time_pinning(NULL, 0, size);
+    case 2: /* room for every block, in whole MiB */
+      snprintf(conf, sizeof conf, "pinned_reserve_segment_size_mb:%zu", (PINNED_BLOCKS * size + (1 << 20) - 1) >> 20);
+      return time_pinning(conf, 0, size);
+    case 3: return time_pinning("pinned_use_cuda_host_register:True", 0, size);
+    default: return time_pinning("pinned_use_cuda_host_register:True,pinned_num_register_threads:8", 0, size);
+  }
+}
+
 int bench_cuda_main(int argc, char **argv) {
   int json = argc > 1 && !strcmp(argv[1], "--json");
   if (argc > 1 + json) {
@@ -159,6 +231,11 @@ int bench_cuda_main(int argc, char **argv) {
     for (int s = 0; s < SIZES; s++) pair[p][s] = time_pairs(&c, (peer_t)p, sizes[s], p == DRIVER ? 200 : 20000);
     grow[p] = time_growth(&c, (peer_t)p);
   }
+  enum { PINNED_SIZES = 3 };
+  const size_t pinned_sizes[PINNED_SIZES] = {64 << 10, 1 << 20, 16 << 20};
+  double pinning[PINNING_WAYS][PINNED_SIZES], pinned_pair = time_pinned_pairs(64 << 10);
+  for (int w = 0; w < PINNING_WAYS; w++)
+    for (int s = 0; s < PINNED_SIZES; s++) pinning[w][s] = time_pinning_way(w, pinned_sizes[s]);
   if (json) {
     printf("{\"device\":");
     json_put_string(stdout, props.name);
@@ -168,7 +245,13 @@ int bench_cuda_main(int argc, char **argv) {
       for (int s = 0; s < SIZES; s++) printf("%s\"%zu\":%.1f", s ? "," : "", sizes[s], pair[p][s]);
       printf("},\"grow_64MiB_ns\":%.0f}", grow[p]);
     }
-    printf("]}\n");
+    printf("],\"pinned\":{\"new_block_us\":[");
+    for (int w = 0; w < PINNING_WAYS; w++) {
+      printf("%s{\"name\":\"%s\"", w ? "," : "", pinning_names[w]);
+      for (int s = 0; s < PINNED_SIZES; s++) printf(",\"%zu\":%.1f", pinned_sizes[s], pinning[w][s]);
+      printf("}");
+    }
+    printf("],\"cached_pair_64KiB_ns\":%.1f}}\n", pinned_pair);
   } else {
     printf("%s: ns per alloc+free pair on one stream (best of 5), and per 64 MiB block from an empty cache\n",
            props.name);
@@ -182,7 +265,16 @@ int bench_cuda_main(int argc, char **argv) {
     for (int s = 0; s < SIZES; s++) printf(" %9.0fx", pair[DRIVER][s] / pair[GCALLOC][s]);
     printf("\n%-22s", "pool / gcalloc");
     for (int s = 0; s < SIZES; s++) printf(" %9.2fx", pair[DRIVER_POOL][s] / pair[GCALLOC][s]);
-    printf("\n");
+    printf("\n\npinned host memory: µs per new block (%d from an empty cache, best of 5)\n", PINNED_BLOCKS);
+    printf("%-26s %10s %10s %10s   %s\n", "", "64 KiB", "1 MiB", "16 MiB", "driver / this");
+    for (int w = 0; w < PINNING_WAYS; w++) {
+      printf("%-26s", pinning_names[w]);
+      for (int s = 0; s < PINNED_SIZES; s++) printf(" %10.1f", pinning[w][s]);
+      printf("  ");
+      for (int s = 0; s < PINNED_SIZES; s++) printf(" %5.2fx", pinning[0][s] / pinning[w][s]);
+      printf("\n");
+    }
+    printf("cached pinned alloc+free pair, 64 KiB: %.0f ns\n", pinned_pair);
   }
   gca_close(c.a[0]);
   gca_close(c.a[1]);

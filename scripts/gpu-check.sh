@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What CI cannot check, for a machine with an NVIDIA GPU and PyTorch: the
-# cuda backend on the real driver, the driver-level benchmark, the Python
+# cuda backend on the real driver, the driver-level benchmark (and PyTorch's
+# pinned host allocator on the same pinned workloads), the Python
 # package, and gcalloc plugged into PyTorch beside PyTorch's own allocators.
 # usage: scripts/gpu-check.sh [BUILD_DIR [OUT_DIR]]   (defaults: build, gpu-check-out)
 # BUILD_DIR is a configured and built tree (cmake -S . -B build && cmake --build build).
@@ -24,6 +25,7 @@ step() { # name, command...
 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step test_cuda_driver env GCALLOC_REQUIRE_GPU=1 CMOCKA_MESSAGE_OUTPUT=stdout "$build/tests/test_cuda_driver"
 step bench_cuda "$build/gcalloc" bench-cuda
+step pytorch_pinned env PYTHONUNBUFFERED=1 python3 bench/pytorch_pinned.py --json "$out/pytorch_pinned.json"
 step python_package env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider python/tests
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
   --out "$out/pytorch" --json "$out/pytorch.json"
