@@ -340,22 +340,10 @@ static void host_touch_pages(void *arg) {
  * and unregistered and freed in 0.41 ms instead of 0.83. PyTorch mallocs
  * every block. Smaller blocks still come from malloc, page-aligned: a
  * huge page would be mostly wasted on them. */
-#define HOST_HUGE_PAGE ((size_t)2 << 20)
-
-static bool host_mapped(size_t bytes) { return bytes >= HOST_HUGE_PAGE; }
+static bool host_mapped(size_t bytes) { return bytes >= HUGE_PAGE_BYTES; }
 
 static void *host_memory_get(size_t bytes, size_t page) {
-  if (!host_mapped(bytes)) return aligned_alloc(page, bytes);
-  size_t span = bytes + HOST_HUGE_PAGE;
-  char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return NULL;
-  char *p = (char *)(((uintptr_t)raw + HOST_HUGE_PAGE - 1) & ~(uintptr_t)(HOST_HUGE_PAGE - 1));
-  if (p > raw) munmap(raw, (size_t)(p - raw));
-  if (raw + span > p + bytes) munmap(p + bytes, (size_t)(raw + span - (p + bytes)));
-#ifdef MADV_HUGEPAGE
-  (void)madvise(p, bytes, MADV_HUGEPAGE); /* advice only: without huge pages it works as before */
-#endif
-  return p;
+  return host_mapped(bytes) ? huge_map(bytes) : aligned_alloc(page, bytes);
 }
 
 static void host_memory_put(void *p, size_t bytes) {
@@ -383,7 +371,7 @@ static void host_prefault(char *p, size_t size, size_t threads, size_t page) {
   helper_job_t job[64];
   prefault_t part[64];
   bool queued[64] = {false};
-  size_t grain = host_mapped(size) ? HOST_HUGE_PAGE : page;
+  size_t grain = host_mapped(size) ? HUGE_PAGE_BYTES : page;
   size_t chunk = (size / threads + grain - 1) / grain * grain;
   for (size_t i = 0; i < threads; i++) {
     size_t from = i * chunk < size ? i * chunk : size;
@@ -537,14 +525,14 @@ static host_cache_t *host_of(gca_allocator_t *a, const char *what) {
   return a->host;
 }
 
-/* A block of `size` carved from the reserve segment, which the first miss
- * that finds pinned_reserve_segment_size_mb set pins: false when none is
- * configured, it could not be pinned, or it has no room left (the caller
- * pins the block alone). Called without the lock. */
 /* What a block of `size` takes of the reserve segment: PyTorch rounds to
  * 4 KiB, so a small block takes a page. */
 static size_t reserve_take(size_t size) { return (size + 4095) & ~(size_t)4095; }
 
+/* A block of `size` carved from the reserve segment, which the first miss
+ * that finds pinned_reserve_segment_size_mb set pins: false when none is
+ * configured, it could not be pinned, or it has no room left (the caller
+ * pins the block alone). Called without the lock. */
 static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
   size_t take = reserve_take(size);
   pthread_mutex_lock(&h->lock);

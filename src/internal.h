@@ -830,6 +830,12 @@ uint64_t text_hash(const char *s);
 #define GCA_BIG_MAPPED 0
 #endif
 void *big_zalloc(size_t bytes);
+/* `bytes` of fresh, zeroed memory mapped on its own, aligned to a 2 MiB
+ * huge page, with the kernel asked for transparent huge pages (a hint);
+ * NULL if it cannot be mapped. munmap(p, bytes) gives it back. Big arrays
+ * and the pinned allocator's large registered blocks use it. */
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+void *huge_map(size_t bytes);
 /* The same, not zero-filled (a kept mapping is handed out as it was). */
 void *big_alloc(size_t bytes);
 void *big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);

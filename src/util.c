@@ -60,26 +60,31 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first) {
   return grown;
 }
 
-#define BIG_PAGE ((size_t)2 << 20)
+#define BIG_PAGE HUGE_PAGE_BYTES
 #define BIG_MIN ((size_t)256 << 10)
 
-#if GCA_BIG_MAPPED
 /* A mapping is zero-filled; the huge pages need it aligned to 2 MiB, so map
  * one more and trim. */
+void *huge_map(size_t bytes) {
+  size_t span = bytes + HUGE_PAGE_BYTES;
+  if (span < bytes) return NULL;
+  char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return NULL;
+  char *p = (char *)(((uintptr_t)raw + HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(HUGE_PAGE_BYTES - 1));
+  if (p > raw) munmap(raw, (size_t)(p - raw));
+  if (raw + span > p + bytes) munmap(p + bytes, (size_t)(raw + span - (p + bytes)));
+#ifdef MADV_HUGEPAGE
+  (void)madvise(p, bytes, MADV_HUGEPAGE); /* advice only: without huge pages it works as before */
+#endif
+  return p;
+}
+
+#if GCA_BIG_MAPPED
 static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE; }
 
 static void *big_map(size_t bytes) {
   size_t size = big_size(bytes);
-  if (size < bytes || size + BIG_PAGE < size) return NULL;
-  char *raw = mmap(NULL, size + BIG_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) return NULL;
-  char *p = (char *)(((uintptr_t)raw + BIG_PAGE - 1) & ~(uintptr_t)(BIG_PAGE - 1));
-  if (p > raw) munmap(raw, (size_t)(p - raw));
-  if (raw + size + BIG_PAGE > p + size) munmap(p + size, (size_t)(raw + size + BIG_PAGE - (p + size)));
-#ifdef MADV_HUGEPAGE
-  (void)madvise(p, size, MADV_HUGEPAGE);
-#endif
-  return p;
+  return size < bytes ? NULL : huge_map(size);
 }
 
 /* The last mappings freed, kept for the next big array of the same size,
@@ -212,8 +217,7 @@ void *arena_alloc(arena_t *ar, size_t n) {
       /* Big arenas filled at once (a parsed trace) fault in 2 MiB at a
        * time where the kernel allows it, not 4 KiB: faults, not parsing,
        * were most of the time reading a snapshot. */
-      size_t huge = (size_t)2 << 20;
-      cap = (sizeof *c + cap + huge - 1) / huge * huge - sizeof *c;
+      cap = (sizeof *c + cap + HUGE_PAGE_BYTES - 1) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES - sizeof *c;
       c = big_alloc(sizeof *c + cap); /* (a kept mapping when one fits: see big_alloc) */
     } else
 #endif
