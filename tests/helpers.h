@@ -32,6 +32,12 @@ static inline gca_stats_t stats_of(gca_allocator_t *a, int device) {
   return s;
 }
 
+static inline gca_host_stats_t host_stats(gca_allocator_t *a) {
+  gca_host_stats_t s;
+  assert_int_equal(gca_host_stats(a, &s), GCA_OK);
+  return s;
+}
+
 static inline void assert_consistent(gca_allocator_t *a) {
   int rc = gca_check(a, -1);
   if (rc != GCA_OK) fprintf(stderr, "invariant broken: %s\n", gca_last_error());

@@ -352,12 +352,6 @@ static void test_pinned_host(void **state) {
   gca_close(a);
 }
 
-static gca_host_stats_t host_stats_of(gca_allocator_t *a) {
-  gca_host_stats_t s;
-  assert_int_equal(gca_host_stats(a, &s), GCA_OK);
-  return s;
-}
-
 /* Keeps stream 1 busy for a while (2 GiB filled 40 times on a GPU: about
  * 30 ms), so that what is queued after it waits. */
 static void keep_busy(void *busy, size_t busy_size) {
@@ -393,7 +387,7 @@ static void test_pinned_keys(void **state) {
     assert_non_null(p3);
     assert_int_equal(p2 - p1, 64 * KiB);
     assert_int_equal(p3 - p2, MiB);
-    gca_host_stats_t s = host_stats_of(a);
+    gca_host_stats_t s = host_stats(a);
     assert_int_equal(s.host_alloc_time.count, 1);
     assert_int_equal(s.segment.current, 3);
     int pinned = 0;
@@ -421,7 +415,7 @@ static void test_pinned_keys(void **state) {
     DRV(cu.cuStreamSynchronize(streams[1]));
     expect_filled(d, 64 * KiB, 0x5a5a0000u + (unsigned)c);
     assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* collects p1; carved blocks stay */
-    assert_int_equal(host_stats_of(a).pending_blocks, 0);
+    assert_int_equal(host_stats(a).pending_blocks, 0);
     printf("[ pinned   ] %s: stream 1 %s at the free; the next block %s the freed one\n", conf,
            queued ? "busy" : "idle", q == (char *)p1 ? "is" : "is not");
 
@@ -434,15 +428,15 @@ static void test_pinned_keys(void **state) {
     /* Pending until the copy has run, and, without the thread, until an
      * allocation collects it (the double's copies run at once, and its
      * thread may have collected it already). */
-    int64_t pending = host_stats_of(a).pending_blocks;
+    int64_t pending = host_stats(a).pending_blocks;
     if (!background || cu.cuStreamQuery(streams[1]) == CU_NOT_READY) assert_int_equal(pending, 1);
     DRV(cu.cuStreamSynchronize(streams[1]));
-    s = host_stats_of(a);
+    s = host_stats(a);
     for (int i = 0; i < 2000 && s.pending_blocks; i++) { /* up to 2 s; the thread looks every 100 us */
       struct timespec pause = {0, 1000000};
       nanosleep(&pause, NULL);
       if (!background && i == 20) break; /* 20 ms: nothing collects without the thread */
-      s = host_stats_of(a);
+      s = host_stats(a);
     }
     assert_int_equal(s.pending_blocks, background ? 0 : 1);
     assert_true(gca_host_malloc(a, MiB) == p2); /* collected here at the latest */
@@ -452,7 +446,7 @@ static void test_pinned_keys(void **state) {
     char *big = gca_host_malloc(a, 4 * MiB);
     assert_non_null(big);
     assert_true(big + 4 * MiB <= p1 || big >= p1 + 4 * MiB);
-    assert_int_equal(host_stats_of(a).host_alloc_time.count, 2);
+    assert_int_equal(host_stats(a).host_alloc_time.count, 2);
     memset(big, 0x77, 2 * MiB);
     DRV(cu.cuMemcpyHtoDAsync_v2((uint64_t)(uintptr_t)d, big, 2 * MiB, streams[0]));
     DRV(cu.cuStreamSynchronize(streams[0]));
@@ -460,7 +454,7 @@ static void test_pinned_keys(void **state) {
     char *all[] = {q, p2, p3, big};
     for (int i = 0; i < 4; i++) assert_int_equal(gca_host_free(a, all[i]), GCA_OK);
     assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* big is unpinned, carved blocks stay */
-    s = host_stats_of(a);
+    s = host_stats(a);
     assert_int_equal(s.num_host_free, 1);
     assert_int_equal(s.segment.current, q == (char *)p1 ? 3 : 4); /* p1 too, if q was carved apart */
     assert_int_equal(gca_free(a, busy), GCA_OK);

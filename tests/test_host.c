@@ -21,12 +21,6 @@
 #define S2 ((gca_stream_t)0x200)
 #define S3 ((gca_stream_t)0x300)
 
-static gca_host_stats_t host_stats(gca_allocator_t *a) {
-  gca_host_stats_t s;
-  assert_int_equal(gca_host_stats(a, &s), GCA_OK);
-  return s;
-}
-
 static void assert_host_consistent(gca_allocator_t *a) {
   int rc = host_cache_check(a);
   if (rc != GCA_OK) fprintf(stderr, "host invariant broken: %s\n", gca_last_error());
@@ -533,14 +527,7 @@ static void test_fork_with_background_thread(void **state) {
   skip(); /* ThreadSanitizer refuses threads started after a fork of a threaded process */
 #endif
 #endif
-#if defined(__SANITIZE_ADDRESS__) /* gcc */
-#define UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) /* clang */
-#define UNDER_ASAN 1
-#endif
-#endif
-#ifdef UNDER_ASAN
+#ifdef GCA_UNDER_ASAN
   /* The child starts a thread, and AddressSanitizer's allocator (gcc 12,
    * clang 14) is not locked around fork: a child forked while one of the
    * parent's threads held an allocator lock (the parent's collector
