@@ -645,6 +645,14 @@ static uint32_t *map_run(const sim_t *s, sim_device_t *dev, uintptr_t addr, size
     map_leaf_t *l = found ? (map_leaf_t *)(uintptr_t)*found : NULL;
     if (!l && create) {
       if (!(l = calloc(1, sizeof *l))) return NULL;
+      /* Each page written now: calloc leaves fresh memory untouched, the
+       * check that follows a creation reads it (the kernel's shared zero
+       * page), and the first entry set then took a copy-on-write fault,
+       * which flushes every processor's TLB for the page (an
+       * interprocessor call each, four per leaf, while another device
+       * replays on the other processor). (Through a volatile pointer: a
+       * compiler folds malloc and memset into calloc.) */
+      for (size_t at = 0; at < sizeof *l; at += 4096) ((volatile unsigned char *)l)[at] = 0;
       if (!addr_map_put(&dev->map_leaves, key, (uint64_t)(uintptr_t)l)) {
         free(l);
         return NULL;
