@@ -19,6 +19,7 @@
  *    address space, physical memory is a memfd, cuMemMap maps it there and
  *    cuMemSetAccess makes it read-write and records which devices may
  *    access it (fakecuda_access); unmapping puts PROT_NONE back;
+ *  - stream-ordered allocation (cuMemAllocAsync/cuMemFreeAsync), at once;
  *  - device properties, peer access, stream priorities, pinned host memory
  *    (allocated, or the caller's registered) and cuPointerGetAttribute;
  *  - failure injection: fakecuda_fail(entry, skip, times, code) makes the
@@ -338,6 +339,18 @@ EXPORT int cuMemFree_v2(uint64_t ptr) {
   free((void *)it->addr);
   it->kind = ITEM_FREE;
   LEAVE(OK);
+}
+
+/* Stream-ordered allocation (bench-cuda's peer): the double's streams run
+ * their work at once, so the memory is allocated and freed at once. */
+EXPORT int cuMemAllocAsync(uint64_t *ptr, size_t size, uintptr_t stream) {
+  (void)stream;
+  return cuMemAlloc_v2(ptr, size);
+}
+
+EXPORT int cuMemFreeAsync(uint64_t ptr, uintptr_t stream) {
+  (void)stream;
+  return cuMemFree_v2(ptr);
 }
 
 EXPORT int cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
