@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What CI cannot check, for a machine with an NVIDIA GPU and PyTorch: the
 # cuda backend on the real driver, the driver-level benchmark (and PyTorch's
-# pinned host allocator on the same pinned workloads), the Python
-# package, and gcalloc plugged into PyTorch beside PyTorch's own allocators.
+# pinned host allocator on the same pinned workloads), the replay's speed on
+# that machine's processors, the Python package, and gcalloc plugged into
+# PyTorch beside PyTorch's own allocators.
 # usage: scripts/gpu-check.sh [BUILD_DIR [OUT_DIR]]   (defaults: build, gpu-check-out)
 # BUILD_DIR is a configured and built tree (cmake -S . -B build && cmake --build build).
 # Every step runs even when one before it failed; the exit status says
@@ -25,6 +26,15 @@ step() { # name, command...
 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step test_cuda_driver env GCALLOC_REQUIRE_GPU=1 CMOCKA_MESSAGE_OUTPUT=stdout "$build/tests/test_cuda_driver"
 step bench_cuda "$build/gcalloc" bench-cuda
+# The replay's speed on a machine other than the project's 2-core VM: the
+# traces are ../shared/traces, or where TRACES says (a copy carried to a
+# device machine, which has no ../shared); skipped when there are none.
+traces=${TRACES:-../shared/traces}
+if [ -d "$traces" ]; then
+  step replay_speed "$build/gcalloc" bench-replay --runs 50 --traces "$traces"
+else
+  echo "=== replay_speed: skipped, no traces at $traces ==="
+fi
 step pytorch_pinned env PYTHONUNBUFFERED=1 python3 bench/pytorch_pinned.py --json "$out/pytorch_pinned.json"
 step python_package env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider python/tests
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
