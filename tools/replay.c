@@ -36,6 +36,9 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     printf("\ndevice %d: %zu operations replayed (%zu allocations live at the start, seeded first) in %.2f ms, "
            "%.1f M operations/s\n",
            d->device, d->events, d->seeded, d->seconds * 1e3, d->seconds > 0 ? (double)d->events / d->seconds / 1e6 : 0);
+    if (d->start_segments)
+      printf("  the start made as PyTorch had it: %zu segments at their recorded sizes, the live blocks at their "
+             "offsets, the rest cached free\n", d->start_segments);
     printf("  peak requested   %10.3f GiB\n", gib(d->peak_requested));
     printf("  peak allocated   %10.3f GiB\n", gib(d->peak_allocated));
     printf("  peak reserved    %10.3f GiB  (%.3f x peak requested)\n", gib(d->peak_reserved),
@@ -89,10 +92,11 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
   printf(", \"devices\": [");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
-    printf("%s\n  {\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"peak_requested_bytes\": %" PRIu64
-           ", \"peak_allocated_bytes\": %" PRIu64 ", \"peak_reserved_bytes\": %" PRIu64
-           ", \"recorded_peak_reserved_bytes\": ",
-           i ? "," : "", d->device, d->events, d->seeded, d->peak_requested, d->peak_allocated, d->peak_reserved);
+    printf("%s\n  {\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"start_segments\": %zu, "
+           "\"peak_requested_bytes\": %" PRIu64 ", \"peak_allocated_bytes\": %" PRIu64
+           ", \"peak_reserved_bytes\": %" PRIu64 ", \"recorded_peak_reserved_bytes\": ",
+           i ? "," : "", d->device, d->events, d->seeded, d->start_segments, d->peak_requested, d->peak_allocated,
+           d->peak_reserved);
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
     printf(", \"pages\": ");

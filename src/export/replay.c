@@ -39,20 +39,31 @@ typedef struct op {
   int64_t recorded_reserved; /* PyTorch's reserved bytes at this point of the record */
 } op_t;
 
-typedef struct device_plan {
-  op_t *ops;
-  size_t count, cap;
-  size_t seeded, allocs;
-  seg_event_t *recorded;
-  size_t recorded_count;
-  int64_t recorded_peak;
-} device_plan_t;
-
 typedef struct seed {
   uint64_t addr, size;
   gca_stream_t stream;
   uint32_t state; /* its addr_state_t */
 } seed_t;
+
+/* A segment PyTorch had when recording began, and the seeds inside it:
+ * seeds[first .. first + count), in address order. */
+typedef struct start_segment {
+  uint64_t addr, size;
+  gca_stream_t stream;
+  size_t first, count;
+} start_segment_t;
+
+typedef struct device_plan {
+  op_t *ops;
+  size_t count, cap;
+  size_t seeded, allocs;
+  seed_t *seeds;            /* the seeds in address order (seed i's slot is i); the first `seeded` ops make them */
+  start_segment_t *starts;  /* PyTorch's segments at the start, in address order (none: unknown) */
+  size_t start_count;
+  seg_event_t *recorded;
+  size_t recorded_count;
+  int64_t recorded_peak;
+} device_plan_t;
 
 static bool is_release(trace_action a) { return a == TA_FREE_COMPLETED || a == TA_FREE_REQUESTED; }
 static bool is_segment_up(trace_action a) { return a == TA_SEGMENT_ALLOC || a == TA_SEGMENT_MAP; }
@@ -154,6 +165,100 @@ typedef struct event_span {
   size_t lo, hi;
 } event_span_t;
 
+/* A segment event of the device, for plan_start_segments: where it was in
+ * the trace orders an address's events. */
+typedef struct segment_seen {
+  uint64_t addr, size, stream;
+  size_t at;
+  bool up;
+} segment_seen_t;
+
+static int by_addr_then_order(const void *x, const void *y) {
+  const segment_seen_t *a = x, *b = y;
+  if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
+  return a->at < b->at ? -1 : a->at > b->at;
+}
+
+static int by_start_addr(const void *x, const void *y) {
+  const start_segment_t *a = x, *b = y;
+  return a->addr < b->addr ? -1 : a->addr > b->addr;
+}
+
+/* The segments PyTorch had when recording began: the final segments less
+ * those the trace allocated, with those it freed (an address's first
+ * segment event says which: a free, it was there with that size; an
+ * alloc, it was not), each with the seeds inside it. Only for plain
+ * segments (a segment_map means expandable ones, whose start is not a
+ * list of segments), and only when they add up to the reserved bytes the
+ * plan found at the start and do not overlap; else none, and the seeds are
+ * made as the allocator places them. False only when the host is out of
+ * memory. */
+static bool plan_start_segments(const trace_t *t, int d, event_span_t span, int64_t reserved, device_plan_t *p) {
+  if (!t->has_segment_state || reserved <= 0) return true;
+  size_t n = 0;
+  for (size_t k = span.lo; k < span.hi; k++) {
+    const trace_event_t *e = &t->events[k];
+    if (e->device != d) continue;
+    if (e->action == TA_SEGMENT_MAP || e->action == TA_SEGMENT_UNMAP) return true;
+    n += (e->action == TA_SEGMENT_ALLOC || e->action == TA_SEGMENT_FREE) && e->size;
+  }
+  segment_seen_t *seen = malloc((n + 1) * sizeof *seen);
+  start_segment_t *starts = malloc((n + t->final_segment_count + 1) * sizeof *starts);
+  if (!seen || !starts) {
+    free(seen);
+    free(starts);
+    return false;
+  }
+  n = 0;
+  for (size_t k = span.lo; k < span.hi; k++) {
+    const trace_event_t *e = &t->events[k];
+    if (e->device == d && (e->action == TA_SEGMENT_ALLOC || e->action == TA_SEGMENT_FREE) && e->size)
+      seen[n++] = (segment_seen_t){e->addr, e->size, e->stream, k, e->action == TA_SEGMENT_ALLOC};
+  }
+  qsort(seen, n, sizeof *seen, by_addr_then_order);
+  size_t count = 0;
+  for (size_t i = 0; i < n; i++)
+    if ((i == 0 || seen[i].addr != seen[i - 1].addr) && !seen[i].up)
+      starts[count++] = (start_segment_t){seen[i].addr, seen[i].size, (gca_stream_t)seen[i].stream, 0, 0};
+  for (size_t i = 0; i < t->final_segment_count; i++) {
+    const trace_segment_t *f = &t->final_segments[i];
+    if (f->device != d) continue;
+    /* Untouched by the trace: there from the start. */
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (seen[mid].addr < f->addr) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo == n || seen[lo].addr != f->addr)
+      starts[count++] = (start_segment_t){f->addr, f->size, (gca_stream_t)f->stream, 0, 0};
+  }
+  free(seen);
+  qsort(starts, count, sizeof *starts, by_start_addr);
+  int64_t total = 0;
+  bool whole = true;
+  for (size_t i = 0; i < count && whole; i++) {
+    total += (int64_t)starts[i].size;
+    whole = !i || starts[i - 1].addr + starts[i - 1].size <= starts[i].addr;
+  }
+  if (!whole || total != reserved) {
+    free(starts);
+    return true;
+  }
+  /* The seeds inside each (both in address order). */
+  size_t next = 0;
+  for (size_t i = 0; i < count; i++) {
+    start_segment_t *st = &starts[i];
+    while (next < p->seeded && p->seeds[next].addr < st->addr) next++;
+    st->first = next;
+    while (next < p->seeded && p->seeds[next].addr - st->addr < st->size) next++;
+    st->count = next - st->first;
+  }
+  p->starts = starts;
+  p->start_count = count;
+  return true;
+}
+
 /* Steps 1 and 2 for device d, in two passes over its events with one
  * address lookup per alloc or release (three or four were a third of the time of
  * replaying a trace).
@@ -232,6 +337,11 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     }
   }
   if (ok) sort_seeds(seeds, seeds + as.count + 1, ns);
+  if (ok) {
+    p->seeds = seeds;
+    p->seeded = ns;
+    ok = plan_start_segments(t, d, span, reserved, p);
+  }
 
   /* Pass 2: slots for the seeds, then the events; at most one operation
    * each. */
@@ -247,7 +357,6 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     as.states[seeds[i].state].live_slot = ++slots;
     p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, seeds[i].size, seeds[i].stream, reserved};
   }
-  p->seeded = ns;
   int64_t peak = reserved;
   bool in_free_run = false;
   j = 0;
@@ -285,13 +394,15 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     }
   }
   p->recorded_peak = t->has_segment_state ? peak : -1;
-  free(seeds);
+  if (!p->seeds) free(seeds);
   free(state_at);
   free(as.states);
   free(as.slots);
   if (!ok) {
     big_free(p->ops, p->cap * sizeof *p->ops);
     free(p->recorded);
+    free(p->seeds);
+    free(p->starts);
     memset(p, 0, sizeof *p);
     return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
   }
@@ -323,6 +434,146 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
   log->events[log->count++] = (seg_event_t){alloc, size};
 }
 
+/* ---- the start as PyTorch had it ----------------------------------------
+ * Seeded one by one, the allocations live at the start are packed into as
+ * few segments as gcalloc would make for them; PyTorch, whose history is
+ * not in the record, had them spread over the segments it had made, with
+ * memory cached free between them (cranberrii: 1,336 MiB reserved for
+ * 1,053 MiB live), and served the first requests of the record from that
+ * cache. When the plan knows those segments (plan_start_segments), the
+ * replay makes them, each at its recorded size, with the seeds at their
+ * recorded offsets and the gaps free, through the allocator's own calls:
+ * the segment is made whole (one request of its size; a small one, two
+ * of 1 MiB) and freed, then carved in address order, a placeholder per
+ * seed and per gap, each taking the low end of the segment's free rest,
+ * the only free block of its pool while the segments carved before stay
+ * covered; then each seed's placeholder is freed and the seed allocated
+ * with its requested size, which takes that block again (the only free one
+ * again), and last the gaps' placeholders are freed and merge. A gap a
+ * large segment cannot have held free (1 MiB or less: PyTorch splits a
+ * large block only above that) belongs to the seed before it, as PyTorch
+ * left it unsplit. A segment whose layout the settings could not have made
+ * (sizes they round otherwise, a seed of the other pool, a seed over its
+ * neighbour, a segment max_split_size makes oversize) keeps its seeds to
+ * be made one by one after, as before. */
+
+/* A piece of a start segment: a seed's block (seed >= 0) or a gap. */
+typedef struct piece {
+  uint64_t size;
+  int64_t seed;
+  void *ptr;
+} piece_t;
+
+static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out, size_t *n) {
+  if (gap % MIN_BLOCK_SIZE) return false;
+  if (!small && gap && gap <= SMALL_SIZE) {
+    if (!*n || out[*n - 1].seed < 0) return false; /* (PyTorch leaves no such free block) */
+    out[*n - 1].size += gap;
+    return round_size(cfg, out[*n - 1].size) == out[*n - 1].size;
+  }
+  while (gap) {
+    uint64_t part = small && gap > SMALL_SIZE ? SMALL_SIZE : gap;
+    if (round_size(cfg, part) != part) return false;
+    out[(*n)++] = (piece_t){part, -1, NULL};
+    gap -= part;
+  }
+  return true;
+}
+
+/* The pieces of a start segment in address order, into out (room for
+ * 3 * count + 4); 0 when the settings cannot make its layout. */
+static size_t start_pieces(const config_t *cfg, const start_segment_t *st, const seed_t *seeds, piece_t *out) {
+  bool small = st->size == SMALL_BUFFER;
+  if (small ? round_size(cfg, SMALL_SIZE) != SMALL_SIZE
+            : st->size < MIN_LARGE_ALLOC && st->size != LARGE_BUFFER) return 0;
+  if (!small && (round_size(cfg, st->size) != st->size || segment_size_for(st->size) != st->size)) return 0;
+  /* With a max_split_size, a segment at or above it is oversize: nothing
+   * smaller is carved from it. */
+  if (st->size >= cfg->max_split_size) return 0;
+  size_t n = 0;
+  uint64_t at = 0;
+  for (size_t k = st->first; k < st->first + st->count; k++) {
+    uint64_t off = seeds[k].addr - st->addr, rounded = round_size(cfg, seeds[k].size);
+    if (!rounded || small != (rounded <= SMALL_SIZE) || off < at || st->size - off < rounded) return 0;
+    if (!add_gap(cfg, small, off - at, out, &n)) return 0;
+    out[n++] = (piece_t){rounded, (int64_t)k, NULL};
+    at = off + rounded;
+  }
+  return add_gap(cfg, small, st->size - at, out, &n) ? n : 0;
+}
+
+/* A request of the seeding refused: out of memory is the replay's answer
+ * (the first operation does not fit), anything else an error. */
+static int seeding_refused(replay_device_t *r, uint64_t size) {
+  if (gca_last_status() != GCA_ERR_OOM) return gca_last_status();
+  r->oom = true;
+  r->oom_event = 0;
+  r->oom_size = size;
+  snprintf(r->oom_message, sizeof r->oom_message, "%s", gca_last_error());
+  return GCA_OK;
+}
+
+/* Whether the settings leave PyTorch's start to be made as it was: not
+ * with expandable segments, which make no such segments. */
+static bool start_as_recorded(const config_t *cfg) { return !cfg->expandable_segments; }
+
+/* The seeds, made in PyTorch's start segments where their layout allows
+ * and one by one after for the rest: ptrs[i] is seed i. GCA_OK with
+ * r->oom set when the device is too small for them. */
+static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **ptrs, replay_device_t *r) {
+  const config_t *cfg = &a->config;
+  size_t room = 3 * p->seeded + 4 * p->start_count + 4;
+  piece_t *pieces = malloc(room * sizeof *pieces);
+  bool *placed = calloc(p->seeded + 1, sizeof *placed);
+  int rc = GCA_OK;
+  if (!pieces || !placed) rc = set_error(GCA_ERR_NOMEM, "out of host memory replaying");
+  size_t used = 0;
+  for (size_t i = 0; rc == GCA_OK && !r->oom && i < p->start_count; i++) {
+    const start_segment_t *st = &p->starts[i];
+    size_t n = start_pieces(cfg, st, p->seeds, pieces + used);
+    if (!n) continue;
+    r->start_segments++;
+    bool small = st->size == SMALL_BUFFER;
+    uint64_t whole = small ? SMALL_SIZE : st->size;
+    void *first = gca_malloc(a, whole, 0, st->stream), *second = NULL;
+    if (first && small) second = gca_malloc(a, whole, 0, st->stream);
+    if (!first || (small && !second)) {
+      if (first) gca_free(a, first);
+      rc = seeding_refused(r, whole);
+      break;
+    }
+    gca_free(a, first);
+    if (second) gca_free(a, second);
+    for (size_t j = used; j < used + n; j++) {
+      if (!(pieces[j].ptr = gca_malloc(a, pieces[j].size, 0, st->stream))) {
+        rc = seeding_refused(r, pieces[j].size);
+        break;
+      }
+      if (pieces[j].seed >= 0) placed[pieces[j].seed] = true;
+    }
+    used += n;
+  }
+  /* Each seed into its block, then the gaps freed. */
+  for (size_t j = 0; j < used; j++) {
+    if (pieces[j].seed < 0 || !pieces[j].ptr) continue;
+    const seed_t *seed = &p->seeds[pieces[j].seed];
+    gca_free(a, pieces[j].ptr);
+    pieces[j].ptr = NULL;
+    if (rc == GCA_OK && !r->oom && !(ptrs[pieces[j].seed] = gca_malloc(a, seed->size, 0, seed->stream)) && seed->size)
+      rc = seeding_refused(r, seed->size);
+  }
+  for (size_t j = 0; j < used; j++)
+    if (pieces[j].ptr) gca_free(a, pieces[j].ptr);
+  for (size_t k = 0; rc == GCA_OK && !r->oom && k < p->seeded; k++) {
+    if (placed[k]) continue;
+    const seed_t *seed = &p->seeds[k];
+    if (!(ptrs[k] = gca_malloc(a, seed->size, 0, seed->stream)) && seed->size) rc = seeding_refused(r, seed->size);
+  }
+  free(pieces);
+  free(placed);
+  return rc;
+}
+
 /* Run the plan on a fresh device, up to operation `stop_at` (SIZE_MAX: all
  * of it). With `log`, gcalloc's segment events after the seeds go there;
  * with `peak`, the state after operation stop_at: a snapshot (with
@@ -349,10 +600,6 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     gca_close(a);
     return set_error(GCA_ERR_NOMEM, "out of host memory replaying");
   }
-  if (log && !p->seeded) {
-    d->segment_observer = observe_segment;
-    d->segment_observer_ctx = log;
-  }
   uint64_t peak_reserved = 0;
   /* The page census at the peak, without maps: counted at each new peak
    * as it comes (a few ranges and the free blocks), not by a second run up
@@ -361,8 +608,34 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
    * 0.27 ms of its 1.5. */
   bool census_here = o->page_census && !o->timeline && !peak;
   double start = now_seconds();
-  size_t i;
-  for (i = 0; i < p->count && i <= stop_at; i++) {
+  size_t i = 0;
+  if (p->start_count && start_as_recorded(&a->config)) {
+    /* The seeding operations at once: every point of them is the state
+     * after them (their placeholders are not the job's), and the peaks
+     * start there. */
+    rc = seed_as_recorded(a, p, ptrs, r);
+    /* (Its placeholders go through the allocator's every path of split
+     * and merge: the books are checked once after them.) */
+    if (rc == GCA_OK && !r->oom) rc = gca_check(a, 0);
+    if (rc == GCA_OK && !r->oom) {
+      gca_reset_peak_stats(a, 0);
+      i = p->seeded;
+      peak_reserved = (uint64_t)family_current(&d->stats, FAM_RESERVED_BYTES);
+      r->peak_op = i ? i - 1 : 0;
+      if (census_here) expandable_census_counts(d, &r->peak_pages);
+      for (size_t k = 0; timeline && k < i; k++) {
+        r->requested_at[k] = (uint64_t)family_current(&d->stats, FAM_REQUESTED_BYTES);
+        r->allocated_at[k] = (uint64_t)family_current(&d->stats, FAM_ALLOCATED_BYTES);
+        r->reserved_at[k] = peak_reserved;
+        if (r->recorded_reserved_at) r->recorded_reserved_at[k] = p->ops[k].recorded_reserved;
+      }
+    }
+  }
+  if (log && i == p->seeded) {
+    d->segment_observer = observe_segment;
+    d->segment_observer_ctx = log;
+  }
+  for (; rc == GCA_OK && !r->oom && i < p->count && i <= stop_at; i++) {
     const op_t *op = &p->ops[i];
     if (op->kind == OP_ALLOC) {
       ptrs[op->slot] = gca_malloc(a, op->size, 0, op->stream);
@@ -494,6 +767,8 @@ static int replay_device(const trace_t *t, int d, event_span_t span, const repla
   }
   big_free(p.ops, p.cap * sizeof *p.ops);
   free(p.recorded);
+  free(p.seeds);
+  free(p.starts);
   return rc;
 }
 

@@ -31,6 +31,7 @@ typedef struct replay_device {
   int device;
   size_t events;                  /* alloc and free operations replayed */
   size_t seeded;                  /* allocations live when recording began, made first */
+  size_t start_segments;          /* of PyTorch's segments at that time, those made as recorded (0: none) */
   uint64_t peak_requested, peak_allocated, peak_reserved;
   int64_t recorded_peak_reserved; /* PyTorch's, from the trace's segment events; -1 unknown */
   uint64_t device_allocs, device_frees;

@@ -63,6 +63,7 @@ static int load_final_state(const char *path, const pv_t *segments, trace_t *t) 
       return set_error(GCA_ERR_INVALID, "%s: segment %zu lacks a valid address, total_size or device", path, i);
     (void)read_uint(pv_get(seg, "stream"), &stream);
     s->device = (int)device;
+    s->stream = stream;
     t->final_segment_count++;
     const pv_t *blocks = pv_get(seg, "blocks");
     for (size_t j = 0; j < pv_len(blocks); j++) {
@@ -559,7 +560,7 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
   }
   for (size_t i = 0; i < a->final_segment_count; i++) {
     const trace_segment_t *x = &a->final_segments[i], *y = &b->final_segments[i];
-    if (x->device != y->device || x->addr != y->addr || x->size != y->size) return false;
+    if (x->device != y->device || x->addr != y->addr || x->size != y->size || x->stream != y->stream) return false;
   }
   return true;
 }

@@ -51,6 +51,7 @@ typedef struct trace_segment {
   int device;
   uint64_t addr;
   uint64_t size;
+  uint64_t stream; /* 0 when the snapshot does not say */
 } trace_segment_t;
 
 typedef struct trace {
