@@ -120,8 +120,9 @@ static void test_own_snapshot_round_trip(void **state) {
 
 /* The start as PyTorch had it: memory cached free in the segments of the
  * history before recording began (a gap between two blocks, a segment's
- * free rest, a segment cached whole, gaps in a small segment, a block that
- * kept its segment's last half megabyte unsplit). The job's first requests
+ * free rest, a segment cached whole, gaps in a small segment, blocks that
+ * kept a half megabyte after them unsplit, between two blocks and at a
+ * segment's end). The job's first requests
  * are served from that cache; a replay that packed the live blocks into
  * new segments would ask the device instead. With the segments made as
  * recorded, the replay makes every one of the record's segment decisions,
@@ -132,6 +133,10 @@ static void test_start_as_recorded(void **state) {
   void *three = gca_malloc(a, 3 * MiB, 0, 0), *five = gca_malloc(a, 5 * MiB, 0, 0);
   void *other = gca_malloc(a, 3 * MiB, 0, 0);
   gca_free(a, five); /* a 5 MiB gap, and 9 MiB free after `other` */
+  /* Best fit puts 4.5 MiB in that gap, and leaves its last half megabyte
+   * in the block (a large block splits only above 1 MiB): between two
+   * blocks, a block longer than its rounded size. */
+  void *mid = gca_malloc(a, 4 * MiB + 512 * KiB, 0, 0);
   void *unsplit = gca_malloc(a, 19 * MiB + 512 * KiB, 0, 0); /* its 20 MiB segment's rest stays in it */
   void *small[4];
   for (int i = 0; i < 4; i++) small[i] = gca_malloc(a, 256 * KiB, 0, 0);
@@ -145,6 +150,7 @@ static void test_start_as_recorded(void **state) {
                      gca_malloc(a, 200 * KiB, 0, 0)};
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, start_reserved); /* all from the cache */
   gca_free(a, three);
+  gca_free(a, mid);
   gca_free(a, small[2]);
   uint64_t rng = 11;
   void *live[48] = {0};
@@ -169,7 +175,7 @@ static void test_start_as_recorded(void **state) {
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
   replay_device_t *d = &r.devices[0];
-  assert_int_equal(d->seeded, 5); /* three, other, unsplit, small[0], small[2] */
+  assert_int_equal(d->seeded, 6); /* three, mid, other, unsplit, small[0], small[2] */
   assert_int_equal(d->start_segments, 4);
   assert_true(d->segment_events_recorded > 4);
   assert_int_equal(d->segment_events_matched, d->segment_events_recorded);
@@ -184,7 +190,7 @@ static void test_start_as_recorded(void **state) {
    * fails). */
   o.conf = "max_split_size_mb:32";
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
-  assert_int_equal(r.devices[0].seeded, 5);
+  assert_int_equal(r.devices[0].seeded, 6);
   assert_int_equal(r.devices[0].start_segments, 3);
   replay_result_free(&r);
   o.conf = "expandable_segments:True";

@@ -444,15 +444,15 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
  * replay makes them, each at its recorded size, with the seeds at their
  * recorded offsets and the gaps free, through the allocator's own calls:
  * the segment is made whole (one request of its size; a small one, two
- * of 1 MiB) and freed, then carved in address order, a placeholder per
- * seed and per gap, each taking the low end of the segment's free rest,
- * the only free block of its pool while the segments carved before stay
- * covered; then each seed's placeholder is freed and the seed allocated
- * with its requested size, which takes that block again (the only free one
- * again), and last the gaps' placeholders are freed and merge. A gap a
- * large segment cannot have held free (1 MiB or less: PyTorch splits a
- * large block only above that) belongs to the seed before it, as PyTorch
- * left it unsplit. A segment whose layout the settings could not have made
+ * of 1 MiB) and freed, then carved in address order, each seed and each
+ * gap's placeholder taking the low end of the segment's free rest, the
+ * only free block of its pool while the segments carved before stay
+ * covered; last the gaps' placeholders are freed and merge. A gap a large
+ * segment cannot have held free (1 MiB or less: PyTorch splits a large
+ * block only above that) belongs to the seed before it, as PyTorch left
+ * it unsplit: that seed's block is carved as a placeholder of the two,
+ * which is freed before the gaps and the seed allocated with its
+ * requested size, taking that block again (the only free one again). A segment whose layout the settings could not have made
  * (sizes they round otherwise, a seed of the other pool, a seed over its
  * neighbour, a segment max_split_size makes oversize) keeps its seeds to
  * be made one by one after, as before. */
@@ -461,6 +461,7 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
 typedef struct piece {
   uint64_t size;
   int64_t seed;
+  bool tail;  /* a seed's block holding a gap after its rounded size (made by placeholder) */
   void *ptr;
 } piece_t;
 
@@ -469,12 +470,13 @@ static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out,
   if (!small && gap && gap <= SMALL_SIZE) {
     if (!*n || out[*n - 1].seed < 0) return false; /* (PyTorch leaves no such free block) */
     out[*n - 1].size += gap;
+    out[*n - 1].tail = true;
     return round_size(cfg, out[*n - 1].size) == out[*n - 1].size;
   }
   while (gap) {
     uint64_t part = small && gap > SMALL_SIZE ? SMALL_SIZE : gap;
     if (round_size(cfg, part) != part) return false;
-    out[(*n)++] = (piece_t){part, -1, NULL};
+    out[(*n)++] = (piece_t){part, -1, false, NULL};
     gap -= part;
   }
   return true;
@@ -496,7 +498,7 @@ static size_t start_pieces(const config_t *cfg, const start_segment_t *st, const
     uint64_t off = seeds[k].addr - st->addr, rounded = round_size(cfg, seeds[k].size);
     if (!rounded || small != (rounded <= SMALL_SIZE) || off < at || st->size - off < rounded) return 0;
     if (!add_gap(cfg, small, off - at, out, &n)) return 0;
-    out[n++] = (piece_t){rounded, (int64_t)k, NULL};
+    out[n++] = (piece_t){rounded, (int64_t)k, false, NULL};
     at = off + rounded;
   }
   return add_gap(cfg, small, st->size - at, out, &n) ? n : 0;
@@ -545,15 +547,23 @@ static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **p
     gca_free(a, first);
     if (second) gca_free(a, second);
     for (size_t j = used; j < used + n; j++) {
-      if (!(pieces[j].ptr = gca_malloc(a, pieces[j].size, 0, st->stream))) {
-        rc = seeding_refused(r, pieces[j].size);
+      /* A seed whose block is its rounded size is made at once: its
+       * request takes the same low end (a third of the calls). */
+      piece_t *pc = &pieces[j];
+      bool direct = pc->seed >= 0 && !pc->tail;
+      const seed_t *seed = direct ? &p->seeds[pc->seed] : NULL;
+      void *got = direct ? gca_malloc(a, seed->size, 0, seed->stream) : gca_malloc(a, pc->size, 0, st->stream);
+      if (!got && (!direct || seed->size)) {
+        rc = seeding_refused(r, direct ? seed->size : pc->size);
         break;
       }
-      if (pieces[j].seed >= 0) placed[pieces[j].seed] = true;
+      if (direct) ptrs[pc->seed] = got;
+      else pc->ptr = got;
+      if (pc->seed >= 0) placed[pc->seed] = true;
     }
     used += n;
   }
-  /* Each seed into its block, then the gaps freed. */
+  /* Each seed with a tail into its block, then the gaps freed. */
   for (size_t j = 0; j < used; j++) {
     if (pieces[j].seed < 0 || !pieces[j].ptr) continue;
     const seed_t *seed = &p->seeds[pieces[j].seed];
