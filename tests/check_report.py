@@ -160,8 +160,15 @@ def main():
         if points != expected_points or points < 100:
             fail("the %s polyline has %d points, the data %d" % (name, points, expected_points))
 
+    # The summary says when the start was made as PyTorch had it.
+    report = json.loads(re.search(r"const REPORT = (\{.*?\});\n", html, re.S).group(1))
+    for d in report["devices"]:
+        if d["start_segments"] and "(in %d segments as recorded)" % d["start_segments"] not in dom.stdout:
+            fail("the summary does not say device %d's start was made in %d segments as recorded"
+                 % (d["device"], d["start_segments"]))
+
     if expect_unmapped:
-        data = json.loads(re.search(r"const REPORT = (\{.*?\});\n", html, re.S).group(1))
+        data = report
         ranges = [g for d in data["devices"] for g in d["segments"] if g["range"]]
         holes = sum(1 for g in ranges for size, state in g["blocks"] if state == 3)
         pages = [d["pages"] for d in data["devices"] if d["pages"]]

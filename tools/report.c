@@ -230,7 +230,9 @@ static const char page_script[] =
     "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits']\n"
     "                .concat(paged ? ['pages mapped at peak', 'pages unmapped below the top'] : []), true);\n"
     "  for (const d of REPORT.devices) {\n"
-    "    row(summary, [d.device, d.events, d.seeded, fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
+    "    row(summary, [d.device, d.events,\n"
+    "                  d.seeded + (d.start_segments ? ' (in ' + d.start_segments + ' segments as recorded)' : ''),\n"
+    "                  fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
     "                  d.recorded_peak_reserved === null ? 'unknown' : fmt(d.recorded_peak_reserved),\n"
     "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
     "                  d.segment_events_matched + ' of ' + d.segment_events_recorded,\n"
@@ -289,9 +291,10 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
   fprintf(f, ", \"devices\": [");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
-    fprintf(f, "%s\n{\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"peak_requested\": %" PRIu64
-               ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
-            i ? "," : "", d->device, d->events, d->seeded, d->peak_requested, d->peak_allocated, d->peak_reserved);
+    fprintf(f, "%s\n{\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"start_segments\": %zu, "
+               "\"peak_requested\": %" PRIu64 ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
+            i ? "," : "", d->device, d->events, d->seeded, d->start_segments, d->peak_requested, d->peak_allocated,
+            d->peak_reserved);
     if (d->recorded_peak_reserved >= 0) fprintf(f, "%" PRId64, d->recorded_peak_reserved);
     else fprintf(f, "null");
     fprintf(f, ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"peak_op\": %zu, \"oom\": ",
