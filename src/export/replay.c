@@ -43,6 +43,7 @@ typedef struct seed {
   uint64_t addr, size;
   gca_stream_t stream;
   uint32_t state; /* its addr_state_t */
+  uint64_t block; /* its block's size when the record tells it (live to the end: a final block), else 0 */
 } seed_t;
 
 /* A segment PyTorch had when recording began, and the seeds inside it:
@@ -330,10 +331,10 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     const addr_state_t *st = &as.states[i];
     if (st->early_release >= 0 && (st->allocated || st->final_block < 0)) {
       const trace_event_t *e = &t->events[st->early_release];
-      seeds[ns++] = (seed_t){st->addr, e->size, (gca_stream_t)e->stream, (uint32_t)i};
+      seeds[ns++] = (seed_t){st->addr, e->size, (gca_stream_t)e->stream, (uint32_t)i, 0};
     } else if (!st->allocated && st->final_block >= 0) {
       const trace_block_t *b = &t->final_blocks[st->final_block];
-      seeds[ns++] = (seed_t){st->addr, b->requested, (gca_stream_t)b->stream, (uint32_t)i};
+      seeds[ns++] = (seed_t){st->addr, b->requested, (gca_stream_t)b->stream, (uint32_t)i, b->size};
     }
   }
   if (ok) sort_seeds(seeds, seeds + as.count + 1, ns);
@@ -447,15 +448,19 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
  * of 1 MiB) and freed, then carved in address order, each seed and each
  * gap's placeholder taking the low end of the segment's free rest, the
  * only free block of its pool while the segments carved before stay
- * covered; last the gaps' placeholders are freed and merge. A gap a large
- * segment cannot have held free (1 MiB or less: PyTorch splits a large
- * block only above that) belongs to the seed before it, as PyTorch left
- * it unsplit: that seed's block is carved as a placeholder of the two,
- * which is freed before the gaps and the seed allocated with its
- * requested size, taking that block again (the only free one again). A segment whose layout the settings could not have made
- * (sizes they round otherwise, a seed of the other pool, a seed over its
- * neighbour, a segment max_split_size makes oversize) keeps its seeds to
- * be made one by one after, as before. */
+ * covered; last the gaps' placeholders are freed and merge. A seed's
+ * block is its rounded size, or, for a seed still live when recording
+ * ended, the size the final state gives (PyTorch leaves a large block's
+ * last megabyte or less unsplit); a gap a large segment cannot have held
+ * free (1 MiB or less: PyTorch splits a large block only above that)
+ * belongs to the seed before it. Such a block is carved as a placeholder,
+ * freed before the gaps, and the seed then allocated into it (the only
+ * free block again), unsplit. What no record tells is how much of a
+ * larger gap after a seed freed during the record was its unsplit tail:
+ * the replay takes none. A segment whose layout the settings could not
+ * have made (sizes they round otherwise, a seed of the other pool, a seed
+ * over its neighbour, a segment max_split_size makes oversize) keeps its
+ * seeds to be made one by one after, as before. */
 
 /* A piece of a start segment: a seed's block (seed >= 0) or a gap. */
 typedef struct piece {
@@ -465,10 +470,12 @@ typedef struct piece {
   void *ptr;
 } piece_t;
 
-static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out, size_t *n) {
+static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out, size_t *n, bool known) {
   if (gap % MIN_BLOCK_SIZE) return false;
   if (!small && gap && gap <= SMALL_SIZE) {
-    if (!*n || out[*n - 1].seed < 0) return false; /* (PyTorch leaves no such free block) */
+    /* (PyTorch leaves no such free block: it is the seed's before, unless
+     * the record gave that one's size.) */
+    if (!*n || out[*n - 1].seed < 0 || known) return false;
     out[*n - 1].size += gap;
     out[*n - 1].tail = true;
     return round_size(cfg, out[*n - 1].size) == out[*n - 1].size;
@@ -494,14 +501,19 @@ static size_t start_pieces(const config_t *cfg, const start_segment_t *st, const
   if (st->size >= cfg->max_split_size) return 0;
   size_t n = 0;
   uint64_t at = 0;
+  bool known = false; /* the size of the last seed's block */
   for (size_t k = st->first; k < st->first + st->count; k++) {
     uint64_t off = seeds[k].addr - st->addr, rounded = round_size(cfg, seeds[k].size);
-    if (!rounded || small != (rounded <= SMALL_SIZE) || off < at || st->size - off < rounded) return 0;
-    if (!add_gap(cfg, small, off - at, out, &n)) return 0;
-    out[n++] = (piece_t){rounded, (int64_t)k, false, NULL};
-    at = off + rounded;
+    uint64_t block = seeds[k].block ? seeds[k].block : rounded;
+    if (!rounded || block < rounded || small != (rounded <= SMALL_SIZE) || off < at || st->size - off < block)
+      return 0;
+    if (!add_gap(cfg, small, off - at, out, &n, known)) return 0;
+    out[n++] = (piece_t){block, (int64_t)k, block > rounded, NULL};
+    if (block > rounded && round_size(cfg, block) != block) return 0;
+    at = off + block;
+    known = seeds[k].block != 0;
   }
-  return add_gap(cfg, small, st->size - at, out, &n) ? n : 0;
+  return add_gap(cfg, small, st->size - at, out, &n, known) ? n : 0;
 }
 
 /* A request of the seeding refused: out of memory is the replay's answer
@@ -645,6 +657,8 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     d->segment_observer = observe_segment;
     d->segment_observer_ctx = log;
   }
+  bool start_snapshot = o->start_snapshot && !peak;
+  if (start_snapshot && rc == GCA_OK && !r->oom && i == p->seeded) rc = gca_snapshot_take(a, &r->start_snapshot);
   for (; rc == GCA_OK && !r->oom && i < p->count && i <= stop_at; i++) {
     const op_t *op = &p->ops[i];
     if (op->kind == OP_ALLOC) {
@@ -684,6 +698,7 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
       d->segment_observer = observe_segment;
       d->segment_observer_ctx = log;
     }
+    if (start_snapshot && i + 1 == p->seeded && (rc = gca_snapshot_take(a, &r->start_snapshot)) != GCA_OK) break;
     if (o->progress && (i & 65535) == 65535) o->progress(o->progress_ctx, r->device, i + 1, p->count);
   }
   r->seconds = now_seconds() - start;
@@ -908,6 +923,7 @@ void replay_result_free(replay_result_t *r) {
     free(d->reserved_at);
     free(d->recorded_reserved_at);
     gca_snapshot_free(d->peak_snapshot);
+    gca_snapshot_free(d->start_snapshot);
     page_census_free(&d->peak_pages);
   }
   free(r->devices);

@@ -23,6 +23,7 @@ typedef struct replay_options {
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
   bool page_census;        /* with expandable segments: count their pages at the peak (maps: with timeline) */
   int threads;              /* devices replayed at once; 0: one per processor online (results do not depend on it) */
+  bool start_snapshot;      /* tests: each device's state after the seeding, in start_snapshot */
   replay_progress_fn progress; /* called from the replaying threads, one call at a time */
   void *progress_ctx;
 } replay_options_t;
@@ -59,6 +60,7 @@ typedef struct replay_device {
   int64_t *recorded_reserved_at;
   size_t peak_op;
   gca_snapshot_t *peak_snapshot;
+  gca_snapshot_t *start_snapshot; /* with options.start_snapshot */
 } replay_device_t;
 
 typedef struct replay_result {
