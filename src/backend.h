@@ -163,6 +163,21 @@ int sim_get_counters(const backend_t *b, int device, sim_counters_t *out);
  * fails naming both; the work is queued either way. */
 int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t duration_ns, uintptr_t addr,
                size_t size);
+/* Where device allocations go (the replay's: docs/replay.md, "the start as
+ * PyTorch had it"): a list of (size, address) in the order they are
+ * expected, addresses as another device gave them; `origin` of those is
+ * put at the device's first address, the others at the same distance from
+ * it. An allocation of the next entry's size takes its address when that
+ * range is free, and the entry is used up either way; any other
+ * allocation goes first fit, as without a list. Ties between free blocks of
+ * one size are broken by address, so where segments lie decides which a
+ * request takes. Replaces any list given before (n 0: none).
+ * GCA_ERR_INVALID for another backend, GCA_ERR_NOMEM. */
+typedef struct sim_place {
+  uint64_t size, addr;
+} sim_place_t;
+int sim_set_placement(const backend_t *b, int device, const sim_place_t *places, size_t n, uint64_t origin);
+
 /* Move simulated time forward; work and events due by then complete. */
 void sim_advance(const backend_t *b, uint64_t ns);
 /* The simulated time in ns since the backend was opened. */

@@ -89,6 +89,49 @@ static void test_capacity_and_address_reuse(void **state) {
   backend_close(&b);
 }
 
+/* Placement (sim_set_placement): an allocation of the next entry's size
+ * goes at its address, made this device's (the origin at the device's
+ * first address); an entry whose range is taken is used up and the
+ * allocation goes first fit; other sizes go first fit and leave the list
+ * where it is. */
+static void test_placement(void **state) {
+  (void)state;
+  backend_t b = open_backend("sim:capacity=1GiB,devices=2");
+  uintptr_t first, at, fit, again, other;
+  assert_int_equal(b.ops->malloc(b.state, 1, 2 * MiB, &first), GCA_OK); /* device 1's first address */
+  assert_int_equal(b.ops->free(b.state, 1, first, 2 * MiB), GCA_OK);
+  const uint64_t origin = 0x7f0000000000ull;
+  const sim_place_t places[] = {{20 * MiB, origin + 64 * MiB}, {2 * MiB, origin}, {4 * MiB, origin + 64 * MiB}};
+  assert_int_equal(sim_set_placement(&b, 1, places, 3, origin), GCA_OK);
+  assert_int_equal(b.ops->malloc(b.state, 1, 6 * MiB, &fit), GCA_OK); /* not the next entry's size */
+  assert_int_equal(fit, first);
+  assert_int_equal(b.ops->malloc(b.state, 1, 20 * MiB, &at), GCA_OK);
+  assert_int_equal(at, first + 64 * MiB);
+  assert_int_equal(b.ops->malloc(b.state, 1, 2 * MiB, &again), GCA_OK); /* its place is taken: first fit */
+  assert_int_equal(again, first + 6 * MiB);
+  assert_int_equal(b.ops->malloc(b.state, 1, 4 * MiB, &other), GCA_OK); /* inside the 20 MiB: taken too */
+  assert_int_equal(other, first + 8 * MiB);
+  /* Freed ranges merge around a placed one as around any other. */
+  assert_int_equal(b.ops->free(b.state, 1, at, 20 * MiB), GCA_OK);
+  const sim_place_t back[] = {{8 * MiB, origin + 70 * MiB}};
+  assert_int_equal(sim_set_placement(&b, 1, back, 1, origin), GCA_OK);
+  assert_int_equal(b.ops->malloc(b.state, 1, 8 * MiB, &at), GCA_OK);
+  assert_int_equal(at, first + 70 * MiB);
+  /* An address below the origin is left to first fit. */
+  const sim_place_t below[] = {{2 * MiB, origin - 4 * MiB}};
+  assert_int_equal(sim_set_placement(&b, 1, below, 1, origin), GCA_OK);
+  assert_int_equal(b.ops->malloc(b.state, 1, 2 * MiB, &again), GCA_OK);
+  assert_int_equal(again, first + 12 * MiB);
+  sim_counters_t c;
+  assert_int_equal(sim_get_counters(&b, 1, &c), GCA_OK);
+  assert_int_equal(c.live, 5);
+  backend_close(&b);
+  backend_t one;
+  assert_int_equal(backend_open("sim", &one), GCA_OK);
+  assert_int_equal(sim_set_placement(&one, 5, places, 1, origin), GCA_ERR_INVALID); /* no device 5 */
+  backend_close(&one);
+}
+
 static void test_fail_at_is_transient(void **state) {
   (void)state;
   /* The 2nd device allocation fails once: the allocator empties its cache,
@@ -186,7 +229,8 @@ static void test_refused_free_is_reported(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_capacity_units),     cmocka_unit_test(test_bad_options),
-      cmocka_unit_test(test_capacity_and_address_reuse), cmocka_unit_test(test_fail_at_is_transient),
+      cmocka_unit_test(test_capacity_and_address_reuse), cmocka_unit_test(test_placement),
+      cmocka_unit_test(test_fail_at_is_transient),
       cmocka_unit_test(test_fail_after),         cmocka_unit_test(test_fail_rate_is_seeded),
       cmocka_unit_test(test_latency),            cmocka_unit_test(test_refused_free_is_reported),
   };

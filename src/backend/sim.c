@@ -155,6 +155,8 @@ typedef struct sim_device {
   sim_phys_t *phys;
   uint32_t phys_cap;
   uint32_t free_phys;       /* head of the free list, slot + 1; 0: none */
+  sim_place_t *places;      /* sim_set_placement's list, addresses made this device's */
+  size_t place_count, place_next;
 } sim_device_t;
 
 typedef struct sim {
@@ -230,6 +232,47 @@ static bool take_range(sim_device_t *dev, size_t size, uintptr_t *addr) {
     return true;
   }
   return false;
+}
+
+/* [addr, addr + size) out of the device's free ranges, when one holds it
+ * whole. False when none does, or the host is out of memory. */
+static bool take_range_at(sim_device_t *dev, uintptr_t addr, size_t size) {
+  for (sim_range_t **link = &dev->free_ranges; *link; link = &(*link)->next) {
+    sim_range_t *r = *link;
+    if (r->addr > addr) return false;
+    if (addr - r->addr > r->size || r->size - (addr - r->addr) < size) continue;
+    size_t before = addr - r->addr, after = r->size - before - size;
+    if (before && after) { /* split in two: the part after is a range of its own */
+      sim_range_t *rest = malloc(sizeof *rest);
+      if (!rest) return false;
+      *rest = (sim_range_t){.addr = addr + size, .size = after, .next = r->next};
+      r->size = before;
+      r->next = rest;
+    } else if (before) {
+      r->size = before;
+    } else if (after) {
+      r->addr += size;
+      r->size -= size;
+    } else {
+      *link = r->next;
+      free(r);
+    }
+    return true;
+  }
+  return false;
+}
+
+/* Where an allocation of `footprint` bytes goes: the next placement's
+ * address when it is for this size and free, else first fit. */
+static bool place_range(sim_device_t *dev, size_t size, size_t footprint, uintptr_t *addr) {
+  if (dev->place_next < dev->place_count && dev->places[dev->place_next].size == size) {
+    uintptr_t at = (uintptr_t)dev->places[dev->place_next++].addr;
+    if (take_range_at(dev, at, footprint)) {
+      *addr = at;
+      return true;
+    }
+  }
+  return take_range(dev, footprint, addr);
 }
 
 /* Return a range, merging with its neighbours. False only on host OOM. */
@@ -375,7 +418,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
     rec->host = aligned_alloc(SIM_ALIGN, footprint);
     if (!rec->host) rc = set_error(GCA_ERR_OOM, "sim: backed mode cannot get %zu bytes of host memory", size);
     else rec->addr = (uintptr_t)rec->host;
-  } else if (rc == GCA_OK && !take_range(dev, footprint, &rec->addr)) {
+  } else if (rc == GCA_OK && !place_range(dev, size, footprint, &rec->addr)) {
     /* Capacity is at most half the span, so only fragmentation of the
      * address space itself can bring us here. */
     rc = set_error(GCA_ERR_OOM, "sim: device %d has no free address range of %zu bytes", device, size);
@@ -938,6 +981,7 @@ static void sim_destroy(void *state) {
       if (dev->map_leaves.keys && dev->map_leaves.keys[k] && dev->map_leaves.keys[k] != ADDR_MAP_DELETED)
         free((map_leaf_t *)(uintptr_t)dev->map_leaves.vals[k]);
     addr_map_free(&dev->map_leaves);
+    free(dev->places);
     free(dev->phys);
     free(dev->streams);
     free(dev->work);
@@ -1147,6 +1191,29 @@ static sim_t *sim_of(const backend_t *b, int device) {
     return NULL;
   }
   return s;
+}
+
+int sim_set_placement(const backend_t *b, int device, const sim_place_t *places, size_t n, uint64_t origin) {
+  sim_t *s = sim_of(b, device);
+  if (!s) return GCA_ERR_INVALID;
+  sim_place_t *copy = n ? malloc(n * sizeof *copy) : NULL;
+  if (n && !copy) return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  /* Made this device's: a distance from the origin past the device's
+   * range, or misaligned, leaves the entry to first fit. */
+  uintptr_t base = (uintptr_t)(device + 1) * SIM_SPAN;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t d = places[i].addr - origin;
+    bool fits = places[i].addr >= origin && d < SIM_SPAN && SIM_SPAN - d >= places[i].size && d % SIM_ALIGN == 0;
+    copy[i] = (sim_place_t){places[i].size, fits ? base + d : 0};
+  }
+  pthread_mutex_lock(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  free(dev->places);
+  dev->places = copy;
+  dev->place_count = n;
+  dev->place_next = 0;
+  pthread_mutex_unlock(&s->lock);
+  return GCA_OK;
 }
 
 int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {

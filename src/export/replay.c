@@ -61,6 +61,12 @@ typedef struct device_plan {
   seed_t *seeds;            /* the seeds in address order (seed i's slot is i); the first `seeded` ops make them */
   start_segment_t *starts;  /* PyTorch's segments at the start, in address order (none: unknown) */
   size_t start_count;
+  /* Where the simulator is to put segments (sim_set_placement): the start
+   * segments first (place_starts of them), then each recorded
+   * segment_alloc, at their recorded addresses. */
+  sim_place_t *places;
+  size_t place_count, place_starts;
+  uint64_t place_origin; /* the lowest of those addresses */
   seg_event_t *recorded;
   size_t recorded_count;
   int64_t recorded_peak;
@@ -260,6 +266,35 @@ static bool plan_start_segments(const trace_t *t, int d, event_span_t span, int6
   return true;
 }
 
+/* Where PyTorch's segments lay: the start's, then each segment_alloc of the
+ * record, in order, at its address. gcalloc's best fit, as PyTorch's,
+ * breaks ties between free blocks of one size by address, so the
+ * simulator is asked to put each segment where the record had it
+ * (relative to the lowest), not in its own order; a segment the replay
+ * asks for that the record does not have goes where the simulator finds
+ * room. False only when the host is out of memory. */
+static bool plan_places(const trace_t *t, int d, event_span_t span, device_plan_t *p) {
+  size_t n = p->start_count;
+  for (size_t k = span.lo; k < span.hi; k++)
+    n += t->events[k].device == d && t->events[k].action == TA_SEGMENT_ALLOC && t->events[k].size;
+  if (!n) return true;
+  if (!(p->places = malloc(n * sizeof *p->places))) return false;
+  uint64_t origin = UINT64_MAX;
+  for (size_t i = 0; i < p->start_count; i++) {
+    p->places[p->place_count++] = (sim_place_t){p->starts[i].size, p->starts[i].addr};
+    origin = p->starts[i].addr < origin ? p->starts[i].addr : origin;
+  }
+  p->place_starts = p->place_count;
+  for (size_t k = span.lo; k < span.hi; k++) {
+    const trace_event_t *e = &t->events[k];
+    if (e->device != d || e->action != TA_SEGMENT_ALLOC || !e->size) continue;
+    p->places[p->place_count++] = (sim_place_t){e->size, e->addr};
+    origin = e->addr < origin ? e->addr : origin;
+  }
+  p->place_origin = origin;
+  return true;
+}
+
 /* Steps 1 and 2 for device d, in two passes over its events with one
  * address lookup per alloc or release (three or four were a third of the time of
  * replaying a trace).
@@ -395,6 +430,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     }
   }
   p->recorded_peak = t->has_segment_state ? peak : -1;
+  if (ok) ok = plan_places(t, d, span, p);
   if (!p->seeds) free(seeds);
   free(state_at);
   free(as.states);
@@ -404,6 +440,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     free(p->recorded);
     free(p->seeds);
     free(p->starts);
+    free(p->places);
     memset(p, 0, sizeof *p);
     return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
   }
@@ -608,6 +645,16 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
   int rc = gca_open(spec, conf, &a);
   if (rc) return rc;
   device_t *d = &a->devices[0];
+  bool as_recorded = p->start_count && start_as_recorded(&a->config);
+  if (p->place_count) {
+    size_t skip = as_recorded ? 0 : p->place_starts; /* (segments seeded one by one go anywhere) */
+    rc = sim_set_placement(&a->backend, 0, p->places + skip, p->place_count - skip, p->place_origin);
+    if (rc == GCA_ERR_INVALID) rc = GCA_OK; /* (not the simulator: nothing to place) */
+    if (rc) {
+      gca_close(a);
+      return rc;
+    }
+  }
   void **ptrs = calloc(p->count + 1, sizeof *ptrs);
   bool timeline = o->timeline && !peak;
   if (timeline) {
@@ -631,7 +678,7 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
   bool census_here = o->page_census && !o->timeline && !peak;
   double start = now_seconds();
   size_t i = 0;
-  if (p->start_count && start_as_recorded(&a->config)) {
+  if (as_recorded) {
     /* The seeding operations at once: every point of them is the state
      * after them (their placeholders are not the job's), and the peaks
      * start there. */
@@ -794,6 +841,7 @@ static int replay_device(const trace_t *t, int d, event_span_t span, const repla
   free(p.recorded);
   free(p.seeds);
   free(p.starts);
+  free(p.places);
   return rc;
 }
 
