@@ -7,7 +7,11 @@
  *     before it; a free in the trace was; plan_device tells it per address
  *     going forward), and are allocated first, in address order
  *     ("seeded"). PyTorch's reserved memory at the start is found the
- *     same way from the final segments and the segment events.
+ *     same way from the final segments and the segment events, and, where
+ *     the record tells them, the segments themselves: the seeds are then
+ *     made in those, at their recorded offsets, with the memory PyTorch
+ *     had cached between them ("the start as PyTorch had it" below), and
+ *     every segment is placed where the record had it.
  *  2. The operations: each alloc a new slot, each free_completed (the
  *     release) frees its slot, and a run of recorded segment frees that the
  *     replay did not cause stands for an empty_cache() call of the job.
