@@ -68,6 +68,23 @@ static void test_gcalloc_trace_format(void **state) {
   trace_free(&t);
 }
 
+/* `steps` random operations on `slots` slots of `live`: a slot's block
+ * freed, or an empty slot given one of 512 B << (0 .. shifts - 1); and
+ * gca_empty_cache once, after operation `empty_cache_at`. */
+static void random_history(gca_allocator_t *a, uint64_t *rng, void **live, int slots, int steps, int shifts,
+                           int empty_cache_at) {
+  for (int i = 0; i < steps; i++) {
+    int k = (int)(next_random(rng) % (uint64_t)slots);
+    if (live[k]) {
+      gca_free(a, live[k]);
+      live[k] = NULL;
+    } else {
+      live[k] = gca_malloc(a, (size_t)1 << (9 + next_random(rng) % (uint64_t)shifts), 0, 0);
+    }
+    if (i == empty_cache_at) gca_empty_cache(a, 0);
+  }
+}
+
 /* A snapshot gcalloc wrote itself, with three allocations live before the
  * history began: the replay seeds them, and with the same settings makes
  * exactly gcalloc's own segment decisions and reaches its reserved peak. */
@@ -78,16 +95,7 @@ static void test_own_snapshot_round_trip(void **state) {
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_NONE, 100000), GCA_OK);
   uint64_t rng = 5;
   void *live[64] = {0};
-  for (int i = 0; i < 3000; i++) {
-    int k = (int)(next_random(&rng) % 64);
-    if (live[k]) {
-      gca_free(a, live[k]);
-      live[k] = NULL;
-    } else {
-      live[k] = gca_malloc(a, (size_t)1 << (9 + next_random(&rng) % 18), 0, 0);
-    }
-    if (i == 1500) gca_empty_cache(a, 0);
-  }
+  random_history(a, &rng, live, 64, 3000, 18, 1500);
   gca_free(a, early[1]);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
   gca_snapshot_t *s;
@@ -154,16 +162,7 @@ static void test_start_as_recorded(void **state) {
   gca_free(a, small[2]);
   uint64_t rng = 11;
   void *live[48] = {0};
-  for (int i = 0; i < 2000; i++) {
-    int k = (int)(next_random(&rng) % 48);
-    if (live[k]) {
-      gca_free(a, live[k]);
-      live[k] = NULL;
-    } else {
-      live[k] = gca_malloc(a, (size_t)1 << (9 + next_random(&rng) % 17), 0, 0);
-    }
-    if (i == 1200) gca_empty_cache(a, 0);
-  }
+  random_history(a, &rng, live, 48, 2000, 17, 1200);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
   gca_snapshot_t *s;
   assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
