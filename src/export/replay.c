@@ -271,31 +271,21 @@ static bool plan_start_segments(const trace_t *t, int d, event_span_t span, int6
 }
 
 /* Where PyTorch's segments lay: the start's, then each segment_alloc of the
- * record, in order, at its address. gcalloc's best fit, as PyTorch's,
- * breaks ties between free blocks of one size by address, so the
- * simulator is asked to put each segment where the record had it
+ * record (added in pass 2), in order, at its address. gcalloc's best fit,
+ * as PyTorch's, breaks ties between free blocks of one size by address, so
+ * the simulator is asked to put each segment where the record had it
  * (relative to the lowest), not in its own order; a segment the replay
  * asks for that the record does not have goes where the simulator finds
- * room. False only when the host is out of memory. */
-static bool plan_places(const trace_t *t, int d, event_span_t span, device_plan_t *p) {
-  size_t n = p->start_count;
-  for (size_t k = span.lo; k < span.hi; k++)
-    n += t->events[k].device == d && t->events[k].action == TA_SEGMENT_ALLOC && t->events[k].size;
-  if (!n) return true;
-  if (!(p->places = malloc(n * sizeof *p->places))) return false;
-  uint64_t origin = UINT64_MAX;
+ * room. Room for the start's and `segment_events` more; false only when
+ * the host is out of memory. */
+static bool plan_places(device_plan_t *p, size_t segment_events) {
+  if (!(p->places = malloc((p->start_count + segment_events + 1) * sizeof *p->places))) return false;
+  p->place_origin = UINT64_MAX;
   for (size_t i = 0; i < p->start_count; i++) {
     p->places[p->place_count++] = (sim_place_t){p->starts[i].size, p->starts[i].addr};
-    origin = p->starts[i].addr < origin ? p->starts[i].addr : origin;
+    p->place_origin = p->starts[i].addr < p->place_origin ? p->starts[i].addr : p->place_origin;
   }
   p->place_starts = p->place_count;
-  for (size_t k = span.lo; k < span.hi; k++) {
-    const trace_event_t *e = &t->events[k];
-    if (e->device != d || e->action != TA_SEGMENT_ALLOC || !e->size) continue;
-    p->places[p->place_count++] = (sim_place_t){e->size, e->addr};
-    origin = e->addr < origin ? e->addr : origin;
-  }
-  p->place_origin = origin;
   return true;
 }
 
@@ -380,7 +370,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
   if (ok) {
     p->seeds = seeds;
     p->seeded = ns;
-    ok = plan_start_segments(t, d, span, reserved, p);
+    ok = plan_start_segments(t, d, span, reserved, p) && plan_places(p, segment_events);
   }
 
   /* Pass 2: slots for the seeds, then the events; at most one operation
@@ -415,6 +405,10 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
       reserved += up ? (int64_t)e->size : -(int64_t)e->size;
       if (reserved > peak) peak = reserved;
       p->recorded[p->recorded_count++] = (seg_event_t){up, e->size};
+      if (e->action == TA_SEGMENT_ALLOC && e->size) {
+        p->places[p->place_count++] = (sim_place_t){e->size, e->addr};
+        p->place_origin = e->addr < p->place_origin ? e->addr : p->place_origin;
+      }
       if (!up && !in_free_run && o->infer_empty_cache)
         p->ops[p->count++] = (op_t){OP_EMPTY_CACHE, 0, 0, 0, reserved};
       in_free_run = !up;
@@ -434,7 +428,6 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     }
   }
   p->recorded_peak = t->has_segment_state ? peak : -1;
-  if (ok) ok = plan_places(t, d, span, p);
   if (!p->seeds) free(seeds);
   free(state_at);
   free(as.states);
@@ -588,17 +581,24 @@ static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **p
     size_t n = start_pieces(cfg, st, p->seeds, pieces + used);
     if (!n) continue;
     r->start_segments++;
+    /* The segment is made whole first, unless its first piece's request
+     * makes one of its size anyway (a 2 MiB segment's, a 20 MiB one's
+     * under 10 MiB: most of them), the pool having no free block then. */
     bool small = st->size == SMALL_BUFFER;
-    uint64_t whole = small ? SMALL_SIZE : st->size;
-    void *first = gca_malloc(a, whole, 0, st->stream), *second = NULL;
-    if (first && small) second = gca_malloc(a, whole, 0, st->stream);
-    if (!first || (small && !second)) {
-      if (first) gca_free(a, first);
-      rc = seeding_refused(r, whole);
-      break;
+    const piece_t *lead = &pieces[used];
+    uint64_t lead_request = lead->seed >= 0 && !lead->tail ? p->seeds[lead->seed].size : lead->size;
+    if (segment_size_for(round_size(cfg, lead_request)) != st->size) {
+      uint64_t whole = small ? SMALL_SIZE : st->size;
+      void *first = gca_malloc(a, whole, 0, st->stream), *second = NULL;
+      if (first && small) second = gca_malloc(a, whole, 0, st->stream);
+      if (!first || (small && !second)) {
+        if (first) gca_free(a, first);
+        rc = seeding_refused(r, whole);
+        break;
+      }
+      gca_free(a, first);
+      if (second) gca_free(a, second);
     }
-    gca_free(a, first);
-    if (second) gca_free(a, second);
     for (size_t j = used; j < used + n; j++) {
       /* A seed whose block is its rounded size is made at once: its
        * request takes the same low end (a third of the calls). */
@@ -710,7 +710,8 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
   }
   bool start_snapshot = o->start_snapshot && !peak;
   if (start_snapshot && rc == GCA_OK && !r->oom && i == p->seeded) rc = gca_snapshot_take(a, &r->start_snapshot);
-  for (; rc == GCA_OK && !r->oom && i < p->count && i <= stop_at; i++) {
+  size_t last = rc == GCA_OK && !r->oom ? p->count : i; /* (nothing more after a failed seeding) */
+  for (; i < last && i <= stop_at; i++) {
     const op_t *op = &p->ops[i];
     if (op->kind == OP_ALLOC) {
       ptrs[op->slot] = gca_malloc(a, op->size, 0, op->stream);
@@ -745,11 +746,13 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
       r->reserved_at[i] = reserved;
       if (r->recorded_reserved_at) r->recorded_reserved_at[i] = op->recorded_reserved;
     }
-    if (log && i + 1 == p->seeded) {
-      d->segment_observer = observe_segment;
-      d->segment_observer_ctx = log;
+    if (unlikely(i + 1 == p->seeded)) { /* (seeded one by one) */
+      if (log) {
+        d->segment_observer = observe_segment;
+        d->segment_observer_ctx = log;
+      }
+      if (start_snapshot && (rc = gca_snapshot_take(a, &r->start_snapshot)) != GCA_OK) break;
     }
-    if (start_snapshot && i + 1 == p->seeded && (rc = gca_snapshot_take(a, &r->start_snapshot)) != GCA_OK) break;
     if (o->progress && (i & 65535) == 65535) o->progress(o->progress_ctx, r->device, i + 1, p->count);
   }
   r->seconds = now_seconds() - start;
