@@ -240,16 +240,36 @@ static void test_start_as_recorded(void **state) {
  * counted, not required: where free blocks of one size tie, best fit takes
  * the lowest address, and the simulator hands out addresses in its own
  * order, not the recorded one.) */
-static bool tail_unknown_to_the_record(const gca_snapshot_t *start, void *const *kept, size_t n) {
+/* What a random history did after recording began, for telling whether
+ * the record tells a start block's tail. */
+typedef struct recorded_history {
+  void *at_start[96];  /* the slots' blocks when recording began */
+  int freed_at[96];    /* the step their block was freed at, or RECORD_STEPS */
+  void *made[600];     /* every block allocated after, and its step */
+  int made_at[600];
+  int made_count;
+} recorded_history_t;
+#define RECORD_STEPS 600
+
+/* Whether the start holds a block the record cannot size: one that kept an
+ * unsplit tail of a large free block, with free memory after it, freed
+ * before recording ended, and whose free memory no allocation took before
+ * that (the first one would land at the tail's end). */
+static bool tail_unknown_to_the_record(const gca_snapshot_t *start, const recorded_history_t *h) {
   for (size_t i = 0; i < start->segment_count; i++) {
     const gca_snapshot_segment_t *g = &start->segments[i];
     for (size_t j = 0; g->pool == GCA_POOL_LARGE && j + 1 < g->block_count; j++) {
       const gca_snapshot_block_t *b = &g->blocks[j];
-      bool live = false; /* the same allocation, live from the start to the end */
-      for (size_t k = 0; k < n && !live; k++) live = (uintptr_t)kept[k] == b->address;
-      if (b->state == GCA_BLOCK_ACTIVE_ALLOCATED && b->size > (b->requested_size + 511) / 512 * 512 &&
-          g->blocks[j + 1].state == GCA_BLOCK_INACTIVE && !live)
-        return true;
+      if (b->state != GCA_BLOCK_ACTIVE_ALLOCATED || b->size <= (b->requested_size + 511) / 512 * 512 ||
+          g->blocks[j + 1].state != GCA_BLOCK_INACTIVE)
+        continue;
+      int freed = RECORD_STEPS;
+      for (int k = 0; k < 96; k++)
+        if ((uintptr_t)h->at_start[k] == b->address) freed = h->freed_at[k];
+      bool told = freed == RECORD_STEPS; /* live to the end: the final state sizes it */
+      for (int m = 0; m < h->made_count && !told; m++)
+        told = (uintptr_t)h->made[m] == b->address + b->size && h->made_at[m] < freed;
+      if (!told) return true;
     }
   }
   return false;
@@ -278,29 +298,37 @@ static void test_start_as_recorded_random(void **state) {
   for (uint64_t seed = 1; seed <= 24; seed++) {
     uint64_t rng = seed * 7919;
     gca_allocator_t *a = open_sim("sim", NULL);
-    void *live[96] = {0}, *kept[96] = {0}; /* kept: live at the start and never freed since */
+    void *live[96] = {0};
+    static recorded_history_t h;
+    memset(&h, 0, sizeof h);
     gca_snapshot_t *at_start = NULL;
     for (int phase = 0; phase < 2; phase++) {
       if (phase == 1) {
         assert_int_equal(gca_snapshot_take(a, &at_start), GCA_OK);
         assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_NONE, 100000), GCA_OK);
-        memcpy(kept, live, sizeof kept);
+        memcpy(h.at_start, live, sizeof h.at_start);
+        for (int k = 0; k < 96; k++) h.freed_at[k] = RECORD_STEPS;
       }
-      for (int i = 0; i < 600; i++) {
+      for (int i = 0; i < RECORD_STEPS; i++) {
         int k = (int)(next_random(&rng) % 96);
         if (live[k]) {
+          if (phase == 1 && live[k] == h.at_start[k] && h.freed_at[k] == RECORD_STEPS) h.freed_at[k] = i;
           gca_free(a, live[k]);
-          live[k] = kept[k] = NULL;
+          live[k] = NULL;
         } else {
           size_t size = (size_t)1 << (9 + next_random(&rng) % 18); /* 512 B to 64 MiB */
           if (next_random(&rng) % 6 == 0) size += next_random(&rng) % 4096 * 512;
           live[k] = gca_malloc(a, size, 0, 0);
           assert_non_null(live[k]);
+          if (phase == 1) {
+            h.made[h.made_count] = live[k];
+            h.made_at[h.made_count++] = i;
+          }
         }
         if (next_random(&rng) % 400 == 0) gca_empty_cache(a, 0);
       }
     }
-    bool known = !tail_unknown_to_the_record(at_start, kept, 96);
+    bool known = !tail_unknown_to_the_record(at_start, &h);
     gca_snapshot_t *s;
     assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
     assert_int_equal(gca_snapshot_write(s, "/tmp/gcalloc-replay-random.pickle", GCA_SNAPSHOT_PICKLE), GCA_OK);

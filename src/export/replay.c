@@ -270,6 +270,60 @@ static bool plan_start_segments(const trace_t *t, int d, event_span_t span, int6
   return true;
 }
 
+/* A seed in a large start segment, freed during the record, with more than
+ * 1 MiB free after its rounded size: its block may have kept up to 1 MiB
+ * of that unsplit (PyTorch splits a large block only above it), and the
+ * record gives a freed block's requested size only. While it is live, no
+ * request lands in its tail, and the first one served from the free block
+ * after it lands at that block's start, the tail's end: so the record's
+ * first allocation in [rounded end, rounded end + 1 MiB] before the seed
+ * is freed tells its block's size. (Where there is none, the tail stays
+ * unknown and is taken as none.) */
+typedef struct tail_window {
+  uint64_t lo, hi; /* the addresses its tail's end may be at */
+  size_t seed;     /* its index */
+  size_t freed_at; /* the trace index of its release */
+  bool told;
+} tail_window_t;
+
+static bool plan_tails(const trace_t *t, int d, event_span_t span, const addr_states_t *as, device_plan_t *p) {
+  size_t n = 0;
+  for (size_t i = 0; i < p->start_count; i++) n += p->starts[i].size == SMALL_BUFFER ? 0 : p->starts[i].count;
+  if (!n) return true;
+  tail_window_t *w = malloc(n * sizeof *w);
+  if (!w) return false;
+  n = 0;
+  for (size_t i = 0; i < p->start_count; i++) {
+    const start_segment_t *st = &p->starts[i];
+    if (st->size == SMALL_BUFFER) continue;
+    for (size_t k = st->first; k < st->first + st->count; k++) {
+      const seed_t *sd = &p->seeds[k];
+      const addr_state_t *state = &as->states[sd->state];
+      uint64_t end = sd->addr + (sd->size + MIN_BLOCK_SIZE - 1) / MIN_BLOCK_SIZE * MIN_BLOCK_SIZE;
+      uint64_t next = k + 1 < st->first + st->count ? p->seeds[k + 1].addr : st->addr + st->size;
+      if (sd->block || state->early_release < 0 || end >= next || next - end <= SMALL_SIZE) continue;
+      w[n++] = (tail_window_t){end, end + SMALL_SIZE, k, (size_t)state->early_release, false};
+    }
+  }
+  /* The windows lie in different gaps, in address order. */
+  for (size_t k = span.lo; n && k < span.hi; k++) {
+    const trace_event_t *e = &t->events[k];
+    if (e->device != d || e->action != TA_ALLOC) continue;
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (w[mid].hi < e->addr) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo < n && !w[lo].told && w[lo].lo <= e->addr && k < w[lo].freed_at) {
+      w[lo].told = true;
+      p->seeds[w[lo].seed].block = e->addr - p->seeds[w[lo].seed].addr;
+    }
+  }
+  free(w);
+  return true;
+}
+
 /* Where PyTorch's segments lay: the start's, then each segment_alloc of the
  * record (added in pass 2), in order, at its address. gcalloc's best fit,
  * as PyTorch's, breaks ties between free blocks of one size by address, so
@@ -370,7 +424,8 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
   if (ok) {
     p->seeds = seeds;
     p->seeded = ns;
-    ok = plan_start_segments(t, d, span, reserved, p) && plan_places(p, segment_events);
+    ok = plan_start_segments(t, d, span, reserved, p) && plan_places(p, segment_events) &&
+         plan_tails(t, d, span, &as, p);
   }
 
   /* Pass 2: slots for the seeds, then the events; at most one operation
