@@ -68,6 +68,16 @@ static void test_gcalloc_trace_format(void **state) {
   trace_free(&t);
 }
 
+/* The allocator's snapshot, written as a pickle at `path` and read back as
+ * a trace into *t. */
+static void record_as_trace(gca_allocator_t *a, const char *path, trace_t *t) {
+  gca_snapshot_t *s;
+  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
+  assert_int_equal(gca_snapshot_write(s, path, GCA_SNAPSHOT_PICKLE), GCA_OK);
+  gca_snapshot_free(s);
+  assert_int_equal(trace_load(path, t), GCA_OK);
+}
+
 /* `steps` random operations on `slots` slots of `live`: a slot's block
  * freed, or an empty slot given one of 512 B << (0 .. shifts - 1); and
  * gca_empty_cache once, after operation `empty_cache_at`. */
@@ -98,12 +108,8 @@ static void test_own_snapshot_round_trip(void **state) {
   random_history(a, &rng, live, 64, 3000, 18, 1500);
   gca_free(a, early[1]);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
-  gca_snapshot_t *s;
-  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
-  assert_int_equal(gca_snapshot_write(s, "/tmp/gcalloc-replay.pickle", GCA_SNAPSHOT_PICKLE), GCA_OK);
-  gca_snapshot_free(s);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.pickle", &t), GCA_OK);
+  record_as_trace(a, "/tmp/gcalloc-replay.pickle", &t);
   /* The settings in force travel with it (gca_get_config's form). */
   assert_non_null(t.settings);
   assert_contains(t.settings, "max_split_size_mb:64");
@@ -164,12 +170,8 @@ static void test_start_as_recorded(void **state) {
   void *live[48] = {0};
   random_history(a, &rng, live, 48, 2000, 17, 1200);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
-  gca_snapshot_t *s;
-  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
-  assert_int_equal(gca_snapshot_write(s, "/tmp/gcalloc-replay-start.pickle", GCA_SNAPSHOT_PICKLE), GCA_OK);
-  gca_snapshot_free(s);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-start.pickle", &t), GCA_OK);
+  record_as_trace(a, "/tmp/gcalloc-replay-start.pickle", &t);
   replay_options_t o = defaults();
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
@@ -208,10 +210,7 @@ static void test_start_as_recorded(void **state) {
   gca_free(a, gca_malloc(a, 64 * MiB, 0, 0));
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_NONE, 1000), GCA_OK);
   void *from_cache = gca_malloc(a, 40 * MiB, 0, 0), *fresh = gca_malloc(a, 40 * MiB, 0, 0);
-  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
-  assert_int_equal(gca_snapshot_write(s, "/tmp/gcalloc-replay-start.pickle", GCA_SNAPSHOT_PICKLE), GCA_OK);
-  gca_snapshot_free(s);
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-start.pickle", &t), GCA_OK);
+  record_as_trace(a, "/tmp/gcalloc-replay-start.pickle", &t);
   o = defaults();
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
   d = &r.devices[0];
@@ -329,12 +328,8 @@ static void test_start_as_recorded_random(void **state) {
       }
     }
     bool known = !tail_unknown_to_the_record(at_start, &h);
-    gca_snapshot_t *s;
-    assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
-    assert_int_equal(gca_snapshot_write(s, "/tmp/gcalloc-replay-random.pickle", GCA_SNAPSHOT_PICKLE), GCA_OK);
-    gca_snapshot_free(s);
     trace_t t;
-    assert_int_equal(trace_load("/tmp/gcalloc-replay-random.pickle", &t), GCA_OK);
+    record_as_trace(a, "/tmp/gcalloc-replay-random.pickle", &t);
     replay_options_t o = defaults();
     o.start_snapshot = true;
     replay_result_t r;
