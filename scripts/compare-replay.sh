@@ -12,6 +12,11 @@
 # once: each round runs `gcalloc replay --json` three times per trace and
 # build, in turn, and it prints the best, first quartile and median of
 # the times the processes report (their own clocks, from opening the file).
+#   IDLE=SECONDS NEW_PROCESS=1 scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]
+# waits that long before each process (one per trace and build a round,
+# then): a process run once after the machine has been idle, whose fresh
+# memory the kernel may have to get back from a virtual machine's host
+# first (docs/replay.md, "Stop 25").
 set -eu
 old=${1:?usage: scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]}
 new=${2:-}
@@ -34,19 +39,22 @@ else
 fi
 traces="$root/../shared/traces"
 if [ "${NEW_PROCESS:-}" = 1 ]; then
-  python3 - "$work/build-old/gcalloc" "$work/build-new/gcalloc" "$traces" "$rounds" <<'PY'
-import json, os, subprocess, sys
-old, new, traces, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+  python3 - "$work/build-old/gcalloc" "$work/build-new/gcalloc" "$traces" "$rounds" "${IDLE:-0}" <<'PY'
+import json, os, subprocess, sys, time
+old, new, traces, rounds, idle = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+per_round = 1 if idle > 0 else 3
 paths = sorted(os.path.join(traces, d, f) for d in os.listdir(traces) if os.path.isdir(os.path.join(traces, d))
                for f in os.listdir(os.path.join(traces, d)) if f.endswith(('.pickle', '.log', '.csv', '.trace')))
 times = {}
 for _ in range(rounds):
     for path in paths:
         for build, exe in (('old', old), ('new', new)):
-            for _ in range(3):
+            for _ in range(per_round):
+                time.sleep(idle)
                 out = subprocess.run([exe, 'replay', '--json', path], capture_output=True, text=True, check=True).stdout
                 times.setdefault((path, build), []).append(json.loads(out)['seconds'] * 1e3)
-print('new processes, %d of each build per trace, ms: best, first quartile, median' % (3 * rounds))
+print('new processes%s, %d of each build per trace, ms: best, first quartile, median'
+      % (' each after %g s idle' % idle if idle > 0 else '', per_round * rounds))
 print('%-34s %22s %22s' % ('trace', 'old', 'new'))
 for path in paths:
     cells = []

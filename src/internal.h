@@ -808,10 +808,10 @@ void *grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
 uint64_t text_hash(const char *s);
 /* Arrays of megabytes filled at once (the pickle reader's memo, a
  * snapshot's events): zero-filled, and from 256 KiB on mapped on their own
- * on transparent huge pages where Linux allows, so that a fresh process
- * takes a fault per 2 MiB, not per 4 KiB (each fault costs microseconds on
- * a virtual machine, and they were half of reading a snapshot in a new
- * process). `bytes` must be what the array was allocated or last grown to.
+ * (4 KiB pages: util.c, big_map, says why not huge ones), so that freeing
+ * one gives its memory back at once and a freed one can be kept whole for
+ * the next (a process that reads trace after trace then faults nothing in
+ * again). `bytes` must be what the array was allocated or last grown to.
  * big_rezalloc zero-fills the new part; on failure it returns NULL and
  * leaves the array as it was. A few freed mappings are kept for reuse, as
  * malloc keeps freed memory. */
@@ -832,8 +832,9 @@ uint64_t text_hash(const char *s);
 void *big_zalloc(size_t bytes);
 /* `bytes` of fresh, zeroed memory mapped on its own, aligned to a 2 MiB
  * huge page, with the kernel asked for transparent huge pages (a hint);
- * NULL if it cannot be mapped. munmap(p, bytes) gives it back. Big arrays
- * and the pinned allocator's large registered blocks use it. */
+ * NULL if it cannot be mapped. munmap(p, bytes) gives it back. The pinned
+ * allocator's large registered blocks use it: long-lived, and registered
+ * with the driver page by page. */
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
 void *huge_map(size_t bytes);
 /* The same, not zero-filled (a kept mapping is handed out as it was). */
@@ -851,7 +852,7 @@ typedef struct arena_chunk arena_chunk_t;
 typedef struct arena {
   arena_chunk_t *head;
   size_t chunk, limit, bytes;
-  bool huge; /* ask for transparent huge pages (Linux; a hint) */
+  bool big; /* chunks are big arrays (big_alloc): mapped on their own, kept for reuse */
   bool failed, over_limit;
 } arena_t;
 void *arena_alloc(arena_t *ar, size_t n);

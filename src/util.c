@@ -82,9 +82,25 @@ void *huge_map(size_t bytes) {
 #if GCA_BIG_MAPPED
 static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE; }
 
+/* A big array's own mapping, on the kernel's ordinary 4 KiB pages: no
+ * MADV_HUGEPAGE. Huge pages were the faster choice only where the kernel
+ * had them ready. On a virtual machine that hands free memory back to its
+ * host (virtio-balloon free page reporting, the project's VM: order-9 free
+ * blocks, exactly 2 MiB pages, are reported after 2 s), a huge page taken
+ * after the process has been idle is backed by the host again first: 4-7
+ * ms each instead of 0.2, and a snapshot's read took four or five of them.
+ * Measured with the project's three snapshots, each `gcalloc replay` run
+ * once after 4 s idle, 8 rounds alternating: 18-53 ms with huge pages,
+ * 4-16 ms without; back to back (pages just freed, still backed) the two
+ * are within the VM's noise but for DeComFL, whose ~1 MiB arrays take
+ * 1,400 faults instead of 400 (about 1 ms more). docs/replay.md, "Stop
+ * 25". Sized in 2 MiB steps still, so that a kept mapping fits the next
+ * array of about the same size. */
 static void *big_map(size_t bytes) {
   size_t size = big_size(bytes);
-  return size < bytes ? NULL : huge_map(size);
+  if (size < bytes) return NULL;
+  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
 }
 
 /* The last mappings freed, kept for the next big array of the same size,
@@ -212,15 +228,13 @@ void *arena_alloc(arena_t *ar, size_t n) {
       return NULL;
     }
     arena_chunk_t *c;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (ar->huge) {
-      /* Big arenas filled at once (a parsed trace) fault in 2 MiB at a
-       * time where the kernel allows it, not 4 KiB: faults, not parsing,
-       * were most of the time reading a snapshot. */
-      cap = (sizeof *c + cap + HUGE_PAGE_BYTES - 1) / HUGE_PAGE_BYTES * HUGE_PAGE_BYTES - sizeof *c;
-      c = big_alloc(sizeof *c + cap); /* (a kept mapping when one fits: see big_alloc) */
+    if (ar->big) {
+      /* Big arenas filled at once (a parsed trace): chunks are big arrays,
+       * whose mappings are kept and handed to the next parse (a tuning
+       * loop, the benchmark), already faulted in. */
+      cap = (sizeof *c + cap + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE - sizeof *c;
+      c = big_alloc(sizeof *c + cap);
     } else
-#endif
     c = malloc(sizeof *c + cap);
     if (!c) {
       ar->failed = true;
@@ -253,10 +267,8 @@ char *arena_strdup(arena_t *ar, const char *s) {
 void arena_free(arena_t *ar) {
   while (ar->head) {
     arena_chunk_t *next = ar->head->next;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (ar->huge) big_free(ar->head, sizeof *ar->head + ar->head->cap);
+    if (ar->big) big_free(ar->head, sizeof *ar->head + ar->head->cap);
     else
-#endif
       free(ar->head);
     ar->head = next;
   }

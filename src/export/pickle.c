@@ -1338,10 +1338,10 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
   const unsigned char *buf = doc->buf;
   size_t len = doc->len;
   /* Chunks in proportion to the input: a small pickle should not cost a
-   * 4 MiB chunk (the fuzzer parses thousands a second); a big one gets huge
-   * pages. */
+   * 4 MiB chunk (the fuzzer parses thousands a second); a big one's are big
+   * arrays (util.c). */
   size_t chunk = len * 4 < ((size_t)64 << 10) ? (size_t)64 << 10 : len * 4 > ARENA_CHUNK ? ARENA_CHUNK : len * 4;
-  doc->arena = (arena_t){.chunk = chunk, .huge = chunk >= ((size_t)2 << 20),
+  doc->arena = (arena_t){.chunk = chunk, .big = chunk >= ((size_t)2 << 20),
                          .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
   /* The machine's state, in locals so that it stays in registers. */
   pv_t *stack = NULL;
