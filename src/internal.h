@@ -857,6 +857,10 @@ typedef struct arena {
 } arena_t;
 void *arena_alloc(arena_t *ar, size_t n);
 void *arena_zalloc(arena_t *ar, size_t n);
+/* Grows p, the arena's latest allocation (old_n bytes), to new_n bytes
+ * where it is: true when it was the last thing in its chunk and the chunk
+ * has the room; else false, and nothing changed. */
+bool arena_extend(arena_t *ar, void *p, size_t old_n, size_t new_n);
 char *arena_strdup(arena_t *ar, const char *s);
 
 /* Symbol names in snapshots (snapshot.c): the C++ runtime's

@@ -251,6 +251,16 @@ void *arena_alloc(arena_t *ar, size_t n) {
   return p;
 }
 
+bool arena_extend(arena_t *ar, void *p, size_t old_n, size_t new_n) {
+  arena_chunk_t *c = ar->head;
+  old_n = (old_n + 15) & ~(size_t)15;
+  new_n = (new_n + 15) & ~(size_t)15;
+  if (!c || !p || new_n < old_n || (char *)p + old_n != c->data + c->used || new_n - old_n > c->cap - c->used)
+    return false;
+  c->used += new_n - old_n;
+  return true;
+}
+
 void *arena_zalloc(arena_t *ar, size_t n) {
   void *p = arena_alloc(ar, n);
   if (p) memset(p, 0, n);
