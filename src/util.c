@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -96,9 +97,12 @@ static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE 
  * 1,400 faults instead of 400 (about 1 ms more). docs/replay.md, "Stop
  * 25". Sized in 2 MiB steps still, so that a kept mapping fits the next
  * array of about the same size. */
+static atomic_bool big_huge;
+
 static void *big_map(size_t bytes) {
   size_t size = big_size(bytes);
   if (size < bytes) return NULL;
+  if (atomic_load_explicit(&big_huge, memory_order_relaxed)) return huge_map(size);
   void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   return p == MAP_FAILED ? NULL : p;
 }
@@ -150,6 +154,21 @@ static void *big_get(size_t bytes, bool *dirty) {
   return kept ? kept : big_map(bytes);
 }
 #endif
+
+void big_prefer_huge_pages(void) {
+#if GCA_BIG_MAPPED
+  if (atomic_exchange_explicit(&big_huge, true, memory_order_relaxed)) return;
+  /* The kept mappings are on 4 KiB pages: given back, so that the next
+   * arrays are mapped anew, on huge pages, and those are kept instead. */
+  pthread_mutex_lock(&big_kept_lock);
+  for (int i = 0; i < BIG_KEPT; i++)
+    if (big_kept[i].start) {
+      munmap(big_kept[i].start, big_kept[i].size);
+      big_kept[i].start = NULL;
+    }
+  pthread_mutex_unlock(&big_kept_lock);
+#endif
+}
 
 void *big_alloc(size_t bytes) {
 #if GCA_BIG_MAPPED

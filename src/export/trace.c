@@ -3,6 +3,7 @@
  * the entry's position named, never half-loaded.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -567,6 +568,10 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
 
 int trace_load(const char *path, trace_t *out) {
   memset(out, 0, sizeof *out);
+  /* A process reading its second trace reads trace after trace: its big
+   * arrays are worth huge pages from now on (util.c). */
+  static atomic_int loads;
+  if (atomic_fetch_add_explicit(&loads, 1, memory_order_relaxed) > 0) big_prefer_huge_pages();
   FILE *f = fopen(path, "rb");
   if (!f) return set_error(GCA_ERR_IO, "cannot open trace %s", path);
   int first = fgetc(f);
