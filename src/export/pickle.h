@@ -40,6 +40,11 @@ struct pv_seq {
   size_t cap;
   bool pruned;  /* under the pruned key (pickle_options): its contents were dropped */
   uint8_t role; /* records (pickle_options): 1 the list under the key, 2 a list in it */
+  /* A list of records and nothing else, with consecutive ids (a device's
+   * entries, as read): held as the range record_base .. record_base +
+   * count - 1, items NULL. Read it with pv_records; pv_at gives NULL. */
+  bool record_range;
+  int64_t record_base;
 };
 
 #define GCA_PICKLE_BYTES_PER_INPUT_BYTE 64
@@ -111,7 +116,10 @@ size_t pickle_split_taken(const pickle_doc_t *doc);
 const pv_t *pv_get(const pv_t *dict, const char *key); /* NULL if absent or not a dict */
 int pv_str_eq(const pv_t *v, const char *s);
 size_t pv_len(const pv_t *v);                      /* list items or dict pairs; 0 otherwise */
-const pv_t *pv_at(const pv_t *list, size_t index);
+const pv_t *pv_at(const pv_t *list, size_t index); /* NULL past the end, and in a list of records held as a range */
+/* A list of records held as a range (pv_seq.record_range): how many, and
+ * in *first the id of the first; 0 for any other value. */
+size_t pv_records(const pv_t *list, int64_t *first);
 /* Same values (tests, the fuzzer): compared through the memo's sharing, to
  * a depth of 64 and at most *budget values, beyond which they count as the
  * same (a tree shared by the memo may be exponential, a hostile one cyclic). */

@@ -180,6 +180,13 @@ static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
   for (size_t d = 0; d < pv_len(traces); d++) {
     const pv_t *list = pv_at(traces, d);
     if (!list) return false;
+    int64_t first;
+    size_t held = pv_records(list, &first);
+    if (held) { /* (as the reader holds them: a range) */
+      if ((uint64_t)first != next) return false;
+      next += held;
+      continue;
+    }
     for (size_t i = 0; i < pv_len(list); i++) {
       const pv_t *entry = pv_at(list, i);
       if (!entry || entry->kind != PV_RECORD || (uint64_t)entry->u.i != next++) return false;
@@ -234,8 +241,11 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
   cap = total;
   for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
     const pv_t *list = pv_at(traces, d);
+    int64_t first = 0;
+    bool range = pv_records(list, &first) > 0;
     for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
-      const pv_t *entry = pv_at(list, i);
+      pv_t held = {.kind = PV_RECORD, .u.i = first + (int64_t)i};
+      const pv_t *entry = range ? &held : pv_at(list, i);
       if (entry && entry->kind == PV_RECORD && (uint64_t)entry->u.i < sink->count) {
         trace_event_t e = sink->events[entry->u.i];
         e.device = (int)d;
