@@ -282,7 +282,8 @@ int bench_replay_main(int argc, char **argv) {
   if (peers) fresh_memory_cost(&page_us, &huge_us);
   if (json) printf("\n], \"fresh_page_fault_us\": %.3f, \"fresh_huge_page_fault_us\": %.1f}\n", page_us, huge_us);
   else if (peers) {
-    printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock);\n"
+    printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock),\n"
+           "  back to back (a process run once after idle: IDLE=4 NEW_PROCESS=1 scripts/compare-replay.sh);\n"
            "  faults = the fewest page faults one of them took: memory and file pages, a huge page counting one,\n"
            "  those a helper took ahead of the replaying thread (tools/replay.c, heap_warm) included\n"
            "(x) = gcalloc's whole replay / Python's pickle load of the same file alone, both best of %d\n",
