@@ -68,58 +68,83 @@ typedef struct row {
   size_t events;
   double best, median, python;
   double fresh; /* best events/s of `gcalloc replay` in new processes; -1 when not measured */
+  double idle;  /* median events/s of those run after idle (--idle); -1 when not measured */
   long fresh_faults; /* the fewest page faults one of them took; -1 when not measured */
   replay_result_t result;
 } row_t;
 
-/* `gcalloc replay --json PATH` in `runs` new processes: the best
- * end-to-end events/s they report and the fewest page faults one took
- * (its own, from wait4: the kernel mapping a page of memory or of the
- * file for it the first time it was touched). -1 each when it cannot be
- * measured (no /proc/self/exe, a run that failed). */
-static void fresh_processes(const char *path, int runs, double *best_rate, long *fewest_faults) {
-  *best_rate = -1;
+/* One `gcalloc replay --json PATH` in a new process (`self`): the
+ * end-to-end events/s it reports and the page faults it took (its own,
+ * from wait4: the kernel mapping a page of memory or of the file for it
+ * the first time it was touched). False when it cannot be measured (a
+ * run that failed). */
+static bool spawn_replay(const char *self, const char *path, double *rate, long *faults) {
+  char *args[] = {(char *)self, "replay", "--json", (char *)path, NULL};
+  int out[2];
+  if (pipe(out) != 0) return false;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t pid;
+  int spawned = posix_spawn(&pid, self, &actions, NULL, args, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(out[1]);
+  char buf[16384]; /* (the JSON of a few devices: a new process that wrote more would fail on the closed pipe) */
+  size_t got = 0;
+  for (ssize_t r; spawned == 0 && got < sizeof buf - 1 && (r = read(out[0], buf + got, sizeof buf - 1 - got)) != 0;)
+    if (r > 0) got += (size_t)r;
+    else if (errno != EINTR) break;
+  buf[got] = '\0';
+  close(out[0]);
+  if (spawned != 0) return false;
+  int status;
+  struct rusage usage;
+  while (wait4(pid, &status, 0, &usage) < 0)
+    if (errno != EINTR) return false;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return false;
+  const char *key = strstr(buf, "\"end_to_end_events_per_second\": ");
+  if (!key) return false;
+  *rate = strtod(key + strlen("\"end_to_end_events_per_second\": "), NULL);
+  *faults = usage.ru_minflt;
+  return true;
+}
+
+/* `runs` new processes back to back: the best events/s and the fewest
+ * page faults one took; then, with idle_s > 0, IDLE_RUNS more, each after
+ * idle_s seconds of sleep (a process run once, whose fresh memory a
+ * virtual machine's host may have taken back meanwhile: docs/replay.md,
+ * "Stop 25"): their median events/s. -1 each where it cannot be measured
+ * (no /proc/self/exe, a run that failed). */
+#define IDLE_RUNS 3
+static void fresh_processes(const char *path, int runs, double idle_s, double *best_rate, long *fewest_faults,
+                            double *idle_rate) {
+  *best_rate = *idle_rate = -1;
   *fewest_faults = -1;
   char self[1024];
   ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n <= 0) return;
   self[n] = '\0';
-  char *args[] = {self, "replay", "--json", (char *)path, NULL};
-  double best = -1;
-  long fewest = -1;
+  double best = -1, rate;
+  long fewest = -1, faults;
   for (int i = 0; i < runs; i++) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, out[0]);
-    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
-    pid_t pid;
-    int spawned = posix_spawn(&pid, self, &actions, NULL, args, environ);
-    posix_spawn_file_actions_destroy(&actions);
-    close(out[1]);
-    char buf[16384]; /* (the JSON of a few devices: a new process that wrote more would fail on the closed pipe) */
-    size_t got = 0;
-    for (ssize_t r; spawned == 0 && got < sizeof buf - 1 && (r = read(out[0], buf + got, sizeof buf - 1 - got)) != 0;)
-      if (r > 0) got += (size_t)r;
-      else if (errno != EINTR) break;
-    buf[got] = '\0';
-    close(out[0]);
-    if (spawned != 0) return;
-    int status;
-    struct rusage usage;
-    while (wait4(pid, &status, 0, &usage) < 0)
-      if (errno != EINTR) return;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return;
-    const char *key = strstr(buf, "\"end_to_end_events_per_second\": ");
-    if (!key) return;
-    double rate = strtod(key + strlen("\"end_to_end_events_per_second\": "), NULL);
+    if (!spawn_replay(self, path, &rate, &faults)) return;
     if (rate > best) best = rate;
-    if (fewest < 0 || usage.ru_minflt < fewest) fewest = usage.ru_minflt;
+    if (fewest < 0 || faults < fewest) fewest = faults;
   }
   *best_rate = best;
   *fewest_faults = fewest;
+  if (idle_s <= 0) return;
+  double rates[IDLE_RUNS];
+  for (int i = 0; i < IDLE_RUNS; i++) {
+    struct timespec pause = {(time_t)idle_s, (long)((idle_s - (double)(time_t)idle_s) * 1e9)};
+    while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
+    }
+    if (!spawn_replay(self, path, &rates[i], &faults)) return;
+  }
+  qsort(rates, IDLE_RUNS, sizeof *rates, compare_doubles);
+  *idle_rate = rates[IDLE_RUNS / 2];
 }
 
 /* What fresh memory costs on this machine, which a new process pays and
@@ -153,7 +178,7 @@ static bool is_trace(const char *name) {
   return strstr(name, ".pickle") || strstr(name, ".log") || strstr(name, ".csv") || strstr(name, ".trace");
 }
 
-static int bench_one(const char *path, const char *name, int runs, bool peers, row_t *row) {
+static int bench_one(const char *path, const char *name, int runs, bool peers, double idle_s, row_t *row) {
   double *times = calloc((size_t)runs, sizeof *times);
   if (!times) return GCA_ERR_NOMEM;
   snprintf(row->name, sizeof row->name, "%s", name);
@@ -180,8 +205,8 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, r
     row->best = times[0];
     row->median = times[runs / 2];
     row->python = peers && strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
-    row->fresh = row->fresh_faults = -1;
-    if (peers) fresh_processes(path, runs, &row->fresh, &row->fresh_faults);
+    row->fresh = row->idle = row->fresh_faults = -1;
+    if (peers) fresh_processes(path, runs, idle_s, &row->fresh, &row->fresh_faults, &row->idle);
   }
   free(times);
   return rc;
@@ -191,13 +216,15 @@ int bench_replay_main(int argc, char **argv) {
   const char *dir = "../shared/traces";
   int runs = 10;
   bool json = false, peers = true;
+  double idle_s = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--traces") && i + 1 < argc) dir = argv[++i];
     else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--json")) json = true;
     else if (!strcmp(argv[i], "--speed-only")) peers = false;
+    else if (!strcmp(argv[i], "--idle") && i + 1 < argc) idle_s = atof(argv[++i]);
     else {
-      fprintf(stderr, "usage: gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only]\n");
+      fprintf(stderr, "usage: gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]\n");
       return 2;
     }
   }
@@ -227,7 +254,7 @@ int bench_replay_main(int argc, char **argv) {
       char path[2048];
       snprintf(path, sizeof path, "%s/%s", sub, e->d_name);
       memset(&rows[n], 0, sizeof rows[n]);
-      if (bench_one(path, names[k], runs, peers, &rows[n]) != GCA_OK) {
+      if (bench_one(path, names[k], runs, peers, idle_s, &rows[n]) != GCA_OK) {
         fprintf(stderr, "gcalloc bench-replay: %s: %s\n", path, gca_last_error());
         rc = 1;
         break;
@@ -239,8 +266,9 @@ int bench_replay_main(int argc, char **argv) {
   if (json) printf("{\"runs\": %d, \"traces\": [", runs);
   else {
     printf("replay end to end (load, plan, replay every device with segment matching), best/median of %d runs\n", runs);
-    printf("%-32s %8s %9s %9s %12s %16s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s",
-           "new proc (faults)", "Python load ms (x)", "peak reserved gcalloc / PyTorch, per device");
+    printf("%-32s %8s %9s %9s %12s %16s%s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s",
+           "new proc (faults)", idle_s > 0 && peers ? "  after idle" : "", "Python load ms (x)",
+           "peak reserved gcalloc / PyTorch, per device");
   }
   for (int i = 0; i < n; i++) {
     row_t *r = &rows[i];
@@ -250,8 +278,8 @@ int bench_replay_main(int argc, char **argv) {
       json_put_string(stdout, r->name);
       printf(", \"events\": %zu, \"best_seconds\": %.6f, \"median_seconds\": %.6f, \"events_per_second\": %.0f"
              ", \"new_process_events_per_second\": %.0f, \"new_process_page_faults\": %ld"
-             ", \"python_load_seconds\": %.6f, \"devices\": [",
-             r->events, r->best, r->median, rate, r->fresh, r->fresh_faults, r->python);
+             ", \"after_idle_events_per_second\": %.0f, \"python_load_seconds\": %.6f, \"devices\": [",
+             r->events, r->best, r->median, rate, r->fresh, r->fresh_faults, r->idle, r->python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
         printf("%s{\"device\": %d, \"peak_reserved_bytes\": %" PRIu64 ", \"recorded_peak_reserved_bytes\": %" PRId64
@@ -264,8 +292,11 @@ int bench_replay_main(int argc, char **argv) {
       if (r->python > 0) snprintf(python, sizeof python, "%.1f (%.2fx)", r->python * 1e3, r->best / r->python);
       char fresh[32] = "-";
       if (r->fresh > 0) snprintf(fresh, sizeof fresh, "%.2f (%ld)", r->fresh / 1e6, r->fresh_faults);
-      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %16s  %18s  ", r->name, r->events, r->best * 1e3, r->median * 1e3,
-             rate / 1e6, fresh, python);
+      char idle[32] = "";
+      if (idle_s > 0 && peers) snprintf(idle, sizeof idle, "  %10s", "-");
+      if (r->idle > 0) snprintf(idle, sizeof idle, "  %10.2f", r->idle / 1e6);
+      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %16s%s  %18s  ", r->name, r->events, r->best * 1e3, r->median * 1e3,
+             rate / 1e6, fresh, idle, python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
         if (!dv->events) continue;
@@ -283,11 +314,14 @@ int bench_replay_main(int argc, char **argv) {
   if (json) printf("\n], \"fresh_page_fault_us\": %.3f, \"fresh_huge_page_fault_us\": %.1f}\n", page_us, huge_us);
   else if (peers) {
     printf("new proc = M events/s, best of %d runs of `gcalloc replay` each in a new process (its own clock),\n"
-           "  back to back (a process run once after idle: IDLE=4 NEW_PROCESS=1 scripts/compare-replay.sh);\n"
+           "  back to back (a process run once after idle: --idle SECONDS, or IDLE=4 NEW_PROCESS=1 scripts/compare-replay.sh);\n"
            "  faults = the fewest page faults one of them took: memory and file pages, a huge page counting one,\n"
            "  those a helper took ahead of the replaying thread (tools/replay.c, heap_warm) included\n"
            "(x) = gcalloc's whole replay / Python's pickle load of the same file alone, both best of %d\n",
            runs, runs);
+    if (idle_s > 0)
+      printf("after idle = M events/s, median of %d runs of `gcalloc replay` each in a new process after %g s idle\n",
+             IDLE_RUNS, idle_s);
     if (page_us >= 0 && huge_us >= 0)
       printf("fresh memory on this machine, best of 5: %.2f us to fault in a 4 KiB page, %.0f us a 2 MiB huge page\n",
              page_us, huge_us);
