@@ -8,7 +8,7 @@
  *   gcalloc bench-streams [--json] [--quick]
  *       peak reserved memory with and without cross-stream reuse on a
  *       multi-stream workload (bench/streams.c);
- *   gcalloc bench-replay [--traces DIR] [--runs N] [--json]
+ *   gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]
  *       the replay's speed and peak reserved on the real traces (bench/replay.c);
  *   gcalloc bench-cuda [--json]
  *       the cuda backend against the driver's allocators on a real GPU
@@ -39,7 +39,7 @@ static void usage(FILE *out) {
           "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
           "  bench-streams [--json] [--quick]\n"
           "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
-          "  bench-replay [--traces DIR] [--runs N] [--json]\n"
+          "  bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]\n"
           "        replay speed end to end and peak reserved against PyTorch on the real traces\n"
           "  bench-cuda [--json]\n"
           "        on a GPU: gcalloc's alloc+free and growth against cuMemAlloc and the driver's pool\n"
