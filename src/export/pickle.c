@@ -127,12 +127,6 @@ static bool holds_record(const pv_t *items, size_t n) {
   return false;
 }
 
-/* Appends n values. Growth extends the array where it is when nothing was
- * allocated after it (a device's list of entries, filled by batches of a
- * thousand with nothing else between them: 330 KiB of cranberrii's arena
- * and 640 KiB of DeComFL's were abandoned copies, each page a fault in a
- * new process); else it allocates a new array from the arena and leaves
- * the old one there: at most as much again, and no per-container free. */
 /* Whether items are the records first, first + 1, ... */
 static bool records_from(const pv_t *items, size_t n, int64_t first) {
   for (size_t i = 0; i < n; i++)
@@ -140,6 +134,13 @@ static bool records_from(const pv_t *items, size_t n, int64_t first) {
   return true;
 }
 
+/* Appends n values. Growth extends the array where it is when nothing was
+ * allocated after it (a long list, which a pickler appends to in batches
+ * of a thousand: the device lists' abandoned copies, before those lists
+ * were held as ranges, were 330 KiB of cranberrii's arena and 640 KiB of
+ * DeComFL's, each page a fault in a new process); else it allocates a new
+ * array from the arena and leaves the old one there: at most as much
+ * again, and no per-container free. */
 static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n) {
   if (s->pruned || n == 0) return true;
   /* A device's entries, records in the order they were taken: held as a
