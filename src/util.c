@@ -88,7 +88,7 @@ static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE 
  * had them ready. On a virtual machine that hands free memory back to its
  * host (virtio-balloon free page reporting, the project's VM: order-9 free
  * blocks, exactly 2 MiB pages, are reported after 2 s), a huge page taken
- * after the process has been idle is backed by the host again first: 4-7
+ * after the process has been idle is backed by the host again first: 4-8
  * ms each instead of 0.2, and a snapshot's read took four or five of them.
  * Measured with the project's three snapshots, each `gcalloc replay` run
  * once after 4 s idle, 8 rounds alternating: 18-53 ms with huge pages,
