@@ -1823,6 +1823,15 @@ size_t pv_records(const pv_t *list, int64_t *first) {
   return list->u.seq->count;
 }
 
+const pv_t *pv_item(const pv_t *list, size_t index, pv_t *scratch) {
+  int64_t first;
+  size_t held = pv_records(list, &first);
+  if (!held) return pv_at(list, index);
+  if (index >= held) return NULL;
+  *scratch = (pv_t){.kind = PV_RECORD, .u.i = first + (int64_t)index};
+  return scratch;
+}
+
 const pv_t *pv_key_at(const pv_t *dict, size_t i) {
   return dict && dict->kind == PV_DICT && 2 * i + 1 < dict->u.seq->count ? &dict->u.seq->items[2 * i] : NULL;
 }

@@ -120,6 +120,10 @@ const pv_t *pv_at(const pv_t *list, size_t index); /* NULL past the end, and in 
 /* A list of records held as a range (pv_seq.record_range): how many, and
  * in *first the id of the first; 0 for any other value. */
 size_t pv_records(const pv_t *list, int64_t *first);
+/* A list's index-th item whatever its form: pv_at's, or for a list of
+ * records held as a range, the record, written to *scratch. NULL past
+ * the end. */
+const pv_t *pv_item(const pv_t *list, size_t index, pv_t *scratch);
 /* Same values (tests, the fuzzer): compared through the memo's sharing, to
  * a depth of 64 and at most *budget values, beyond which they count as the
  * same (a tree shared by the memo may be exponential, a hostile one cyclic). */

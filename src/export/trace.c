@@ -241,11 +241,9 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
   cap = total;
   for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
     const pv_t *list = pv_at(traces, d);
-    int64_t first = 0;
-    bool range = pv_records(list, &first) > 0;
     for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
-      pv_t held = {.kind = PV_RECORD, .u.i = first + (int64_t)i};
-      const pv_t *entry = range ? &held : pv_at(list, i);
+      pv_t held;
+      const pv_t *entry = pv_item(list, i, &held);
       if (entry && entry->kind == PV_RECORD && (uint64_t)entry->u.i < sink->count) {
         trace_event_t e = sink->events[entry->u.i];
         e.device = (int)d;
