@@ -36,6 +36,53 @@ static void test_allocsim_lines(void **state) {
   trace_free(&t);
 }
 
+/* allocatorSim's order: by op index, frees before allocations there, each
+ * in line order, and a block allocated and freed at one index freed after
+ * the allocations there. Op indices are the file's to choose: a hundred
+ * billion costs no more than ten. */
+static void test_allocsim_order(void **state) {
+  (void)state;
+  write_file("/tmp/gcalloc-replay.log", "5 100000000000 10\n"   /* line 0 */
+                                        "3 5 20\n"               /* 1: freed at 5, before 0's and 3's allocs */
+                                        "5 5 30\n"               /* 2: allocated and freed at 5 */
+                                        "5 7 40\n"               /* 3 */
+                                        "# a comment\n\n"
+                                        "1 5 50\n");             /* 4: freed at 5, after 1 (line order) */
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(t.count, 10);
+  const struct {
+    trace_action action;
+    uint64_t size;
+    int64_t op;
+  } want[] = {{TA_ALLOC, 50, 1},          {TA_ALLOC, 20, 3},          {TA_FREE_COMPLETED, 20, 5},
+              {TA_FREE_COMPLETED, 50, 5}, {TA_ALLOC, 10, 5},          {TA_ALLOC, 30, 5},
+              {TA_ALLOC, 40, 5},          {TA_FREE_COMPLETED, 30, 5}, {TA_FREE_COMPLETED, 40, 7},
+              {TA_FREE_COMPLETED, 10, 100000000000}};
+  for (size_t i = 0; i < t.count; i++) {
+    assert_int_equal(t.events[i].action, want[i].action);
+    assert_int_equal(t.events[i].size, want[i].size);
+    assert_int_equal(t.events[i].time_us, want[i].op);
+  }
+  /* Each allocation and its free share an address; no two live ones do. */
+  assert_int_equal(t.events[0].addr, t.events[3].addr);
+  assert_int_equal(t.events[5].addr, t.events[7].addr);
+  assert_int_not_equal(t.events[4].addr, t.events[5].addr);
+  trace_free(&t);
+
+  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n4 3 10\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "gcalloc-replay.log:2: expected '<alloc_op> <free_op> <size>'");
+  FILE *f = fopen("/tmp/gcalloc-replay.log", "w");
+  assert_non_null(f);
+  fputs("0 2 3000000\n0 1 ", f);
+  for (int i = 0; i < 300; i++) fputc('0', f);
+  fputs("7\n", f);
+  fclose(f);
+  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "gcalloc-replay.log:2: longer than 256 characters");
+}
+
 /* gcalloc's own trace: frees take the device of their allocation. */
 static void test_gcalloc_trace_format(void **state) {
   (void)state;
@@ -66,6 +113,68 @@ static void test_gcalloc_trace_format(void **state) {
   assert_int_equal(replay_trace(&t, &o, &r), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "no device 5");
   trace_free(&t);
+}
+
+/* gcalloc's own trace from a process with two allocators: each may hand
+ * out the same address (two sim devices), so a free takes the device of
+ * its own allocator's allocation; empty_cache(-1) is replayed on every
+ * device its allocator had allocated on; a closed allocator's allocations
+ * are forgotten. */
+static void test_gcalloc_trace_allocators(void **state) {
+  (void)state;
+  write_file("/tmp/gcalloc-replay-two.trace", "# gcalloc trace 1\n"
+                                               "1 7 open 0 sim:devices=4 -\n"
+                                               "2 8 open 1 sim -\n"
+                                               "3 7 malloc 0 2 0 4096 1000\n"
+                                               "4 8 malloc 1 0 0 8192 1000\n"
+                                               "5 7 malloc 0 3 0 512 2000\n"
+                                               "6 7 free 0 1000 0\n"
+                                               "7 8 free 1 1000 0\n"
+                                               "8 7 empty_cache 0 -1 0\n"
+                                               "9 8 close 1\n"
+                                               "10 8 free 1 1000 0\n");
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-two.trace", &t), GCA_OK);
+  assert_int_equal(t.device_count, 4);
+  assert_int_equal(t.count, 8);
+  assert_int_equal(t.events[3].action, TA_FREE_COMPLETED);
+  assert_int_equal(t.events[3].device, 2); /* allocator 0's 0x1000 */
+  assert_int_equal(t.events[4].device, 0); /* allocator 1's */
+  /* empty_cache(-1) on allocator 0's devices 2 and 3, not 0 or 1. */
+  assert_int_equal(t.events[5].action, TA_SEGMENT_FREE);
+  assert_int_equal(t.events[5].device, 2);
+  assert_int_equal(t.events[6].action, TA_SEGMENT_FREE);
+  assert_int_equal(t.events[6].device, 3);
+  assert_int_equal(t.events[7].device, 0); /* after the close: unknown, device 0 */
+  trace_free(&t);
+
+  /* Bad lines are named, nothing is half-loaded. */
+  const struct {
+    const char *text, *message;
+  } bad[] = {
+      {"# gcalloc trace 1\n1 7 malloc 0 256 0 4096 1000\n", "line 2: device 256 out of range"},
+      {"# gcalloc trace 1\n1 7 malloc 0 -1 0 4096 1000\n", "line 2: device -1 out of range"},
+      {"# gcalloc trace 1\n1 7 empty_cache 0 -2 0\n", "line 2: device -2 out of range"},
+      {"# gcalloc trace 1\n1 7 malloc 0 0 0 4096 ffffffffffffffff\n", "line 2: pointer ffffffffffffffff out of range"},
+      {"# gcalloc trace 1\n1 7 free 0 fffffffffffffffe 0\n", "line 2: pointer fffffffffffffffe out of range"},
+      {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: not a gcalloc trace line"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    write_file("/tmp/gcalloc-replay-bad.trace", bad[i].text);
+    assert_int_equal(trace_load("/tmp/gcalloc-replay-bad.trace", &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), bad[i].message);
+    assert_int_equal(t.count, 0);
+    assert_null(t.events);
+  }
+  /* A line longer than any the recorder writes. */
+  FILE *f = fopen("/tmp/gcalloc-replay-bad.trace", "w");
+  assert_non_null(f);
+  fputs("# gcalloc trace 1\n1 7 open 0 sim ", f);
+  for (int i = 0; i < 2000; i++) fputc('x', f);
+  fputs("\n", f);
+  fclose(f);
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-bad.trace", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "line 2: longer than 1024 characters");
 }
 
 /* The allocator's snapshot, written as a pickle at `path` and read back as
@@ -412,6 +521,13 @@ static void test_rmm_csv(void **state) {
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,0x0\n1,1.0,allocate,0x1\n",
        ":3: 4 fields where the header has 6"},
       {"Thread,Time,Action,Pointer,Size,Stream\n1,noon,allocate,0x1,2,0x0\n", ":2: Time 'noon'"},
+      /* (Found by fuzz_text: hours past what microseconds hold, and a
+       * negative or infinite second, had been converted regardless.) */
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,3333333333:59:59.75,allocate,0x1,2,0x0\n",
+       ":2: Time '3333333333:59:59.75'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,10:00:-5,allocate,0x1,2,0x0\n", ":2: Time '10:00:-5'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,10:00:-inf,allocate,0x1,2,0x0\n", ":2: Time '10:00:-inf'"},
+      {"Thread,Time,Action,Pointer,Size,Stream\n1,1e13,allocate,0x1,2,0x0\n", ":2: Time '1e13'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,stream\n", ":2: Stream 'stream'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n", "no calls in the RMM log"},
   };
@@ -976,7 +1092,8 @@ static void test_segment_matching(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_allocsim_lines),        cmocka_unit_test(test_gcalloc_trace_format),
+      cmocka_unit_test(test_allocsim_lines), cmocka_unit_test(test_allocsim_order),        cmocka_unit_test(test_gcalloc_trace_format),
+      cmocka_unit_test(test_gcalloc_trace_allocators),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_start_as_recorded),
       cmocka_unit_test(test_start_as_recorded_random),
       cmocka_unit_test(test_real_trace_decomfl),

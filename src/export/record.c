@@ -112,32 +112,61 @@ static int parse_line(const char *line, recorded_call_t *c) {
   }
 }
 
-int record_read(const char *path, recorded_calls_t *out) {
-  memset(out, 0, sizeof *out);
+/* Lines longer than this are refused: a recorded line is under 600
+ * characters (an open line's backend and configuration, 255 each, are the
+ * longest). */
+#define RECORD_LINE_MAX 1024
+
+int record_read_each(const char *path, record_each_fn each, void *ctx) {
   FILE *f = fopen(path, "r");
   if (!f) return set_error(GCA_ERR_IO, "cannot read the trace %s: %s", path, strerror(errno));
-  char line[1024];
-  size_t cap = 0, lineno = 0;
+  char line[RECORD_LINE_MAX + 2];
+  size_t lineno = 0;
   int rc = GCA_OK;
-  while (fgets(line, sizeof line, f)) {
+  recorded_call_t call;
+  while (rc == GCA_OK && fgets(line, sizeof line, f)) {
     lineno++;
-    if (line[0] == '#' || line[0] == '\n') continue;
-    if (out->count == cap) {
-      recorded_call_t *grown = grow_array(out->calls, &cap, sizeof *grown, 1024);
-      if (!grown) {
-        rc = set_error(GCA_ERR_NOMEM, "out of host memory reading the trace %s", path);
-        break;
-      }
-      out->calls = grown;
+    size_t n = strlen(line);
+    if (n && line[n - 1] != '\n' && !feof(f)) {
+      rc = set_error(GCA_ERR_INVALID, "trace %s, line %zu: longer than %d characters", path, lineno,
+                     RECORD_LINE_MAX);
+      break;
     }
-    if (parse_line(line, &out->calls[out->count]) != 0) {
+    if (line[0] == '#' || line[0] == '\n') continue;
+    if (parse_line(line, &call) != 0) {
       line[strcspn(line, "\n")] = '\0';
       rc = set_error(GCA_ERR_INVALID, "trace %s, line %zu: not a gcalloc trace line: '%.80s'", path, lineno, line);
       break;
     }
-    out->count++;
+    rc = each(ctx, &call, lineno);
   }
+  if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read the trace %s", path);
   fclose(f);
+  return rc;
+}
+
+typedef struct record_collect {
+  const char *path;
+  recorded_calls_t *out;
+  size_t cap;
+} record_collect_t;
+
+static int collect_call(void *ctx, const recorded_call_t *call, size_t lineno) {
+  (void)lineno;
+  record_collect_t *c = ctx;
+  if (c->out->count == c->cap) {
+    recorded_call_t *grown = grow_array(c->out->calls, &c->cap, sizeof *grown, 1024);
+    if (!grown) return set_error(GCA_ERR_NOMEM, "out of host memory reading the trace %s", c->path);
+    c->out->calls = grown;
+  }
+  c->out->calls[c->out->count++] = *call;
+  return GCA_OK;
+}
+
+int record_read(const char *path, recorded_calls_t *out) {
+  memset(out, 0, sizeof *out);
+  record_collect_t c = {.path = path, .out = out};
+  int rc = record_read_each(path, collect_call, &c);
   if (rc) record_free(out);
   return rc;
 }

@@ -35,6 +35,11 @@ typedef struct recorded_calls {
 
 /* Read a trace file; GCA_ERR_IO or GCA_ERR_INVALID (naming the line) on failure. */
 int record_read(const char *path, recorded_calls_t *out);
+/* Read it a call at a time, without holding the calls (a recorded call is
+ * 600 bytes): `each` gets every call and its line number, and reading stops
+ * at the first status other than GCA_OK it returns, which is returned. */
+typedef int (*record_each_fn)(void *ctx, const recorded_call_t *call, size_t lineno);
+int record_read_each(const char *path, record_each_fn each, void *ctx);
 void record_free(recorded_calls_t *calls);
 
 #endif

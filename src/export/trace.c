@@ -269,17 +269,39 @@ static bool read_decimal(const char **text, uint64_t *out) {
 }
 
 /* allocatorSim: "<alloc_op> <free_op> <size>" per line; frees at an op index
- * come before the allocations at the same index. */
+ * come before the allocations at the same index, each kind in line order
+ * (a block allocated and freed at one index is freed after the
+ * allocations there: it cannot go before it exists).
+ * The order is a sort of the lines' two ends, not a table by op index: the
+ * indices are the file's to choose, and "0 100000000 1" must not cost a
+ * table of a hundred million. */
+typedef struct allocsim_end {
+  uint64_t op;
+  uint64_t order; /* kind << 62 | line index; kinds at an op: 0 frees, 1 allocations, 2 frees of those */
+} allocsim_end_t;
+
+#define ALLOCSIM_LINE(order) ((order) & (((uint64_t)1 << 62) - 1))
+
+static int compare_allocsim_ends(const void *a, const void *b) {
+  const allocsim_end_t *x = a, *y = b;
+  if (x->op != y->op) return x->op < y->op ? -1 : 1;
+  return x->order < y->order ? -1 : x->order > y->order;
+}
+
 static int load_allocsim(const char *path, FILE *f, trace_t *t) {
-  typedef struct { uint64_t alloc_at, free_at, size; } line_t;
-  line_t *lines = NULL;
-  size_t n = 0, cap = 0;
-  char text[256];
+  allocsim_end_t *ends = NULL;
+  uint64_t *line_sizes = NULL;
+  size_t n = 0, cap = 0, size_cap = 0;
+  char text[258];
   size_t lineno = 0;
   int rc = GCA_OK;
-  uint64_t last_op = 0;
   while (fgets(text, sizeof text, f)) {
     lineno++;
+    size_t len = strlen(text);
+    if (len && text[len - 1] != '\n' && !feof(f)) {
+      rc = set_error(GCA_ERR_INVALID, "%s:%zu: longer than %zu characters", path, lineno, sizeof text - 2);
+      break;
+    }
     if (text[0] == '\n' || text[0] == '#') continue;
     uint64_t a, b, s;
     const char *at = text;
@@ -290,56 +312,40 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
                      path, lineno);
       break;
     }
-    if (n == cap) {
-      cap = cap ? cap * 2 : 256;
-      line_t *more = realloc(lines, cap * sizeof *more);
+    if (n == size_cap) {
+      uint64_t *more = grow_array(line_sizes, &size_cap, sizeof *more, 256);
       if (!more) {
         rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
         break;
       }
-      lines = more;
+      line_sizes = more;
     }
-    lines[n++] = (line_t){a, b, s};
-    if (b > last_op) last_op = b;
+    if (2 * n + 2 > cap) {
+      allocsim_end_t *more = grow_array(ends, &cap, sizeof *more, 512);
+      if (!more) {
+        rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+        break;
+      }
+      ends = more;
+    }
+    line_sizes[n] = s;
+    ends[2 * n] = (allocsim_end_t){a, (uint64_t)1 << 62 | n};
+    ends[2 * n + 1] = (allocsim_end_t){b, (uint64_t)(a == b ? 2 : 0) << 62 | n};
+    n++;
   }
+  if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read %s", path);
   if (rc == GCA_OK && n == 0) rc = set_error(GCA_ERR_INVALID, "%s: no allocations in the file", path);
-  size_t ecap = 0;
   t->device_count = 1;
-  /* Events by op index; a quadratic scan would do for the small logs this
-   * format holds, but sort-free bucketing keeps it linear. */
-  size_t *first_free = NULL, *first_alloc = NULL, *next_free = NULL, *next_alloc = NULL;
-  if (rc == GCA_OK) {
-    first_free = malloc((last_op + 1) * sizeof *first_free);
-    first_alloc = malloc((last_op + 1) * sizeof *first_alloc);
-    next_free = malloc(n * sizeof *next_free);
-    next_alloc = malloc(n * sizeof *next_alloc);
-    if (!first_free || !first_alloc || !next_free || !next_alloc || last_op > 100000000)
-      rc = set_error(GCA_ERR_NOMEM, "%s: op indices up to %llu are too many", path, (unsigned long long)last_op);
+  if (rc == GCA_OK) qsort(ends, 2 * n, sizeof *ends, compare_allocsim_ends);
+  size_t ecap = 0;
+  for (size_t k = 0; rc == GCA_OK && k < 2 * n; k++) {
+    size_t i = (size_t)ALLOCSIM_LINE(ends[k].order);
+    trace_event_t e = {.action = ends[k].order >> 62 == 1 ? TA_ALLOC : TA_FREE_COMPLETED, .addr = ((uint64_t)i + 1) * 512,
+                       .size = line_sizes[i], .time_us = (int64_t)ends[k].op};
+    rc = push_event(t, &ecap, &e);
   }
-  if (rc == GCA_OK) {
-    for (uint64_t i = 0; i <= last_op; i++) first_free[i] = first_alloc[i] = SIZE_MAX;
-    for (size_t i = n; i-- > 0;) {
-      next_free[i] = first_free[lines[i].free_at];
-      first_free[lines[i].free_at] = i;
-      next_alloc[i] = first_alloc[lines[i].alloc_at];
-      first_alloc[lines[i].alloc_at] = i;
-    }
-    for (uint64_t op = 0; op <= last_op && rc == GCA_OK; op++) {
-      for (size_t i = first_free[op]; i != SIZE_MAX && rc == GCA_OK; i = next_free[i]) {
-        trace_event_t e = {.action = TA_FREE_COMPLETED, .addr = (i + 1) * 512, .size = lines[i].size, .time_us = (int64_t)op};
-        rc = push_event(t, &ecap, &e);
-      }
-      for (size_t i = first_alloc[op]; i != SIZE_MAX && rc == GCA_OK; i = next_alloc[i]) {
-        trace_event_t e = {.action = TA_ALLOC, .addr = (i + 1) * 512, .size = lines[i].size, .time_us = (int64_t)op};
-        rc = push_event(t, &ecap, &e);
-      }
-    }
-  }
-  free(first_free);
-  free(first_alloc);
-  free(next_free);
-  free(next_alloc);
-  free(lines);
+  free(ends);
+  free(line_sizes);
   return rc;
 }
 
@@ -380,18 +386,21 @@ static bool csv_number(const char *text, int base, uint64_t *out) {
   return true;
 }
 
-/* Microseconds from "HH:MM:SS.ffffff" or "seconds.fraction". */
+/* Microseconds from "HH:MM:SS.ffffff" or "seconds.fraction"; either at most
+ * 10^12 seconds, so that the microseconds fit (and a day can be added). */
 static bool parse_rmm_time(const char *text, int64_t *us) {
   unsigned h, m;
-  double sec;
+  double sec, s;
   int used = 0;
-  if (sscanf(text, "%u:%u:%lf%n", &h, &m, &sec, &used) == 3 && !text[used] && m < 60 && sec < 61) {
-    *us = (int64_t)((h * 3600.0 + m * 60.0 + sec) * 1e6 + 0.5);
-    return true;
+  if (sscanf(text, "%u:%u:%lf%n", &h, &m, &sec, &used) == 3 && !text[used]) {
+    if (m >= 60 || !(sec >= 0 && sec < 61)) return false;
+    s = h * 3600.0 + m * 60.0 + sec;
+  } else {
+    char *end;
+    s = strtod(text, &end);
+    if (end == text || *end) return false;
   }
-  char *end;
-  double s = strtod(text, &end);
-  if (end == text || *end || !(s >= 0) || s > 1e12) return false;
+  if (!(s >= 0) || s > 1e12) return false;
   *us = (int64_t)(s * 1e6 + 0.5);
   return true;
 }
@@ -400,6 +409,8 @@ static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
   char line[1024];
   char *fields[16];
   if (!fgets(line, sizeof line, f)) return set_error(GCA_ERR_INVALID, "%s: empty file", path);
+  if (!strchr(line, '\n') && !feof(f))
+    return set_error(GCA_ERR_INVALID, "%s:1: line longer than %zu characters", path, sizeof line - 2);
   int nf = split_csv(line, fields, 16);
   int col_time = csv_column(fields, nf, "Time"), col_action = csv_column(fields, nf, "Action"),
       col_ptr = csv_column(fields, nf, "Pointer"), col_size = csv_column(fields, nf, "Size"),
@@ -472,41 +483,93 @@ static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
 
 /* gcalloc's own trace (GCALLOC_TRACE_FILE): mallocs that succeeded become
  * allocs, frees that succeeded their release; a free names no device, so
- * it takes its allocation's. empty_cache calls become a segment_free marker
- * the replay turns back into an empty_cache. */
-static int load_gcalloc_trace(const char *path, trace_t *t) {
-  recorded_calls_t calls;
-  int rc = record_read(path, &calls);
-  if (rc) return rc;
-  size_t cap = 0;
-  typedef struct { uint64_t ptr; int device; } owner_t;
-  owner_t *owners = calloc(calls.count + 1, sizeof *owners);
-  size_t owner_count = 0;
-  if (!owners) rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
-  for (size_t i = 0; i < calls.count && rc == GCA_OK; i++) {
-    const recorded_call_t *c = &calls.calls[i];
-    trace_event_t e = {.time_us = c->time_us};
-    if (c->call == RC_MALLOC && c->ptr) {
-      e = (trace_event_t){c->device, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
-      owners[owner_count++] = (owner_t){c->ptr, c->device};
-    } else if (c->call == RC_FREE && c->status == GCA_OK) {
-      int device = 0;
-      for (size_t k = owner_count; k-- > 0;)
-        if (owners[k].ptr == c->ptr) {
-          device = owners[k].device;
-          break;
-        }
-      e = (trace_event_t){device, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
-    } else if (c->call == RC_EMPTY_CACHE && c->status == GCA_OK) {
-      e = (trace_event_t){c->device < 0 ? 0 : c->device, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
-    } else {
-      continue;
-    }
-    if (e.device + 1 > t->device_count) t->device_count = e.device + 1;
-    rc = push_event(t, &cap, &e);
+ * it takes its allocation's, looked up by (allocator, pointer): two
+ * allocators of one process may hand out the same address (two sim
+ * devices). empty_cache calls become a segment_free marker the replay turns
+ * back into an empty_cache; one for every device (-1) becomes a marker on
+ * each device its allocator had allocated on by then (on the others it
+ * could have done nothing). The file is read a line at a time, and what is
+ * held is the live allocations, not the calls. */
+typedef struct gcalloc_owner {
+  addr_map_t live;     /* pointer -> device; made at its first malloc, dropped at its close */
+  uint64_t devices[4]; /* the devices it allocated on: a bit each of 0-255 */
+} gcalloc_owner_t;
+
+typedef struct gcalloc_reader {
+  const char *path;
+  trace_t *t;
+  size_t cap;
+  addr_map_t allocators; /* allocator id -> index in owners + 1 */
+  gcalloc_owner_t *owners;
+  size_t owner_count, owner_cap;
+} gcalloc_reader_t;
+
+static gcalloc_owner_t *gcalloc_owner(gcalloc_reader_t *r, int allocator) {
+  uint64_t key = (uint32_t)allocator, *at = addr_map_get(&r->allocators, key);
+  if (at) return &r->owners[*at - 1];
+  if (r->owner_count == r->owner_cap) {
+    gcalloc_owner_t *grown = grow_array(r->owners, &r->owner_cap, sizeof *grown, 4);
+    if (!grown) return NULL;
+    r->owners = grown;
   }
-  free(owners);
-  record_free(&calls);
+  gcalloc_owner_t *o = &r->owners[r->owner_count];
+  memset(o, 0, sizeof *o);
+  if (!addr_map_put(&r->allocators, key, r->owner_count + 1)) return NULL;
+  r->owner_count++;
+  return o;
+}
+
+static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
+  gcalloc_reader_t *r = ctx;
+  bool is_malloc = c->call == RC_MALLOC && c->ptr, is_free = c->call == RC_FREE && c->status == GCA_OK;
+  bool is_empty = c->call == RC_EMPTY_CACHE && c->status == GCA_OK;
+  if (c->call == RC_CLOSE) { /* its allocations are gone with it */
+    uint64_t *at = addr_map_get(&r->allocators, (uint32_t)c->allocator);
+    if (at) addr_map_free(&r->owners[*at - 1].live);
+    return GCA_OK;
+  }
+  if (!is_malloc && !is_free && !is_empty) return GCA_OK; /* failed calls, open, close, record_stream */
+  if ((is_malloc || is_empty) && (c->device < (is_empty ? -1 : 0) || c->device > 255))
+    return set_error(GCA_ERR_INVALID, "trace %s, line %zu: device %d out of range (0-255)", r->path, lineno,
+                     c->device);
+  /* (addr_map's keys stop two short of the largest.) */
+  if ((is_malloc || is_free) && c->ptr >= UINT64_MAX - 1)
+    return set_error(GCA_ERR_INVALID, "trace %s, line %zu: pointer %llx out of range", r->path, lineno,
+                     (unsigned long long)c->ptr);
+  gcalloc_owner_t *o = gcalloc_owner(r, c->allocator);
+  if (!o) return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
+  trace_event_t e = {.time_us = c->time_us};
+  if (is_malloc) {
+    if ((!o->live.keys && !addr_map_init(&o->live)) || !addr_map_put(&o->live, c->ptr, (uint64_t)c->device))
+      return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
+    o->devices[c->device / 64] |= (uint64_t)1 << (c->device % 64);
+    e = (trace_event_t){c->device, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
+  } else if (is_free) {
+    /* A pointer allocated before recording began has no device: 0. */
+    uint64_t *device = o->live.keys ? addr_map_get(&o->live, c->ptr) : NULL;
+    e = (trace_event_t){device ? (int)*device : 0, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
+    if (device) addr_map_del(&o->live, c->ptr);
+  } else {
+    for (int d = c->device < 0 ? 0 : c->device; d <= (c->device < 0 ? 255 : c->device); d++) {
+      if (c->device < 0 && !(o->devices[d / 64] >> (d % 64) & 1)) continue;
+      e = (trace_event_t){d, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
+      if (d + 1 > r->t->device_count) r->t->device_count = d + 1;
+      int rc = push_event(r->t, &r->cap, &e);
+      if (rc) return rc;
+    }
+    return GCA_OK;
+  }
+  if (e.device + 1 > r->t->device_count) r->t->device_count = e.device + 1;
+  return push_event(r->t, &r->cap, &e);
+}
+
+static int load_gcalloc_trace(const char *path, trace_t *t) {
+  gcalloc_reader_t r = {.path = path, .t = t};
+  int rc = addr_map_init(&r.allocators) ? record_read_each(path, gcalloc_call, &r)
+                                        : set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  for (size_t i = 0; i < r.owner_count; i++) addr_map_free(&r.owners[i].live);
+  free(r.owners);
+  addr_map_free(&r.allocators);
   return rc;
 }
 
