@@ -269,6 +269,9 @@ static void test_bad_text_trace(void **state) {
   assert_contains(gca_last_error(), "device_traces");
   remove(path);
   assert_int_equal(trace_load("/nonexistent/trace.log", &t), GCA_ERR_IO);
+  assert_contains(gca_last_error(), "cannot open trace /nonexistent/trace.log: No such file or directory");
+  assert_int_equal(trace_load("/tmp", &t), GCA_ERR_IO);
+  assert_contains(gca_last_error(), "cannot read trace /tmp: it is a directory");
 }
 
 /* ---- the flat-dict loop against the general machine ------------------- */

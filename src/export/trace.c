@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "../internal.h"
 #include "pickle.h"
@@ -644,7 +645,12 @@ int trace_load(const char *path, trace_t *out) {
   static atomic_int loads;
   if (atomic_fetch_add_explicit(&loads, 1, memory_order_relaxed) > 0) big_prefer_huge_pages();
   FILE *f = fopen(path, "rb");
-  if (!f) return set_error(GCA_ERR_IO, "cannot open trace %s", path);
+  if (!f) return set_error(GCA_ERR_IO, "cannot open trace %s: %s", path, strerror(errno));
+  struct stat st;
+  if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+    fclose(f);
+    return set_error(GCA_ERR_IO, "cannot read trace %s: it is a directory", path);
+  }
   int first = fgetc(f);
   int rc;
   if (first == 0x80) {
