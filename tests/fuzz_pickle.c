@@ -18,6 +18,7 @@
 #include "export/pickle.h"
 #include "export/replay.h"
 #include "export/trace.h"
+#include "fuzz_common.h"
 
 /* Walk the values reachable from v, as a reader of the tree would, up to a
  * budget: the memo makes the tree a DAG whose paths can be exponential. */
@@ -82,13 +83,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   if (!slow_rc) trace_free(&slow);
   if (rc != GCA_OK) return 0;
-  /* Replays stay small so that one input costs milliseconds. */
-  if (t.count <= 4096) {
-    replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true, .timeline = true,
-                          .capacity = (uint64_t)64 << 30};
-    replay_result_t r;
-    if (replay_trace(&t, &o, &r) == GCA_OK) replay_result_free(&r);
-  }
+  fuzz_replay_small(&t);
   trace_free(&t);
   return 0;
 }

@@ -22,6 +22,7 @@
 #include "internal.h"
 #include "export/replay.h"
 #include "export/trace.h"
+#include "fuzz_common.h"
 
 static int input_fd = -1;
 static char input_path[64];
@@ -43,13 +44,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     return 0;
   }
-  /* Replays stay small so that one input costs milliseconds. */
-  if (t.count <= 4096) {
-    replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true, .timeline = true,
-                          .capacity = (uint64_t)64 << 30};
-    replay_result_t r;
-    if (replay_trace(&t, &o, &r) == GCA_OK) replay_result_free(&r);
-  }
+  fuzz_replay_small(&t);
   trace_free(&t);
   return 0;
 }

@@ -18,6 +18,17 @@ static void write_file(const char *path, const char *text) {
   fclose(f);
 }
 
+/* The trace `text` is refused, with `message` in the error, and nothing is
+ * left loaded. */
+static void expect_refused(const char *path, const char *text, const char *message) {
+  write_file(path, text);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), message);
+  assert_int_equal(t.count, 0);
+  assert_null(t.events);
+}
+
 /* allocatorSim: "<alloc_op> <free_op> <size>"; live at op 2: a and b. */
 static void test_allocsim_lines(void **state) {
   (void)state;
@@ -159,13 +170,8 @@ static void test_gcalloc_trace_allocators(void **state) {
       {"# gcalloc trace 1\n1 7 free 0 fffffffffffffffe 0\n", "line 2: pointer fffffffffffffffe out of range"},
       {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: not a gcalloc trace line"},
   };
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    write_file("/tmp/gcalloc-replay-bad.trace", bad[i].text);
-    assert_int_equal(trace_load("/tmp/gcalloc-replay-bad.trace", &t), GCA_ERR_INVALID);
-    assert_contains(gca_last_error(), bad[i].message);
-    assert_int_equal(t.count, 0);
-    assert_null(t.events);
-  }
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    expect_refused("/tmp/gcalloc-replay-bad.trace", bad[i].text, bad[i].message);
   /* A line longer than any the recorder writes. */
   FILE *f = fopen("/tmp/gcalloc-replay-bad.trace", "w");
   assert_non_null(f);
@@ -531,12 +537,8 @@ static void test_rmm_csv(void **state) {
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,stream\n", ":2: Stream 'stream'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n", "no calls in the RMM log"},
   };
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    write_file("/tmp/gcalloc-replay-rmm.csv", bad[i].text);
-    assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_ERR_INVALID);
-    assert_contains(gca_last_error(), bad[i].error);
-    assert_null(t.events);
-  }
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    expect_refused("/tmp/gcalloc-replay-rmm.csv", bad[i].text, bad[i].error);
 }
 
 /* With a timeline: the bytes after every operation, the peak's position and
