@@ -20,6 +20,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* libbsd's tree.h marks generated helpers with __unused, which only its
  * overlay mode defines. */
@@ -925,6 +926,10 @@ bool parse_size(const char *text, size_t len, uint64_t *out);
  * read, 0 when none or when the value overflows 64 bits (no sign, no
  * blanks: callers decide what may surround the number). */
 size_t parse_decimal(const char *text, size_t len, uint64_t *out);
+/* All of what is left to read from f (a pipe, say, which cannot be mapped or
+ * read twice), malloc'd with a NUL after it (*len excludes it); NULL with
+ * the error set, naming `name`, when it cannot be read or held. */
+unsigned char *read_stream(FILE *f, const char *name, size_t *len);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
  * "X.YY KiB/MiB/GiB". */
 void format_bytes(uint64_t bytes, char *buf, size_t cap);

@@ -392,6 +392,35 @@ void addr_map_free(addr_map_t *m) {
   *m = (addr_map_t){0};
 }
 
+unsigned char *read_stream(FILE *f, const char *name, size_t *len) {
+  size_t cap = (size_t)64 << 10, used = 0;
+  unsigned char *buf = malloc(cap);
+  while (buf) {
+    used += fread(buf + used, 1, cap - used, f);
+    if (used < cap) break; /* the end, or an error (below) */
+    unsigned char *bigger = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
+    if (!bigger) {
+      free(buf);
+      set_error(GCA_ERR_NOMEM, "out of host memory reading %s", name);
+      return NULL;
+    }
+    buf = bigger;
+    cap *= 2;
+  }
+  if (!buf) {
+    set_error(GCA_ERR_NOMEM, "out of host memory reading %s", name);
+    return NULL;
+  }
+  if (ferror(f)) {
+    free(buf);
+    set_error(GCA_ERR_IO, "cannot read %s", name);
+    return NULL;
+  }
+  buf[used] = '\0'; /* (used < cap) */
+  *len = used;
+  return buf;
+}
+
 size_t parse_decimal(const char *text, size_t len, uint64_t *out) {
   uint64_t v = 0;
   size_t i = 0;

@@ -1760,28 +1760,10 @@ pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options) {
     }
   }
   /* A pipe, or a file that cannot be mapped: read it. */
-  size_t cap = (size_t)1 << 20, len = 0;
-  unsigned char *buf = malloc(cap);
-  while (buf) {
-    size_t n = fread(buf + len, 1, cap - len, f);
-    len += n;
-    if (len < cap) break;
-    unsigned char *bigger = realloc(buf, cap * 2);
-    if (!bigger) {
-      free(buf);
-      buf = NULL;
-      break;
-    }
-    buf = bigger;
-    cap *= 2;
-  }
-  bool failed = ferror(f);
+  size_t len = 0;
+  unsigned char *buf = read_stream(f, path, &len);
   fclose(f);
-  if (!buf || failed) {
-    free(buf);
-    set_error(failed ? GCA_ERR_IO : GCA_ERR_NOMEM, "cannot read %s", path);
-    return NULL;
-  }
+  if (!buf) return NULL;
   pickle_doc_t *doc = new_doc(buf, len, false, options);
   return doc ? parse(doc) : NULL;
 }

@@ -120,6 +120,12 @@ static int parse_line(const char *line, recorded_call_t *c) {
 int record_read_each(const char *path, record_each_fn each, void *ctx) {
   FILE *f = fopen(path, "r");
   if (!f) return set_error(GCA_ERR_IO, "cannot read the trace %s: %s", path, strerror(errno));
+  int rc = record_read_each_file(f, path, each, ctx);
+  fclose(f);
+  return rc;
+}
+
+int record_read_each_file(FILE *f, const char *path, record_each_fn each, void *ctx) {
   char line[RECORD_LINE_MAX + 2];
   size_t lineno = 0;
   int rc = GCA_OK;
@@ -141,7 +147,6 @@ int record_read_each(const char *path, record_each_fn each, void *ctx) {
     rc = each(ctx, &call, lineno);
   }
   if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read the trace %s", path);
-  fclose(f);
   return rc;
 }
 

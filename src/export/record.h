@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 typedef enum record_call {
   RC_OPEN,          /* id backend config */
@@ -40,6 +41,8 @@ int record_read(const char *path, recorded_calls_t *out);
  * at the first status other than GCA_OK it returns, which is returned. */
 typedef int (*record_each_fn)(void *ctx, const recorded_call_t *call, size_t lineno);
 int record_read_each(const char *path, record_each_fn each, void *ctx);
+/* The same from an open file, from where it is; `path` names it in errors. */
+int record_read_each_file(FILE *f, const char *path, record_each_fn each, void *ctx);
 void record_free(recorded_calls_t *calls);
 
 #endif

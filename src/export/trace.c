@@ -341,8 +341,8 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   size_t ecap = 0;
   for (size_t k = 0; rc == GCA_OK && k < 2 * n; k++) {
     size_t i = (size_t)ALLOCSIM_LINE(ends[k].order);
-    trace_event_t e = {.action = ends[k].order >> 62 == 1 ? TA_ALLOC : TA_FREE_COMPLETED, .addr = ((uint64_t)i + 1) * 512,
-                       .size = line_sizes[i], .time_us = (int64_t)ends[k].op};
+    trace_event_t e = {.action = ends[k].order >> 62 == 1 ? TA_ALLOC : TA_FREE_COMPLETED,
+                       .addr = ((uint64_t)i + 1) * 512, .size = line_sizes[i], .time_us = (int64_t)ends[k].op};
     rc = push_event(t, &ecap, &e);
   }
   free(ends);
@@ -564,13 +564,14 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   return push_event(r->t, &r->cap, &e);
 }
 
-static int load_gcalloc_trace(const char *path, trace_t *t) {
+static int load_gcalloc_trace(const char *path, FILE *f, trace_t *t) {
   gcalloc_reader_t r = {.path = path, .t = t};
-  int rc = addr_map_init(&r.allocators) ? record_read_each(path, gcalloc_call, &r)
+  int rc = addr_map_init(&r.allocators) ? record_read_each_file(f, path, gcalloc_call, &r)
                                         : set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
   for (size_t i = 0; i < r.owner_count; i++) addr_map_free(&r.owners[i].live);
   free(r.owners);
   addr_map_free(&r.allocators);
+  if (rc == GCA_OK && t->count == 0) rc = set_error(GCA_ERR_INVALID, "%s: no allocations or frees in the trace", path);
   return rc;
 }
 
@@ -647,27 +648,37 @@ int trace_load(const char *path, trace_t *out) {
   FILE *f = fopen(path, "rb");
   if (!f) return set_error(GCA_ERR_IO, "cannot open trace %s: %s", path, strerror(errno));
   struct stat st;
-  if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) {
+  bool known = fstat(fileno(f), &st) == 0, regular = known && S_ISREG(st.st_mode);
+  if (known && S_ISDIR(st.st_mode)) {
     fclose(f);
     return set_error(GCA_ERR_IO, "cannot read trace %s: it is a directory", path);
   }
-  int first = fgetc(f);
-  int rc;
-  if (first == 0x80) {
+  /* A pipe (`<(zcat trace.gz)`, /dev/stdin) can be read only once, and its
+   * first byte says which reader reads it: it is read into memory whole,
+   * and the reader reads it there. */
+  unsigned char *piped = NULL;
+  size_t piped_len = 0;
+  if (!regular) {
+    piped = read_stream(f, path, &piped_len);
     fclose(f);
-    rc = read_snapshot(path, path, NULL, 0, false, 0, out);
-  } else if (first == '#') {
-    fclose(f);
-    rc = load_gcalloc_trace(path, out);
-  } else if (first == 'T') {
-    rewind(f);
-    rc = load_rmm_csv(path, f, out);
-    fclose(f);
-  } else {
-    rewind(f);
-    rc = load_allocsim(path, f, out);
-    fclose(f);
+    f = NULL;
+    if (!piped) return gca_last_status();
+    if (piped_len && piped[0] != 0x80 && !(f = fmemopen(piped, piped_len, "rb"))) {
+      free(piped);
+      return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+    }
   }
+  int first = f ? fgetc(f) : piped_len ? piped[0] : EOF;
+  if (f) rewind(f);
+  int rc;
+  if (first == EOF) rc = set_error(GCA_ERR_INVALID, "%s: empty file", path);
+  else if (first == 0x80 && piped) rc = parse_snapshot(path, piped, piped_len, false, 0, out);
+  else if (first == 0x80) rc = read_snapshot(path, path, NULL, 0, false, 0, out);
+  else if (first == '#') rc = load_gcalloc_trace(path, f, out);
+  else if (first == 'T') rc = load_rmm_csv(path, f, out);
+  else rc = load_allocsim(path, f, out);
+  if (f) fclose(f);
+  free(piped);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
