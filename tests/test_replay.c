@@ -761,6 +761,24 @@ static void test_tune(void **state) {
   assert_int_equal(WEXITSTATUS(system(cmd)), 3);
 }
 
+/* A report that cannot be written fails the command, saying why. */
+static void test_report_unwritable(void **state) {
+  (void)state;
+  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n1 3 5000000\n");
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd,
+           "%s replay /tmp/gcalloc-replay.log --report /nonexistent-gcalloc-dir/r.html > /dev/null "
+           "2> /tmp/gcalloc-report-error.txt",
+           GCALLOC_TOOL_PATH);
+  assert_int_equal(WEXITSTATUS(system(cmd)), 1);
+  FILE *f = fopen("/tmp/gcalloc-report-error.txt", "r");
+  assert_non_null(f);
+  char text[512] = "";
+  assert_non_null(fgets(text, sizeof text, f));
+  fclose(f);
+  assert_contains(text, "cannot write the report /nonexistent-gcalloc-dir/r.html: No such file or directory");
+}
+
 static bool have_traces(void) {
   FILE *f = fopen(GCALLOC_TRACES_DIR "/SOURCES.txt", "r");
   if (f) fclose(f);
@@ -1095,7 +1113,7 @@ static void test_segment_matching(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocsim_lines), cmocka_unit_test(test_allocsim_order),        cmocka_unit_test(test_gcalloc_trace_format),
-      cmocka_unit_test(test_gcalloc_trace_allocators),
+      cmocka_unit_test(test_gcalloc_trace_allocators), cmocka_unit_test(test_report_unwritable),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_start_as_recorded),
       cmocka_unit_test(test_start_as_recorded_random),
       cmocka_unit_test(test_real_trace_decomfl),

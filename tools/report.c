@@ -8,6 +8,7 @@
  * The timeline keeps at most TIMELINE_POINTS points per series: each point is
  * the maximum over its stretch of operations, so no peak is smoothed away.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -275,7 +276,7 @@ static const char page_head[] =
 int report_write(const char *out_path, const char *trace_path, const struct replay_result *r) {
   FILE *f = fopen(out_path, "w");
   if (!f) {
-    fprintf(stderr, "gcalloc replay: cannot write the report %s\n", out_path);
+    fprintf(stderr, "gcalloc replay: cannot write the report %s: %s\n", out_path, strerror(errno));
     return 1;
   }
   fputs(page_head, f);
@@ -312,7 +313,7 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
   fprintf(f, "]};\n%s</script>\n</body></html>\n", page_script);
   bool failed = ferror(f);
   if (fclose(f) != 0 || failed) {
-    fprintf(stderr, "gcalloc replay: cannot write the report %s\n", out_path);
+    fprintf(stderr, "gcalloc replay: cannot write the report %s: %s\n", out_path, strerror(errno));
     return 1;
   }
   return 0;
