@@ -498,6 +498,27 @@ static void test_piped_traces(void **state) {
   };
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) expect_same_through_pipe(files[i]);
   if (have_traces()) expect_same_through_pipe(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle");
+  /* A UTF-8 byte order mark before a text trace (a spreadsheet's CSV). */
+  static const char *const marked[] = {
+      "\xEF\xBB\xBFThread,Time,Action,Pointer,Size,Stream\n1,1.5,allocate,0x1000,256,0x0\n",
+      "\xEF\xBB\xBF" "0 2 3000000\n1 3 5000000\n",
+      "\xEF\xBB\xBF# gcalloc trace 1\n1 7 malloc 0 0 0 4096 1000\n",
+  };
+  for (size_t i = 0; i < sizeof marked / sizeof marked[0]; i++) {
+    FILE *f = fopen("/tmp/gcalloc-trace-bom.txt", "wb");
+    assert_non_null(f);
+    fputs(marked[i], f);
+    fclose(f);
+    trace_t t;
+    int rc = trace_load("/tmp/gcalloc-trace-bom.txt", &t);
+    if (rc) fprintf(stderr, "%s\n", gca_last_error());
+    assert_int_equal(rc, GCA_OK);
+    assert_true(t.count >= 1);
+    assert_int_equal(t.events[0].action, TA_ALLOC);
+    trace_free(&t);
+    expect_same_through_pipe("/tmp/gcalloc-trace-bom.txt");
+  }
+  remove("/tmp/gcalloc-trace-bom.txt");
   /* An empty pipe is named as such. */
   int fds[2];
   assert_int_equal(pipe(fds), 0);

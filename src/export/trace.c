@@ -670,6 +670,17 @@ int trace_load(const char *path, trace_t *out) {
   }
   int first = f ? fgetc(f) : piped_len ? piped[0] : EOF;
   if (f) rewind(f);
+  /* A text trace saved by an editor or a spreadsheet may open with a UTF-8
+   * byte order mark: the format is told by what follows it. */
+  if (f && first == 0xEF) {
+    unsigned char mark[3];
+    if (fread(mark, 1, 3, f) == 3 && mark[1] == 0xBB && mark[2] == 0xBF) {
+      first = fgetc(f);
+      if (first != EOF) ungetc(first, f);
+    } else {
+      rewind(f);
+    }
+  }
   int rc;
   if (first == EOF) rc = set_error(GCA_ERR_INVALID, "%s: empty file", path);
   else if (first == 0x80 && piped) rc = parse_snapshot(path, piped, piped_len, false, 0, out);
