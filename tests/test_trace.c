@@ -501,7 +501,7 @@ static void test_piped_traces(void **state) {
   /* A UTF-8 byte order mark before a text trace (a spreadsheet's CSV). */
   static const char *const marked[] = {
       "\xEF\xBB\xBFThread,Time,Action,Pointer,Size,Stream\n1,1.5,allocate,0x1000,256,0x0\n",
-      "\xEF\xBB\xBF" "0 2 3000000\n1 3 5000000\n",
+      "\357\273\2770 2 3000000\n1 3 5000000\n", /* (octal: a hex escape would take the 0) */
       "\xEF\xBB\xBF# gcalloc trace 1\n1 7 malloc 0 0 0 4096 1000\n",
   };
   for (size_t i = 0; i < sizeof marked / sizeof marked[0]; i++) {
