@@ -519,6 +519,37 @@ static void test_piped_traces(void **state) {
     expect_same_through_pipe("/tmp/gcalloc-trace-bom.txt");
   }
   remove("/tmp/gcalloc-trace-bom.txt");
+  /* A compressed trace is named as such, from a file or a pipe. */
+  static const struct {
+    const char *bytes;
+    size_t len;
+    const char *message;
+  } packed[] = {
+      {"\037\213\010\000", 4, "gzip-compressed: decompress it first, e.g. gcalloc replay <(zcat "},
+      {"\050\265\057\375\000", 5, "zstd-compressed"},
+      {"\3757zXZ\0\0", 7, "xz-compressed"},
+      {"BZh91AY", 7, "bzip2-compressed"},
+  };
+  for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
+    FILE *f = fopen("/tmp/gcalloc-trace-packed", "wb");
+    assert_non_null(f);
+    fwrite(packed[i].bytes, 1, packed[i].len, f);
+    fclose(f);
+    trace_t t;
+    assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), packed[i].message);
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    assert_int_equal(write(fds[1], packed[i].bytes, packed[i].len), (ssize_t)packed[i].len);
+    close(fds[1]);
+    char path[64];
+    snprintf(path, sizeof path, "/dev/fd/%d", fds[0]);
+    assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), strchr(packed[i].message, ',') ? "gzip-compressed: decompress it first (zcat)"
+                                                                     : packed[i].message);
+    close(fds[0]);
+  }
+  remove("/tmp/gcalloc-trace-packed");
   /* An empty pipe is named as such. */
   int fds[2];
   assert_int_equal(pipe(fds), 0);

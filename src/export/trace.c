@@ -639,6 +639,25 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
   return true;
 }
 
+/* Compressions a trace may come in, told by their first bytes. */
+typedef struct compression {
+  const char *magic;
+  size_t magic_len;
+  const char *name, *cat; /* and the command that decompresses to stdout */
+} compression_t;
+
+static const compression_t *compression_of(const unsigned char *head, size_t len) {
+  static const compression_t known[] = {
+      {"\037\213", 2, "gzip", "zcat"},
+      {"\050\265\057\375", 4, "zstd", "zstdcat"},
+      {"\3757zXZ\0", 6, "xz", "xzcat"},
+      {"BZh", 3, "bzip2", "bzcat"},
+  };
+  for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+    if (len >= known[i].magic_len && !memcmp(head, known[i].magic, known[i].magic_len)) return &known[i];
+  return NULL;
+}
+
 int trace_load(const char *path, trace_t *out) {
   memset(out, 0, sizeof *out);
   /* A process reading its second trace reads trace after trace: its big
@@ -670,6 +689,21 @@ int trace_load(const char *path, trace_t *out) {
   }
   int first = f ? fgetc(f) : piped_len ? piped[0] : EOF;
   if (f) rewind(f);
+  /* A compressed trace is not read, but named as what it is (it had been
+   * read as an allocatorSim log, and refused for its first line). */
+  unsigned char head[6] = {0};
+  size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < 6 ? piped_len : 6;
+  if (f) rewind(f);
+  else if (head_len) memcpy(head, piped, head_len);
+  const compression_t *packed = compression_of(head, head_len);
+  if (packed) {
+    if (f) fclose(f);
+    free(piped);
+    if (!regular) return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (%s)", path, packed->name,
+                                packed->cat);
+    return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first, e.g. gcalloc replay <(%s %s)", path,
+                     packed->name, packed->cat, path);
+  }
   /* A text trace saved by an editor or a spreadsheet may open with a UTF-8
    * byte order mark: the format is told by what follows it. */
   if (f && first == 0xEF) {
