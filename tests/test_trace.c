@@ -525,7 +525,7 @@ static void test_piped_traces(void **state) {
     size_t len;
     const char *message;
   } packed[] = {
-      {"\037\213\010\000", 4, "gzip-compressed: decompress it first, e.g. gcalloc replay <(zcat "},
+      {"\037\213\010\000", 4, "gzip-compressed: decompress it first (with zcat: gcalloc replay <(zcat FILE))"},
       {"\050\265\057\375\000", 5, "zstd-compressed"},
       {"\3757zXZ\0\0", 7, "xz-compressed"},
       {"BZh91AY", 7, "bzip2-compressed"},
@@ -545,8 +545,7 @@ static void test_piped_traces(void **state) {
     char path[64];
     snprintf(path, sizeof path, "/dev/fd/%d", fds[0]);
     assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
-    assert_contains(gca_last_error(), strchr(packed[i].message, ',') ? "gzip-compressed: decompress it first (zcat)"
-                                                                     : packed[i].message);
+    assert_contains(gca_last_error(), packed[i].message);
     close(fds[0]);
   }
   remove("/tmp/gcalloc-trace-packed");

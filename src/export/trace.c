@@ -699,10 +699,8 @@ int trace_load(const char *path, trace_t *out) {
   if (packed) {
     if (f) fclose(f);
     free(piped);
-    if (!regular) return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (%s)", path, packed->name,
-                                packed->cat);
-    return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first, e.g. gcalloc replay <(%s %s)", path,
-                     packed->name, packed->cat, path);
+    return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (with %s: gcalloc replay <(%s FILE))",
+                     path, packed->name, packed->cat, packed->cat);
   }
   /* A text trace saved by an editor or a spreadsheet may open with a UTF-8
    * byte order mark: the format is told by what follows it. */
