@@ -29,6 +29,21 @@ static void expect_refused(const char *path, const char *text, const char *messa
   assert_null(t.events);
 }
 
+/* A trace whose last line is `head`, `count` times `fill`, then `tail`, is
+ * refused with `message`. */
+static void expect_long_line_refused(const char *path, const char *head, char fill, int count, const char *tail,
+                                     const char *message) {
+  FILE *f = fopen(path, "w");
+  assert_non_null(f);
+  fputs(head, f);
+  for (int i = 0; i < count; i++) fputc(fill, f);
+  fputs(tail, f);
+  fclose(f);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), message);
+}
+
 /* allocatorSim: "<alloc_op> <free_op> <size>"; live at op 2: a and b. */
 static void test_allocsim_lines(void **state) {
   (void)state;
@@ -84,14 +99,8 @@ static void test_allocsim_order(void **state) {
   write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n4 3 10\n");
   assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "gcalloc-replay.log:2: expected '<alloc_op> <free_op> <size>'");
-  FILE *f = fopen("/tmp/gcalloc-replay.log", "w");
-  assert_non_null(f);
-  fputs("0 2 3000000\n0 1 ", f);
-  for (int i = 0; i < 300; i++) fputc('0', f);
-  fputs("7\n", f);
-  fclose(f);
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), "gcalloc-replay.log:2: longer than 256 characters");
+  expect_long_line_refused("/tmp/gcalloc-replay.log", "0 2 3000000\n0 1 ", '0', 300, "7\n",
+                           "gcalloc-replay.log:2: longer than 256 characters");
 }
 
 /* gcalloc's own trace: frees take the device of their allocation. */
@@ -173,14 +182,8 @@ static void test_gcalloc_trace_allocators(void **state) {
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     expect_refused("/tmp/gcalloc-replay-bad.trace", bad[i].text, bad[i].message);
   /* A line longer than any the recorder writes. */
-  FILE *f = fopen("/tmp/gcalloc-replay-bad.trace", "w");
-  assert_non_null(f);
-  fputs("# gcalloc trace 1\n1 7 open 0 sim ", f);
-  for (int i = 0; i < 2000; i++) fputc('x', f);
-  fputs("\n", f);
-  fclose(f);
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-bad.trace", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), "line 2: longer than 1024 characters");
+  expect_long_line_refused("/tmp/gcalloc-replay-bad.trace", "# gcalloc trace 1\n1 7 open 0 sim ", 'x', 2000, "\n",
+                           "line 2: longer than 1024 characters");
 }
 
 /* The allocator's snapshot, written as a pickle at `path` and read back as
