@@ -279,6 +279,7 @@ static bool read_decimal(const char **text, uint64_t *out) {
 typedef struct allocsim_end {
   uint64_t op;
   uint64_t order; /* kind << 62 | line index; kinds at an op: 0 frees, 1 allocations, 2 frees of those */
+  uint64_t size;
 } allocsim_end_t;
 
 #define ALLOCSIM_LINE(order) ((order) & (((uint64_t)1 << 62) - 1))
@@ -291,8 +292,7 @@ static int compare_allocsim_ends(const void *a, const void *b) {
 
 static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   allocsim_end_t *ends = NULL;
-  uint64_t *line_sizes = NULL;
-  size_t n = 0, cap = 0, size_cap = 0;
+  size_t n = 0, cap = 0;
   char text[258];
   size_t lineno = 0;
   int rc = GCA_OK;
@@ -313,14 +313,6 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
                      path, lineno);
       break;
     }
-    if (n == size_cap) {
-      uint64_t *more = grow_array(line_sizes, &size_cap, sizeof *more, 256);
-      if (!more) {
-        rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
-        break;
-      }
-      line_sizes = more;
-    }
     if (2 * n + 2 > cap) {
       allocsim_end_t *more = grow_array(ends, &cap, sizeof *more, 512);
       if (!more) {
@@ -329,9 +321,8 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
       }
       ends = more;
     }
-    line_sizes[n] = s;
-    ends[2 * n] = (allocsim_end_t){a, (uint64_t)1 << 62 | n};
-    ends[2 * n + 1] = (allocsim_end_t){b, (uint64_t)(a == b ? 2 : 0) << 62 | n};
+    ends[2 * n] = (allocsim_end_t){a, (uint64_t)1 << 62 | n, s};
+    ends[2 * n + 1] = (allocsim_end_t){b, (uint64_t)(a == b ? 2 : 0) << 62 | n, s};
     n++;
   }
   if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read %s", path);
@@ -342,11 +333,10 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   for (size_t k = 0; rc == GCA_OK && k < 2 * n; k++) {
     size_t i = (size_t)ALLOCSIM_LINE(ends[k].order);
     trace_event_t e = {.action = ends[k].order >> 62 == 1 ? TA_ALLOC : TA_FREE_COMPLETED,
-                       .addr = ((uint64_t)i + 1) * 512, .size = line_sizes[i], .time_us = (int64_t)ends[k].op};
+                       .addr = ((uint64_t)i + 1) * 512, .size = ends[k].size, .time_us = (int64_t)ends[k].op};
     rc = push_event(t, &ecap, &e);
   }
   free(ends);
-  free(line_sizes);
   return rc;
 }
 
@@ -687,14 +677,14 @@ int trace_load(const char *path, trace_t *out) {
       return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
     }
   }
-  int first = f ? fgetc(f) : piped_len ? piped[0] : EOF;
-  if (f) rewind(f);
-  /* A compressed trace is not read, but named as what it is (it had been
-   * read as an allocatorSim log, and refused for its first line). */
+  /* The first bytes tell the format (or a compression, or a byte order
+   * mark before a text format). */
   unsigned char head[6] = {0};
-  size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < 6 ? piped_len : 6;
+  size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < sizeof head ? piped_len : sizeof head;
   if (f) rewind(f);
   else if (head_len) memcpy(head, piped, head_len);
+  /* A compressed trace is not read, but named as what it is (it had been
+   * read as an allocatorSim log, and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
   if (packed) {
     if (f) fclose(f);
@@ -703,16 +693,11 @@ int trace_load(const char *path, trace_t *out) {
                      path, packed->name, packed->cat, packed->cat);
   }
   /* A text trace saved by an editor or a spreadsheet may open with a UTF-8
-   * byte order mark: the format is told by what follows it. */
-  if (f && first == 0xEF) {
-    unsigned char mark[3];
-    if (fread(mark, 1, 3, f) == 3 && mark[1] == 0xBB && mark[2] == 0xBF) {
-      first = fgetc(f);
-      if (first != EOF) ungetc(first, f);
-    } else {
-      rewind(f);
-    }
-  }
+   * byte order mark: the format is told by what follows it, and the reader
+   * starts there. (Such a pipe was opened as a memory file above.) */
+  size_t mark = head_len >= 3 && !memcmp(head, "\357\273\277", 3) ? 3 : 0;
+  if (mark) (void)fseek(f, (long)mark, SEEK_SET);
+  int first = head_len > mark ? head[mark] : EOF;
   int rc;
   if (first == EOF) rc = set_error(GCA_ERR_INVALID, "%s: empty file", path);
   else if (first == 0x80 && piped) rc = parse_snapshot(path, piped, piped_len, false, 0, out);
