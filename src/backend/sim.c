@@ -160,7 +160,7 @@ typedef struct sim_device {
 } sim_device_t;
 
 typedef struct sim {
-  pthread_mutex_t lock;
+  lock_t lock; /* lock.h: the replay maps expandable segments page by page, a call each */
   int device_count;
   size_t capacity;
   uint64_t fail_at;     /* 0: off */
@@ -406,7 +406,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
     return set_error(size ? GCA_ERR_OOM : GCA_ERR_INVALID, "sim: device %d cannot allocate %zu bytes",
                      device, size);
   size_t footprint = (size + SIM_ALIGN - 1) & ~(SIM_ALIGN - 1);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = charge(s, dev, device, size, footprint);
   sim_alloc_t *rec = NULL;
@@ -425,7 +425,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   }
   if (rc != GCA_OK) {
     free(rec);
-    pthread_mutex_unlock(&s->lock);
+    lock_release(&s->lock);
     return rc;
   }
   rec->size = size;
@@ -435,14 +435,14 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   dev->counters.mallocs++;
   dev->counters.live++;
   *addr = rec->addr;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return GCA_OK;
 }
 
 static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
   sim_t *s = state;
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_alloc_t key = {.addr = addr};
   sim_alloc_t *rec = RB_FIND(sim_live, &dev->live, &key);
@@ -475,22 +475,22 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
     dev->counters.live--;
     free(rec);
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   *free_bytes = s->capacity - s->devices[device].used;
   *total_bytes = s->capacity;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return GCA_OK;
 }
 
 static int sim_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   uint64_t call = ++dev->counters.events_recorded;
   int rc = GCA_OK;
@@ -503,33 +503,33 @@ static int sim_event_record(void *state, int device, gca_stream_t stream, uintpt
   } else {
     dev->counters.events_live++;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_event_query(void *state, int device, uintptr_t event) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_event_t *e = event_of(&s->devices[device], event);
   int rc = !e ? bad_event(device, event) : e->at <= s->now ? GCA_OK : BACKEND_NOT_READY;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_event_synchronize(void *state, int device, uintptr_t event) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_event_t *e = event_of(&s->devices[device], event);
   int rc = GCA_OK;
   if (!e) rc = bad_event(device, event);
   else rc = wait_until(s, &s->devices[device], e->at);
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static void sim_event_destroy(void *state, int device, uintptr_t event) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_event_t *e = event_of(&s->devices[device], event);
   if (e) {
     sim_device_t *dev = &s->devices[device];
@@ -539,12 +539,12 @@ static void sim_event_destroy(void *state, int device, uintptr_t event) {
     dev->free_events = (uint32_t)(e - dev->events) + 1;
     dev->counters.events_live--;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
 }
 
 static int sim_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_event_t *e = event_of(&s->devices[device], event);
   sim_stream_t *st = NULL;
@@ -555,17 +555,17 @@ static int sim_stream_wait_event(void *state, int device, gca_stream_t stream, u
     if (e->at > st->ready_at) st->ready_at = e->at;
     dev->counters.stream_waits++;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_stream_synchronize(void *state, int device, gca_stream_t stream) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_stream_t *st = find_stream(dev, stream, false);
   int rc = wait_until(s, dev, st ? st->ready_at : 0);
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -625,7 +625,7 @@ static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
   if (size == 0 || !vm_aligned(s, size))
     return set_error(GCA_ERR_INVALID, "sim: cannot reserve %zu bytes: not a positive multiple of %zu", size,
                      s->granularity);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
   sim_alloc_t *rec = calloc(1, sizeof *rec);
@@ -640,7 +640,7 @@ static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
   } else {
     free(rec);
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -744,7 +744,7 @@ static sim_phys_t *first_mapping_in(const sim_t *s, sim_device_t *dev, uintptr_t
 static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
   sim_t *s = state;
   if (s->backed) return no_vm();
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_alloc_t key = {.addr = addr};
   sim_alloc_t *r = RB_FIND(sim_reserved, &dev->reserved, &key);
@@ -765,7 +765,7 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
     dev->counters.vm_reserved -= r->size;
     free(r);
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -783,7 +783,7 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
     return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
                      size, s->granularity);
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = charge(s, dev, device, size, size);
   if (rc == GCA_OK && !dev->free_phys) {
@@ -811,7 +811,7 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
     dev->counters.live++;
     dev->counters.vm_handles++;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -819,7 +819,7 @@ static int sim_vm_destroy(void *state, int device, uintptr_t handle) {
   sim_t *s = state;
   if (s->backed) return no_vm();
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_phys_t *p = phys_of(dev, handle);
   uint64_t call = ++dev->counters.free_calls;
@@ -841,14 +841,14 @@ static int sim_vm_destroy(void *state, int device, uintptr_t handle) {
     dev->counters.live--;
     dev->counters.vm_handles--;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
   sim_t *s = state;
   if (s->backed) return no_vm();
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_phys_t *p = phys_of(dev, handle), *m = NULL;
   sim_alloc_t *r = NULL;
@@ -894,14 +894,14 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
     dev->counters.vm_mapped += size;
     dev->counters.vm_maps++;
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   sim_t *s = state;
   if (s->backed) return no_vm();
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
   uint64_t leaf_key = UINT64_MAX;
@@ -946,7 +946,7 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
       at += mapping;
     }
   }
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -988,7 +988,7 @@ static void sim_destroy(void *state) {
     free(dev->events);
     free(dev->engine_free_at);
   }
-  pthread_mutex_destroy(&s->lock);
+  lock_destroy(&s->lock);
   free(s);
 }
 
@@ -1062,27 +1062,27 @@ static int sim_host_alloc(void *state, size_t size, void **ptr) {
   *ptr = NULL;
   if (size == 0) return set_error(GCA_ERR_INVALID, "sim: pinned host allocation of 0 bytes");
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   int rc = charge_host(s, size);
   void *p = NULL;
   if (rc == GCA_OK && posix_memalign(&p, 4096, size) != 0)
     rc = set_error(GCA_ERR_OOM, "sim: the host has no %zu bytes to pin", size);
   if (rc == GCA_OK && (rc = pin_range(s, p, size, true)) != GCA_OK) free(p);
   if (rc == GCA_OK) *ptr = p;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_host_free(void *state, void *ptr) {
   sim_t *s = state;
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_alloc_t key = {.addr = (uintptr_t)ptr};
   sim_alloc_t *rec = RB_FIND(sim_live, &s->host, &key);
   int rc = !rec || !rec->host
                ? set_error(GCA_ERR_BAD_POINTER, "sim: %p is not pinned host memory the sim allocated", ptr)
                : unpin_range(s, rec, "free");
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
@@ -1106,7 +1106,7 @@ static int sim_host_register(void *state, void *ptr, size_t size) {
   if (!ptr || size == 0 || (uintptr_t)ptr + size < (uintptr_t)ptr)
     return set_error(GCA_ERR_INVALID, "sim: cannot register [%p, +%zu)", ptr, size);
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   int rc = GCA_OK;
   /* Ranges are disjoint: only the last one starting before the new one's
    * end can overlap it. */
@@ -1117,27 +1117,27 @@ static int sim_host_register(void *state, void *ptr, size_t size) {
   if (rc == GCA_OK) rc = charge_host(s, size);
   if (rc == GCA_OK) rc = pin_range(s, ptr, size, false);
   if (rc == GCA_OK) s->host_unbacked_pages += unbacked_pages(ptr, size);
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_host_unregister(void *state, void *ptr) {
   sim_t *s = state;
   add_latency(s);
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_alloc_t key = {.addr = (uintptr_t)ptr};
   sim_alloc_t *rec = RB_FIND(sim_live, &s->host, &key);
   int rc = !rec || rec->host ? set_error(GCA_ERR_BAD_POINTER, "sim: %p was not registered", ptr)
                              : unpin_range(s, rec, "unregister");
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 static int sim_host_is_pinned(void *state, const void *ptr, int *pinned) {
   sim_t *s = state;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   *pinned = pinned_range_of(s, (uintptr_t)ptr) != NULL;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return GCA_OK;
 }
 
@@ -1206,20 +1206,20 @@ int sim_set_placement(const backend_t *b, int device, const sim_place_t *places,
     bool fits = places[i].addr >= origin && d < SIM_SPAN && SIM_SPAN - d >= places[i].size && d % SIM_ALIGN == 0;
     copy[i] = (sim_place_t){places[i].size, fits ? base + d : 0};
   }
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   free(dev->places);
   dev->places = copy;
   dev->place_count = n;
   dev->place_next = 0;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return GCA_OK;
 }
 
 int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
   sim_t *s = sim_of(b, device);
   if (!s) return GCA_ERR_INVALID;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   *out = s->devices[device].counters;
   out->used = s->devices[device].used;
   out->capacity = s->capacity;
@@ -1227,7 +1227,7 @@ int sim_get_counters(const backend_t *b, int device, sim_counters_t *out) {
   out->host_live = s->host_live;
   out->host_used = s->host_used;
   out->host_unbacked_pages = s->host_unbacked_pages;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return GCA_OK;
 }
 
@@ -1237,12 +1237,12 @@ int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t dur
   sim_t *s = sim_of(b, device);
   if (!s) return GCA_ERR_INVALID;
   if (size && addr + size < addr) return set_error(GCA_ERR_INVALID, "sim: launch range wraps around");
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_stream_t *st = find_stream(dev, stream, true);
   int rc = GCA_OK;
   if (!st) {
-    pthread_mutex_unlock(&s->lock);
+    lock_release(&s->lock);
     return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   }
   uint64_t start = st->ready_at > s->now ? st->ready_at : s->now;
@@ -1277,34 +1277,34 @@ int sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t dur
       dev->work[dev->work_count++] = (sim_work_t){addr, size, stream, end};
   }
   st->ready_at = end;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return rc;
 }
 
 void sim_advance(const backend_t *b, uint64_t ns) {
   sim_t *s = sim_of(b, 0);
   if (!s) return;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   s->now = s->now + ns < s->now ? UINT64_MAX : s->now + ns;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
 }
 
 uint64_t sim_now(const backend_t *b) {
   sim_t *s = sim_of(b, 0);
   if (!s) return 0;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   uint64_t now = s->now;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return now;
 }
 
 uint64_t sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream) {
   sim_t *s = sim_of(b, device);
   if (!s) return 0;
-  pthread_mutex_lock(&s->lock);
+  lock_acquire(&s->lock);
   sim_stream_t *st = find_stream(&s->devices[device], stream, false);
   uint64_t at = st ? st->ready_at : 0;
-  pthread_mutex_unlock(&s->lock);
+  lock_release(&s->lock);
   return at;
 }
 
@@ -1417,7 +1417,7 @@ int sim_backend_create(const char *options, backend_t *out) {
 
   sim_t *s = calloc(1, sizeof *s + (size_t)o.devices * sizeof s->devices[0]);
   if (!s) return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-  if (pthread_mutex_init(&s->lock, NULL) != 0) {
+  if (lock_init(&s->lock) != 0) {
     free(s);
     return set_error(GCA_ERR_NOMEM, "sim: cannot create a lock");
   }
