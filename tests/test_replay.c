@@ -156,7 +156,8 @@ static void test_gcalloc_trace_allocators(void **state) {
   trace_t t;
   assert_int_equal(trace_load("/tmp/gcalloc-replay-two.trace", &t), GCA_OK);
   assert_int_equal(t.device_count, 4);
-  assert_int_equal(t.count, 8);
+  assert_null(t.origins); /* no device number is two allocators': the trace's own numbers */
+  assert_int_equal(t.count, 7); /* the free after the close frees nothing replayed */
   assert_int_equal(t.events[3].action, TA_FREE_COMPLETED);
   assert_int_equal(t.events[3].device, 2); /* allocator 0's 0x1000 */
   assert_int_equal(t.events[4].device, 0); /* allocator 1's */
@@ -165,8 +166,75 @@ static void test_gcalloc_trace_allocators(void **state) {
   assert_int_equal(t.events[5].device, 2);
   assert_int_equal(t.events[6].action, TA_SEGMENT_FREE);
   assert_int_equal(t.events[6].device, 3);
-  assert_int_equal(t.events[7].device, 0); /* after the close: unknown, device 0 */
   trace_free(&t);
+
+  /* Two allocators on device 0, one after the other: each replays as an
+   * allocator of its own. As one, the second's 20 MiB would have been
+   * served from the first's cached segment, which it never had. */
+  write_file("/tmp/gcalloc-replay-shared.trace", "# gcalloc trace 1\n"
+                                                  "1 7 open 1 sim -\n"
+                                                  "2 7 open 2 sim -\n"
+                                                  "3 7 malloc 1 0 0 20971520 7f0000000000\n"
+                                                  "4 7 malloc 2 0 0 4096 7f0000000000\n"
+                                                  "5 7 free 1 7f0000000000 0\n"
+                                                  "6 7 malloc 2 0 0 20971520 7f0000200000\n"
+                                                  "7 7 malloc 1 1 0 512 7f0000000000\n"
+                                                  "8 7 empty_cache 2 -1 0\n"
+                                                  "9 7 empty_cache 1 3 0\n"
+                                                  "10 7 free 2 7f0000000000 0\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-shared.trace", &t), GCA_OK);
+  assert_int_equal(t.device_count, 3);
+  assert_non_null(t.origins);
+  const trace_origin_t expected[] = {{1, 0}, {2, 0}, {1, 1}}; /* in the order they first allocated */
+  for (int d = 0; d < 3; d++) {
+    assert_int_equal(t.origins[d].allocator, expected[d].allocator);
+    assert_int_equal(t.origins[d].device, expected[d].device);
+  }
+  /* The free of allocator 2's 0x7f0000000000 is its own block's, on device 1. */
+  static const int devices[] = {0, 1, 0, 1, 2, 1, 1};
+  static const trace_action actions[] = {TA_ALLOC,           TA_ALLOC, TA_FREE_COMPLETED, TA_ALLOC,
+                                         TA_ALLOC,           TA_SEGMENT_FREE, TA_FREE_COMPLETED};
+  assert_int_equal(t.count, 7); /* empty_cache of device 3, where allocator 1 had nothing: no event */
+  for (size_t i = 0; i < t.count; i++) {
+    assert_int_equal(t.events[i].device, devices[i]);
+    assert_int_equal(t.events[i].action, actions[i]);
+  }
+  replay_options_t o = defaults();
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.device_count, 3);
+  assert_int_equal(r.devices[0].peak_reserved, 20 << 20);
+  assert_int_equal(r.devices[1].peak_reserved, (20 << 20) + (2 << 20)); /* its own large and small segments */
+  assert_int_equal(r.devices[1].allocator, 2);
+  assert_int_equal(r.devices[1].recorded_device, 0);
+  assert_int_equal(r.devices[2].recorded_device, 1);
+  replay_result_free(&r);
+  trace_free(&t);
+  /* The tool names each, text and JSON (allocator 2 replays its empty_cache too: 4 operations). */
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s replay /tmp/gcalloc-replay-shared.trace > /tmp/gcalloc-replay-shared.txt",
+           GCALLOC_TOOL_PATH);
+  assert_int_equal(system(cmd), 0);
+  FILE *f = fopen("/tmp/gcalloc-replay-shared.txt", "r");
+  assert_non_null(f);
+  size_t len;
+  unsigned char *text = read_stream(f, "the tool's output", &len);
+  fclose(f);
+  assert_non_null(text);
+  assert_contains((const char *)text, "\ndevice 1 (allocator 2's device 0): 4 operations replayed");
+  free(text);
+  snprintf(cmd, sizeof cmd, "%s replay /tmp/gcalloc-replay-shared.trace --json > /tmp/gcalloc-replay-shared.json",
+           GCALLOC_TOOL_PATH);
+  assert_int_equal(system(cmd), 0);
+  json_object *root = json_object_from_file("/tmp/gcalloc-replay-shared.json"), *list, *v;
+  assert_non_null(root);
+  assert_true(json_object_object_get_ex(root, "devices", &list));
+  json_object *d2 = json_object_array_get_idx(list, 2);
+  assert_true(json_object_object_get_ex(d2, "allocator", &v));
+  assert_int_equal(json_object_get_int(v), 1);
+  assert_true(json_object_object_get_ex(d2, "recorded_device", &v));
+  assert_int_equal(json_object_get_int(v), 1);
+  json_object_put(root);
 
   /* Bad lines are named, nothing is half-loaded. */
   const struct {

@@ -33,9 +33,11 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
   printf("configuration: %s\n", r->conf[0] ? r->conf : "(defaults)");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
-    printf("\ndevice %d: %zu operations replayed (%zu allocations live at the start, seeded first) in %.2f ms, "
+    char name[64];
+    replay_device_name(d, name, sizeof name);
+    printf("\n%s: %zu operations replayed (%zu allocations live at the start, seeded first) in %.2f ms, "
            "%.1f M operations/s\n",
-           d->device, d->events, d->seeded, d->seconds * 1e3, d->seconds > 0 ? (double)d->events / d->seconds / 1e6 : 0);
+           name, d->events, d->seeded, d->seconds * 1e3, d->seconds > 0 ? (double)d->events / d->seconds / 1e6 : 0);
     if (d->start_segments)
       printf("  the start made as PyTorch had it: %zu segments at their recorded sizes, the live blocks at their "
              "offsets, the rest cached free\n", d->start_segments);
@@ -69,6 +71,19 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
   }
 }
 
+void replay_device_name(const replay_device_t *d, char *out, size_t size) {
+  if (d->allocator >= 0)
+    snprintf(out, size, "device %d (allocator %d's device %d)", d->device, d->allocator, d->recorded_device);
+  else
+    snprintf(out, size, "device %d", d->device);
+}
+
+void device_origin_json_put(FILE *f, const replay_device_t *d) {
+  if (d->allocator >= 0) fprintf(f, ", \"allocator\": %d", d->allocator);
+  else fprintf(f, ", \"allocator\": null");
+  fprintf(f, ", \"recorded_device\": %d", d->recorded_device);
+}
+
 void pages_json_put(FILE *f, const replay_device_t *d) {
   if (!d->expandable) {
     fprintf(f, "null");
@@ -99,6 +114,7 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
            d->peak_reserved);
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
+    device_origin_json_put(stdout, d);
     printf(", \"pages\": ");
     pages_json_put(stdout, d);
     printf(", \"device_allocs\": %" PRIu64 ", \"device_frees\": %" PRIu64 ", \"empty_cache_calls\": %zu"

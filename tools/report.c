@@ -231,7 +231,7 @@ static const char page_script[] =
     "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits']\n"
     "                .concat(paged ? ['pages mapped at peak', 'pages unmapped below the top'] : []), true);\n"
     "  for (const d of REPORT.devices) {\n"
-    "    row(summary, [d.device, d.events,\n"
+    "    row(summary, [d.name.replace(/^device /, ''), d.events,\n"
     "                  d.seeded + (d.start_segments ? ' (in ' + d.start_segments + ' segments as recorded)' : ''),\n"
     "                  fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
     "                  d.recorded_peak_reserved === null ? 'unknown' : fmt(d.recorded_peak_reserved),\n"
@@ -241,7 +241,7 @@ static const char page_script[] =
     "                 .concat(!paged ? [] : d.pages ? [d.pages.at_peak.mapped_pages, d.pages.at_peak.unmapped_pages] : ['', '']));\n"
     "    const sec = document.createElement('section');\n"
     "    const h = document.createElement('h2');\n"
-    "    h.textContent = 'Device ' + d.device;\n"
+    "    h.textContent = d.name.replace(/^d/, 'D');\n"
     "    sec.appendChild(h);\n"
     "    document.getElementById('devices').appendChild(sec);\n"
     "    timeline(d, sec);\n"
@@ -298,6 +298,10 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
             d->peak_reserved);
     if (d->recorded_peak_reserved >= 0) fprintf(f, "%" PRId64, d->recorded_peak_reserved);
     else fprintf(f, "null");
+    char name[64];
+    replay_device_name(d, name, sizeof name);
+    fprintf(f, ", \"name\": ");
+    json_put_string(f, name);
     fprintf(f, ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"peak_op\": %zu, \"oom\": ",
             d->segment_events_matched, d->segment_events_recorded, d->peak_op);
     if (d->oom) json_put_string(f, d->oom_message);

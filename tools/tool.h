@@ -23,6 +23,12 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
  * writes them (replay.c), or null without them; the report embeds the same. */
 struct replay_device;
 void pages_json_put(FILE *f, const struct replay_device *d);
+/* "device N", and where the trace's allocators shared a device number
+ * (trace_t.origins) which allocator's device it replays:
+ * "device 1 (allocator 2's device 0)". */
+void replay_device_name(const struct replay_device *d, char *out, size_t size);
+/* The same as JSON fields: , "allocator": ID or null, "recorded_device": N */
+void device_origin_json_put(FILE *f, const struct replay_device *d);
 /* Shared helpers (common.c): a JSON string, escaped so that it is also safe
  * inside an HTML script; seconds on the monotonic clock; a qsort comparison
  * of doubles; bytes in GiB. */

@@ -984,6 +984,10 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
     return set_error(GCA_ERR_NOMEM, "out of host memory replaying");
   }
   out->device_count = count;
+  for (int k = 0; k < count; k++) {
+    out->devices[k].allocator = t->origins ? t->origins[first + k].allocator : -1;
+    out->devices[k].recorded_device = t->origins ? t->origins[first + k].device : first + k;
+  }
   for (size_t i = 0; i < t->count; i++) {
     int k = t->events[i].device - first;
     if (k < 0 || k >= count) continue;

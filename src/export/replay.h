@@ -30,6 +30,10 @@ typedef struct replay_options {
 
 typedef struct replay_device {
   int device;
+  /* A gcalloc trace whose allocators shared a device number (trace_t.origins):
+   * the allocator id and its device number this device replays; else -1 and
+   * `device`. */
+  int allocator, recorded_device;
   size_t events;                  /* alloc and free operations replayed */
   size_t seeded;                  /* allocations live when recording began, made first */
   size_t start_segments;          /* of PyTorch's segments at that time, those made as recorded (0: none) */

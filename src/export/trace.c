@@ -479,11 +479,21 @@ static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
  * devices). empty_cache calls become a segment_free marker the replay turns
  * back into an empty_cache; one for every device (-1) becomes a marker on
  * each device its allocator had allocated on by then (on the others it
- * could have done nothing). The file is read a line at a time, and what is
- * held is the live allocations, not the calls. */
+ * could have done nothing, and so does one naming such a device). The file
+ * is read a line at a time, and what is held is the live allocations, not
+ * the calls.
+ *
+ * Each allocator is an allocator of its own in the replay too: the devices
+ * replayed are (allocator, device) pairs. While no device number is used by
+ * two allocators, a pair is replayed as its device number; when one is (two
+ * allocators of one process on one GPU), the pairs are numbered in the
+ * order they first allocated, and the trace says which is which
+ * (trace_t.origins): replayed as one, their calls would have shared one
+ * cache that the job never had. */
 typedef struct gcalloc_owner {
-  addr_map_t live;     /* pointer -> device; made at its first malloc, dropped at its close */
-  uint64_t devices[4]; /* the devices it allocated on: a bit each of 0-255 */
+  int allocator;
+  addr_map_t live;    /* pointer -> pair; made at its first malloc, dropped at its close */
+  uint16_t pair[256]; /* per device: its pair + 1, 0 before its first malloc there */
 } gcalloc_owner_t;
 
 typedef struct gcalloc_reader {
@@ -493,6 +503,10 @@ typedef struct gcalloc_reader {
   addr_map_t allocators; /* allocator id -> index in owners + 1 */
   gcalloc_owner_t *owners;
   size_t owner_count, owner_cap;
+  trace_origin_t pairs[256]; /* in the order they first allocated */
+  int pair_count;
+  uint64_t devices_used[4]; /* device numbers some pair has: a bit each of 0-255 */
+  bool shared;              /* a device number is two pairs' */
 } gcalloc_reader_t;
 
 static gcalloc_owner_t *gcalloc_owner(gcalloc_reader_t *r, int allocator) {
@@ -505,9 +519,27 @@ static gcalloc_owner_t *gcalloc_owner(gcalloc_reader_t *r, int allocator) {
   }
   gcalloc_owner_t *o = &r->owners[r->owner_count];
   memset(o, 0, sizeof *o);
+  o->allocator = allocator;
   if (!addr_map_put(&r->allocators, key, r->owner_count + 1)) return NULL;
   r->owner_count++;
   return o;
+}
+
+/* The pair of allocator o and device, made at its first malloc; -1 with the
+ * error set when there would be more than 256. */
+static int gcalloc_pair(gcalloc_reader_t *r, gcalloc_owner_t *o, int device, size_t lineno) {
+  if (o->pair[device]) return o->pair[device] - 1;
+  if (r->pair_count == 256) {
+    (void)set_error(GCA_ERR_INVALID, "trace %s, line %zu: more than 256 (allocator, device) pairs to replay", r->path,
+                    lineno);
+    return -1;
+  }
+  uint64_t bit = (uint64_t)1 << (device % 64);
+  if (r->devices_used[device / 64] & bit) r->shared = true;
+  r->devices_used[device / 64] |= bit;
+  r->pairs[r->pair_count] = (trace_origin_t){o->allocator, device};
+  o->pair[device] = (uint16_t)(r->pair_count + 1);
+  return r->pair_count++;
 }
 
 static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
@@ -529,28 +561,30 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
                      (unsigned long long)c->ptr);
   gcalloc_owner_t *o = gcalloc_owner(r, c->allocator);
   if (!o) return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
+  /* Events name their pair until the end of the file (load_gcalloc_trace). */
   trace_event_t e = {.time_us = c->time_us};
   if (is_malloc) {
-    if ((!o->live.keys && !addr_map_init(&o->live)) || !addr_map_put(&o->live, c->ptr, (uint64_t)c->device))
+    int pair = gcalloc_pair(r, o, c->device, lineno);
+    if (pair < 0) return gca_last_status();
+    if ((!o->live.keys && !addr_map_init(&o->live)) || !addr_map_put(&o->live, c->ptr, (uint64_t)pair))
       return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
-    o->devices[c->device / 64] |= (uint64_t)1 << (c->device % 64);
-    e = (trace_event_t){c->device, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
+    e = (trace_event_t){pair, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
   } else if (is_free) {
-    /* A pointer allocated before recording began has no device: 0. */
-    uint64_t *device = o->live.keys ? addr_map_get(&o->live, c->ptr) : NULL;
-    e = (trace_event_t){device ? (int)*device : 0, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
-    if (device) addr_map_del(&o->live, c->ptr);
+    /* A pointer this allocator did not give out in the trace (a free after
+     * its close) frees nothing of any device replayed. */
+    uint64_t *pair = o->live.keys ? addr_map_get(&o->live, c->ptr) : NULL;
+    if (!pair) return GCA_OK;
+    e = (trace_event_t){(int)*pair, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
+    addr_map_del(&o->live, c->ptr);
   } else {
     for (int d = c->device < 0 ? 0 : c->device; d <= (c->device < 0 ? 255 : c->device); d++) {
-      if (c->device < 0 && !(o->devices[d / 64] >> (d % 64) & 1)) continue;
-      e = (trace_event_t){d, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
-      if (d + 1 > r->t->device_count) r->t->device_count = d + 1;
+      if (!o->pair[d]) continue;
+      e = (trace_event_t){o->pair[d] - 1, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
       int rc = push_event(r->t, &r->cap, &e);
       if (rc) return rc;
     }
     return GCA_OK;
   }
-  if (e.device + 1 > r->t->device_count) r->t->device_count = e.device + 1;
   return push_event(r->t, &r->cap, &e);
 }
 
@@ -562,7 +596,20 @@ static int load_gcalloc_trace(const char *path, FILE *f, trace_t *t) {
   free(r.owners);
   addr_map_free(&r.allocators);
   if (rc == GCA_OK && t->count == 0) rc = set_error(GCA_ERR_INVALID, "%s: no allocations or frees in the trace", path);
-  return rc;
+  if (rc != GCA_OK) return rc;
+  if (r.shared) {
+    t->device_count = r.pair_count;
+    t->origins = malloc((size_t)r.pair_count * sizeof *t->origins);
+    if (!t->origins) return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+    memcpy(t->origins, r.pairs, (size_t)r.pair_count * sizeof *t->origins);
+  } else {
+    for (size_t i = 0; i < t->count; i++) {
+      trace_event_t *e = &t->events[i];
+      e->device = r.pairs[e->device].device;
+      if (e->device + 1 > t->device_count) t->device_count = e->device + 1;
+    }
+  }
+  return GCA_OK;
 }
 
 /* Reads a snapshot from a file (path) or from memory (data, len); `name`
@@ -608,7 +655,9 @@ int trace_parse_snapshot_split(const char *name, const void *data, size_t len, s
 bool trace_equal(const trace_t *a, const trace_t *b) {
   if (a->count != b->count || a->device_count != b->device_count || a->final_block_count != b->final_block_count ||
       a->final_segment_count != b->final_segment_count || a->has_segment_state != b->has_segment_state ||
-      !a->settings != !b->settings || (a->settings && strcmp(a->settings, b->settings)))
+      !a->settings != !b->settings || (a->settings && strcmp(a->settings, b->settings)) ||
+      !a->origins != !b->origins ||
+      (a->origins && memcmp(a->origins, b->origins, (size_t)a->device_count * sizeof *a->origins)))
     return false;
   for (size_t i = 0; i < a->count; i++) {
     const trace_event_t *x = &a->events[i], *y = &b->events[i];
@@ -717,6 +766,7 @@ void trace_free(trace_t *t) {
   free(t->final_blocks);
   free(t->final_segments);
   free(t->settings);
+  free(t->origins);
   memset(t, 0, sizeof *t);
 }
 

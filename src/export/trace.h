@@ -54,6 +54,13 @@ typedef struct trace_segment {
   uint64_t stream; /* 0 when the snapshot does not say */
 } trace_segment_t;
 
+/* Where a replayed device came from, for a gcalloc trace whose allocators
+ * shared a device number (trace_t.origins). */
+typedef struct trace_origin {
+  int allocator; /* the trace's allocator id */
+  int device;    /* its device number */
+} trace_origin_t;
+
 typedef struct trace {
   trace_event_t *events; /* device 0's events, then device 1's ... in recorded order */
   size_t events_big;     /* bytes when events is a big array (util.c), else 0 (malloc'd) */
@@ -67,6 +74,10 @@ typedef struct trace {
   size_t final_segment_count;
   char *settings;
   bool has_segment_state; /* the snapshot had a segments list */
+  /* gcalloc traces only: NULL while each device number was one allocator's
+   * (the devices are the trace's own numbers); else device i is the pair
+   * origins[i], the pairs numbered in the order they first allocated. */
+  trace_origin_t *origins;
 } trace_t;
 
 /* Load either format (told apart by the pickle's first byte). Returns
