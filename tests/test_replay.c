@@ -29,6 +29,15 @@ static void expect_refused(const char *path, const char *text, const char *messa
   assert_null(t.events);
 }
 
+/* Each of `count` files refused as expect_refused says. */
+typedef struct refusal {
+  const char *text, *message;
+} refusal_t;
+
+static void expect_all_refused(const char *path, const refusal_t *bad, size_t count) {
+  for (size_t i = 0; i < count; i++) expect_refused(path, bad[i].text, bad[i].message);
+}
+
 /* A trace whose last line is `head`, `count` times `fill`, then `tail`, is
  * refused with `message`. */
 static void expect_long_line_refused(const char *path, const char *head, char fill, int count, const char *tail,
@@ -237,9 +246,7 @@ static void test_gcalloc_trace_allocators(void **state) {
   json_object_put(root);
 
   /* Bad lines are named, nothing is half-loaded. */
-  const struct {
-    const char *text, *message;
-  } bad[] = {
+  static const refusal_t bad[] = {
       {"# gcalloc trace 1\n1 7 malloc 0 256 0 4096 1000\n", "line 2: device 256 out of range"},
       {"# gcalloc trace 1\n1 7 malloc 0 -1 0 4096 1000\n", "line 2: device -1 out of range"},
       {"# gcalloc trace 1\n1 7 empty_cache 0 -2 0\n", "line 2: device -2 out of range"},
@@ -247,8 +254,7 @@ static void test_gcalloc_trace_allocators(void **state) {
       {"# gcalloc trace 1\n1 7 free 0 fffffffffffffffe 0\n", "line 2: pointer fffffffffffffffe out of range"},
       {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: not a gcalloc trace line"},
   };
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-    expect_refused("/tmp/gcalloc-replay-bad.trace", bad[i].text, bad[i].message);
+  expect_all_refused("/tmp/gcalloc-replay-bad.trace", bad, sizeof bad / sizeof bad[0]);
   /* A line longer than any the recorder writes. */
   expect_long_line_refused("/tmp/gcalloc-replay-bad.trace", "# gcalloc trace 1\n1 7 open 0 sim ", 'x', 2000, "\n",
                            "line 2: longer than 1024 characters");
@@ -591,7 +597,7 @@ static void test_rmm_csv(void **state) {
   assert_int_equal(t.events[0].time_us, (int64_t)1634567890123456);
   trace_free(&t);
 
-  static const struct { const char *text, *error; } bad[] = {
+  static const refusal_t bad[] = {
       {"Thread,Time,Action,Pointer\n1,2,allocate,0x1\n", ":1: an RMM log header needs the columns Action, Pointer and Size"},
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,alloc,0x1,2,0x0\n", ":2: unknown action 'alloc'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,-2,0x0\n", ":2: Pointer '0x1' or Size '-2'"},
@@ -608,8 +614,7 @@ static void test_rmm_csv(void **state) {
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,stream\n", ":2: Stream 'stream'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n", "no calls in the RMM log"},
   };
-  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-    expect_refused("/tmp/gcalloc-replay-rmm.csv", bad[i].text, bad[i].error);
+  expect_all_refused("/tmp/gcalloc-replay-rmm.csv", bad, sizeof bad / sizeof bad[0]);
 }
 
 /* With a timeline: the bytes after every operation, the peak's position and
