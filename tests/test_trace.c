@@ -9,6 +9,8 @@
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
+#include <zstd.h>
 
 #include "helpers.h"
 #include "export/pickle.h"
@@ -519,15 +521,16 @@ static void test_piped_traces(void **state) {
     expect_same_through_pipe("/tmp/gcalloc-trace-bom.txt");
   }
   remove("/tmp/gcalloc-trace-bom.txt");
-  /* A compressed trace is named as such, from a file or a pipe. */
+  /* A compressed trace cut short, or in a compression not read, is named
+   * as such, from a file or a pipe. */
   static const struct {
     const char *bytes;
     size_t len;
     const char *message;
   } packed[] = {
-      {"\037\213\010\000", 4, "gzip-compressed: decompress it first (with zcat: gcalloc replay <(zcat FILE))"},
-      {"\050\265\057\375\000", 5, "zstd-compressed"},
-      {"\3757zXZ\0\0", 7, "xz-compressed"},
+      {"\037\213\010\000", 4, "the gzip data is cut short (it ends at byte 4, inside a member)"},
+      {"\050\265\057\375\000", 5, "the zstd data is cut short (it ends at byte 5, inside a frame)"},
+      {"\3757zXZ\0\0", 7, "xz-compressed: decompress it first (with xzcat: gcalloc replay <(xzcat FILE))"},
       {"BZh91AY", 7, "bzip2-compressed"},
   };
   for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
@@ -983,12 +986,176 @@ static void test_many_entries(void **state) {
   free(data);
 }
 
+/* ---- compressed traces --------------------------------------------------- */
+
+typedef struct packed {
+  unsigned char *bytes;
+  size_t len;
+} packed_t;
+
+/* `data` as `members` gzip members, one after another (zcat's reading). */
+static packed_t gzip_of(const unsigned char *data, size_t len, int members) {
+  size_t cap = len + 1024 * (size_t)members;
+  packed_t p = {malloc(cap), 0};
+  assert_non_null(p.bytes);
+  size_t from = 0;
+  for (int m = 0; m < members; m++) {
+    size_t to = m + 1 == members ? len : len / (size_t)members * (size_t)(m + 1);
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    assert_int_equal(deflateInit2(&z, 6, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY), Z_OK);
+    z.next_in = (Bytef *)(uintptr_t)(data + from);
+    z.avail_in = (uInt)(to - from);
+    z.next_out = p.bytes + p.len;
+    z.avail_out = (uInt)(cap - p.len);
+    assert_int_equal(deflate(&z, Z_FINISH), Z_STREAM_END);
+    p.len += z.total_out;
+    deflateEnd(&z);
+    from = to;
+  }
+  return p;
+}
+
+/* `data` as zstd, in two frames with a skippable frame between them. */
+static packed_t zstd_of(const unsigned char *data, size_t len) {
+  size_t half = len / 2, bound = ZSTD_compressBound(half) + ZSTD_compressBound(len - half) + 16;
+  packed_t p = {malloc(bound), 0};
+  assert_non_null(p.bytes);
+  size_t n = ZSTD_compress(p.bytes, bound, data, half, 3);
+  assert_false(ZSTD_isError(n));
+  p.len = n;
+  static const unsigned char skippable[] = {0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 'g', 'c', 'a', '!'};
+  memcpy(p.bytes + p.len, skippable, sizeof skippable);
+  p.len += sizeof skippable;
+  n = ZSTD_compress(p.bytes + p.len, bound - p.len, data + half, len - half, 3);
+  assert_false(ZSTD_isError(n));
+  p.len += n;
+  return p;
+}
+
+static void write_bytes(const char *path, const unsigned char *bytes, size_t len) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(bytes, 1, len, f), len);
+  fclose(f);
+}
+
+/* `bytes` are refused, with `message` in the error, from a file. */
+static void expect_packed_refused(const unsigned char *bytes, size_t len, const char *message) {
+  write_bytes("/tmp/gcalloc-trace-packed", bytes, len);
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), message);
+  assert_null(t.events);
+}
+
+/* Every reader's trace, gzip'd (in one member and in three) and zstd'd,
+ * reads as the plain file does, from a file and through a pipe; what is cut
+ * short, corrupt, followed by other bytes, compressed twice, or
+ * decompresses to far more than a trace could is refused, and says so. */
+static void test_compressed_traces(void **state) {
+  (void)state;
+  const char *files[] = {
+      GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle",
+      GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/gcalloc.trace",
+      GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/rmm-clock.csv",
+      GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/allocsim.log",
+      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
+  };
+  size_t file_count = sizeof files / sizeof files[0] - !have_traces();
+  for (size_t i = 0; i < file_count; i++) {
+    size_t len;
+    unsigned char *data = read_whole(files[i], &len);
+    assert_non_null(data);
+    trace_t plain;
+    assert_int_equal(trace_load(files[i], &plain), GCA_OK);
+    packed_t packs[] = {gzip_of(data, len, 1), gzip_of(data, len, 3), zstd_of(data, len)};
+    for (size_t k = 0; k < sizeof packs / sizeof packs[0]; k++) {
+      write_bytes("/tmp/gcalloc-trace-packed", packs[k].bytes, packs[k].len);
+      trace_t t;
+      int rc = trace_load("/tmp/gcalloc-trace-packed", &t);
+      if (rc) fprintf(stderr, "%s, packing %zu: %s\n", files[i], k, gca_last_error());
+      assert_int_equal(rc, GCA_OK);
+      assert_true(trace_equal(&plain, &t));
+      trace_free(&t);
+      expect_same_through_pipe("/tmp/gcalloc-trace-packed");
+      /* Cut short anywhere, a gzip member's 8-byte trailer included. */
+      const char *cut = k < 2 ? "the gzip data is cut short" : "the zstd data is cut short";
+      size_t cuts[] = {packs[k].len - 1, packs[k].len - 5, packs[k].len / 2, 12};
+      for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++) expect_packed_refused(packs[k].bytes, cuts[c], cut);
+      free(packs[k].bytes);
+    }
+    trace_free(&plain);
+    free(data);
+  }
+
+  /* Corrupt: the deflate data, or its check. */
+  static const char text[] = "0 2 3000000\n1 3 5000000\n2 4 1000\n3 5 7000\n4 6 123456\n";
+  packed_t gz = gzip_of((const unsigned char *)text, sizeof text - 1, 1);
+  unsigned char *bad = malloc(gz.len + 16);
+  assert_non_null(bad);
+  memcpy(bad, gz.bytes, gz.len);
+  bad[gz.len - 6] ^= 0x40; /* its CRC-32 */
+  expect_packed_refused(bad, gz.len, "gzip data corrupt near byte");
+  memcpy(bad, gz.bytes, gz.len);
+  bad[10] |= 0x06; /* a deflate block of the type that does not exist */
+  expect_packed_refused(bad, gz.len, "gzip data corrupt near byte");
+  /* Other bytes after the last member. */
+  memcpy(bad, gz.bytes, gz.len);
+  memcpy(bad + gz.len, "trailing", 8);
+  expect_packed_refused(bad, gz.len + 8, "8 bytes after the gzip data, from byte");
+  free(bad);
+  /* Compressed twice. */
+  packed_t twice = gzip_of(gz.bytes, gz.len, 1);
+  expect_packed_refused(twice.bytes, twice.len, "gzip-compressed data inside the gzip data: decompress it first");
+  free(twice.bytes);
+  free(gz.bytes);
+  /* zstd: its checksum, and a frame header with its reserved bit set. */
+  ZSTD_CCtx *cc = ZSTD_createCCtx();
+  assert_non_null(cc);
+  assert_false(ZSTD_isError(ZSTD_CCtx_setParameter(cc, ZSTD_c_checksumFlag, 1)));
+  unsigned char frame[256];
+  size_t n = ZSTD_compress2(cc, frame, sizeof frame, text, sizeof text - 1);
+  assert_false(ZSTD_isError(n));
+  frame[n - 1] ^= 0x01;
+  expect_packed_refused(frame, n, "zstd data corrupt between bytes 0 and");
+  frame[n - 1] ^= 0x01;
+  frame[4] |= 0x08;
+  expect_packed_refused(frame, n, "zstd data corrupt between bytes 0 and");
+  /* 256 MiB of zeros in a few kilobytes: refused at 4,096 bytes per byte
+   * and 64 MiB more, before the host's memory is spent on it. */
+  ZSTD_CCtx_reset(cc, ZSTD_reset_session_and_parameters);
+  size_t zeros_len = (size_t)1 << 20, cap = (size_t)64 << 10;
+  unsigned char *zeros = calloc(1, zeros_len), *bomb = malloc(cap);
+  assert_non_null(zeros);
+  assert_non_null(bomb);
+  ZSTD_outBuffer out = {bomb, cap, 0};
+  for (int i = 0; i < 256; i++) {
+    ZSTD_inBuffer in = {zeros, zeros_len, 0};
+    while (in.pos < in.size) assert_false(ZSTD_isError(ZSTD_compressStream2(cc, &out, &in, ZSTD_e_continue)));
+  }
+  ZSTD_inBuffer none = {zeros, 0, 0};
+  size_t left;
+  do {
+    left = ZSTD_compressStream2(cc, &out, &none, ZSTD_e_end);
+    assert_false(ZSTD_isError(left));
+  } while (left);
+  assert_true(out.pos * 4096 + ((size_t)64 << 20) < ((size_t)256 << 20)); /* (else the test proves nothing) */
+  expect_packed_refused(bomb, out.pos, "that decompresses to more than");
+  assert_contains(gca_last_error(), "is refused as malformed");
+  free(zeros);
+  free(bomb);
+  ZSTD_freeCCtx(cc);
+  remove("/tmp/gcalloc-trace-packed");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
       cmocka_unit_test(test_pickle_runs_seen_before),
       cmocka_unit_test(test_real_traces), cmocka_unit_test(test_piped_traces),
+      cmocka_unit_test(test_compressed_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
       cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_second_reader),
       cmocka_unit_test(test_big_arrays),

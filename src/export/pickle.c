@@ -1736,6 +1736,10 @@ pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t 
     return NULL;
   }
   memcpy(buf, data, len);
+  return pickle_parse_owned(buf, len, options);
+}
+
+pickle_doc_t *pickle_parse_owned(unsigned char *buf, size_t len, const pickle_options_t *options) {
   pickle_doc_t *doc = new_doc(buf, len, false, options);
   return doc ? parse(doc) : NULL;
 }

@@ -104,6 +104,10 @@ typedef struct pickle_options {
  * NULL with GCA_ERR_INVALID set and a message naming the offset and why.
  * `options` may be NULL. */
 pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t *options);
+/* pickle_parse of a buffer from malloc, which the document takes over
+ * instead of copying (freed with it, or here when parsing fails): a pipe's
+ * or a decompressed trace, read into memory already. */
+pickle_doc_t *pickle_parse_owned(unsigned char *buf, size_t len, const pickle_options_t *options);
 /* Read a whole file and parse it; GCA_ERR_IO when it cannot be read. */
 pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options);
 void pickle_free(pickle_doc_t *doc);

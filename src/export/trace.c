@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <zlib.h>
+#include <zstd.h>
+#include <zstd_errors.h>
 
 #include "../internal.h"
 #include "pickle.h"
@@ -612,10 +615,11 @@ static int load_gcalloc_trace(const char *path, FILE *f, trace_t *t) {
   return GCA_OK;
 }
 
-/* Reads a snapshot from a file (path) or from memory (data, len); `name`
+/* Reads a snapshot from the file at `path`, else from `owned` (len bytes
+ * from malloc, which this takes over), else from a copy of `data`; `name`
  * names it in the messages. */
-static int read_snapshot(const char *name, const char *path, const void *data, size_t len, bool machine_only,
-                         size_t split, trace_t *t) {
+static int read_snapshot(const char *name, const char *path, unsigned char *owned, const void *data, size_t len,
+                         bool machine_only, size_t split, trace_t *t) {
   entry_sink_t sink = {0};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
   pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split};
@@ -626,7 +630,9 @@ static int read_snapshot(const char *name, const char *path, const void *data, s
     options.record_size = sizeof(trace_event_t);
     options.record_ctx = &sink;
   }
-  pickle_doc_t *doc = path ? pickle_load(path, &options) : pickle_parse(data, len, &options);
+  pickle_doc_t *doc = path    ? pickle_load(path, &options)
+                      : owned ? pickle_parse_owned(owned, len, &options)
+                              : pickle_parse(data, len, &options);
   int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : prefix_error(name);
   big_free(sink.events, sink.cap * sizeof *sink.events);
   return rc;
@@ -635,7 +641,7 @@ static int read_snapshot(const char *name, const char *path, const void *data, s
 static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, size_t split,
                           trace_t *out) {
   memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, data, len, machine_only, split, out);
+  int rc = read_snapshot(name, NULL, NULL, data, len, machine_only, split, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
@@ -678,23 +684,182 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
   return true;
 }
 
-/* Compressions a trace may come in, told by their first bytes. */
+/* Compressions a trace may come in, told by their first bytes. gzip and
+ * zstd (what snapshots are shared in) are read; the others are named, with
+ * the command that decompresses them. */
+typedef enum packing { PACK_GZIP, PACK_ZSTD, PACK_OTHER } packing;
+
 typedef struct compression {
   const char *magic;
   size_t magic_len;
+  packing packing;
   const char *name, *cat; /* and the command that decompresses to stdout */
 } compression_t;
 
 static const compression_t *compression_of(const unsigned char *head, size_t len) {
   static const compression_t known[] = {
-      {"\037\213", 2, "gzip", "zcat"},
-      {"\050\265\057\375", 4, "zstd", "zstdcat"},
-      {"\3757zXZ\0", 6, "xz", "xzcat"},
-      {"BZh", 3, "bzip2", "bzcat"},
+      {"\037\213", 2, PACK_GZIP, "gzip", "zcat"},
+      {"\050\265\057\375", 4, PACK_ZSTD, "zstd", "zstdcat"},
+      {"\3757zXZ\0", 6, PACK_OTHER, "xz", "xzcat"},
+      {"BZh", 3, PACK_OTHER, "bzip2", "bzcat"},
   };
   for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
     if (len >= known[i].magic_len && !memcmp(head, known[i].magic, known[i].magic_len)) return &known[i];
   return NULL;
+}
+
+/* A decompressed trace may be at most this many bytes per compressed byte,
+ * plus UNPACKED_SLACK: gzip cannot exceed 1,032 to 1, and the snapshots in
+ * ../shared/traces compress 14-35 to 1, so only a file made to explode
+ * meets the bound (a few kilobytes of zstd can stand for terabytes). */
+#define UNPACKED_PER_PACKED 4096
+#define UNPACKED_SLACK ((size_t)64 << 20)
+
+typedef struct unpacked {
+  unsigned char *buf;
+  size_t len, cap, limit;
+} unpacked_t;
+
+/* Room for more output: false (the error set) at the bound or when the
+ * host is out of memory. One byte is kept past the end, for the NUL the
+ * text readers' memory file wants. */
+static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
+  if (u->len + 1 < u->cap) return true;
+  if (u->cap > u->limit) {
+    set_error(GCA_ERR_INVALID, "%s: %s data that decompresses to more than %zu bytes (%d per compressed byte, "
+              "and %zu MiB more) is refused as malformed; decompress it yourself to read it",
+              path, name, u->limit, UNPACKED_PER_PACKED, UNPACKED_SLACK >> 20);
+    return false;
+  }
+  size_t cap = u->cap * 2 > u->limit + 1 ? u->limit + 1 : u->cap * 2;
+  unsigned char *grown = realloc(u->buf, cap + 1);
+  if (!grown) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return false;
+  }
+  u->buf = grown;
+  u->cap = cap + 1;
+  return true;
+}
+
+/* gzip, with zlib: one member after another (as zcat reads them). */
+static bool gunzip(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+  z_stream z;
+  memset(&z, 0, sizeof z);
+  if (inflateInit2(&z, 15 + 16) != Z_OK) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return false;
+  }
+  size_t at = 0; /* input consumed */
+  bool ok = true, ended = false;
+  while (ok) {
+    if (!(ok = unpacked_room(u, path, "gzip"))) break;
+    /* (zlib counts in 32 bits: long files go in pieces) */
+    size_t in_piece = len - at < UINT32_MAX ? len - at : UINT32_MAX;
+    size_t out_room = u->cap - 1 - u->len < UINT32_MAX ? u->cap - 1 - u->len : UINT32_MAX;
+    z.next_in = (Bytef *)(uintptr_t)(in + at);
+    z.avail_in = (uInt)in_piece;
+    z.next_out = u->buf + u->len;
+    z.avail_out = (uInt)out_room;
+    int rc = inflate(&z, Z_NO_FLUSH);
+    at += in_piece - z.avail_in;
+    u->len += out_room - z.avail_out;
+    ended = rc == Z_STREAM_END;
+    if (ended) {
+      if (at == len) break;
+      if (len - at < 2 || in[at] != 0x1f || in[at + 1] != 0x8b) {
+        ok = !set_error(GCA_ERR_INVALID, "%s: %zu bytes after the gzip data, from byte %zu, are not gzip", path,
+                        len - at, at);
+        break;
+      }
+      ended = false;
+      if (inflateReset(&z) != Z_OK) ok = !set_error(GCA_ERR_INVALID, "%s: gzip: cannot start its next member", path);
+    } else if (rc == Z_BUF_ERROR && at == len) {
+      break; /* all input read, and the member not finished: cut short */
+    } else if (rc != Z_OK) { /* (Z_BUF_ERROR with input and room left: no progress possible) */
+      ok = !set_error(rc == Z_MEM_ERROR ? GCA_ERR_NOMEM : GCA_ERR_INVALID, "%s: gzip data corrupt near byte %zu: %s",
+                      path, at, z.msg ? z.msg : zError(rc));
+    }
+  }
+  inflateEnd(&z);
+  if (ok && !ended)
+    ok = !set_error(GCA_ERR_INVALID, "%s: the gzip data is cut short (it ends at byte %zu, inside a member)", path,
+                    len);
+  return ok;
+}
+
+/* zstd: frame after frame (skippable ones skipped), as zstdcat reads them. */
+static bool unzstd(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+  ZSTD_DCtx *z = ZSTD_createDCtx();
+  if (!z) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return false;
+  }
+  /* The input goes in pieces of UNZSTD_PIECE, so that an error can be
+   * placed: zstd says what is wrong, not where. */
+  enum { UNZSTD_PIECE = 64 << 10 };
+  ZSTD_inBuffer input = {in, len < UNZSTD_PIECE ? len : UNZSTD_PIECE, 0};
+  size_t left = 0; /* 0 when the last frame read is whole */
+  bool ok = true;
+  while (ok) {
+    if (input.pos == input.size && input.size < len)
+      input.size = len - input.size < UNZSTD_PIECE ? len : input.size + UNZSTD_PIECE;
+    if (!(ok = unpacked_room(u, path, "zstd"))) break;
+    ZSTD_outBuffer output = {u->buf + u->len, u->cap - 1 - u->len, 0};
+    size_t from = input.pos;
+    left = ZSTD_decompressStream(z, &output, &input);
+    u->len += output.pos;
+    if (ZSTD_isError(left)) {
+      ok = !set_error(ZSTD_getErrorCode(left) == ZSTD_error_memory_allocation ? GCA_ERR_NOMEM : GCA_ERR_INVALID,
+                      "%s: zstd data corrupt between bytes %zu and %zu: %s", path, from, input.size,
+                      ZSTD_getErrorName(left));
+      break;
+    }
+    /* All input read, and the output not filled: nothing is held back. */
+    if (input.pos == len && output.pos < output.size) break;
+  }
+  ZSTD_freeDCtx(z);
+  if (ok && left != 0)
+    ok = !set_error(GCA_ERR_INVALID, "%s: the zstd data is cut short (it ends at byte %zu, inside a frame)", path, len);
+  return ok;
+}
+
+/* The trace in `packed` bytes decompressed, NUL-terminated (len without
+ * it); NULL with the error set. */
+static unsigned char *unpack(const char *path, const compression_t *c, const unsigned char *packed, size_t len,
+                             size_t *out_len) {
+  size_t limit = len <= (SIZE_MAX / 2 - UNPACKED_SLACK) / UNPACKED_PER_PACKED
+                     ? len * UNPACKED_PER_PACKED + UNPACKED_SLACK
+                     : SIZE_MAX / 2;
+  /* Sized at once where the data says how long it is: a zstd frame may
+   * carry its size; gzip's last member ends with its size (mod 2^32). Each
+   * is the whole when there is one frame or member (under 4 GiB for gzip),
+   * as the tools write them; else the buffer grows. Without a size, four
+   * times the input to start with, doubling. */
+  size_t hint = 0;
+  if (c->packing == PACK_ZSTD) {
+    unsigned long long first = ZSTD_getFrameContentSize(packed, len);
+    if (first != ZSTD_CONTENTSIZE_UNKNOWN && first != ZSTD_CONTENTSIZE_ERROR && first < limit) hint = (size_t)first;
+  } else if (len >= 18) {
+    hint = (size_t)packed[len - 4] | (size_t)packed[len - 3] << 8 | (size_t)packed[len - 2] << 16 |
+           (size_t)packed[len - 1] << 24;
+  }
+  unpacked_t u = {.cap = hint     ? hint + 2
+                         : len < ((size_t)16 << 10) ? (size_t)64 << 10
+                                                    : len * 4,
+                  .limit = limit};
+  if (u.cap > limit) u.cap = limit;
+  if (!(u.buf = malloc(u.cap))) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return NULL;
+  }
+  if (!(c->packing == PACK_GZIP ? gunzip(path, packed, len, &u) : unzstd(path, packed, len, &u))) {
+    free(u.buf);
+    return NULL;
+  }
+  u.buf[u.len] = '\0';
+  *out_len = u.len;
+  return u.buf;
 }
 
 int trace_load(const char *path, trace_t *out) {
@@ -721,10 +886,6 @@ int trace_load(const char *path, trace_t *out) {
     fclose(f);
     f = NULL;
     if (!piped) return gca_last_status();
-    if (piped_len && piped[0] != 0x80 && !(f = fmemopen(piped, piped_len, "rb"))) {
-      free(piped);
-      return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
-    }
   }
   /* The first bytes tell the format (or a compression, or a byte order
    * mark before a text format). */
@@ -732,14 +893,43 @@ int trace_load(const char *path, trace_t *out) {
   size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < sizeof head ? piped_len : sizeof head;
   if (f) rewind(f);
   else if (head_len) memcpy(head, piped, head_len);
-  /* A compressed trace is not read, but named as what it is (it had been
-   * read as an allocatorSim log, and refused for its first line). */
+  /* A gzip or zstd trace is read whole and decompressed into memory, and
+   * read there as a pipe's; another compression is named, with the command
+   * that decompresses it (such a file had been read as an allocatorSim log,
+   * and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
-  if (packed) {
+  if (packed && packed->packing != PACK_OTHER) {
+    if (f) {
+      piped = read_stream(f, path, &piped_len);
+      fclose(f);
+      f = NULL;
+      if (!piped) return gca_last_status();
+    }
+    size_t plain_len = 0;
+    unsigned char *plain = unpack(path, packed, piped, piped_len, &plain_len);
+    free(piped);
+    if (!plain) return gca_last_status();
+    piped = plain;
+    piped_len = plain_len;
+    head_len = piped_len < sizeof head ? piped_len : sizeof head;
+    memset(head, 0, sizeof head);
+    memcpy(head, piped, head_len);
+    const compression_t *inner = compression_of(head, head_len);
+    if (inner) {
+      free(piped);
+      return set_error(GCA_ERR_INVALID, "%s: %s-compressed data inside the %s data: decompress it first (with %s)",
+                       path, inner->name, packed->name, inner->cat);
+    }
+  } else if (packed) {
     if (f) fclose(f);
     free(piped);
     return set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (with %s: gcalloc replay <(%s FILE))",
                      path, packed->name, packed->cat, packed->cat);
+  }
+  /* A text trace in memory is read through a memory file. */
+  if (piped && piped_len && piped[0] != 0x80 && !(f = fmemopen(piped, piped_len, "rb"))) {
+    free(piped);
+    return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
   }
   /* A text trace saved by an editor or a spreadsheet may open with a UTF-8
    * byte order mark: the format is told by what follows it, and the reader
@@ -749,8 +939,10 @@ int trace_load(const char *path, trace_t *out) {
   int first = head_len > mark ? head[mark] : EOF;
   int rc;
   if (first == EOF) rc = set_error(GCA_ERR_INVALID, "%s: empty file", path);
-  else if (first == 0x80 && piped) rc = parse_snapshot(path, piped, piped_len, false, 0, out);
-  else if (first == 0x80) rc = read_snapshot(path, path, NULL, 0, false, 0, out);
+  else if (first == 0x80 && piped) {
+    rc = read_snapshot(path, NULL, piped, NULL, piped_len, false, 0, out);
+    piped = NULL; /* (the reader's now) */
+  } else if (first == 0x80) rc = read_snapshot(path, path, NULL, NULL, 0, false, 0, out);
   else if (first == '#') rc = load_gcalloc_trace(path, f, out);
   else if (first == 'T') rc = load_rmm_csv(path, f, out);
   else rc = load_allocsim(path, f, out);
