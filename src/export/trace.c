@@ -710,7 +710,7 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
 
 /* A decompressed trace may be at most this many bytes per compressed byte,
  * plus UNPACKED_SLACK: gzip cannot exceed 1,032 to 1, and the snapshots in
- * ../shared/traces compress 14-35 to 1, so only a file made to explode
+ * ../shared/traces compress 13-35 to 1, so only a file made to explode
  * meets the bound (a few kilobytes of zstd can stand for terabytes). */
 #define UNPACKED_PER_PACKED 4096
 #define UNPACKED_SLACK ((size_t)64 << 20)
