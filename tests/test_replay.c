@@ -38,6 +38,17 @@ static void expect_all_refused(const char *path, const refusal_t *bad, size_t co
   for (size_t i = 0; i < count; i++) expect_refused(path, bad[i].text, bad[i].message);
 }
 
+/* `gcalloc ARGS --json`, run to its end (exit status 0) and its output
+ * parsed; the caller puts the root. */
+static json_object *tool_json(const char *args) {
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%s %s --json > /tmp/gcalloc-tool.json", GCALLOC_TOOL_PATH, args);
+  assert_int_equal(system(cmd), 0);
+  json_object *root = json_object_from_file("/tmp/gcalloc-tool.json");
+  assert_non_null(root);
+  return root;
+}
+
 /* A trace whose last line is `head`, `count` times `fill`, then `tail`, is
  * refused with `message`. */
 static void expect_long_line_refused(const char *path, const char *head, char fill, int count, const char *tail,
@@ -232,11 +243,7 @@ static void test_gcalloc_trace_allocators(void **state) {
   assert_non_null(text);
   assert_contains((const char *)text, "\ndevice 1 (allocator 2's device 0): 4 operations replayed");
   free(text);
-  snprintf(cmd, sizeof cmd, "%s replay /tmp/gcalloc-replay-shared.trace --json > /tmp/gcalloc-replay-shared.json",
-           GCALLOC_TOOL_PATH);
-  assert_int_equal(system(cmd), 0);
-  json_object *root = json_object_from_file("/tmp/gcalloc-replay-shared.json"), *list, *v;
-  assert_non_null(root);
+  json_object *root = tool_json("replay /tmp/gcalloc-replay-shared.trace"), *list, *v;
   assert_true(json_object_object_get_ex(root, "devices", &list));
   json_object *d2 = json_object_array_get_idx(list, 2);
   assert_true(json_object_object_get_ex(d2, "allocator", &v));
@@ -797,12 +804,8 @@ static void test_devices_in_parallel(void **state) {
 static void test_tune(void **state) {
   (void)state;
   if (!have_traces()) skip();
-  char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s tune %s/cranberrii__ftcourse/memory_snapshot.pickle --json > /tmp/gcalloc-tune.json",
-           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
-  assert_int_equal(system(cmd), 0);
-  json_object *root = json_object_from_file("/tmp/gcalloc-tune.json"), *best, *v, *defaults_obj, *ranked;
-  assert_non_null(root);
+  json_object *root = tool_json("tune " GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle"), *best, *v,
+              *defaults_obj, *ranked;
   assert_true(json_object_object_get_ex(root, "best", &best));
   assert_true(json_object_object_get_ex(root, "defaults", &defaults_obj));
   assert_true(json_object_object_get_ex(root, "ranked", &ranked));
@@ -832,6 +835,7 @@ static void test_tune(void **state) {
   replay_result_free(&r);
   trace_free(&t);
   /* Under a capacity nothing fits in: exit status 3. */
+  char cmd[1024];
   snprintf(cmd, sizeof cmd, "%s tune %s/ZidongLiu__DeComFL/memory.pickle --capacity 256MiB > /dev/null",
            GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
   assert_int_equal(WEXITSTATUS(system(cmd)), 3);
@@ -962,12 +966,7 @@ static void test_real_trace_seeded(void **state) {
 static void test_tool_json(void **state) {
   (void)state;
   if (!have_traces()) skip();
-  char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s replay %s/ZidongLiu__DeComFL/memory.pickle --json > /tmp/gcalloc-replay.json",
-           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
-  assert_int_equal(system(cmd), 0);
-  json_object *root = json_object_from_file("/tmp/gcalloc-replay.json"), *devices, *v;
-  assert_non_null(root);
+  json_object *root = tool_json("replay " GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle"), *devices, *v;
   assert_true(json_object_object_get_ex(root, "devices", &devices));
   json_object *d0 = json_object_array_get_idx(devices, 0);
   assert_true(json_object_object_get_ex(root, "end_to_end_events_per_second", &v));
@@ -983,12 +982,7 @@ static void test_tool_json(void **state) {
   assert_null(v); /* no expandable segments */
   json_object_put(root);
   /* With expandable segments: the pages, and at the peak the mapped bytes are the reserved ones. */
-  snprintf(cmd, sizeof cmd,
-           "%s replay %s/ZidongLiu__DeComFL/memory.pickle --conf expandable_segments:True --json > /tmp/gcalloc-replay.json",
-           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
-  assert_int_equal(system(cmd), 0);
-  root = json_object_from_file("/tmp/gcalloc-replay.json");
-  assert_non_null(root);
+  root = tool_json("replay " GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle --conf expandable_segments:True");
   json_object_object_get_ex(root, "devices", &devices);
   d0 = json_object_array_get_idx(devices, 0);
   json_object *pages, *at_peak;
@@ -1006,6 +1000,7 @@ static void test_tool_json(void **state) {
   assert_int_equal(json_object_get_int64(v), 2); /* one per pool, one stream */
   json_object_put(root);
   /* A capacity too small: exit status 3, oom filled in. */
+  char cmd[1024];
   snprintf(cmd, sizeof cmd, "%s replay %s/ZidongLiu__DeComFL/memory.pickle --capacity 512MiB --json > /dev/null",
            GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
   int status = system(cmd);
