@@ -490,6 +490,22 @@ static void expect_same_through_pipe(const char *file) {
   free(data);
 }
 
+static void write_bytes(const char *path, const unsigned char *bytes, size_t len) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(bytes, 1, len, f), len);
+  fclose(f);
+}
+
+/* `bytes` are refused, with `message` in the error, from a file. */
+static void expect_packed_refused(const unsigned char *bytes, size_t len, const char *message) {
+  write_bytes("/tmp/gcalloc-trace-packed", bytes, len);
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), message);
+  assert_null(t.events);
+}
+
 static void test_piped_traces(void **state) {
   (void)state;
   static const char *const files[] = {
@@ -534,13 +550,8 @@ static void test_piped_traces(void **state) {
       {"BZh91AY", 7, "bzip2-compressed"},
   };
   for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
-    FILE *f = fopen("/tmp/gcalloc-trace-packed", "wb");
-    assert_non_null(f);
-    fwrite(packed[i].bytes, 1, packed[i].len, f);
-    fclose(f);
+    expect_packed_refused((const unsigned char *)packed[i].bytes, packed[i].len, packed[i].message);
     trace_t t;
-    assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
-    assert_contains(gca_last_error(), packed[i].message);
     int fds[2];
     assert_int_equal(pipe(fds), 0);
     assert_int_equal(write(fds[1], packed[i].bytes, packed[i].len), (ssize_t)packed[i].len);
@@ -1031,22 +1042,6 @@ static packed_t zstd_of(const unsigned char *data, size_t len) {
   assert_false(ZSTD_isError(n));
   p.len += n;
   return p;
-}
-
-static void write_bytes(const char *path, const unsigned char *bytes, size_t len) {
-  FILE *f = fopen(path, "wb");
-  assert_non_null(f);
-  assert_int_equal(fwrite(bytes, 1, len, f), len);
-  fclose(f);
-}
-
-/* `bytes` are refused, with `message` in the error, from a file. */
-static void expect_packed_refused(const unsigned char *bytes, size_t len, const char *message) {
-  write_bytes("/tmp/gcalloc-trace-packed", bytes, len);
-  trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), message);
-  assert_null(t.events);
 }
 
 /* Every reader's trace, gzip'd (in one member and in three) and zstd'd,

@@ -862,6 +862,15 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
   return u.buf;
 }
 
+/* The rest of *f, read into memory whole (NUL-terminated), and *f closed;
+ * NULL with the error set. */
+static unsigned char *read_and_close(FILE **f, const char *path, size_t *len) {
+  unsigned char *bytes = read_stream(*f, path, len);
+  fclose(*f);
+  *f = NULL;
+  return bytes;
+}
+
 int trace_load(const char *path, trace_t *out) {
   memset(out, 0, sizeof *out);
   /* A process reading its second trace reads trace after trace: its big
@@ -881,12 +890,7 @@ int trace_load(const char *path, trace_t *out) {
    * and the reader reads it there. */
   unsigned char *piped = NULL;
   size_t piped_len = 0;
-  if (!regular) {
-    piped = read_stream(f, path, &piped_len);
-    fclose(f);
-    f = NULL;
-    if (!piped) return gca_last_status();
-  }
+  if (!regular && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
   /* The first bytes tell the format (or a compression, or a byte order
    * mark before a text format). */
   unsigned char head[6] = {0};
@@ -899,12 +903,7 @@ int trace_load(const char *path, trace_t *out) {
    * and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
   if (packed && packed->packing != PACK_OTHER) {
-    if (f) {
-      piped = read_stream(f, path, &piped_len);
-      fclose(f);
-      f = NULL;
-      if (!piped) return gca_last_status();
-    }
+    if (f && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
     size_t plain_len = 0;
     unsigned char *plain = unpack(path, packed, piped, piped_len, &plain_len);
     free(piped);
