@@ -78,6 +78,17 @@ typedef struct backend_ops {
    * caller must have waited for work that uses it: like a free,
    * GCA_ERR_CORRUPT reports that it did not (the sim's race detector). */
   int (*vm_unmap)(void *state, int device, uintptr_t addr, size_t size);
+  /* Optional (NULL: the core calls the ones above once per page). A
+   * backend whose calls cost more than their work (the sim: a lock and a
+   * look-up each) serves a run of pages in one. vm_create_many: what n
+   * vm_create calls of `size` bytes would do, stopping at the first that
+   * fails (its status returned), with *made created in handles[].
+   * vm_destroy_many: n vm_destroy calls, each destroyed if it can be; the
+   * last refusal's status, and in *refused how many were. vm_map_many:
+   * handles[i] (each `size` bytes) mapped at addr + i * size, all or none. */
+  int (*vm_create_many)(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made);
+  int (*vm_destroy_many)(void *state, int device, const uintptr_t *handles, size_t n, size_t *refused);
+  int (*vm_map_many)(void *state, int device, uintptr_t addr, size_t size, size_t n, const uintptr_t *handles);
   /* Device facts and peers (may be NULL: the public calls then say the
    * backend has none). */
   int (*device_properties)(void *state, int device, gca_device_properties_t *out);

@@ -34,6 +34,43 @@
 
 #define VM(d, fn, ...) ((d)->backend->ops->fn((d)->backend->state, (d)->index, __VA_ARGS__))
 
+/* Runs of pages: one backend call where it serves them (vm_create_many and
+ * friends: the sim, whose per-call lock and look-ups were most of a replay
+ * that maps thousands of pages), else one call per page. */
+
+/* n pages of `page` bytes into handles: GCA_OK with all n, else the
+ * error with *made of them created. */
+static int create_pages(device_t *d, size_t page, size_t n, uintptr_t *handles, size_t *made) {
+  if (d->backend->ops->vm_create_many) return VM(d, vm_create_many, page, n, handles, made);
+  int rc = GCA_OK;
+  *made = 0;
+  while (*made < n && (rc = VM(d, vm_create, page, &handles[*made])) == GCA_OK) ++*made;
+  return rc;
+}
+
+/* Back to the device; with `note`, each refusal is counted (the device
+ * keeps that memory). */
+static void destroy_pages(device_t *d, const uintptr_t *handles, size_t n, bool note) {
+  if (d->backend->ops->vm_destroy_many) {
+    size_t refused = 0;
+    if (VM(d, vm_destroy_many, handles, n, &refused) != GCA_OK)
+      while (note && refused--) note_refused_free(d);
+    return;
+  }
+  for (size_t i = 0; i < n; i++)
+    if (VM(d, vm_destroy, handles[i]) != GCA_OK && note) note_refused_free(d);
+}
+
+/* handles[i] mapped at addr + i * page: all of them, or none. */
+static int map_pages(device_t *d, uintptr_t addr, size_t page, size_t n, const uintptr_t *handles) {
+  if (d->backend->ops->vm_map_many) return VM(d, vm_map_many, addr, page, n, handles);
+  int rc = GCA_OK;
+  size_t mapped = 0;
+  while (mapped < n && (rc = VM(d, vm_map, addr + mapped * page, page, handles[mapped])) == GCA_OK) mapped++;
+  if (rc != GCA_OK && mapped) (void)VM(d, vm_unmap, addr, mapped * page);
+  return rc;
+}
+
 bool expandable_available(device_t *d) {
   if (d->vm_state == 0) {
     const backend_ops_t *ops = d->backend->ops;
@@ -174,12 +211,9 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     if (high) block_recycle(d, high);
     return 0;
   }
-  for (size_t i = 0; i < n; i++) {
-    uintptr_t h = seg->pages[first + i];
-    seg->pages[first + i] = 0;
-    if (handles_out) handles_out[i] = h;
-    else if (VM(d, vm_destroy, h) != GCA_OK) note_refused_free(d); /* the device keeps it */
-  }
+  if (handles_out) memcpy(handles_out, seg->pages + first, n * sizeof *handles_out);
+  else destroy_pages(d, seg->pages + first, n, true);
+  memset(seg->pages + first, 0, n * sizeof *seg->pages);
   seg->mapped_bytes -= bytes;
   if (first + n == seg->mapped_top) { /* the top went: down to the next page mapped */
     size_t top = first;
@@ -300,19 +334,22 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   }
   /* Create first: it is the step that can run out of memory, and nothing
    * has moved yet if it does. */
-  int rc = GCA_OK;
   size_t have = 0;
-  while (have < fresh && (rc = VM(d, vm_create, page, &handles[have])) == GCA_OK) have++;
+  int rc = create_pages(d, page, fresh, handles, &have);
   size_t moved = 0;
   for (size_t i = 0; rc == GCA_OK && i < listed && moved < movable; i++)
     moved += unmap_pages(d, donors[i], movable - moved, handles + have + moved);
   have += moved;
   /* A move that could not wait for its stream leaves a shortfall: create it. */
-  while (rc == GCA_OK && have < n && (rc = VM(d, vm_create, page, &handles[have])) == GCA_OK) have++;
+  if (rc == GCA_OK && have < n) {
+    size_t more = 0;
+    rc = create_pages(d, page, n - have, handles + have, &more);
+    have += more;
+  }
   free(donors);
   *created = have - moved;
   if (rc == GCA_OK) return GCA_OK;
-  for (size_t i = 0; i < have; i++) (void)VM(d, vm_destroy, handles[i]);
+  destroy_pages(d, handles, have, false);
   if (moved) {
     /* The moved pages went back to the device after all. */
     d->stats.num_device_free++;
@@ -343,17 +380,7 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   }
   size_t created = 0;
   *rc = gather_pages(d, b, page, n, keep_lo, keep_hi, handles, &created);
-  if (*rc == GCA_OK) {
-    size_t mapped = 0;
-    for (; mapped < n; mapped++) {
-      *rc = VM(d, vm_map, b->addr + mapped * page, page, handles[mapped]);
-      if (*rc != GCA_OK) break;
-    }
-    if (*rc != GCA_OK) {
-      if (mapped) (void)VM(d, vm_unmap, b->addr, mapped * page);
-      for (size_t i = 0; i < n; i++) (void)VM(d, vm_destroy, handles[i]);
-    }
-  }
+  if (*rc == GCA_OK && (*rc = map_pages(d, b->addr, page, n, handles)) != GCA_OK) destroy_pages(d, handles, n, false);
   if (*rc != GCA_OK) {
     free(handles);
     if (rest) block_recycle(d, rest);

@@ -65,6 +65,76 @@ static void test_sim_mappings_across_leaves(void **state) {
   gca_close(a);
 }
 
+/* Runs of pages in one call (vm_create_many, vm_map_many,
+ * vm_destroy_many): each what the calls one page at a time would do, and
+ * a run mapped all or none. */
+static void test_sim_runs_of_pages(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=64MiB,granularity=2MiB,fail_at=3", NULL);
+  const backend_ops_t *ops = a->backend.ops;
+  void *st = a->backend.state;
+  uintptr_t h[40] = {0}, va = 0;
+  size_t made = 99, refused = 99;
+  /* Each page a call: the third fails as fail_at says, two are made. */
+  assert_int_equal(ops->vm_create_many(st, 0, 2 * MiB, 4, h, &made), GCA_ERR_OOM);
+  assert_int_equal(made, 2);
+  assert_contains(gca_last_error(), "injected failure of allocation #3");
+  sim_counters_t c = sim_counters(a, 0);
+  assert_int_equal(c.malloc_calls, 3);
+  assert_int_equal(c.vm_handles, 2);
+  /* Then the device's capacity: 60 MiB left is 30 pages of 2 MiB. */
+  assert_int_equal(ops->vm_create_many(st, 0, 2 * MiB, 38, h + 2, &made), GCA_ERR_OOM);
+  assert_int_equal(made, 30);
+  assert_contains(gca_last_error(), "out of memory");
+  assert_int_equal(sim_counters(a, 0).used, 64 * MiB);
+  assert_int_equal(ops->vm_create_many(st, 0, 3 * MiB, 1, h + 32, &made), GCA_ERR_INVALID); /* not a multiple */
+  assert_int_equal(made, 0);
+
+  assert_int_equal(ops->vm_reserve(st, 0, 32 * MiB, &va), GCA_OK);
+  /* All or none: a handle named twice, a page over a mapping, a run past
+   * the reservation's end; nothing is mapped after any, and each handle
+   * can be mapped after. */
+  assert_int_equal(ops->vm_map(st, 0, va + 12 * MiB, 2 * MiB, h[10]), GCA_OK);
+  uintptr_t twice[4] = {h[0], h[1], h[0], h[3]};
+  assert_int_equal(ops->vm_map_many(st, 0, va, 2 * MiB, 4, twice), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "is mapped already");
+  assert_int_equal(ops->vm_map_many(st, 0, va + 8 * MiB, 2 * MiB, 4, h), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "is mapped there");
+  assert_int_equal(ops->vm_map_many(st, 0, va + 26 * MiB, 2 * MiB, 4, h), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "not inside a reserved range");
+  uintptr_t stale[2] = {h[0], h[1] + ((uintptr_t)1 << 32)}; /* another generation */
+  assert_int_equal(ops->vm_map_many(st, 0, va, 2 * MiB, 2, stale), GCA_ERR_BAD_POINTER);
+  c = sim_counters(a, 0);
+  assert_int_equal(c.vm_mapped, 2 * MiB);
+  assert_int_equal(c.vm_maps, 1);
+  assert_int_equal(ops->vm_map_many(st, 0, va, 2 * MiB, 0, h), GCA_OK); /* none: nothing to do */
+  assert_int_equal(ops->vm_map_many(st, 0, va, 2 * MiB, 6, h), GCA_OK);
+  c = sim_counters(a, 0);
+  assert_int_equal(c.vm_mapped, 14 * MiB);
+  assert_int_equal(c.vm_maps, 7);
+  /* They are six mappings, each whole: unmapped as a run or one by one. */
+  assert_int_equal(ops->vm_unmap(st, 0, va + 1 * MiB, 2 * MiB), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_unmap(st, 0, va, 4 * MiB), GCA_OK);
+  assert_int_equal(ops->vm_unmap(st, 0, va + 4 * MiB, 2 * MiB), GCA_OK);
+  assert_int_equal(ops->vm_unmap(st, 0, va + 6 * MiB, 8 * MiB), GCA_OK); /* and h[10]'s */
+  assert_int_equal(sim_counters(a, 0).vm_mapped, 0);
+
+  /* Destroyed each if it can be: a mapped one and a stale one are refused
+   * and counted, the others go. */
+  assert_int_equal(ops->vm_map(st, 0, va, 2 * MiB, h[1]), GCA_OK);
+  uintptr_t some[4] = {h[0], h[1], h[2], h[0]};
+  assert_int_equal(ops->vm_destroy_many(st, 0, some, 4, &refused), GCA_ERR_BAD_POINTER);
+  assert_int_equal(refused, 2);
+  assert_int_equal(sim_counters(a, 0).vm_handles, 30);
+  assert_int_equal(ops->vm_unmap(st, 0, va, 2 * MiB), GCA_OK);
+  assert_int_equal(ops->vm_destroy_many(st, 0, h + 1, 1, &refused), GCA_OK);
+  assert_int_equal(refused, 0);
+  assert_int_equal(ops->vm_destroy_many(st, 0, h + 3, 29, &refused), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_int_equal(ops->vm_unreserve(st, 0, va, 32 * MiB), GCA_OK);
+  gca_close(a);
+}
+
 static void test_sim_virtual_memory(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:capacity=64MiB,granularity=2MiB", NULL);
@@ -609,6 +679,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_sim_virtual_memory),
       cmocka_unit_test(test_sim_mappings_across_leaves),
+      cmocka_unit_test(test_sim_runs_of_pages),
       cmocka_unit_test(test_pages_and_statistics),
       cmocka_unit_test(test_split_rule),
       cmocka_unit_test(test_lowest_address_and_best_fit),

@@ -776,15 +776,8 @@ static sim_phys_t *phys_of(sim_device_t *dev, uintptr_t handle) {
   return p->live && p->generation == (uint32_t)((uint64_t)handle >> 32) ? p : NULL;
 }
 
-static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
-  sim_t *s = state;
-  if (s->backed) return no_vm();
-  if (size == 0 || !vm_aligned(s, size))
-    return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
-                     size, s->granularity);
-  add_latency(s);
-  lock_acquire(&s->lock);
-  sim_device_t *dev = &s->devices[device];
+/* Physical memory of `size` bytes, with the sim lock held. */
+static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, uintptr_t *handle) {
   int rc = charge(s, dev, device, size, size);
   if (rc == GCA_OK && !dev->free_phys) {
     uint32_t cap = dev->phys_cap ? 2 * dev->phys_cap : 64;
@@ -798,104 +791,174 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
       dev->phys_cap = cap;
     }
   }
-  if (rc == GCA_OK) {
-    uint32_t slot = dev->free_phys - 1;
-    sim_phys_t *p = &dev->phys[slot];
-    dev->free_phys = p->next_free;
-    p->size = size;
-    p->mapped_at = 0;
-    p->live = true;
-    *handle = (uintptr_t)(((uint64_t)p->generation << 32) | (slot + 1));
-    dev->used += size;
-    dev->counters.mallocs++;
-    dev->counters.live++;
-    dev->counters.vm_handles++;
+  if (rc != GCA_OK) return rc;
+  uint32_t slot = dev->free_phys - 1;
+  sim_phys_t *p = &dev->phys[slot];
+  dev->free_phys = p->next_free;
+  p->size = size;
+  p->mapped_at = 0;
+  p->live = true;
+  *handle = (uintptr_t)(((uint64_t)p->generation << 32) | (slot + 1));
+  dev->used += size;
+  dev->counters.mallocs++;
+  dev->counters.live++;
+  dev->counters.vm_handles++;
+  return GCA_OK;
+}
+
+/* n pieces of physical memory under one lock: what n vm_create calls do,
+ * each counted as a call (fail_at reaches the one it names). */
+static int sim_vm_create_many(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made) {
+  sim_t *s = state;
+  *made = 0;
+  if (s->backed) return no_vm();
+  if (size == 0 || !vm_aligned(s, size))
+    return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
+                     size, s->granularity);
+  for (size_t i = 0; i < n; i++) add_latency(s);
+  lock_acquire(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = GCA_OK;
+  while (*made < n && (rc = create_locked(s, dev, device, size, &handles[*made])) == GCA_OK) ++*made;
+  lock_release(&s->lock);
+  return rc;
+}
+
+static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
+  size_t made;
+  return sim_vm_create_many(state, device, size, 1, handle, &made);
+}
+
+/* Destroys one piece of physical memory, with the sim lock held. */
+static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t handle) {
+  sim_phys_t *p = phys_of(dev, handle);
+  uint64_t call = ++dev->counters.free_calls;
+  if (!p)
+    return set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle,
+                     device);
+  if (p->mapped_at)
+    return set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is still mapped at %#" PRIxPTR, handle,
+                     p->mapped_at);
+  if (s->free_fail_at && call == s->free_fail_at)
+    return set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
+  dev->used -= p->size;
+  p->live = false;
+  p->generation++;
+  p->next_free = dev->free_phys;
+  dev->free_phys = (uint32_t)(p - dev->phys) + 1;
+  dev->counters.frees++;
+  dev->counters.live--;
+  dev->counters.vm_handles--;
+  return GCA_OK;
+}
+
+/* n vm_destroy calls under one lock: each destroyed if it can be; the
+ * status of the last refused (its message the last error), and how many
+ * were, in *refused. */
+static int sim_vm_destroy_many(void *state, int device, const uintptr_t *handles, size_t n, size_t *refused) {
+  sim_t *s = state;
+  *refused = 0;
+  if (s->backed) {
+    *refused = n;
+    return no_vm();
+  }
+  for (size_t i = 0; i < n; i++) add_latency(s);
+  lock_acquire(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = GCA_OK;
+  for (size_t i = 0; i < n; i++) {
+    int one = destroy_locked(s, dev, device, handles[i]);
+    if (one != GCA_OK) {
+      rc = one;
+      ++*refused;
+    }
   }
   lock_release(&s->lock);
   return rc;
 }
 
 static int sim_vm_destroy(void *state, int device, uintptr_t handle) {
+  size_t refused;
+  return sim_vm_destroy_many(state, device, &handle, 1, &refused);
+}
+
+/* Maps handles[i] (each `size` bytes) at addr + i * size, all of them or
+ * none: n vm_map calls, under one lock, with one look for the reservation
+ * and one walk over the page table. */
+static int sim_vm_map_many(void *state, int device, uintptr_t addr, size_t size, size_t n, const uintptr_t *handles) {
   sim_t *s = state;
   if (s->backed) return no_vm();
-  add_latency(s);
+  if (n == 0) return GCA_OK;
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
-  sim_phys_t *p = phys_of(dev, handle);
-  uint64_t call = ++dev->counters.free_calls;
+  sim_alloc_t *r = NULL;
   int rc = GCA_OK;
-  if (!p)
-    rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle, device);
-  else if (p->mapped_at)
-    rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is still mapped at %#" PRIxPTR, handle,
-                   p->mapped_at);
-  else if (s->free_fail_at && call == s->free_fail_at)
-    rc = set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
-  if (rc == GCA_OK) {
-    dev->used -= p->size;
-    p->live = false;
-    p->generation++;
-    p->next_free = dev->free_phys;
-    dev->free_phys = (uint32_t)(p - dev->phys) + 1;
-    dev->counters.frees++;
-    dev->counters.live--;
-    dev->counters.vm_handles--;
+  size_t marked = 0;
+  /* Each handle live, unmapped and of the size; marked as it is checked,
+   * so that one named twice is caught, and unmarked if anything fails. */
+  for (; marked < n; marked++) {
+    uintptr_t handle = handles[marked], at = addr + marked * size;
+    sim_phys_t *p = phys_of(dev, handle);
+    if (!p)
+      rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle,
+                     device);
+    else if (p->mapped_at)
+      rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is mapped already (at %#" PRIxPTR ")",
+                     handle, p->mapped_at);
+    else if (size != p->size || !vm_aligned(s, at))
+      rc = set_error(GCA_ERR_INVALID, "sim: a mapping at %#" PRIxPTR " of %zu bytes must be aligned to %zu and "
+                     "cover its whole physical memory (%zu bytes)", at, size, s->granularity, p->size);
+    else
+      p->mapped_at = at;
+    if (rc != GCA_OK) break;
   }
+  if (rc == GCA_OK && (n > UINTPTR_MAX / size || !(r = reservation_of(dev, addr, n * size))))
+    rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not inside a reserved range of device %d", addr,
+                   n * size, device);
+  /* Every page's entry first, free or not (leaves are made here, so a host
+   * out of memory changes nothing but empty leaves), then the entries set. */
+  uint64_t leaf_key = UINT64_MAX;
+  map_leaf_t *leaf = NULL;
+  size_t per = (size + s->granularity - 1) / s->granularity, run = 1;
+  for (size_t j = 0; rc == GCA_OK && j < n; j++) {
+    uintptr_t at = addr + j * size;
+    for (size_t done = 0; rc == GCA_OK && done < per; done += run) {
+      uint32_t *e = map_run(s, dev, at + done * s->granularity, per - done, true, &leaf_key, &leaf, &run);
+      if (!e) {
+        rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+        break;
+      }
+      for (size_t i = 0; i < run; i++)
+        if (e[i]) {
+          sim_phys_t *m = &dev->phys[e[i] - 1];
+          rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there",
+                         at, m->mapped_at, m->size);
+          break;
+        }
+    }
+  }
+  if (rc != GCA_OK) {
+    for (size_t i = 0; i < marked; i++) phys_of(dev, handles[i])->mapped_at = 0;
+    lock_release(&s->lock);
+    return rc;
+  }
+  for (size_t j = 0; j < n; j++) {
+    uintptr_t at = addr + j * size;
+    uint32_t slot = (uint32_t)(handles[j] & 0xffffffffu); /* (checked above: index + 1) */
+    for (size_t done = 0; done < per; done += run) {
+      uint32_t *e = map_run(s, dev, at + done * s->granularity, per - done, false, &leaf_key, &leaf, &run);
+      for (size_t i = 0; i < run; i++) e[i] = slot;
+    }
+  }
+  r->mapped += n * size;
+  dev->counters.vm_mapped += n * size;
+  dev->counters.vm_maps += n;
   lock_release(&s->lock);
   return rc;
 }
 
 static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
-  sim_t *s = state;
-  if (s->backed) return no_vm();
-  lock_acquire(&s->lock);
-  sim_device_t *dev = &s->devices[device];
-  sim_phys_t *p = phys_of(dev, handle), *m = NULL;
-  sim_alloc_t *r = NULL;
-  int rc = GCA_OK;
-  if (!p)
-    rc = set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle, device);
-  else if (p->mapped_at)
-    rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is mapped already (at %#" PRIxPTR ")",
-                   handle, p->mapped_at);
-  else if (size != p->size || !vm_aligned(s, addr))
-    rc = set_error(GCA_ERR_INVALID, "sim: a mapping at %#" PRIxPTR " of %zu bytes must be aligned to %zu and cover "
-                   "its whole physical memory (%zu bytes)", addr, size, s->granularity, p->size);
-  else if (!(r = reservation_of(dev, addr, size)))
-    rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not inside a reserved range of device %d", addr,
-                   size, device);
-  /* Every page's entry first, free or not (leaves are made here, so a host
-   * out of memory changes nothing but empty leaves), then the entries set. */
-  uint64_t leaf_key = UINT64_MAX;
-  map_leaf_t *leaf = NULL;
-  size_t pages = (size + s->granularity - 1) / s->granularity, run = 1;
-  for (size_t done = 0; rc == GCA_OK && done < pages; done += run) {
-    uint32_t *e = map_run(s, dev, addr + done * s->granularity, pages - done, true, &leaf_key, &leaf, &run);
-    if (!e) {
-      rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-      break;
-    }
-    for (size_t i = 0; i < run; i++)
-      if (e[i]) {
-        m = &dev->phys[e[i] - 1];
-        rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there",
-                       addr, m->mapped_at, m->size);
-        break;
-      }
-  }
-  if (rc == GCA_OK) {
-    uint32_t slot = (uint32_t)(p - dev->phys) + 1;
-    for (size_t done = 0; done < pages; done += run) {
-      uint32_t *e = map_run(s, dev, addr + done * s->granularity, pages - done, false, &leaf_key, &leaf, &run);
-      for (size_t i = 0; i < run; i++) e[i] = slot;
-    }
-    p->mapped_at = addr;
-    r->mapped += size;
-    dev->counters.vm_mapped += size;
-    dev->counters.vm_maps++;
-  }
-  lock_release(&s->lock);
-  return rc;
+  return sim_vm_map_many(state, device, addr, size, 1, &handle);
 }
 
 static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
@@ -1168,6 +1231,9 @@ static const backend_ops_t sim_ops = {
     .vm_create = sim_vm_create,
     .vm_destroy = sim_vm_destroy,
     .vm_map = sim_vm_map,
+    .vm_create_many = sim_vm_create_many,
+    .vm_destroy_many = sim_vm_destroy_many,
+    .vm_map_many = sim_vm_map_many,
     .vm_unmap = sim_vm_unmap,
     .device_properties = sim_device_properties,
     .host_alloc = sim_host_alloc,
