@@ -402,8 +402,12 @@ GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int devic
 
 GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
   record_lock_calls();
+  (void)record_free_left_pending();
   int rc = free_plain(a, ptr);
-  record_line("free", "%d %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr, rc);
+  if (record_free_left_pending())
+    record_line("free", "%d %" PRIxPTR " %d 1", allocator_id(a), (uintptr_t)ptr, rc);
+  else
+    record_line("free", "%d %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr, rc);
   record_unlock_calls();
   log_message(GCA_LOG_TRACE, "free(%p) = %s", ptr, gca_status_name(rc));
   return rc;

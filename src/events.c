@@ -91,6 +91,10 @@ static void complete_free(device_t *d, block_t *b) {
   family_decrease(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
   d->pending_blocks--;
   history_free_completed(d, b);
+  if (unlikely(b->traced_pending)) {
+    b->traced_pending = false;
+    record_free_completed(d->owner->id, b->addr);
+  }
   block_give_back(d, b);
 }
 
@@ -191,6 +195,12 @@ void events_defer_free(device_t *d, block_t *b) {
     if (rc != GCA_OK && wait_stream_instead(d, stream) != GCA_OK) quarantine(d, b);
   }
   free(uses);
+  /* Events still queued: the block stays pending past this free. The trace
+   * file says so, and says when it completes. */
+  if (b->event_count > 1 && unlikely(trace_file_active())) {
+    b->traced_pending = true;
+    record_note_free_pending();
+  }
   event_done(d, b, true);
 }
 

@@ -168,6 +168,7 @@ struct block {
   uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
   bool expandable;           /* lies in an expandable segment (segment->expandable, kept here, hot) */
+  bool traced_pending;       /* its free went into the trace file as pending: its completion goes too */
   uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
 };
 
@@ -792,6 +793,14 @@ int record_init(void);
 void record_lock_calls(void);
 void record_unlock_calls(void);
 void record_line(const char *call, const char *fmt, ...) GCA_PRINTF(2, 3);
+/* A free that leaves its block pending (events on the streams it was used
+ * on) is written so (record_free_left_pending, on the freeing thread, read
+ * back by the traced free), and its completion is written when it comes
+ * (record_free_completed, under the device lock, from any thread: the line
+ * goes out before the next line written, record_lock held or not). */
+void record_note_free_pending(void);
+bool record_free_left_pending(void);
+void record_free_completed(int allocator, uintptr_t ptr);
 /* Read GCALLOC_LOG and GCALLOC_LOG_FILE once (gca_open calls it). */
 void log_init(void);
 /* Recompute calls_observed after the level or the trace file changed. */

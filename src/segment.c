@@ -45,6 +45,7 @@ block_t *block_new(device_t *d) {
   b->state = BLOCK_FREE;
   b->oversize = false;
   b->expandable = false;
+  b->traced_pending = false;
   b->stack = NULL;
   return b;
 }

@@ -12,6 +12,7 @@
 
 #include "helpers.h"
 #include "export/record.h"
+#include "export/replay.h"
 #include "export/trace.h"
 
 #define S1 ((gca_stream_t)0x100)
@@ -494,6 +495,7 @@ typedef struct expected_call {
   int call;
   uint64_t ptr, size, stream;
   int device, status;
+  int pending; /* a free that left its block pending */
 } expected_call_t;
 
 /* The calls both this process and the recording child make: on the sim,
@@ -502,25 +504,28 @@ static size_t run_sequence(expected_call_t *out) {
   size_t n = 0;
   gca_allocator_t *a = NULL;
   if (gca_open("sim:capacity=64MiB", NULL, &a) != GCA_OK) return 0;
-  out[n++] = (expected_call_t){RC_OPEN, 0, 0, 0, 0, 0};
+  out[n++] = (expected_call_t){RC_OPEN, 0, 0, 0, 0, 0, 0};
   void *p = gca_malloc(a, 1000, 0, S1);
-  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)p, 1000, S1, 0, 0};
+  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)p, 1000, S1, 0, 0, 0};
   void *q = gca_malloc(a, 5 * MiB, 0, S2);
-  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)q, 5 * MiB, S2, 0, 0};
+  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)q, 5 * MiB, S2, 0, 0, 0};
   void *none = gca_malloc(a, 100 * MiB, 0, S1); /* out of memory: recorded with pointer 0 */
-  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)none, 100 * MiB, S1, 0, 0};
+  out[n++] = (expected_call_t){RC_MALLOC, (uintptr_t)none, 100 * MiB, S1, 0, 0, 0};
   int rc = gca_record_stream(a, q, S3);
-  out[n++] = (expected_call_t){RC_RECORD_STREAM, (uintptr_t)q, 0, S3, 0, rc};
+  out[n++] = (expected_call_t){RC_RECORD_STREAM, (uintptr_t)q, 0, S3, 0, rc, 0};
+  /* Used on S3: the free leaves q pending on an event there ... */
   rc = gca_free(a, q);
-  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)q, 0, 0, 0, rc};
+  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)q, 0, 0, 0, rc, 1};
   rc = gca_free(a, q); /* a double free is recorded with its status */
-  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)q, 0, 0, 0, rc};
+  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)q, 0, 0, 0, rc, 0};
+  /* ... which empty_cache waits for: q's completion goes before its line. */
+  out[n++] = (expected_call_t){RC_FREE_COMPLETED, (uintptr_t)q, 0, 0, 0, 0, 0};
   rc = gca_empty_cache(a, 0);
-  out[n++] = (expected_call_t){RC_EMPTY_CACHE, 0, 0, 0, 0, rc};
+  out[n++] = (expected_call_t){RC_EMPTY_CACHE, 0, 0, 0, 0, rc, 0};
   rc = gca_free(a, p);
-  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)p, 0, 0, 0, rc};
+  out[n++] = (expected_call_t){RC_FREE, (uintptr_t)p, 0, 0, 0, rc, 0};
   gca_close(a);
-  out[n++] = (expected_call_t){RC_CLOSE, 0, 0, 0, 0, 0};
+  out[n++] = (expected_call_t){RC_CLOSE, 0, 0, 0, 0, 0, 0};
   return n;
 }
 
@@ -528,7 +533,7 @@ static void test_trace_recording(void **state) {
   (void)state;
   expected_call_t want[16];
   size_t n = run_sequence(want);
-  assert_int_equal(n, 10);
+  assert_int_equal(n, 11);
   const char *path = temp_path("trace.txt");
   char cmd[1024];
   snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --record-child", path, GCALLOC_SELF_PATH);
@@ -552,7 +557,8 @@ static void test_trace_recording(void **state) {
         assert_int_equal(c->stream, want[i].stream);
         assert_int_equal(c->device, 0);
         break;
-      case RC_FREE: assert_int_equal(c->ptr, want[i].ptr); break;
+      case RC_FREE:
+      case RC_FREE_COMPLETED: assert_int_equal(c->ptr, want[i].ptr); break;
       case RC_RECORD_STREAM:
         assert_int_equal(c->ptr, want[i].ptr);
         assert_int_equal(c->stream, want[i].stream);
@@ -560,6 +566,7 @@ static void test_trace_recording(void **state) {
       default: break;
     }
     assert_int_equal(c->status, want[i].status);
+    assert_int_equal(c->pending, want[i].pending);
   }
   assert_int_equal(want[3].ptr, 0);
   assert_int_equal(want[6].status, GCA_ERR_BAD_POINTER);
@@ -571,6 +578,59 @@ static void test_trace_recording(void **state) {
   assert_int_equal(record_read(path, &got), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "line 2");
   assert_int_equal(record_read("/nonexistent/trace", &got), GCA_ERR_IO);
+}
+
+/* A block used on another stream is reused only once that stream's work
+ * is done. The job below needed two 12 MiB segments because of it (B came
+ * while A waited for S2), and a replay of its trace must say so: the free
+ * of A is recorded as pending and its completion when it came, and the
+ * replay releases A there. Returns the job's peak reserved bytes. */
+static int64_t run_pending_job(void) {
+  gca_allocator_t *a = NULL;
+  if (gca_open("sim:capacity=256MiB", NULL, &a) != GCA_OK) return -1;
+  void *first = gca_malloc(a, 12 * MiB, 0, S1);
+  if (!first || sim_launch(&a->backend, 0, S2, 1000, (uintptr_t)first, 12 * MiB) != GCA_OK ||
+      gca_record_stream(a, first, S2) != GCA_OK || gca_free(a, first) != GCA_OK)
+    return -1;
+  void *second = gca_malloc(a, 12 * MiB, 0, S1); /* S2's work runs on: a segment of its own */
+  if (!second || second == first || gca_free(a, second) != GCA_OK) return -1;
+  sim_advance(&a->backend, 2000);
+  void *third = gca_malloc(a, 12 * MiB, 0, S1); /* done now: either segment will do */
+  gca_stats_t st;
+  if (!third || gca_free(a, third) != GCA_OK || gca_get_stats(a, 0, &st) != GCA_OK) return -1;
+  gca_close(a);
+  return st.reserved_bytes[GCA_POOL_ALL].peak;
+}
+
+static void test_trace_pending_frees_replayed(void **state) {
+  (void)state;
+  int64_t peak = run_pending_job();
+  assert_int_equal(peak, 24 * MiB);
+  const char *path = temp_path("pending.trace");
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --pending-child", path, GCALLOC_SELF_PATH);
+  assert_int_equal(system(cmd), 0);
+  recorded_calls_t got;
+  assert_int_equal(record_read(path, &got), GCA_OK);
+  size_t pending_frees = 0, completions = 0, completed_at = 0, third_at = 0;
+  for (size_t i = 0; i < got.count; i++) {
+    const recorded_call_t *c = &got.calls[i];
+    pending_frees += c->call == RC_FREE && c->pending;
+    if (c->call == RC_FREE_COMPLETED) completed_at = i, completions++;
+    if (c->call == RC_MALLOC) third_at = i;
+  }
+  assert_int_equal(pending_frees, 1);
+  assert_int_equal(completions, 1);
+  assert_true(completed_at < third_at); /* before the malloc that could reuse it */
+  record_free(&got);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].peak_reserved, (uint64_t)peak);
+  replay_result_free(&r);
+  trace_free(&t);
 }
 
 static int cleanup(void **state) {
@@ -586,8 +646,9 @@ static int cleanup(void **state) {
 int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "--record-child")) {
     expected_call_t calls[16];
-    return run_sequence(calls) == 10 ? 0 : 1;
+    return run_sequence(calls) == 11 ? 0 : 1;
   }
+  if (argc == 2 && !strcmp(argv[1], "--pending-child")) return run_pending_job() == 24 * MiB ? 0 : 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_summary_golden),
       cmocka_unit_test(test_summary_units),
@@ -601,6 +662,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_log_levels),
       cmocka_unit_test(test_log_environment),
       cmocka_unit_test(test_trace_recording),
+      cmocka_unit_test(test_trace_pending_frees_replayed),
   };
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

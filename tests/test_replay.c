@@ -155,6 +155,69 @@ static void test_gcalloc_trace_format(void **state) {
   trace_free(&t);
 }
 
+/* Version 2 of gcalloc's trace: a free that left its block pending (it
+ * was used on another stream) is the program's request, and the memory
+ * comes back at its free_completed line. Worked out by hand: A and B are 12
+ * MiB (a segment of their own each, above 10 MiB); B comes while A is
+ * pending, so the job had both segments, 24 MiB; C reuses A's after its
+ * completion. Read as a version 1 trace (the free the release), B would
+ * have taken A's segment: 12 MiB. */
+static void test_gcalloc_trace_pending_frees(void **state) {
+  (void)state;
+  const char *pending = "# gcalloc trace 2\n"
+                        "1 7 open 0 sim -\n"
+                        "2 7 malloc 0 0 100 12582912 200000000000\n"
+                        "3 7 record_stream 0 200000000000 200 0\n"
+                        "4 7 free 0 200000000000 0 1\n"
+                        "5 7 free 0 200000000000 0 1\n" /* (asked twice: the first stands) */
+                        "6 7 malloc 0 0 100 12582912 200001000000\n"
+                        "7 7 free 0 200001000000 0\n"
+                        "8 7 free_completed 0 200000000000\n"
+                        "9 7 malloc 0 0 100 12582912 200000000000\n"
+                        "10 7 free_completed 0 deadbeef\n" /* not live: nothing */
+                        "11 7 free 0 200000000000 0\n"
+                        "12 7 close 0\n";
+  write_file("/tmp/gcalloc-replay-pending.trace", pending);
+  trace_t t;
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_OK);
+  static const trace_action want[] = {TA_ALLOC, TA_FREE_REQUESTED, TA_ALLOC, TA_FREE_COMPLETED,
+                                      TA_FREE_COMPLETED, TA_ALLOC, TA_FREE_COMPLETED};
+  static const uint64_t at[] = {0x200000000000, 0x200000000000, 0x200001000000, 0x200001000000,
+                                0x200000000000, 0x200000000000, 0x200000000000};
+  assert_int_equal(t.count, 7);
+  for (size_t i = 0; i < t.count; i++) {
+    assert_int_equal(t.events[i].action, want[i]);
+    assert_int_equal(t.events[i].addr, at[i]);
+  }
+  replay_options_t o = defaults();
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].peak_reserved, 24 * MiB);
+  assert_int_equal(r.devices[0].device_allocs, 2);
+  replay_result_free(&r);
+  trace_free(&t);
+  /* The same calls as version 1 wrote them. */
+  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 1\n"
+                                                   "2 7 malloc 0 0 100 12582912 200000000000\n"
+                                                   "3 7 record_stream 0 200000000000 200 0\n"
+                                                   "4 7 free 0 200000000000 0\n"
+                                                   "6 7 malloc 0 0 100 12582912 200000000000\n"
+                                                   "7 7 free 0 200000000000 0\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_OK);
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].peak_reserved, 12 * MiB);
+  replay_result_free(&r);
+  trace_free(&t);
+  /* A free's flag is 0 or 1; a completion names its pointer. */
+  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free 0 1000 0 2\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "line 2: not a gcalloc trace line");
+  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free_completed 0\n");
+  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "line 2: not a gcalloc trace line");
+  remove("/tmp/gcalloc-replay-pending.trace");
+}
+
 /* gcalloc's own trace from a process with two allocators: each may hand
  * out the same address (two sim devices), so a free takes the device of
  * its own allocator's allocation; empty_cache(-1) is replayed on every
@@ -1184,6 +1247,7 @@ static void test_segment_matching(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocsim_lines), cmocka_unit_test(test_allocsim_order),        cmocka_unit_test(test_gcalloc_trace_format),
+      cmocka_unit_test(test_gcalloc_trace_pending_frees),
       cmocka_unit_test(test_gcalloc_trace_allocators), cmocka_unit_test(test_report_unwritable),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_start_as_recorded),
       cmocka_unit_test(test_start_as_recorded_random),

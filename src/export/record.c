@@ -3,19 +3,31 @@
  * record_stream, empty_cache, close) is written to that file, one line each,
  * so the run can be replayed elsewhere (issue 6's replay tool reads it).
  *
- *   # gcalloc trace 1
+ *   # gcalloc trace 2
  *   TIME_US THREAD open ID BACKEND CONFIG
  *   TIME_US THREAD malloc ID DEVICE STREAM SIZE PTR
- *   TIME_US THREAD free ID PTR STATUS
+ *   TIME_US THREAD free ID PTR STATUS [1]
  *   TIME_US THREAD record_stream ID PTR STREAM STATUS
  *   TIME_US THREAD empty_cache ID DEVICE STATUS
  *   TIME_US THREAD close ID
+ *   TIME_US THREAD free_completed ID PTR
  *
  * TIME_US: microseconds since the Unix epoch; THREAD: the calling thread's
  * id; ID: which allocator of the process; STREAM and PTR in hex (PTR 0: the
  * malloc failed); STATUS: the call's gca_status; BACKEND and CONFIG as given
  * to gca_open ("-" for none; they hold no spaces). Lines starting with '#'
  * are comments.
+ *
+ * Version 2 adds what a replay needs of record_stream: a free whose block
+ * was used on other streams leaves it pending until their work is done, and
+ * the memory is reused only then. Such a free ends in " 1", and a
+ * free_completed line follows when its block became reusable (PyTorch's
+ * snapshots have free_requested and free_completed for the same reason).
+ * A completion happens inside some call, traced or not (a malloc or a
+ * synchronize looks at the events), under the device's lock: it is kept
+ * and written before the next line, so before any call that could reuse
+ * the memory; its time and thread are the completion's. Version 1 traces
+ * have neither, and read as before.
  *
  * While recording, a traced call holds the file's lock across the call and
  * its line, so the file's order is the order the allocator saw: a pointer is
@@ -51,7 +63,7 @@ static void open_from_environment(void) {
                 strerror(errno));
     return;
   }
-  fputs("# gcalloc trace 1\n", f);
+  fputs("# gcalloc trace 2\n", f);
   fflush(f);
   atomic_store(&record_file, f);
   log_refresh_observed();
@@ -70,10 +82,64 @@ void record_unlock_calls(void) {
   if (trace_file_active()) pthread_mutex_unlock(&record_lock);
 }
 
+/* ---- pending frees ------------------------------------------------------ */
+
+static _Thread_local bool free_left_pending;
+
+void record_note_free_pending(void) { free_left_pending = true; }
+
+bool record_free_left_pending(void) {
+  bool was = free_left_pending;
+  free_left_pending = false;
+  return was;
+}
+
+/* Completions not written yet. Their lock is taken under a device's lock
+ * and under record_lock, and nothing is taken under it. */
+typedef struct completion {
+  int64_t time_us;
+  long thread;
+  int allocator;
+  uintptr_t ptr;
+} completion_t;
+
+static pthread_mutex_t completions_lock = PTHREAD_MUTEX_INITIALIZER;
+static completion_t *completions;
+static size_t completion_count, completion_cap, completions_lost;
+
+void record_free_completed(int allocator, uintptr_t ptr) {
+  completion_t c = {history_now_us(), (long)syscall(SYS_gettid), allocator, ptr};
+  pthread_mutex_lock(&completions_lock);
+  if (completion_count == completion_cap) {
+    completion_t *grown = grow_array(completions, &completion_cap, sizeof *grown, 64);
+    if (grown) completions = grown;
+  }
+  if (completion_count < completion_cap) completions[completion_count++] = c;
+  else completions_lost++;
+  pthread_mutex_unlock(&completions_lock);
+}
+
+/* Write the completions kept; the caller holds record_lock. */
+static void write_completions(FILE *f) {
+  pthread_mutex_lock(&completions_lock);
+  for (size_t i = 0; i < completion_count; i++) {
+    const completion_t *c = &completions[i];
+    fprintf(f, "%" PRId64 " %ld free_completed %d %" PRIxPTR "\n", c->time_us, c->thread, c->allocator, c->ptr);
+  }
+  completion_count = 0;
+  if (completions_lost) {
+    /* (A replay then keeps those blocks live to the end: it says more than it should, never less.) */
+    fprintf(f, "# %zu completions of pending frees lost here: out of host memory\n", completions_lost);
+    completions_lost = 0;
+  }
+  pthread_mutex_unlock(&completions_lock);
+}
+
 /* Write one line; the caller holds record_lock. */
 void record_line(const char *call, const char *fmt, ...) {
   FILE *f = atomic_load(&record_file);
   if (!f) return;
+  write_completions(f);
   fprintf(f, "%" PRId64 " %ld %s ", history_now_us(), (long)syscall(SYS_gettid), call);
   va_list ap;
   va_start(ap, fmt);
@@ -85,7 +151,8 @@ void record_line(const char *call, const char *fmt, ...) {
 
 /* ---- reading ------------------------------------------------------------ */
 
-static const char *const call_names[] = {"open", "close", "malloc", "free", "record_stream", "empty_cache"};
+static const char *const call_names[] = {"open",          "close",       "malloc",        "free",
+                                          "record_stream", "empty_cache", "free_completed"};
 
 static int parse_line(const char *line, recorded_call_t *c) {
   char name[32];
@@ -95,7 +162,7 @@ static int parse_line(const char *line, recorded_call_t *c) {
     return -1;
   const char *rest = line + used;
   c->call = -1;
-  for (int i = 0; i < 6; i++)
+  for (int i = 0; i < (int)(sizeof call_names / sizeof call_names[0]); i++)
     if (!strcmp(name, call_names[i])) c->call = i;
   int n;
   switch (c->call) {
@@ -104,7 +171,10 @@ static int parse_line(const char *line, recorded_call_t *c) {
     case RC_MALLOC:
       n = sscanf(rest, " %d %" SCNx64 " %" SCNu64 " %" SCNx64, &c->device, &c->stream, &c->size, &c->ptr);
       return n == 4 ? 0 : -1;
-    case RC_FREE: return sscanf(rest, " %" SCNx64 " %d", &c->ptr, &c->status) == 2 ? 0 : -1;
+    case RC_FREE:
+      n = sscanf(rest, " %" SCNx64 " %d %d", &c->ptr, &c->status, &c->pending);
+      return n == 2 || (n == 3 && (c->pending == 0 || c->pending == 1)) ? 0 : -1;
+    case RC_FREE_COMPLETED: return sscanf(rest, " %" SCNx64, &c->ptr) == 1 ? 0 : -1;
     case RC_RECORD_STREAM:
       return sscanf(rest, " %" SCNx64 " %" SCNx64 " %d", &c->ptr, &c->stream, &c->status) == 3 ? 0 : -1;
     case RC_EMPTY_CACHE: return sscanf(rest, " %d %d", &c->device, &c->status) == 2 ? 0 : -1;

@@ -13,7 +13,8 @@ typedef enum record_call {
   RC_MALLOC,        /* id device stream size ptr */
   RC_FREE,          /* id ptr status */
   RC_RECORD_STREAM, /* id ptr stream status */
-  RC_EMPTY_CACHE    /* id device status */
+  RC_EMPTY_CACHE,   /* id device status */
+  RC_FREE_COMPLETED /* id ptr: a pending free's block became reusable (version 2) */
 } record_call;
 
 typedef struct recorded_call {
@@ -26,6 +27,7 @@ typedef struct recorded_call {
   uint64_t size;
   uint64_t ptr;
   int status;
+  int pending;       /* free: 1 when it left its block pending (a free_completed line follows) */
   char text[2][256]; /* open: backend, config ("-" for none) */
 } recorded_call_t;
 

@@ -476,7 +476,9 @@ static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
 }
 
 /* gcalloc's own trace (GCALLOC_TRACE_FILE): mallocs that succeeded become
- * allocs, frees that succeeded their release; a free names no device, so
+ * allocs, frees that succeeded their release (a free that left its block
+ * pending, in version 2, a free_requested, and its free_completed line the
+ * release); a free names no device, so
  * it takes its allocation's, looked up by (allocator, pointer): two
  * allocators of one process may hand out the same address (two sim
  * devices). empty_cache calls become a segment_free marker the replay turns
@@ -545,16 +547,21 @@ static int gcalloc_pair(gcalloc_reader_t *r, gcalloc_owner_t *o, int device, siz
   return r->pair_count++;
 }
 
+/* In an owner's live map, beside the pair: the pointer's free was pending
+ * (its free_completed line is the release). */
+#define LIVE_REQUESTED ((uint64_t)1 << 32)
+
 static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   gcalloc_reader_t *r = ctx;
   bool is_malloc = c->call == RC_MALLOC && c->ptr, is_free = c->call == RC_FREE && c->status == GCA_OK;
   bool is_empty = c->call == RC_EMPTY_CACHE && c->status == GCA_OK;
+  is_free |= c->call == RC_FREE_COMPLETED;
   if (c->call == RC_CLOSE) { /* its allocations are gone with it */
     uint64_t *at = addr_map_get(&r->allocators, (uint32_t)c->allocator);
     if (at) addr_map_free(&r->owners[*at - 1].live);
     return GCA_OK;
   }
-  if (!is_malloc && !is_free && !is_empty) return GCA_OK; /* failed calls, open, close, record_stream */
+  if (!is_malloc && !is_free && !is_empty) return GCA_OK; /* failed calls, open, record_stream */
   if ((is_malloc || is_empty) && (c->device < (is_empty ? -1 : 0) || c->device > 255))
     return set_error(GCA_ERR_INVALID, "trace %s, line %zu: device %d out of range (0-255)", r->path, lineno,
                      c->device);
@@ -574,11 +581,18 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
     e = (trace_event_t){pair, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
   } else if (is_free) {
     /* A pointer this allocator did not give out in the trace (a free after
-     * its close) frees nothing of any device replayed. */
+     * its close) frees nothing of any device replayed. A free that left
+     * its block pending is the program's request, and the memory comes
+     * back at its free_completed line (a replay releases it there, as it
+     * does a snapshot's); another free is both. */
     uint64_t *pair = o->live.keys ? addr_map_get(&o->live, c->ptr) : NULL;
     if (!pair) return GCA_OK;
-    e = (trace_event_t){(int)*pair, TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
-    addr_map_del(&o->live, c->ptr);
+    int index = (int)(*pair & (LIVE_REQUESTED - 1));
+    bool requested = c->call == RC_FREE && c->pending;
+    if (requested && (*pair & LIVE_REQUESTED)) return GCA_OK; /* (asked twice: the first stands) */
+    e = (trace_event_t){index, requested ? TA_FREE_REQUESTED : TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
+    if (requested) *pair |= LIVE_REQUESTED;
+    else addr_map_del(&o->live, c->ptr);
   } else {
     for (int d = c->device < 0 ? 0 : c->device; d <= (c->device < 0 ? 255 : c->device); d++) {
       if (!o->pair[d]) continue;
