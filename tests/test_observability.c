@@ -529,17 +529,24 @@ static size_t run_sequence(expected_call_t *out) {
   return n;
 }
 
+/* Runs this test program as a child in `mode` with GCALLOC_TRACE_FILE set
+ * to the temporary file `name`, and reads back what it recorded. */
+static const char *record_child(const char *name, const char *mode, recorded_calls_t *got) {
+  const char *path = temp_path(name);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s %s", path, GCALLOC_SELF_PATH, mode);
+  assert_int_equal(system(cmd), 0);
+  assert_int_equal(record_read(path, got), GCA_OK);
+  return path;
+}
+
 static void test_trace_recording(void **state) {
   (void)state;
   expected_call_t want[16];
   size_t n = run_sequence(want);
   assert_int_equal(n, 11);
-  const char *path = temp_path("trace.txt");
-  char cmd[1024];
-  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --record-child", path, GCALLOC_SELF_PATH);
-  assert_int_equal(system(cmd), 0);
   recorded_calls_t got;
-  assert_int_equal(record_read(path, &got), GCA_OK);
+  const char *path = record_child("trace.txt", "--record-child", &got);
   assert_int_equal(got.count, n);
   for (size_t i = 0; i < n; i++) {
     const recorded_call_t *c = &got.calls[i];
@@ -606,12 +613,8 @@ static void test_trace_pending_frees_replayed(void **state) {
   (void)state;
   int64_t peak = run_pending_job();
   assert_int_equal(peak, 24 * MiB);
-  const char *path = temp_path("pending.trace");
-  char cmd[1024];
-  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --pending-child", path, GCALLOC_SELF_PATH);
-  assert_int_equal(system(cmd), 0);
   recorded_calls_t got;
-  assert_int_equal(record_read(path, &got), GCA_OK);
+  const char *path = record_child("pending.trace", "--pending-child", &got);
   size_t pending_frees = 0, completions = 0, completed_at = 0, third_at = 0;
   for (size_t i = 0; i < got.count; i++) {
     const recorded_call_t *c = &got.calls[i];
