@@ -86,6 +86,20 @@ static void test_allocsim_lines(void **state) {
  * in line order, and a block allocated and freed at one index freed after
  * the allocations there. Op indices are the file's to choose: a hundred
  * billion costs no more than ten. */
+/* An allocatorSim line's end, as the rule orders them: by op index, then
+ * kind (0 frees, 1 allocations, 2 frees of what was allocated at the same
+ * index), then line. */
+typedef struct ref_end {
+  uint64_t op, kind, line, size;
+} ref_end_t;
+
+static int compare_ref_ends(const void *a, const void *b) {
+  const ref_end_t *x = a, *y = b;
+  if (x->op != y->op) return x->op < y->op ? -1 : 1;
+  if (x->kind != y->kind) return x->kind < y->kind ? -1 : 1;
+  return x->line < y->line ? -1 : x->line > y->line;
+}
+
 static void test_allocsim_order(void **state) {
   (void)state;
   write_file("/tmp/gcalloc-replay.log", "5 100000000000 10\n"   /* line 0 */
@@ -114,6 +128,32 @@ static void test_allocsim_order(void **state) {
   assert_int_equal(t.events[0].addr, t.events[3].addr);
   assert_int_equal(t.events[5].addr, t.events[7].addr);
   assert_int_not_equal(t.events[4].addr, t.events[5].addr);
+  trace_free(&t);
+
+  /* Many lines, many ties: the order is (op, kind, line), worked out here
+   * with qsort from the rule above. */
+  enum { LINES = 3000 };
+  static ref_end_t ref[2 * LINES];
+  FILE *f = fopen("/tmp/gcalloc-replay.log", "w");
+  assert_non_null(f);
+  uint64_t seed = 29;
+  for (uint64_t i = 0; i < LINES; i++) {
+    seed = seed * 6364136223846793005u + 1442695040888963407u;
+    uint64_t a = (seed >> 33) % 400, b = a + (seed >> 20) % 3 * ((seed >> 40) % 50), size = 1 + (seed >> 45) % 4096;
+    fprintf(f, "%" PRIu64 " %" PRIu64 " %" PRIu64 "\n", a, b, size);
+    ref[2 * i] = (ref_end_t){a, 1, i, size};
+    ref[2 * i + 1] = (ref_end_t){b, a == b ? 2 : 0, i, size};
+  }
+  fclose(f);
+  qsort(ref, 2 * LINES, sizeof *ref, compare_ref_ends);
+  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(t.count, 2 * LINES);
+  for (size_t i = 0; i < t.count; i++) {
+    assert_int_equal(t.events[i].action, ref[i].kind == 1 ? TA_ALLOC : TA_FREE_COMPLETED);
+    assert_int_equal(t.events[i].time_us, ref[i].op);
+    assert_int_equal(t.events[i].size, ref[i].size);
+    assert_int_equal(t.events[i].addr, (ref[i].line + 1) * 512);
+  }
   trace_free(&t);
 
   write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n4 3 10\n");

@@ -287,10 +287,40 @@ typedef struct allocsim_end {
 
 #define ALLOCSIM_LINE(order) ((order) & (((uint64_t)1 << 62) - 1))
 
-static int compare_allocsim_ends(const void *a, const void *b) {
-  const allocsim_end_t *x = a, *y = b;
-  if (x->op != y->op) return x->op < y->op ? -1 : 1;
-  return x->order < y->order ? -1 : x->order > y->order;
+static inline bool end_before(const allocsim_end_t *x, const allocsim_end_t *y) {
+  return x->op != y->op ? x->op < y->op : x->order < y->order;
+}
+
+/* Sorts ends[0 .. n) by (op, order), every key distinct (the order holds
+ * the line), with room for n more in tmp. qsort was a fifth of replaying
+ * the allocatorSim log here: a call through a pointer for each of its
+ * 3,300 comparisons. Runs of 8 sorted by insertion, then merged bottom up,
+ * back and forth between the two arrays. */
+#define ENDS_RUN 8
+static void sort_ends(allocsim_end_t *ends, allocsim_end_t *tmp, size_t n) {
+  for (size_t lo = 0; lo < n; lo += ENDS_RUN) {
+    size_t hi = lo + ENDS_RUN < n ? lo + ENDS_RUN : n;
+    for (size_t i = lo + 1; i < hi; i++) {
+      allocsim_end_t v = ends[i];
+      size_t j = i;
+      for (; j > lo && end_before(&v, &ends[j - 1]); j--) ends[j] = ends[j - 1];
+      ends[j] = v;
+    }
+  }
+  allocsim_end_t *from = ends, *to = tmp;
+  for (size_t width = ENDS_RUN; width < n; width *= 2) {
+    for (size_t lo = 0; lo < n; lo += 2 * width) {
+      size_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+      size_t i = lo, j = mid, k = lo;
+      while (i < mid && j < hi) to[k++] = end_before(&from[j], &from[i]) ? from[j++] : from[i++];
+      while (i < mid) to[k++] = from[i++];
+      while (j < hi) to[k++] = from[j++];
+    }
+    allocsim_end_t *swap = from;
+    from = to;
+    to = swap;
+  }
+  if (from != ends) memcpy(ends, from, n * sizeof *ends);
 }
 
 static int load_allocsim(const char *path, FILE *f, trace_t *t) {
@@ -331,7 +361,10 @@ static int load_allocsim(const char *path, FILE *f, trace_t *t) {
   if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read %s", path);
   if (rc == GCA_OK && n == 0) rc = set_error(GCA_ERR_INVALID, "%s: no allocations in the file", path);
   t->device_count = 1;
-  if (rc == GCA_OK) qsort(ends, 2 * n, sizeof *ends, compare_allocsim_ends);
+  allocsim_end_t *tmp = rc == GCA_OK ? malloc(2 * n * sizeof *tmp) : NULL;
+  if (rc == GCA_OK && !tmp) rc = set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  if (rc == GCA_OK) sort_ends(ends, tmp, 2 * n);
+  free(tmp);
   size_t ecap = 0;
   for (size_t k = 0; rc == GCA_OK && k < 2 * n; k++) {
     size_t i = (size_t)ALLOCSIM_LINE(ends[k].order);
