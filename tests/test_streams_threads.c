@@ -6,11 +6,18 @@
  * device is small enough that the out-of-memory path runs concurrently with
  * pending frees; the history records everything, with stacks, and the
  * maintainer takes snapshots and summaries as it goes. Any launch the sim finds unordered with other work on the
- * same memory is a failure; afterwards the books must balance exactly. */
+ * same memory is a failure; afterwards the books must balance exactly.
+ * The same workload, smaller, runs again in a child process that records
+ * its calls (GCALLOC_TRACE_FILE): frees left pending there complete on
+ * whichever thread looks at the events, and the trace must still never
+ * hand out memory before its free completed. */
 #include <inttypes.h>
 #include <pthread.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "helpers.h"
+#include "export/trace.h"
 
 #define WORKERS 4
 #define OPS_PER_WORKER 20000
@@ -20,6 +27,7 @@
 typedef struct worker {
   gca_allocator_t *a;
   int index;
+  int ops;
   uint64_t seed;
   long mallocs, ooms, uses, failures;
 } worker_t;
@@ -41,7 +49,7 @@ static void *work(void *arg) {
     bool shared;
   } live[SLOTS] = {{0}};
   uint64_t s = w->seed;
-  for (int i = 0; i < OPS_PER_WORKER; i++) {
+  for (int i = 0; i < w->ops; i++) {
     size_t slot = next_random(&s) % SLOTS;
     uint64_t r = next_random(&s) % 100;
     if (!live[slot].p && r < 50) {
@@ -121,32 +129,39 @@ static void *maintain(void *arg) {
   return NULL;
 }
 
-static void test_concurrent_streams(void **state) {
-  (void)state;
-  gca_allocator_t *a = open_sim("sim:capacity=2GiB", "cross_stream_reuse:True");
-  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 4096), GCA_OK);
+/* The workers, the observer and the maintainer, each `ops` operations a
+ * worker; false if any check failed. */
+static bool run_workload(gca_allocator_t *a, int ops, long *mallocs, long *uses, long *ooms) {
   pthread_t threads[WORKERS + 2];
   worker_t workers[WORKERS];
   atomic_store(&workers_running, WORKERS);
   for (int i = 0; i < WORKERS; i++) {
-    workers[i] = (worker_t){.a = a, .index = i, .seed = 0x9E3779B9ull * (uint64_t)(i + 1)};
-    assert_int_equal(pthread_create(&threads[i], NULL, work, &workers[i]), 0);
+    workers[i] = (worker_t){.a = a, .index = i, .ops = ops, .seed = 0x9E3779B9ull * (uint64_t)(i + 1)};
+    if (pthread_create(&threads[i], NULL, work, &workers[i]) != 0) return false;
   }
-  assert_int_equal(pthread_create(&threads[WORKERS], NULL, observe, a), 0);
-  assert_int_equal(pthread_create(&threads[WORKERS + 1], NULL, maintain, a), 0);
+  if (pthread_create(&threads[WORKERS], NULL, observe, a) != 0 ||
+      pthread_create(&threads[WORKERS + 1], NULL, maintain, a) != 0)
+    return false;
   for (int i = 0; i < WORKERS + 2; i++) pthread_join(threads[i], NULL);
-  assert_int_equal(atomic_load(&helper_failures), 0);
-
-  long mallocs = 0, uses = 0, ooms = 0;
+  bool ok = atomic_load(&helper_failures) == 0;
+  *mallocs = *uses = *ooms = 0;
   for (int i = 0; i < WORKERS; i++) {
     if (workers[i].failures) fprintf(stderr, "worker %d: %ld failures; last: %s\n", i, workers[i].failures,
                                      gca_last_error());
-    assert_int_equal(workers[i].failures, 0);
-    mallocs += workers[i].mallocs;
-    uses += workers[i].uses;
-    ooms += workers[i].ooms;
+    ok &= workers[i].failures == 0;
+    *mallocs += workers[i].mallocs;
+    *uses += workers[i].uses;
+    *ooms += workers[i].ooms;
   }
-  assert_true(mallocs > 0 && uses > 0);
+  return ok && *mallocs > 0 && *uses > 0;
+}
+
+static void test_concurrent_streams(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=2GiB", "cross_stream_reuse:True");
+  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 4096), GCA_OK);
+  long mallocs, uses, ooms;
+  assert_true(run_workload(a, OPS_PER_WORKER, &mallocs, &uses, &ooms));
   assert_consistent(a);
   assert_int_equal(gca_synchronize(a, 0), GCA_OK);
   gca_stats_t s = stats_of(a, 0);
@@ -166,7 +181,63 @@ static void test_concurrent_streams(void **state) {
   gca_close(a);
 }
 
-int main(void) {
-  const struct CMUnitTest tests[] = {cmocka_unit_test(test_concurrent_streams)};
+/* The child: the workload recorded, then every pending free completed
+ * (synchronize) before the close. */
+#define RECORDED_OPS 3000
+static int recording_child(void) {
+  gca_allocator_t *a = NULL;
+  if (gca_open("sim:capacity=2GiB", "cross_stream_reuse:True", &a) != GCA_OK) return 1;
+  long mallocs, uses, ooms;
+  bool ok = run_workload(a, RECORDED_OPS, &mallocs, &uses, &ooms) && gca_synchronize(a, 0) == GCA_OK;
+  gca_close(a);
+  return ok ? 0 : 1;
+}
+
+static void test_recorded_under_concurrency(void **state) {
+  (void)state;
+  char path[] = "/tmp/gcalloc-streams-trace-XXXXXX", cmd[1024];
+  int fd = mkstemp(path);
+  assert_true(fd >= 0);
+  close(fd);
+  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --recording-child", path, GCALLOC_SELF_PATH);
+  assert_int_equal(system(cmd), 0);
+  /* As the replay reads it: memory is handed out only once its last free
+   * completed, and each pending free completes. */
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  addr_map_t live; /* address -> 1 allocated, 2 its free pending */
+  assert_true(addr_map_init(&live));
+  size_t requested = 0, allocs = 0, live_count = 0;
+  for (size_t i = 0; i < t.count; i++) {
+    const trace_event_t *e = &t.events[i];
+    uint64_t *state_of = addr_map_get(&live, e->addr);
+    if (e->action == TA_ALLOC) {
+      if (state_of) fail_msg("event %zu: %#" PRIx64 " allocated again before its free completed", i, e->addr);
+      assert_true(addr_map_put(&live, e->addr, 1));
+      allocs++;
+      live_count++;
+    } else if (e->action == TA_FREE_REQUESTED) {
+      assert_non_null(state_of);
+      assert_int_equal(*state_of, 1);
+      *state_of = 2;
+      requested++;
+    } else if (e->action == TA_FREE_COMPLETED) {
+      assert_non_null(state_of);
+      addr_map_del(&live, e->addr);
+      live_count--;
+    }
+  }
+  assert_int_equal(live_count, 0);
+  assert_true(allocs > 0 && requested > 0);
+  printf("%zu events recorded, %zu allocations, %zu frees left pending\n", t.count, allocs, requested);
+  addr_map_free(&live);
+  trace_free(&t);
+  remove(path);
+}
+
+int main(int argc, char **argv) {
+  if (argc == 2 && !strcmp(argv[1], "--recording-child")) return recording_child();
+  const struct CMUnitTest tests[] = {cmocka_unit_test(test_concurrent_streams),
+                                     cmocka_unit_test(test_recorded_under_concurrency)};
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
