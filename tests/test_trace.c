@@ -597,6 +597,101 @@ static bool prepare_all_but_sixth(const void *ctx, const pv_t *pairs, size_t cou
   return ++prepared_so_far != 6;
 }
 
+/* Declines the second block it is given, which is then read as a dict. */
+static int blocks_so_far;
+static bool prepare_all_but_second(const void *ctx, const pv_t *pairs, size_t count, void *out) {
+  (void)ctx, (void)pairs, (void)count, (void)out;
+  return ++blocks_so_far != 2;
+}
+
+/* A pickle that is read with records on, a record put somewhere other
+ * than the list it was made for, and read again without: the tree holds
+ * dicts and no record. */
+static void expect_escaped(const unsigned char *data, size_t len, const pickle_options_t *o, const char *list_key,
+                           size_t dict_at) {
+  pickle_doc_t *doc = pickle_parse(data, len, o);
+  assert_non_null(doc);
+  const pv_t *root = pickle_root(doc), *list = root->kind == PV_DICT ? pv_get(root, list_key) : root;
+  assert_non_null(list);
+  assert_int_equal(list->kind, PV_LIST);
+  int64_t first;
+  assert_int_equal(pv_records(list, &first), 0);
+  assert_int_equal(pv_at(list, dict_at)->kind, PV_DICT);
+  pickle_free(doc);
+}
+
+/* The final segments' blocks are records of their own kind (1), in the
+ * list under the block key, numbered apart from the entries. */
+static void test_blocks_as_records(void **state) {
+  (void)state;
+  size_t len;
+  unsigned char *small = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(small);
+  /* Blocks alone first: the two kinds share record_ctx, and count_record
+   * would number them together. */
+  int64_t blocks = 0;
+  pickle_options_t o = {.pruned_key = "frames", .prepare = prepare_nothing, .take = count_record,
+                        .record_ctx = &blocks, .block_key = "blocks", .block_prepare = prepare_nothing,
+                        .block_take = count_record};
+  pickle_doc_t *doc = pickle_parse(small, len, &o);
+  assert_non_null(doc);
+  assert_int_equal(blocks, 12); /* three segments of four */
+  const pv_t *segments = pv_get(pickle_root(doc), "segments");
+  int64_t first = -1;
+  for (size_t i = 0; i < 3; i++) {
+    const pv_t *list = pv_get(pv_at(segments, i), "blocks");
+    assert_int_equal(pv_records(list, &first), 4);
+    assert_int_equal(first, 4 * (int64_t)i);
+    pv_t held;
+    const pv_t *b = pv_item(list, 3, &held);
+    assert_true(b->kind == PV_RECORD && b->len == 1 && b->u.i == first + 3);
+  }
+  /* The entries are dicts (no records key), and the segments too. */
+  assert_int_equal(pv_at(pv_at(pv_get(pickle_root(doc), "device_traces"), 0), 0)->kind, PV_DICT);
+  assert_int_equal(pv_at(segments, 0)->kind, PV_DICT);
+  pickle_free(doc);
+  /* A block declined is a dict in its list, between records of kind 1. */
+  blocks = 0;
+  blocks_so_far = 0;
+  o.block_prepare = prepare_all_but_second;
+  doc = pickle_parse(small, len, &o);
+  assert_non_null(doc);
+  assert_int_equal(blocks, 11);
+  const pv_t *list = pv_get(pv_at(pv_get(pickle_root(doc), "segments"), 0), "blocks");
+  assert_int_equal(pv_records(list, &first), 0);
+  assert_int_equal(pv_len(list), 4);
+  assert_true(pv_at(list, 0)->kind == PV_RECORD && pv_at(list, 0)->len == 1 && pv_at(list, 0)->u.i == 0);
+  assert_int_equal(pv_at(list, 1)->kind, PV_DICT);
+  assert_true(pv_at(list, 2)->kind == PV_RECORD && pv_at(list, 2)->len == 1 && pv_at(list, 2)->u.i == 1);
+  pickle_free(doc);
+  free(small);
+
+  /* A block's record appended to a list that is not the block key's, and
+   * an entry's appended to the block key's list: each escapes, and the
+   * file is read again as dicts. */
+  o.block_prepare = prepare_nothing;
+  o.records_key = "device_traces";
+  static const unsigned char block_elsewhere[] = "\x80\x04](\x8c\x06" "blocks]}(\x8c\x04" "sizeK\x05ue.";
+  expect_escaped(block_elsewhere, sizeof block_elsewhere - 1, &o, NULL, 2);
+  static const unsigned char entry_in_blocks[] = "\x80\x04}(\x8c\x06" "blocks](\x8c\x0d" "device_traces]]}(\x8c\x06"
+                                                 "action\x8c\x05" "allocueu.";
+  expect_escaped(entry_in_blocks, sizeof entry_in_blocks - 1, &o, "blocks", 3);
+
+  /* In a trace: a block with what it needs is a record, one without is
+   * read as a dict and named, as before. */
+  static const unsigned char no_state[] =
+      "\x80\x04}(\x8c\x08" "segments](}(\x8c\x07" "addressK\x10\x8c\x0a" "total_sizeK\x40\x8c\x06" "blocks]("
+      "}(\x8c\x07" "addressK\x10\x8c\x04" "sizeK\x20\x8c\x05" "state\x8c\x10" "active_allocatedu"
+      "}(\x8c\x07" "addressK\x30\x8c\x04" "sizeK\x20u"
+      "eue\x8c\x0d" "device_traces](]eu.";
+  trace_t t;
+  assert_int_equal(trace_parse_snapshot("s", no_state, sizeof no_state - 1, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "segment 0 block 1 lacks a valid address, size or state");
+  assert_int_equal(trace_parse_snapshot_slowly("s", no_state, sizeof no_state - 1, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "segment 0 block 1 lacks a valid address, size or state");
+  expect_same_trace(no_state, sizeof no_state - 1, 0);
+}
+
 static void test_flat_reader_same_as_machine(void **state) {
   (void)state;
   size_t len;
@@ -1152,6 +1247,7 @@ int main(void) {
       cmocka_unit_test(test_real_traces), cmocka_unit_test(test_piped_traces),
       cmocka_unit_test(test_compressed_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
+      cmocka_unit_test(test_blocks_as_records),
       cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_second_reader),
       cmocka_unit_test(test_big_arrays),
       cmocka_unit_test(test_many_entries),

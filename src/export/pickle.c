@@ -27,7 +27,7 @@ struct pickle_doc {
   size_t len;
   bool mapped;   /* buf is the file, mapped; else malloc'd */
   pickle_options_t options;
-  size_t pruned_len, records_len; /* of the two keys; 0 without them */
+  size_t pruned_len, records_len, blocks_len; /* of the three keys; 0 without them */
   arena_t arena; /* containers and their item arrays */
   pv_t root;
   pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none */
@@ -103,8 +103,10 @@ static bool prune_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, 
 
 /* Records (pickle_options): the list under the records key has role 1, a
  * list pushed into it role 2, and a dict pushed into one of those is a
- * record. "Into" is: the container being filled (under the latest MARK),
- * or, for a one-item list written with APPEND, the list right below. */
+ * record; the list under the block key has role 3, and a dict pushed into
+ * it is a record of kind 1. "Into" is: the container being filled (under
+ * the latest MARK), or, for a one-item list written with APPEND, the list
+ * right below. */
 static inline unsigned list_role(const pv_t *v) { return v->kind == PV_LIST ? v->u.seq->role : 0; }
 
 static bool inside_role(const pv_t *stack, size_t depth, const size_t *marks, size_t mark_count, unsigned role) {
@@ -116,7 +118,9 @@ static bool inside_role(const pv_t *stack, size_t depth, const size_t *marks, si
 
 static uint8_t role_new(const pickle_doc_t *doc, const pv_t *stack, size_t depth, const size_t *marks,
                         size_t mark_count) {
-  if (!doc->records_len || !depth) return 0;
+  if (!depth) return 0;
+  if (str_is(&stack[depth - 1], doc->options.block_key, doc->blocks_len)) return 3;
+  if (!doc->records_len) return 0;
   if (str_is(&stack[depth - 1], doc->options.records_key, doc->records_len)) return 1;
   return inside_role(stack, depth, marks, mark_count, 1) ? 2 : 0;
 }
@@ -127,12 +131,27 @@ static bool holds_record(const pv_t *items, size_t n) {
   return false;
 }
 
-/* Whether items are the records first, first + 1, ... */
+/* Whether adding items to container would put a record where its reader
+ * did not make it: anywhere but a list of its kind's role (2 for kind 0,
+ * 3 for kind 1), or into a record. */
+static bool records_misplaced(const pv_t *container, bool dict_op, const pv_t *items, size_t n) {
+  if (container->kind == PV_RECORD) return true;
+  unsigned role = dict_op ? 0 : list_role(container);
+  for (size_t i = 0; i < n; i++)
+    if (items[i].kind == PV_RECORD && !(items[i].len ? role == 3 : role == 2)) return true;
+  return false;
+}
+
+/* Whether items are the records first, first + 1, ... (of the kind the
+ * list holds: records_misplaced saw to it). */
 static bool records_from(const pv_t *items, size_t n, int64_t first) {
   for (size_t i = 0; i < n; i++)
     if (items[i].kind != PV_RECORD || items[i].u.i != first + (int64_t)i) return false;
   return true;
 }
+
+/* The kind of the records a list of that role holds. */
+static inline uint32_t record_kind(unsigned role) { return role == 3; }
 
 /* Appends n values. Growth extends the array where it is when nothing was
  * allocated after it (a long list, which a pickler appends to in batches
@@ -143,10 +162,11 @@ static bool records_from(const pv_t *items, size_t n, int64_t first) {
  * again, and no per-container free. */
 static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n) {
   if (s->pruned || n == 0) return true;
-  /* A device's entries, records in the order they were taken: held as a
-   * range, not as 16 bytes each (370 KiB of DeComFL's, a page fault per 4
-   * KiB in a new process). Anything else in the list makes it items. */
-  if (s->role == 2 && (s->record_range || !s->count)) {
+  /* A device's entries (or a segment's blocks), records in the order they
+   * were taken: held as a range, not as 16 bytes each (370 KiB of
+   * DeComFL's, a page fault per 4 KiB in a new process). Anything else in
+   * the list makes it items. */
+  if ((s->role == 2 || s->role == 3) && (s->record_range || !s->count)) {
     int64_t first = s->record_range ? s->record_base + (int64_t)s->count : items[0].u.i;
     if (records_from(items, n, first)) {
       if (!s->record_range) s->record_base = first;
@@ -159,7 +179,8 @@ static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n)
       if (cap > SIZE_MAX / sizeof *s->items) return false;
       pv_t *held = arena_alloc(&doc->arena, cap * sizeof *held);
       if (!held) return false;
-      for (size_t i = 0; i < s->count; i++) held[i] = (pv_t){.kind = PV_RECORD, .u.i = s->record_base + (int64_t)i};
+      for (size_t i = 0; i < s->count; i++)
+        held[i] = (pv_t){.kind = PV_RECORD, .len = record_kind(s->role), .u.i = s->record_base + (int64_t)i};
       s->items = held;
       s->cap = cap;
       s->record_range = false;
@@ -574,8 +595,9 @@ FLAT_STEP size_t flat_frames(const flat_t *f, size_t pos) {
   return pos;
 }
 
-/* What flat_dict does with the pairs it reads. */
-typedef enum flat_mode { FLAT_KEEP, FLAT_PRUNED, FLAT_RECORD } flat_mode;
+/* What flat_dict does with the pairs it reads: a dict, nothing, a record
+ * (an entry), a record of kind 1 (a block). */
+typedef enum flat_mode { FLAT_KEEP, FLAT_PRUNED, FLAT_RECORD, FLAT_BLOCK } flat_mode;
 
 /* The two copies of the flat reader: the first reader's and the second's. */
 static size_t flat_dict(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *out);
@@ -679,7 +701,8 @@ FLAT_STEP size_t flat_pruned_list(flat_t *f, size_t pos, int depth, const bool s
 FLAT_STEP size_t flat_dict_body(flat_t *f, size_t pos, flat_mode mode, int depth, pv_t *out, const bool sym) {
   const unsigned char *buf = f->buf;
   size_t len = f->len, count = 0;
-  pv_t dict = {.kind = mode == FLAT_RECORD ? PV_RECORD : PV_DICT, .u.seq = &f->doc->pruned_seq};
+  bool record = mode == FLAT_RECORD || mode == FLAT_BLOCK;
+  pv_t dict = {.kind = record ? PV_RECORD : PV_DICT, .len = mode == FLAT_BLOCK, .u.seq = &f->doc->pruned_seq};
   if (depth > 2) return 0; /* an entry, its frames, a frame: deeper is the machine's */
   size_t memo_at = f->memo_len;
   if (!(pos = flat_memo(f, pos + 1, mode == FLAT_PRUNED ? dict : (pv_t){0}, sym)) || pos >= len || buf[pos] != '(')
@@ -724,12 +747,14 @@ FLAT_STEP size_t flat_dict_body(flat_t *f, size_t pos, flat_mode mode, int depth
     f->pairs_count = count;
     return pos + 1;
   }
-  if (mode == FLAT_RECORD) {
+  if (record) {
     /* Last, so that a record taken is never undone. */
     const pickle_options_t *o = &f->doc->options;
     union { unsigned char bytes[PICKLE_RECORD_MAX]; max_align_t align; } prepared;
     int64_t id; /* (not &dict.u.i: dict stays in registers) */
-    if (!o->prepare(o->record_ctx, f->pairs, count, prepared.bytes) || !o->take(o->record_ctx, prepared.bytes, &id))
+    pickle_prepare_fn prepare = mode == FLAT_BLOCK ? o->block_prepare : o->prepare;
+    pickle_take_fn take = mode == FLAT_BLOCK ? o->block_take : o->take;
+    if (!prepare(o->record_ctx, f->pairs, count, prepared.bytes) || !take(o->record_ctx, prepared.bytes, &id))
       return 0;
     dict.u.i = id;
   } else if (mode == FLAT_KEEP) {
@@ -1492,9 +1517,10 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         continue;
       case '}': /* EMPTY_DICT */
         if (memo_dense && !doc->options.machine_only) {
-          flat_mode mode = prune_new(doc, stack, depth, marks, mark_count) ? FLAT_PRUNED
-                           : doc->options.take && inside_role(stack, depth, marks, mark_count, 2) ? FLAT_RECORD
-                                                                                                     : FLAT_KEEP;
+          flat_mode mode = prune_new(doc, stack, depth, marks, mark_count)                                ? FLAT_PRUNED
+                           : doc->options.take && inside_role(stack, depth, marks, mark_count, 2)       ? FLAT_RECORD
+                           : doc->options.block_take && inside_role(stack, depth, marks, mark_count, 3) ? FLAT_BLOCK
+                                                                                                          : FLAT_KEEP;
           flat.memo = memo;
           flat.memo_len = memo_len;
           flat.memo_cap = memo_cap;
@@ -1545,8 +1571,8 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           const pv_t *container = &stack[base - 1];
           bool dict_op = op == 'u' || op == 's';
           /* A record may only go into the list it was read for. */
-          if (unlikely(doc->records_len) && (dict_op || list_role(container) != 2) &&
-              (container->kind == PV_RECORD || holds_record(stack + base, depth - base)))
+          if (unlikely(doc->records_len | doc->blocks_len) &&
+              records_misplaced(container, dict_op, stack + base, depth - base))
             goto records_escaped;
           if (container->kind != (dict_op ? PV_DICT : PV_LIST))
             FAIL("pickle: %s on a non-%s at offset %zu", dict_op ? "SETITEM" : "APPEND", dict_op ? "dict" : "list", at);
@@ -1648,7 +1674,8 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           n = op - 0x85 + 1;
           if (depth < n) FAIL("pickle: tuple of %zu with %zu on the stack at offset %zu", n, depth, at);
         }
-        if (unlikely(doc->records_len) && n && holds_record(stack + depth - n, n)) goto records_escaped;
+        if (unlikely(doc->records_len | doc->blocks_len) && n && holds_record(stack + depth - n, n))
+          goto records_escaped;
         v.kind = PV_LIST;
         /* (An empty tuple may come before anything was pushed: no NULL + 0.) */
         if (!(v.u.seq = seq_new(doc, false)) || (n && !seq_add(doc, v.u.seq, stack + depth - n, n))) {
@@ -1702,8 +1729,8 @@ records_escaped:
   free(marks);
   big_free(memo, memo_cap * sizeof *memo);
   arena_free(&doc->arena);
-  doc->options.take = NULL;
-  doc->records_len = 0;
+  doc->options.take = doc->options.block_take = NULL;
+  doc->records_len = doc->blocks_len = 0;
   return parse(doc);
 }
 
@@ -1723,8 +1750,12 @@ static pickle_doc_t *new_doc(unsigned char *buf, size_t len, bool mapped, const 
   if (!doc->options.take || !doc->options.prepare || doc->options.record_size > PICKLE_RECORD_MAX)
     doc->options.take = NULL;
   if (!doc->options.take) doc->options.records_key = NULL;
+  if (!doc->options.block_take || !doc->options.block_prepare || doc->options.block_size > PICKLE_RECORD_MAX)
+    doc->options.block_take = NULL;
+  if (!doc->options.block_take) doc->options.block_key = NULL;
   doc->pruned_len = doc->options.pruned_key ? strlen(doc->options.pruned_key) : 0;
   doc->records_len = doc->options.records_key ? strlen(doc->options.records_key) : 0;
+  doc->blocks_len = doc->options.block_key ? strlen(doc->options.block_key) : 0;
   doc->pruned_seq.pruned = true;
   return doc;
 }
@@ -1814,7 +1845,7 @@ const pv_t *pv_item(const pv_t *list, size_t index, pv_t *scratch) {
   size_t held = pv_records(list, &first);
   if (!held) return pv_at(list, index);
   if (index >= held) return NULL;
-  *scratch = (pv_t){.kind = PV_RECORD, .u.i = first + (int64_t)index};
+  *scratch = (pv_t){.kind = PV_RECORD, .len = record_kind(list->u.seq->role), .u.i = first + (int64_t)index};
   return scratch;
 }
 
@@ -1841,12 +1872,16 @@ bool pv_equal(const pv_t *a, const pv_t *b, int depth, size_t *budget) {
       if (a->u.seq->count != b->u.seq->count || a->u.seq->pruned != b->u.seq->pruned ||
           a->u.seq->record_range != b->u.seq->record_range)
         return false;
-      if (a->u.seq->record_range) return a->u.seq->record_base == b->u.seq->record_base;
+      if (a->u.seq->record_range)
+        return a->u.seq->record_base == b->u.seq->record_base &&
+               record_kind(a->u.seq->role) == record_kind(b->u.seq->role);
       for (size_t i = 0; i < a->u.seq->count; i++)
         if (!pv_equal(&a->u.seq->items[i], &b->u.seq->items[i], depth + 1, budget)) return false;
       return true;
     case PV_NONE:
       return true;
+    case PV_RECORD:
+      return a->len == b->len && a->u.i == b->u.i;
     default:
       return a->u.i == b->u.i;
   }

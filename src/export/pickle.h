@@ -25,7 +25,7 @@ typedef struct pv_seq pv_seq_t;
  * the memo shares them in Python. */
 typedef struct pv {
   uint32_t kind;    /* pv_kind; tuples are read as lists */
-  uint32_t len;     /* PV_STR, PV_BYTES: length in bytes */
+  uint32_t len;     /* PV_STR, PV_BYTES: length in bytes; PV_RECORD: its kind (0 records_key's, 1 block_key's) */
   union {
     int64_t i;        /* PV_INT, PV_BOOL; PV_RECORD: the id its reader gave it */
     double f;         /* PV_FLOAT */
@@ -39,7 +39,9 @@ struct pv_seq {
   size_t count; /* entries of items[] (a dict has two per pair) */
   size_t cap;
   bool pruned;  /* under the pruned key (pickle_options): its contents were dropped */
-  uint8_t role; /* records (pickle_options): 1 the list under the key, 2 a list in it */
+  /* Records (pickle_options): 1 the list under records_key, 2 a list in
+   * it, 3 the list under block_key. */
+  uint8_t role;
   /* A list of records and nothing else, with consecutive ids (a device's
    * entries, as read): held as the range record_base .. record_base +
    * count - 1, items NULL. Read it with pv_records; pv_at gives NULL. */
@@ -78,6 +80,16 @@ typedef struct pickle_options {
   pickle_take_fn take;
   size_t record_size;
   void *record_ctx;
+  /* A second kind of record, made the same way with these two steps and
+   * record_ctx: every dict in the list stored under the dict key
+   * `block_key` (a snapshot's segments' blocks), a PV_RECORD of kind 1
+   * (pv_t.len) in the tree. Its ids are its own: block_take numbers them.
+   * Only the caller's thread reads them (the second reader reads entries
+   * alone), so both steps run there. */
+  const char *block_key;
+  pickle_prepare_fn block_prepare;
+  pickle_take_fn block_take;
+  size_t block_size;
   /* Tests: read every dict through the general machine, not the loop for
    * flat dicts (the two must give the same tree). */
   bool machine_only;
@@ -122,7 +134,8 @@ int pv_str_eq(const pv_t *v, const char *s);
 size_t pv_len(const pv_t *v);                      /* list items or dict pairs; 0 otherwise */
 const pv_t *pv_at(const pv_t *list, size_t index); /* NULL past the end, and in a list of records held as a range */
 /* A list of records held as a range (pv_seq.record_range): how many, and
- * in *first the id of the first; 0 for any other value. */
+ * in *first the id of the first; 0 for any other value. (Its records are
+ * of kind 1 when the list is the block key's, role 3.) */
 size_t pv_records(const pv_t *list, int64_t *first);
 /* A list's index-th item whatever its form: pv_at's, or for a list of
  * records held as a range, the record, written to *scratch. NULL past

@@ -52,8 +52,45 @@ static bool read_uint(const pv_t *v, uint64_t *out) {
   return true;
 }
 
-/* The final state: every segment and block the snapshot lists. */
-static int load_final_state(const char *path, const pv_t *segments, trace_t *t) {
+/* device_traces entries taken as the pickle is parsed (pickle_options):
+ * no dict is built for them, and no second pass reads it. The array is a
+ * big one (util.c), and becomes the trace's when the device lists hold
+ * its entries in order, as PyTorch writes them: a new process then faults
+ * in one array, not two, and nothing is copied. The final segments'
+ * blocks are taken so too (pickle_options.block_key): a dict of five
+ * pairs each in the reader's arena was 200 bytes a block, most of that
+ * arena (cranberrii's 1,079 blocks, 216 of its 359 KiB), each page of it a
+ * fault in a new process. */
+typedef struct entry_sink {
+  trace_event_t *events;
+  size_t count, cap;
+  trace_block_t *blocks; /* device and stream 0: a segment's, filled in from it */
+  size_t block_count, block_cap;
+} entry_sink_t;
+
+/* One final block's fields from its pairs (key, value, ...), the last of
+ * a key counting, as in Python's dict and entry_fields; false when it
+ * lacks a valid address, size or state. */
+static bool block_fields(const pv_t *pairs, size_t count, trace_block_t *b) {
+  const pv_t *address = NULL, *size = NULL, *requested = NULL, *state = NULL;
+  for (size_t k = 0; k + 1 < count; k += 2) {
+    const pv_t *key = &pairs[k], *value = &pairs[k + 1];
+    if (key->kind != PV_STR) continue;
+    if (key->len == 7 && !memcmp(key->u.data, "address", 7)) address = value;
+    else if (key->len == 4 && !memcmp(key->u.data, "size", 4)) size = value;
+    else if (key->len == 14 && !memcmp(key->u.data, "requested_size", 14)) requested = value;
+    else if (key->len == 5 && !memcmp(key->u.data, "state", 5)) state = value;
+  }
+  *b = (trace_block_t){0};
+  if (!read_uint(address, &b->addr) || !read_uint(size, &b->size) || !state || state->kind != PV_STR) return false;
+  if (!read_uint(requested, &b->requested)) b->requested = b->size;
+  b->active = pv_str_eq(state, "active_allocated") || pv_str_eq(state, "active_pending_free");
+  return true;
+}
+
+/* The final state: every segment and block the snapshot lists, the blocks
+ * taken as records (sink) or read as dicts. */
+static int load_final_state(const char *path, const pv_t *segments, const entry_sink_t *sink, trace_t *t) {
   size_t nseg = pv_len(segments), nblocks = 0;
   for (size_t i = 0; i < nseg; i++) nblocks += pv_len(pv_get(pv_at(segments, i), "blocks"));
   t->final_segments = calloc(nseg + 1, sizeof *t->final_segments);
@@ -72,17 +109,16 @@ static int load_final_state(const char *path, const pv_t *segments, trace_t *t) 
     t->final_segment_count++;
     const pv_t *blocks = pv_get(seg, "blocks");
     for (size_t j = 0; j < pv_len(blocks); j++) {
-      const pv_t *b = pv_at(blocks, j);
+      pv_t held;
+      const pv_t *b = pv_item(blocks, j, &held);
       trace_block_t *out = &t->final_blocks[t->final_block_count];
-      const pv_t *state = pv_get(b, "state");
-      if (!read_uint(pv_get(b, "address"), &out->addr) || !read_uint(pv_get(b, "size"), &out->size) || !state ||
-          state->kind != PV_STR)
+      if (b && b->kind == PV_RECORD && b->len == 1 && (uint64_t)b->u.i < sink->block_count)
+        *out = sink->blocks[b->u.i];
+      else if (!b || b->kind != PV_DICT || !block_fields(b->u.seq->items, b->u.seq->count, out))
         return set_error(GCA_ERR_INVALID, "%s: segment %zu block %zu lacks a valid address, size or state", path, i,
                          j);
-      if (!read_uint(pv_get(b, "requested_size"), &out->requested)) out->requested = out->size;
       out->device = (int)device;
       out->stream = stream;
-      out->active = pv_str_eq(state, "active_allocated") || pv_str_eq(state, "active_pending_free");
       t->final_block_count++;
     }
   }
@@ -139,15 +175,6 @@ static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, t
   return push_event(t, cap, &e);
 }
 
-/* device_traces entries taken as the pickle is parsed (pickle_options):
- * no dict is built for them, and no second pass reads it. The array is a
- * big one (util.c), and becomes the trace's when the device lists hold
- * its entries in order, as PyTorch writes them: a new process then faults
- * in one array, not two, and nothing is copied. */
-typedef struct entry_sink {
-  trace_event_t *events;
-  size_t count, cap;
-} entry_sink_t;
 
 /* The pickle reader's record steps (pickle_options): an entry's event from
  * its pairs, on whichever thread read it; then into the sink, in order.
@@ -177,6 +204,25 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
   return true;
 }
 
+static bool prepare_block(const void *ctx, const pv_t *pairs, size_t count, void *out) {
+  (void)ctx;
+  return block_fields(pairs, count, out);
+}
+
+static bool take_block(void *ctx, const void *prepared, int64_t *id) {
+  entry_sink_t *sink = ctx;
+  if (sink->block_count == sink->block_cap) {
+    size_t cap = sink->block_cap ? sink->block_cap * 2 : 256;
+    trace_block_t *grown = realloc(sink->blocks, cap * sizeof *grown);
+    if (!grown) return false;
+    sink->blocks = grown;
+    sink->block_cap = cap;
+  }
+  memcpy(&sink->blocks[sink->block_count], prepared, sizeof *sink->blocks);
+  *id = (int64_t)sink->block_count++;
+  return true;
+}
+
 /* Whether the device lists hold the sink's records and nothing else, in the
  * order they were read. */
 static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
@@ -203,7 +249,7 @@ static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
 static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *sink, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
   if (segments && segments->kind == PV_LIST) {
-    int frc = load_final_state(path, segments, t);
+    int frc = load_final_state(path, segments, sink, t);
     if (frc) {
       pickle_free(doc);
       return frc;
@@ -676,12 +722,17 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
     options.take = take_entry;
     options.record_size = sizeof(trace_event_t);
     options.record_ctx = &sink;
+    options.block_key = "blocks";
+    options.block_prepare = prepare_block;
+    options.block_take = take_block;
+    options.block_size = sizeof(trace_block_t);
   }
   pickle_doc_t *doc = path    ? pickle_load(path, &options)
                       : owned ? pickle_parse_owned(owned, len, &options)
                               : pickle_parse(data, len, &options);
   int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : prefix_error(name);
   big_free(sink.events, sink.cap * sizeof *sink.events);
+  free(sink.blocks);
   return rc;
 }
 
