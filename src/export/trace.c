@@ -59,7 +59,7 @@ static bool read_uint(const pv_t *v, uint64_t *out) {
  * in one array, not two, and nothing is copied. The final segments'
  * blocks are taken so too (pickle_options.block_key): a dict of five
  * pairs each in the reader's arena was 200 bytes a block, most of that
- * arena (cranberrii's 1,079 blocks, 216 of its 359 KiB), each page of it a
+ * arena (cranberrii's 1,079 blocks, about 210 of its 359 KiB), each page of it a
  * fault in a new process. */
 typedef struct entry_sink {
   trace_event_t *events;
