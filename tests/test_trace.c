@@ -59,6 +59,88 @@ static void test_pickle_values(void **state) {
   pickle_free(doc);
 }
 
+/* Every kind of value stored in the memo and read back through it, those
+ * a memo cell holds in its 8 bytes and those it boxes (pickle.c, "the
+ * memo's slots"): a list read by the machine, and a dict read by the flat
+ * loop, each followed by references to all it stored. */
+static size_t put_long1(unsigned char *p, int64_t v) {
+  p[0] = 0x8a;
+  p[1] = 8;
+  for (int i = 0; i < 8; i++) p[2 + i] = (unsigned char)((uint64_t)v >> (8 * i));
+  return 10;
+}
+
+static void test_pickle_memo_values(void **state) {
+  (void)state;
+  const int64_t ints[] = {0, -1, ((int64_t)1 << 59) - 1, -((int64_t)1 << 59), (int64_t)1 << 59,
+                          -((int64_t)1 << 59) - 1, INT64_MAX, INT64_MIN};
+  const size_t nints = sizeof ints / sizeof *ints, long_len = (size_t)2 << 20; /* past a cell's 1 MiB */
+  unsigned char *p = malloc(long_len + 4096), *at = p;
+  assert_non_null(p);
+  /* [ints..., 3.25, True, False, None, 'hi', b'by', the long string, [], {}, references to each] */
+  at += sprintf((char *)at, "\x80\x04]\x94(");
+  for (size_t i = 0; i < nints; i++) {
+    at += put_long1(at, ints[i]);
+    *at++ = 0x94;
+  }
+  static const unsigned char scalars[] = "G\x40\x0a\x00\x00\x00\x00\x00\x00\x94\x88\x94\x89\x94N\x94"
+                                         "\x8c\x02hi\x94" "C\x02" "by\x94";
+  memcpy(at, scalars, sizeof scalars - 1);
+  at += sizeof scalars - 1;
+  *at++ = 'X';
+  for (int i = 0; i < 4; i++) *at++ = (unsigned char)(long_len >> (8 * i));
+  memset(at, 'z', long_len);
+  at += long_len;
+  at += sprintf((char *)at, "\x94]\x94}\x94");
+  const size_t stored = nints + 9; /* values, in slots 1 to 17 (the outer list is slot 0) */
+  for (size_t i = 1; i <= stored; i++) at += sprintf((char *)at, "h%c", (char)i);
+  /* {'k': int, 'l': long string, 's': 'hi'} read by the flat loop, its
+   * values stored, then referenced. */
+  at += sprintf((char *)at, "}\x94(\x8c\x01k\x94");
+  at += put_long1(at, INT64_MIN + 5);
+  *at++ = 0x94;
+  at += sprintf((char *)at, "\x8c\x01l\x94h%c\x8c\x01s\x94h%c", (char)(nints + 7), (char)(nints + 5));
+  *at++ = 'u';
+  at += sprintf((char *)at, "h%ch%ce.", (char)(stored + 3), (char)(stored + 2));
+  size_t len = (size_t)(at - p);
+  for (int pruned = 0; pruned < 2; pruned++) {
+    pickle_options_t o = {.pruned_key = pruned ? "frames" : NULL};
+    pickle_doc_t *doc = pickle_parse(p, len, &o);
+    if (!doc) fprintf(stderr, "%s\n", gca_last_error());
+    assert_non_null(doc);
+    const pv_t *root = pickle_root(doc);
+    assert_int_equal(pv_len(root), 2 * stored + 3);
+    for (size_t i = 0; i < nints; i++) {
+      assert_int_equal(pv_at(root, i)->u.i, ints[i]);
+      assert_true(pv_at(root, stored + i)->kind == PV_INT && pv_at(root, stored + i)->u.i == ints[i]);
+    }
+    for (size_t i = 0; i < stored; i++) {
+      size_t budget = 100;
+      assert_true(pv_equal(pv_at(root, i), pv_at(root, stored + i), 0, &budget));
+    }
+    const pv_t *f = pv_at(root, stored + nints);
+    assert_true(f->kind == PV_FLOAT && f->u.f == 3.25);
+    assert_true(pv_at(root, stored + nints + 1)->kind == PV_BOOL && pv_at(root, stored + nints + 1)->u.i == 1);
+    assert_true(pv_at(root, stored + nints + 2)->kind == PV_BOOL && pv_at(root, stored + nints + 2)->u.i == 0);
+    assert_int_equal(pv_at(root, stored + nints + 3)->kind, PV_NONE);
+    assert_true(pv_str_eq(pv_at(root, stored + nints + 4), "hi"));
+    const pv_t *bytes = pv_at(root, stored + nints + 5);
+    assert_true(bytes->kind == PV_BYTES && bytes->len == 2 && !memcmp(bytes->u.data, "by", 2));
+    const pv_t *l = pv_at(root, stored + nints + 6);
+    assert_true(l->kind == PV_STR && l->len == long_len && l->u.data[0] == 'z' && l->u.data[long_len - 1] == 'z');
+    assert_ptr_equal(pv_at(root, nints + 7)->u.seq, pv_at(root, stored + nints + 7)->u.seq);
+    assert_int_equal(pv_at(root, stored + nints + 8)->kind, PV_DICT);
+    const pv_t *d = pv_at(root, 2 * stored);
+    assert_int_equal(pv_get(d, "k")->u.i, INT64_MIN + 5);
+    assert_int_equal(pv_get(d, "l")->len, long_len);
+    assert_true(pv_str_eq(pv_get(d, "s"), "hi"));
+    assert_int_equal(pv_at(root, 2 * stored + 1)->u.i, INT64_MIN + 5);
+    assert_true(pv_at(root, 2 * stored + 2)->kind == PV_STR && pv_at(root, 2 * stored + 2)->len == 1);
+    pickle_free(doc);
+  }
+  free(p);
+}
+
 /* v='value'; fr={'k':v}; pickle.dumps({'frames':[fr,fr,{'k':'w'}],'keep':[1,{'frames':[3,fr]},fr],
  * 'after':v}, protocol=4): 'value' is first stored inside the frames and used outside them. */
 static const unsigned char pruned_p4[] =
@@ -1243,7 +1325,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
-      cmocka_unit_test(test_pickle_runs_seen_before),
+      cmocka_unit_test(test_pickle_runs_seen_before), cmocka_unit_test(test_pickle_memo_values),
       cmocka_unit_test(test_real_traces), cmocka_unit_test(test_piped_traces),
       cmocka_unit_test(test_compressed_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
