@@ -1,8 +1,9 @@
 /* The plain-data pickle reader (see pickle.h). One loop over the opcodes,
  * every read bounds-checked, values kept by value on the stack and in
- * containers, and in the memo as 8-byte cells. Containers and their item arrays come from an arena
- * owned by the document: the memo may share a container between many
- * parents, and freeing is a walk over a few chunks, not over the tree.
+ * containers, and in the memo as 8-byte cells. Containers and their item
+ * arrays come from an arena owned by the document: the memo may share a
+ * container between many parents, and freeing is a walk over a few
+ * chunks, not over the tree.
  *
  * Why it is shaped like this: a PyTorch snapshot is mostly memo references
  * (BINGET) to frames and strings, hundreds of thousands of them, and the
