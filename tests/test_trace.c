@@ -59,10 +59,11 @@ static void test_pickle_values(void **state) {
   pickle_free(doc);
 }
 
-/* Every kind of value stored in the memo and read back through it, those
- * a memo cell holds in its 8 bytes and those it boxes (pickle.c, "the
- * memo's slots"): a list read by the machine, and a dict read by the flat
- * loop, each followed by references to all it stored. */
+/* Every kind of value stored in the memo and read back through it, ints
+ * at and past 60 bits and a string past 1 MiB among them (the bounds of
+ * an 8-byte memo cell, tried at stop 30 and not kept: docs/replay.md): a
+ * list read by the machine, and a dict read by the flat loop, each
+ * followed by references to all it stored. */
 static size_t put_long1(unsigned char *p, int64_t v) {
   p[0] = 0x8a;
   p[1] = 8;

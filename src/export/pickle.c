@@ -1,9 +1,8 @@
 /* The plain-data pickle reader (see pickle.h). One loop over the opcodes,
- * every read bounds-checked, values kept by value on the stack and in
- * containers, and in the memo as 8-byte cells. Containers and their item
- * arrays come from an arena owned by the document: the memo may share a
- * container between many parents, and freeing is a walk over a few
- * chunks, not over the tree.
+ * every read bounds-checked, values kept by value on the stack, in the memo
+ * and in containers. Containers and their item arrays come from an arena
+ * owned by the document: the memo may share a container between many
+ * parents, and freeing is a walk over a few chunks, not over the tree.
  *
  * Why it is shaped like this: a PyTorch snapshot is mostly memo references
  * (BINGET) to frames and strings, hundreds of thousands of them, and the
@@ -31,8 +30,7 @@ struct pickle_doc {
   size_t pruned_len, records_len, blocks_len; /* of the three keys; 0 without them */
   arena_t arena; /* containers and their item arrays */
   pv_t root;
-  alignas(16) pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none (16-byte
-                                     * aligned: it goes in memo slots) */
+  pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none */
   size_t split_taken;  /* records taken from the second reader */
 };
 
@@ -217,121 +215,14 @@ static uint32_t read_u32(const unsigned char *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* ---- the memo's slots -----------------------------------------------------
- * The first reader's memo holds a value in 8 bytes, not a pv_t's 16: a
- * snapshot stores about one memo entry per 30 bytes (cranberrii 20,790,
- * DeComFL 62,988), and in a new process every 4 KiB of memo is a page
- * fault on the reading thread's path (docs/replay.md, "Stop 30"). The low
- * four bits say what it holds:
- *   a string or bytes: its offset in the file above bit 24, its length in
- *     bits 4-23 (an offset of 2^40 or more, or a length of 2^20, is boxed);
- *   an int of 60 bits, above bit 4 (a wider one is boxed);
- *   a list or dict: its pv_seq_t, 16-byte aligned (the arena's, or the
- *     document's pruned_seq);
- *   a record: its id above bit 5, its kind in bit 4;
- *   boxed (a float, or what does not fit): a pv_t in the arena.
- * 0 is a slot not stored (PV_UNSET). */
-typedef uint64_t memo_cell_t;
-enum { MS_UNSET, MS_NONE, MS_FALSE, MS_TRUE, MS_INT, MS_STR, MS_BYTES, MS_LIST, MS_DICT, MS_RECORD, MS_BOXED };
-#define MS_TAG(w) ((unsigned)((w) & 15))
-#define MS_STR_LEN_MAX (((uint64_t)1 << 20) - 1)
-#define MS_STR_OFFSET_MAX (((uint64_t)1 << 40) - 1)
-#define MS_INT_MAX (((int64_t)1 << 59) - 1)
-#define MS_BOX_NEEDED UINT64_MAX /* (tag 15: no slot is that) */
-
-/* v in a slot, or MS_BOX_NEEDED. */
-static inline memo_cell_t memo_pack(const unsigned char *buf, pv_t v) {
-  switch (v.kind) {
-    case PV_UNSET:
-      return MS_UNSET;
-    case PV_NONE:
-      return MS_NONE;
-    case PV_BOOL:
-      return v.u.i ? MS_TRUE : MS_FALSE;
-    case PV_INT:
-      return v.u.i >= -MS_INT_MAX - 1 && v.u.i <= MS_INT_MAX ? (uint64_t)v.u.i << 4 | MS_INT : MS_BOX_NEEDED;
-    case PV_STR:
-    case PV_BYTES: {
-      uint64_t offset = (uint64_t)((const unsigned char *)v.u.data - buf);
-      if (offset > MS_STR_OFFSET_MAX || v.len > MS_STR_LEN_MAX) return MS_BOX_NEEDED;
-      return offset << 24 | (uint64_t)v.len << 4 | (v.kind == PV_STR ? MS_STR : MS_BYTES);
-    }
-    case PV_LIST:
-    case PV_DICT:
-      if (v.len || ((uintptr_t)v.u.seq & 15)) return MS_BOX_NEEDED;
-      return (uint64_t)(uintptr_t)v.u.seq | (v.kind == PV_LIST ? MS_LIST : MS_DICT);
-    case PV_RECORD:
-      if (v.u.i < 0 || v.u.i > MS_INT_MAX || v.len > 1) return MS_BOX_NEEDED;
-      return (uint64_t)v.u.i << 5 | (uint64_t)v.len << 4 | MS_RECORD;
-    default:
-      return MS_BOX_NEEDED;
-  }
-}
-
-static inline pv_t memo_value(const unsigned char *buf, memo_cell_t w) {
-  pv_t v = {0};
-  switch (MS_TAG(w)) {
-    case MS_NONE:
-      v.kind = PV_NONE;
-      break;
-    case MS_FALSE:
-    case MS_TRUE:
-      v.kind = PV_BOOL;
-      v.u.i = MS_TAG(w) == MS_TRUE;
-      break;
-    case MS_INT: { /* (sign-extended without relying on >> of a negative) */
-      uint64_t raw = w >> 4;
-      v.kind = PV_INT;
-      v.u.i = (int64_t)(raw ^ (uint64_t)1 << 59) - ((int64_t)1 << 59);
-      break;
-    }
-    case MS_STR:
-    case MS_BYTES:
-      v.kind = MS_TAG(w) == MS_STR ? PV_STR : PV_BYTES;
-      v.len = (uint32_t)(w >> 4 & MS_STR_LEN_MAX);
-      v.u.data = (const char *)buf + (w >> 24);
-      break;
-    case MS_LIST:
-    case MS_DICT:
-      v.kind = MS_TAG(w) == MS_LIST ? PV_LIST : PV_DICT;
-      v.u.seq = (pv_seq_t *)(uintptr_t)(w & ~(uint64_t)15);
-      break;
-    case MS_RECORD:
-      v.kind = PV_RECORD;
-      v.len = (uint32_t)(w >> 4 & 1);
-      v.u.i = (int64_t)(w >> 5);
-      break;
-    case MS_BOXED:
-      v = *(const pv_t *)(uintptr_t)(w & ~(uint64_t)15);
-      break;
-    default: /* MS_UNSET */
-      break;
-  }
-  return v;
-}
-
-/* Stores v in *slot, boxing it in the document's arena when it must be;
- * false when the arena refuses. */
-static inline bool memo_put(pickle_doc_t *doc, memo_cell_t *slot, pv_t v) {
-  memo_cell_t w = memo_pack(doc->buf, v);
-  if (unlikely(w == MS_BOX_NEEDED)) {
-    pv_t *box = arena_alloc(&doc->arena, sizeof *box); /* (16-byte aligned) */
-    if (!box) return false;
-    *box = v;
-    w = (uint64_t)(uintptr_t)box | MS_BOXED;
-  }
-  *slot = w;
-  return true;
-}
-
 /* Grows the memo (*cap entries) to hold index `need`. It is a big array
- * (util.c): a snapshot's memo is a few hundred KiB. Below the memo's count
- * a slot is stored or MS_UNSET (a hole); from the count up nothing is read,
- * so the new part is not zeroed, as the memo first allocated is not. */
-static bool memo_grow(memo_cell_t **memo, size_t *cap, size_t need) {
+ * (util.c): a snapshot's memo is a megabyte. Below the memo's count a slot
+ * is stored or PV_UNSET (a hole); from the count up nothing is read, so the
+ * new part is not zeroed, as the memo first allocated is not. */
+static bool memo_grow(pv_t **memo, size_t *cap, size_t need) {
   size_t grown_cap = *cap ? *cap : 64;
   while (grown_cap <= need) grown_cap *= 2;
-  memo_cell_t *grown = big_regrow(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
+  pv_t *grown = big_regrow(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
   if (!grown) return false;
   *memo = grown;
   *cap = grown_cap;
@@ -552,8 +443,7 @@ static void split_join(split_t *s);
 typedef struct flat {
   const unsigned char *buf;
   size_t len;
-  memo_cell_t *slots; /* the machine's memo, dense below memo_len (not sym) */
-  pv_t *memo;         /* sym: the current entry's stores */
+  pv_t *memo;         /* the machine's memo, dense below memo_len; sym: the current entry's stores */
   size_t memo_len, memo_cap;
   pickle_doc_t *doc;
   pv_t *pairs;        /* keys and values of the dict being read, before they go to the arena */
@@ -601,10 +491,9 @@ FLAT_STEP size_t flat_memo(flat_t *f, size_t pos, pv_t v, const bool sym) {
   if (index != f->memo_len) return 0;
   if (index >= f->memo_cap) {
     split_join(f->split);
-    if (!memo_grow(&f->slots, &f->memo_cap, index)) return 0;
+    if (!memo_grow(&f->memo, &f->memo_cap, index)) return 0;
   }
-  if (!memo_put(f->doc, &f->slots[f->memo_len], v)) return 0;
-  f->memo_len++;
+  f->memo[f->memo_len++] = v;
   return pos + width;
 }
 
@@ -640,8 +529,8 @@ FLAT_STEP pv_t flat_scalar(flat_t *f, size_t *at, const bool sym) {
         break;
       }
       if (index >= f->memo_len) return (pv_t){0};
-      if (MS_TAG(f->slots[index]) == MS_RECORD) return (pv_t){0}; /* the machine's: see records_escaped */
-      v = memo_value(buf, f->slots[index]);
+      v = f->memo[index];
+      if (v.kind == PV_RECORD) return (pv_t){0}; /* the machine's: see records_escaped */
       break;
     case 'K':
       if (pos >= len) return (pv_t){0};
@@ -722,7 +611,7 @@ static inline bool is_pruned_key(const pickle_doc_t *doc, const pv_t *key) {
 /* Undoes the memo stores made since the memo held `memo_len` entries. */
 FLAT_STEP void flat_unstore(flat_t *f, size_t memo_len, const bool sym) {
   if (!sym)
-    for (size_t i = memo_len; i < f->memo_len; i++) f->slots[i] = MS_UNSET;
+    for (size_t i = memo_len; i < f->memo_len; i++) f->memo[i].kind = PV_UNSET;
   f->memo_len = memo_len;
 }
 
@@ -871,7 +760,7 @@ FLAT_STEP size_t flat_dict_body(flat_t *f, size_t pos, flat_mode mode, int depth
   } else if (mode == FLAT_KEEP) {
     if (!(dict.u.seq = seq_new(f->doc, false)) || !seq_add(f->doc, dict.u.seq, f->pairs, count)) return 0;
   }
-  if (mode != FLAT_PRUNED && stored) f->slots[memo_at] = memo_pack(f->doc->buf, dict); /* (never boxed) */
+  if (mode != FLAT_PRUNED && stored) f->memo[memo_at] = dict;
   if (out) *out = dict;
   return pos + 1;
 }
@@ -954,7 +843,7 @@ struct split {
   pv_t *stream;               /* its entries, one after another (allocated on its thread) */
   size_t cap;                 /* units */
   size_t record_units;        /* of a prepared record */
-  const memo_cell_t *memo;    /* the first reader's memo ... */
+  const pv_t *memo;           /* the first reader's memo ... */
   helper_job_t job;           /* split_main on a kept thread (helpers.c) */
   bool patient;               /* started where asked (tests): wait for it rather than read on alone */
   /* ... stored and final below this. Each reader writes one of these two,
@@ -1028,13 +917,13 @@ static size_t opcode_end(const unsigned char *buf, size_t len, size_t pos) {
  * `shown` hold what flat_scalar would take there: not a record, not a dict
  * being read; and for one flagged SPLIT_PRUNED_LIST, a pruned list (which
  * is empty: one is as good as another, pickle.h). */
-static bool checks_hold(const memo_cell_t *memo, size_t shown, const uint32_t *checks, size_t count) {
+static bool checks_hold(const pv_t *memo, size_t shown, const uint32_t *checks, size_t count) {
   for (size_t i = 0; i < count; i++) {
     uint32_t index = checks[i] & ~SPLIT_PRUNED_LIST;
     if (index >= shown) continue;
-    memo_cell_t w = memo[index];
-    if (checks[i] & SPLIT_PRUNED_LIST ? MS_TAG(w) != MS_LIST || !((const pv_seq_t *)(uintptr_t)(w & ~(uint64_t)15))->pruned
-                                      : MS_TAG(w) == MS_UNSET || MS_TAG(w) == MS_RECORD)
+    const pv_t *v = &memo[index];
+    if (checks[i] & SPLIT_PRUNED_LIST ? v->kind != PV_LIST || !v->u.seq->pruned
+                                      : v->kind == PV_UNSET || v->kind == PV_RECORD)
       return false;
   }
   return true;
@@ -1050,7 +939,7 @@ static bool checks_hold(const memo_cell_t *memo, size_t shown, const uint32_t *c
  * sure of it. Returns 0; or the memo count another reference
  * needs shown; or SIZE_MAX when flat_dict would not have made it a record
  * (a container under another key). */
-static size_t resolve_pairs(const pickle_doc_t *doc, const memo_cell_t *memo, size_t shown, const pv_t *pairs, size_t count,
+static size_t resolve_pairs(const pickle_doc_t *doc, const pv_t *memo, size_t shown, const pv_t *pairs, size_t count,
                             pv_t *resolved, uint32_t *checks, size_t check_count) {
   size_t need = 0;
   for (size_t i = 0; i < count; i++) {
@@ -1066,7 +955,7 @@ static size_t resolve_pairs(const pickle_doc_t *doc, const memo_cell_t *memo, si
     } else if (v.kind == PV_REF) {
       size_t index = (size_t)v.u.i;
       if (index < shown) {
-        v = memo_value(doc->buf, memo[index]); /* (checked among the checks) */
+        v = memo[index]; /* (checked among the checks) */
       } else if (i & 1 && resolved[i - 1].kind != PV_REF && is_pruned_key(doc, &resolved[i - 1]) &&
                  index < SPLIT_PRUNED_LIST) {
         size_t c = 0;
@@ -1323,7 +1212,7 @@ static bool two_processors(void) {
  * looking at `memo` (which the first reader shows it through memo_shown);
  * NULL when it does not. It lives on the heap, not in parse's frame: its
  * cache-line alignment there would cost the machine's loop its registers. */
-static split_t *split_start(pickle_doc_t *doc, const memo_cell_t *memo) {
+static split_t *split_start(pickle_doc_t *doc, const pv_t *memo) {
   const unsigned char *buf = doc->buf;
   size_t len = doc->len, at = doc->options.split;
   if (!doc->options.take || doc->options.machine_only || at == PICKLE_ONE_READER) return NULL;
@@ -1437,16 +1326,12 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
     size_t last = memo_len + e.memo_count - 1;
     if (last >= f->memo_cap) {
       split_join(s); /* it must not look at a memo that moves */
-      if (!memo_grow(&f->slots, &f->memo_cap, last)) goto abandon;
+      if (!memo_grow(&f->memo, &f->memo_cap, last)) goto abandon;
     }
-    for (size_t i = 0; i < e.memo_count; i++)
-      if (!memo_put(f->doc, &f->slots[memo_len + i], stores[i])) {
-        f->memo_len = memo_len + i;
-        goto undo;
-      }
+    memcpy(f->memo + memo_len, stores, e.memo_count * sizeof *stores);
     f->memo_len = memo_len + e.memo_count;
   }
-  if (!checks_hold(f->slots, f->memo_len, checks, e.check_count)) goto undo;
+  if (!checks_hold(f->memo, f->memo_len, checks, e.check_count)) goto undo;
   const pickle_options_t *o = &f->doc->options;
   const void *prepared = payload;
   union { unsigned char bytes[PICKLE_RECORD_MAX]; max_align_t align; } here;
@@ -1457,7 +1342,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
       f->pairs = grown;
       f->pairs_cap = e.pair_count;
     }
-    if (resolve_pairs(f->doc, f->slots, f->memo_len, payload, e.pair_count, f->pairs, NULL, 0) ||
+    if (resolve_pairs(f->doc, f->memo, f->memo_len, payload, e.pair_count, f->pairs, NULL, 0) ||
         !o->prepare(o->record_ctx, f->pairs, e.pair_count, here.bytes))
       goto undo;
     prepared = here.bytes;
@@ -1465,7 +1350,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
   int64_t id;
   if (!o->take(o->record_ctx, prepared, &id)) goto undo;
   pv_t dict = {.kind = PV_RECORD, .u.i = id};
-  if (f->buf[at + 1] == 0x94) f->slots[memo_len] = memo_pack(f->doc->buf, dict); /* its own slot (never boxed) */
+  if (f->buf[at + 1] == 0x94) f->memo[memo_len] = dict; /* its own slot */
   s->merged++;
   *out = dict;
   size_t end = e.end;
@@ -1534,7 +1419,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
    * index against memo_len, and a store past it marks the hole below), and
    * zeroing the megabyte was 20-50 us on the first reader's path before it
    * read a byte. */
-  memo_cell_t *memo = big_alloc(memo_cap * sizeof *memo);
+  pv_t *memo = big_alloc(memo_cap * sizeof *memo);
   if (!memo) {
     set_error(GCA_ERR_NOMEM, "pickle: out of host memory");
     pickle_free(doc);
@@ -1592,10 +1477,10 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         base = (size_t)read_u32(buf + pos);
         pos += 4;
       memo_get:
-        if (base >= memo_len || memo[base] == MS_UNSET)
+        if (base >= memo_len || memo[base].kind == PV_UNSET)
           FAIL("pickle: memo index %zu used before it was stored (offset %zu)", base, at);
-        if (unlikely(MS_TAG(memo[base]) == MS_RECORD)) goto records_escaped;
-        PUSH(memo_value(buf, memo[base]));
+        if (unlikely(memo[base].kind == PV_RECORD)) goto records_escaped;
+        PUSH(memo[base]);
         continue;
       case 0x94: /* MEMOIZE */
       case 'q':  /* BINPUT */
@@ -1621,12 +1506,9 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         }
         if (base > memo_len) { /* a hole below it */
           memo_dense = false;
-          for (size_t i = memo_len; i < base; i++) memo[i] = MS_UNSET;
+          for (size_t i = memo_len; i < base; i++) memo[i].kind = PV_UNSET;
         }
-        if (!memo_put(doc, &memo[base], stack[depth - 1])) {
-          fail_memory(doc, at);
-          goto failed;
-        }
+        memo[base] = stack[depth - 1];
         if (base >= memo_len) memo_len = base + 1;
         continue;
       case '(': /* MARK */
@@ -1639,7 +1521,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
                            : doc->options.take && inside_role(stack, depth, marks, mark_count, 2)       ? FLAT_RECORD
                            : doc->options.block_take && inside_role(stack, depth, marks, mark_count, 3) ? FLAT_BLOCK
                                                                                                           : FLAT_KEEP;
-          flat.slots = memo;
+          flat.memo = memo;
           flat.memo_len = memo_len;
           flat.memo_cap = memo_cap;
           size_t end = 0;
@@ -1651,7 +1533,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
             if (at >= split->next) end = split_take(split, &flat, at, mode, &v);
           }
           if (!end) end = flat_try(&flat, at, mode, &v);
-          memo = flat.slots; /* perhaps grown */
+          memo = flat.memo; /* perhaps grown */
           memo_cap = flat.memo_cap;
           memo_len = flat.memo_len;
           if (end) {
