@@ -820,22 +820,29 @@ static size_t flat_try(flat_t *f, size_t pos, flat_mode mode, pv_t *out) {
 
 /* An entry in the second reader's stream, followed there by its pairs or,
  * in their place, its prepared record, its memo stores, and the references
- * left to check (four to a unit). */
+ * left to check (four to a unit). Two units (32 bytes), not three: in a
+ * new process each 4 KiB of the stream is a page fault on the second
+ * reader's path (about 150 bytes an entry with a 48-byte header, and the
+ * entry's own slot stored; docs/replay.md, "Stop 30"). An entry that does
+ * not fit it (a dict of 65,536 values or more, a reference far past the
+ * memo) ends the second reader's part: the first reads on. */
 typedef struct split_entry {
-  uint64_t start, end;   /* its '}', and past its SETITEMS */
-  int64_t excess;        /* the largest index - stores at the time, of its references */
+  uint64_t start;        /* its '}' */
+  uint32_t length;       /* to past its SETITEMS */
+  int32_t excess;        /* the largest index - stores at the time, of its references (at least INT32_MIN) */
   uint32_t units;        /* its length in the stream, this header included */
   uint32_t memo_start;   /* the second reader's count of memo stores before it */
-  uint32_t memo_count;   /* its stores (the first, with a MEMOIZE after its '}', its own slot) */
-  uint32_t pair_count;   /* its pairs' values, as read */
-  uint32_t payload;      /* units of its pairs, or of its prepared record in their place */
+  uint16_t memo_count;   /* its stores, its own slot included when a MEMOIZE follows its '}' (not written out:
+                          * that slot is empty until the first reader fills it) */
+  uint16_t pair_count;   /* its pairs' values, as read */
   uint16_t check_count;
-  uint16_t prepared;
+  uint8_t prepared;
+  uint8_t pairs_kept;    /* its pairs take more room than a record: the payload is pair_count units */
 } split_entry_t;
 
 #define SPLIT_HEADER_UNITS (sizeof(split_entry_t) / sizeof(pv_t))
-_Static_assert(sizeof(split_entry_t) % sizeof(pv_t) == 0, "an entry's header is whole units");
-_Static_assert(SPLIT_SCRATCH <= UINT16_MAX, "check_count holds the checks");
+_Static_assert(sizeof(split_entry_t) == 2 * sizeof(pv_t), "an entry's header is two units");
+_Static_assert(SPLIT_SCRATCH <= UINT16_MAX, "memo_count and check_count hold the stores and checks");
 
 struct split {
   pickle_doc_t *doc;
@@ -866,6 +873,17 @@ struct split {
   bool merging;
   size_t merged;                 /* entries */
 };
+
+/* Units of an entry's pairs, or of its record in their place. */
+static inline size_t entry_payload(const split_t *s, const split_entry_t *e) {
+  return e->pairs_kept ? e->pair_count : s->record_units;
+}
+
+/* Whether an entry has its own memo slot (a MEMOIZE right after its '}'),
+ * which the stream does not hold: its stores there are the others. */
+static inline size_t entry_own_slot(const split_t *s, const split_entry_t *e) {
+  return s->doc->buf[e->start + 1] == 0x94;
+}
 
 
 /* Where the opcode at pos (< len) ends, arguments included; 0 when it is
@@ -1017,7 +1035,7 @@ static void split_retry(split_t *s, split_pending_t *p, size_t shown, pv_t *reso
       split_entry_t e;
       memcpy(&e, at, sizeof e);
       pv_t *payload = at + SPLIT_HEADER_UNITS;
-      uint32_t *checks = (uint32_t *)(payload + e.payload + e.memo_count);
+      uint32_t *checks = (uint32_t *)(payload + entry_payload(s, &e) + e.memo_count - entry_own_slot(s, &e));
       size_t check_count = e.check_count;
       size_t need = split_prepare(s, shown, payload, e.pair_count, checks, &check_count, resolved, payload);
       if (!need) { /* the record now stands where its pairs were */
@@ -1134,13 +1152,16 @@ static void split_main(void *arg) {
          * where the record can be put later. */
         union { unsigned char bytes[PICKLE_RECORD_MAX]; max_align_t align; } ready;
         size_t need = split_prepare(s, shown, f.pairs, f.pairs_count, checks, &f.checks_len, resolved, ready.bytes);
-        split_entry_t e = {.start = pos, .end = end, .memo_start = (uint32_t)f.memo_base, .excess = f.excess,
-                           .memo_count = (uint32_t)(f.memo_len - f.memo_base), .pair_count = (uint32_t)f.pairs_count,
-                           .check_count = (uint16_t)f.checks_len, .prepared = !need};
-        e.payload = (uint32_t)(need && f.pairs_count > s->record_units ? f.pairs_count : s->record_units);
-        size_t units = SPLIT_HEADER_UNITS + e.payload + e.memo_count + (e.check_count + 3u) / 4;
+        split_entry_t e = {.start = pos, .length = (uint32_t)(end - pos), .memo_start = (uint32_t)f.memo_base,
+                           .excess = f.excess < INT32_MIN ? INT32_MIN : (int32_t)f.excess,
+                           .memo_count = (uint16_t)(f.memo_len - f.memo_base), .pair_count = (uint16_t)f.pairs_count,
+                           .check_count = (uint16_t)f.checks_len, .prepared = !need,
+                           .pairs_kept = need && f.pairs_count > s->record_units};
+        size_t payload_units = entry_payload(s, &e), own = entry_own_slot(s, &e);
+        size_t units = SPLIT_HEADER_UNITS + payload_units + e.memo_count - own + (e.check_count + 3u) / 4;
         e.units = (uint32_t)units; /* (kept when it is prepared later, with fewer checks) */
-        if (units > s->cap - used || f.memo_len > UINT32_MAX) { /* full: the first reader reads the rest */
+        if (units > s->cap - used || f.memo_len > UINT32_MAX || end - pos > UINT32_MAX || f.excess > INT32_MAX ||
+            f.pairs_count > UINT16_MAX) { /* full, or it does not fit: the first reader reads the rest */
           reading = false;
           continue;
         }
@@ -1148,8 +1169,8 @@ static void split_main(void *arg) {
         memcpy(out, &e, sizeof e);
         if (need) memcpy(payload, f.pairs, e.pair_count * sizeof *payload);
         else memcpy(payload, ready.bytes, s->doc->options.record_size);
-        memcpy(payload + e.payload, memo, e.memo_count * sizeof *payload);
-        memcpy(payload + e.payload + e.memo_count, checks, e.check_count * sizeof *checks);
+        memcpy(payload + payload_units, memo + own, (e.memo_count - own) * sizeof *payload);
+        memcpy(payload + payload_units + e.memo_count - own, checks, e.check_count * sizeof *checks);
         if (published) {
           atomic_store_explicit(&s->published, used + units, memory_order_release);
         } else if (need && need != SIZE_MAX) {
@@ -1320,15 +1341,17 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
    * it guards the base this relies on.) */
   if (e.excess >= (int64_t)s->base) goto abandon;
   const pv_t *payload = s->stream + s->taken + SPLIT_HEADER_UNITS;
-  const pv_t *stores = payload + e.payload;
-  const uint32_t *checks = (const uint32_t *)(stores + e.memo_count);
+  const pv_t *stores = payload + entry_payload(s, &e);
+  size_t own = entry_own_slot(s, &e);
+  const uint32_t *checks = (const uint32_t *)(stores + e.memo_count - own);
   if (e.memo_count) {
     size_t last = memo_len + e.memo_count - 1;
     if (last >= f->memo_cap) {
       split_join(s); /* it must not look at a memo that moves */
       if (!memo_grow(&f->memo, &f->memo_cap, last)) goto abandon;
     }
-    memcpy(f->memo + memo_len, stores, e.memo_count * sizeof *stores);
+    if (own) f->memo[memo_len] = (pv_t){0}; /* empty while the record is not taken, as flat_dict holds it */
+    memcpy(f->memo + memo_len + own, stores, (e.memo_count - own) * sizeof *stores);
     f->memo_len = memo_len + e.memo_count;
   }
   if (!checks_hold(f->memo, f->memo_len, checks, e.check_count)) goto undo;
@@ -1353,7 +1376,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
   if (f->buf[at + 1] == 0x94) f->memo[memo_len] = dict; /* its own slot */
   s->merged++;
   *out = dict;
-  size_t end = e.end;
+  size_t end = e.start + e.length;
   s->taken += e.units;
   if (s->taken < published) {
     memcpy(&e, s->stream + s->taken, sizeof e);
