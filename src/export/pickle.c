@@ -885,7 +885,6 @@ static inline size_t entry_own_slot(const split_t *s, const split_entry_t *e) {
   return s->doc->buf[e->start + 1] == 0x94;
 }
 
-
 /* Where the opcode at pos (< len) ends, arguments included; 0 when it is
  * not one the reader knows, or is cut short. */
 static size_t opcode_end(const unsigned char *buf, size_t len, size_t pos) {
