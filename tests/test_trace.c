@@ -672,19 +672,13 @@ static bool count_record(void *ctx, const void *prepared, int64_t *id) {
   return true;
 }
 
-/* Declines the sixth entry it is given (one reader: the small snapshot is
- * read on one thread), which is then read as a dict. */
-static int prepared_so_far;
-static bool prepare_all_but_sixth(const void *ctx, const pv_t *pairs, size_t count, void *out) {
+/* Declines the declined_at-th dict it is given (one reader: the small
+ * snapshot is read on one thread), which is then read as a dict. Set both
+ * before a parse. */
+static int prepared_so_far, declined_at;
+static bool prepare_all_but_one(const void *ctx, const pv_t *pairs, size_t count, void *out) {
   (void)ctx, (void)pairs, (void)count, (void)out;
-  return ++prepared_so_far != 6;
-}
-
-/* Declines the second block it is given, which is then read as a dict. */
-static int blocks_so_far;
-static bool prepare_all_but_second(const void *ctx, const pv_t *pairs, size_t count, void *out) {
-  (void)ctx, (void)pairs, (void)count, (void)out;
-  return ++blocks_so_far != 2;
+  return ++prepared_so_far != declined_at;
 }
 
 /* A pickle that is read with records on, a record put somewhere other
@@ -735,8 +729,9 @@ static void test_blocks_as_records(void **state) {
   pickle_free(doc);
   /* A block declined is a dict in its list, between records of kind 1. */
   blocks = 0;
-  blocks_so_far = 0;
-  o.block_prepare = prepare_all_but_second;
+  prepared_so_far = 0;
+  declined_at = 2;
+  o.block_prepare = prepare_all_but_one;
   doc = pickle_parse(small, len, &o);
   assert_non_null(doc);
   assert_int_equal(blocks, 11);
@@ -817,7 +812,8 @@ static void test_flat_reader_same_as_machine(void **state) {
    * records before it, the dict, the records after. */
   records = 0;
   prepared_so_far = 0;
-  o.prepare = prepare_all_but_sixth;
+  declined_at = 6;
+  o.prepare = prepare_all_but_one;
   doc = pickle_parse(small, len, &o);
   assert_non_null(doc);
   assert_int_equal(records, 60);
