@@ -9,6 +9,8 @@
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <bzlib.h>
+#include <lzma.h>
 #include <zlib.h>
 #include <zstd.h>
 
@@ -629,8 +631,9 @@ static void test_piped_traces(void **state) {
   } packed[] = {
       {"\037\213\010\000", 4, "the gzip data is cut short (it ends at byte 4, inside a member)"},
       {"\050\265\057\375\000", 5, "the zstd data is cut short (it ends at byte 5, inside a frame)"},
-      {"\3757zXZ\0\0", 7, "xz-compressed: decompress it first (with xzcat: gcalloc replay <(xzcat FILE))"},
-      {"BZh91AY", 7, "bzip2-compressed"},
+      {"\3757zXZ\0\0", 7, "the xz data is cut short (it ends at byte 7, inside a stream)"},
+      {"BZh91AY", 7, "the bzip2 data is cut short (it ends at byte 7, inside a stream)"},
+      {"\004\042\115\030\144", 5, "lz4-compressed: decompress it first (with lz4cat: gcalloc replay <(lz4cat FILE))"},
   };
   for (size_t i = 0; i < sizeof packed / sizeof packed[0]; i++) {
     expect_packed_refused((const unsigned char *)packed[i].bytes, packed[i].len, packed[i].message);
@@ -1176,15 +1179,33 @@ static void test_many_entries(void **state) {
 typedef struct packed {
   unsigned char *bytes;
   size_t len;
+  /* Where the data may be cut and still be whole streams (members,
+   * frames), less of them: from gap_from[i] to gap_to[i]. */
+  size_t gap_from[2], gap_to[2];
+  int gaps;
 } packed_t;
+
+static void add_gap(packed_t *p, size_t from, size_t to) {
+  p->gap_from[p->gaps] = from;
+  p->gap_to[p->gaps++] = to;
+}
+
+/* `at`, or, where cutting there would leave whole streams, the first byte
+ * past that gap: the data cut there is cut short. */
+static size_t cut_inside(const packed_t *p, size_t at) {
+  for (int i = 0; i < p->gaps; i++)
+    if (at >= p->gap_from[i] && at <= p->gap_to[i]) at = p->gap_to[i] + 1;
+  return at;
+}
 
 /* `data` as `members` gzip members, one after another (zcat's reading). */
 static packed_t gzip_of(const unsigned char *data, size_t len, int members) {
   size_t cap = len + 1024 * (size_t)members;
-  packed_t p = {malloc(cap), 0};
+  packed_t p = {.bytes = malloc(cap)};
   assert_non_null(p.bytes);
   size_t from = 0;
   for (int m = 0; m < members; m++) {
+    if (m) add_gap(&p, p.len, p.len);
     size_t to = m + 1 == members ? len : len / (size_t)members * (size_t)(m + 1);
     z_stream z;
     memset(&z, 0, sizeof z);
@@ -1204,13 +1225,14 @@ static packed_t gzip_of(const unsigned char *data, size_t len, int members) {
 /* `data` as zstd, in two frames with a skippable frame between them. */
 static packed_t zstd_of(const unsigned char *data, size_t len) {
   size_t half = len / 2, bound = ZSTD_compressBound(half) + ZSTD_compressBound(len - half) + 16;
-  packed_t p = {malloc(bound), 0};
+  packed_t p = {.bytes = malloc(bound)};
   assert_non_null(p.bytes);
   size_t n = ZSTD_compress(p.bytes, bound, data, half, 3);
   assert_false(ZSTD_isError(n));
   p.len = n;
   static const unsigned char skippable[] = {0x50, 0x2a, 0x4d, 0x18, 4, 0, 0, 0, 'g', 'c', 'a', '!'};
   memcpy(p.bytes + p.len, skippable, sizeof skippable);
+  add_gap(&p, p.len, p.len + sizeof skippable);
   p.len += sizeof skippable;
   n = ZSTD_compress(p.bytes + p.len, bound - p.len, data + half, len - half, 3);
   assert_false(ZSTD_isError(n));
@@ -1218,10 +1240,72 @@ static packed_t zstd_of(const unsigned char *data, size_t len) {
   return p;
 }
 
-/* Every reader's trace, gzip'd (in one member and in three) and zstd'd,
- * reads as the plain file does, from a file and through a pipe; what is cut
- * short, corrupt, followed by other bytes, compressed twice, or
- * decompresses to far more than a trace could is refused, and says so. */
+/* `data` as xz, in two streams (CRC-32 and CRC-64 checks) with four bytes
+ * of stream padding between them (xzcat's reading). */
+static packed_t xz_of(const unsigned char *data, size_t len) {
+  size_t half = len / 2, cap = lzma_stream_buffer_bound(half) + lzma_stream_buffer_bound(len - half) + 4;
+  packed_t p = {.bytes = malloc(cap)};
+  assert_non_null(p.bytes);
+  assert_int_equal(lzma_easy_buffer_encode(6, LZMA_CHECK_CRC32, NULL, data, half, p.bytes, &p.len, cap), LZMA_OK);
+  memset(p.bytes + p.len, 0, 4);
+  add_gap(&p, p.len, p.len + 4);
+  p.len += 4;
+  assert_int_equal(lzma_easy_buffer_encode(1, LZMA_CHECK_CRC64, NULL, data + half, len - half, p.bytes, &p.len, cap),
+                   LZMA_OK);
+  return p;
+}
+
+/* `data` as bzip2, in two streams (bzcat's reading). */
+static packed_t bzip2_of(const unsigned char *data, size_t len) {
+  size_t half = len / 2, cap = len + len / 50 + 2048;
+  packed_t p = {.bytes = malloc(cap)};
+  assert_non_null(p.bytes);
+  unsigned n = (unsigned)cap;
+  assert_int_equal(BZ2_bzBuffToBuffCompress((char *)p.bytes, &n, (char *)(uintptr_t)data, (unsigned)half, 9, 0, 0),
+                   BZ_OK);
+  p.len = n;
+  add_gap(&p, p.len, p.len);
+  n = (unsigned)(cap - p.len);
+  assert_int_equal(BZ2_bzBuffToBuffCompress((char *)p.bytes + p.len, &n, (char *)(uintptr_t)(data + half),
+                                            (unsigned)(len - half), 1, 0, 0),
+                   BZ_OK);
+  p.len += n;
+  return p;
+}
+
+/* Past a variable-length integer of xz's (seven bits a byte, low first). */
+static size_t skip_xz_number(const unsigned char *at, size_t i) {
+  while (at[i] & 0x80) i++;
+  return i + 1;
+}
+
+/* An xz stream of `text` whose block header asks for a dictionary of
+ * 4 GiB (its CRC-32 made right again): its decoder would need more memory
+ * than gcalloc lets it have. */
+static packed_t xz_with_big_dictionary(const char *text) {
+  packed_t p = {.bytes = malloc(4096)};
+  assert_non_null(p.bytes);
+  assert_int_equal(lzma_easy_buffer_encode(0, LZMA_CHECK_CRC32, NULL, (const uint8_t *)text, strlen(text), p.bytes,
+                                           &p.len, 4096),
+                   LZMA_OK);
+  unsigned char *header = p.bytes + LZMA_STREAM_HEADER_SIZE;
+  size_t header_size = ((size_t)header[0] + 1) * 4, i = 2;
+  assert_int_equal(header[1] & 0x03, 0); /* one filter */
+  if (header[1] & 0x40) i = skip_xz_number(header, i); /* its compressed size */
+  if (header[1] & 0x80) i = skip_xz_number(header, i); /* its uncompressed size */
+  assert_int_equal(header[i], LZMA_FILTER_LZMA2);
+  assert_int_equal(header[i + 1], 1); /* one byte of properties: the dictionary's size */
+  header[i + 2] = 40;                 /* 4 GiB - 1 */
+  uint32_t check = (uint32_t)crc32(0, header, (uInt)(header_size - 4));
+  for (int b = 0; b < 4; b++) header[header_size - 4 + (size_t)b] = (unsigned char)(check >> (8 * b));
+  return p;
+}
+
+/* Every reader's trace, gzip'd (in one member and in three), zstd'd, xz'd
+ * and bzip2'd, reads as the plain file does, from a file and through a
+ * pipe; what is cut short, corrupt, followed by other bytes, compressed
+ * twice, or decompresses to far more than a trace could is refused, and
+ * says so. */
 static void test_compressed_traces(void **state) {
   (void)state;
   const char *files[] = {
@@ -1238,7 +1322,9 @@ static void test_compressed_traces(void **state) {
     assert_non_null(data);
     trace_t plain;
     assert_int_equal(trace_load(files[i], &plain), GCA_OK);
-    packed_t packs[] = {gzip_of(data, len, 1), gzip_of(data, len, 3), zstd_of(data, len)};
+    packed_t packs[] = {gzip_of(data, len, 1), gzip_of(data, len, 3), zstd_of(data, len), xz_of(data, len),
+                        bzip2_of(data, len)};
+    static const char *const names[] = {"gzip", "gzip", "zstd", "xz", "bzip2"};
     for (size_t k = 0; k < sizeof packs / sizeof packs[0]; k++) {
       write_bytes("/tmp/gcalloc-trace-packed", packs[k].bytes, packs[k].len);
       trace_t t;
@@ -1248,10 +1334,13 @@ static void test_compressed_traces(void **state) {
       assert_true(trace_equal(&plain, &t));
       trace_free(&t);
       expect_same_through_pipe("/tmp/gcalloc-trace-packed");
-      /* Cut short anywhere, a gzip member's 8-byte trailer included. */
-      const char *cut = k < 2 ? "the gzip data is cut short" : "the zstd data is cut short";
+      /* Cut short anywhere, a gzip member's 8-byte trailer and an xz
+       * stream's index and footer included. */
+      char cut[64];
+      snprintf(cut, sizeof cut, "the %s data is cut short", names[k]);
       size_t cuts[] = {packs[k].len - 1, packs[k].len - 5, packs[k].len / 2, 12};
-      for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++) expect_packed_refused(packs[k].bytes, cuts[c], cut);
+      for (size_t c = 0; c < sizeof cuts / sizeof cuts[0]; c++)
+        expect_packed_refused(packs[k].bytes, cut_inside(&packs[k], cuts[c]), cut);
       free(packs[k].bytes);
     }
     trace_free(&plain);
@@ -1291,6 +1380,39 @@ static void test_compressed_traces(void **state) {
   frame[n - 1] ^= 0x01;
   frame[4] |= 0x08;
   expect_packed_refused(frame, n, "zstd data corrupt between bytes 0 and");
+  /* xz: a flipped bit in its data, other bytes after it, padding that is
+   * not four bytes at a time, and a dictionary too big to be given. */
+  packed_t xz = xz_of((const unsigned char *)text, sizeof text - 1);
+  bad = malloc(xz.len + 16);
+  assert_non_null(bad);
+  memcpy(bad, xz.bytes, xz.len);
+  bad[LZMA_STREAM_HEADER_SIZE + 16] ^= 0x10;
+  expect_packed_refused(bad, xz.len, "xz data corrupt near byte");
+  memcpy(bad, xz.bytes, xz.len);
+  memcpy(bad + xz.len, "trailing", 8);
+  expect_packed_refused(bad, xz.len + 8, "8 bytes after the xz data, from byte");
+  memset(bad + xz.len, 0, 3);
+  expect_packed_refused(bad, xz.len + 3, "padding of 3 bytes, not a multiple of four");
+  free(bad);
+  free(xz.bytes);
+  packed_t big = xz_with_big_dictionary(text);
+  expect_packed_refused(big.bytes, big.len, "the xz stream at byte 0 needs 4096 MiB to decompress, more than the "
+                                            "1024 MiB gcalloc allows");
+  big.bytes[LZMA_STREAM_HEADER_SIZE + 3] ^= 0x01; /* and with its header's check wrong: corrupt, not too big */
+  expect_packed_refused(big.bytes, big.len, "xz data corrupt near byte");
+  free(big.bytes);
+  /* bzip2: a flipped bit in its block, and other bytes after it. */
+  packed_t bz = bzip2_of((const unsigned char *)text, sizeof text - 1);
+  bad = malloc(bz.len + 16);
+  assert_non_null(bad);
+  memcpy(bad, bz.bytes, bz.len);
+  bad[20] ^= 0x10;
+  expect_packed_refused(bad, bz.len, "bzip2 data corrupt in the block read up to byte");
+  memcpy(bad, bz.bytes, bz.len);
+  memcpy(bad + bz.len, "trailing", 8);
+  expect_packed_refused(bad, bz.len + 8, "8 bytes after the bzip2 data, from byte");
+  free(bad);
+  free(bz.bytes);
   /* 256 MiB of zeros in a few kilobytes: refused at 4,096 bytes per byte
    * and 64 MiB more, before the host's memory is spent on it. */
   ZSTD_CCtx_reset(cc, ZSTD_reset_session_and_parameters);

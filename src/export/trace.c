@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <bzlib.h>
+#include <lzma.h>
 #include <zlib.h>
 #include <zstd.h>
 #include <zstd_errors.h>
@@ -782,10 +784,10 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
   return true;
 }
 
-/* Compressions a trace may come in, told by their first bytes. gzip and
- * zstd (what snapshots are shared in) are read; the others are named, with
- * the command that decompresses them. */
-typedef enum packing { PACK_GZIP, PACK_ZSTD, PACK_OTHER } packing;
+/* Compressions a trace may come in, told by their first bytes. gzip, zstd,
+ * xz and bzip2 are read; lz4 (no library of the project's reads it) is
+ * named, with the command that decompresses it. */
+typedef enum packing { PACK_GZIP, PACK_ZSTD, PACK_XZ, PACK_BZIP2, PACK_OTHER } packing;
 
 typedef struct compression {
   const char *magic;
@@ -798,8 +800,9 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
   static const compression_t known[] = {
       {"\037\213", 2, PACK_GZIP, "gzip", "zcat"},
       {"\050\265\057\375", 4, PACK_ZSTD, "zstd", "zstdcat"},
-      {"\3757zXZ\0", 6, PACK_OTHER, "xz", "xzcat"},
-      {"BZh", 3, PACK_OTHER, "bzip2", "bzcat"},
+      {"\3757zXZ\0", 6, PACK_XZ, "xz", "xzcat"},
+      {"BZh", 3, PACK_BZIP2, "bzip2", "bzcat"},
+      {"\004\042\115\030", 4, PACK_OTHER, "lz4", "lz4cat"},
   };
   for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
     if (len >= known[i].magic_len && !memcmp(head, known[i].magic, known[i].magic_len)) return &known[i];
@@ -840,6 +843,21 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   return true;
 }
 
+/* What follows the end of a compressed stream at `at` of `len`: true when
+ * another stream starts there (its magic, or as much of it as there is: a
+ * stream cut short in its magic is cut short, not other bytes); else
+ * false, with the error set unless the input ends there. (zcat, xzcat and
+ * bzcat read streams one after another; a trace followed by other bytes is
+ * refused, not guessed at.) */
+static bool next_stream(const char *path, const char *name, const char *magic, size_t magic_len,
+                        const unsigned char *in, size_t len, size_t at, bool *ok) {
+  if (at == len) return false;
+  if (!memcmp(in + at, magic, len - at < magic_len ? len - at : magic_len)) return true;
+  *ok = !set_error(GCA_ERR_INVALID, "%s: %zu bytes after the %s data, from byte %zu, are not %s", path, len - at,
+                   name, at, name);
+  return false;
+}
+
 /* gzip, with zlib: one member after another (as zcat reads them). */
 static bool gunzip(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
   z_stream z;
@@ -864,12 +882,7 @@ static bool gunzip(const char *path, const unsigned char *in, size_t len, unpack
     u->len += out_room - z.avail_out;
     ended = rc == Z_STREAM_END;
     if (ended) {
-      if (at == len) break;
-      if (len - at < 2 || in[at] != 0x1f || in[at + 1] != 0x8b) {
-        ok = !set_error(GCA_ERR_INVALID, "%s: %zu bytes after the gzip data, from byte %zu, are not gzip", path,
-                        len - at, at);
-        break;
-      }
+      if (!next_stream(path, "gzip", "\037\213", 2, in, len, at, &ok)) break;
       ended = false;
       if (inflateReset(&z) != Z_OK) ok = !set_error(GCA_ERR_INVALID, "%s: gzip: cannot start its next member", path);
     } else if (rc == Z_BUF_ERROR && at == len) {
@@ -922,6 +935,144 @@ static bool unzstd(const char *path, const unsigned char *in, size_t len, unpack
   return ok;
 }
 
+/* The most memory xz's decoder may take: a stream whose dictionary needs
+ * more is refused with a message that says so (`xz -9` needs 65 MiB; a
+ * trace of a few megabytes gains nothing from more). */
+#define XZ_MEMORY_LIMIT ((uint64_t)1 << 30)
+
+/* xz, with liblzma: stream after stream, with the padding xz allows
+ * between them (zero bytes, four at a time), as xzcat reads them. */
+static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+  lzma_stream z = LZMA_STREAM_INIT;
+  bool ok = true, ended = false;
+  size_t at = 0; /* input consumed by the streams before this one */
+  if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return false;
+  }
+  z.next_in = in;
+  z.avail_in = len;
+  while (ok) {
+    if (!(ok = unpacked_room(u, path, "xz"))) break;
+    size_t room = u->cap - 1 - u->len;
+    z.next_out = u->buf + u->len;
+    z.avail_out = room;
+    lzma_ret rc = lzma_code(&z, LZMA_FINISH); /* (the whole input is given) */
+    u->len += room - z.avail_out;
+    if (rc == LZMA_OK) continue;
+    if (rc == LZMA_STREAM_END) {
+      ended = true;
+      size_t end = at + (size_t)z.total_in, next = end;
+      while (next < len && !in[next]) next++;
+      if ((next - end) % 4) {
+        ok = !set_error(GCA_ERR_INVALID, "%s: xz data corrupt near byte %zu: padding of %zu bytes, not a multiple "
+                        "of four", path, end, next - end);
+        break;
+      }
+      if (!next_stream(path, "xz", "\3757zXZ\0", 6, in, len, next, &ok)) break;
+      lzma_end(&z);
+      z = (lzma_stream)LZMA_STREAM_INIT;
+      if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
+        ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+        break;
+      }
+      at = next;
+      z.next_in = in + next;
+      z.avail_in = len - next;
+      ended = false;
+      continue;
+    }
+    size_t near = at + (size_t)z.total_in;
+    if (rc == LZMA_BUF_ERROR && !z.avail_in) break; /* all input read, and the stream not finished: cut short */
+    if (rc == LZMA_MEM_ERROR) ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    else if (rc == LZMA_MEMLIMIT_ERROR)
+      ok = !set_error(GCA_ERR_INVALID, "%s: the xz stream at byte %zu needs %llu MiB to decompress, more than the "
+                      "%llu MiB gcalloc allows; decompress it yourself (with xzcat: gcalloc replay <(xzcat FILE))",
+                      path, at, (unsigned long long)(lzma_memusage(&z) >> 20),
+                      (unsigned long long)(XZ_MEMORY_LIMIT >> 20));
+    else
+      ok = !set_error(GCA_ERR_INVALID, "%s: xz data corrupt near byte %zu: %s", path, near,
+                      rc == LZMA_FORMAT_ERROR    ? "not an xz stream"
+                      : rc == LZMA_OPTIONS_ERROR ? "options this liblzma does not support"
+                                                 : "its data or a check does not match");
+  }
+  lzma_end(&z);
+  if (ok && !ended)
+    ok = !set_error(GCA_ERR_INVALID, "%s: the xz data is cut short (it ends at byte %zu, inside a stream)", path, len);
+  return ok;
+}
+
+/* bzip2, with libbz2: stream after stream, as bzcat reads them. */
+static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+  bz_stream z;
+  memset(&z, 0, sizeof z);
+  if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
+    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    return false;
+  }
+  size_t at = 0; /* input consumed */
+  bool ok = true, ended = false;
+  while (ok) {
+    if (!(ok = unpacked_room(u, path, "bzip2"))) break;
+    /* (libbz2 counts in 32 bits: long files go in pieces) */
+    size_t in_piece = len - at < UINT32_MAX ? len - at : UINT32_MAX;
+    size_t out_room = u->cap - 1 - u->len < UINT32_MAX ? u->cap - 1 - u->len : UINT32_MAX;
+    z.next_in = (char *)(uintptr_t)(in + at);
+    z.avail_in = (unsigned)in_piece;
+    z.next_out = (char *)(u->buf + u->len);
+    z.avail_out = (unsigned)out_room;
+    int rc = BZ2_bzDecompress(&z);
+    at += in_piece - z.avail_in;
+    u->len += out_room - z.avail_out;
+    if (rc == BZ_STREAM_END) {
+      ended = true;
+      if (!next_stream(path, "bzip2", "BZh", 3, in, len, at, &ok)) break;
+      BZ2_bzDecompressEnd(&z);
+      memset(&z, 0, sizeof z);
+      if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
+        ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+        break;
+      }
+      ended = false;
+    } else if (rc == BZ_OK) {
+      if (at == len && z.avail_out) break; /* all input read, and room left: cut short */
+    } else {
+      /* (A block's check is tested at its end: the damage may lie
+       * anywhere in the block read up to there.) */
+      if (rc == BZ_MEM_ERROR) ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+      else if (rc == BZ_DATA_ERROR_MAGIC)
+        ok = !set_error(GCA_ERR_INVALID, "%s: bzip2 data corrupt near byte %zu: not a bzip2 stream", path, at);
+      else ok = !set_error(GCA_ERR_INVALID, "%s: bzip2 data corrupt in the block read up to byte %zu", path, at);
+    }
+  }
+  BZ2_bzDecompressEnd(&z);
+  if (ok && !ended)
+    ok = !set_error(GCA_ERR_INVALID, "%s: the bzip2 data is cut short (it ends at byte %zu, inside a stream)", path,
+                    len);
+  return ok;
+}
+
+/* The size the last xz stream's index records (the sum of its blocks'
+ * uncompressed sizes), read from the stream's end; 0 where there is none
+ * to read (padding after it, or a damaged end: the decoder names what is
+ * wrong). */
+static size_t xz_last_size(const unsigned char *in, size_t len) {
+  lzma_stream_flags footer;
+  if (len < 2 * LZMA_STREAM_HEADER_SIZE ||
+      lzma_stream_footer_decode(&footer, in + len - LZMA_STREAM_HEADER_SIZE) != LZMA_OK ||
+      footer.backward_size > len - 2 * LZMA_STREAM_HEADER_SIZE)
+    return 0;
+  lzma_index *index = NULL;
+  uint64_t memory = (uint64_t)16 << 20;
+  size_t at = 0;
+  if (lzma_index_buffer_decode(&index, &memory, NULL, in + len - LZMA_STREAM_HEADER_SIZE - footer.backward_size, &at,
+                               (size_t)footer.backward_size) != LZMA_OK)
+    return 0;
+  lzma_vli size = lzma_index_uncompressed_size(index);
+  lzma_index_end(index, NULL);
+  return size < SIZE_MAX / 2 ? (size_t)size : 0;
+}
+
 /* The trace in `packed` bytes decompressed, NUL-terminated (len without
  * it); NULL with the error set. */
 static unsigned char *unpack(const char *path, const compression_t *c, const unsigned char *packed, size_t len,
@@ -930,15 +1081,18 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
                      ? len * UNPACKED_PER_PACKED + UNPACKED_SLACK
                      : SIZE_MAX / 2;
   /* Sized at once where the data says how long it is: a zstd frame may
-   * carry its size; gzip's last member ends with its size (mod 2^32). Each
-   * is the whole when there is one frame or member (under 4 GiB for gzip),
-   * as the tools write them; else the buffer grows. Without a size, four
-   * times the input to start with, doubling. */
+   * carry its size; gzip's last member ends with its size (mod 2^32); xz's
+   * last stream ends with an index of its blocks' sizes. Each is the whole
+   * when there is one frame, member or stream (under 4 GiB for gzip), as
+   * the tools write them; else the buffer grows. Without a size (bzip2
+   * records none), four times the input to start with, doubling. */
   size_t hint = 0;
   if (c->packing == PACK_ZSTD) {
     unsigned long long first = ZSTD_getFrameContentSize(packed, len);
     if (first != ZSTD_CONTENTSIZE_UNKNOWN && first != ZSTD_CONTENTSIZE_ERROR && first < limit) hint = (size_t)first;
-  } else if (len >= 18) {
+  } else if (c->packing == PACK_XZ) {
+    hint = xz_last_size(packed, len);
+  } else if (c->packing == PACK_GZIP && len >= 18) {
     hint = (size_t)packed[len - 4] | (size_t)packed[len - 3] << 8 | (size_t)packed[len - 2] << 16 |
            (size_t)packed[len - 1] << 24;
   }
@@ -951,7 +1105,11 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
     set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
     return NULL;
   }
-  if (!(c->packing == PACK_GZIP ? gunzip(path, packed, len, &u) : unzstd(path, packed, len, &u))) {
+  bool done = c->packing == PACK_GZIP    ? gunzip(path, packed, len, &u)
+              : c->packing == PACK_ZSTD  ? unzstd(path, packed, len, &u)
+              : c->packing == PACK_XZ    ? unxz(path, packed, len, &u)
+                                         : bunzip2(path, packed, len, &u);
+  if (!done) {
     free(u.buf);
     return NULL;
   }
@@ -995,8 +1153,8 @@ int trace_load(const char *path, trace_t *out) {
   size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < sizeof head ? piped_len : sizeof head;
   if (f) rewind(f);
   else if (head_len) memcpy(head, piped, head_len);
-  /* A gzip or zstd trace is read whole and decompressed into memory, and
-   * read there as a pipe's; another compression is named, with the command
+  /* A gzip, zstd, xz or bzip2 trace is read whole and decompressed into
+   * memory, and read there as a pipe's; lz4 is named, with the command
    * that decompresses it (such a file had been read as an allocatorSim log,
    * and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
