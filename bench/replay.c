@@ -114,8 +114,8 @@ static bool spawn_replay(const char *self, const char *path, double *rate, long 
 /* `runs` new processes back to back: the best events/s and the fewest
  * page faults one took; then, with idle_s > 0, IDLE_RUNS more, each after
  * idle_s seconds of sleep (a process run once, whose fresh memory a
- * virtual machine's host may have taken back meanwhile: docs/replay.md,
- * "Stop 25"): their median events/s. -1 each where it cannot be measured
+ * virtual machine's host may have taken back meanwhile:
+ * docs/replay-speed-log.md, "Stop 25"): their median events/s. -1 each where it cannot be measured
  * (no /proc/self/exe, a run that failed). */
 #define IDLE_RUNS 3
 static void fresh_processes(const char *path, int runs, double idle_s, double *best_rate, long *fewest_faults,

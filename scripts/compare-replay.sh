@@ -16,7 +16,7 @@
 # waits that long before each process (one per trace and build a round,
 # then): a process run once after the machine has been idle, whose fresh
 # memory the kernel may have to get back from a virtual machine's host
-# first (docs/replay.md, "Stop 25").
+# first (docs/replay-speed-log.md, "Stop 25").
 set -eu
 old=${1:?usage: scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]}
 new=${2:-}

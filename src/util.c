@@ -94,8 +94,8 @@ static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE 
  * once after 4 s idle, 8 rounds alternating: 18-53 ms with huge pages,
  * 4-16 ms without; back to back (pages just freed, still backed) the two
  * are within the VM's noise but for DeComFL, whose ~1 MiB arrays take
- * 1,400 faults instead of 400 (about 1 ms more). docs/replay.md, "Stop
- * 25". Sized in 2 MiB steps still, so that a kept mapping fits the next
+ * 1,400 faults instead of 400 (about 1 ms more). docs/replay-speed-log.md,
+ * "Stop 25". Sized in 2 MiB steps still, so that a kept mapping fits the next
  * array of about the same size. */
 static atomic_bool big_huge;
 

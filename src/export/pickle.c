@@ -822,10 +822,10 @@ static size_t flat_try(flat_t *f, size_t pos, flat_mode mode, pv_t *out) {
  * in their place, its prepared record, its memo stores, and the references
  * left to check (four to a unit). Two units (32 bytes), not three: in a
  * new process each 4 KiB of the stream is a page fault on the second
- * reader's path (about 150 bytes an entry with a 48-byte header, and the
- * entry's own slot stored; docs/replay.md, "Stop 30"). An entry that does
- * not fit it (a dict of 65,536 values or more, a reference far past the
- * memo) ends the second reader's part: the first reads on. */
+ * reader's path (an entry took about 150 bytes with a 48-byte header and
+ * its own slot stored; docs/replay-speed-log.md, "Stop 30"). An entry
+ * that does not fit it (a dict of 65,536 values or more, a reference far
+ * past the memo) ends the second reader's part: the first reads on. */
 typedef struct split_entry {
   uint64_t start;        /* its '}' */
   uint32_t length;       /* to past its SETITEMS */
