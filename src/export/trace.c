@@ -1096,6 +1096,11 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
     hint = (size_t)packed[len - 4] | (size_t)packed[len - 3] << 8 | (size_t)packed[len - 2] << 16 |
            (size_t)packed[len - 1] << 24;
   }
+  /* A size the data claims is taken only where the data could hold it
+   * (gzip cannot pass 1,032 to 1; the others are held to the bound without
+   * its slack): a damaged or made-up one would have every small file ask
+   * for 64 MiB at once. */
+  if (hint > ((size_t)64 << 10) && hint / (c->packing == PACK_GZIP ? 1032 : UNPACKED_PER_PACKED) > len) hint = 0;
   unpacked_t u = {.cap = hint     ? hint + 2
                          : len < ((size_t)16 << 10) ? (size_t)64 << 10
                                                     : len * 4,
