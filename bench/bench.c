@@ -400,19 +400,30 @@ static void reexec_with_tls_surplus(int argc, char **argv) {
   free(args); /* exec failed: go on, and the dlopen below reports why */
 }
 
+const tool_command_t bench_command = {
+    "bench", NULL, "[--json] [--traces DIR] [--quick]",
+    "\n"
+    "Times gcalloc (on the simulated device) against glibc malloc, mimalloc and jemalloc in the same run:\n"
+    "a 4 KiB malloc+free loop, the pinned host allocator's, and the alloc/free sequence of every real\n"
+    "trace; prints ns per operation and the ratios (docs/benchmarks.md).\n"
+    "\n"
+    "  --json        the figures as JSON\n"
+    "  --traces DIR  the folder of traces, one folder each (default ../shared/traces)\n"
+    "  --quick       fewer repetitions (a smoke test, not figures to quote)\n"
+    "  -h, --help    this help\n"};
+
 int bench_main(int argc, char **argv) {
-  reexec_with_tls_surplus(argc, argv);
   bool json = false, quick = false;
   const char *traces = "../shared/traces";
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) json = true;
-    else if (strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (strcmp(argv[i], "--traces") == 0 && i + 1 < argc) traces = argv[++i];
-    else {
-      fprintf(stderr, "gcalloc bench: unknown option '%s' (options: --json --quick --traces DIR)\n", argv[i]);
-      return 2;
-    }
-  }
+  const tool_option_t options[] = {
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--quick", OPTION_FLAG, &quick, 0, 0, NULL},
+      {"--traces", OPTION_TEXT, &traces, 0, 0, "DIR"},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&bench_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  reexec_with_tls_surplus(argc, argv); /* (what it runs parses the same arguments again) */
   host_alloc_t hosts[HOSTS] = {{"glibc", malloc, free}, {"mimalloc", NULL, NULL}, {"jemalloc", NULL, NULL}};
   /* jemalloc first: it needs static TLS, of which a dlopen'ed library can
    * only get what is left over. */

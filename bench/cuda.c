@@ -223,12 +223,24 @@ static double time_pinning_way(int way, size_t size) {
   }
 }
 
+const tool_command_t bench_cuda_command = {
+    "bench-cuda", NULL, "[--json]",
+    "\n"
+    "On a machine with an NVIDIA GPU: gcalloc's cuda backend against the driver's own allocators in the\n"
+    "same run: a cached alloc+free pair, growth by 64 MiB blocks, pinned host blocks (docs/cuda.md).\n"
+    "Needs libcuda.so.1; exits 1 without it.\n"
+    "\n"
+    "  --json      the figures as JSON\n"
+    "  -h, --help  this help\n"};
+
 int bench_cuda_main(int argc, char **argv) {
-  int json = argc > 1 && !strcmp(argv[1], "--json");
-  if (argc > 1 + json) {
-    fprintf(stderr, "usage: gcalloc bench-cuda [--json]\n");
-    return 2;
-  }
+  bool json = false;
+  const tool_option_t options[] = {
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&bench_cuda_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
   if (load_driver()) return 1;
   ctx_t c = {0};
   if (drv.cuStreamCreate(&c.stream, 1)) return 1;

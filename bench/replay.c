@@ -212,23 +212,39 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, d
   return rc;
 }
 
+const tool_command_t bench_replay_command = {
+    "bench-replay", NULL, "[--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]",
+    "\n"
+    "The replay's targets on every real trace: its speed end to end (load, plan, replay of every device),\n"
+    "best and median of N runs in this process and the best of N new processes of `gcalloc replay`,\n"
+    "against Python's unpickler loading the same file; and gcalloc's peak reserved against PyTorch's\n"
+    "recorded one, per device (docs/replay.md, \"Speed\").\n"
+    "\n"
+    "  --traces DIR     the folder of traces, one folder each (default ../shared/traces)\n"
+    "  --runs N         runs of each kind per trace, 1 to 1000000 (default 10)\n"
+    "  --json           the figures as JSON\n"
+    "  --speed-only     leave out the new processes and Python (scripts/compare-replay.sh's mode)\n"
+    "  --idle SECONDS   also time a few new processes each run after that long idle, 0 to 3600\n"
+    "                   (default 0: none)\n"
+    "  -h, --help       this help\n"};
+
 int bench_replay_main(int argc, char **argv) {
   const char *dir = "../shared/traces";
-  int runs = 10;
-  bool json = false, peers = true;
+  long runs_given = 10;
+  bool json = false, speed_only = false;
   double idle_s = 0;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--traces") && i + 1 < argc) dir = argv[++i];
-    else if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--json")) json = true;
-    else if (!strcmp(argv[i], "--speed-only")) peers = false;
-    else if (!strcmp(argv[i], "--idle") && i + 1 < argc) idle_s = atof(argv[++i]);
-    else {
-      fprintf(stderr, "usage: gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]\n");
-      return 2;
-    }
-  }
-  if (runs < 1) runs = 1;
+  const tool_option_t options[] = {
+      {"--traces", OPTION_TEXT, &dir, 0, 0, "DIR"},
+      {"--runs", OPTION_NUMBER, &runs_given, 1, 1000000, "N"},
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--speed-only", OPTION_FLAG, &speed_only, 0, 0, NULL},
+      {"--idle", OPTION_SECONDS, &idle_s, 0, 3600, "SECONDS"},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&bench_replay_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  int runs = (int)runs_given;
+  bool peers = !speed_only;
   /* Each subdirectory of DIR holds one trace file (SOURCES.txt's layout). */
   DIR *d = opendir(dir);
   if (!d) {

@@ -227,16 +227,25 @@ static size_t min_capacity(const scenario_t *sc, int engines, const char *conf, 
 }
 
 
+const tool_command_t bench_streams_command = {
+    "bench-streams", NULL, "[--json] [--quick]",
+    "\n"
+    "Peak reserved memory of a multi-stream inference server's workload with PyTorch's per-stream\n"
+    "caching and with gcalloc's cross-stream reuse, measured in the same run (docs/streams.md).\n"
+    "\n"
+    "  --json      the figures as JSON\n"
+    "  --quick     fewer requests (a smoke test, not figures to quote)\n"
+    "  -h, --help  this help\n"};
+
 int bench_streams_main(int argc, char **argv) {
   bool json = false, quick = false;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) json = true;
-    else if (strcmp(argv[i], "--quick") == 0) quick = true;
-    else {
-      fprintf(stderr, "gcalloc bench-streams: unknown option '%s' (options: --json --quick)\n", argv[i]);
-      return 2;
-    }
-  }
+  const tool_option_t options[] = {
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--quick", OPTION_FLAG, &quick, 0, 0, NULL},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&bench_streams_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
   int requests = quick ? 40 : 200;
   const scenario_t scenarios[] = {
       {"serving: 4 streams, 1 request in flight", 1, requests, 1},

@@ -111,4 +111,22 @@ static inline void assert_contains(const char *haystack, const char *needle) {
   assert_non_null(strstr(haystack, needle));
 }
 
+/* A file's bytes, NUL-terminated (*len without the NUL); NULL (and *len 0)
+ * when it cannot be opened. The caller frees them. */
+static inline unsigned char *read_whole(const char *path, size_t *len) {
+  *len = 0;
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  long n = ftell(f);
+  rewind(f);
+  unsigned char *data = malloc((size_t)n + 1);
+  assert_non_null(data);
+  assert_int_equal(fread(data, 1, (size_t)n, f), (size_t)n);
+  fclose(f);
+  data[n] = 0;
+  *len = (size_t)n;
+  return data;
+}
+
 #endif

@@ -5,6 +5,7 @@
  * capacity check, and the tool's JSON. */
 #include <json-c/json.h>
 #include <math.h>
+#include <sys/wait.h>
 
 #include "helpers.h"
 #include "export/replay.h"
@@ -1300,6 +1301,86 @@ static void test_segment_matching(void **state) {
   free(a);
 }
 
+/* `gcalloc COMMAND ARGS`, its output in /tmp/gcalloc-cli.out and .err:
+ * its exit status. */
+static int run_tool(const char *args) {
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%s %s > /tmp/gcalloc-cli.out 2> /tmp/gcalloc-cli.err", GCALLOC_TOOL_PATH, args);
+  int status = system(cmd);
+  assert_true(WIFEXITED(status));
+  return WEXITSTATUS(status);
+}
+
+static char *cli_output(const char *which) {
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/gcalloc-cli.%s", which);
+  size_t len;
+  char *text = (char *)read_whole(path, &len);
+  assert_non_null(text);
+  return text;
+}
+
+/* The command line: every command's --help (on stdout, exit status 0, the
+ * same as `gcalloc help COMMAND`), and what is wrong in one named on
+ * stderr with exit status 2, before anything is read or run. */
+static void test_tool_command_line(void **state) {
+  (void)state;
+  static const char *const commands[] = {"demo", "bench", "bench-streams", "bench-replay", "bench-cuda", "replay",
+                                         "tune"};
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+    char args[128], usage[128];
+    snprintf(args, sizeof args, "%s --help", commands[i]);
+    assert_int_equal(run_tool(args), 0);
+    char *help = cli_output("out");
+    snprintf(usage, sizeof usage, "usage: gcalloc %s ", commands[i]);
+    assert_true(strncmp(help, usage, strlen(usage)) == 0);
+    assert_contains(help, "-h, --help");
+    snprintf(args, sizeof args, "help %s", commands[i]);
+    assert_int_equal(run_tool(args), 0);
+    char *again = cli_output("out");
+    assert_string_equal(help, again);
+    free(help);
+    free(again);
+  }
+  static const struct {
+    const char *args, *message;
+  } bad[] = {
+      {"replay", "gcalloc replay: which TRACE? (none given)"},
+      {"replay a.pickle b.pickle", "one TRACE at a time ('a.pickle', then 'b.pickle')"},
+      {"replay t.pickle --conf", "--conf needs a value (--conf STRING)"},
+      {"replay t.pickle --bogus", "unknown option '--bogus'"},
+      {"replay t.pickle --report", "--report needs a value (--report FILE.html)"},
+      {"tune t.pickle --device 256", "--device '256' is not a whole number from 0 to 255"},
+      {"tune t.pickle --device -1", "--device '-1' is not a whole number from 0 to 255"},
+      {"tune t.pickle --capacity 0", "--capacity '0' is not a size like 24GiB"},
+      {"tune t.pickle --capacity 12XB", "--capacity '12XB' is not a size like 24GiB"},
+      {"bench-replay --runs 0", "--runs '0' is not a whole number from 1 to 1000000"},
+      {"bench-replay --runs 5x", "--runs '5x' is not a whole number from 1 to 1000000"},
+      {"bench-replay --idle nan", "--idle 'nan' is not a number of seconds from 0 to 3600"},
+      {"bench-replay --idle -1", "--idle '-1' is not a number of seconds from 0 to 3600"},
+      {"demo --steps 12x", "--steps '12x' is not a whole number from 1 to 100000"},
+      {"demo --seed -3", "--seed '-3' is not a whole number from 0 to"},
+      {"bench-streams extra", "gcalloc bench-streams: takes no operand ('extra' given)"},
+      {"bench-cuda --quick", "gcalloc bench-cuda: unknown option '--quick'"},
+      {"help nope", "gcalloc help: no command 'nope'"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    int rc = run_tool(bad[i].args);
+    char *err = cli_output("err");
+    if (rc != 2) fprintf(stderr, "gcalloc %s: exit status %d, stderr: %s\n", bad[i].args, rc, err);
+    assert_int_equal(rc, 2);
+    assert_contains(err, bad[i].message);
+    free(err);
+  }
+  /* --help wins over what else is given. */
+  assert_int_equal(run_tool("replay --bogus --help"), 0);
+  char *help = cli_output("out");
+  assert_contains(help, "usage: gcalloc replay TRACE");
+  free(help);
+  remove("/tmp/gcalloc-cli.out");
+  remove("/tmp/gcalloc-cli.err");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocsim_lines), cmocka_unit_test(test_allocsim_order),        cmocka_unit_test(test_gcalloc_trace_format),
@@ -1313,6 +1394,7 @@ int main(void) {
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
+      cmocka_unit_test(test_tool_command_line),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

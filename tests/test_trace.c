@@ -514,20 +514,6 @@ static const char *const real_snapshots[] = {
     GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
 };
 
-static unsigned char *read_whole(const char *path, size_t *len) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return NULL;
-  fseek(f, 0, SEEK_END);
-  long n = ftell(f);
-  rewind(f);
-  unsigned char *data = malloc((size_t)n + 1);
-  assert_non_null(data);
-  assert_int_equal(fread(data, 1, (size_t)n, f), (size_t)n);
-  fclose(f);
-  *len = (size_t)n;
-  return data;
-}
-
 /* A trace read from a pipe (`gcalloc replay <(zcat trace.gz)`, /dev/stdin)
  * is the one read from its file, whatever its format: the first byte that
  * says which reader reads it is read once (it had been lost, and a gcalloc

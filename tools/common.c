@@ -1,9 +1,113 @@
-/* Small helpers the tool's subcommands share: a monotonic clock, a
- * comparison for qsort of timings, JSON strings. */
+/* Small helpers the tool's subcommands share: the command line's parsing
+ * and help, a monotonic clock, a comparison for qsort of timings, JSON
+ * strings. */
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
+#include "../src/internal.h"
 #include "tool.h"
+
+static void print_usage(FILE *f, const tool_command_t *c) { fprintf(f, "usage: gcalloc %s %s\n", c->name, c->usage); }
+
+/* Complains about argv's `what` on stderr: 2. */
+static int refuse(const tool_command_t *c, const char *what) {
+  fprintf(stderr, "gcalloc %s: %s\n", c->name, what);
+  print_usage(stderr, c);
+  fprintf(stderr, "('gcalloc %s --help' says what each option does)\n", c->name);
+  return 2;
+}
+
+/* The value of option `o` in `text`, stored; else 2, with the message. */
+static int take_value(const tool_command_t *c, const tool_option_t *o, const char *text) {
+  char why[512];
+  char *end;
+  switch (o->kind) {
+    case OPTION_TEXT:
+      *(const char **)o->out = text;
+      return 0;
+    case OPTION_NUMBER: {
+      errno = 0;
+      long n = strtol(text, &end, 10);
+      if (*text && !*end && !errno && n >= o->min && n <= o->max) {
+        *(long *)o->out = n;
+        return 0;
+      }
+      snprintf(why, sizeof why, "%s '%s' is not a whole number from %ld to %ld", o->name, text, o->min, o->max);
+      return refuse(c, why);
+    }
+    case OPTION_SECONDS: {
+      double x = strtod(text, &end);
+      if (*text && !*end && isfinite(x) && x >= (double)o->min && x <= (double)o->max) {
+        *(double *)o->out = x;
+        return 0;
+      }
+      snprintf(why, sizeof why, "%s '%s' is not a number of seconds from %ld to %ld", o->name, text, o->min, o->max);
+      return refuse(c, why);
+    }
+    case OPTION_SIZE: {
+      uint64_t size;
+      if (parse_size(text, strlen(text), &size) && size > 0) {
+        *(uint64_t *)o->out = size;
+        return 0;
+      }
+      snprintf(why, sizeof why, "%s '%s' is not a size like 24GiB", o->name, text);
+      return refuse(c, why);
+    }
+    case OPTION_FLAG: break;
+  }
+  return refuse(c, "internal error: an option of no known kind");
+}
+
+int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand) {
+  char why[512];
+  for (int i = 1; i < argc; i++)
+    if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+      print_usage(stdout, c);
+      fputs(c->help, stdout);
+      return -1;
+    }
+  if (operand) *operand = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *arg = argv[i];
+    if (arg[0] != '-' || !arg[1]) { /* ("-" alone is an operand: a file of that name) */
+      if (!c->operand) {
+        snprintf(why, sizeof why, "takes no operand ('%s' given)", arg);
+        return refuse(c, why);
+      }
+      if (*operand) {
+        snprintf(why, sizeof why, "one %s at a time ('%s', then '%s')", c->operand, *operand, arg);
+        return refuse(c, why);
+      }
+      *operand = arg;
+      continue;
+    }
+    const tool_option_t *o = options;
+    while (o->name && strcmp(o->name, arg)) o++;
+    if (!o->name) {
+      snprintf(why, sizeof why, "unknown option '%s'", arg);
+      return refuse(c, why);
+    }
+    if (o->kind == OPTION_FLAG) {
+      *(bool *)o->out = true;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      snprintf(why, sizeof why, "%s needs a value (%s %s)", o->name, o->name, o->value);
+      return refuse(c, why);
+    }
+    int rc = take_value(c, o, argv[++i]);
+    if (rc) return rc;
+  }
+  if (c->operand && !*operand) {
+    snprintf(why, sizeof why, "which %s? (none given)", c->operand);
+    return refuse(c, why);
+  }
+  return 0;
+}
 
 double tool_seconds(void) {
   struct timespec t;

@@ -130,33 +130,40 @@ static void train_step(demo_t *d, void **params, void **grads, void **adam, bool
   for (size_t i = 0; i < LAYERS * PARAMS_PER_LAYER; i++) give(d, &grads[i]); /* zero_grad(set_to_none) */
 }
 
+const tool_command_t demo_command = {
+    "demo", NULL, "[--backend SPEC] [--conf CONF] [--steps N] [--seed S]",
+    "\n"
+    "Runs a training-like allocation sequence (a transformer's weights, activations and gradients, step\n"
+    "after step) on a device and prints the statistics and the summary table.\n"
+    "\n"
+    "  --backend SPEC  the device: sim (the simulated device of 80 GiB, the default), sim:capacity=40GiB,\n"
+    "                  ... (docs/sim-backend.md), or cuda (docs/cuda.md)\n"
+    "  --conf CONF     allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax\n"
+    "  --steps N       training steps, 1 to 100000 (default 12)\n"
+    "  --seed S        the sequence's random seed, 0 to 2^62 (default 42)\n"
+    "  -h, --help      this help\n"};
+
 int demo_main(int argc, char **argv) {
   const char *backend = "sim";
   const char *conf = NULL;
-  int steps = 12;
-  uint64_t seed = 42;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) backend = argv[++i];
-    else if (strcmp(argv[i], "--conf") == 0 && i + 1 < argc) conf = argv[++i];
-    else if (strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps = atoi(argv[++i]);
-    else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
-    else {
-      fprintf(stderr, "gcalloc demo: unknown or incomplete option '%s'\n", argv[i]);
-      return 2;
-    }
-  }
-  if (steps < 1 || steps > 100000) {
-    fprintf(stderr, "gcalloc demo: --steps must be 1..100000\n");
-    return 2;
-  }
-  demo_t d = {.rng = seed};
+  long steps = 12, seed = 42;
+  const tool_option_t options[] = {
+      {"--backend", OPTION_TEXT, &backend, 0, 0, "SPEC"},
+      {"--conf", OPTION_TEXT, &conf, 0, 0, "CONF"},
+      {"--steps", OPTION_NUMBER, &steps, 1, 100000, "N"},
+      {"--seed", OPTION_NUMBER, &seed, 0, (long)1 << 62, "S"},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&demo_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  demo_t d = {.rng = (uint64_t)seed};
   if (gca_open(backend, conf, &d.a) != GCA_OK) {
     fprintf(stderr, "gcalloc demo: %s\n", gca_last_error());
     return 1;
   }
   size_t total, free_bytes;
   gca_mem_get_info(d.a, 0, &free_bytes, &total);
-  printf("gcalloc %s demo on backend '%s' (device 0: %.2f GiB), %d training steps of a %d-layer model\n",
+  printf("gcalloc %s demo on backend '%s' (device 0: %.2f GiB), %ld training steps of a %d-layer model\n",
          gca_version(), gca_backend_name(d.a), total / 1073741824.0, steps, LAYERS);
 
   static void *params[LAYERS * PARAMS_PER_LAYER];

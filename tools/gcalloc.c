@@ -20,6 +20,10 @@
  *   gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]
  *       search the settings for the least peak reserved (tools/tune.c);
  *   gcalloc version
+ *   gcalloc help [COMMAND]
+ *
+ * Every command takes -h/--help, and refuses what it does not know, naming
+ * it (tools/common.c, tool_parse).
  */
 #include <stdio.h>
 #include <string.h>
@@ -47,7 +51,27 @@ static void usage(FILE *out) {
           "        replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device\n"
           "  tune TRACE [--capacity SIZE] [--device N] [--json]\n"
           "        search the settings under which the trace reserves the least\n"
-          "  version\n");
+          "  version\n"
+          "'gcalloc COMMAND --help' (or 'gcalloc help COMMAND') says what each of its options does.\n");
+}
+
+/* `gcalloc help COMMAND`: COMMAND's own --help. */
+static int help(int argc, char **argv) {
+  static const tool_command_t *const commands[] = {&demo_command,         &bench_command,  &bench_streams_command,
+                                                   &bench_replay_command, &bench_cuda_command, &replay_command,
+                                                   &tune_command};
+  if (argc < 3) {
+    usage(stdout);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (!strcmp(argv[2], commands[i]->name)) {
+      printf("usage: gcalloc %s %s\n%s", commands[i]->name, commands[i]->usage, commands[i]->help);
+      return 0;
+    }
+  fprintf(stderr, "gcalloc help: no command '%s'\n", argv[2]);
+  usage(stderr);
+  return 2;
 }
 
 int main(int argc, char **argv) {
@@ -69,6 +93,7 @@ int main(int argc, char **argv) {
     usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
+  if (strcmp(argv[1], "help") == 0) return help(argc, argv);
   if (strcmp(argv[1], "demo") == 0) return demo_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);

@@ -21,10 +21,31 @@
 #include "tool.h"
 
 
-static void usage(void) {
-  fprintf(stderr, "usage: gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] "
-                  "[--report FILE.html] [--no-empty-cache]\n");
-}
+const tool_command_t replay_command = {
+    "replay", "TRACE",
+    "TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]",
+    "\n"
+    "Replays a recorded allocation trace on the simulated device, and compares what gcalloc reserves with\n"
+    "what PyTorch's allocator reserved on the same sequence (docs/replay.md).\n"
+    "\n"
+    "TRACE is a PyTorch snapshot pickle (torch.cuda.memory._dump_snapshot), an RMM logging_resource_adaptor\n"
+    "CSV log, a gcalloc trace (GCALLOC_TRACE_FILE) or an allocatorSim log, told apart by its first bytes;\n"
+    "plain or compressed with gzip, zstd, xz or bzip2; a file or a pipe (<(zcat t.gz), /dev/stdin).\n"
+    "\n"
+    "  --conf STRING       allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax (default: those the\n"
+    "                      snapshot recorded, else gcalloc's defaults)\n"
+    "  --capacity SIZE     the device's memory, like 80GiB: whether the job fits, and if not the first\n"
+    "                      allocation that fails, with gcalloc's out-of-memory message (default: 8 TiB)\n"
+    "  --device N          replay only device N of the trace\n"
+    "  --json              the result as JSON\n"
+    "  --report FILE.html  also write a self-contained HTML report: memory over time against PyTorch's,\n"
+    "                      the segments at the peak, the settings\n"
+    "  --no-empty-cache    do not replay the runs of segment frees the replay did not cause as\n"
+    "                      empty_cache() calls of the original job\n"
+    "  -h, --help          this help\n"
+    "\n"
+    "Exit status: 0 replayed; 1 the trace could not be read or replayed, or the report written; 2 bad\n"
+    "arguments; 3 the job did not fit --capacity.\n"};
 
 static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
   printf("trace %s: %zu events, %d device%s, loaded in %.1f ms; end to end %.1f ms, %.2f M events/s\n", path,
@@ -212,54 +233,24 @@ static void heap_warm(const char *path) { (void)path; }
 static void heap_warm_call_off(const trace_t *t, int device) { (void)t, (void)device; }
 #endif
 
-int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o) {
-  if (*i + 1 >= argc) return 0;
-  const char *value = argv[*i + 1];
-  if (!strcmp(argv[*i], "--capacity")) {
-    uint64_t c;
-    if (!parse_size(value, strlen(value), &c) || c == 0) {
-      fprintf(stderr, "gcalloc %s: --capacity '%s' is not a size like 24GiB\n", command, value);
-      return -1;
-    }
-    o->capacity = c;
-  } else if (!strcmp(argv[*i], "--device")) {
-    char *end;
-    long d = strtol(value, &end, 10);
-    if (!*value || *end || d < 0 || d > 255) {
-      fprintf(stderr, "gcalloc %s: --device '%s' is not a device number\n", command, value);
-      return -1;
-    }
-    o->device = (int)d;
-  } else {
-    return 0;
-  }
-  ++*i;
-  return 1;
-}
-
 int replay_main(int argc, char **argv) {
   const char *path = NULL, *report = NULL;
   replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
-  bool json = false;
-  int common;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--conf") && i + 1 < argc) o.conf = argv[++i];
-    else if ((common = replay_common_option("replay", argc, argv, &i, &o)) != 0) {
-      if (common < 0) return 2;
-    } else if (!strcmp(argv[i], "--json")) json = true;
-    else if (!strcmp(argv[i], "--no-empty-cache")) o.infer_empty_cache = false;
-    else if (!strcmp(argv[i], "--report") && i + 1 < argc) report = argv[++i];
-    else if (argv[i][0] != '-' && !path) path = argv[i];
-    else {
-      fprintf(stderr, "gcalloc replay: unknown option '%s'\n", argv[i]);
-      usage();
-      return 2;
-    }
-  }
-  if (!path) {
-    usage();
-    return 2;
-  }
+  bool json = false, no_empty_cache = false;
+  long device = -1;
+  const tool_option_t options[] = {
+      {"--conf", OPTION_TEXT, &o.conf, 0, 0, "STRING"},
+      {"--capacity", OPTION_SIZE, &o.capacity, 0, 0, "SIZE"},
+      {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--report", OPTION_TEXT, &report, 0, 0, "FILE.html"},
+      {"--no-empty-cache", OPTION_FLAG, &no_empty_cache, 0, 0, NULL},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&replay_command, options, argc, argv, &path);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  o.device = (int)device;
+  o.infer_empty_cache = !no_empty_cache;
   o.timeline = report != NULL;
   o.page_census = true;
   progress_t progress = {.shown = false};

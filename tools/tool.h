@@ -10,13 +10,11 @@ int tune_main(int argc, char **argv);
 int bench_replay_main(int argc, char **argv);
 int bench_cuda_main(int argc, char **argv);
 
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 struct replay_result;
 struct replay_options;
-/* The options replay and tune share (--capacity SIZE, --device N): 1 when
- * argv[*i] was one (and *i is moved past its value), 0 when it was not, -1
- * when its value is bad (the message is printed). */
-int replay_common_option(const char *command, int argc, char **argv, int *i, struct replay_options *o);
 /* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
 int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
 /* The pages of a device's expandable segments as `gcalloc replay --json`
@@ -29,6 +27,40 @@ void pages_json_put(FILE *f, const struct replay_device *d);
 void replay_device_name(const struct replay_device *d, char *out, size_t size);
 /* The same as JSON fields: , "allocator": ID or null, "recorded_device": N */
 void device_origin_json_put(FILE *f, const struct replay_device *d);
+/* The command line, parsed alike by every command (common.c). */
+typedef enum option_kind {
+  OPTION_FLAG,    /* bool *: set when given */
+  OPTION_TEXT,    /* const char **: the value as given */
+  OPTION_NUMBER,  /* long *: a whole number within [min, max] */
+  OPTION_SECONDS, /* double *: a number of seconds within [min, max] */
+  OPTION_SIZE,    /* uint64_t *: a size like 24GiB, above 0 */
+} option_kind;
+
+typedef struct tool_option {
+  const char *name;  /* "--runs" */
+  option_kind kind;
+  void *out;
+  long min, max;     /* OPTION_NUMBER's and OPTION_SECONDS' bounds */
+  const char *value; /* the value's name in messages: "N", "DIR" */
+} tool_option_t;
+
+typedef struct tool_command {
+  const char *name;    /* "replay" */
+  const char *operand; /* "TRACE" where the command takes one, else NULL */
+  const char *usage;   /* what follows "gcalloc NAME" on the usage line */
+  const char *help;    /* what --help prints after the usage line */
+} tool_command_t;
+
+/* Parses argv[1..argc) by `options` (ended by a NULL name): 0 when all of
+ * it was taken (*operand set where the command takes one); -1 when -h or
+ * --help was given (the help printed on stdout: exit 0); 2 with a message
+ * on stderr naming what is wrong (an unknown option, a value missing or
+ * out of range, an operand missing or one too many). */
+int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand);
+/* `gcalloc help COMMAND`: COMMAND's help, as `gcalloc COMMAND --help`. */
+extern const tool_command_t demo_command, bench_command, bench_streams_command, bench_replay_command,
+    bench_cuda_command, replay_command, tune_command;
+
 /* Shared helpers (common.c): a JSON string, escaped so that it is also safe
  * inside an HTML script; seconds on the monotonic clock; a qsort comparison
  * of doubles; bytes in GiB. */

@@ -71,26 +71,37 @@ static void put(char *buf, size_t cap, const char *item) {
   snprintf(buf + n, cap - n, "%s%s", n ? "," : "", item);
 }
 
+const tool_command_t tune_command = {
+    "tune", "TRACE", "TRACE [--capacity SIZE] [--device N] [--json]",
+    "\n"
+    "Replays TRACE (any trace `gcalloc replay` reads) under every combination of max_split_size_mb,\n"
+    "roundup_power2_divisions, garbage_collection_threshold (with --capacity), cross_stream_reuse (when\n"
+    "the trace has several streams) and expandable segments with and without stitching, ranks them by\n"
+    "peak reserved memory, and prints the best with the PYTORCH_CUDA_ALLOC_CONF string to paste.\n"
+    "\n"
+    "  --capacity SIZE  the device's memory, like 80GiB: settings under which the job does not fit rank\n"
+    "                   below every one under which it does\n"
+    "  --device N       tune for device N of the trace only\n"
+    "  --json           the ranking as JSON\n"
+    "  -h, --help       this help\n"
+    "\n"
+    "Exit status: 0 done; 1 the trace could not be read or replayed; 2 bad arguments; 3 nothing fits\n"
+    "--capacity.\n"};
+
 int tune_main(int argc, char **argv) {
   const char *path = NULL;
   replay_options_t base = {.device = -1, .infer_empty_cache = true};
   bool json = false;
-  for (int i = 1; i < argc; i++) {
-    int common = replay_common_option("tune", argc, argv, &i, &base);
-    if (common < 0) return 2;
-    if (common > 0) continue;
-    if (!strcmp(argv[i], "--json")) json = true;
-    else if (argv[i][0] != '-' && !path) path = argv[i];
-    else {
-      fprintf(stderr, "gcalloc tune: unknown option '%s'\nusage: gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]\n",
-              argv[i]);
-      return 2;
-    }
-  }
-  if (!path) {
-    fprintf(stderr, "usage: gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]\n");
-    return 2;
-  }
+  long device = -1;
+  const tool_option_t options[] = {
+      {"--capacity", OPTION_SIZE, &base.capacity, 0, 0, "SIZE"},
+      {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&tune_command, options, argc, argv, &path);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  base.device = (int)device;
   trace_t t;
   if (trace_load(path, &t) != GCA_OK) {
     fprintf(stderr, "gcalloc tune: %s\n", gca_last_error());
