@@ -1372,6 +1372,23 @@ static void test_tool_command_line(void **state) {
     assert_contains(err, bad[i].message);
     free(err);
   }
+  /* "-" is standard input: a file, or a pipe (here of an xz-compressed
+   * gcalloc trace, its seven events). */
+  char args[512];
+  if (have_traces()) {
+    snprintf(args, sizeof args, "replay - --json < %s/ZidongLiu__DeComFL/memory.pickle", GCALLOC_TRACES_DIR);
+    assert_int_equal(run_tool(args), 0);
+    char *out = cli_output("out");
+    assert_contains(out, "\"trace\": \"/dev/stdin\"");
+    assert_contains(out, "\"trace_events\": 23105");
+    free(out);
+  }
+  snprintf(args, sizeof args, "cat %s/tests/fuzz/text-seeds/gcalloc.trace.xz | %s replay - --json > /tmp/gcalloc-cli.out",
+           GCALLOC_SOURCE_DIR, GCALLOC_TOOL_PATH);
+  assert_int_equal(system(args), 0);
+  char *out = cli_output("out");
+  assert_contains(out, "\"trace_events\": 7,");
+  free(out);
   /* --help wins over what else is given. */
   assert_int_equal(run_tool("replay --bogus --help"), 0);
   char *help = cli_output("out");

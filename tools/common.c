@@ -73,7 +73,7 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
   if (operand) *operand = NULL;
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];
-    if (arg[0] != '-' || !arg[1]) { /* ("-" alone is an operand: a file of that name) */
+    if (arg[0] != '-' || !arg[1]) { /* ("-" alone is an operand: standard input) */
       if (!c->operand) {
         snprintf(why, sizeof why, "takes no operand ('%s' given)", arg);
         return refuse(c, why);
@@ -82,7 +82,7 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
         snprintf(why, sizeof why, "one %s at a time ('%s', then '%s')", c->operand, *operand, arg);
         return refuse(c, why);
       }
-      *operand = arg;
+      *operand = strcmp(arg, "-") ? arg : "/dev/stdin";
       continue;
     }
     const tool_option_t *o = options;

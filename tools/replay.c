@@ -30,7 +30,7 @@ const tool_command_t replay_command = {
     "\n"
     "TRACE is a PyTorch snapshot pickle (torch.cuda.memory._dump_snapshot), an RMM logging_resource_adaptor\n"
     "CSV log, a gcalloc trace (GCALLOC_TRACE_FILE) or an allocatorSim log, told apart by its first bytes;\n"
-    "plain or compressed with gzip, zstd, xz or bzip2; a file or a pipe (<(zcat t.gz), /dev/stdin).\n"
+    "plain or compressed with gzip, zstd, xz or bzip2; a file or a pipe (- for standard input).\n"
     "\n"
     "  --conf STRING       allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax (default: those the\n"
     "                      snapshot recorded, else gcalloc's defaults)\n"

@@ -52,10 +52,11 @@ typedef struct tool_command {
 } tool_command_t;
 
 /* Parses argv[1..argc) by `options` (ended by a NULL name): 0 when all of
- * it was taken (*operand set where the command takes one); -1 when -h or
- * --help was given (the help printed on stdout: exit 0); 2 with a message
- * on stderr naming what is wrong (an unknown option, a value missing or
- * out of range, an operand missing or one too many). */
+ * it was taken (*operand set where the command takes one; "-" is given as
+ * "/dev/stdin", standard input, which the readers take as any pipe); -1
+ * when -h or --help was given (the help printed on stdout: exit 0); 2 with
+ * a message on stderr naming what is wrong (an unknown option, a value
+ * missing or out of range, an operand missing or one too many). */
 int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand);
 /* `gcalloc help COMMAND`: COMMAND's help, as `gcalloc COMMAND --help`. */
 extern const tool_command_t demo_command, bench_command, bench_streams_command, bench_replay_command,

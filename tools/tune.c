@@ -74,10 +74,11 @@ static void put(char *buf, size_t cap, const char *item) {
 const tool_command_t tune_command = {
     "tune", "TRACE", "TRACE [--capacity SIZE] [--device N] [--json]",
     "\n"
-    "Replays TRACE (any trace `gcalloc replay` reads) under every combination of max_split_size_mb,\n"
-    "roundup_power2_divisions, garbage_collection_threshold (with --capacity), cross_stream_reuse (when\n"
-    "the trace has several streams) and expandable segments with and without stitching, ranks them by\n"
-    "peak reserved memory, and prints the best with the PYTORCH_CUDA_ALLOC_CONF string to paste.\n"
+    "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
+    "max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold (with --capacity),\n"
+    "cross_stream_reuse (when the trace has several streams) and expandable segments with and without\n"
+    "stitching, ranks them by peak reserved memory, and prints the best with the PYTORCH_CUDA_ALLOC_CONF\n"
+    "string to paste.\n"
     "\n"
     "  --capacity SIZE  the device's memory, like 80GiB: settings under which the job does not fit rank\n"
     "                   below every one under which it does\n"
