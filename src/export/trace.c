@@ -821,6 +821,16 @@ typedef struct unpacked {
   size_t len, cap, limit;
 } unpacked_t;
 
+/* false, with the error that the host ran out of memory decompressing. */
+static bool unpack_out_of_memory(const char *path) {
+  set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+  return false;
+}
+
+/* zlib and libbz2 count in 32 bits: longer input and output go to them in
+ * pieces of at most this. */
+static unsigned piece32(size_t n) { return n < UINT32_MAX ? (unsigned)n : UINT32_MAX; }
+
 /* Room for more output: false (the error set) at the bound or when the
  * host is out of memory. One byte is kept past the end, for the NUL the
  * text readers' memory file wants. */
@@ -835,8 +845,7 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   size_t cap = u->cap * 2 > u->limit + 1 ? u->limit + 1 : u->cap * 2;
   unsigned char *grown = realloc(u->buf, cap + 1);
   if (!grown) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
-    return false;
+    return unpack_out_of_memory(path);
   }
   u->buf = grown;
   u->cap = cap + 1;
@@ -863,20 +872,17 @@ static bool gunzip(const char *path, const unsigned char *in, size_t len, unpack
   z_stream z;
   memset(&z, 0, sizeof z);
   if (inflateInit2(&z, 15 + 16) != Z_OK) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
-    return false;
+    return unpack_out_of_memory(path);
   }
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
     if (!(ok = unpacked_room(u, path, "gzip"))) break;
-    /* (zlib counts in 32 bits: long files go in pieces) */
-    size_t in_piece = len - at < UINT32_MAX ? len - at : UINT32_MAX;
-    size_t out_room = u->cap - 1 - u->len < UINT32_MAX ? u->cap - 1 - u->len : UINT32_MAX;
+    unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
     z.next_in = (Bytef *)(uintptr_t)(in + at);
-    z.avail_in = (uInt)in_piece;
+    z.avail_in = in_piece;
     z.next_out = u->buf + u->len;
-    z.avail_out = (uInt)out_room;
+    z.avail_out = out_room;
     int rc = inflate(&z, Z_NO_FLUSH);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
@@ -903,8 +909,7 @@ static bool gunzip(const char *path, const unsigned char *in, size_t len, unpack
 static bool unzstd(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
   ZSTD_DCtx *z = ZSTD_createDCtx();
   if (!z) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
-    return false;
+    return unpack_out_of_memory(path);
   }
   /* The input goes in pieces of UNZSTD_PIECE, so that an error can be
    * placed: zstd says what is wrong, not where. */
@@ -947,8 +952,7 @@ static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked
   bool ok = true, ended = false;
   size_t at = 0; /* input consumed by the streams before this one */
   if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
-    return false;
+    return unpack_out_of_memory(path);
   }
   z.next_in = in;
   z.avail_in = len;
@@ -973,7 +977,7 @@ static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked
       lzma_end(&z);
       z = (lzma_stream)LZMA_STREAM_INIT;
       if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
-        ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+        ok = unpack_out_of_memory(path);
         break;
       }
       at = next;
@@ -984,7 +988,7 @@ static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked
     }
     size_t near = at + (size_t)z.total_in;
     if (rc == LZMA_BUF_ERROR && !z.avail_in) break; /* all input read, and the stream not finished: cut short */
-    if (rc == LZMA_MEM_ERROR) ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    if (rc == LZMA_MEM_ERROR) ok = unpack_out_of_memory(path);
     else if (rc == LZMA_MEMLIMIT_ERROR)
       ok = !set_error(GCA_ERR_INVALID, "%s: the xz stream at byte %zu needs %llu MiB to decompress, more than the "
                       "%llu MiB gcalloc allows; decompress it yourself (with xzcat: gcalloc replay <(xzcat FILE))",
@@ -1007,20 +1011,17 @@ static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpac
   bz_stream z;
   memset(&z, 0, sizeof z);
   if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
-    return false;
+    return unpack_out_of_memory(path);
   }
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
     if (!(ok = unpacked_room(u, path, "bzip2"))) break;
-    /* (libbz2 counts in 32 bits: long files go in pieces) */
-    size_t in_piece = len - at < UINT32_MAX ? len - at : UINT32_MAX;
-    size_t out_room = u->cap - 1 - u->len < UINT32_MAX ? u->cap - 1 - u->len : UINT32_MAX;
+    unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
     z.next_in = (char *)(uintptr_t)(in + at);
-    z.avail_in = (unsigned)in_piece;
+    z.avail_in = in_piece;
     z.next_out = (char *)(u->buf + u->len);
-    z.avail_out = (unsigned)out_room;
+    z.avail_out = out_room;
     int rc = BZ2_bzDecompress(&z);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
@@ -1030,7 +1031,7 @@ static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpac
       BZ2_bzDecompressEnd(&z);
       memset(&z, 0, sizeof z);
       if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
-        ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+        ok = unpack_out_of_memory(path);
         break;
       }
       ended = false;
@@ -1039,7 +1040,7 @@ static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpac
     } else {
       /* (A block's check is tested at its end: the damage may lie
        * anywhere in the block read up to there.) */
-      if (rc == BZ_MEM_ERROR) ok = !set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+      if (rc == BZ_MEM_ERROR) ok = unpack_out_of_memory(path);
       else if (rc == BZ_DATA_ERROR_MAGIC)
         ok = !set_error(GCA_ERR_INVALID, "%s: bzip2 data corrupt near byte %zu: not a bzip2 stream", path, at);
       else ok = !set_error(GCA_ERR_INVALID, "%s: bzip2 data corrupt in the block read up to byte %zu", path, at);
@@ -1107,7 +1108,7 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
                   .limit = limit};
   if (u.cap > limit) u.cap = limit;
   if (!(u.buf = malloc(u.cap))) {
-    set_error(GCA_ERR_NOMEM, "out of host memory decompressing %s", path);
+    unpack_out_of_memory(path);
     return NULL;
   }
   bool done = c->packing == PACK_GZIP    ? gunzip(path, packed, len, &u)
