@@ -844,9 +844,7 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   }
   size_t cap = u->cap * 2 > u->limit + 1 ? u->limit + 1 : u->cap * 2;
   unsigned char *grown = realloc(u->buf, cap + 1);
-  if (!grown) {
-    return unpack_out_of_memory(path);
-  }
+  if (!grown) return unpack_out_of_memory(path);
   u->buf = grown;
   u->cap = cap + 1;
   return true;
@@ -858,26 +856,24 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
  * false, with the error set unless the input ends there. (zcat, xzcat and
  * bzcat read streams one after another; a trace followed by other bytes is
  * refused, not guessed at.) */
-static bool next_stream(const char *path, const char *name, const char *magic, size_t magic_len,
-                        const unsigned char *in, size_t len, size_t at, bool *ok) {
+static bool next_stream(const char *path, const compression_t *c, const unsigned char *in, size_t len, size_t at,
+                        bool *ok) {
   if (at == len) return false;
-  if (!memcmp(in + at, magic, len - at < magic_len ? len - at : magic_len)) return true;
+  if (!memcmp(in + at, c->magic, len - at < c->magic_len ? len - at : c->magic_len)) return true;
   *ok = !set_error(GCA_ERR_INVALID, "%s: %zu bytes after the %s data, from byte %zu, are not %s", path, len - at,
-                   name, at, name);
+                   c->name, at, c->name);
   return false;
 }
 
 /* gzip, with zlib: one member after another (as zcat reads them). */
-static bool gunzip(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool gunzip(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
   z_stream z;
   memset(&z, 0, sizeof z);
-  if (inflateInit2(&z, 15 + 16) != Z_OK) {
-    return unpack_out_of_memory(path);
-  }
+  if (inflateInit2(&z, 15 + 16) != Z_OK) return unpack_out_of_memory(path);
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
-    if (!(ok = unpacked_room(u, path, "gzip"))) break;
+    if (!(ok = unpacked_room(u, path, c->name))) break;
     unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
     z.next_in = (Bytef *)(uintptr_t)(in + at);
     z.avail_in = in_piece;
@@ -888,7 +884,7 @@ static bool gunzip(const char *path, const unsigned char *in, size_t len, unpack
     u->len += out_room - z.avail_out;
     ended = rc == Z_STREAM_END;
     if (ended) {
-      if (!next_stream(path, "gzip", "\037\213", 2, in, len, at, &ok)) break;
+      if (!next_stream(path, c, in, len, at, &ok)) break;
       ended = false;
       if (inflateReset(&z) != Z_OK) ok = !set_error(GCA_ERR_INVALID, "%s: gzip: cannot start its next member", path);
     } else if (rc == Z_BUF_ERROR && at == len) {
@@ -906,11 +902,9 @@ static bool gunzip(const char *path, const unsigned char *in, size_t len, unpack
 }
 
 /* zstd: frame after frame (skippable ones skipped), as zstdcat reads them. */
-static bool unzstd(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool unzstd(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
   ZSTD_DCtx *z = ZSTD_createDCtx();
-  if (!z) {
-    return unpack_out_of_memory(path);
-  }
+  if (!z) return unpack_out_of_memory(path);
   /* The input goes in pieces of UNZSTD_PIECE, so that an error can be
    * placed: zstd says what is wrong, not where. */
   enum { UNZSTD_PIECE = 64 << 10 };
@@ -920,7 +914,7 @@ static bool unzstd(const char *path, const unsigned char *in, size_t len, unpack
   while (ok) {
     if (input.pos == input.size && input.size < len)
       input.size = len - input.size < UNZSTD_PIECE ? len : input.size + UNZSTD_PIECE;
-    if (!(ok = unpacked_room(u, path, "zstd"))) break;
+    if (!(ok = unpacked_room(u, path, c->name))) break;
     ZSTD_outBuffer output = {u->buf + u->len, u->cap - 1 - u->len, 0};
     size_t from = input.pos;
     left = ZSTD_decompressStream(z, &output, &input);
@@ -947,17 +941,15 @@ static bool unzstd(const char *path, const unsigned char *in, size_t len, unpack
 
 /* xz, with liblzma: stream after stream, with the padding xz allows
  * between them (zero bytes, four at a time), as xzcat reads them. */
-static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool unxz(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
   lzma_stream z = LZMA_STREAM_INIT;
   bool ok = true, ended = false;
   size_t at = 0; /* input consumed by the streams before this one */
-  if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
-    return unpack_out_of_memory(path);
-  }
+  if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) return unpack_out_of_memory(path);
   z.next_in = in;
   z.avail_in = len;
   while (ok) {
-    if (!(ok = unpacked_room(u, path, "xz"))) break;
+    if (!(ok = unpacked_room(u, path, c->name))) break;
     size_t room = u->cap - 1 - u->len;
     z.next_out = u->buf + u->len;
     z.avail_out = room;
@@ -973,7 +965,7 @@ static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked
                         "of four", path, end, next - end);
         break;
       }
-      if (!next_stream(path, "xz", "\3757zXZ\0", 6, in, len, next, &ok)) break;
+      if (!next_stream(path, c, in, len, next, &ok)) break;
       lzma_end(&z);
       z = (lzma_stream)LZMA_STREAM_INIT;
       if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
@@ -1007,16 +999,14 @@ static bool unxz(const char *path, const unsigned char *in, size_t len, unpacked
 }
 
 /* bzip2, with libbz2: stream after stream, as bzcat reads them. */
-static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool bunzip2(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
   bz_stream z;
   memset(&z, 0, sizeof z);
-  if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
-    return unpack_out_of_memory(path);
-  }
+  if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) return unpack_out_of_memory(path);
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
-    if (!(ok = unpacked_room(u, path, "bzip2"))) break;
+    if (!(ok = unpacked_room(u, path, c->name))) break;
     unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
     z.next_in = (char *)(uintptr_t)(in + at);
     z.avail_in = in_piece;
@@ -1027,7 +1017,7 @@ static bool bunzip2(const char *path, const unsigned char *in, size_t len, unpac
     u->len += out_room - z.avail_out;
     if (rc == BZ_STREAM_END) {
       ended = true;
-      if (!next_stream(path, "bzip2", "BZh", 3, in, len, at, &ok)) break;
+      if (!next_stream(path, c, in, len, at, &ok)) break;
       BZ2_bzDecompressEnd(&z);
       memset(&z, 0, sizeof z);
       if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
@@ -1111,10 +1101,10 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
     unpack_out_of_memory(path);
     return NULL;
   }
-  bool done = c->packing == PACK_GZIP    ? gunzip(path, packed, len, &u)
-              : c->packing == PACK_ZSTD  ? unzstd(path, packed, len, &u)
-              : c->packing == PACK_XZ    ? unxz(path, packed, len, &u)
-                                         : bunzip2(path, packed, len, &u);
+  bool done = c->packing == PACK_GZIP    ? gunzip(path, c, packed, len, &u)
+              : c->packing == PACK_ZSTD  ? unzstd(path, c, packed, len, &u)
+              : c->packing == PACK_XZ    ? unxz(path, c, packed, len, &u)
+                                         : bunzip2(path, c, packed, len, &u);
   if (!done) {
     free(u.buf);
     return NULL;
