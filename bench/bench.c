@@ -402,6 +402,7 @@ static void reexec_with_tls_surplus(int argc, char **argv) {
 
 const tool_command_t bench_command = {
     "bench", NULL, "[--json] [--traces DIR] [--quick]",
+    "compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)",
     "\n"
     "Times gcalloc (on the simulated device) against glibc malloc, mimalloc and jemalloc in the same run:\n"
     "a 4 KiB malloc+free loop, the pinned host allocator's, and the alloc/free sequence of every real\n"

@@ -225,6 +225,7 @@ static double time_pinning_way(int way, size_t size) {
 
 const tool_command_t bench_cuda_command = {
     "bench-cuda", NULL, "[--json]",
+    "on a GPU: gcalloc's alloc+free and growth against cuMemAlloc and the driver's pool",
     "\n"
     "On a machine with an NVIDIA GPU: gcalloc's cuda backend against the driver's own allocators in the\n"
     "same run: a cached alloc+free pair, growth by 64 MiB blocks, pinned host blocks (docs/cuda.md).\n"

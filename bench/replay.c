@@ -115,8 +115,8 @@ static bool spawn_replay(const char *self, const char *path, double *rate, long 
  * page faults one took; then, with idle_s > 0, IDLE_RUNS more, each after
  * idle_s seconds of sleep (a process run once, whose fresh memory a
  * virtual machine's host may have taken back meanwhile:
- * docs/replay-speed-log.md, "Stop 25"): their median events/s. -1 each where it cannot be measured
- * (no /proc/self/exe, a run that failed). */
+ * docs/replay-speed-log.md, "Stop 25"): their median events/s. -1 each
+ * where it cannot be measured (no /proc/self/exe, a run that failed). */
 #define IDLE_RUNS 3
 static void fresh_processes(const char *path, int runs, double idle_s, double *best_rate, long *fewest_faults,
                             double *idle_rate) {
@@ -214,6 +214,7 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, d
 
 const tool_command_t bench_replay_command = {
     "bench-replay", NULL, "[--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]",
+    "replay speed end to end and peak reserved against PyTorch on the real traces",
     "\n"
     "The replay's targets on every real trace: its speed end to end (load, plan, replay of every device),\n"
     "best and median of N runs in this process and the best of N new processes of `gcalloc replay`,\n"

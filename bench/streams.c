@@ -229,6 +229,7 @@ static size_t min_capacity(const scenario_t *sc, int engines, const char *conf, 
 
 const tool_command_t bench_streams_command = {
     "bench-streams", NULL, "[--json] [--quick]",
+    "memory saved by cross-stream reuse on a multi-stream serving workload",
     "\n"
     "Peak reserved memory of a multi-stream inference server's workload with PyTorch's per-stream\n"
     "caching and with gcalloc's cross-stream reuse, measured in the same run (docs/streams.md).\n"

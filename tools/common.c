@@ -62,12 +62,16 @@ static int take_value(const tool_command_t *c, const tool_option_t *o, const cha
   return refuse(c, "internal error: an option of no known kind");
 }
 
+void tool_help(const tool_command_t *c) {
+  print_usage(stdout, c);
+  fputs(c->help, stdout);
+}
+
 int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand) {
   char why[512];
   for (int i = 1; i < argc; i++)
     if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-      print_usage(stdout, c);
-      fputs(c->help, stdout);
+      tool_help(c);
       return -1;
     }
   if (operand) *operand = NULL;

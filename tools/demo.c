@@ -132,6 +132,7 @@ static void train_step(demo_t *d, void **params, void **grads, void **adam, bool
 
 const tool_command_t demo_command = {
     "demo", NULL, "[--backend SPEC] [--conf CONF] [--steps N] [--seed S]",
+    "run a training-like allocation sequence and print the statistics",
     "\n"
     "Runs a training-like allocation sequence (a transformer's weights, activations and gradients, step\n"
     "after step) on a device and prints the statistics and the summary table.\n"

@@ -34,39 +34,28 @@
 #include "gcalloc.h"
 #include "tool.h"
 
+static const tool_command_t *const commands[] = {&demo_command,         &bench_command,      &bench_streams_command,
+                                                 &bench_replay_command, &bench_cuda_command, &replay_command,
+                                                 &tune_command};
+
+/* Every command's usage line and summary, from the commands themselves. */
 static void usage(FILE *out) {
-  fprintf(out,
-          "usage: gcalloc <command> [options]\n"
-          "  demo  [--backend SPEC] [--conf CONF] [--steps N] [--seed S]\n"
-          "        run a training-like allocation sequence and print the statistics\n"
-          "  bench [--json] [--traces DIR] [--quick]\n"
-          "        compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)\n"
-          "  bench-streams [--json] [--quick]\n"
-          "        memory saved by cross-stream reuse on a multi-stream serving workload\n"
-          "  bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]\n"
-          "        replay speed end to end and peak reserved against PyTorch on the real traces\n"
-          "  bench-cuda [--json]\n"
-          "        on a GPU: gcalloc's alloc+free and growth against cuMemAlloc and the driver's pool\n"
-          "  replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]\n"
-          "        replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device\n"
-          "  tune TRACE [--capacity SIZE] [--device N] [--json]\n"
-          "        search the settings under which the trace reserves the least\n"
-          "  version\n"
-          "'gcalloc COMMAND --help' (or 'gcalloc help COMMAND') says what each of its options does.\n");
+  fprintf(out, "usage: gcalloc <command> [options]\n");
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    fprintf(out, "  %s %s\n        %s\n", commands[i]->name, commands[i]->usage, commands[i]->summary);
+  fprintf(out, "  version\n"
+               "'gcalloc COMMAND --help' (or 'gcalloc help COMMAND') says what each of its options does.\n");
 }
 
 /* `gcalloc help COMMAND`: COMMAND's own --help. */
 static int help(int argc, char **argv) {
-  static const tool_command_t *const commands[] = {&demo_command,         &bench_command,  &bench_streams_command,
-                                                   &bench_replay_command, &bench_cuda_command, &replay_command,
-                                                   &tune_command};
   if (argc < 3) {
     usage(stdout);
     return 0;
   }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     if (!strcmp(argv[2], commands[i]->name)) {
-      printf("usage: gcalloc %s %s\n%s", commands[i]->name, commands[i]->usage, commands[i]->help);
+      tool_help(commands[i]);
       return 0;
     }
   fprintf(stderr, "gcalloc help: no command '%s'\n", argv[2]);

@@ -24,6 +24,7 @@
 const tool_command_t replay_command = {
     "replay", "TRACE",
     "TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]",
+    "replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device",
     "\n"
     "Replays a recorded allocation trace on the simulated device, and compares what gcalloc reserves with\n"
     "what PyTorch's allocator reserved on the same sequence (docs/replay.md).\n"

@@ -48,6 +48,7 @@ typedef struct tool_command {
   const char *name;    /* "replay" */
   const char *operand; /* "TRACE" where the command takes one, else NULL */
   const char *usage;   /* what follows "gcalloc NAME" on the usage line */
+  const char *summary; /* one line for `gcalloc --help`'s list of commands */
   const char *help;    /* what --help prints after the usage line */
 } tool_command_t;
 
@@ -58,7 +59,10 @@ typedef struct tool_command {
  * a message on stderr naming what is wrong (an unknown option, a value
  * missing or out of range, an operand missing or one too many). */
 int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand);
-/* `gcalloc help COMMAND`: COMMAND's help, as `gcalloc COMMAND --help`. */
+/* A command's usage line and help, on stdout (its --help, and `gcalloc
+ * help COMMAND`). */
+void tool_help(const tool_command_t *c);
+/* The commands, each defined beside its _main. */
 extern const tool_command_t demo_command, bench_command, bench_streams_command, bench_replay_command,
     bench_cuda_command, replay_command, tune_command;
 

@@ -73,6 +73,7 @@ static void put(char *buf, size_t cap, const char *item) {
 
 const tool_command_t tune_command = {
     "tune", "TRACE", "TRACE [--capacity SIZE] [--device N] [--json]",
+    "search the settings under which the trace reserves the least",
     "\n"
     "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
     "max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold (with --capacity),\n"
