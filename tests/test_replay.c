@@ -1389,6 +1389,28 @@ static void test_tool_command_line(void **state) {
   char *out = cli_output("out");
   assert_contains(out, "\"trace_events\": 7,");
   free(out);
+  /* A snapshot whose segments and segment events add up to nothing
+   * reserved: PyTorch's recorded 0 is shown, with no ratio to it (it was
+   * "gcalloc / PyTorch = 0.000"). */
+  static const char no_reserved[] =
+      "\x80\x02}q\x00(X\x08\x00\x00\x00segmentsq\x01]q\x02X\x0d\x00\x00\x00"
+      "device_tracesq\x03]q\x04]q\x05}q\x06(X\x06\x00\x00\x00" "actionq\x07X\x05\x00\x00\x00"
+      "allocq\x08X\x04\x00\x00\x00"
+      "addrq\x09K\x01X\x04\x00\x00\x00sizeq\x0aM\x00\x02X\x06\x00\x00\x00streamq\x0bK\x00uaau.";
+  FILE *f = fopen("/tmp/gcalloc-cli.pickle", "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(no_reserved, 1, sizeof no_reserved - 1, f), sizeof no_reserved - 1);
+  assert_int_equal(fclose(f), 0);
+  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle"), 0);
+  out = cli_output("out");
+  assert_contains(out, "PyTorch reserved      0 GiB  (recorded: no segment at the end, none allocated in the record)");
+  assert_true(strstr(out, "gcalloc / PyTorch") == NULL);
+  free(out);
+  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle --json"), 0);
+  out = cli_output("out");
+  assert_contains(out, "\"recorded_peak_reserved_bytes\": 0,");
+  free(out);
+  remove("/tmp/gcalloc-cli.pickle");
   /* --help wins over what else is given. */
   assert_int_equal(run_tool("replay --bogus --help"), 0);
   char *help = cli_output("out");

@@ -67,10 +67,13 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     printf("  peak allocated   %10.3f GiB\n", gib(d->peak_allocated));
     printf("  peak reserved    %10.3f GiB  (%.3f x peak requested)\n", gib(d->peak_reserved),
            d->peak_requested ? (double)d->peak_reserved / (double)d->peak_requested : 0);
-    if (d->recorded_peak_reserved >= 0)
+    /* A record whose segments and segment events add up to nothing
+     * reserved (its segment events left out) has no ratio to show. */
+    if (d->recorded_peak_reserved > 0)
       printf("  PyTorch reserved %10.3f GiB  (recorded; gcalloc / PyTorch = %.3f)\n",
-             gib((uint64_t)d->recorded_peak_reserved),
-             d->recorded_peak_reserved ? (double)d->peak_reserved / (double)d->recorded_peak_reserved : 0);
+             gib((uint64_t)d->recorded_peak_reserved), (double)d->peak_reserved / (double)d->recorded_peak_reserved);
+    else if (d->recorded_peak_reserved == 0)
+      printf("  PyTorch reserved      0 GiB  (recorded: no segment at the end, none allocated in the record)\n");
     else
       printf("  recorded reserved   unknown  (the trace records no segments)\n");
     printf("  device allocations %" PRIu64 ", frees %" PRIu64 "; empty_cache calls inferred from the record: %zu\n",
