@@ -1426,6 +1426,93 @@ static void test_compressed_traces(void **state) {
   remove("/tmp/gcalloc-trace-packed");
 }
 
+/* What trace_load_progress told: its calls, their stage, and whether each
+ * went on from the one before. */
+typedef struct progress_seen {
+  size_t reading, decompressing;
+  uint64_t last, total, packed;
+  bool forward; /* each reading's done past the last, and below the total */
+} progress_seen_t;
+
+static void see_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
+  progress_seen_t *p = ctx;
+  if (!strcmp(stage, "decompressing")) {
+    p->decompressing++;
+    p->packed = total;
+    return;
+  }
+  assert_string_equal(stage, "reading");
+  if (p->reading && (done <= p->last || total != p->total)) p->forward = false;
+  if (done >= total) p->forward = false;
+  p->reading++;
+  p->last = done;
+  p->total = total;
+}
+
+/* trace_load_progress: the same trace as trace_load, and progress that
+ * goes forward to the file's size: a text trace every 65,536 lines, a
+ * snapshot about every 1/128 of it and 1 MiB at least, a compressed trace
+ * once as it is decompressed, then as its text is read. */
+static void expect_progress(const char *path, size_t readings, uint64_t packed) {
+  trace_t plain, told;
+  assert_int_equal(trace_load(path, &plain), GCA_OK);
+  progress_seen_t seen = {.forward = true};
+  assert_int_equal(trace_load_progress(path, &told, see_progress, &seen), GCA_OK);
+  assert_true(trace_equal(&plain, &told));
+  if (seen.reading != readings) fprintf(stderr, "%s: %zu readings told, not %zu\n", path, seen.reading, readings);
+  assert_int_equal(seen.reading, readings);
+  assert_true(seen.forward);
+  assert_int_equal(seen.decompressing, packed ? 1 : 0);
+  struct stat st;
+  assert_int_equal(stat(path, &st), 0);
+  if (packed) assert_int_equal(seen.packed, (uint64_t)st.st_size);
+  else assert_int_equal(seen.total, (uint64_t)st.st_size);
+  trace_free(&plain);
+  trace_free(&told);
+}
+
+static void test_load_progress(void **state) {
+  (void)state;
+  /* 200,000 lines of each text format: told at lines 65,536, 131,072 and
+   * 196,608 (the gcalloc trace's lines counted from its header). */
+  const size_t lines = 200000;
+  FILE *f = fopen("/tmp/gcalloc-progress.log", "w");
+  assert_non_null(f);
+  for (size_t k = 0; k < lines; k++) fprintf(f, "%zu %zu 512\n", 2 * k, 2 * k + 1);
+  fclose(f);
+  expect_progress("/tmp/gcalloc-progress.log", 3, 0);
+  f = fopen("/tmp/gcalloc-progress.csv", "w");
+  assert_non_null(f);
+  fprintf(f, "Thread,Time,Action,Pointer,Size,Stream\n");
+  for (size_t k = 0; k + 1 < lines; k += 2)
+    fprintf(f, "1,00:00:%02zu.%06zu,allocate,0x7f0000000000,512,0x0\n1,00:00:%02zu.%06zu,free,0x7f0000000000,512,0x0\n",
+            k / 1000000 % 60, k % 1000000, k / 1000000 % 60, k % 1000000 + 1);
+  fclose(f);
+  expect_progress("/tmp/gcalloc-progress.csv", 3, 0);
+  f = fopen("/tmp/gcalloc-progress.trace", "w");
+  assert_non_null(f);
+  fprintf(f, "# gcalloc trace 1\n1 7 open 0 sim -\n");
+  for (size_t k = 0; k + 3 < lines; k += 2)
+    fprintf(f, "%zu 7 malloc 0 0 0 512 200000000000\n%zu 7 free 0 200000000000 0\n", k + 2, k + 3);
+  fclose(f);
+  expect_progress("/tmp/gcalloc-progress.trace", 3, 0);
+  /* The log gzip-compressed: decompressing, then reading what it holds. */
+  size_t len;
+  unsigned char *data = read_whole("/tmp/gcalloc-progress.log", &len);
+  assert_non_null(data);
+  packed_t packed = gzip_of(data, len, 1);
+  write_bytes("/tmp/gcalloc-progress.log.gz", packed.bytes, packed.len);
+  expect_progress("/tmp/gcalloc-progress.log.gz", 3, packed.len);
+  free(packed.bytes);
+  free(data);
+  /* A snapshot of 2.6 MB: at its first dict, then past 1 MiB and 2 MiB. */
+  if (have_traces()) expect_progress(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", 3, 0);
+  remove("/tmp/gcalloc-progress.log");
+  remove("/tmp/gcalloc-progress.csv");
+  remove("/tmp/gcalloc-progress.trace");
+  remove("/tmp/gcalloc-progress.log.gz");
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
@@ -1436,7 +1523,7 @@ int main(void) {
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
       cmocka_unit_test(test_blocks_as_records),
       cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_second_reader),
-      cmocka_unit_test(test_big_arrays),
+      cmocka_unit_test(test_big_arrays),        cmocka_unit_test(test_load_progress),
       cmocka_unit_test(test_many_entries),
   };
   /* CTest runs the second reader's test apart too, under the label the

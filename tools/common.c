@@ -1,12 +1,14 @@
 /* Small helpers the tool's subcommands share: the command line's parsing
- * and help, a monotonic clock, a comparison for qsort of timings, JSON
- * strings. */
+ * and help, a monotonic clock, a progress line on a terminal, a comparison
+ * for qsort of timings, JSON strings. */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../src/internal.h"
 #include "tool.h"
@@ -117,6 +119,43 @@ double tool_seconds(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+#define PROGRESS_WIDTH 76 /* a line is padded to this, so that a shorter one wipes a longer */
+
+void tool_progress_start(tool_progress_t *p) {
+  *p = (tool_progress_t){.on = isatty(STDERR_FILENO) == 1, .start = tool_seconds()};
+}
+
+void tool_progress_show(tool_progress_t *p, const char *format, ...) {
+  if (!p->on) return;
+  double now = tool_seconds();
+  /* Nothing for a job over in half a second: a line flashed on the
+   * terminal would only be noise. */
+  if (now - p->start < 0.5 || (p->shown && now - p->last < 0.2)) return;
+  char line[PROGRESS_WIDTH + 1];
+  va_list args;
+  va_start(args, format);
+  int n = vsnprintf(line, sizeof line, format, args);
+  va_end(args);
+  if (n >= 0 && (size_t)n < sizeof line) snprintf(line + n, sizeof line - (size_t)n, ", %.1f s)", now - p->start);
+  fprintf(stderr, "\r%-*s", PROGRESS_WIDTH, line);
+  p->shown = true;
+  p->last = now;
+}
+
+void tool_progress_done(tool_progress_t *p) {
+  if (p->shown) fprintf(stderr, "\r%*s\r", PROGRESS_WIDTH, "");
+  p->shown = false;
+}
+
+void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
+  tool_progress_t *p = ctx;
+  double mb = 1e6;
+  if (total && done) tool_progress_show(p, "%s the trace: %3.0f%% (%.0f of %.0f MB", stage,
+                                        100.0 * (double)done / (double)total, (double)done / mb, (double)total / mb);
+  else if (total) tool_progress_show(p, "%s the trace (%.0f MB", stage, (double)total / mb);
+  else tool_progress_show(p, "%s the trace (%.0f MB so far", stage, (double)done / mb);
 }
 
 int compare_doubles(const void *a, const void *b) {

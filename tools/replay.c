@@ -4,7 +4,6 @@
  *   gcalloc replay TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
  *                        [--no-empty-cache]
  */
-#include <unistd.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -160,19 +159,9 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
 }
 
 /* Progress on stderr, when it is a terminal, at most five times a second. */
-typedef struct progress {
-  double start, last; /* tool_seconds() */
-  bool shown;
-} progress_t;
-
 static void show_progress(void *ctx, int device, size_t done, size_t total) {
-  progress_t *p = ctx;
-  double now = tool_seconds();
-  if (now - p->last < 0.2 && p->shown) return;
-  p->last = now;
-  p->shown = true;
-  fprintf(stderr, "\rreplaying device %d: %3.0f%% (%zu of %zu operations, %.1f s)  ", device,
-          100.0 * (double)done / (double)(total ? total : 1), done, total, now - p->start);
+  tool_progress_show(ctx, "replaying device %d: %3.0f%% (%zu of %zu operations", device,
+                     100.0 * (double)done / (double)(total ? total : 1), done, total);
 }
 
 /* The heap a replay grows into, faulted in ahead of it by a helper thread.
@@ -257,16 +246,17 @@ int replay_main(int argc, char **argv) {
   o.infer_empty_cache = !no_empty_cache;
   o.timeline = report != NULL;
   o.page_census = true;
-  progress_t progress = {.shown = false};
-  if (isatty(STDERR_FILENO)) {
+  double t0 = tool_seconds();
+  tool_progress_t progress;
+  tool_progress_start(&progress);
+  if (progress.on) {
     o.progress = show_progress;
     o.progress_ctx = &progress;
   }
-  double t0 = tool_seconds();
-  progress.start = progress.last = t0;
   heap_warm(path);
   trace_t t;
-  if (trace_load(path, &t) != GCA_OK) {
+  if (trace_load_progress(path, &t, progress.on ? tool_trace_progress : NULL, &progress) != GCA_OK) {
+    tool_progress_done(&progress);
     fprintf(stderr, "gcalloc replay: %s\n", gca_last_error());
     return 1;
   }
@@ -274,12 +264,13 @@ int replay_main(int argc, char **argv) {
   heap_warm_call_off(&t, o.device);
   replay_result_t r;
   if (replay_trace(&t, &o, &r) != GCA_OK) {
+    tool_progress_done(&progress);
     fprintf(stderr, "gcalloc replay: %s: %s\n", path, gca_last_error());
     trace_free(&t);
     return 1;
   }
   double total_s = tool_seconds() - t0;
-  if (progress.shown) fprintf(stderr, "\r%60s\r", "");
+  tool_progress_done(&progress);
   if (json) print_json(path, &t, &r, load_s, total_s);
   else print_text(path, &t, &r, load_s, total_s);
   int rc = 0;

@@ -71,6 +71,22 @@ extern const tool_command_t demo_command, bench_command, bench_streams_command, 
  * of doubles; bytes in GiB. */
 void json_put_string(FILE *f, const char *s);
 double tool_seconds(void);
+/* A progress line on stderr, shown only when stderr is a terminal and
+ * half a second has passed since tool_progress_start (a long replay's or
+ * tuning's: reading the trace, then each device or setting), rewritten in
+ * place at most five times a second with the seconds since the start, and
+ * wiped by tool_progress_done. A format given to tool_progress_show leaves
+ * its parenthesis open: ", 2.1 s)" is added. */
+typedef struct tool_progress {
+  bool on, shown;
+  double start, last;
+} tool_progress_t;
+void tool_progress_start(tool_progress_t *p);
+void tool_progress_show(tool_progress_t *p, const char *format, ...) __attribute__((format(printf, 2, 3)));
+void tool_progress_done(tool_progress_t *p);
+/* trace_load_progress's callback (trace.h) on a tool_progress_t:
+ * "reading the trace: 45% (52 of 116 MB)". */
+void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uint64_t total);
 int compare_doubles(const void *a, const void *b);
 static inline double gib(double bytes) { return bytes / (double)(1 << 30); }
 

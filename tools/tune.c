@@ -13,13 +13,17 @@
  * and ranks them by peak reserved bytes (summed over the trace's devices),
  * then by device allocations (each a cudaMalloc), then by the shortest
  * configuration string. With --capacity, a configuration under which the job
- * does not fit ranks below every one under which it does.
+ * does not fit ranks below every one under which it does. The settings are
+ * replayed on every processor at once (evaluate_all).
  */
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../src/internal.h"
 #include "../src/export/replay.h"
@@ -60,6 +64,79 @@ static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t 
   return GCA_OK;
 }
 
+/* The candidates are replayed on every processor at once, each replay on
+ * one thread (its devices one after another): a replay shares nothing but
+ * the trace, which it only reads, and its result does not depend on the
+ * order, so the ranking is the same with one worker or sixteen. At most
+ * TUNE_WORKERS, each holding one replay's memory at a time. */
+#define TUNE_WORKERS 16
+
+typedef struct tune_jobs {
+  const trace_t *t;
+  const replay_options_t *base;
+  candidate_t *c;
+  size_t count;
+  atomic_size_t next, done;
+  atomic_bool failed;
+  pthread_mutex_t lock; /* the first failure's message */
+  size_t failed_at;     /* the failing candidate first in order */
+  int status;
+  char message[1024];
+} tune_jobs_t;
+
+/* Candidates until none is left, or one failed; the calling thread shows
+ * the progress on its way (`progress` NULL on the others). */
+static void evaluate_some(tune_jobs_t *j, tool_progress_t *progress) {
+  for (;;) {
+    size_t i = atomic_fetch_add(&j->next, 1);
+    if (i >= j->count || atomic_load(&j->failed)) return;
+    int rc = evaluate(j->t, j->base, &j->c[i]);
+    if (rc != GCA_OK) {
+      pthread_mutex_lock(&j->lock);
+      if (!atomic_load(&j->failed) || i < j->failed_at) {
+        j->failed_at = i;
+        j->status = rc;
+        snprintf(j->message, sizeof j->message, "%s", gca_last_error());
+      }
+      atomic_store(&j->failed, true);
+      pthread_mutex_unlock(&j->lock);
+      return;
+    }
+    size_t done = atomic_fetch_add(&j->done, 1) + 1;
+    if (progress) tool_progress_show(progress, "tuning (%zu of %zu settings replayed", done, j->count);
+  }
+}
+
+static void *tune_worker(void *arg) {
+  evaluate_some(arg, NULL);
+  return NULL;
+}
+
+/* Every candidate's figures; GCA_OK, or the error of the first candidate
+ * (in their order) that failed, set on this thread. */
+static int evaluate_all(const trace_t *t, const replay_options_t *base, candidate_t *c, size_t count,
+                        tool_progress_t *progress) {
+  replay_options_t one_thread = *base;
+  one_thread.threads = 1;
+  tune_jobs_t j = {.t = t, .base = &one_thread, .c = c, .count = count, .status = GCA_OK};
+  atomic_init(&j.next, 0);
+  atomic_init(&j.done, 0);
+  atomic_init(&j.failed, false);
+  pthread_mutex_init(&j.lock, NULL);
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  size_t workers = online < 1 ? 1 : online > TUNE_WORKERS ? TUNE_WORKERS : (size_t)online;
+  if (workers > count) workers = count ? count : 1;
+  pthread_t threads[TUNE_WORKERS];
+  size_t started = 0;
+  /* (A thread that cannot start leaves its share to the others.) */
+  while (started + 1 < workers && pthread_create(&threads[started], NULL, tune_worker, &j) == 0) started++;
+  evaluate_some(&j, progress);
+  for (size_t i = 0; i < started; i++) pthread_join(threads[i], NULL);
+  pthread_mutex_destroy(&j.lock);
+  if (atomic_load(&j.failed)) return set_error(j.status, "%s", j.message);
+  return GCA_OK;
+}
+
 static bool several_streams(const trace_t *t) {
   for (size_t i = 1; i < t->count; i++)
     if (t->events[i].stream != t->events[0].stream) return true;
@@ -79,7 +156,8 @@ const tool_command_t tune_command = {
     "max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold (with --capacity),\n"
     "cross_stream_reuse (when the trace has several streams) and expandable segments with and without\n"
     "stitching, ranks them by peak reserved memory, and prints the best with the PYTORCH_CUDA_ALLOC_CONF\n"
-    "string to paste.\n"
+    "string to paste. The settings are replayed on every processor at once (16 at most); progress is shown\n"
+    "on stderr when it is a terminal.\n"
     "\n"
     "  --capacity SIZE  the device's memory, like 80GiB: settings under which the job does not fit rank\n"
     "                   below every one under which it does\n"
@@ -104,8 +182,11 @@ int tune_main(int argc, char **argv) {
   int parsed = tool_parse(&tune_command, options, argc, argv, &path);
   if (parsed) return parsed < 0 ? 0 : parsed;
   base.device = (int)device;
+  tool_progress_t progress;
+  tool_progress_start(&progress);
   trace_t t;
-  if (trace_load(path, &t) != GCA_OK) {
+  if (trace_load_progress(path, &t, progress.on ? tool_trace_progress : NULL, &progress) != GCA_OK) {
+    tool_progress_done(&progress);
     fprintf(stderr, "gcalloc tune: %s\n", gca_last_error());
     return 1;
   }
@@ -123,34 +204,35 @@ int tune_main(int argc, char **argv) {
     fprintf(stderr, "gcalloc tune: out of host memory\n");
     return 1;
   }
-  double t0 = tool_seconds();
   /* Candidate 0 is the defaults (the empty string), the baseline. */
   size_t n = 0;
-  int rc = GCA_OK;
   for (size_t s = 0; s < 7; s++)
     for (size_t d = 0; d < 6; d++)
       for (size_t g = 0; g < n_gc; g++)
         for (size_t x = 0; x < n_reuse; x++)
           for (size_t e = 0; e < 3; e++) {
-          candidate_t *k = &c[n++];
-          char item[128];
-          if (splits[s]) {
-            snprintf(item, sizeof item, "max_split_size_mb:%s", splits[s]);
-            put(k->conf, sizeof k->conf, item);
+            candidate_t *k = &c[n++];
+            char item[128];
+            if (splits[s]) {
+              snprintf(item, sizeof item, "max_split_size_mb:%s", splits[s]);
+              put(k->conf, sizeof k->conf, item);
+            }
+            if (divisions[d]) {
+              snprintf(item, sizeof item, "roundup_power2_divisions:%s", divisions[d]);
+              put(k->conf, sizeof k->conf, item);
+            }
+            if (gc_all[g]) {
+              snprintf(item, sizeof item, "per_process_memory_fraction:1.0,garbage_collection_threshold:%s",
+                       gc_all[g]);
+              put(k->conf, sizeof k->conf, item);
+            }
+            if (reuse_all[x]) put(k->conf, sizeof k->conf, "cross_stream_reuse:True");
+            if (expandable_all[e]) put(k->conf, sizeof k->conf, expandable_all[e]);
           }
-          if (divisions[d]) {
-            snprintf(item, sizeof item, "roundup_power2_divisions:%s", divisions[d]);
-            put(k->conf, sizeof k->conf, item);
-          }
-          if (gc_all[g]) {
-            snprintf(item, sizeof item, "per_process_memory_fraction:1.0,garbage_collection_threshold:%s", gc_all[g]);
-            put(k->conf, sizeof k->conf, item);
-          }
-          if (reuse_all[x]) put(k->conf, sizeof k->conf, "cross_stream_reuse:True");
-          if (expandable_all[e]) put(k->conf, sizeof k->conf, expandable_all[e]);
-          if (rc == GCA_OK) rc = evaluate(&t, &base, k);
-        }
+  double t0 = tool_seconds();
+  int rc = evaluate_all(&t, &base, c, n, &progress);
   double secs = tool_seconds() - t0;
+  tool_progress_done(&progress);
   if (rc != GCA_OK) {
     fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
     free(c);

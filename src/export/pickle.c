@@ -32,7 +32,19 @@ struct pickle_doc {
   pv_t root;
   pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none */
   size_t split_taken;  /* records taken from the second reader */
+  size_t progress_at;  /* the offset past which options.progress is called next (SIZE_MAX: never) */
 };
+
+/* Tells options.progress how far the reading is, and when to next. Out of
+ * the machine's loop, which only compares an offset with progress_at. */
+#if defined(__GNUC__)
+__attribute__((noinline, cold))
+#endif
+static void report_progress(pickle_doc_t *doc, size_t at) {
+  size_t step = doc->len / 128 > ((size_t)1 << 20) ? doc->len / 128 : (size_t)1 << 20;
+  doc->options.progress(doc->options.progress_ctx, at, doc->len);
+  doc->progress_at = at + step;
+}
 
 static void unmap_doc(void *arg) {
   pickle_doc_t *doc = arg;
@@ -1453,6 +1465,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
   /* The second reader, when there is one: the '}' at split->next or past
    * it is asked about. */
   doc->split_taken = 0; /* (a second reading counts afresh) */
+  doc->progress_at = doc->options.progress ? 0 : SIZE_MAX;
   split_t *split = split_start(doc, memo);
   known_runs_t known = {0};
   flat_t flat = {.buf = buf, .len = len, .doc = doc, .split = split, .known = &known};
@@ -1538,6 +1551,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         marks[mark_count++] = depth;
         continue;
       case '}': /* EMPTY_DICT */
+        if (unlikely(at >= doc->progress_at)) report_progress(doc, at);
         if (memo_dense && !doc->options.machine_only) {
           flat_mode mode = prune_new(doc, stack, depth, marks, mark_count)                                ? FLAT_PRUNED
                            : doc->options.take && inside_role(stack, depth, marks, mark_count, 2)       ? FLAT_RECORD

@@ -108,6 +108,13 @@ typedef struct pickle_options {
    * pruned container (under the pruned key) may be given as another of its
    * kind: they are all alike but for where they are. */
   size_t split;
+  /* When set, called now and then from the caller's thread with the bytes
+   * read so far of `total`: about every 1/128 of the input and 1 MiB at
+   * least, as a dict is met (a snapshot is dicts throughout). A reading
+   * that goes back to the start (a record found elsewhere) counts again
+   * from 0. */
+  void (*progress)(void *ctx, size_t done, size_t total);
+  void *progress_ctx;
 } pickle_options_t;
 
 #define PICKLE_ONE_READER SIZE_MAX

@@ -371,14 +371,29 @@ static void sort_ends(allocsim_end_t *ends, allocsim_end_t *tmp, size_t n) {
   if (from != ends) memcpy(ends, from, n * sizeof *ends);
 }
 
-static int load_allocsim(const char *path, FILE *f, trace_t *t) {
+/* What a text reader tells of its progress: the bytes read of the file or
+ * memory file `f` of `total`, every 65,536 lines. */
+typedef struct reading {
+  trace_progress_fn progress; /* NULL: nothing to tell */
+  void *ctx;
+  FILE *f;
+  uint64_t total;
+} reading_t;
+
+static void text_progress(const reading_t *r, size_t lineno) {
+  if (!r->progress || (lineno & 65535) != 0) return;
+  off_t at = ftello(r->f);
+  r->progress(r->ctx, "reading", at > 0 ? (uint64_t)at : 0, r->total);
+}
+
+static int load_allocsim(const char *path, FILE *f, const reading_t *reading, trace_t *t) {
   allocsim_end_t *ends = NULL;
   size_t n = 0, cap = 0;
   char text[258];
   size_t lineno = 0;
   int rc = GCA_OK;
   while (fgets(text, sizeof text, f)) {
-    lineno++;
+    text_progress(reading, ++lineno);
     size_t len = strlen(text);
     if (len && text[len - 1] != '\n' && !feof(f)) {
       rc = set_error(GCA_ERR_INVALID, "%s:%zu: longer than %zu characters", path, lineno, sizeof text - 2);
@@ -480,7 +495,7 @@ static bool parse_rmm_time(const char *text, int64_t *us) {
   return true;
 }
 
-static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
+static int load_rmm_csv(const char *path, FILE *f, const reading_t *reading, trace_t *t) {
   char line[1024];
   char *fields[16];
   if (!fgets(line, sizeof line, f)) return set_error(GCA_ERR_INVALID, "%s: empty file", path);
@@ -497,7 +512,7 @@ static int load_rmm_csv(const char *path, FILE *f, trace_t *t) {
   t->device_count = 1;
   int rc = GCA_OK;
   while (rc == GCA_OK && fgets(line, sizeof line, f)) {
-    lineno++;
+    text_progress(reading, ++lineno);
     if (!strchr(line, '\n') && !feof(f)) {
       rc = set_error(GCA_ERR_INVALID, "%s:%zu: line longer than %zu characters", path, lineno, sizeof line - 2);
       break;
@@ -593,6 +608,7 @@ typedef struct gcalloc_reader {
   int pair_count;
   uint64_t devices_used[4]; /* device numbers some pair has: a bit each of 0-255 */
   bool shared;              /* a device number is two pairs' */
+  const reading_t *reading;
 } gcalloc_reader_t;
 
 static gcalloc_owner_t *gcalloc_owner(gcalloc_reader_t *r, int allocator) {
@@ -634,6 +650,7 @@ static int gcalloc_pair(gcalloc_reader_t *r, gcalloc_owner_t *o, int device, siz
 
 static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   gcalloc_reader_t *r = ctx;
+  text_progress(r->reading, lineno);
   bool is_malloc = c->call == RC_MALLOC && c->ptr, is_free = c->call == RC_FREE && c->status == GCA_OK;
   bool is_empty = c->call == RC_EMPTY_CACHE && c->status == GCA_OK;
   is_free |= c->call == RC_FREE_COMPLETED;
@@ -686,8 +703,8 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   return push_event(r->t, &r->cap, &e);
 }
 
-static int load_gcalloc_trace(const char *path, FILE *f, trace_t *t) {
-  gcalloc_reader_t r = {.path = path, .t = t};
+static int load_gcalloc_trace(const char *path, FILE *f, const reading_t *reading, trace_t *t) {
+  gcalloc_reader_t r = {.path = path, .t = t, .reading = reading};
   int rc = addr_map_init(&r.allocators) ? record_read_each_file(f, path, gcalloc_call, &r)
                                         : set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
   for (size_t i = 0; i < r.owner_count; i++) addr_map_free(&r.owners[i].live);
@@ -713,11 +730,20 @@ static int load_gcalloc_trace(const char *path, FILE *f, trace_t *t) {
 /* Reads a snapshot from the file at `path`, else from `owned` (len bytes
  * from malloc, which this takes over), else from a copy of `data`; `name`
  * names it in the messages. */
+static void snapshot_progress(void *ctx, size_t done, size_t total) {
+  const reading_t *r = ctx;
+  r->progress(r->ctx, "reading", done, total);
+}
+
 static int read_snapshot(const char *name, const char *path, unsigned char *owned, const void *data, size_t len,
-                         bool machine_only, size_t split, trace_t *t) {
+                         bool machine_only, size_t split, const reading_t *reading, trace_t *t) {
   entry_sink_t sink = {0};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
   pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split};
+  if (reading && reading->progress) {
+    options.progress = snapshot_progress;
+    options.progress_ctx = (void *)(uintptr_t)reading; /* (read only there) */
+  }
   if (!machine_only) {
     options.records_key = "device_traces";
     options.prepare = prepare_entry;
@@ -741,7 +767,7 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
 static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, size_t split,
                           trace_t *out) {
   memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, NULL, data, len, machine_only, split, out);
+  int rc = read_snapshot(name, NULL, NULL, data, len, machine_only, split, NULL, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
@@ -1123,7 +1149,9 @@ static unsigned char *read_and_close(FILE **f, const char *path, size_t *len) {
   return bytes;
 }
 
-int trace_load(const char *path, trace_t *out) {
+int trace_load(const char *path, trace_t *out) { return trace_load_progress(path, out, NULL, NULL); }
+
+int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progress, void *ctx) {
   memset(out, 0, sizeof *out);
   /* A process reading its second trace reads trace after trace: its big
    * arrays are worth huge pages from now on (util.c). */
@@ -1156,6 +1184,7 @@ int trace_load(const char *path, trace_t *out) {
   const compression_t *packed = compression_of(head, head_len);
   if (packed && packed->packing != PACK_OTHER) {
     if (f && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
+    if (progress) progress(ctx, "decompressing", 0, piped_len);
     size_t plain_len = 0;
     unsigned char *plain = unpack(path, packed, piped, piped_len, &plain_len);
     free(piped);
@@ -1188,15 +1217,17 @@ int trace_load(const char *path, trace_t *out) {
   size_t mark = head_len >= 3 && !memcmp(head, "\357\273\277", 3) ? 3 : 0;
   if (mark) (void)fseek(f, (long)mark, SEEK_SET);
   int first = head_len > mark ? head[mark] : EOF;
+  reading_t reading = {.progress = progress, .ctx = ctx, .f = f,
+                       .total = piped ? piped_len : regular ? (uint64_t)st.st_size : 0};
   int rc;
   if (first == EOF) rc = set_error(GCA_ERR_INVALID, "%s: empty file", path);
   else if (first == 0x80 && piped) {
-    rc = read_snapshot(path, NULL, piped, NULL, piped_len, false, 0, out);
+    rc = read_snapshot(path, NULL, piped, NULL, piped_len, false, 0, &reading, out);
     piped = NULL; /* (the reader's now) */
-  } else if (first == 0x80) rc = read_snapshot(path, path, NULL, NULL, 0, false, 0, out);
-  else if (first == '#') rc = load_gcalloc_trace(path, f, out);
-  else if (first == 'T') rc = load_rmm_csv(path, f, out);
-  else rc = load_allocsim(path, f, out);
+  } else if (first == 0x80) rc = read_snapshot(path, path, NULL, NULL, 0, false, 0, &reading, out);
+  else if (first == '#') rc = load_gcalloc_trace(path, f, &reading, out);
+  else if (first == 'T') rc = load_rmm_csv(path, f, &reading, out);
+  else rc = load_allocsim(path, f, &reading, out);
   if (f) fclose(f);
   free(piped);
   if (rc != GCA_OK) trace_free(out);

@@ -84,6 +84,13 @@ typedef struct trace {
  * GCA_OK, or GCA_ERR_IO / GCA_ERR_INVALID with a message naming the file and
  * the problem. */
 int trace_load(const char *path, trace_t *out);
+/* A long read's progress, called from the reading thread: `done` of
+ * `total` bytes of `stage` ("reading", or "decompressing" once before a
+ * compressed trace is decompressed whole); total 0 when unknown. A caller
+ * that shows it should throttle it: it may come every megabyte. */
+typedef void (*trace_progress_fn)(void *ctx, const char *stage, uint64_t done, uint64_t total);
+/* trace_load, telling `progress` (when not NULL) how far it is. */
+int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progress, void *ctx);
 void trace_free(trace_t *t);
 /* A PyTorch snapshot already in memory (`name` is for the messages). */
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out);
