@@ -919,6 +919,89 @@ static void test_devices_in_parallel(void **state) {
   trace_free(&t);
 }
 
+/* Two results alike, device by device, in every figure a replay reports. */
+static void expect_same_result(const replay_result_t *x, const replay_result_t *y) {
+  assert_int_equal(x->device_count, y->device_count);
+  for (int d = 0; d < x->device_count; d++) {
+    const replay_device_t *a = &x->devices[d], *b = &y->devices[d];
+    assert_int_equal(a->device, b->device);
+    assert_int_equal(a->events, b->events);
+    assert_int_equal(a->seeded, b->seeded);
+    assert_int_equal(a->start_segments, b->start_segments);
+    assert_int_equal(a->peak_requested, b->peak_requested);
+    assert_int_equal(a->peak_allocated, b->peak_allocated);
+    assert_int_equal(a->peak_reserved, b->peak_reserved);
+    assert_int_equal(a->recorded_peak_reserved, b->recorded_peak_reserved);
+    assert_int_equal(a->device_allocs, b->device_allocs);
+    assert_int_equal(a->device_frees, b->device_frees);
+    assert_int_equal(a->segment_events_recorded, b->segment_events_recorded);
+    assert_int_equal(a->segment_events_matched, b->segment_events_matched);
+    assert_int_equal(a->segment_events_replayed, b->segment_events_replayed);
+    assert_int_equal(a->empty_cache_calls, b->empty_cache_calls);
+    assert_int_equal(a->oom, b->oom);
+    assert_int_equal(a->oom_event, b->oom_event);
+    assert_int_equal(a->pages_mapped, b->pages_mapped);
+    assert_int_equal(a->pages_unmapped, b->pages_unmapped);
+  }
+}
+
+/* replay_plan: a trace planned once and replayed under several settings
+ * (as gcalloc tune does, on several threads) gives what planning each time
+ * gives; plans made with other options are refused. */
+static void test_plans_reused(void **state) {
+  (void)state;
+  const char *files[] = {
+      GCALLOC_SOURCE_DIR "/tests/data/snapshot_small.pickle",
+      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
+      GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
+      GCALLOC_TRACES_DIR "/Lin-Mao__allocatorSim/alexnet_train.log",
+  };
+  size_t file_count = have_traces() ? sizeof files / sizeof files[0] : 1;
+  const char *confs[] = {"", "expandable_segments:True", "max_split_size_mb:64,roundup_power2_divisions:4",
+                         "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0"};
+  for (size_t i = 0; i < file_count; i++) {
+    trace_t t;
+    assert_int_equal(trace_load(files[i], &t), GCA_OK);
+    for (int device = -1; device < (t.device_count > 1 ? 2 : 0); device++) {
+      replay_options_t o = defaults();
+      o.device = device;
+      o.capacity = (uint64_t)6 << 30; /* (cranberrii does not fit: the first OOM must match too) */
+      replay_plans_t *plans;
+      assert_int_equal(replay_plan(&t, &o, &plans), GCA_OK);
+      for (size_t c = 0; c < sizeof confs / sizeof confs[0]; c++) {
+        o.conf = confs[c];
+        o.plans = NULL;
+        replay_result_t fresh, planned;
+        assert_int_equal(replay_trace(&t, &o, &fresh), GCA_OK);
+        o.plans = plans;
+        assert_int_equal(replay_trace(&t, &o, &planned), GCA_OK);
+        expect_same_result(&fresh, &planned);
+        replay_result_free(&fresh);
+        replay_result_free(&planned);
+      }
+      /* Made with other options, or of another trace: refused by name. */
+      replay_result_t r;
+      o.infer_empty_cache = false;
+      assert_int_equal(replay_trace(&t, &o, &r), GCA_ERR_INVALID);
+      assert_contains(gca_last_error(), "plans given were made");
+      o.infer_empty_cache = true;
+      trace_t other = t;
+      assert_int_equal(replay_trace(&other, &o, &r), GCA_ERR_INVALID);
+      replay_plans_free(plans);
+    }
+    trace_free(&t);
+  }
+  /* A device the trace does not have. */
+  trace_t t;
+  assert_int_equal(trace_load(files[0], &t), GCA_OK);
+  replay_options_t o = defaults();
+  o.device = t.device_count;
+  replay_plans_t *plans = (replay_plans_t *)&o; /* (set to NULL on failure) */
+  assert_int_equal(replay_plan(&t, &o, &plans), GCA_ERR_INVALID);
+  assert_null(plans);
+  trace_free(&t);
+}
+
 /* gcalloc tune: the best configuration it prints reserves what a replay with
  * it reserves, and no more than the defaults. */
 static void test_tune(void **state) {
@@ -1433,6 +1516,7 @@ int main(void) {
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
+      cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -13,8 +13,9 @@
  * and ranks them by peak reserved bytes (summed over the trace's devices),
  * then by device allocations (each a cudaMalloc), then by the shortest
  * configuration string. With --capacity, a configuration under which the job
- * does not fit ranks below every one under which it does. The settings are
- * replayed on every processor at once (evaluate_all).
+ * does not fit ranks below every one under which it does. The trace is
+ * planned once (replay_plan), and the settings are replayed on every
+ * processor at once (evaluate_all).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -190,6 +191,17 @@ int tune_main(int argc, char **argv) {
     fprintf(stderr, "gcalloc tune: %s\n", gca_last_error());
     return 1;
   }
+  /* The trace is planned once (its seeds, operations, recorded segment
+   * events): the plan does not depend on the settings, and was a third of
+   * each replay. */
+  replay_plans_t *plans;
+  if (replay_plan(&t, &base, &plans) != GCA_OK) {
+    tool_progress_done(&progress);
+    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+    trace_free(&t);
+    return 1;
+  }
+  base.plans = plans;
   static const char *const splits[] = {NULL, "32", "64", "128", "256", "512", "1024"};
   static const char *const divisions[] = {NULL, "1", "2", "4", "8", "16"};
   static const char *const gc_all[] = {NULL, "0.5", "0.7", "0.9"};
@@ -200,6 +212,7 @@ int tune_main(int argc, char **argv) {
   size_t total = 7 * 6 * n_gc * n_reuse * 3;
   candidate_t *c = calloc(total + 1, sizeof *c);
   if (!c) {
+    replay_plans_free(plans);
     trace_free(&t);
     fprintf(stderr, "gcalloc tune: out of host memory\n");
     return 1;
@@ -236,6 +249,7 @@ int tune_main(int argc, char **argv) {
   if (rc != GCA_OK) {
     fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
     free(c);
+    replay_plans_free(plans);
     trace_free(&t);
     return 1;
   }
@@ -295,6 +309,7 @@ int tune_main(int argc, char **argv) {
   }
   int exit_code = base.capacity && !best->fits ? 3 : 0;
   free(c);
+  replay_plans_free(plans);
   trace_free(&t);
   return exit_code;
 }

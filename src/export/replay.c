@@ -354,6 +354,15 @@ static bool plan_places(device_plan_t *p, size_t segment_events) {
  * an active final block. What was live there is the last release before the
  * first alloc (the one the walk back puts in last), or the final block when
  * the address is never allocated. */
+static void plan_free(device_plan_t *p) {
+  big_free(p->ops, p->cap * sizeof *p->ops);
+  free(p->recorded);
+  free(p->seeds);
+  free(p->starts);
+  free(p->places);
+  memset(p, 0, sizeof *p);
+}
+
 static int plan_device(const trace_t *t, int d, event_span_t span, const replay_options_t *o, device_plan_t *p) {
   memset(p, 0, sizeof *p);
   size_t n = 0;
@@ -488,12 +497,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
   free(as.states);
   free(as.slots);
   if (!ok) {
-    big_free(p->ops, p->cap * sizeof *p->ops);
-    free(p->recorded);
-    free(p->seeds);
-    free(p->starts);
-    free(p->places);
-    memset(p, 0, sizeof *p);
+    plan_free(p);
     return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
   }
   return GCA_OK;
@@ -874,36 +878,43 @@ size_t replay_segment_lcs(const seg_event_t *x, size_t n, const seg_event_t *y, 
 }
 
 /* Steps 1 to 3 for device d, into r. */
+struct replay_plans {
+  const trace_t *t;       /* what they were made of, */
+  int device;             /* and with which options */
+  bool infer_empty_cache;
+  int first, count;
+  device_plan_t *plans;   /* device first + k's is plans[k] */
+};
+
+/* Steps 1 to 3 for device d, into r: step 1 planned here, or taken from
+ * o->plans. */
 static int replay_device(const trace_t *t, int d, event_span_t span, const replay_options_t *o, const char *spec,
                          const char *conf, replay_device_t *r) {
-  device_plan_t p;
-  int rc = plan_device(t, d, span, o, &p);
+  device_plan_t own = {0};
+  const device_plan_t *p = o->plans ? &o->plans->plans[d - o->plans->first] : &own;
+  int rc = o->plans ? GCA_OK : plan_device(t, d, span, o, &own);
   r->device = d;
   if (rc == GCA_OK) {
-    r->seeded = p.seeded;
-    r->events = p.count - p.seeded;
-    r->recorded_peak_reserved = p.recorded_peak;
-    r->segment_events_recorded = p.recorded_count;
+    r->seeded = p->seeded;
+    r->events = p->count - p->seeded;
+    r->recorded_peak_reserved = p->recorded_peak;
+    r->segment_events_recorded = p->recorded_count;
     seg_log_t log = {0};
-    rc = run_plan(&p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
+    rc = run_plan(p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
     if (rc == GCA_OK && log.failed) rc = set_error(GCA_ERR_NOMEM, "out of host memory replaying");
     if (rc == GCA_OK && o->match_segments) {
       r->segment_events_replayed = log.count;
-      r->segment_events_matched = replay_segment_lcs(p.recorded, p.recorded_count, log.events, log.count);
+      r->segment_events_matched = replay_segment_lcs(p->recorded, p->recorded_count, log.events, log.count);
     }
     free(log.events);
     /* The segment map at the peak: the same replay again, stopped there
      * (the page census alone was counted on the way: run_plan). */
     if (rc == GCA_OK && o->timeline && r->peak_reserved) {
       replay_device_t again = {.device = d};
-      rc = run_plan(&p, spec, conf, o, r->peak_op, NULL, &again, r);
+      rc = run_plan(p, spec, conf, o, r->peak_op, NULL, &again, r);
     }
   }
-  big_free(p.ops, p.cap * sizeof *p.ops);
-  free(p.recorded);
-  free(p.seeds);
-  free(p.starts);
-  free(p.places);
+  plan_free(&own);
   return rc;
 }
 
@@ -958,6 +969,60 @@ static int replay_threads(const replay_options_t *o, const event_span_t *spans, 
   return threads < busy ? threads : busy > 0 ? busy : 1;
 }
 
+/* The devices o replays of t: first, and how many; an error set when the
+ * trace has not o's device. */
+static int devices_replayed(const trace_t *t, const replay_options_t *o, int *first, int *count) {
+  if (o->device >= t->device_count)
+    return set_error(GCA_ERR_INVALID, "the trace has no device %d (it has %d)", o->device, t->device_count);
+  *first = o->device >= 0 ? o->device : 0;
+  int last = o->device >= 0 ? o->device : t->device_count - 1;
+  *count = last - *first + 1 > 0 ? last - *first + 1 : 0;
+  return GCA_OK;
+}
+
+/* Where each of those devices' events lie (spans zeroed, count of them). */
+static void device_spans(const trace_t *t, int first, int count, event_span_t *spans) {
+  for (size_t i = 0; i < t->count; i++) {
+    int k = t->events[i].device - first;
+    if (k < 0 || k >= count) continue;
+    if (spans[k].hi == 0) spans[k].lo = i;
+    spans[k].hi = i + 1;
+  }
+}
+
+int replay_plan(const trace_t *t, const replay_options_t *o, replay_plans_t **out) {
+  *out = NULL;
+  int first = 0, count = 0;
+  int rc = devices_replayed(t, o, &first, &count);
+  if (rc) return rc;
+  replay_plans_t *plans = malloc(sizeof *plans);
+  device_plan_t *each = calloc((size_t)count + 1, sizeof *each);
+  event_span_t *spans = calloc((size_t)count + 1, sizeof *spans);
+  if (!plans || !each || !spans) {
+    free(plans);
+    free(each);
+    free(spans);
+    return set_error(GCA_ERR_NOMEM, "out of host memory planning a replay");
+  }
+  *plans = (replay_plans_t){t, o->device, o->infer_empty_cache, first, count, each};
+  device_spans(t, first, count, spans);
+  for (int k = 0; k < count && rc == GCA_OK; k++) rc = plan_device(t, first + k, spans[k], o, &plans->plans[k]);
+  free(spans);
+  if (rc) {
+    replay_plans_free(plans);
+    return rc;
+  }
+  *out = plans;
+  return GCA_OK;
+}
+
+void replay_plans_free(replay_plans_t *plans) {
+  if (!plans) return;
+  for (int k = 0; k < plans->count; k++) plan_free(&plans->plans[k]);
+  free(plans->plans);
+  free(plans);
+}
+
 int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out) {
   memset(out, 0, sizeof *out);
   const char *conf = o->conf ? o->conf : (t->settings ? t->settings : "");
@@ -966,11 +1031,13 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
   /* Unlimited: the sim's largest device, so no trace meets its end. */
   snprintf(spec, sizeof spec, "sim:capacity=%llu",
            (unsigned long long)(o->capacity ? o->capacity : (uint64_t)8 << 40));
-  int first = o->device >= 0 ? o->device : 0;
-  int last = o->device >= 0 ? o->device : t->device_count - 1;
-  if (o->device >= t->device_count)
-    return set_error(GCA_ERR_INVALID, "the trace has no device %d (it has %d)", o->device, t->device_count);
-  int count = last - first + 1 > 0 ? last - first + 1 : 0;
+  int first = 0, count = 0;
+  int rc = devices_replayed(t, o, &first, &count);
+  if (rc) return rc;
+  if (o->plans && (o->plans->t != t || o->plans->device != o->device ||
+                   o->plans->infer_empty_cache != o->infer_empty_cache))
+    return set_error(GCA_ERR_INVALID, "replay: the plans given were made of another trace or with another device "
+                     "or infer_empty_cache");
   out->devices = calloc((size_t)count + 1, sizeof *out->devices);
   int *status = calloc((size_t)count + 1, sizeof *status);
   char(*messages)[1024] = calloc((size_t)count + 1, sizeof *messages);
@@ -988,12 +1055,7 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
     out->devices[k].allocator = t->origins ? t->origins[first + k].allocator : -1;
     out->devices[k].recorded_device = t->origins ? t->origins[first + k].device : first + k;
   }
-  for (size_t i = 0; i < t->count; i++) {
-    int k = t->events[i].device - first;
-    if (k < 0 || k >= count) continue;
-    if (spans[k].hi == 0) spans[k].lo = i;
-    spans[k].hi = i + 1;
-  }
+  device_spans(t, first, count, spans);
   device_jobs_t jobs = {.t = t, .spec = spec, .conf = conf, .first = first, .count = count, .spans = spans,
                         .results = out->devices, .status = status, .messages = messages};
   replay_options_t worker_options = *o;
@@ -1019,7 +1081,6 @@ int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *o
   device_worker(&jobs);
   for (int i = 0; i < started; i++) helper_wait(&helpers[i]);
   pthread_mutex_destroy(&jobs.lock);
-  int rc = GCA_OK;
   for (int k = 0; k < count && rc == GCA_OK; k++)
     if (status[k]) rc = set_error(status[k], "%s", messages[k]);
   free(status);

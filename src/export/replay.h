@@ -14,6 +14,10 @@
 /* Called every few thousand operations of a long replay. */
 typedef void (*replay_progress_fn)(void *ctx, int device, size_t done, size_t total);
 
+/* Every device's plan of a trace (replay_plan): what replay_trace makes of
+ * the trace before it replays it, whatever the settings. */
+typedef struct replay_plans replay_plans_t;
+
 typedef struct replay_options {
   const char *conf;        /* configuration; NULL: the trace's recorded settings, else defaults */
   uint64_t capacity;       /* bytes of the simulated device; 0: unlimited (8 TiB) */
@@ -26,6 +30,11 @@ typedef struct replay_options {
   bool start_snapshot;      /* tests: each device's state after the seeding, in start_snapshot */
   replay_progress_fn progress; /* called from the replaying threads, one call at a time */
   void *progress_ctx;
+  /* The plans replay_plan made of this trace with the same device and
+   * infer_empty_cache, used instead of planning again (a trace replayed
+   * under many settings: gcalloc tune); NULL: planned here. Only read, so
+   * threads may share them. */
+  const replay_plans_t *plans;
 } replay_options_t;
 
 typedef struct replay_device {
@@ -74,6 +83,12 @@ typedef struct replay_result {
 } replay_result_t;
 
 int replay_trace(const trace_t *t, const replay_options_t *o, replay_result_t *out);
+/* The plans of t's devices under o (its device and infer_empty_cache), for
+ * replay_trace's options.plans: GCA_OK, or an error set (the host out of
+ * memory, a device the trace does not have). Freed by replay_plans_free
+ * after the last replay that uses them. */
+int replay_plan(const trace_t *t, const replay_options_t *o, replay_plans_t **out);
+void replay_plans_free(replay_plans_t *plans);
 
 /* A segment event, PyTorch's or the replay's: what the matching compares. */
 typedef struct seg_event {
