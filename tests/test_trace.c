@@ -1430,14 +1430,17 @@ static void test_compressed_traces(void **state) {
  * went on from the one before. */
 typedef struct progress_seen {
   size_t reading, decompressing;
-  uint64_t last, total, packed;
-  bool forward; /* each reading's done past the last, and below the total */
+  uint64_t last, total, unpacked, packed;
+  bool forward; /* each reading's done past the last, and below the total; each decompressing's not behind */
 } progress_seen_t;
 
 static void see_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
   progress_seen_t *p = ctx;
   if (!strcmp(stage, "decompressing")) {
+    if (p->reading || (p->decompressing && (done < p->unpacked || total != p->packed)) || done > total)
+      p->forward = false;
     p->decompressing++;
+    p->unpacked = done; /* (the input read so far) */
     p->packed = total;
     return;
   }
@@ -1451,9 +1454,10 @@ static void see_progress(void *ctx, const char *stage, uint64_t done, uint64_t t
 
 /* trace_load_progress: the same trace as trace_load, and progress that
  * goes forward to the file's size: a text trace every 65,536 lines, a
- * snapshot about every 1/128 of it and 1 MiB at least, a compressed trace
- * once as it is decompressed, then as its text is read. */
-static void expect_progress(const char *path, size_t readings, uint64_t packed) {
+ * snapshot about every 1/128 of it and 1 MiB at least; a compressed trace
+ * as it is decompressed (at least `steps` times: a step writes 8 MiB at
+ * most), to the whole input, then as its text is read. */
+static void expect_progress(const char *path, size_t readings, size_t steps) {
   trace_t plain, told;
   assert_int_equal(trace_load(path, &plain), GCA_OK);
   progress_seen_t seen = {.forward = true};
@@ -1462,11 +1466,17 @@ static void expect_progress(const char *path, size_t readings, uint64_t packed) 
   if (seen.reading != readings) fprintf(stderr, "%s: %zu readings told, not %zu\n", path, seen.reading, readings);
   assert_int_equal(seen.reading, readings);
   assert_true(seen.forward);
-  assert_int_equal(seen.decompressing, packed ? 1 : 0);
+  if (seen.decompressing < steps || (!steps && seen.decompressing))
+    fprintf(stderr, "%s: decompressing told %zu times, not %zu\n", path, seen.decompressing, steps);
+  assert_true(steps ? seen.decompressing >= steps : seen.decompressing == 0);
   struct stat st;
   assert_int_equal(stat(path, &st), 0);
-  if (packed) assert_int_equal(seen.packed, (uint64_t)st.st_size);
-  else assert_int_equal(seen.total, (uint64_t)st.st_size);
+  if (steps) {
+    assert_int_equal(seen.packed, (uint64_t)st.st_size);
+    assert_int_equal(seen.unpacked, (uint64_t)st.st_size);
+  } else {
+    assert_int_equal(seen.total, (uint64_t)st.st_size);
+  }
   trace_free(&plain);
   trace_free(&told);
 }
@@ -1496,21 +1506,28 @@ static void test_load_progress(void **state) {
     fprintf(f, "%zu 7 malloc 0 0 0 512 200000000000\n%zu 7 free 0 200000000000 0\n", k + 2, k + 3);
   fclose(f);
   expect_progress("/tmp/gcalloc-progress.trace", 3, 0);
-  /* The log gzip-compressed: decompressing, then reading what it holds. */
-  size_t len;
-  unsigned char *data = read_whole("/tmp/gcalloc-progress.log", &len);
-  assert_non_null(data);
-  packed_t packed = gzip_of(data, len, 1);
-  write_bytes("/tmp/gcalloc-progress.log.gz", packed.bytes, packed.len);
-  expect_progress("/tmp/gcalloc-progress.log.gz", 3, packed.len);
-  free(packed.bytes);
-  free(data);
+  /* Compressed, decompressing then reading what it holds: the log (2.6 MB)
+   * in one step, the RMM log (10.4 MB) in two, each way the replay reads. */
+  const char *plain[] = {"/tmp/gcalloc-progress.log", "/tmp/gcalloc-progress.csv"};
+  for (int i = 0; i < 2; i++) {
+    size_t len;
+    unsigned char *data = read_whole(plain[i], &len);
+    assert_non_null(data);
+    packed_t packs[] = {gzip_of(data, len, 1), gzip_of(data, len, 3), zstd_of(data, len), xz_of(data, len),
+                        bzip2_of(data, len)};
+    for (size_t k = 0; k < sizeof packs / sizeof packs[0]; k++) {
+      write_bytes("/tmp/gcalloc-progress.packed", packs[k].bytes, packs[k].len);
+      expect_progress("/tmp/gcalloc-progress.packed", 3, (size_t)i + 1);
+      free(packs[k].bytes);
+    }
+    free(data);
+  }
   /* A snapshot of 2.6 MB: at its first dict, then past 1 MiB and 2 MiB. */
   if (have_traces()) expect_progress(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", 3, 0);
   remove("/tmp/gcalloc-progress.log");
   remove("/tmp/gcalloc-progress.csv");
   remove("/tmp/gcalloc-progress.trace");
-  remove("/tmp/gcalloc-progress.log.gz");
+  remove("/tmp/gcalloc-progress.packed");
 }
 
 int main(void) {

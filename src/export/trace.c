@@ -845,7 +845,23 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
 typedef struct unpacked {
   unsigned char *buf;
   size_t len, cap, limit;
+  trace_progress_fn progress; /* told the input read after each step (NULL: nothing to tell) */
+  void *ctx;
 } unpacked_t;
+
+/* Each decoder call writes at most this much, so that a big trace's
+ * progress is told as it is decompressed (trace_load_progress). */
+#define UNPACK_STEP ((size_t)8 << 20)
+
+/* Output room for one decoder call: what is left, at most UNPACK_STEP. */
+static size_t step_room(const unpacked_t *u) {
+  size_t room = u->cap - 1 - u->len;
+  return room < UNPACK_STEP ? room : UNPACK_STEP;
+}
+
+static void unpack_told(const unpacked_t *u, size_t done, size_t len) {
+  if (u->progress) u->progress(u->ctx, "decompressing", done, len);
+}
 
 /* false, with the error that the host ran out of memory decompressing. */
 static bool unpack_out_of_memory(const char *path) {
@@ -900,7 +916,7 @@ static bool gunzip(const char *path, const compression_t *c, const unsigned char
   bool ok = true, ended = false;
   while (ok) {
     if (!(ok = unpacked_room(u, path, c->name))) break;
-    unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
+    unsigned in_piece = piece32(len - at), out_room = piece32(step_room(u));
     z.next_in = (Bytef *)(uintptr_t)(in + at);
     z.avail_in = in_piece;
     z.next_out = u->buf + u->len;
@@ -908,6 +924,7 @@ static bool gunzip(const char *path, const compression_t *c, const unsigned char
     int rc = inflate(&z, Z_NO_FLUSH);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
+    unpack_told(u, at, len);
     ended = rc == Z_STREAM_END;
     if (ended) {
       if (!next_stream(path, c, in, len, at, &ok)) break;
@@ -941,10 +958,11 @@ static bool unzstd(const char *path, const compression_t *c, const unsigned char
     if (input.pos == input.size && input.size < len)
       input.size = len - input.size < UNZSTD_PIECE ? len : input.size + UNZSTD_PIECE;
     if (!(ok = unpacked_room(u, path, c->name))) break;
-    ZSTD_outBuffer output = {u->buf + u->len, u->cap - 1 - u->len, 0};
+    ZSTD_outBuffer output = {u->buf + u->len, step_room(u), 0};
     size_t from = input.pos;
     left = ZSTD_decompressStream(z, &output, &input);
     u->len += output.pos;
+    unpack_told(u, input.pos, len);
     if (ZSTD_isError(left)) {
       ok = !set_error(ZSTD_getErrorCode(left) == ZSTD_error_memory_allocation ? GCA_ERR_NOMEM : GCA_ERR_INVALID,
                       "%s: zstd data corrupt between bytes %zu and %zu: %s", path, from, input.size,
@@ -976,11 +994,12 @@ static bool unxz(const char *path, const compression_t *c, const unsigned char *
   z.avail_in = len;
   while (ok) {
     if (!(ok = unpacked_room(u, path, c->name))) break;
-    size_t room = u->cap - 1 - u->len;
+    size_t room = step_room(u);
     z.next_out = u->buf + u->len;
     z.avail_out = room;
     lzma_ret rc = lzma_code(&z, LZMA_FINISH); /* (the whole input is given) */
     u->len += room - z.avail_out;
+    unpack_told(u, at + (size_t)z.total_in, len);
     if (rc == LZMA_OK) continue;
     if (rc == LZMA_STREAM_END) {
       ended = true;
@@ -1033,7 +1052,7 @@ static bool bunzip2(const char *path, const compression_t *c, const unsigned cha
   bool ok = true, ended = false;
   while (ok) {
     if (!(ok = unpacked_room(u, path, c->name))) break;
-    unsigned in_piece = piece32(len - at), out_room = piece32(u->cap - 1 - u->len);
+    unsigned in_piece = piece32(len - at), out_room = piece32(step_room(u));
     z.next_in = (char *)(uintptr_t)(in + at);
     z.avail_in = in_piece;
     z.next_out = (char *)(u->buf + u->len);
@@ -1041,6 +1060,7 @@ static bool bunzip2(const char *path, const compression_t *c, const unsigned cha
     int rc = BZ2_bzDecompress(&z);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
+    unpack_told(u, at, len);
     if (rc == BZ_STREAM_END) {
       ended = true;
       if (!next_stream(path, c, in, len, at, &ok)) break;
@@ -1093,7 +1113,7 @@ static size_t xz_last_size(const unsigned char *in, size_t len) {
 /* The trace in `packed` bytes decompressed, NUL-terminated (len without
  * it); NULL with the error set. */
 static unsigned char *unpack(const char *path, const compression_t *c, const unsigned char *packed, size_t len,
-                             size_t *out_len) {
+                             trace_progress_fn progress, void *ctx, size_t *out_len) {
   size_t limit = len <= (SIZE_MAX / 2 - UNPACKED_SLACK) / UNPACKED_PER_PACKED
                      ? len * UNPACKED_PER_PACKED + UNPACKED_SLACK
                      : SIZE_MAX / 2;
@@ -1121,7 +1141,7 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
   unpacked_t u = {.cap = hint     ? hint + 2
                          : len < ((size_t)16 << 10) ? (size_t)64 << 10
                                                     : len * 4,
-                  .limit = limit};
+                  .limit = limit, .progress = progress, .ctx = ctx};
   if (u.cap > limit) u.cap = limit;
   if (!(u.buf = malloc(u.cap))) {
     unpack_out_of_memory(path);
@@ -1184,9 +1204,8 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   const compression_t *packed = compression_of(head, head_len);
   if (packed && packed->packing != PACK_OTHER) {
     if (f && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
-    if (progress) progress(ctx, "decompressing", 0, piped_len);
     size_t plain_len = 0;
-    unsigned char *plain = unpack(path, packed, piped, piped_len, &plain_len);
+    unsigned char *plain = unpack(path, packed, piped, piped_len, progress, ctx, &plain_len);
     free(piped);
     if (!plain) return gca_last_status();
     piped = plain;

@@ -85,9 +85,10 @@ typedef struct trace {
  * the problem. */
 int trace_load(const char *path, trace_t *out);
 /* A long read's progress, called from the reading thread: `done` of
- * `total` bytes of `stage` ("reading", or "decompressing" once before a
- * compressed trace is decompressed whole); total 0 when unknown. A caller
- * that shows it should throttle it: it may come every megabyte. */
+ * `total` bytes of `stage`: "decompressing" (a compressed trace's bytes
+ * read, after every 8 MiB it gave at most), then "reading" (the trace's
+ * own bytes); total 0 when unknown. A caller that shows it should
+ * throttle it: it may come every megabyte. */
 typedef void (*trace_progress_fn)(void *ctx, const char *stage, uint64_t done, uint64_t total);
 /* trace_load, telling `progress` (when not NULL) how far it is. */
 int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progress, void *ctx);
