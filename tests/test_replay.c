@@ -1493,6 +1493,16 @@ static void test_tool_command_line(void **state) {
   out = cli_output("out");
   assert_contains(out, "\"recorded_peak_reserved_bytes\": 0,");
   free(out);
+  /* Its report draws no PyTorch line (a flat one at zero), and says why. */
+  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle --report /tmp/gcalloc-cli.html"), 0);
+  size_t html_len;
+  char *html = (char *)read_whole("/tmp/gcalloc-cli.html", &html_len);
+  assert_non_null(html);
+  assert_contains(html, "\"recorded\": null");
+  assert_contains(html, "\"recorded_peak_reserved\": 0");
+  assert_contains(html, "none (no segment in the record)");
+  free(html);
+  remove("/tmp/gcalloc-cli.html");
   remove("/tmp/gcalloc-cli.pickle");
   /* --help wins over what else is given. */
   assert_int_equal(run_tool("replay --bogus --help"), 0);

@@ -45,7 +45,9 @@ static void put_timeline(FILE *f, const replay_device_t *d) {
   fprintf(f, ", ");
   put_series(f, "reserved", d->reserved_at, n, step);
   fprintf(f, ", \"recorded\": ");
-  if (d->recorded_reserved_at) {
+  /* (A record with nothing reserved in it has no line to draw: a flat
+   * PyTorch line at zero under gcalloc's would only mislead.) */
+  if (d->recorded_reserved_at && d->recorded_peak_reserved > 0) {
     fprintf(f, "[");
     for (size_t i = 0, k = 0; i < n; i += step, k++) {
       int64_t m = 0;
@@ -234,7 +236,8 @@ static const char page_script[] =
     "    row(summary, [d.name.replace(/^device /, ''), d.events,\n"
     "                  d.seeded + (d.start_segments ? ' (in ' + d.start_segments + ' segments as recorded)' : ''),\n"
     "                  fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
-    "                  d.recorded_peak_reserved === null ? 'unknown' : fmt(d.recorded_peak_reserved),\n"
+    "                  d.recorded_peak_reserved === null ? 'unknown'\n"
+    "                  : d.recorded_peak_reserved === 0 ? 'none (no segment in the record)' : fmt(d.recorded_peak_reserved),\n"
     "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
     "                  d.segment_events_matched + ' of ' + d.segment_events_recorded,\n"
     "                  d.oom ? 'no: ' + d.oom : 'yes']\n"
