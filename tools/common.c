@@ -1,6 +1,6 @@
 /* Small helpers the tool's subcommands share: the command line's parsing
- * and help, a monotonic clock, a progress line on a terminal, a comparison
- * for qsort of timings, JSON strings. */
+ * and help, a monotonic clock, a progress line on a terminal (and a trace
+ * loaded with it), a comparison for qsort of timings, JSON strings. */
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../src/export/trace.h"
 #include "../src/internal.h"
 #include "tool.h"
 
@@ -149,13 +150,20 @@ void tool_progress_done(tool_progress_t *p) {
   p->shown = false;
 }
 
-void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
+static void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
   tool_progress_t *p = ctx;
   double mb = 1e6;
   if (total && done) tool_progress_show(p, "%s the trace: %3.0f%% (%.0f of %.0f MB", stage,
                                         100.0 * (double)done / (double)total, (double)done / mb, (double)total / mb);
   else if (total) tool_progress_show(p, "%s the trace (%.0f MB", stage, (double)total / mb);
   else tool_progress_show(p, "%s the trace (%.0f MB so far", stage, (double)done / mb);
+}
+
+bool tool_load_trace(const char *command, const char *path, trace_t *t, tool_progress_t *p) {
+  if (trace_load_progress(path, t, p->on ? tool_trace_progress : NULL, p) == GCA_OK) return true;
+  tool_progress_done(p);
+  fprintf(stderr, "gcalloc %s: %s\n", command, gca_last_error());
+  return false;
 }
 
 int compare_doubles(const void *a, const void *b) {

@@ -256,11 +256,7 @@ int replay_main(int argc, char **argv) {
   }
   heap_warm(path);
   trace_t t;
-  if (trace_load_progress(path, &t, progress.on ? tool_trace_progress : NULL, &progress) != GCA_OK) {
-    tool_progress_done(&progress);
-    fprintf(stderr, "gcalloc replay: %s\n", gca_last_error());
-    return 1;
-  }
+  if (!tool_load_trace("replay", path, &t, &progress)) return 1;
   double load_s = tool_seconds() - t0;
   heap_warm_call_off(&t, o.device);
   replay_result_t r;

@@ -84,9 +84,11 @@ typedef struct tool_progress {
 void tool_progress_start(tool_progress_t *p);
 void tool_progress_show(tool_progress_t *p, const char *format, ...) __attribute__((format(printf, 2, 3)));
 void tool_progress_done(tool_progress_t *p);
-/* trace_load_progress's callback (trace.h) on a tool_progress_t:
- * "reading the trace: 45% (52 of 116 MB)". */
-void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uint64_t total);
+/* Loads the trace at `path` into *t (trace.h), its progress told on `p`
+ * ("reading the trace: 45% (52 of 116 MB, 0.6 s)"); false when it cannot,
+ * with "gcalloc COMMAND: why" on stderr and the progress line wiped. */
+struct trace;
+bool tool_load_trace(const char *command, const char *path, struct trace *t, tool_progress_t *p);
 int compare_doubles(const void *a, const void *b);
 static inline double gib(double bytes) { return bytes / (double)(1 << 30); }
 

@@ -186,11 +186,7 @@ int tune_main(int argc, char **argv) {
   tool_progress_t progress;
   tool_progress_start(&progress);
   trace_t t;
-  if (trace_load_progress(path, &t, progress.on ? tool_trace_progress : NULL, &progress) != GCA_OK) {
-    tool_progress_done(&progress);
-    fprintf(stderr, "gcalloc tune: %s\n", gca_last_error());
-    return 1;
-  }
+  if (!tool_load_trace("tune", path, &t, &progress)) return 1;
   /* The trace is planned once (its seeds, operations, recorded segment
    * events): the plan does not depend on the settings, and was a third of
    * each replay. */

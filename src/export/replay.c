@@ -343,6 +343,15 @@ static bool plan_places(device_plan_t *p, size_t segment_events) {
   return true;
 }
 
+static void plan_free(device_plan_t *p) {
+  big_free(p->ops, p->cap * sizeof *p->ops);
+  free(p->recorded);
+  free(p->seeds);
+  free(p->starts);
+  free(p->places);
+  memset(p, 0, sizeof *p);
+}
+
 /* Steps 1 and 2 for device d, in two passes over its events with one
  * address lookup per alloc or release (three or four were a third of the time of
  * replaying a trace).
@@ -354,15 +363,6 @@ static bool plan_places(device_plan_t *p, size_t segment_events) {
  * an active final block. What was live there is the last release before the
  * first alloc (the one the walk back puts in last), or the final block when
  * the address is never allocated. */
-static void plan_free(device_plan_t *p) {
-  big_free(p->ops, p->cap * sizeof *p->ops);
-  free(p->recorded);
-  free(p->seeds);
-  free(p->starts);
-  free(p->places);
-  memset(p, 0, sizeof *p);
-}
-
 static int plan_device(const trace_t *t, int d, event_span_t span, const replay_options_t *o, device_plan_t *p) {
   memset(p, 0, sizeof *p);
   size_t n = 0;
@@ -877,7 +877,7 @@ size_t replay_segment_lcs(const seg_event_t *x, size_t n, const seg_event_t *y, 
   return result;
 }
 
-/* Steps 1 to 3 for device d, into r. */
+/* Every device's plan, made once (replay_plan) and only read after. */
 struct replay_plans {
   const trace_t *t;       /* what they were made of, */
   int device;             /* and with which options */

@@ -727,14 +727,15 @@ static int load_gcalloc_trace(const char *path, FILE *f, const reading_t *readin
   return GCA_OK;
 }
 
-/* Reads a snapshot from the file at `path`, else from `owned` (len bytes
- * from malloc, which this takes over), else from a copy of `data`; `name`
- * names it in the messages. */
+/* pickle_options.progress: the reading's, told as text readers tell theirs. */
 static void snapshot_progress(void *ctx, size_t done, size_t total) {
   const reading_t *r = ctx;
   r->progress(r->ctx, "reading", done, total);
 }
 
+/* Reads a snapshot from the file at `path`, else from `owned` (len bytes
+ * from malloc, which this takes over), else from a copy of `data`; `name`
+ * names it in the messages. */
 static int read_snapshot(const char *name, const char *path, unsigned char *owned, const void *data, size_t len,
                          bool machine_only, size_t split, const reading_t *reading, trace_t *t) {
   entry_sink_t sink = {0};
