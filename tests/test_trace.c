@@ -1430,17 +1430,17 @@ static void test_compressed_traces(void **state) {
  * went on from the one before. */
 typedef struct progress_seen {
   size_t reading, decompressing;
-  uint64_t last, total, unpacked, packed;
+  uint64_t last, total, packed_read, packed;
   bool forward; /* each reading's done past the last, and below the total; each decompressing's not behind */
 } progress_seen_t;
 
 static void see_progress(void *ctx, const char *stage, uint64_t done, uint64_t total) {
   progress_seen_t *p = ctx;
   if (!strcmp(stage, "decompressing")) {
-    if (p->reading || (p->decompressing && (done < p->unpacked || total != p->packed)) || done > total)
+    if (p->reading || (p->decompressing && (done < p->packed_read || total != p->packed)) || done > total)
       p->forward = false;
     p->decompressing++;
-    p->unpacked = done; /* (the input read so far) */
+    p->packed_read = done;
     p->packed = total;
     return;
   }
@@ -1473,7 +1473,7 @@ static void expect_progress(const char *path, size_t readings, size_t steps) {
   assert_int_equal(stat(path, &st), 0);
   if (steps) {
     assert_int_equal(seen.packed, (uint64_t)st.st_size);
-    assert_int_equal(seen.unpacked, (uint64_t)st.st_size);
+    assert_int_equal(seen.packed_read, (uint64_t)st.st_size);
   } else {
     assert_int_equal(seen.total, (uint64_t)st.st_size);
   }
