@@ -135,6 +135,57 @@ static void test_sim_runs_of_pages(void **state) {
   gca_close(a);
 }
 
+/* The sim's physical memory lives in chunks of 1,024 slots, each slot
+ * written first when it is handed out: handles across chunks, freed slots
+ * taken again (their old handles stale), mappings found from the page
+ * table in every chunk, and a size of more pages than a slot counts. */
+static void test_sim_physical_table(void **state) {
+  (void)state;
+  enum { N = 2500 }; /* three chunks */
+  gca_allocator_t *a = open_sim("sim:capacity=8GiB,granularity=4KiB", NULL);
+  const backend_ops_t *ops = a->backend.ops;
+  void *st = a->backend.state;
+  static uintptr_t h[N];
+  size_t made = 0, refused = 0;
+  assert_int_equal(ops->vm_create_many(st, 0, 8192, N, h, &made), GCA_OK);
+  assert_int_equal(made, N);
+  for (int i = 0; i < N; i++) assert_int_equal(h[i] & 0xffffffffu, (uintptr_t)i + 1); /* slots in order */
+  uintptr_t va = 0;
+  assert_int_equal(ops->vm_reserve(st, 0, (size_t)N * 8192, &va), GCA_OK);
+  assert_int_equal(ops->vm_map_many(st, 0, va, 8192, N, h), GCA_OK);
+  /* A page in the third chunk's mapping is found whole: half of it is refused. */
+  assert_int_equal(ops->vm_unmap(st, 0, va + 2100 * 8192, 4096), GCA_ERR_INVALID);
+  assert_int_equal(ops->vm_unmap(st, 0, va + 1000 * 8192, 100 * 8192), GCA_OK); /* across chunks 0 and 1 */
+  assert_int_equal(ops->vm_destroy_many(st, 0, h + 1000, 100, &refused), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).vm_handles, N - 100);
+  /* The freed slots are taken again, the last freed first, in a new generation. */
+  uintptr_t again[100];
+  assert_int_equal(ops->vm_create_many(st, 0, 16384, 100, again, &made), GCA_OK);
+  for (int i = 0; i < 100; i++) {
+    assert_int_equal(again[i] & 0xffffffffu, (uintptr_t)(1100 - i));
+    assert_int_equal(again[i] >> 32, 1);
+  }
+  uintptr_t one = 0;
+  assert_int_equal(ops->vm_create(st, 0, 8192, &one), GCA_OK);
+  assert_int_equal(one & 0xffffffffu, (uintptr_t)N + 1); /* then the slots never used */
+  /* The old handles are stale; the new ones map with their own size. */
+  assert_int_equal(ops->vm_map(st, 0, va + 1000 * 8192, 8192, h[1099]), GCA_ERR_BAD_POINTER);
+  assert_int_equal(ops->vm_map(st, 0, va + 1000 * 8192, 8192, again[0]), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "cover its whole physical memory (16384 bytes)");
+  assert_int_equal(ops->vm_map_many(st, 0, va + 1000 * 8192, 16384, 50, again), GCA_OK);
+  assert_int_equal(ops->vm_map(st, 0, va + 1010 * 8192, 8192, one), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "(+16384) is mapped there");
+  /* A handle past every slot handed out, and one of slot 0, are nobody's. */
+  assert_int_equal(ops->vm_destroy(st, 0, (uintptr_t)N + 2), GCA_ERR_BAD_POINTER);
+  assert_int_equal(ops->vm_destroy(st, 0, (uintptr_t)1 << 32), GCA_ERR_BAD_POINTER);
+  assert_int_equal(ops->vm_destroy(st, 0, h[5]), GCA_ERR_INVALID); /* still mapped */
+  assert_contains(gca_last_error(), "still mapped");
+  /* 2^32 pages of 4 KiB do not fit a slot's count: refused by name. */
+  assert_int_equal(ops->vm_create_many(st, 0, (size_t)1 << 44, 1, &one, &made), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "more than 2^32 - 1 pages");
+  gca_close(a); /* (the sim gives back what is still made and mapped) */
+}
+
 static void test_sim_virtual_memory(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:capacity=64MiB,granularity=2MiB", NULL);
@@ -680,6 +731,7 @@ int main(void) {
       cmocka_unit_test(test_sim_virtual_memory),
       cmocka_unit_test(test_sim_mappings_across_leaves),
       cmocka_unit_test(test_sim_runs_of_pages),
+      cmocka_unit_test(test_sim_physical_table),
       cmocka_unit_test(test_pages_and_statistics),
       cmocka_unit_test(test_split_rule),
       cmocka_unit_test(test_lowest_address_and_best_fit),

@@ -105,14 +105,23 @@ typedef struct map_leaf {
 } map_leaf_t;
 
 /* Physical memory, in a table like the events' (handle = generation << 32
- * | slot + 1). */
+ * | slot + 1), 16 bytes a slot. The table is made of chunks of
+ * PHYS_CHUNK_SLOTS that never move, and a slot is first written when it is
+ * first handed out: an expandable segment creates a handle per page
+ * (Constructor-Sun's device 1 has 4,205 of them), and the table grown by
+ * doubling, its free list threaded through every new slot ahead, wrote
+ * twice the memory it used and copied it at each growth; in a new process
+ * each fresh 4 KiB page is a fault (50 of a replay's 160 there). */
 typedef struct sim_phys {
-  size_t size;
-  uintptr_t mapped_at;  /* 0: not mapped */
-  uint32_t generation;
-  uint32_t next_free;
-  bool live;
+  union {
+    uintptr_t mapped_at; /* live: where it is mapped; 0: not mapped */
+    uint32_t next_free;  /* free: the free list, slot + 1; 0 ends it */
+  };
+  uint32_t pages;        /* size in pages of the granularity; 0: a free slot */
+  uint32_t generation;   /* bumped when the slot is freed */
 } sim_phys_t;
+#define PHYS_CHUNK_BITS 10
+#define PHYS_CHUNK_SLOTS ((uint32_t)1 << PHYS_CHUNK_BITS)
 
 typedef struct sim_stream {
   gca_stream_t handle;
@@ -152,8 +161,9 @@ typedef struct sim_device {
   struct sim_reserved reserved;
   addr_map_t map_leaves;    /* page number >> MAP_LEAF_BITS -> map_leaf_t * (see map_leaf_t); empty until
                              * the first mapping */
-  sim_phys_t *phys;
-  uint32_t phys_cap;
+  sim_phys_t **phys_chunks; /* of PHYS_CHUNK_SLOTS slots each (see sim_phys_t) */
+  uint32_t phys_chunk_count, phys_chunk_cap;
+  uint32_t phys_used;       /* slots handed out at least once: the rest are unwritten */
   uint32_t free_phys;       /* head of the free list, slot + 1; 0: none */
   sim_place_t *places;      /* sim_set_placement's list, addresses made this device's */
   size_t place_count, place_next;
@@ -667,6 +677,16 @@ static sim_alloc_t *reservation_of(sim_device_t *dev, uintptr_t addr, size_t siz
   return r;
 }
 
+/* The slot of physical memory (see sim_phys_t), handed out already. */
+static inline sim_phys_t *phys_slot(const sim_device_t *dev, uint32_t slot) {
+  return &dev->phys_chunks[slot >> PHYS_CHUNK_BITS][slot & (PHYS_CHUNK_SLOTS - 1)];
+}
+
+/* The bytes of a live slot. */
+static inline size_t phys_bytes(const sim_t *s, const sim_phys_t *p) {
+  return (size_t)p->pages << __builtin_ctzll(s->granularity);
+}
+
 /* The page table's entries of up to `pages` pages from the page at addr
  * (granularity-aligned) that lie in one leaf: a pointer to the first, and
  * in *run how many (at least one); NULL when the leaf does not exist. With
@@ -721,7 +741,7 @@ static uint32_t *map_entry(const sim_t *s, sim_device_t *dev, uintptr_t addr, bo
 static sim_phys_t *mapped_at_page(const sim_t *s, sim_device_t *dev, uintptr_t addr, uint64_t *leaf_key,
                                   map_leaf_t **leaf) {
   uint32_t *e = map_entry(s, dev, addr, false, leaf_key, leaf);
-  return e && *e ? &dev->phys[*e - 1] : NULL;
+  return e && *e ? phys_slot(dev, *e - 1) : NULL;
 }
 
 /* The first mapping that starts in [addr, addr + size) or covers addr, or
@@ -734,7 +754,7 @@ static sim_phys_t *first_mapping_in(const sim_t *s, sim_device_t *dev, uintptr_t
   size_t leaf_span = MAP_LEAF_PAGES * s->granularity;
   for (uintptr_t at = addr; at - addr < size;) {
     uint32_t *e = map_entry(s, dev, at, false, &leaf_key, &leaf);
-    if (e && *e) return &dev->phys[*e - 1];
+    if (e && *e) return phys_slot(dev, *e - 1);
     /* No leaf: skip to the next one. */
     at = e ? at + s->granularity : (at | (leaf_span - 1)) + 1;
   }
@@ -757,7 +777,7 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
     m = first_mapping_in(s, dev, addr, size);
     rc = set_error(GCA_ERR_INVALID,
                    "sim: cannot give back the reservation at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is still mapped",
-                   addr, m ? m->mapped_at : addr, m ? m->size : r->mapped);
+                   addr, m ? m->mapped_at : addr, m ? phys_bytes(s, m) : r->mapped);
   }
   if (rc == GCA_OK) {
     RB_REMOVE(sim_reserved, &dev->reserved, r);
@@ -771,33 +791,48 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
 
 static sim_phys_t *phys_of(sim_device_t *dev, uintptr_t handle) {
   uint64_t slot = ((uint64_t)handle & 0xffffffffu) - 1;
-  if (slot >= dev->phys_cap) return NULL;
-  sim_phys_t *p = &dev->phys[slot];
-  return p->live && p->generation == (uint32_t)((uint64_t)handle >> 32) ? p : NULL;
+  if (slot >= dev->phys_used) return NULL;
+  sim_phys_t *p = phys_slot(dev, (uint32_t)slot);
+  return p->pages && p->generation == (uint32_t)((uint64_t)handle >> 32) ? p : NULL;
 }
 
-/* Physical memory of `size` bytes, with the sim lock held. */
+/* A slot for physical memory: a freed one, else the next never used (its
+ * chunk made when it is the first of one); UINT32_MAX when the host is out
+ * of memory. */
+static uint32_t take_phys_slot(sim_device_t *dev) {
+  if (dev->free_phys) {
+    uint32_t slot = dev->free_phys - 1;
+    dev->free_phys = phys_slot(dev, slot)->next_free;
+    return slot;
+  }
+  if (dev->phys_used == UINT32_MAX - 1) return UINT32_MAX; /* (handles are slot + 1, 32 bits) */
+  if (dev->phys_used == dev->phys_chunk_count * PHYS_CHUNK_SLOTS) {
+    if (dev->phys_chunk_count == dev->phys_chunk_cap) {
+      uint32_t cap = dev->phys_chunk_cap ? 2 * dev->phys_chunk_cap : 8;
+      sim_phys_t **grown = realloc(dev->phys_chunks, (size_t)cap * sizeof *grown);
+      if (!grown) return UINT32_MAX;
+      dev->phys_chunks = grown;
+      dev->phys_chunk_cap = cap;
+    }
+    sim_phys_t *chunk = malloc(PHYS_CHUNK_SLOTS * sizeof *chunk);
+    if (!chunk) return UINT32_MAX;
+    dev->phys_chunks[dev->phys_chunk_count++] = chunk;
+  }
+  uint32_t slot = dev->phys_used++;
+  phys_slot(dev, slot)->generation = 0;
+  return slot;
+}
+
+/* Physical memory of `size` bytes (a positive multiple of the granularity,
+ * of at most 2^32 - 1 pages), with the sim lock held. */
 static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, uintptr_t *handle) {
   int rc = charge(s, dev, device, size, size);
-  if (rc == GCA_OK && !dev->free_phys) {
-    uint32_t cap = dev->phys_cap ? 2 * dev->phys_cap : 64;
-    sim_phys_t *grown = cap > 0x7fffffffu ? NULL : realloc(dev->phys, (size_t)cap * sizeof *grown);
-    if (!grown) {
-      rc = set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-    } else {
-      for (uint32_t i = dev->phys_cap; i < cap; i++) grown[i] = (sim_phys_t){.next_free = i + 1 < cap ? i + 2 : 0};
-      dev->free_phys = dev->phys_cap + 1;
-      dev->phys = grown;
-      dev->phys_cap = cap;
-    }
-  }
   if (rc != GCA_OK) return rc;
-  uint32_t slot = dev->free_phys - 1;
-  sim_phys_t *p = &dev->phys[slot];
-  dev->free_phys = p->next_free;
-  p->size = size;
+  uint32_t slot = take_phys_slot(dev);
+  if (slot == UINT32_MAX) return set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  sim_phys_t *p = phys_slot(dev, slot);
+  p->pages = (uint32_t)(size >> __builtin_ctzll(s->granularity));
   p->mapped_at = 0;
-  p->live = true;
   *handle = (uintptr_t)(((uint64_t)p->generation << 32) | (slot + 1));
   dev->used += size;
   dev->counters.mallocs++;
@@ -814,6 +849,9 @@ static int sim_vm_create_many(void *state, int device, size_t size, size_t n, ui
   if (s->backed) return no_vm();
   if (size == 0 || !vm_aligned(s, size))
     return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
+                     size, s->granularity);
+  if (size / s->granularity > UINT32_MAX)
+    return set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: more than 2^32 - 1 pages of %zu",
                      size, s->granularity);
   for (size_t i = 0; i < n; i++) add_latency(s);
   lock_acquire(&s->lock);
@@ -841,11 +879,11 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
                      p->mapped_at);
   if (s->free_fail_at && call == s->free_fail_at)
     return set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
-  dev->used -= p->size;
-  p->live = false;
+  dev->used -= phys_bytes(s, p);
+  p->pages = 0;
   p->generation++;
   p->next_free = dev->free_phys;
-  dev->free_phys = (uint32_t)(p - dev->phys) + 1;
+  dev->free_phys = (uint32_t)(handle & 0xffffffffu); /* (slot + 1, checked by phys_of) */
   dev->counters.frees++;
   dev->counters.live--;
   dev->counters.vm_handles--;
@@ -905,9 +943,9 @@ static int sim_vm_map_many(void *state, int device, uintptr_t addr, size_t size,
     else if (p->mapped_at)
       rc = set_error(GCA_ERR_INVALID, "sim: physical memory %#" PRIxPTR " is mapped already (at %#" PRIxPTR ")",
                      handle, p->mapped_at);
-    else if (size != p->size || !vm_aligned(s, at))
+    else if (size != phys_bytes(s, p) || !vm_aligned(s, at))
       rc = set_error(GCA_ERR_INVALID, "sim: a mapping at %#" PRIxPTR " of %zu bytes must be aligned to %zu and "
-                     "cover its whole physical memory (%zu bytes)", at, size, s->granularity, p->size);
+                     "cover its whole physical memory (%zu bytes)", at, size, s->granularity, phys_bytes(s, p));
     else
       p->mapped_at = at;
     if (rc != GCA_OK) break;
@@ -930,9 +968,9 @@ static int sim_vm_map_many(void *state, int device, uintptr_t addr, size_t size,
       }
       for (size_t i = 0; i < run; i++)
         if (e[i]) {
-          sim_phys_t *m = &dev->phys[e[i] - 1];
+          sim_phys_t *m = phys_slot(dev, e[i] - 1);
           rc = set_error(GCA_ERR_INVALID, "sim: cannot map at %#" PRIxPTR ": %#" PRIxPTR " (+%zu) is mapped there",
-                         at, m->mapped_at, m->size);
+                         at, m->mapped_at, phys_bytes(s, m));
           break;
         }
     }
@@ -975,12 +1013,12 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
     rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) wraps around the address space", addr, size);
   while (rc == GCA_OK && at < end) {
     sim_phys_t *m = vm_aligned(s, at) ? mapped_at_page(s, dev, at, &leaf_key, &leaf) : NULL;
-    if (!m || m->mapped_at != at || m->size > end - at) {
+    if (!m || m->mapped_at != at || phys_bytes(s, m) > end - at) {
       rc = set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) is not a run of whole mappings of device %d "
                      "(at %#" PRIxPTR ")", addr, size, device, at);
       break;
     }
-    at += m->size;
+    at += phys_bytes(s, m);
   }
   if (rc == GCA_OK && size) {
     prune_work(dev, s->now);
@@ -995,7 +1033,7 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
     /* Unmapped either way, as the driver would. */
     for (at = addr; at < end;) {
       sim_phys_t *m = mapped_at_page(s, dev, at, &leaf_key, &leaf);
-      size_t mapping = m->size;
+      size_t mapping = phys_bytes(s, m);
       sim_alloc_t *r = reservation_of(dev, at, mapping);
       if (r) r->mapped -= mapping;
       size_t pages = (mapping + s->granularity - 1) / s->granularity, run = 1;
@@ -1045,7 +1083,8 @@ static void sim_destroy(void *state) {
         free((map_leaf_t *)(uintptr_t)dev->map_leaves.vals[k]);
     addr_map_free(&dev->map_leaves);
     free(dev->places);
-    free(dev->phys);
+    for (uint32_t k = 0; k < dev->phys_chunk_count; k++) free(dev->phys_chunks[k]);
+    free(dev->phys_chunks);
     free(dev->streams);
     free(dev->work);
     free(dev->events);
