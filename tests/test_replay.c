@@ -687,6 +687,39 @@ static bool have_traces(void);
 /* RMM's logging_resource_adaptor CSV: both spellings of a free, a clock
  * passing midnight, two streams, and an allocation that failed in the
  * original run (kept as an oom entry, not replayed). */
+/* A trace's streams by number: 0 is stream 0 without a table, others
+ * numbered in the order first met, the same number each time after (a
+ * thousand streams, past every growth of the table and its index, and the
+ * values a hash table might keep for itself: all ones, one less). */
+static void test_stream_numbers(void **state) {
+  (void)state;
+  trace_streams_t s = {0};
+  uint32_t n = 99;
+  assert_int_equal(trace_stream_number(&s, 0, &n), GCA_OK);
+  assert_int_equal(n, 0);
+  assert_null(s.values);
+  uint64_t seed = 0x5eed;
+  static uint64_t values[1000];
+  for (int i = 0; i < 1000; i++) {
+    values[i] = i == 0 ? UINT64_MAX : i == 1 ? UINT64_MAX - 1 : i == 2 ? 1 : next_random(&seed) | 1;
+    assert_int_equal(trace_stream_number(&s, values[i], &n), GCA_OK);
+    assert_int_equal(n, (uint32_t)i + 1);
+    assert_int_equal(trace_stream_number(&s, values[i], &n), GCA_OK); /* (the last one, cached) */
+    assert_int_equal(n, (uint32_t)i + 1);
+  }
+  assert_int_equal(s.count, 1001);
+  for (int i = 999; i >= 0; i--) {
+    assert_int_equal(trace_stream_number(&s, values[i], &n), GCA_OK);
+    assert_int_equal(n, (uint32_t)i + 1);
+    assert_int_equal(s.values[n], values[i]);
+  }
+  assert_int_equal(trace_stream_number(&s, 0, &n), GCA_OK);
+  assert_int_equal(n, 0);
+  assert_int_equal(s.count, 1001);
+  trace_streams_free(&s);
+  assert_null(s.values);
+}
+
 static void test_rmm_csv(void **state) {
   (void)state;
   write_file("/tmp/gcalloc-replay-rmm.csv",
@@ -701,7 +734,10 @@ static void test_rmm_csv(void **state) {
   assert_int_equal(t.count, 5);
   assert_int_equal(t.device_count, 1);
   assert_int_equal(t.events[0].action, TA_ALLOC);
-  assert_int_equal(t.events[1].stream, 0x7f8a38001020ull);
+  assert_int_equal(t.events[0].stream, 0); /* the default stream, 0x0 */
+  assert_int_equal(t.events[1].stream, 1); /* the first other stream met */
+  assert_int_equal(trace_event_stream(&t, &t.events[1]), 0x7f8a38001020ull);
+  assert_int_equal(t.events[4].stream, 1);
   assert_int_equal(t.events[2].action, TA_FREE_COMPLETED);
   assert_int_equal(t.events[3].action, TA_OOM);
   assert_int_equal(t.events[4].action, TA_FREE_COMPLETED);
@@ -1522,7 +1558,7 @@ int main(void) {
       cmocka_unit_test(test_start_as_recorded_random),
       cmocka_unit_test(test_real_trace_decomfl),
       cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
-      cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
+      cmocka_unit_test(test_stream_numbers),        cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),

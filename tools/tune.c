@@ -140,7 +140,7 @@ static int evaluate_all(const trace_t *t, const replay_options_t *base, candidat
 
 static bool several_streams(const trace_t *t) {
   for (size_t i = 1; i < t->count; i++)
-    if (t->events[i].stream != t->events[0].stream) return true;
+    if (t->events[i].stream != t->events[0].stream) return true; /* (numbers: one each) */
   return false;
 }
 

@@ -423,7 +423,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     const addr_state_t *st = &as.states[i];
     if (st->early_release >= 0 && (st->allocated || st->final_block < 0)) {
       const trace_event_t *e = &t->events[st->early_release];
-      seeds[ns++] = (seed_t){st->addr, e->size, (gca_stream_t)e->stream, (uint32_t)i, 0};
+      seeds[ns++] = (seed_t){st->addr, e->size, (gca_stream_t)trace_event_stream(t, e), (uint32_t)i, 0};
     } else if (!st->allocated && st->final_block >= 0) {
       const trace_block_t *b = &t->final_blocks[st->final_block];
       seeds[ns++] = (seed_t){st->addr, b->requested, (gca_stream_t)b->stream, (uint32_t)i, b->size};
@@ -482,7 +482,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
       in_free_run = false;
       as.states[s].live_slot = ++slots;
       p->allocs++;
-      p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)e->stream, reserved};
+      p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)trace_event_stream(t, e), reserved};
     } else if (e->action == TA_FREE_COMPLETED) {
       in_free_run = false;
       uint32_t *live = &as.states[s].live_slot;

@@ -19,7 +19,74 @@
 #include "trace.h"
 #include "record.h"
 
-static int push_event(trace_t *t, size_t *cap, const trace_event_t *e) {
+/* ---- streams by number (trace_streams_t) ------------------------------ */
+
+static uint32_t stream_slot(uint64_t value, uint32_t cap) {
+  return (uint32_t)((value * 0x9e3779b97f4a7c15ull) >> 32) & (cap - 1);
+}
+
+/* The index grown to twice its size (16 at first), every number put back. */
+static bool stream_index_grow(trace_streams_t *s) {
+  uint32_t cap = s->index_cap ? 2 * s->index_cap : 16;
+  uint32_t *index = cap ? calloc(cap, sizeof *index) : NULL;
+  if (!index) return false;
+  for (uint32_t n = 1; n < s->count; n++) {
+    uint32_t h = stream_slot(s->values[n], cap);
+    while (index[h]) h = (h + 1) & (cap - 1);
+    index[h] = n + 1;
+  }
+  free(s->index);
+  s->index = index;
+  s->index_cap = cap;
+  return true;
+}
+
+int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
+  if (value == 0) {
+    *number = 0;
+    return GCA_OK;
+  }
+  if (s->last && s->values[s->last] == value) {
+    *number = s->last;
+    return GCA_OK;
+  }
+  uint32_t h = 0;
+  if (s->index_cap) {
+    for (h = stream_slot(value, s->index_cap); s->index[h]; h = (h + 1) & (s->index_cap - 1))
+      if (s->values[s->index[h] - 1] == value) {
+        *number = s->last = s->index[h] - 1;
+        return GCA_OK;
+      }
+  }
+  /* New: numbered next (the table begins with stream 0 at number 0). */
+  if (s->count >= UINT32_MAX - 1) return set_error(GCA_ERR_INVALID, "a trace of more than 2^32 - 2 streams");
+  if (s->count + 1 >= s->cap) {
+    uint32_t cap = s->cap ? (s->cap > UINT32_MAX / 2 ? UINT32_MAX : 2 * s->cap) : 8;
+    uint64_t *values = realloc(s->values, (size_t)cap * sizeof *values);
+    if (!values) return set_error(GCA_ERR_NOMEM, "out of host memory numbering a trace's streams");
+    s->values = values;
+    s->cap = cap;
+    if (!s->count) s->values[s->count++] = 0;
+  }
+  if ((uint64_t)(s->count + 1) * 2 > s->index_cap) {
+    if (!stream_index_grow(s)) return set_error(GCA_ERR_NOMEM, "out of host memory numbering a trace's streams");
+    h = stream_slot(value, s->index_cap);
+    while (s->index[h]) h = (h + 1) & (s->index_cap - 1);
+  }
+  s->values[s->count] = value;
+  s->index[h] = s->count + 1;
+  *number = s->last = s->count++;
+  return GCA_OK;
+}
+
+void trace_streams_free(trace_streams_t *s) {
+  free(s->values);
+  free(s->index);
+  memset(s, 0, sizeof *s);
+}
+
+/* Adds e, naming `stream` (numbered here). */
+static int push_event(trace_t *t, size_t *cap, const trace_event_t *e, uint64_t stream) {
   if (t->count == *cap) {
     size_t n = *cap ? *cap * 2 : 1024;
     trace_event_t *ev = realloc(t->events, n * sizeof *ev);
@@ -27,8 +94,11 @@ static int push_event(trace_t *t, size_t *cap, const trace_event_t *e) {
     t->events = ev;
     *cap = n;
   }
-  t->events[t->count++] = *e;
-  return GCA_OK;
+  trace_event_t *to = &t->events[t->count];
+  *to = *e;
+  int rc = trace_stream_number(&t->streams, stream, &to->stream);
+  if (rc == GCA_OK) t->count++;
+  return rc;
 }
 
 static trace_action action_of(const pv_t *v) {
@@ -66,6 +136,7 @@ static bool read_uint(const pv_t *v, uint64_t *out) {
 typedef struct entry_sink {
   trace_event_t *events;
   size_t count, cap;
+  trace_streams_t *streams; /* the trace's: the events' streams numbered as they are taken */
   trace_block_t *blocks; /* device and stream 0: a segment's, filled in from it */
   size_t block_count, block_cap;
 } entry_sink_t;
@@ -128,10 +199,18 @@ static int load_final_state(const char *path, const pv_t *segments, const entry_
   return GCA_OK;
 }
 
+/* An entry as read, before its stream is numbered (on the thread that
+ * takes it: the numbering is the trace's). */
+typedef struct entry_read {
+  trace_event_t event;
+  uint64_t stream;
+} entry_read_t;
+
 /* One device_traces entry's fields from its pairs (key, value, key, value
  * ...), in one pass: an entry has half a dozen keys, and looking each up by
  * name would scan them six times. Returns NULL, or what is wrong with it. */
-static const char *entry_fields(const pv_t *pairs, size_t count, trace_event_t *e) {
+static const char *entry_fields(const pv_t *pairs, size_t count, entry_read_t *read) {
+  trace_event_t *e = &read->event;
   const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL;
   for (size_t k = 0; k + 1 < count; k += 2) {
     const pv_t *key = &pairs[k], *value = &pairs[k + 1];
@@ -157,11 +236,11 @@ static const char *entry_fields(const pv_t *pairs, size_t count, trace_event_t *
   }
   *e = (trace_event_t){.time_us = -1};
   if (!action || action->kind != PV_STR) return "has no action";
-  e->action = action_of(action);
+  e->action = (uint8_t)action_of(action);
   /* An oom entry carries the device's free bytes where others have addr. */
   if (!read_uint(e->action == TA_OOM ? device_free : addr, &e->addr) || !read_uint(size, &e->size))
     return e->action == TA_OOM ? "lacks a valid device_free or size" : "lacks a valid addr or size";
-  if (!read_uint(stream, &e->stream)) e->stream = 0;
+  if (!read_uint(stream, &read->stream)) read->stream = 0;
   uint64_t us;
   if (read_uint(time_us, &us)) e->time_us = (int64_t)us;
   return NULL;
@@ -170,11 +249,11 @@ static const char *entry_fields(const pv_t *pairs, size_t count, trace_event_t *
 static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
   if (!entry || entry->kind != PV_DICT)
     return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu is not a dict", path, d, i);
-  trace_event_t e;
+  entry_read_t e;
   const char *wrong = entry_fields(entry->u.seq->items, entry->u.seq->count, &e);
   if (wrong) return set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu %s", path, d, i, wrong);
-  e.device = (int)d;
-  return push_event(t, cap, &e);
+  e.event.device = (uint8_t)d; /* (d < 256: snapshot_to_trace) */
+  return push_event(t, cap, &e.event, e.stream);
 }
 
 
@@ -188,7 +267,7 @@ static bool prepare_entry(const void *ctx, const pv_t *pairs, size_t count, void
 
 static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
   entry_sink_t *sink = ctx;
-  const trace_event_t *e = prepared;
+  const entry_read_t *e = prepared;
   if (sink->count == sink->cap) {
     /* From 256 KiB, a big array (util.c): one mapping that grows in place
      * to 2 MiB, instead of three reallocs on the heap and a copy (35 page
@@ -201,7 +280,9 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
     sink->events = grown;
     sink->cap = cap;
   }
-  sink->events[sink->count] = *e;
+  trace_event_t *to = &sink->events[sink->count];
+  *to = e->event;
+  if (trace_stream_number(sink->streams, e->stream, &to->stream) != GCA_OK) return false;
   *id = (int64_t)sink->count++;
   return true;
 }
@@ -282,7 +363,7 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
     t->events_big = sink->cap * sizeof *sink->events;
     sink->events = NULL;
     for (size_t d = 0; d < pv_len(traces); d++)
-      for (size_t i = 0; i < pv_len(pv_at(traces, d)); i++) t->events[t->count++].device = (int)d;
+      for (size_t i = 0; i < pv_len(pv_at(traces, d)); i++) t->events[t->count++].device = (uint8_t)d;
     pickle_free(doc);
     return GCA_OK;
   }
@@ -298,8 +379,8 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
       const pv_t *entry = pv_item(list, i, &held);
       if (entry && entry->kind == PV_RECORD && (uint64_t)entry->u.i < sink->count) {
         trace_event_t e = sink->events[entry->u.i];
-        e.device = (int)d;
-        rc = push_event(t, &cap, &e);
+        e.device = (uint8_t)d;
+        rc = push_event(t, &cap, &e, trace_event_stream(t, &e)); /* (numbered in t already) */
       } else {
         rc = read_entry(path, entry, d, i, t, &cap);
       }
@@ -433,7 +514,7 @@ static int load_allocsim(const char *path, FILE *f, const reading_t *reading, tr
     size_t i = (size_t)ALLOCSIM_LINE(ends[k].order);
     trace_event_t e = {.action = ends[k].order >> 62 == 1 ? TA_ALLOC : TA_FREE_COMPLETED,
                        .addr = ((uint64_t)i + 1) * 512, .size = ends[k].size, .time_us = (int64_t)ends[k].op};
-    rc = push_event(t, &ecap, &e);
+    rc = push_event(t, &ecap, &e, 0);
   }
   free(ends);
   return rc;
@@ -528,6 +609,7 @@ static int load_rmm_csv(const char *path, FILE *f, const reading_t *reading, tra
       break;
     }
     trace_event_t e = {.device = 0, .time_us = -1};
+    uint64_t stream_value = 0;
     const char *action = fields[col_action];
     if (!strcmp(action, "allocate")) e.action = TA_ALLOC;
     else if (!strcmp(action, "free") || !strcmp(action, "deallocate")) e.action = TA_FREE_COMPLETED;
@@ -548,7 +630,7 @@ static int load_rmm_csv(const char *path, FILE *f, const reading_t *reading, tra
     if (col_stream >= 0) {
       const char *stream = fields[col_stream];
       if (!strcmp(stream, "nullptr") || !strcmp(stream, "(nil)")) stream = "0";
-      if (!csv_number(stream, 0, &e.stream)) {
+      if (!csv_number(stream, 0, &stream_value)) {
         rc = set_error(GCA_ERR_INVALID, "%s:%zu: Stream '%s' is not a number", path, lineno, fields[col_stream]);
         break;
       }
@@ -564,7 +646,7 @@ static int load_rmm_csv(const char *path, FILE *f, const reading_t *reading, tra
         day += (int64_t)24 * 3600 * 1000000;
       e.time_us = last_us = us + day;
     }
-    rc = push_event(t, &cap, &e);
+    rc = push_event(t, &cap, &e, stream_value);
   }
   if (rc == GCA_OK && ferror(f)) rc = set_error(GCA_ERR_IO, "cannot read %s", path);
   if (rc == GCA_OK && t->count == 0) rc = set_error(GCA_ERR_INVALID, "%s: no calls in the RMM log", path);
@@ -671,12 +753,15 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   if (!o) return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
   /* Events name their pair until the end of the file (load_gcalloc_trace). */
   trace_event_t e = {.time_us = c->time_us};
+  uint64_t stream = 0;
   if (is_malloc) {
     int pair = gcalloc_pair(r, o, c->device, lineno);
     if (pair < 0) return gca_last_status();
     if ((!o->live.keys && !addr_map_init(&o->live)) || !addr_map_put(&o->live, c->ptr, (uint64_t)pair))
       return set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
-    e = (trace_event_t){pair, TA_ALLOC, c->ptr, c->size, c->stream, c->time_us};
+    e = (trace_event_t){.device = (uint8_t)pair, .action = TA_ALLOC, .addr = c->ptr, .size = c->size,
+                        .time_us = c->time_us};
+    stream = c->stream;
   } else if (is_free) {
     /* A pointer this allocator did not give out in the trace (a free after
      * its close) frees nothing of any device replayed. A free that left
@@ -688,19 +773,20 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
     int index = (int)(*pair & (LIVE_REQUESTED - 1));
     bool requested = c->call == RC_FREE && c->pending;
     if (requested && (*pair & LIVE_REQUESTED)) return GCA_OK; /* (asked twice: the first stands) */
-    e = (trace_event_t){index, requested ? TA_FREE_REQUESTED : TA_FREE_COMPLETED, c->ptr, 0, 0, c->time_us};
+    e = (trace_event_t){.device = (uint8_t)index, .action = requested ? TA_FREE_REQUESTED : TA_FREE_COMPLETED,
+                        .addr = c->ptr, .time_us = c->time_us};
     if (requested) *pair |= LIVE_REQUESTED;
     else addr_map_del(&o->live, c->ptr);
   } else {
     for (int d = c->device < 0 ? 0 : c->device; d <= (c->device < 0 ? 255 : c->device); d++) {
       if (!o->pair[d]) continue;
-      e = (trace_event_t){o->pair[d] - 1, TA_SEGMENT_FREE, 0, 0, 0, c->time_us};
-      int rc = push_event(r->t, &r->cap, &e);
+      e = (trace_event_t){.device = (uint8_t)(o->pair[d] - 1), .action = TA_SEGMENT_FREE, .time_us = c->time_us};
+      int rc = push_event(r->t, &r->cap, &e, 0);
       if (rc) return rc;
     }
     return GCA_OK;
   }
-  return push_event(r->t, &r->cap, &e);
+  return push_event(r->t, &r->cap, &e, stream);
 }
 
 static int load_gcalloc_trace(const char *path, FILE *f, const reading_t *reading, trace_t *t) {
@@ -720,7 +806,7 @@ static int load_gcalloc_trace(const char *path, FILE *f, const reading_t *readin
   } else {
     for (size_t i = 0; i < t->count; i++) {
       trace_event_t *e = &t->events[i];
-      e->device = r.pairs[e->device].device;
+      e->device = (uint8_t)r.pairs[e->device].device;
       if (e->device + 1 > t->device_count) t->device_count = e->device + 1;
     }
   }
@@ -738,7 +824,7 @@ static void snapshot_progress(void *ctx, size_t done, size_t total) {
  * names it in the messages. */
 static int read_snapshot(const char *name, const char *path, unsigned char *owned, const void *data, size_t len,
                          bool machine_only, size_t split, const reading_t *reading, trace_t *t) {
-  entry_sink_t sink = {0};
+  entry_sink_t sink = {.streams = &t->streams};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
   pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split};
   if (reading && reading->progress) {
@@ -749,7 +835,7 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
     options.records_key = "device_traces";
     options.prepare = prepare_entry;
     options.take = take_entry;
-    options.record_size = sizeof(trace_event_t);
+    options.record_size = sizeof(entry_read_t);
     options.record_ctx = &sink;
     options.block_key = "blocks";
     options.block_prepare = prepare_block;
@@ -795,7 +881,7 @@ bool trace_equal(const trace_t *a, const trace_t *b) {
   for (size_t i = 0; i < a->count; i++) {
     const trace_event_t *x = &a->events[i], *y = &b->events[i];
     if (x->device != y->device || x->action != y->action || x->addr != y->addr || x->size != y->size ||
-        x->stream != y->stream || x->time_us != y->time_us)
+        trace_event_stream(a, x) != trace_event_stream(b, y) || x->time_us != y->time_us)
       return false;
   }
   for (size_t i = 0; i < a->final_block_count; i++) {
@@ -1261,6 +1347,7 @@ void trace_free(trace_t *t) {
   free(t->final_segments);
   free(t->settings);
   free(t->origins);
+  trace_streams_free(&t->streams);
   memset(t, 0, sizeof *t);
 }
 
@@ -1289,18 +1376,14 @@ int trace_to_ops(const trace_t *t, trace_ops_t *out) {
   int rc = GCA_OK;
   for (size_t i = 0; i < t->count && rc == GCA_OK; i++) {
     const trace_event_t *e = &t->events[i];
-    if (e->device < 0 || e->device > 255) {
-      rc = set_error(GCA_ERR_INVALID, "trace event %zu names device %d", i, e->device);
-      break;
-    }
     uint64_t key = live_key(e->device, e->addr);
     if (e->action == TA_ALLOC) {
       if (!addr_map_put(&m, key, out->slot_count + 1)) {
         rc = set_error(GCA_ERR_NOMEM, "out of host memory converting a trace");
         break;
       }
-      trace_op_t op = {.slot = (uint32_t)out->slot_count++, .device = (uint8_t)e->device, .size = e->size,
-                       .stream = e->stream};
+      trace_op_t op = {.slot = (uint32_t)out->slot_count++, .device = e->device, .size = e->size,
+                       .stream = trace_event_stream(t, e)};
       out->allocs++;
       rc = push_op(out, &cap, op);
     } else if (e->action == TA_FREE_REQUESTED || e->action == TA_FREE_COMPLETED) {
@@ -1311,7 +1394,8 @@ int trace_to_ops(const trace_t *t, trace_ops_t *out) {
         if (e->action == TA_FREE_REQUESTED || !slot) out->skipped_frees++;
         continue;
       }
-      trace_op_t op = {.slot = (uint32_t)(*slot - 1), .is_free = 1, .device = (uint8_t)e->device, .stream = e->stream};
+      trace_op_t op = {.slot = (uint32_t)(*slot - 1), .is_free = 1, .device = e->device,
+                       .stream = trace_event_stream(t, e)};
       *slot = 0;
       rc = push_op(out, &cap, op);
     }

@@ -28,14 +28,34 @@ typedef enum trace_action {
   TA_OTHER
 } trace_action;
 
+/* 32 bytes: a long trace's events are most of what reading it writes, and
+ * in a new process each fresh 4 KiB of them a page fault (DeComFL's 23,105
+ * events were 225 pages at 40 bytes). Devices are numbered 0 to 255 in
+ * every format, and a stream is its number in trace_t.streams. */
 typedef struct trace_event {
-  int device;
-  trace_action action;
   uint64_t addr;   /* device_free for oom entries */
   uint64_t size;
-  uint64_t stream;
   int64_t time_us; /* -1 when the trace has none */
+  uint32_t stream; /* the stream's number (trace_event_stream); 0: the default stream, 0 */
+  uint8_t device;
+  uint8_t action;  /* trace_action */
 } trace_event_t;
+_Static_assert(sizeof(trace_event_t) == 32, "an event is 32 bytes");
+
+/* The streams a trace's events name, numbered in the order first met:
+ * number 0 is stream 0 (the default stream) and needs no table. */
+typedef struct trace_streams {
+  uint64_t *values;  /* number -> stream; NULL while only stream 0 was met */
+  uint32_t count, cap;
+  uint32_t *index;   /* open addressing by the stream's hash: number + 1, 0 empty */
+  uint32_t index_cap; /* a power of two, at least twice count */
+  uint32_t last;     /* the number last looked up (a trace's streams come in runs) */
+} trace_streams_t;
+
+/* The number of stream `value` in s, added if new: GCA_OK, or
+ * GCA_ERR_NOMEM set. */
+int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number);
+void trace_streams_free(trace_streams_t *s);
 
 /* A block of the snapshot's final state (segments at the end of recording). */
 typedef struct trace_block {
@@ -63,6 +83,7 @@ typedef struct trace_origin {
 
 typedef struct trace {
   trace_event_t *events; /* device 0's events, then device 1's ... in recorded order */
+  trace_streams_t streams; /* what the events' stream numbers stand for */
   size_t events_big;     /* bytes when events is a big array (util.c), else 0 (malloc'd) */
   size_t count;
   int device_count;
@@ -79,6 +100,11 @@ typedef struct trace {
    * origins[i], the pairs numbered in the order they first allocated. */
   trace_origin_t *origins;
 } trace_t;
+
+/* The stream an event of t names. */
+static inline uint64_t trace_event_stream(const trace_t *t, const trace_event_t *e) {
+  return e->stream ? t->streams.values[e->stream] : 0;
+}
 
 /* Load either format (told apart by the pickle's first byte). Returns
  * GCA_OK, or GCA_ERR_IO / GCA_ERR_INVALID with a message naming the file and
