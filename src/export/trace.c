@@ -41,13 +41,10 @@ static bool stream_index_grow(trace_streams_t *s) {
   return true;
 }
 
-int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
+int trace_stream_lookup(trace_streams_t *s, uint64_t value, uint32_t *number) {
   if (value == 0) {
-    *number = 0;
-    return GCA_OK;
-  }
-  if (s->last && s->values[s->last] == value) {
-    *number = s->last;
+    *number = s->last = 0;
+    s->last_value = 0;
     return GCA_OK;
   }
   uint32_t h = 0;
@@ -55,6 +52,7 @@ int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
     for (h = stream_slot(value, s->index_cap); s->index[h]; h = (h + 1) & (s->index_cap - 1))
       if (s->values[s->index[h] - 1] == value) {
         *number = s->last = s->index[h] - 1;
+        s->last_value = value;
         return GCA_OK;
       }
   }
@@ -75,6 +73,7 @@ int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
   }
   s->values[s->count] = value;
   s->index[h] = s->count + 1;
+  s->last_value = value;
   *number = s->last = s->count++;
   return GCA_OK;
 }

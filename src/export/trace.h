@@ -49,12 +49,25 @@ typedef struct trace_streams {
   uint32_t count, cap;
   uint32_t *index;   /* open addressing by the stream's hash: number + 1, 0 empty */
   uint32_t index_cap; /* a power of two, at least twice count */
-  uint32_t last;     /* the number last looked up (a trace's streams come in runs) */
+  /* The stream last looked up and its number (a trace's streams come in
+   * runs): 0 and 0 at first. */
+  uint64_t last_value;
+  uint32_t last;
 } trace_streams_t;
 
-/* The number of stream `value` in s, added if new: GCA_OK, or
- * GCA_ERR_NOMEM set. */
-int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number);
+/* trace_stream_number past its first look. */
+int trace_stream_lookup(trace_streams_t *s, uint64_t value, uint32_t *number);
+
+/* The number of stream `value` in s, added if new: GCA_OK, or an error set
+ * (the host out of memory, 2^32 - 2 streams). One compare when it is the
+ * stream looked up last, as it is for most events of a trace. */
+static inline int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
+  if (value == s->last_value) {
+    *number = s->last;
+    return 0; /* GCA_OK */
+  }
+  return trace_stream_lookup(s, value, number);
+}
 void trace_streams_free(trace_streams_t *s);
 
 /* A block of the snapshot's final state (segments at the end of recording). */
