@@ -50,6 +50,31 @@ static atomic_int helper_busy; /* changed under the lock, read without it by thr
 static atomic_bool helpers_closing;
 static bool atfork_set;
 
+/* A wait's step is the processor's pause hint, a few dozen times (about a
+ * microsecond), not sched_yield: a thread waiting so used to enter the
+ * kernel's scheduler some hundred thousand times a second, a fifth of the
+ * samples of a replay in one process (`perf`), and on the project's VM the
+ * work on the other processor went slower while it did (Constructor-Sun,
+ * whose devices replay on two threads, 0.80-0.89 of the time; builds
+ * alternating, docs/replay-speed-log.md, "Stop 33"): a virtual machine's
+ * processors may be two threads of one core, and a spinning sibling takes
+ * the core's resources. Every 16th step still yields, so that a thread
+ * of the process that wants this processor gets it. */
+void spin_pause(void) {
+  static _Thread_local unsigned steps;
+  if (++steps % 16 == 0) {
+    sched_yield();
+    return;
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  for (int i = 0; i < 32; i++) __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  for (int i = 0; i < 32; i++) __asm__ volatile("yield");
+#else
+  sched_yield();
+#endif
+}
+
 static uint64_t now_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -136,7 +161,7 @@ static void *helper_main(void *arg) {
         uint64_t now = now_ns();
         if (now >= give_up || (queued(&chore_jobs) && now >= chore_at)) break;
         if (atomic_load_explicit(&helper_busy, memory_order_relaxed) + 1 > look_limit()) break;
-        sched_yield();
+        spin_pause();
       }
     }
     pthread_mutex_lock(&helpers_lock);
@@ -257,7 +282,7 @@ bool helper_wait(helper_job_t *job) {
    * what the helper saved. */
   uint64_t give_up = now_ns() + HELPER_LOOK_NS;
   while (atomic_load_explicit(&job->state, memory_order_acquire) == JOB_RUNNING && now_ns() < give_up)
-    sched_yield();
+    spin_pause();
   pthread_mutex_lock(&helpers_lock);
   bool ran = true;
   if (atomic_load_explicit(&job->state, memory_order_relaxed) == JOB_QUEUED) {

@@ -909,6 +909,9 @@ typedef struct helper_job {
 bool helper_submit(helper_job_t *job);
 bool helper_wait(helper_job_t *job);
 bool helper_detach(void (*run)(void *arg), void *arg);
+/* One step of a thread's wait for another that runs on another processor
+ * (helpers looking for work, the trace readers waiting for each other). */
+void spin_pause(void);
 /* Integer key -> integer value, open addressing with linear probing,
  * growing as it fills; for the trace readers and the replay (not the hot
  * path, which has block_map). Keys must be below UINT64_MAX - 1. */

@@ -1130,7 +1130,7 @@ static void split_main(void *arg) {
     if (!published && shown >= pending.need) split_retry(s, &pending, shown, resolved);
     if (!reading) {
       if (published) break;
-      sched_yield(); /* waiting for the first reader to show more, or to want them */
+      spin_pause(); /* waiting for the first reader to show more, or to want them */
       continue;
     }
     if ((pos = flat_frames(&f, pos)) >= f.len) {
@@ -1329,7 +1329,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
       if (s->taken == published) goto abandon;
       break;
     }
-    sched_yield();
+    spin_pause();
     published = s->seen = atomic_load_explicit(&s->published, memory_order_acquire);
   }
   split_entry_t e;
