@@ -7,7 +7,7 @@
  * thread starts 50-130 us later (its processor is woken); a replay of a
  * snapshot takes 1.5-2.5 ms and starts two. So threads are kept from one
  * job to the next: one that finishes a job looks for the next one for a
- * while (yielding its processor to anyone who wants it) before it sleeps,
+ * while (pausing its processor, spin_pause) before it sleeps,
  * and a job submitted then starts at once. `gcalloc tune` and the
  * benchmark replay many times in a process; a single `gcalloc replay`
  * gains the unmapping, which no longer delays it.
