@@ -19,7 +19,9 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -60,6 +62,15 @@ static bool atfork_set;
  * processors may be two threads of one core, and a spinning sibling takes
  * the core's resources. Every 16th step still yields, so that a thread
  * of the process that wants this processor gets it. */
+int processors_usable(void) {
+#ifdef CPU_COUNT
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  return online < 1 ? 1 : online > INT_MAX ? INT_MAX : (int)online;
+}
+
 void spin_pause(void) {
   static _Thread_local unsigned steps;
   if (++steps % 16 == 0) {
@@ -115,10 +126,7 @@ static int look_limit(void) {
   static atomic_int limit; /* found once (threads may race to: they find the same) */
   int n = atomic_load_explicit(&limit, memory_order_relaxed);
   if (!n) {
-#ifdef CPU_COUNT
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set) - 1;
-#endif
+    n = processors_usable() - 1;
     n = n > 1 ? n : 1;
     atomic_store_explicit(&limit, n, memory_order_relaxed);
   }

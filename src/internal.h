@@ -909,6 +909,11 @@ typedef struct helper_job {
 bool helper_submit(helper_job_t *job);
 bool helper_wait(helper_job_t *job);
 bool helper_detach(void (*run)(void *arg), void *arg);
+/* The processors this thread may run on (its affinity: a `taskset` or a
+ * container's set counts), at least 1. A system call of a few
+ * microseconds: sysconf's count of those online reads a file under /sys,
+ * 30-50 us in a new process on the project's VM. */
+int processors_usable(void);
 /* One step of a thread's wait for another that runs on another processor
  * (helpers looking for work, the trace readers waiting for each other). */
 void spin_pause(void);

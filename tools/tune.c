@@ -124,7 +124,7 @@ static int evaluate_all(const trace_t *t, const replay_options_t *base, candidat
   atomic_init(&j.done, 0);
   atomic_init(&j.failed, false);
   pthread_mutex_init(&j.lock, NULL);
-  long online = sysconf(_SC_NPROCESSORS_ONLN);
+  long online = processors_usable();
   size_t workers = online < 1 ? 1 : online > TUNE_WORKERS ? TUNE_WORKERS : (size_t)online;
   if (workers > count) workers = count ? count : 1;
   pthread_t threads[TUNE_WORKERS];

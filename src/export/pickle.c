@@ -8,7 +8,6 @@
  * (BINGET) to frames and strings, hundreds of thousands of them, and the
  * replay's speed target makes the reader's cost per opcode count.
  */
-#include <sched.h>
 #include <stdalign.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1231,14 +1230,7 @@ static void split_main(void *arg) {
   atomic_store_explicit(&s->done, true, memory_order_release);
 }
 
-static bool two_processors(void) {
-#ifdef CPU_COUNT
-  cpu_set_t set;
-  return sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) >= 2;
-#else
-  return false;
-#endif
-}
+static bool two_processors(void) { return processors_usable() >= 2; }
 
 /* Starts the second reader when it is worth it (pickle_options.split),
  * looking at `memo` (which the first reader shows it through memo_shown);

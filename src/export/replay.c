@@ -958,13 +958,13 @@ static void device_worker(void *arg) {
   }
 }
 
-/* How many threads replay: o->threads, or one per processor online; never
+/* How many threads replay: o->threads, or one per processor usable; never
  * more than the devices that have events. */
 static int replay_threads(const replay_options_t *o, const event_span_t *spans, int count) {
   int busy = 0;
   for (int k = 0; k < count; k++) busy += spans[k].hi > spans[k].lo;
-  if (busy <= 1) return 1; /* (sysconf reads a file under /sys: a fifth of replaying a small log) */
-  long online = o->threads > 0 ? o->threads : sysconf(_SC_NPROCESSORS_ONLN);
+  if (busy <= 1) return 1;
+  long online = o->threads > 0 ? o->threads : processors_usable();
   int threads = online < 1 ? 1 : online > 64 ? 64 : (int)online;
   return threads < busy ? threads : busy > 0 ? busy : 1;
 }

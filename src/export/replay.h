@@ -26,7 +26,7 @@ typedef struct replay_options {
   bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
   bool page_census;        /* with expandable segments: count their pages at the peak (maps: with timeline) */
-  int threads;              /* devices replayed at once; 0: one per processor online (results do not depend on it) */
+  int threads;              /* devices replayed at once; 0: one per processor usable (results do not depend on it) */
   bool start_snapshot;      /* tests: each device's state after the seeding, in start_snapshot */
   replay_progress_fn progress; /* called from the replaying threads, one call at a time */
   void *progress_ctx;
