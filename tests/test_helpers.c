@@ -261,6 +261,21 @@ static void test_one_processor_allowed(void **state) {
   assert_true(WIFEXITED(status));
   assert_int_equal(WEXITSTATUS(status), 0);
 }
+/* The processors usable are the calling thread's affinity, not those
+ * online: one when it is held to one, all of its set again after. */
+static void test_processors_usable(void **state) {
+  (void)state;
+  cpu_set_t had, one;
+  assert_int_equal(sched_getaffinity(0, sizeof had, &had), 0);
+  assert_int_equal(processors_usable(), CPU_COUNT(&had));
+  CPU_ZERO(&one);
+  int cpu = sched_getcpu();
+  CPU_SET(cpu >= 0 ? cpu : 0, &one);
+  if (sched_setaffinity(0, sizeof one, &one) != 0) skip(); /* (not allowed here: nothing to check) */
+  assert_int_equal(processors_usable(), 1);
+  assert_int_equal(sched_setaffinity(0, sizeof had, &had), 0);
+  assert_int_equal(processors_usable(), CPU_COUNT(&had));
+}
 #endif
 
 int main(void) {
@@ -274,6 +289,7 @@ int main(void) {
 #ifdef TEST_AFFINITY
       cmocka_unit_test(test_threads_keep_the_creators_processors),
       cmocka_unit_test(test_one_processor_allowed),
+      cmocka_unit_test(test_processors_usable),
 #endif
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
