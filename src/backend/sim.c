@@ -806,7 +806,7 @@ static uint32_t take_phys_slot(sim_device_t *dev) {
     return slot;
   }
   if (dev->phys_used == UINT32_MAX - 1) return UINT32_MAX; /* (handles are slot + 1, 32 bits) */
-  if (dev->phys_used == dev->phys_chunk_count * PHYS_CHUNK_SLOTS) {
+  if (dev->phys_used == (size_t)dev->phys_chunk_count * PHYS_CHUNK_SLOTS) {
     if (dev->phys_chunk_count == dev->phys_chunk_cap) {
       uint32_t cap = dev->phys_chunk_cap ? 2 * dev->phys_chunk_cap : 8;
       sim_phys_t **grown = realloc(dev->phys_chunks, (size_t)cap * sizeof *grown);
