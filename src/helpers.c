@@ -52,16 +52,6 @@ static atomic_int helper_busy; /* changed under the lock, read without it by thr
 static atomic_bool helpers_closing;
 static bool atfork_set;
 
-/* A wait's step is the processor's pause hint, a few dozen times (about a
- * microsecond), not sched_yield: a thread waiting so used to enter the
- * kernel's scheduler some hundred thousand times a second, a fifth of the
- * samples of a replay in one process (`perf`), and on the project's VM the
- * work on the other processor went slower while it did (Constructor-Sun,
- * whose devices replay on two threads, 0.80-0.89 of the time; builds
- * alternating, docs/replay-speed-log.md, "Stop 33"): a virtual machine's
- * processors may be two threads of one core, and a spinning sibling takes
- * the core's resources. Every 16th step still yields, so that a thread
- * of the process that wants this processor gets it. */
 int processors_usable(void) {
 #ifdef CPU_COUNT
   cpu_set_t set;
@@ -71,6 +61,18 @@ int processors_usable(void) {
   return online < 1 ? 1 : online > INT_MAX ? INT_MAX : (int)online;
 }
 
+/* A wait's step is the processor's pause hint, a few dozen times (about a
+ * microsecond), not sched_yield: a thread waiting so used to enter the
+ * kernel's scheduler some hundred thousand times a second, a fifth of the
+ * samples of a replay in one process (`perf`), and on the project's VM the
+ * work on the other processor went slower while it did (Constructor-Sun,
+ * whose devices replay on two threads, took 0.74-0.93 of the time in four
+ * of five rounds of builds alternating, two of them without the yields
+ * below, and 1.09 in the fifth;
+ * docs/replay-speed-log.md, "Stop 33"): a virtual machine's
+ * processors may be two threads of one core, and a spinning sibling takes
+ * the core's resources. Every 16th step still yields, so that a thread
+ * of the process that wants this processor gets it. */
 void spin_pause(void) {
   static _Thread_local unsigned steps;
   if (++steps % 16 == 0) {
