@@ -15,6 +15,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "gcalloc.h"
+
 typedef enum trace_action {
   TA_ALLOC,
   TA_FREE_REQUESTED,
@@ -64,7 +66,7 @@ int trace_stream_lookup(trace_streams_t *s, uint64_t value, uint32_t *number);
 static inline int trace_stream_number(trace_streams_t *s, uint64_t value, uint32_t *number) {
   if (value == s->last_value) {
     *number = s->last;
-    return 0; /* GCA_OK */
+    return GCA_OK;
   }
   return trace_stream_lookup(s, value, number);
 }
