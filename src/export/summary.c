@@ -32,6 +32,10 @@ static const char *const count_units[] = {" ", "K", "M"};
 static const unit_scheme_t sizes = {size_units, 6, 768.0 * 1024, 1024, 6, ""};
 static const unit_scheme_t counts = {count_units, 3, 750.0 * 1000, 1000, 7, " "};
 
+/* A cell's room: the table's columns are narrower, but a value far above
+ * its reference is written whole (20 digits and a sign) rather than cut. */
+#define CELL_SIZE 32
+
 static void format_cell(char *out, const unit_scheme_t *u, int64_t value, int64_t reference) {
   int i = 0;
   double ref = (double)reference;
@@ -40,7 +44,7 @@ static void format_cell(char *out, const unit_scheme_t *u, int64_t value, int64_
     ref /= (double)u->divisor;
     i++;
   }
-  snprintf(out, 16, "%*lld %s%s", u->width, (long long)value, u->units[i], u->suffix);
+  snprintf(out, CELL_SIZE, "%*lld %s%s", u->width, (long long)value, u->units[i], u->suffix);
 }
 
 static void rule(text_t *t, char c) {
@@ -51,7 +55,7 @@ static void rule(text_t *t, char c) {
 }
 
 static void row(text_t *t, const char *name, const gca_stat_t *st, const gca_stat_t *ref, const unit_scheme_t *u) {
-  char cur[16], peak[16], alloc[16], freed[16];
+  char cur[CELL_SIZE], peak[CELL_SIZE], alloc[CELL_SIZE], freed[CELL_SIZE];
   format_cell(cur, u, st->current, ref->current);
   format_cell(peak, u, st->peak, ref->peak);
   format_cell(alloc, u, st->allocated, ref->allocated);
