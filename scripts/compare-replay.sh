@@ -6,7 +6,9 @@
 # of each in turn, ROUNDS times (default 10), and prints the best time per
 # trace and build, and the first quartile of the rounds' bests.
 # Alternating matters on a machine whose speed drifts from one minute to
-# the next: a slow stretch then hits both builds.
+# the next: a slow stretch then hits both builds. A tree that has
+# scripts/build-pgo.sh is built with it, as scripts/run.sh builds (PGO=0:
+# plain Release builds for both).
 #   NEW_PROCESS=1 scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]
 # compares them in new processes instead, as a user runs `gcalloc replay`
 # once: each round runs `gcalloc replay --json` three times per trace and
@@ -25,9 +27,13 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$work/old" 2>/dev/null; [ -z "$new" ] || git -C "$root" worktree remove --force "$work/new" 2>/dev/null; rm -rf "$work"' EXIT
 
-build() { # SOURCE_DIR BUILD_DIR
-  cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DGCALLOC_BUILD_TESTS=OFF >/dev/null
-  cmake --build "$2" -j "$(nproc)" --target gcalloc_tool >/dev/null
+build() { # SOURCE_DIR BUILD_DIR: Release, with the profile where the tree builds one (PGO=0: without)
+  if [ "${PGO:-1}" = 1 ] && [ -x "$1/scripts/build-pgo.sh" ]; then
+    "$1/scripts/build-pgo.sh" "$2" -DGCALLOC_BUILD_TESTS=OFF >/dev/null
+  else
+    cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release -DGCALLOC_BUILD_TESTS=OFF >/dev/null
+    cmake --build "$2" -j "$(nproc)" --target gcalloc_tool >/dev/null
+  fi
 }
 git -C "$root" worktree add -q --detach "$work/old" "$old"
 build "$work/old" "$work/build-old"

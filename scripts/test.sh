@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: install what is needed, then build and run the whole
 # suite four ways, failing at the first failure:
-#   gcc, warnings as errors            all tests
+#   gcc, warnings as errors, built with profile-guided optimization as
+#   scripts/run.sh builds (scripts/build-pgo.sh)   all tests
 #   clang, warnings as errors          all tests
 #   gcc, AddressSanitizer + UBSan      all tests
 #   clang, ThreadSanitizer             the concurrent tests (label `threads`)
@@ -22,14 +23,18 @@ run() { # name, ctest label filter or "", cmake options...
   local name=$1 label=$2
   shift 2
   echo "=== $name ==="
-  cmake -S . -B "build-$name" -DGCALLOC_WERROR=ON "$@" >/dev/null
-  cmake --build "build-$name" -j"$jobs" >/dev/null
+  if [ "$name" = gcc-pgo ]; then
+    scripts/build-pgo.sh "build-$name" -DGCALLOC_WERROR=ON "$@"
+  else
+    cmake -S . -B "build-$name" -DGCALLOC_WERROR=ON "$@" >/dev/null
+    cmake --build "build-$name" -j"$jobs" >/dev/null
+  fi
   local filter=()
   [ -n "$label" ] && filter=(-L "$label")
   (cd "build-$name" && ctest --output-on-failure -j"$jobs" "${filter[@]}" "${ctest_args[@]}")
 }
 
-run gcc "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=RelWithDebInfo
+run gcc-pgo "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run clang "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
   run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
