@@ -18,12 +18,13 @@ jobs=$(nproc)
 export GCALLOC_REQUIRE_CHROMIUM=1
 export GCALLOC_REQUIRE_PYTEST=1
 ctest_args=("$@")
+unset PGO # (set per build below, never from the caller's environment)
 
-run() { # name, ctest label filter or "", cmake options...
+run() { # name, ctest label filter or "", cmake options... (PGO=1: built by scripts/build-pgo.sh)
   local name=$1 label=$2
   shift 2
   echo "=== $name ==="
-  if [ "$name" = gcc-pgo ]; then
+  if [ "${PGO:-0}" = 1 ]; then
     scripts/build-pgo.sh "build-$name" -DGCALLOC_WERROR=ON "$@"
   else
     cmake -S . -B "build-$name" -DGCALLOC_WERROR=ON "$@" >/dev/null
@@ -34,7 +35,7 @@ run() { # name, ctest label filter or "", cmake options...
   (cd "build-$name" && ctest --output-on-failure -j"$jobs" "${filter[@]}" "${ctest_args[@]}")
 }
 
-run gcc-pgo "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+PGO=1 run gcc-pgo "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run clang "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
   run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
