@@ -13,7 +13,11 @@
  * (measured here), to tell the kernel's share. The peer,
  * measured in the same run: Python's own unpickler loading the same file
  * (the first step of PyTorch's tooling, torch.cuda._memory_viz), best of N,
- * with the ratio gcalloc's whole replay / Python's load alone.
+ * with the ratio gcalloc's whole replay / Python's load alone. And the
+ * floor of a new process: what one pays at the least before any work,
+ * mapping the file and reading each of its pages, and writing the events'
+ * array in fresh memory; the target's budget less that floor is the time
+ * left for the work itself, to set beside the best run in one process.
  *
  * Memory: gcalloc's peak reserved with default settings against PyTorch's
  * recorded peak reserved, per device.
@@ -34,6 +38,7 @@
 #include <unistd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "../src/internal.h"
@@ -70,6 +75,7 @@ typedef struct row {
   double fresh; /* best events/s of `gcalloc replay` in new processes; -1 when not measured */
   double idle;  /* median events/s of those run after idle (--idle); -1 when not measured */
   long fresh_faults; /* the fewest page faults one of them took; -1 when not measured */
+  double floor;      /* best seconds of the new-process floor (new_process_floor); -1 when not measured */
   replay_result_t result;
 } row_t;
 
@@ -147,6 +153,82 @@ static void fresh_processes(const char *path, int runs, double idle_s, double *b
   *idle_rate = rates[IDLE_RUNS / 2];
 }
 
+/* The least a replay in a new process pays before any work, in a child
+ * forked for it (its own fresh pages): from opening the file, mapping it
+ * and reading one byte of each of its pages (the kernel mapping the page
+ * cache's pages for it), and writing an events' array of `events` in
+ * fresh anonymous memory, as `gcalloc replay` must at the least (its
+ * events are 32 bytes, trace.h; the arena, the memo, the simulator's
+ * state and the code's own pages come on top). Best seconds of `runs`;
+ * -1 where it cannot be measured. The child calls only what is safe
+ * after a fork from a process with threads. */
+#define TARGET_EVENTS_PER_SECOND 5e6
+static double floor_once(const char *path, size_t events) {
+  int out[2];
+  if (pipe(out) != 0) return -1;
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(out[0]), close(out[1]);
+    return -1;
+  }
+  if (pid == 0) {
+    struct timespec t0, t1;
+    double seconds = -1;
+    struct stat st;
+    /* The same calls once, on a page each, untimed: a forked child faults
+     * in the code it runs and the stack it writes (copied on write), which
+     * a new process's replay does before it opens the file; with them
+     * left, this is a floor that a replay could never go under. */
+    int fd = open(path, O_RDONLY);
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 0) {
+      const volatile unsigned char *file = mmap(NULL, 4096, PROT_READ, MAP_PRIVATE, fd, 0);
+      volatile unsigned char *page = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (file != MAP_FAILED && page != MAP_FAILED) page[0] = file[0];
+      if (file != MAP_FAILED) munmap((void *)file, 4096);
+      if (page != MAP_FAILED) munmap((void *)page, 4096);
+    }
+    if (fd >= 0) close(fd);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    fd = open(path, O_RDONLY);
+    if (fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 0) {
+      size_t file_bytes = (size_t)st.st_size, array_bytes = events * sizeof(trace_event_t);
+      const volatile unsigned char *file = mmap(NULL, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+      volatile unsigned char *array = array_bytes ? mmap(NULL, array_bytes, PROT_READ | PROT_WRITE,
+                                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0) : NULL;
+      if (file != MAP_FAILED && array != MAP_FAILED) {
+        unsigned char sum = 0;
+        for (size_t at = 0; at < file_bytes; at += 4096) sum = (unsigned char)(sum + file[at]);
+        for (size_t at = 0; at < array_bytes; at += 4096) array[at] = sum;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+      }
+    }
+    ssize_t wrote = write(out[1], &seconds, sizeof seconds);
+    _exit(wrote == (ssize_t)sizeof seconds ? 0 : 1);
+  }
+  close(out[1]);
+  double seconds = -1;
+  ssize_t got;
+  while ((got = read(out[0], &seconds, sizeof seconds)) < 0 && errno == EINTR) {
+  }
+  if (got != (ssize_t)sizeof seconds) seconds = -1;
+  close(out[0]);
+  int status;
+  while (waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) return -1;
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? seconds : -1;
+}
+
+static double new_process_floor(const char *path, size_t events, int runs) {
+  double best = -1;
+  for (int i = 0; i < runs; i++) {
+    double s = floor_once(path, events);
+    if (s < 0) return -1;
+    if (best < 0 || s < best) best = s;
+  }
+  return best;
+}
+
 /* What fresh memory costs on this machine, which a new process pays and
  * runs in one process mostly do not: microseconds to fault in a 4 KiB
  * page (touching 8 MiB page by page, huge pages refused) and a 2 MiB huge
@@ -181,7 +263,7 @@ static bool is_trace(const char *name) {
 static int bench_one(const char *path, const char *name, int runs, bool peers, double idle_s, row_t *row) {
   double *times = calloc((size_t)runs, sizeof *times);
   if (!times) return GCA_ERR_NOMEM;
-  snprintf(row->name, sizeof row->name, "%s", name);
+  snprintf(row->name, sizeof row->name, "%.*s", (int)sizeof row->name - 1, name);
   int rc = GCA_OK;
   for (int i = 0; i < runs && rc == GCA_OK; i++) {
     double t0 = tool_seconds();
@@ -205,8 +287,11 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, d
     row->best = times[0];
     row->median = times[runs / 2];
     row->python = peers && strstr(path, ".pickle") ? python_load_seconds(path, runs) : -1;
-    row->fresh = row->idle = row->fresh_faults = -1;
-    if (peers) fresh_processes(path, runs, idle_s, &row->fresh, &row->fresh_faults, &row->idle);
+    row->fresh = row->idle = row->fresh_faults = row->floor = -1;
+    if (peers) {
+      fresh_processes(path, runs, idle_s, &row->fresh, &row->fresh_faults, &row->idle);
+      row->floor = new_process_floor(path, row->events, runs);
+    }
   }
   free(times);
   return rc;
@@ -263,13 +348,21 @@ int bench_replay_main(int argc, char **argv) {
   qsort(names, (size_t)count, sizeof names[0], (int (*)(const void *, const void *))strcmp);
   for (int k = 0; k < count && rc == 0; k++) {
     char sub[1024];
-    snprintf(sub, sizeof sub, "%s/%s", dir, names[k]);
+    if ((size_t)snprintf(sub, sizeof sub, "%s/%s", dir, names[k]) >= sizeof sub) {
+      fprintf(stderr, "gcalloc bench-replay: the path %s/%s is too long\n", dir, names[k]);
+      rc = 1;
+      break;
+    }
     DIR *s = opendir(sub);
     if (!s) continue;
     while ((e = readdir(s)) && n < 32) {
       if (!is_trace(e->d_name)) continue;
       char path[2048];
-      snprintf(path, sizeof path, "%s/%s", sub, e->d_name);
+      if ((size_t)snprintf(path, sizeof path, "%s/%s", sub, e->d_name) >= sizeof path) {
+        fprintf(stderr, "gcalloc bench-replay: the path %s/%s is too long\n", sub, e->d_name);
+        rc = 1;
+        break;
+      }
       memset(&rows[n], 0, sizeof rows[n]);
       if (bench_one(path, names[k], runs, peers, idle_s, &rows[n]) != GCA_OK) {
         fprintf(stderr, "gcalloc bench-replay: %s: %s\n", path, gca_last_error());
@@ -283,8 +376,8 @@ int bench_replay_main(int argc, char **argv) {
   if (json) printf("{\"runs\": %d, \"traces\": [", runs);
   else {
     printf("replay end to end (load, plan, replay every device with segment matching), best/median of %d runs\n", runs);
-    printf("%-32s %8s %9s %9s %12s %16s%s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s",
-           "new proc (faults)", idle_s > 0 && peers ? "  after idle" : "", "Python load ms (x)",
+    printf("%-32s %8s %9s %9s %12s %16s%s %14s  %18s  %s\n", "trace", "events", "best ms", "median", "M events/s",
+           "new proc (faults)", idle_s > 0 && peers ? "  after idle" : "", "floor/room ms", "Python load ms (x)",
            "peak reserved gcalloc / PyTorch, per device");
   }
   for (int i = 0; i < n; i++) {
@@ -295,8 +388,10 @@ int bench_replay_main(int argc, char **argv) {
       json_put_string(stdout, r->name);
       printf(", \"events\": %zu, \"best_seconds\": %.6f, \"median_seconds\": %.6f, \"events_per_second\": %.0f"
              ", \"new_process_events_per_second\": %.0f, \"new_process_page_faults\": %ld"
-             ", \"after_idle_events_per_second\": %.0f, \"python_load_seconds\": %.6f, \"devices\": [",
-             r->events, r->best, r->median, rate, r->fresh, r->fresh_faults, r->idle, r->python);
+             ", \"after_idle_events_per_second\": %.0f, \"new_process_floor_seconds\": %.6f"
+             ", \"target_seconds\": %.6f, \"python_load_seconds\": %.6f, \"devices\": [",
+             r->events, r->best, r->median, rate, r->fresh, r->fresh_faults, r->idle, r->floor,
+             (double)r->events / TARGET_EVENTS_PER_SECOND, r->python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
         printf("%s{\"device\": %d, \"peak_reserved_bytes\": %" PRIu64 ", \"recorded_peak_reserved_bytes\": %" PRId64
@@ -312,8 +407,12 @@ int bench_replay_main(int argc, char **argv) {
       char idle[32] = "";
       if (idle_s > 0 && peers) snprintf(idle, sizeof idle, "  %10s", "-");
       if (r->idle > 0) snprintf(idle, sizeof idle, "  %10.2f", r->idle / 1e6);
-      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %16s%s  %18s  ", r->name, r->events, r->best * 1e3, r->median * 1e3,
-             rate / 1e6, fresh, idle, python);
+      char floor[32] = "-";
+      if (r->floor > 0)
+        snprintf(floor, sizeof floor, "%.2f/%.2f", r->floor * 1e3,
+                 ((double)r->events / TARGET_EVENTS_PER_SECOND - r->floor) * 1e3);
+      printf("%-32.32s %8zu %9.2f %9.2f %12.2f %16s%s %14s  %18s  ", r->name, r->events, r->best * 1e3,
+             r->median * 1e3, rate / 1e6, fresh, idle, floor, python);
       for (int k = 0; k < r->result.device_count; k++) {
         const replay_device_t *dv = &r->result.devices[k];
         if (!dv->events) continue;
@@ -334,8 +433,11 @@ int bench_replay_main(int argc, char **argv) {
            "  back to back (a process run once after idle: --idle SECONDS, or IDLE=4 NEW_PROCESS=1 scripts/compare-replay.sh);\n"
            "  faults = the fewest page faults one of them took: memory and file pages, a huge page counting one,\n"
            "  those a helper took ahead of the replaying thread (tools/replay.c, heap_warm) included\n"
+           "floor = ms a new process pays at the least before any work, best of %d: mapping the file and reading\n"
+           "  each of its pages, writing the events' array in fresh memory; room = the target's budget (events at\n"
+           "  5 M/s) less the floor: what is left for the work, to set beside the best ms in one process\n"
            "(x) = gcalloc's whole replay / Python's pickle load of the same file alone, both best of %d\n",
-           runs, runs);
+           runs, runs, runs);
     if (idle_s > 0)
       printf("after idle = M events/s, median of %d runs of `gcalloc replay` each in a new process after %g s idle\n",
              IDLE_RUNS, idle_s);
