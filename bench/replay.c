@@ -303,6 +303,7 @@ const tool_command_t bench_replay_command = {
     "\n"
     "The replay's targets on every real trace: its speed end to end (load, plan, replay of every device),\n"
     "best and median of N runs in this process and the best of N new processes of `gcalloc replay`,\n"
+    "with the least a new process pays before any work and the room the 5 M events/s budget leaves past it,\n"
     "against Python's unpickler loading the same file; and gcalloc's peak reserved against PyTorch's\n"
     "recorded one, per device (docs/replay.md, \"Speed\").\n"
     "\n"

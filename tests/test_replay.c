@@ -1130,7 +1130,6 @@ static void test_real_trace_decomfl(void **state) {
   trace_free(&t);
 }
 
-/* cranberrii starts with 1.096 GB live (SOURCES.txt); peak_res 6.472 GB. */
 /* The page census at the peak, counted on the way at each new peak
  * (page_census alone), is the one a second run stopped at the peak walks
  * (timeline), field by field, on every real snapshot with expandable
@@ -1179,6 +1178,7 @@ static void test_page_census_on_the_way(void **state) {
   assert_true(holes > 0);
 }
 
+/* cranberrii starts with 1.096 GB live (SOURCES.txt); peak_res 6.472 GB. */
 static void test_real_trace_seeded(void **state) {
   (void)state;
   if (!have_traces()) skip();
