@@ -462,7 +462,8 @@ int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t 
 
 int gca_set_config(gca_allocator_t *a, const char *config) {
   if (!a) return set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
-  pthread_mutex_lock(&a->config_lock);
+  log_hold(); /* the configuration's warnings are delivered after the lock */
+  mutex_lock(&a->config_lock);
   config_t next = a->config;
   int rc = config_apply(&next, config, NULL);
   if (rc == GCA_OK) {
@@ -480,15 +481,16 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
     }
     if (next.expandable_segments) warn_if_no_virtual_memory(a, &next);
   }
-  pthread_mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->config_lock);
+  log_release();
   return rc;
 }
 
 int gca_get_config(gca_allocator_t *a, char *buf, size_t cap) {
   if (!a) return set_error(GCA_ERR_INVALID, "gca_get_config: allocator is NULL");
-  pthread_mutex_lock(&a->config_lock);
+  mutex_lock(&a->config_lock);
   size_t n = config_format(&a->config, buf, cap);
-  pthread_mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->config_lock);
   return (int)n;
 }
 
@@ -497,9 +499,9 @@ size_t gca_round_size(gca_allocator_t *a, size_t size) {
     set_error(GCA_ERR_INVALID, "gca_round_size: allocator is NULL");
     return 0;
   }
-  pthread_mutex_lock(&a->config_lock);
+  mutex_lock(&a->config_lock);
   size_t r = round_size(&a->config, size);
-  pthread_mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->config_lock);
   return r;
 }
 

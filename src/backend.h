@@ -84,10 +84,12 @@ typedef struct backend_ops {
    * vm_create calls of `size` bytes would do, stopping at the first that
    * fails (its status returned), with *made created in handles[].
    * vm_destroy_many: n vm_destroy calls, each destroyed if it can be; the
-   * last refusal's status, and in *refused how many were. vm_map_many:
+   * last refusal's status, in *refused how many were, and the refused
+   * handles moved to the front of handles[] in their order (the memory is
+   * still the caller's, to give back later). vm_map_many:
    * handles[i] (each `size` bytes) mapped at addr + i * size, all or none. */
   int (*vm_create_many)(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made);
-  int (*vm_destroy_many)(void *state, int device, const uintptr_t *handles, size_t n, size_t *refused);
+  int (*vm_destroy_many)(void *state, int device, uintptr_t *handles, size_t n, size_t *refused);
   int (*vm_map_many)(void *state, int device, uintptr_t addr, size_t size, size_t n, const uintptr_t *handles);
   /* Device facts and peers (may be NULL: the public calls then say the
    * backend has none). */

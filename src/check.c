@@ -22,7 +22,10 @@
  *      their pool's unmapped index (which holds nothing else); every page
  *      under any other block is mapped; the segment's mapped bytes are its
  *      mapped pages; reserved bytes count mapped bytes, and such segments
- *      are not counted in `segment` (as PyTorch).
+ *      are not counted in `segment` (as PyTorch);
+ *   8. the device's side: the bytes the backend handed out and has not
+ *      taken back (by its own answers) are the reserved bytes plus the
+ *      pages kept after a refused free, so nothing was dropped unreturned.
  * Tests call it after operations; it costs O(blocks).
  */
 #include <inttypes.h>
@@ -295,6 +298,13 @@ int device_check_locked(device_t *d) {
   if (s->oversize_segments.current != r.oversize_segments)
     BAD("device %d: oversize_segments.current is %" PRId64 " but %" PRId64 " segments are oversize",
         d->index, s->oversize_segments.current, r.oversize_segments);
+  /* The books against the device's answers: every byte it handed out and
+   * has not taken back is a segment, a mapped page or a kept page. */
+  size_t booked = (size_t)s->reserved_bytes[GCA_POOL_ALL].current + d->kept_page_bytes;
+  if (d->device_bytes != booked)
+    BAD("device %d: the device has handed out %zu bytes not taken back, but the books hold %zu (%zu reserved, "
+        "%zu in pages kept after a refused free): memory was lost",
+        d->index, d->device_bytes, booked, booked - d->kept_page_bytes, d->kept_page_bytes);
   if (atomic_load(&d->allocated_now) != s->allocated_bytes[GCA_POOL_ALL].current ||
       atomic_load(&d->reserved_now) != s->reserved_bytes[GCA_POOL_ALL].current)
     BAD("device %d: the lock-free byte counters disagree with the statistics", d->index);

@@ -89,6 +89,7 @@ void device_destroy(device_t *d) {
     seg = next;
   }
   d->segments = NULL;
+  expandable_kept_destroy(d, give_back);
   block_chunks_free(d);
   history_destroy(d);
   block_map_destroy(&d->allocated);

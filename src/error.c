@@ -10,6 +10,13 @@
  * repeat on every device and every gca_set_config call. The dedup table is
  * bounded; once it is full, warnings are still printed (never dropped), just
  * no longer deduplicated.
+ *
+ * A handler may call back into gcalloc, so it never runs while this thread
+ * holds one of the library's locks: code that may log under a lock brackets
+ * the locked region with log_hold()/log_release(), and messages logged
+ * meanwhile are kept (per thread, in order) and delivered when the
+ * outermost hold ends. Debug builds assert that no message is logged under
+ * a lock outside such a region.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -21,6 +28,15 @@
 #include "internal.h"
 
 #define ERROR_TEXT_MAX 2048
+
+#ifndef NDEBUG
+_Thread_local int gca__locks_held;
+
+GCA_COLD void gca__assert_failed(const char *cond, const char *file, int line) {
+  fprintf(stderr, "gcalloc: internal invariant broken at %s:%d: %s\n", file, line, cond);
+  abort();
+}
+#endif
 
 static _Thread_local int last_status;
 static _Thread_local char last_text[ERROR_TEXT_MAX];
@@ -172,6 +188,57 @@ void gca_set_log_handler(gca_log_fn fn, void *user) {
   pthread_mutex_unlock(&log_lock);
 }
 
+/* ---- messages held while a lock is ------------------------------------- */
+
+typedef struct held_message {
+  struct held_message *next;
+  gca_log_level level;
+  char text[];
+} held_message_t;
+
+static _Thread_local int hold_depth;
+static _Thread_local held_message_t *held_first, *held_last;
+static _Thread_local size_t held_lost; /* not kept: out of host memory */
+
+static void deliver(gca_log_level level, const char *msg);
+
+void log_hold(void) { hold_depth++; }
+
+void log_release(void) {
+  if (--hold_depth > 0 || (!held_first && !held_lost)) return;
+  /* Taken off the list first: a handler may log, and hold, again. */
+  held_message_t *m = held_first;
+  size_t lost = held_lost;
+  held_first = held_last = NULL;
+  held_lost = 0;
+  while (m) {
+    held_message_t *next = m->next;
+    deliver(m->level, m->text);
+    free(m);
+    m = next;
+  }
+  if (lost) {
+    char note[96];
+    snprintf(note, sizeof note, "%zu log message%s lost: out of host memory", lost, lost == 1 ? "" : "s");
+    deliver(GCA_LOG_ERROR, note);
+  }
+}
+
+static void keep_held(gca_log_level level, const char *msg) {
+  size_t n = strlen(msg) + 1;
+  held_message_t *m = malloc(sizeof *m + n);
+  if (!m) {
+    held_lost++;
+    return;
+  }
+  m->next = NULL;
+  m->level = level;
+  memcpy(m->text, msg, n);
+  if (held_last) held_last->next = m;
+  else held_first = m;
+  held_last = m;
+}
+
 void log_message(gca_log_level level, const char *fmt, ...) {
   if (!log_on(level)) return;
   char msg[1024];
@@ -179,7 +246,15 @@ void log_message(gca_log_level level, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  if (hold_depth > 0) {
+    keep_held(level, msg);
+    return;
+  }
+  GCA_ASSERT(LOCKS_HELD() == 0);
+  deliver(level, msg);
+}
 
+static void deliver(gca_log_level level, const char *msg) {
   pthread_mutex_lock(&log_lock);
   gca_log_fn fn = log_fn;
   void *user = log_user;
@@ -188,5 +263,12 @@ void log_message(gca_log_level level, const char *fmt, ...) {
   FILE *out = log_file ? log_file : stderr;
   if (print) fprintf(out, "gcalloc: %s: %s\n", level_names[level], msg);
   pthread_mutex_unlock(&log_lock);
-  if (fn) fn(level, msg, user);
+  if (!fn) return;
+  /* The handler may call gcalloc: the caller's error survives it. */
+  int status = last_status;
+  char saved[ERROR_TEXT_MAX];
+  memcpy(saved, last_text, sizeof saved);
+  fn(level, msg, user);
+  last_status = status;
+  memcpy(last_text, saved, sizeof saved);
 }

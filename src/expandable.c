@@ -17,6 +17,11 @@
  * out-of-memory ladder): every whole free page, after waiting for the
  * segment's stream, since unmapping is not ordered with queued work.
  *
+ * A page the device refuses to destroy after it was unmapped is kept (it is
+ * still the process's memory) and offered back at every release after, as
+ * an ordinary segment whose free was refused stays cached; gca_check holds
+ * the books, kept pages included, to what the device has handed out.
+ *
  * Stitching (stitching:True, gcalloc's own): before creating new physical
  * pages for a miss, move whole free pages of the same pool and stream from
  * wherever they sit in the range (unmap there, map here). The free memory
@@ -41,24 +46,72 @@
 /* n pages of `page` bytes into handles: GCA_OK with all n, else the
  * error with *made of them created. */
 static int create_pages(device_t *d, size_t page, size_t n, uintptr_t *handles, size_t *made) {
-  if (d->backend->ops->vm_create_many) return VM(d, vm_create_many, page, n, handles, made);
   int rc = GCA_OK;
-  *made = 0;
-  while (*made < n && (rc = VM(d, vm_create, page, &handles[*made])) == GCA_OK) ++*made;
+  if (d->backend->ops->vm_create_many) {
+    rc = VM(d, vm_create_many, page, n, handles, made);
+  } else {
+    *made = 0;
+    while (*made < n && (rc = VM(d, vm_create, page, &handles[*made])) == GCA_OK) ++*made;
+  }
+  d->device_bytes += *made * page;
   return rc;
 }
 
-/* Back to the device; with `note`, each refusal is counted (the device
- * keeps that memory). */
-static void destroy_pages(device_t *d, const uintptr_t *handles, size_t n, bool note) {
-  if (d->backend->ops->vm_destroy_many) {
-    size_t refused = 0;
-    if (VM(d, vm_destroy_many, handles, n, &refused) != GCA_OK)
-      while (note && refused--) note_refused_free(d);
-    return;
+typedef struct kept_page {
+  uintptr_t handle;
+  size_t size;
+} kept_page_t;
+
+/* A page the device would not take back is still its memory and ours:
+ * kept, to be offered again, rather than dropped (which would leak it). */
+static void keep_page(device_t *d, uintptr_t handle, size_t size) {
+  note_refused_free(d);
+  if (d->kept_page_count == d->kept_page_cap) {
+    kept_page_t *grown = grow_array(d->kept_pages, &d->kept_page_cap, sizeof *grown, 16);
+    if (!grown) return; /* lost to the books: gca_check's device count says so */
+    d->kept_pages = grown;
   }
-  for (size_t i = 0; i < n; i++)
-    if (VM(d, vm_destroy, handles[i]) != GCA_OK && note) note_refused_free(d);
+  d->kept_pages[d->kept_page_count++] = (kept_page_t){handle, size};
+  d->kept_page_bytes += size;
+}
+
+/* Back to the device, n pages of `page` bytes (handles[] may be reordered);
+ * those it refuses are kept. */
+static void destroy_pages(device_t *d, uintptr_t *handles, size_t n, size_t page) {
+  size_t refused = 0;
+  if (d->backend->ops->vm_destroy_many) {
+    if (VM(d, vm_destroy_many, handles, n, &refused) == GCA_OK) refused = 0;
+  } else {
+    for (size_t i = 0; i < n; i++)
+      if (VM(d, vm_destroy, handles[i]) != GCA_OK) handles[refused++] = handles[i];
+  }
+  d->device_bytes -= (n - refused) * page;
+  for (size_t i = 0; i < refused; i++) keep_page(d, handles[i], page);
+}
+
+/* Offer the kept pages back (every release does, first). A page the device
+ * says is not its memory at all is a bookkeeping error: dropped, counted
+ * for gca_check. */
+static void retry_kept_pages(device_t *d) {
+  size_t kept = 0;
+  for (size_t i = 0; i < d->kept_page_count; i++) {
+    kept_page_t k = d->kept_pages[i];
+    int rc = VM(d, vm_destroy, k.handle);
+    if (rc == GCA_OK || rc == GCA_ERR_BAD_POINTER) {
+      d->kept_page_bytes -= k.size;
+      d->device_bytes -= k.size;
+      if (rc == GCA_OK) {
+        d->stats.num_device_free++;
+        if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, k.size);
+      } else {
+        d->backend_free_errors++;
+      }
+      continue;
+    }
+    note_refused_free(d);
+    d->kept_pages[kept++] = k;
+  }
+  d->kept_page_count = kept;
 }
 
 /* handles[i] mapped at addr + i * page: all of them, or none. */
@@ -139,6 +192,13 @@ static void release_segment(device_t *d, segment_t *seg) {
   block_recycle(d, b);
 }
 
+void expandable_kept_destroy(device_t *d, bool give_back) {
+  for (size_t i = 0; give_back && i < d->kept_page_count; i++) (void)VM(d, vm_destroy, d->kept_pages[i].handle);
+  free(d->kept_pages);
+  d->kept_pages = NULL;
+  d->kept_page_count = d->kept_page_cap = d->kept_page_bytes = 0;
+}
+
 void expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back) {
   size_t page = seg->page_size;
   for (size_t i = 0; give_back && i < seg->page_cap; i++) {
@@ -212,7 +272,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     return 0;
   }
   if (handles_out) memcpy(handles_out, seg->pages + first, n * sizeof *handles_out);
-  else destroy_pages(d, seg->pages + first, n, true);
+  else destroy_pages(d, seg->pages + first, n, page);
   memset(seg->pages + first, 0, n * sizeof *seg->pages);
   seg->mapped_bytes -= bytes;
   if (first + n == seg->mapped_top) { /* the top went: down to the next page mapped */
@@ -266,6 +326,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
 }
 
 void expandable_release_all(device_t *d) {
+  if (d->kept_page_count) retry_kept_pages(d);
   pool_t *pools[2] = {&d->large_pool, &d->small_pool};
   for (int p = 0; p < 2; p++) {
     pool_t *pool = pools[p];
@@ -349,7 +410,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   free(donors);
   *created = have - moved;
   if (rc == GCA_OK) return GCA_OK;
-  destroy_pages(d, handles, have, false);
+  destroy_pages(d, handles, have, page);
   if (moved) {
     /* The moved pages went back to the device after all. */
     d->stats.num_device_free++;
@@ -380,7 +441,7 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   }
   size_t created = 0;
   *rc = gather_pages(d, b, page, n, keep_lo, keep_hi, handles, &created);
-  if (*rc == GCA_OK && (*rc = map_pages(d, b->addr, page, n, handles)) != GCA_OK) destroy_pages(d, handles, n, false);
+  if (*rc == GCA_OK && (*rc = map_pages(d, b->addr, page, n, handles)) != GCA_OK) destroy_pages(d, handles, n, page);
   if (*rc != GCA_OK) {
     free(handles);
     if (rest) block_recycle(d, rest);

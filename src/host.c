@@ -393,10 +393,10 @@ static void host_prefault(char *p, size_t size, size_t threads, size_t page) {
 static int host_pin(host_cache_t *h, size_t size, uintptr_t *addr, bool *registered) {
   gca_allocator_t *a = h->owner;
   const backend_ops_t *ops = host_ops_of(h);
-  pthread_mutex_lock(&a->config_lock);
+  mutex_lock(&a->config_lock);
   bool use_register = a->config.pinned_use_host_register && ops->host_register;
   size_t threads = a->config.pinned_num_register_threads;
-  pthread_mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->config_lock);
   *registered = use_register;
   void *p = NULL;
   int rc;
@@ -416,9 +416,9 @@ static int host_pin(host_cache_t *h, size_t size, uintptr_t *addr, bool *registe
     rc = ops->host_alloc(host_state_of(h), size, &p);
   }
   int64_t took = now_us() - start;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_duration_add(&h->stats.host_alloc_time, took);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   if (rc == GCA_OK) *addr = (uintptr_t)p;
   return rc;
 }
@@ -436,9 +436,9 @@ static int host_unpin(host_cache_t *h, const host_block_t *b) {
     rc = ops->host_free(host_state_of(h), (void *)b->addr);
   }
   int64_t took = now_us() - start;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_duration_add(&h->stats.host_free_time, took);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return rc;
 }
 
@@ -491,7 +491,7 @@ static size_t host_release(host_cache_t *h, host_block_t *taken, int *status) {
     else if (*status == GCA_OK) *status = rc;
     if (rc) b->state = HOST_CACHED; /* refused: still pinned, still ours */
   }
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   size_t lost = 0;
   for (host_block_t *b = taken, *next; b; b = next) {
     next = b->next_free;
@@ -510,7 +510,7 @@ static size_t host_release(host_cache_t *h, host_block_t *taken, int *status) {
     stat_decrease(&h->stats.reserved_bytes, (int64_t)b->size);
     host_drop_block(b);
   }
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   if (lost)
     log_message(GCA_LOG_ERROR, "pinned host allocator: out of host memory: %zu block%s the backend refused to unpin "
                 "left pinned and untracked", lost, lost == 1 ? "" : "s");
@@ -537,23 +537,23 @@ static size_t reserve_take(size_t size) { return (size + 4095) & ~(size_t)4095; 
  * pins the block alone). Called without the lock. */
 static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
   size_t take = reserve_take(size);
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   if (!h->reserve.tried) {
     gca_allocator_t *a = h->owner;
-    pthread_mutex_lock(&a->config_lock);
+    mutex_lock(&a->config_lock);
     size_t mb = a->config.pinned_reserve_segment_mb;
-    pthread_mutex_unlock(&a->config_lock);
+    mutex_unlock(&a->config_lock);
     if (mb) {
       /* Pinned without the lock; a miss meanwhile pins its block alone. */
       h->reserve.tried = true;
-      pthread_mutex_unlock(&h->lock);
+      mutex_unlock(&h->lock);
       uintptr_t start = 0;
       bool registered = false;
       int rc = host_pin(h, mb << 20, &start, &registered);
       if (rc != GCA_OK)
         log_message(GCA_LOG_WARNING, "pinned host allocator: the reserve segment (%zu MiB) could not be pinned, "
                     "blocks are pinned one by one: %s", mb, gca_last_error());
-      pthread_mutex_lock(&h->lock);
+      mutex_lock(&h->lock);
       if (rc == GCA_OK) {
         h->reserve.start = start;
         h->reserve.size = mb << 20;
@@ -566,7 +566,7 @@ static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
     *addr = h->reserve.start + h->reserve.used;
     h->reserve.used += take;
   }
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return carved;
 }
 
@@ -581,17 +581,17 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   int rc = carved ? GCA_OK : host_pin(h, size, &addr, &registered);
   if (rc == GCA_ERR_OOM) {
     /* Give the cache back and try once more. */
-    pthread_mutex_lock(&h->lock);
+    mutex_lock(&h->lock);
     host_process_events(h);
     host_block_t *taken = host_take_cached(h);
     int64_t cached = 0;
     for (host_block_t *b = taken; b; b = b->next_free) cached += (int64_t)b->size;
-    pthread_mutex_unlock(&h->lock);
+    mutex_unlock(&h->lock);
     int refused;
     if (taken && host_release(h, taken, &refused) > 0) {
-      pthread_mutex_lock(&h->lock);
+      mutex_lock(&h->lock);
       h->stats.num_alloc_retries++;
-      pthread_mutex_unlock(&h->lock);
+      mutex_unlock(&h->lock);
       rc = host_pin(h, size, &addr, &registered);
     }
     if (rc == GCA_ERR_OOM) {
@@ -608,7 +608,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     return NULL;
   }
   host_block_t *b = calloc(1, sizeof *b);
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   if (b) {
     b->addr = addr;
     b->size = size;
@@ -620,7 +620,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     /* A carved block goes back to the reserve if it was the last carved. */
     size_t take = reserve_take(size);
     if (carved && addr + take == h->reserve.start + h->reserve.used) h->reserve.used -= take;
-    pthread_mutex_unlock(&h->lock);
+    mutex_unlock(&h->lock);
     free(b);
     host_block_t tmp = {.addr = addr, .size = size, .registered = registered};
     if (!carved) (void)host_unpin(h, &tmp);
@@ -632,7 +632,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   stat_increase(&h->stats.allocation, 1);
   stat_increase(&h->stats.allocated_bytes, (int64_t)size);
   absorbed_t absorbed = host_take_absorbed(h);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   host_report_absorbed(&absorbed);
   clear_error();
   return (void *)addr;
@@ -650,7 +650,7 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
     return NULL;
   }
   size_t rounded = (size_t)1 << (size == 1 ? 0 : 64 - __builtin_clzll((unsigned long long)(size - 1)));
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_process_events(h);
   host_block_t *b = host_pop_free(h, host_bucket_of(rounded));
   if (!b && h->queued) {
@@ -659,12 +659,12 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
   }
   if (b) {
     absorbed_t absorbed = host_take_absorbed(h);
-    pthread_mutex_unlock(&h->lock);
+    mutex_unlock(&h->lock);
     host_report_absorbed(&absorbed);
     clear_error();
     return (void *)b->addr;
   }
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return host_malloc_miss(h, rounded, size);
 }
 
@@ -673,10 +673,10 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
 static void *host_collector_main(void *arg) {
   host_cache_t *h = arg;
   while (!atomic_load_explicit(&h->collector_stop, memory_order_relaxed)) {
-    pthread_mutex_lock(&h->lock);
+    mutex_lock(&h->lock);
     host_process_events(h);
     absorbed_t absorbed = host_take_absorbed(h);
-    pthread_mutex_unlock(&h->lock);
+    mutex_unlock(&h->lock);
     host_report_absorbed(&absorbed);
     struct timespec pause = {0, HOST_COLLECT_EVERY_NS};
     nanosleep(&pause, NULL);
@@ -684,15 +684,15 @@ static void *host_collector_main(void *arg) {
   return NULL;
 }
 
-/* With the lock held: the collecting thread, if the configuration asks for
- * one and it is not running. A thread that cannot start is logged once; the
- * allocations' own collection goes on. */
+/* With the lock held (and a log hold): the collecting thread, if the
+ * configuration asks for one and it is not running. A thread that cannot
+ * start is logged; the allocations' own collection goes on. */
 static void host_start_collector(host_cache_t *h) {
   if (h->collector_started) return;
   gca_allocator_t *a = h->owner;
-  pthread_mutex_lock(&a->config_lock);
+  mutex_lock(&a->config_lock);
   bool wanted = a->config.pinned_use_background_threads;
-  pthread_mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->config_lock);
   if (!wanted) return;
   h->collector_started = true;
   int rc = pthread_create(&h->collector, NULL, host_collector_main, h);
@@ -736,7 +736,8 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
   host_cache_t *h = host_of(a, "gca_host_free");
   if (!h) return GCA_ERR_INVALID;
   if (!ptr) return GCA_OK;
-  pthread_mutex_lock(&h->lock);
+  log_hold(); /* starting the collector may log, under the lock */
+  mutex_lock(&h->lock);
   host_block_t *b = host_block_containing(h, (uintptr_t)ptr);
   int rc = GCA_OK;
   if (!b) {
@@ -752,7 +753,8 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
     host_defer_reuse(h, b);
   }
   absorbed_t absorbed = host_take_absorbed(h);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
+  log_release();
   host_report_absorbed(&absorbed);
   return rc;
 }
@@ -763,7 +765,7 @@ int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream
   if (device < 0 || device >= a->device_count)
     return set_error(GCA_ERR_INVALID, "gca_host_record_stream: device %d does not exist (the backend has %d)", device,
                      a->device_count);
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_block_t *b = host_block_containing(h, (uintptr_t)ptr);
   int rc = GCA_OK;
   if (!b || b->state != HOST_IN_USE) {
@@ -781,18 +783,18 @@ int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream
     }
     if (!known && rc == GCA_OK) b->uses[b->use_count++] = (host_use_t){device, stream};
   }
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return rc;
 }
 
 int gca_host_empty_cache(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_empty_cache");
   if (!h) return GCA_ERR_INVALID;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_process_events(h);
   host_block_t *taken = host_take_cached(h);
   absorbed_t absorbed = host_take_absorbed(h);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   host_report_absorbed(&absorbed);
   int rc = GCA_OK;
   if (taken) {
@@ -806,11 +808,11 @@ int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned) {
   host_cache_t *h = host_of(a, "gca_host_is_pinned");
   if (!h) return GCA_ERR_INVALID;
   if (!pinned) return set_error(GCA_ERR_INVALID, "gca_host_is_pinned: pinned is NULL");
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   uintptr_t at = (uintptr_t)ptr;
   *pinned = host_block_containing(h, at) != NULL ||
             (h->reserve.start && at >= h->reserve.start && at - h->reserve.start < h->reserve.size);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   if (*pinned || !ptr || !host_ops_of(h)->host_is_pinned) return GCA_OK;
   return host_ops_of(h)->host_is_pinned(host_state_of(h), ptr, pinned);
 }
@@ -818,10 +820,10 @@ int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned) {
 size_t gca_host_usable_size(gca_allocator_t *a, void *ptr) {
   host_cache_t *h = host_of(a, "gca_host_usable_size");
   if (!h) return 0;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   host_block_t *b = host_block_at(h, (uintptr_t)ptr);
   size_t size = b && b->state == HOST_IN_USE ? b->size : 0;
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   if (!size) set_error(GCA_ERR_BAD_POINTER, "gca_host_usable_size: %p is not a live pinned block", ptr);
   return size;
 }
@@ -830,9 +832,9 @@ int gca_host_stats(gca_allocator_t *a, gca_host_stats_t *out) {
   host_cache_t *h = host_of(a, "gca_host_stats");
   if (!h) return GCA_ERR_INVALID;
   if (!out) return set_error(GCA_ERR_INVALID, "gca_host_stats: out is NULL");
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   *out = h->stats;
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   /* As PyTorch derives them: the slow path's counts. */
   out->num_host_alloc = out->segment.allocated;
   out->num_host_free = out->segment.freed;
@@ -842,20 +844,20 @@ int gca_host_stats(gca_allocator_t *a, gca_host_stats_t *out) {
 int gca_host_reset_peak_stats(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_reset_peak_stats");
   if (!h) return GCA_ERR_INVALID;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   gca_stat_t *stats[] = {&h->stats.allocation, &h->stats.segment, &h->stats.allocated_bytes,
                          &h->stats.reserved_bytes};
   for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++) stats[i]->peak = stats[i]->current;
   h->stats.host_alloc_time.max = h->stats.host_alloc_time.min = 0;
   h->stats.host_free_time.max = h->stats.host_free_time.min = 0;
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return GCA_OK;
 }
 
 int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_reset_accumulated_stats");
   if (!h) return GCA_ERR_INVALID;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   gca_stat_t *stats[] = {&h->stats.allocation, &h->stats.segment, &h->stats.allocated_bytes,
                          &h->stats.reserved_bytes};
   for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++) stats[i]->allocated = stats[i]->freed = 0;
@@ -863,7 +865,7 @@ int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
   h->stats.host_free_time = (gca_duration_stat_t){0, 0, 0, 0};
   h->stats.num_alloc_retries = 0;
   h->stats.num_event_errors = 0;
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return GCA_OK;
 }
 
@@ -881,11 +883,11 @@ static pthread_once_t host_atfork_once = PTHREAD_ONCE_INIT;
 
 static void host_before_fork(void) {
   pthread_mutex_lock(&host_caches_lock);
-  for (host_cache_t *h = host_caches; h; h = h->next_cache) pthread_mutex_lock(&h->lock);
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) mutex_lock(&h->lock);
 }
 
 static void host_after_fork_parent(void) {
-  for (host_cache_t *h = host_caches; h; h = h->next_cache) pthread_mutex_unlock(&h->lock);
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) mutex_unlock(&h->lock);
   pthread_mutex_unlock(&host_caches_lock);
 }
 
@@ -893,7 +895,7 @@ static void host_after_fork_child(void) {
   for (host_cache_t *h = host_caches; h; h = h->next_cache) {
     h->collector_started = false;
     atomic_store(&h->collector_stop, false);
-    pthread_mutex_unlock(&h->lock);
+    mutex_unlock(&h->lock);
   }
   pthread_mutex_unlock(&host_caches_lock);
 }
@@ -987,7 +989,7 @@ void host_cache_destroy(gca_allocator_t *a) {
 int host_cache_check(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "host_cache_check");
   if (!h) return GCA_ERR_INVALID;
-  pthread_mutex_lock(&h->lock);
+  mutex_lock(&h->lock);
   int rc = GCA_OK;
   int64_t in_lists = 0, reserved = 0, allocated = 0, allocations = 0, pending = 0, quarantined = 0;
   size_t listed = 0;
@@ -1034,6 +1036,6 @@ int host_cache_check(gca_allocator_t *a) {
                    "/%" PRId64 ", events %" PRIu64 "/%" PRIu64 ")",
                    s->reserved_bytes.current, reserved, s->allocated_bytes.current, allocated, s->cached_bytes,
                    in_lists, s->pending_blocks, pending, in_queue, events);
-  pthread_mutex_unlock(&h->lock);
+  mutex_unlock(&h->lock);
   return rc;
 }

@@ -50,6 +50,16 @@
 #define GCA_PRINTF(f, a)
 #endif
 
+/* Invariants checked in debug builds, as SQLite's assert(): a broken one
+ * stops the process with its place and condition. Release builds drop
+ * them. */
+#ifndef NDEBUG
+#define GCA_ASSERT(cond) ((cond) ? (void)0 : gca__assert_failed(#cond, __FILE__, __LINE__))
+__attribute__((noreturn)) void gca__assert_failed(const char *cond, const char *file, int line);
+#else
+#define GCA_ASSERT(cond) ((void)0)
+#endif
+
 /* PyTorch's constants (CUDACachingAllocator.cpp). */
 #define KIB ((size_t)1024)
 #define MIB ((size_t)1024 * 1024)
@@ -399,6 +409,14 @@ struct device {
   segment_t *segments;
   size_t segment_count;
   size_t backend_free_errors; /* segment frees the backend refused */
+  /* Device memory the backend has handed this device and not taken back,
+   * by its own answers: gca_check holds the books to it. */
+  size_t device_bytes;
+  /* Physical pages unmapped whose destroy the device refused: still held,
+   * off the reserved bytes (nothing maps them), offered back at every
+   * release (expandable.c). */
+  struct kept_page *kept_pages;
+  size_t kept_page_count, kept_page_cap, kept_page_bytes;
   kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */
@@ -567,6 +585,8 @@ void expandable_release_all(device_t *d);
 /* At device destruction: unmap and destroy everything and give the range
  * back (when give_back: see device_destroy), and free the page table. */
 void expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
+/* At close: the kept pages given back (with give_back) and forgotten. */
+void expandable_kept_destroy(device_t *d, bool give_back);
 /* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
 size_t expandable_snapshot_count(const device_t *d);
 
@@ -779,8 +799,13 @@ int set_error(int status, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* Put "prefix: " before the current error message; returns its status. */
 int prefix_error(const char *prefix);
 void clear_error(void);
-/* Log a message through the installed handler (never under a device lock). */
+/* Log a message through the installed handler. The handler never runs under
+ * a lock of the library: a region that holds one and may log is bracketed
+ * by log_hold() and log_release(), which delivers what was logged inside
+ * once the outermost hold ends. */
 void log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
+void log_hold(void);
+void log_release(void);
 extern _Atomic int log_level_now;
 extern _Atomic int calls_observed;
 static inline bool log_on(int level) {
@@ -790,8 +815,15 @@ static inline bool log_on(int level) {
  * it at the first gca_open and returns a new allocator id. */
 bool trace_file_active(void);
 int record_init(void);
+/* A traced call holds the file's lock (and a log hold) across the call and
+ * its line. It is given up around what may block or call the user (OOM
+ * callbacks, waits for memory): record_suspend returns how deep this
+ * thread held it, record_resume takes it back as deep. Re-entry on the
+ * same thread is counted, never a second lock. */
 void record_lock_calls(void);
 void record_unlock_calls(void);
+int record_suspend(void);
+void record_resume(int depth);
 void record_line(const char *call, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* A free that leaves its block pending (events on the streams it was used
  * on) is written so (record_free_left_pending, on the freeing thread, read

@@ -17,6 +17,30 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+/* Debug builds count the library's locks each thread holds, so that what
+ * must run with none held (a log handler, a user callback, a wait for other
+ * threads) can assert it: re-entry from there would deadlock. */
+#ifndef NDEBUG
+extern _Thread_local int gca__locks_held;
+#define LOCKS_HELD_ADD(n) (gca__locks_held += (n))
+#define LOCKS_HELD() gca__locks_held
+#else
+#define LOCKS_HELD_ADD(n) ((void)0)
+#define LOCKS_HELD() 0
+#endif
+
+/* The library's other mutexes (configuration, callbacks, pinned host
+ * cache, trace file), counted as above. */
+static inline void mutex_lock(pthread_mutex_t *m) {
+  pthread_mutex_lock(m);
+  LOCKS_HELD_ADD(1);
+}
+
+static inline void mutex_unlock(pthread_mutex_t *m) {
+  LOCKS_HELD_ADD(-1);
+  pthread_mutex_unlock(m);
+}
+
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -56,12 +80,16 @@ static inline void lock_acquire(lock_t *l) {
   uint32_t expected = 0;
   if (__builtin_expect(atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire,
                                                                memory_order_relaxed),
-                       1))
+                       1)) {
+    LOCKS_HELD_ADD(1);
     return;
+  }
   lock_acquire_slow(l);
+  LOCKS_HELD_ADD(1);
 }
 
 static inline void lock_release(lock_t *l) {
+  LOCKS_HELD_ADD(-1);
   if (__builtin_expect(atomic_exchange_explicit(&l->state, 0, memory_order_release) == 2, 0))
     lock_futex(l, FUTEX_WAKE, 1);
 }
@@ -74,8 +102,8 @@ typedef struct lock {
 
 static inline int lock_init(lock_t *l) { return pthread_mutex_init(&l->mutex, NULL); }
 static inline void lock_destroy(lock_t *l) { pthread_mutex_destroy(&l->mutex); }
-static inline void lock_acquire(lock_t *l) { pthread_mutex_lock(&l->mutex); }
-static inline void lock_release(lock_t *l) { pthread_mutex_unlock(&l->mutex); }
+static inline void lock_acquire(lock_t *l) { mutex_lock(&l->mutex); }
+static inline void lock_release(lock_t *l) { mutex_unlock(&l->mutex); }
 
 #endif
 

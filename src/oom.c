@@ -4,7 +4,8 @@
  *
  * Callbacks (free-memory callbacks, OOM observers, OOM handlers) are kept per
  * allocator in small fixed lists under one mutex, and always called with no
- * device lock held, so they may call back into gcalloc (free, empty_cache).
+ * lock of the library held (the trace file's included), so they may call
+ * back into gcalloc.
  * A call takes a copy of the list first: a callback may add or remove
  * callbacks while it runs.
  *
@@ -26,7 +27,7 @@
 int callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what) {
   if (!a || !fn) return set_error(GCA_ERR_INVALID, "%s: %s is NULL", what, a ? "function" : "allocator");
   callback_list_t *list = &a->callbacks[kind];
-  pthread_mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock);
   int n = atomic_load(&list->count), rc = GCA_OK;
   if (n == MAX_CALLBACKS)
     rc = set_error(GCA_ERR_INVALID, "%s: %d callbacks of this kind are registered already (the most kept)", what,
@@ -35,14 +36,14 @@ int callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, co
     list->items[n] = (callback_t){fn, user};
     atomic_store(&list->count, n + 1);
   }
-  pthread_mutex_unlock(&a->callbacks_lock);
+  mutex_unlock(&a->callbacks_lock);
   return rc;
 }
 
 int callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what) {
   if (!a || !fn) return set_error(GCA_ERR_INVALID, "%s: %s is NULL", what, a ? "function" : "allocator");
   callback_list_t *list = &a->callbacks[kind];
-  pthread_mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock);
   int n = atomic_load(&list->count), rc = set_error(GCA_ERR_INVALID, "%s: no such callback is registered", what);
   for (int i = 0; i < n; i++) {
     if (list->items[i].fn != fn || list->items[i].user != user) continue;
@@ -51,7 +52,7 @@ int callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user,
     rc = GCA_OK;
     break;
   }
-  pthread_mutex_unlock(&a->callbacks_lock);
+  mutex_unlock(&a->callbacks_lock);
   if (rc == GCA_OK) clear_error();
   return rc;
 }
@@ -59,10 +60,10 @@ int callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user,
 /* A copy of one list; returns how many. */
 static int snapshot(gca_allocator_t *a, int kind, callback_t *out) {
   if (atomic_load_explicit(&a->callbacks[kind].count, memory_order_relaxed) == 0) return 0;
-  pthread_mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock);
   int n = atomic_load(&a->callbacks[kind].count);
   memcpy(out, a->callbacks[kind].items, (size_t)n * sizeof *out);
-  pthread_mutex_unlock(&a->callbacks_lock);
+  mutex_unlock(&a->callbacks_lock);
   return n;
 }
 
@@ -71,8 +72,12 @@ static int snapshot(gca_allocator_t *a, int kind, callback_t *out) {
 bool oom_run_callbacks(device_t *d, int kind, size_t size) {
   callback_t cbs[MAX_CALLBACKS];
   int n = snapshot(d->owner, kind, cbs);
+  if (n == 0) return false;
+  int traced = record_suspend();
+  GCA_ASSERT(LOCKS_HELD() == 0);
   bool any = false;
   for (int i = 0; i < n; i++) any |= ((gca_oom_handler_fn)cbs[i].fn)(d->index, size, cbs[i].user) != 0;
+  record_resume(traced);
   return any;
 }
 
@@ -84,8 +89,11 @@ void oom_notify(device_t *d, const oom_report_t *r) {
   char message[2048];
   int status = gca_last_status();
   snprintf(message, sizeof message, "%s", gca_last_error());
+  int traced = record_suspend();
+  GCA_ASSERT(LOCKS_HELD() == 0);
   for (int i = 0; i < n; i++)
     ((gca_oom_observer_fn)cbs[i].fn)(d->index, r->size, r->limit, r->free_bytes, cbs[i].user);
+  record_resume(traced);
   set_error(status, "%s", message);
 }
 
@@ -106,32 +114,35 @@ bool oom_worth_waiting(device_t *d, size_t rounded) {
 }
 
 uint64_t oom_generation(device_t *d) {
-  pthread_mutex_lock(&d->wait_lock);
+  mutex_lock(&d->wait_lock);
   uint64_t g = d->free_generation;
-  pthread_mutex_unlock(&d->wait_lock);
+  mutex_unlock(&d->wait_lock);
   return g;
 }
 
 void oom_wait(device_t *d, uint64_t generation, uint64_t ns) {
   lock_release(&d->lock);
+  /* The memory waited for comes from other threads' frees, traced ones too. */
+  int traced = record_suspend();
   struct timespec until;
   clock_gettime(CLOCK_MONOTONIC, &until);
   uint64_t nsec = (uint64_t)until.tv_nsec + ns;
   until.tv_sec += (time_t)(nsec / 1000000000u);
   until.tv_nsec = (long)(nsec % 1000000000u);
-  pthread_mutex_lock(&d->wait_lock);
+  mutex_lock(&d->wait_lock);
   while (d->free_generation == generation) {
     if (pthread_cond_timedwait(&d->wait_cond, &d->wait_lock, &until) != 0) break;
   }
-  pthread_mutex_unlock(&d->wait_lock);
+  mutex_unlock(&d->wait_lock);
+  record_resume(traced);
   lock_acquire(&d->lock);
 }
 
 void oom_wake(device_t *d) {
-  pthread_mutex_lock(&d->wait_lock);
+  mutex_lock(&d->wait_lock);
   d->free_generation++;
   pthread_cond_broadcast(&d->wait_cond);
-  pthread_mutex_unlock(&d->wait_lock);
+  mutex_unlock(&d->wait_lock);
 }
 
 /* ---- the message -------------------------------------------------------- */

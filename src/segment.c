@@ -143,6 +143,7 @@ block_t *segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t ro
     *status = rc;
     return NULL;
   }
+  d->device_bytes += size;
   segment_start(d, seg, b, pool, stream, addr, size);
   seg->oversize = size >= d->config.max_split_size;
 
@@ -198,6 +199,7 @@ bool segment_free_now(device_t *d, segment_t *seg) {
     pool_insert(b->pool, b);
     return false;
   }
+  d->device_bytes -= seg->size;
 
   if (unlikely(d->recording)) history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
   if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, seg->size);

@@ -25,21 +25,22 @@ static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
 static char last_failure[4096];
 
 static void keep_failure(const char *message) {
-  pthread_mutex_lock(&failure_lock);
+  mutex_lock(&failure_lock);
   snprintf(last_failure, sizeof last_failure, "%s", message);
-  pthread_mutex_unlock(&failure_lock);
+  mutex_unlock(&failure_lock);
 }
 
 size_t gca_torch_last_failure(char *buf, size_t cap) {
-  pthread_mutex_lock(&failure_lock);
+  mutex_lock(&failure_lock);
   size_t len = strlen(last_failure);
   if (buf && cap) snprintf(buf, cap, "%s", last_failure);
-  pthread_mutex_unlock(&failure_lock);
+  mutex_unlock(&failure_lock);
   return len;
 }
 
 int gca_torch_init(const char *backend, const char *config) {
-  pthread_mutex_lock(&torch_lock);
+  log_hold(); /* opening logs; a handler may allocate through these exports */
+  mutex_lock(&torch_lock);
   int rc = GCA_OK;
   gca_allocator_t *a = atomic_load(&torch_allocator);
   if (a) {
@@ -58,7 +59,8 @@ int gca_torch_init(const char *backend, const char *config) {
       atomic_store(&torch_allocator, a);
     }
   }
-  pthread_mutex_unlock(&torch_lock);
+  mutex_unlock(&torch_lock);
+  log_release();
   return rc;
 }
 
@@ -121,8 +123,8 @@ void gca_torch_set_memory_fraction(double fraction, int device) {
 }
 
 void gca_torch_shutdown(void) {
-  pthread_mutex_lock(&torch_lock);
+  mutex_lock(&torch_lock);
   gca_allocator_t *a = atomic_exchange(&torch_allocator, NULL);
-  pthread_mutex_unlock(&torch_lock);
+  mutex_unlock(&torch_lock);
   gca_close(a);
 }

@@ -125,6 +125,7 @@ static void test_sim_runs_of_pages(void **state) {
   uintptr_t some[4] = {h[0], h[1], h[2], h[0]};
   assert_int_equal(ops->vm_destroy_many(st, 0, some, 4, &refused), GCA_ERR_BAD_POINTER);
   assert_int_equal(refused, 2);
+  assert_true(some[0] == h[1] && some[1] == h[0]); /* the refused, in order, at the front */
   assert_int_equal(sim_counters(a, 0).vm_handles, 30);
   assert_int_equal(ops->vm_unmap(st, 0, va, 2 * MiB), GCA_OK);
   assert_int_equal(ops->vm_destroy_many(st, 0, h + 1, 1, &refused), GCA_OK);

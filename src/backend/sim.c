@@ -891,9 +891,9 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
 }
 
 /* n vm_destroy calls under one lock: each destroyed if it can be; the
- * status of the last refused (its message the last error), and how many
- * were, in *refused. */
-static int sim_vm_destroy_many(void *state, int device, const uintptr_t *handles, size_t n, size_t *refused) {
+ * status of the last refused (its message the last error), how many were
+ * in *refused, and those at the front of handles[]. */
+static int sim_vm_destroy_many(void *state, int device, uintptr_t *handles, size_t n, size_t *refused) {
   sim_t *s = state;
   *refused = 0;
   if (s->backed) {
@@ -908,7 +908,7 @@ static int sim_vm_destroy_many(void *state, int device, const uintptr_t *handles
     int one = destroy_locked(s, dev, device, handles[i]);
     if (one != GCA_OK) {
       rc = one;
-      ++*refused;
+      handles[(*refused)++] = handles[i];
     }
   }
   lock_release(&s->lock);

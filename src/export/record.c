@@ -1,7 +1,7 @@
 /* Trace recording: with GCALLOC_TRACE_FILE=path set when the first allocator
  * opens, every allocation call of the process (open, malloc, free,
  * record_stream, empty_cache, close) is written to that file, one line each,
- * so the run can be replayed elsewhere (issue 6's replay tool reads it).
+ * so the run can be replayed elsewhere (`gcalloc replay` reads it).
  *
  *   # gcalloc trace 2
  *   TIME_US THREAD open ID BACKEND CONFIG
@@ -33,6 +33,10 @@
  * its line, so the file's order is the order the allocator saw: a pointer is
  * never freed in the file before it is allocated, even across threads. That
  * serializes the allocator while a trace is written; it is a debugging aid.
+ * The lock is given up while the call runs the user's callbacks or waits
+ * for memory (record_suspend): a callback may call gcalloc, and the memory
+ * waited for comes from other threads' traced frees. Nothing the call has
+ * done is visible to another thread then, so the order still holds.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -74,12 +78,36 @@ int record_init(void) {
   return atomic_fetch_add(&next_allocator_id, 1);
 }
 
+/* How deep this thread holds record_lock: a call made from inside a traced
+ * call on the same thread (a log handler's, say) counts, not locks again. */
+static _Thread_local int record_depth;
+
 void record_lock_calls(void) {
-  if (trace_file_active()) pthread_mutex_lock(&record_lock);
+  if (!trace_file_active()) return;
+  log_hold();
+  if (record_depth++ == 0) mutex_lock(&record_lock);
 }
 
 void record_unlock_calls(void) {
-  if (trace_file_active()) pthread_mutex_unlock(&record_lock);
+  if (record_depth == 0) return; /* (not taken: no trace file then) */
+  if (--record_depth == 0) mutex_unlock(&record_lock);
+  log_release();
+}
+
+int record_suspend(void) {
+  int depth = record_depth;
+  if (depth == 0) return 0;
+  record_depth = 0;
+  mutex_unlock(&record_lock);
+  for (int i = 0; i < depth; i++) log_release();
+  return depth;
+}
+
+void record_resume(int depth) {
+  if (depth == 0) return;
+  for (int i = 0; i < depth; i++) log_hold();
+  mutex_lock(&record_lock);
+  record_depth = depth;
 }
 
 /* ---- pending frees ------------------------------------------------------ */
