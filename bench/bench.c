@@ -27,7 +27,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -424,6 +426,14 @@ int bench_main(int argc, char **argv) {
   };
   int parsed = tool_parse(&bench_command, options, argc, argv, NULL);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  /* Checked before a second of work is spent on the loop. */
+  struct stat st;
+  bool found = stat(traces, &st) == 0;
+  if (!found || !S_ISDIR(st.st_mode)) {
+    fprintf(stderr, "gcalloc bench: the traces folder %s: %s (use --traces DIR)\n", traces,
+            !found ? strerror(errno) : "not a folder");
+    return 2;
+  }
   reexec_with_tls_surplus(argc, argv); /* (what it runs parses the same arguments again) */
   host_alloc_t hosts[HOSTS] = {{"glibc", malloc, free}, {"mimalloc", NULL, NULL}, {"jemalloc", NULL, NULL}};
   /* jemalloc first: it needs static TLS, of which a dlopen'ed library can

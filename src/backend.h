@@ -130,6 +130,10 @@ int sim_backend_create(const char *options, backend_t *out);
 /* The CUDA backend (backend/cuda.c): the driver API through dlopen. */
 int cuda_backend_create(const char *options, backend_t *out);
 
+/* The most memory a sim device may have (each device's addresses are a
+ * range of twice that). */
+#define SIM_MAX_CAPACITY ((size_t)1 << 43) /* 8 TiB */
+
 /* Ground truth kept by the sim device, for tests that check the allocator's
  * own counting against the device's. */
 typedef struct sim_counters {

@@ -165,6 +165,10 @@ static int read_mb_at_least_20(parser_t *p, const char *key, size_t *out) {
   return GCA_OK;
 }
 
+/* More divisions than a 64-bit size has 512-byte steps mean nothing, and
+ * 512 times the count would wrap. */
+#define DIVISIONS_MAX ((uint64_t)1 << 54)
+
 static int read_divisions(parser_t *p, const char *key) {
   size_t *div = p->cfg->roundup_divisions;
   token_t *v = next(p);
@@ -172,6 +176,7 @@ static int read_divisions(parser_t *p, const char *key) {
     uint64_t d;
     if (!parse_uint(v, &d) || !is_pow2(d))
       return fail(p, key, v, "must be a power of two, or a list like [256:1,512:2,>:8]");
+    if (d > DIVISIONS_MAX) return fail(p, key, v, "must be at most 2^54");
     for (int i = 0; i < ROUNDUP_INTERVALS; i++) div[i] = (size_t)d;
     return GCA_OK;
   }
@@ -186,6 +191,7 @@ static int read_divisions(parser_t *p, const char *key) {
     uint64_t d;
     if (!parse_uint(val, &d) || (d != 0 && !is_pow2(d)))
       return fail(p, key, val, "divisions must be 0 or a power of two");
+    if (d > DIVISIONS_MAX) return fail(p, key, val, "divisions must be at most 2^54");
     if (tok_is(k, ">")) {
       /* PyTorch fills from the last named interval itself, overwriting it;
        * we fill only the intervals after it, as ">" says. */

@@ -268,10 +268,10 @@ static void test_gcalloc_trace_pending_frees(void **state) {
   /* A free's flag is 0 or 1; a completion names its pointer. */
   write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free 0 1000 0 2\n");
   assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), "line 2: not a gcalloc trace line");
+  assert_contains(gca_last_error(), "line 2: the pending flag (0 or 1) is missing or out of range");
   write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free_completed 0\n");
   assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), "line 2: not a gcalloc trace line");
+  assert_contains(gca_last_error(), "line 2: the pointer (at most 16 hex digits) is missing");
   remove("/tmp/gcalloc-replay-pending.trace");
 }
 
@@ -374,12 +374,12 @@ static void test_gcalloc_trace_allocators(void **state) {
 
   /* Bad lines are named, nothing is half-loaded. */
   static const refusal_t bad[] = {
-      {"# gcalloc trace 1\n1 7 malloc 0 256 0 4096 1000\n", "line 2: device 256 out of range"},
-      {"# gcalloc trace 1\n1 7 malloc 0 -1 0 4096 1000\n", "line 2: device -1 out of range"},
-      {"# gcalloc trace 1\n1 7 empty_cache 0 -2 0\n", "line 2: device -2 out of range"},
+      {"# gcalloc trace 1\n1 7 malloc 0 256 0 4096 1000\n", "line 2: the device (0-255) is missing or out of range"},
+      {"# gcalloc trace 1\n1 7 malloc 0 -1 0 4096 1000\n", "line 2: the device (0-255) is missing or out of range"},
+      {"# gcalloc trace 1\n1 7 empty_cache 0 -2 0\n", "line 2: the device (-1 for all, or 0-255)"},
       {"# gcalloc trace 1\n1 7 malloc 0 0 0 4096 ffffffffffffffff\n", "line 2: pointer ffffffffffffffff out of range"},
       {"# gcalloc trace 1\n1 7 free 0 fffffffffffffffe 0\n", "line 2: pointer fffffffffffffffe out of range"},
-      {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: not a gcalloc trace line"},
+      {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: the call (open, close, malloc"},
   };
   expect_all_refused("/tmp/gcalloc-replay-bad.trace", bad, sizeof bad / sizeof bad[0]);
   /* A line longer than any the recorder writes. */

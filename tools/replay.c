@@ -234,7 +234,7 @@ int replay_main(int argc, char **argv) {
   long device = -1;
   const tool_option_t options[] = {
       {"--conf", OPTION_TEXT, &o.conf, 0, 0, "STRING"},
-      {"--capacity", OPTION_SIZE, &o.capacity, 0, 0, "SIZE"},
+      {"--capacity", OPTION_SIZE, &o.capacity, 0, (long)SIM_MAX_CAPACITY, "SIZE"},
       {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {"--report", OPTION_TEXT, &report, 0, 0, "FILE.html"},

@@ -40,7 +40,7 @@ typedef struct tool_option {
   const char *name;  /* "--runs" */
   option_kind kind;
   void *out;
-  long min, max;     /* OPTION_NUMBER's and OPTION_SECONDS' bounds */
+  long min, max;     /* OPTION_NUMBER's and OPTION_SECONDS' bounds; OPTION_SIZE's largest (0: none) */
   const char *value; /* the value's name in messages: "N", "DIR" */
 } tool_option_t;
 

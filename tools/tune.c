@@ -149,6 +149,46 @@ static void put(char *buf, size_t cap, const char *item) {
   snprintf(buf + n, cap - n, "%s%s", n ? "," : "", item);
 }
 
+/* Keys only gcalloc reads: PyTorch's parser refuses a configuration that
+ * names one, and the rest of such a configuration may do worse alone. */
+static bool pytorch_keys_only(const char *conf) {
+  return !strstr(conf, "stitching") && !strstr(conf, "cross_stream_reuse") &&
+         !strstr(conf, "per_process_memory_fraction");
+}
+
+/* Better than the defaults: fits where they do not, or reserves less. */
+static bool beats(const candidate_t *c, const candidate_t *defaults) {
+  if (c->fits != defaults->fits) return c->fits;
+  return c->peak_reserved < defaults->peak_reserved;
+}
+
+static double below(const candidate_t *c, const candidate_t *defaults) {
+  return defaults->peak_reserved ? 100.0 * (1.0 - (double)c->peak_reserved / (double)defaults->peak_reserved) : 0;
+}
+
+/* What to paste, never worse than the defaults: the best for gcalloc
+ * (GCALLOC_ALLOC_CONF when it has gcalloc's own keys), and the best of
+ * PyTorch's keys alone for PyTorch's own allocator, replayed as it is. */
+static void advise(const candidate_t *best, const candidate_t *torch_best, const candidate_t *defaults) {
+  if (!beats(best, defaults)) {
+    printf("\nbest: the defaults; no setting searched reserves less, so there is nothing to set\n");
+    return;
+  }
+  if (pytorch_keys_only(best->conf)) {
+    printf("\nbest: %.3f GiB reserved, %.1f%% below the defaults, with keys PyTorch's allocator reads too; paste:\n"
+           "PYTORCH_CUDA_ALLOC_CONF=%s\n", gib(best->peak_reserved), below(best, defaults), best->conf);
+    return;
+  }
+  printf("\nbest with gcalloc: %.3f GiB reserved, %.1f%% below the defaults; paste:\nGCALLOC_ALLOC_CONF=%s\n",
+         gib(best->peak_reserved), below(best, defaults), best->conf);
+  if (torch_best)
+    printf("\nbest with PyTorch's own allocator (its keys only, replayed alone): %.3f GiB reserved, %.1f%% below "
+           "the defaults; paste:\nPYTORCH_CUDA_ALLOC_CONF=%s\n",
+           gib(torch_best->peak_reserved), below(torch_best, defaults), torch_best->conf);
+  else
+    printf("\nwith PyTorch's own allocator: no setting of its keys searched beats the defaults; keep them\n");
+}
+
 const tool_command_t tune_command = {
     "tune", "TRACE", "TRACE [--capacity SIZE] [--device N] [--json]",
     "search the settings under which the trace reserves the least",
@@ -156,9 +196,11 @@ const tool_command_t tune_command = {
     "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
     "max_split_size_mb, roundup_power2_divisions, garbage_collection_threshold (with --capacity),\n"
     "cross_stream_reuse (when the trace has several streams) and expandable segments with and without\n"
-    "stitching, ranks them by peak reserved memory, and prints the best with the PYTORCH_CUDA_ALLOC_CONF\n"
-    "string to paste. The settings are replayed on every processor at once (16 at most); progress is shown\n"
-    "on stderr when it is a terminal.\n"
+    "stitching, ranks them by peak reserved memory, and prints what to paste, never worse than the\n"
+    "defaults: the best for gcalloc (as GCALLOC_ALLOC_CONF when it uses gcalloc's own keys) and, beside it,\n"
+    "the best made only of keys PyTorch's own allocator reads (as PYTORCH_CUDA_ALLOC_CONF), or none when no\n"
+    "such setting beats the defaults. The settings are replayed on every processor at once (16 at most);\n"
+    "progress is shown on stderr when it is a terminal.\n"
     "\n"
     "  --capacity SIZE  the device's memory, like 80GiB: settings under which the job does not fit rank\n"
     "                   below every one under which it does\n"
@@ -175,7 +217,7 @@ int tune_main(int argc, char **argv) {
   bool json = false;
   long device = -1;
   const tool_option_t options[] = {
-      {"--capacity", OPTION_SIZE, &base.capacity, 0, 0, "SIZE"},
+      {"--capacity", OPTION_SIZE, &base.capacity, 0, (long)SIM_MAX_CAPACITY, "SIZE"},
       {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
@@ -259,16 +301,32 @@ int tune_main(int argc, char **argv) {
   candidate_t defaults = c[0];
   qsort(c, n, sizeof *c, rank);
   const candidate_t *best = &c[0];
+  /* The best made only of keys PyTorch's own parser takes, for
+   * PYTORCH_CUDA_ALLOC_CONF; shown only where it beats the defaults. */
+  const candidate_t *torch_best = NULL;
+  for (size_t i = 0; i < n && !torch_best; i++)
+    if (pytorch_keys_only(c[i].conf)) torch_best = &c[i];
+  if (torch_best && !beats(torch_best, &defaults)) torch_best = NULL;
   if (json) {
     printf("{\"trace\": ");
     json_put_string(stdout, path);
     printf(", \"capacity_bytes\": %" PRIu64 ", \"configurations\": %zu, \"seconds\": %.3f, \"best\": {\"conf\": ",
            base.capacity, n, secs);
     json_put_string(stdout, best->conf);
-    printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}"
-           ", \"defaults\": {\"peak_reserved_bytes\": %" PRIu64 ", \"fits\": %s}, \"ranked\": [",
-           best->peak_reserved, best->device_allocs, best->fits ? "true" : "false", defaults.peak_reserved,
-           defaults.fits ? "true" : "false");
+    printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s"
+           ", \"pytorch_keys_only\": %s}, \"best_pytorch\": ",
+           best->peak_reserved, best->device_allocs, best->fits ? "true" : "false",
+           pytorch_keys_only(best->conf) ? "true" : "false");
+    if (torch_best) {
+      printf("{\"conf\": ");
+      json_put_string(stdout, torch_best->conf);
+      printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}",
+             torch_best->peak_reserved, torch_best->device_allocs, torch_best->fits ? "true" : "false");
+    } else {
+      printf("null");
+    }
+    printf(", \"defaults\": {\"peak_reserved_bytes\": %" PRIu64 ", \"fits\": %s}, \"ranked\": [",
+           defaults.peak_reserved, defaults.fits ? "true" : "false");
     for (size_t i = 0; i < n; i++) {
       printf("%s\n  {\"conf\": ", i ? "," : "");
       json_put_string(stdout, c[i].conf);
@@ -292,16 +350,7 @@ int tune_main(int argc, char **argv) {
       printf("recorded settings: %9.3f GiB  (%s)%s\n", gib(recorded.peak_reserved), recorded.conf,
              base.capacity ? (recorded.fits ? ", fits" : ", does not fit") : "");
     if (base.capacity && !best->fits) printf("\nno configuration searched fits in the capacity\n");
-    else
-      printf("\nbest: %.3f GiB reserved, %.1f%% below the defaults; paste:\nPYTORCH_CUDA_ALLOC_CONF=%s\n%s",
-             gib(best->peak_reserved),
-             defaults.peak_reserved ? 100.0 * (1.0 - (double)best->peak_reserved / (double)defaults.peak_reserved) : 0,
-             best->conf[0] ? best->conf : "(the defaults; nothing to set)",
-             strstr(best->conf, "cross_stream_reuse") || strstr(best->conf, "per_process_memory_fraction") ||
-                     strstr(best->conf, "stitching")
-                 ? "(cross_stream_reuse, stitching and per_process_memory_fraction are gcalloc's keys; under PyTorch's "
-                   "own allocator, drop them and call torch.cuda.set_per_process_memory_fraction)\n"
-                 : "");
+    else advise(best, torch_best, &defaults);
   }
   int exit_code = base.capacity && !best->fits ? 3 : 0;
   free(c);

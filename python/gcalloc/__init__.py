@@ -13,12 +13,14 @@ allocator PyTorch uses once installed.
 The shared library is found from $GCALLOC_LIBRARY, else beside this package
 (gcalloc/libgcalloc.so*), else by the system's search (libgcalloc.so).
 """
+import contextlib
 import ctypes
 import ctypes.util
 import glob
 import json
 import os
 import tempfile
+import threading
 
 __all__ = ["Allocator", "GcallocError", "library_path", "memory_stats", "memory_summary", "memory_snapshot",
            "dump_snapshot", "empty_cache", "set_per_process_memory_fraction", "reset_peak_memory_stats",
@@ -134,15 +136,76 @@ def _check(rc):
     return rc
 
 
-def _text(s):
-    return s.encode() if isinstance(s, str) else s
+# Arguments are checked here, before ctypes sees them: ctypes converts an
+# int to a C type by truncating it, so 2**64 + 4096 would become 4096.
+_SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+_PTR_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1
+_INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _integer(value, name):
+    if isinstance(value, bool):  # (an int to Python, almost always a slip here)
+        raise TypeError("%s must be an int, not bool" % name)
+    if not isinstance(value, int):
+        try:
+            value = value.__index__()
+        except (AttributeError, TypeError):
+            raise TypeError("%s must be an int, not %s" % (name, type(value).__name__)) from None
+    return value
+
+
+def _unsigned(value, name, top):
+    value = _integer(value, name)
+    if value < 0:
+        raise ValueError("%s must be >= 0, not %d" % (name, value))
+    if value > top:
+        raise OverflowError("%s %d does not fit in %d bits" % (name, value, top.bit_length()))
+    return value
+
+
+def _size(value, name="size"):
+    return _unsigned(value, name, _SIZE_MAX)
+
+
+def _address(value, name="ptr"):
+    return _unsigned(value, name, _PTR_MAX)
+
+
+def _stream(value):
+    return _unsigned(value, "stream", _PTR_MAX)
+
+
+def _device(value, name="device", allow_all=False):
+    value = _integer(value, name)
+    if value < (-1 if allow_all else 0) or value > _INT_MAX:
+        if value < _INT_MIN or value > _INT_MAX:
+            raise OverflowError("%s %d does not fit in a C int" % (name, value))
+        raise ValueError("%s must be %s, not %d" % (name, ">= -1 (-1: every device)" if allow_all else ">= 0", value))
+    return value
+
+
+def _fraction(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("fraction must be a float, not %s" % type(value).__name__)
+    return float(value)
+
+
+def _text(s, name="text"):
+    if s is None:
+        return None
+    if isinstance(s, str):
+        s = s.encode()
+    elif not isinstance(s, bytes):
+        raise TypeError("%s must be a str, not %s" % (name, type(s).__name__))
+    if b"\0" in s:
+        raise ValueError("%s contains a NUL character" % name)
+    return s
 
 
 def _allocated(size, call):
     """Run an allocating call: its address, 0 for size 0; MemoryError when out of memory."""
-    if size < 0:
-        raise ValueError("size must be >= 0, not %d" % size)
-    p = call()
+    size = _size(size)
+    p = call(size)
     if not p:
         status = _lib.gca_last_status()
         if status == -2:  # GCA_ERR_OOM
@@ -157,20 +220,60 @@ def version():
 
 class Allocator:
     """An allocator on a backend ("sim", "sim:capacity=24GiB", "cuda") with a
-    configuration string in PyTorch's syntax. Addresses are ints."""
+    configuration string in PyTorch's syntax. Addresses are ints.
+
+    Arguments are checked before they reach C: a value of the wrong type
+    raises TypeError, a negative size or address ValueError, and one too
+    large for its C type OverflowError (never truncated).
+
+    Threads may share an Allocator. close() waits for the calls other threads
+    have in flight, then closes; a call made after (or while close waits)
+    raises ValueError. The C allocator stays valid for the whole of every
+    call that started before close."""
 
     def __init__(self, backend="sim", conf=None, _handle=None):
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._closing = False
         if _handle is not None:
             self._a, self._owned = _handle, False
             return
         handle = _P()
-        _check(_lib.gca_open(_text(backend), _text(conf), ctypes.byref(handle)))
+        _check(_lib.gca_open(_text(backend, "backend"), _text(conf, "conf"), ctypes.byref(handle)))
         self._a, self._owned = handle, True
 
+    @contextlib.contextmanager
+    def _handle(self):
+        with self._cond:
+            if self._closing or not self._a:
+                raise ValueError("gcalloc: the allocator is closed")
+            self._in_flight += 1
+            a = self._a
+        try:
+            yield a
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._cond.notify_all()
+
     def close(self):
-        if self._owned and self._a:
-            _lib.gca_close(self._a)
-        self._a = None
+        cond = getattr(self, "_cond", None)
+        if cond is None:  # (__init__ failed before it)
+            return
+        with cond:
+            if self._closing:
+                return
+            self._closing = True
+            while self._in_flight:
+                cond.wait()
+            a, self._a = self._a, None
+        if self._owned and a:
+            _lib.gca_close(a)
+
+    @property
+    def closed(self):
+        return self._closing
 
     def __enter__(self):
         return self
@@ -186,86 +289,120 @@ class Allocator:
 
     @property
     def device_count(self):
-        return _check(_lib.gca_device_count(self._a))
+        with self._handle() as a:
+            return _check(_lib.gca_device_count(a))
 
     @property
     def backend(self):
-        return _lib.gca_backend_name(self._a).decode()
+        with self._handle() as a:
+            return _lib.gca_backend_name(a).decode()
 
     def malloc(self, size, device=0, stream=0):
         """Device address of `size` bytes; MemoryError when out of memory."""
-        return _allocated(size, lambda: _lib.gca_malloc(self._a, size, device, stream))
+        device, stream = _device(device), _stream(stream)
+        with self._handle() as a:
+            return _allocated(size, lambda n: _lib.gca_malloc(a, n, device, stream))
 
     def free(self, ptr):
-        _check(_lib.gca_free(self._a, ptr))
+        ptr = _address(ptr)
+        with self._handle() as a:
+            _check(_lib.gca_free(a, ptr))
 
     def record_stream(self, ptr, stream):
-        _check(_lib.gca_record_stream(self._a, ptr, stream))
+        ptr, stream = _address(ptr), _stream(stream)
+        with self._handle() as a:
+            _check(_lib.gca_record_stream(a, ptr, stream))
 
     def empty_cache(self, device=-1):
-        _check(_lib.gca_empty_cache(self._a, device))
+        device = _device(device, allow_all=True)
+        with self._handle() as a:
+            _check(_lib.gca_empty_cache(a, device))
 
     def synchronize(self, device=-1):
-        _check(_lib.gca_synchronize(self._a, device))
+        device = _device(device, allow_all=True)
+        with self._handle() as a:
+            _check(_lib.gca_synchronize(a, device))
 
     def set_config(self, conf):
-        _check(_lib.gca_set_config(self._a, _text(conf)))
+        conf = _text(conf, "conf")
+        with self._handle() as a:
+            _check(_lib.gca_set_config(a, conf))
 
     def get_config(self):
-        n = _check(_lib.gca_get_config(self._a, None, 0))
-        buf = ctypes.create_string_buffer(n + 1)
-        _check(_lib.gca_get_config(self._a, buf, n + 1))
+        with self._handle() as a:
+            n = _check(_lib.gca_get_config(a, None, 0))
+            buf = ctypes.create_string_buffer(n + 1)
+            _check(_lib.gca_get_config(a, buf, n + 1))
         return buf.value.decode()
 
     def set_per_process_memory_fraction(self, fraction, device=0):
-        _check(_lib.gca_set_memory_fraction(self._a, fraction, device))
+        fraction, device = _fraction(fraction), _device(device)
+        with self._handle() as a:
+            _check(_lib.gca_set_memory_fraction(a, fraction, device))
 
     def reset_peak_memory_stats(self, device=0):
-        _check(_lib.gca_reset_peak_stats(self._a, device))
+        device = _device(device)
+        with self._handle() as a:
+            _check(_lib.gca_reset_peak_stats(a, device))
 
     def reset_accumulated_memory_stats(self, device=0):
-        _check(_lib.gca_reset_accumulated_stats(self._a, device))
+        device = _device(device)
+        with self._handle() as a:
+            _check(_lib.gca_reset_accumulated_stats(a, device))
 
     def memory_stats(self, device=0):
         """torch.cuda.memory_stats(): the same keys, in the same order."""
+        device = _device(device)
         raw = ctypes.create_string_buffer(_STATS_BYTES)
-        _check(_lib.gca_get_stats(self._a, device, raw))
+        with self._handle() as a:
+            _check(_lib.gca_get_stats(a, device, raw))
         items = (_StatItem * _STATS_FLAT_COUNT)()
         n = _lib.gca_stats_flatten(raw, items, _STATS_FLAT_COUNT)
         return {items[i].name.decode(): items[i].value for i in range(min(n, _STATS_FLAT_COUNT))}
 
     def memory_summary(self, device=0, abbreviated=False):
         """torch.cuda.memory_summary()'s table."""
-        n = _check(_lib.gca_memory_summary(self._a, device, int(abbreviated), None, 0))
-        buf = ctypes.create_string_buffer(n + 1)
-        _check(_lib.gca_memory_summary(self._a, device, int(abbreviated), buf, n + 1))
+        device = _device(device)
+        with self._handle() as a:
+            n = _check(_lib.gca_memory_summary(a, device, int(bool(abbreviated)), None, 0))
+            buf = ctypes.create_string_buffer(n + 1)
+            _check(_lib.gca_memory_summary(a, device, int(bool(abbreviated)), buf, n + 1))
         return buf.value.decode()
 
     # Pinned host memory (gca_host_*): PyTorch's CachingHostAllocator.
 
     def host_malloc(self, size):
         """Address of `size` bytes of pinned host memory (0 for size 0); MemoryError when out of it."""
-        return _allocated(size, lambda: _lib.gca_host_malloc(self._a, size))
+        with self._handle() as a:
+            return _allocated(size, lambda n: _lib.gca_host_malloc(a, n))
 
     def host_free(self, ptr):
-        _check(_lib.gca_host_free(self._a, ptr))
+        ptr = _address(ptr)
+        with self._handle() as a:
+            _check(_lib.gca_host_free(a, ptr))
 
     def host_record_stream(self, ptr, stream, device=0):
-        _check(_lib.gca_host_record_stream(self._a, ptr, device, stream))
+        ptr, stream, device = _address(ptr), _stream(stream), _device(device)
+        with self._handle() as a:
+            _check(_lib.gca_host_record_stream(a, ptr, device, stream))
 
     def host_empty_cache(self):
-        _check(_lib.gca_host_empty_cache(self._a))
+        with self._handle() as a:
+            _check(_lib.gca_host_empty_cache(a))
 
     def host_is_pinned(self, ptr):
+        ptr = _address(ptr)
         pinned = ctypes.c_int(0)
-        _check(_lib.gca_host_is_pinned(self._a, ptr, ctypes.byref(pinned)))
+        with self._handle() as a:
+            _check(_lib.gca_host_is_pinned(a, ptr, ctypes.byref(pinned)))
         return bool(pinned.value)
 
     def host_memory_stats(self):
         """torch.cuda.host_memory_stats(): its keys ("allocation.current", "host_alloc_time.total",
         "num_host_alloc", ...), then gcalloc's own (pending_blocks, cached_bytes, ...)."""
         st = _HostStats()
-        _check(_lib.gca_host_stats(self._a, ctypes.byref(st)))
+        with self._handle() as a:
+            _check(_lib.gca_host_stats(a, ctypes.byref(st)))
         out = {}
         for name, kind in _HostStats._fields_:
             value = getattr(st, name)
@@ -277,17 +414,24 @@ class Allocator:
         return out
 
     def host_reset_peak_memory_stats(self):
-        _check(_lib.gca_host_reset_peak_stats(self._a))
+        with self._handle() as a:
+            _check(_lib.gca_host_reset_peak_stats(a))
 
     def record_history(self, enabled=True, context="state", max_entries=100000):
         levels = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
-        _check(_lib.gca_record_history(self._a, int(enabled), levels[context], max_entries))
+        if context not in levels:
+            raise ValueError("context must be one of None, 'none', 'state', 'alloc', 'all', not %r" % (context,))
+        max_entries = _size(max_entries, "max_entries")
+        with self._handle() as a:
+            _check(_lib.gca_record_history(a, int(bool(enabled)), levels[context], max_entries))
 
     def _write_snapshot(self, path, fmt):
+        path = _text(os.fspath(path), "path")
         snap = _P()
-        _check(_lib.gca_snapshot_take(self._a, ctypes.byref(snap)))
+        with self._handle() as a:
+            _check(_lib.gca_snapshot_take(a, ctypes.byref(snap)))
         try:
-            _check(_lib.gca_snapshot_write(snap, _text(path), fmt))
+            _check(_lib.gca_snapshot_write(snap, path, fmt))
         finally:
             _lib.gca_snapshot_free(snap)
 

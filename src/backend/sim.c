@@ -63,7 +63,6 @@
 
 #define SIM_ALIGN ((size_t)512)
 #define SIM_SPAN ((uintptr_t)1 << 50)        /* address range per device: room for ~100 reservations of 9 TiB */
-#define SIM_MAX_CAPACITY ((size_t)1 << 43)   /* 8 TiB: half the range */
 #define SIM_MAX_DEVICES 64
 
 typedef struct sim_range {

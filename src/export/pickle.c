@@ -8,6 +8,7 @@
  * (BINGET) to frames and strings, hundreds of thousands of them, and the
  * replay's speed target makes the reader's cost per opcode count.
  */
+#include <errno.h>
 #include <stdalign.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1521,9 +1522,11 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
           pos += n;
         }
         if (!depth) FAIL("pickle: memo store with an empty stack at offset %zu", at);
-        /* A pickler numbers the memo from 0, one entry per store, so an
-         * index past the file's length can only be an attack on memory. */
-        if (base > len) FAIL("pickle: memo index %zu at offset %zu is larger than the file", base, at);
+        /* A pickler numbers the memo from 0, one entry per store of at
+         * least a byte, so an index past the bytes read so far can only be
+         * an attack on memory (16 bytes a slot): refused at once. */
+        if (base > at)
+          FAIL("pickle: memo index %zu at offset %zu is larger than the stores that can come before it", base, at);
         /* (The second reader looks at the memo below memo_len: it must see
          * it neither move nor change.) */
         if (unlikely(split != NULL) && (base < memo_len || base >= memo_cap)) split_join(split);
@@ -1809,18 +1812,38 @@ pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options) {
     set_error(GCA_ERR_IO, "cannot open %s", path); /* callers add nothing: the path is named */
     return NULL;
   }
-  /* A regular file is mapped, and faulted in as it is read: the kernel maps
-   * 16 pages of the page cache a fault, and with two readers each faults
-   * in its own part. MAP_POPULATE was 0.1 ms slower on every snapshot,
-   * with one reader or two (load and replay, best of 200). */
+  /* A regular file is read whole into memory of ours, not mapped: a
+   * snapshot being rewritten by a running job may shrink while it is read,
+   * and a mapping would then kill the process with SIGBUS. */
   struct stat st;
   if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) {
-    void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fileno(f), 0);
-    if (map != MAP_FAILED) {
+    size_t size = (size_t)st.st_size, got = 0;
+    unsigned char *buf = malloc(size + 1);
+    if (!buf) {
       fclose(f);
-      pickle_doc_t *doc = new_doc(map, (size_t)st.st_size, true, options);
-      return doc ? parse(doc) : NULL;
+      set_error(GCA_ERR_NOMEM, "pickle: out of host memory for %s (%zu bytes)", path, size);
+      return NULL;
     }
+    int err = 0;
+    while (got < size) {
+      ssize_t n = pread(fileno(f), buf + got, size - got, (off_t)got);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) err = errno;
+      if (n <= 0) break;
+      got += (size_t)n;
+    }
+    fclose(f);
+    if (got < size) {
+      free(buf);
+      if (err)
+        set_error(GCA_ERR_IO, "cannot read %s: %s", path, strerror(err));
+      else
+        set_error(GCA_ERR_IO, "%s shrank while it was read (%zu bytes when opened, %zu there to read): "
+                  "was it being rewritten?", path, size, got);
+      return NULL;
+    }
+    pickle_doc_t *doc = new_doc(buf, size, false, options);
+    return doc ? parse(doc) : NULL;
   }
   /* A pipe, or a file that cannot be mapped: read it. */
   size_t len = 0;

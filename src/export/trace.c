@@ -476,7 +476,8 @@ static int load_allocsim(const char *path, FILE *f, const reading_t *reading, tr
     text_progress(reading, ++lineno);
     size_t len = strlen(text);
     if (len && text[len - 1] != '\n' && !feof(f)) {
-      rc = set_error(GCA_ERR_INVALID, "%s:%zu: longer than %zu characters", path, lineno, sizeof text - 2);
+      if (len + 1 < sizeof text) rc = set_error(GCA_ERR_INVALID, "%s:%zu: holds a NUL character", path, lineno);
+      else rc = set_error(GCA_ERR_INVALID, "%s:%zu: longer than %zu characters", path, lineno, sizeof text - 2);
       break;
     }
     if (text[0] == '\n' || text[0] == '#') continue;
@@ -547,7 +548,7 @@ static int split_csv(char *line, char **fields, int max) {
 }
 
 static bool csv_number(const char *text, int base, uint64_t *out) {
-  if (!*text || *text == '-') return false;
+  if (!(*text >= '0' && *text <= '9')) return false; /* (strtoull would take blanks and a sign first) */
   char *end;
   errno = 0;
   unsigned long long v = strtoull(text, &end, base);
@@ -594,7 +595,9 @@ static int load_rmm_csv(const char *path, FILE *f, const reading_t *reading, tra
   while (rc == GCA_OK && fgets(line, sizeof line, f)) {
     text_progress(reading, ++lineno);
     if (!strchr(line, '\n') && !feof(f)) {
-      rc = set_error(GCA_ERR_INVALID, "%s:%zu: line longer than %zu characters", path, lineno, sizeof line - 2);
+      /* (fgets stopped short of a full buffer and a newline: at a NUL) */
+      if (strlen(line) + 1 < sizeof line) rc = set_error(GCA_ERR_INVALID, "%s:%zu: holds a NUL character", path, lineno);
+      else rc = set_error(GCA_ERR_INVALID, "%s:%zu: line longer than %zu characters", path, lineno, sizeof line - 2);
       break;
     }
     if (line[0] == '\n' || (line[0] == '\r' && line[1] == '\n')) continue;
@@ -928,11 +931,71 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
 #define UNPACKED_PER_PACKED 4096
 #define UNPACKED_SLACK ((size_t)64 << 20)
 
+/* ---- what a trace held in memory may be -------------------------------
+ * Input read whole into memory (a pipe, a device, decompressed data) is
+ * held to a cap, GCALLOC_TRACE_MAX_BYTES (a size: "64GiB"; 16 GiB by
+ * default), and looked at as it arrives, so that a file that cannot be a
+ * trace fails at its first bytes rather than after filling the host: its
+ * first byte must start one of the formats, and a text trace has no line
+ * longer than TEXT_LINE_LIMIT (the text readers take 1,024 characters). */
+#define TRACE_MAX_BYTES_DEFAULT ((size_t)16 << 30)
+#define TEXT_LINE_LIMIT ((size_t)4096)
+
+static size_t trace_max_bytes(void) {
+  const char *text = getenv("GCALLOC_TRACE_MAX_BYTES");
+  uint64_t v = 0;
+  if (text && *text && parse_size(text, strlen(text), &v) && v > 0) return v < SIZE_MAX / 2 ? (size_t)v : SIZE_MAX / 2;
+  return TRACE_MAX_BYTES_DEFAULT;
+}
+
+typedef struct input_guard {
+  size_t checked;  /* bytes looked at */
+  size_t line_run; /* of a text trace: bytes since the last newline */
+  bool text;
+} input_guard_t;
+
+/* Look at buf[g->checked, len): false, with the error set, when it cannot
+ * be a trace. */
+static bool guard_input(input_guard_t *g, const char *path, const char *what, const unsigned char *buf, size_t len) {
+  if (g->checked == 0 && len > 0) {
+    unsigned first = buf[0];
+    if (compression_of(buf, len)) { /* compressed: its decompression is looked at instead */
+      g->checked = len;
+      return true;
+    }
+    bool known = first == 0x80 || first == 0xEF || first == '\t' || first == '\n' || first == '\r' ||
+                 (first >= ' ' && first <= '~');
+    if (!known)
+      return !set_error(GCA_ERR_INVALID,
+                        "%s: %s starts with the byte 0x%02x: not a PyTorch snapshot (pickle), a gcalloc trace, an "
+                        "RMM CSV log or an allocatorSim log", path, what, first);
+    g->text = first != 0x80;
+  }
+  if (g->text) {
+    for (size_t i = g->checked; i < len; i++) {
+      const unsigned char *nl = memchr(buf + i, '\n', len - i);
+      size_t run = (nl ? (size_t)(nl - (buf + i)) : len - i);
+      if (g->line_run + run > TEXT_LINE_LIMIT)
+        return !set_error(GCA_ERR_INVALID, "%s: %s has a line longer than %zu characters near byte %zu: not a text "
+                          "trace", path, what, TEXT_LINE_LIMIT, i);
+      if (!nl) {
+        g->line_run += run;
+        break;
+      }
+      g->line_run = 0;
+      i += run;
+    }
+  }
+  g->checked = len;
+  return true;
+}
+
 typedef struct unpacked {
   unsigned char *buf;
   size_t len, cap, limit;
   trace_progress_fn progress; /* told the input read after each step (NULL: nothing to tell) */
   void *ctx;
+  input_guard_t guard;
 } unpacked_t;
 
 /* Each decoder call writes at most this much, so that a big trace's
@@ -963,10 +1026,14 @@ static unsigned piece32(size_t n) { return n < UINT32_MAX ? (unsigned)n : UINT32
  * host is out of memory. One byte is kept past the end, for the NUL the
  * text readers' memory file wants. */
 static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
+  char what[48];
+  snprintf(what, sizeof what, "its %s data", name);
+  if (!guard_input(&u->guard, path, what, u->buf, u->len)) return false;
   if (u->len + 1 < u->cap) return true;
   if (u->cap > u->limit) {
     set_error(GCA_ERR_INVALID, "%s: %s data that decompresses to more than %zu bytes (%d per compressed byte, "
-              "and %zu MiB more) is refused as malformed; decompress it yourself to read it",
+              "and %zu MiB more, at most GCALLOC_TRACE_MAX_BYTES) is refused as malformed; decompress it "
+              "yourself to read it, or raise GCALLOC_TRACE_MAX_BYTES",
               path, name, u->limit, UNPACKED_PER_PACKED, UNPACKED_SLACK >> 20);
     return false;
   }
@@ -1203,6 +1270,8 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
   size_t limit = len <= (SIZE_MAX / 2 - UNPACKED_SLACK) / UNPACKED_PER_PACKED
                      ? len * UNPACKED_PER_PACKED + UNPACKED_SLACK
                      : SIZE_MAX / 2;
+  size_t cap = trace_max_bytes();
+  if (limit > cap) limit = cap;
   /* Sized at once where the data says how long it is: a zstd frame may
    * carry its size; gzip's last member ends with its size (mod 2^32); xz's
    * last stream ends with an index of its blocks' sizes. Each is the whole
@@ -1237,6 +1306,9 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
               : c->packing == PACK_ZSTD  ? unzstd(path, c, packed, len, &u)
               : c->packing == PACK_XZ    ? unxz(path, c, packed, len, &u)
                                          : bunzip2(path, c, packed, len, &u);
+  char what[48];
+  snprintf(what, sizeof what, "its %s data", c->name);
+  if (done) done = guard_input(&u.guard, path, what, u.buf, u.len);
   if (!done) {
     free(u.buf);
     return NULL;
@@ -1247,12 +1319,43 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
 }
 
 /* The rest of *f, read into memory whole (NUL-terminated), and *f closed;
- * NULL with the error set. */
-static unsigned char *read_and_close(FILE **f, const char *path, size_t *len) {
-  unsigned char *bytes = read_stream(*f, path, len);
+ * NULL with the error set. A regular file is bounded by its size; a pipe
+ * or a device by the cap, and looked at as it comes (`guarded`). */
+static unsigned char *read_and_close(FILE **f, const char *path, bool guarded, size_t *len) {
+  size_t cap = (size_t)64 << 10, used = 0, max = trace_max_bytes();
+  input_guard_t guard = {0};
+  unsigned char *buf = malloc(cap + 1);
+  bool ok = buf != NULL;
+  if (!ok) set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+  while (ok) {
+    size_t got = fread(buf + used, 1, cap - used, *f);
+    used += got;
+    if (guarded && !(ok = guard_input(&guard, path, "its input", buf, used))) break;
+    if (used < cap) break; /* the end, or an error (below) */
+    if (guarded && cap >= max) {
+      ok = !set_error(GCA_ERR_INVALID, "%s: more than %zu bytes of input, the most a trace read whole may be "
+                      "(GCALLOC_TRACE_MAX_BYTES raises it)", path, max);
+      break;
+    }
+    size_t grown_cap = cap > max / 2 ? max : cap * 2;
+    unsigned char *grown = realloc(buf, grown_cap + 1);
+    if (!grown) {
+      ok = !set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+      break;
+    }
+    buf = grown;
+    cap = grown_cap;
+  }
+  if (ok && ferror(*f)) ok = !set_error(GCA_ERR_IO, "cannot read %s: %s", path, strerror(errno));
   fclose(*f);
   *f = NULL;
-  return bytes;
+  if (!ok) {
+    free(buf);
+    return NULL;
+  }
+  buf[used] = '\0';
+  *len = used;
+  return buf;
 }
 
 int trace_load(const char *path, trace_t *out) { return trace_load_progress(path, out, NULL, NULL); }
@@ -1276,7 +1379,7 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
    * and the reader reads it there. */
   unsigned char *piped = NULL;
   size_t piped_len = 0;
-  if (!regular && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
+  if (!regular && !(piped = read_and_close(&f, path, true, &piped_len))) return gca_last_status();
   /* The first bytes tell the format (or a compression, or a byte order
    * mark before a text format). */
   unsigned char head[6] = {0};
@@ -1289,7 +1392,7 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
    * and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
   if (packed && packed->packing != PACK_OTHER) {
-    if (f && !(piped = read_and_close(&f, path, &piped_len))) return gca_last_status();
+    if (f && !(piped = read_and_close(&f, path, false, &piped_len))) return gca_last_status();
     size_t plain_len = 0;
     unsigned char *plain = unpack(path, packed, piped, piped_len, progress, ctx, &plain_len);
     free(piped);

@@ -1,0 +1,131 @@
+"""Hostile use of the Python package (label hardening): every argument is
+range-checked and typed before ctypes could truncate it, and close() while
+other threads use the allocator waits for their calls and refuses later
+ones."""
+import threading
+import time
+
+import pytest
+
+import gcalloc
+
+MiB = 1 << 20
+
+
+def test_sizes_that_would_wrap():
+    with gcalloc.Allocator("sim:capacity=1GiB") as a:
+        with pytest.raises(OverflowError):
+            a.malloc(2**64 + 4096)
+        with pytest.raises(OverflowError):
+            a.host_malloc(2**64 + 8)
+        with pytest.raises(ValueError):
+            a.malloc(-1)
+        with pytest.raises(TypeError):
+            a.malloc("4096")
+        with pytest.raises(TypeError):
+            a.malloc(4096.0)
+        with pytest.raises(TypeError):
+            a.malloc(True)
+        assert a.memory_stats()["allocation.all.current"] == 0
+        assert a.host_memory_stats()["allocation.current"] == 0
+
+
+def test_devices_streams_and_pointers_that_would_wrap():
+    with gcalloc.Allocator("sim:capacity=1GiB") as a:
+        with pytest.raises(OverflowError):
+            a.malloc(4096, device=2**32)
+        with pytest.raises(ValueError):
+            a.malloc(4096, device=-1)
+        with pytest.raises(OverflowError):
+            a.malloc(4096, stream=2**70)
+        with pytest.raises(ValueError):
+            a.malloc(4096, stream=-1)
+        p = a.malloc(4096, stream=7)
+        with pytest.raises(OverflowError):
+            a.free(p + 2**64)
+        with pytest.raises(OverflowError):
+            a.record_stream(p, 2**64)
+        with pytest.raises(OverflowError):
+            a.memory_stats(2**32)
+        with pytest.raises(OverflowError):
+            a.host_record_stream(0, 0, device=2**40)
+        with pytest.raises(TypeError):
+            a.set_per_process_memory_fraction("0.5")
+        assert a.memory_stats()["allocation.all.current"] == 1  # p is still live
+        a.free(p)
+        a.empty_cache(-1)
+
+
+def test_text_with_a_nul():
+    with pytest.raises(ValueError, match="NUL"):
+        gcalloc.Allocator("sim", "max_split_size_mb:64\0,garbage")
+    with pytest.raises(ValueError, match="NUL"):
+        gcalloc.Allocator("sim\0:capacity=1GiB")
+    with gcalloc.Allocator("sim") as a:
+        with pytest.raises(ValueError, match="NUL"):
+            a.set_config("expandable_segments:True\0")
+        with pytest.raises(TypeError):
+            a.set_config(42)
+        assert "expandable_segments:False" in a.get_config()
+
+
+def test_close_waits_for_calls_in_flight():
+    a = gcalloc.Allocator("sim:capacity=100MiB", "oom_retry_timeout_ms:600")
+    held = a.malloc(60 * MiB)
+    outcome = {}
+
+    def wait_for_memory():
+        try:
+            a.malloc(60 * MiB)  # waits inside C for memory until its deadline
+            outcome["result"] = "allocated"
+        except MemoryError:
+            outcome["result"] = "MemoryError"
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            outcome["result"] = repr(e)
+
+    t = threading.Thread(target=wait_for_memory)
+    t.start()
+    time.sleep(0.1)  # inside its wait
+    start = time.monotonic()
+    a.close()
+    waited = time.monotonic() - start
+    t.join()
+    assert outcome["result"] == "MemoryError"
+    assert waited > 0.2  # close waited for the call (its deadline was 0.6 s)
+    with pytest.raises(ValueError, match="closed"):
+        a.free(held)
+    with pytest.raises(ValueError, match="closed"):
+        a.memory_stats()
+    a.close()  # twice: nothing
+
+
+def test_close_while_threads_allocate():
+    a = gcalloc.Allocator("sim:capacity=1GiB")
+    errors, closed_seen = [], []
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            try:
+                p = a.malloc(4096)
+                a.record_stream(p, 3)
+                a.free(p)
+                a.memory_stats()
+            except ValueError as e:
+                closed_seen.append(str(e))
+                return
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+                return
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    a.close()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all("closed" in m for m in closed_seen)
+    assert a.closed

@@ -1,0 +1,412 @@
+/* Hostile input to the readers and the tools (label `hardening`): small
+ * files that would take gigabytes (a memo index near the file's length, a
+ * gzip of zeros, a device that never ends), a snapshot truncated while it
+ * is read, numbers that would wrap, a trace file that cannot be written,
+ * options out of range, and tune's advice. Each reader runs in a child
+ * process whose peak memory is measured (and, outside AddressSanitizer,
+ * bounded with RLIMIT_AS, so a regression fails rather than fills the
+ * host). */
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zlib.h>
+#include <json-c/json.h>
+
+#include "helpers.h"
+#include "export/pickle.h"
+#include "export/trace.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define UNDER_ASAN 1
+#endif
+#endif
+#ifndef UNDER_ASAN
+#define UNDER_ASAN 0
+#endif
+
+/* Peak growth allowed a reader that must stop at its first step. Under
+ * AddressSanitizer an allocation sized from a compressed stream's claimed
+ * length costs shadow memory (an eighth of it) before a byte is written. */
+#define FAST_FAIL_KB (UNDER_ASAN ? 160 * 1024 : 64 * 1024)
+
+static char dir[] = "/tmp/gcalloc_hardening_XXXXXX";
+
+static const char *in_dir(const char *name) {
+  static char path[4][512];
+  static int turn;
+  char *p = path[turn++ % 4];
+  snprintf(p, 512, "%s/%s", dir, name);
+  return p;
+}
+
+/* ---- a reader in a child, measured ---------------------------------------- */
+
+typedef struct outcome {
+  int status;
+  long rss_growth_kb; /* peak resident set over the child's at the start */
+  char message[1024];
+  bool crashed;
+} outcome_t;
+
+static long peak_kb(void) {
+  struct rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;
+}
+
+/* trace_load(path) in a child with `env` set (NAME=VALUE or NULL). */
+static outcome_t load_in_child(const char *path, const char *env) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    close(fds[0]);
+    alarm(60);
+    if (!UNDER_ASAN) {
+      struct rlimit lim = {(rlim_t)2 << 30, (rlim_t)2 << 30};
+      setrlimit(RLIMIT_AS, &lim);
+    }
+    if (env) putenv((char *)env);
+    outcome_t o = {0};
+    long before = peak_kb();
+    trace_t t;
+    o.status = trace_load(path, &t);
+    if (o.status == GCA_OK) trace_free(&t);
+    o.rss_growth_kb = peak_kb() - before;
+    snprintf(o.message, sizeof o.message, "%s", gca_last_error());
+    (void)!write(fds[1], &o, sizeof o);
+    _exit(0);
+  }
+  close(fds[1]);
+  outcome_t o = {.crashed = true};
+  ssize_t n = read(fds[0], &o, sizeof o);
+  close(fds[0]);
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  if (n != (ssize_t)sizeof o || !WIFEXITED(ws)) {
+    o.crashed = true;
+    fprintf(stderr, "reading %s: the child %s\n", path,
+            WIFSIGNALED(ws) ? strsignal(WTERMSIG(ws)) : "ended without a result");
+  }
+  return o;
+}
+
+static void write_file(const char *path, const void *data, size_t len) {
+  FILE *f = fopen(path, "wb");
+  assert_non_null(f);
+  assert_int_equal(fwrite(data, 1, len, f), len);
+  fclose(f);
+}
+
+static void write_gzip(const char *path, const void *head, size_t head_len, int fill, size_t fill_len) {
+  gzFile g = gzopen(path, "wb9");
+  assert_non_null(g);
+  if (head_len) assert_int_equal(gzwrite(g, head, (unsigned)head_len), (int)head_len);
+  char chunk[65536];
+  memset(chunk, fill, sizeof chunk);
+  for (size_t done = 0; done < fill_len; done += sizeof chunk)
+    assert_int_equal(gzwrite(g, chunk, sizeof chunk), (int)sizeof chunk);
+  gzclose(g);
+}
+
+/* A memo index near the file's length: refused at once, in memory about
+ * the file's size (it was 16 bytes a slot up to the index). */
+static void test_memo_index_past_the_stores(void **state) {
+  (void)state;
+  const char *path = in_dir("memo.pickle");
+  const unsigned char head[] = {0x80, 0x02, 'N', 'r', 0x00, 0x00, 0xf0, 0x01, '.'}; /* LONG_BINPUT 0x1f00000 */
+  write_file(path, head, sizeof head);
+  assert_int_equal(truncate(path, 32 << 20), 0); /* 32 MiB, sparse */
+  outcome_t o = load_in_child(path, NULL);
+  assert_false(o.crashed);
+  assert_int_equal(o.status, GCA_ERR_INVALID);
+  assert_contains(o.message, "memo index");
+  fprintf(stderr, "memo attack on 32 MiB: peak grew %ld KiB\n", o.rss_growth_kb);
+  assert_true(o.rss_growth_kb < 3 * 32 * 1024); /* the file, once, and change */
+}
+
+/* A gzip of zeros: its first decompressed byte is no trace's, and the
+ * reader stops there. */
+static void test_gzip_of_zeros_fails_at_once(void **state) {
+  (void)state;
+  const char *path = in_dir("zeros.gz");
+  write_gzip(path, NULL, 0, 0, (size_t)512 << 20); /* 512 MiB of zeros, half a MiB packed */
+  outcome_t o = load_in_child(path, NULL);
+  assert_false(o.crashed);
+  assert_int_equal(o.status, GCA_ERR_INVALID);
+  assert_contains(o.message, "starts with the byte 0x00");
+  fprintf(stderr, "gzip of 512 MiB of zeros: peak grew %ld KiB\n", o.rss_growth_kb);
+  assert_true(o.rss_growth_kb < FAST_FAIL_KB);
+}
+
+/* A text trace whose line never ends: refused at the line limit. */
+static void test_gzip_of_one_endless_line(void **state) {
+  (void)state;
+  const char *path = in_dir("line.gz");
+  static const char head[] = "# gcalloc trace 2\n";
+  write_gzip(path, head, sizeof head - 1, ' ', (size_t)512 << 20);
+  outcome_t o = load_in_child(path, NULL);
+  assert_false(o.crashed);
+  assert_int_equal(o.status, GCA_ERR_INVALID);
+  assert_contains(o.message, "line longer than");
+  assert_true(o.rss_growth_kb < FAST_FAIL_KB);
+}
+
+/* A device that never ends, read as a pipe is. */
+static void test_endless_device(void **state) {
+  (void)state;
+  outcome_t o = load_in_child("/dev/zero", NULL);
+  assert_false(o.crashed);
+  assert_int_equal(o.status, GCA_ERR_INVALID);
+  assert_contains(o.message, "/dev/zero");
+  assert_true(o.rss_growth_kb < FAST_FAIL_KB);
+}
+
+/* The cap on what is held in memory, which the user can raise. */
+static void test_cap_on_decompressed_input(void **state) {
+  (void)state;
+  const char *path = in_dir("big.trace.gz");
+  gzFile g = gzopen(path, "wb");
+  assert_non_null(g);
+  gzprintf(g, "# gcalloc trace 2\n1 1 open 0 sim -\n");
+  for (int i = 0; i < 100000; i++) gzprintf(g, "%d 1 malloc 0 0 0 4096 %x\n%d 1 free 0 %x 0\n", i, 0x1000 + i, i, 0x1000 + i);
+  gzclose(g);
+  outcome_t o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES=1MiB");
+  assert_false(o.crashed);
+  assert_int_equal(o.status, GCA_ERR_INVALID);
+  assert_contains(o.message, "GCALLOC_TRACE_MAX_BYTES");
+  o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES=64MiB");
+  assert_int_equal(o.status, GCA_OK);
+}
+
+/* A snapshot truncated after it was opened: the document read stays
+ * readable (it used to be a mapping of the file: SIGBUS). */
+static void test_snapshot_truncated_while_read(void **state) {
+  (void)state;
+  size_t len;
+  unsigned char *bytes = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(bytes);
+  const char *path = in_dir("shrinking.pickle");
+  write_file(path, bytes, len);
+  pid_t pid = fork();
+  if (pid == 0) {
+    pickle_doc_t *doc = pickle_load(path, NULL);
+    if (!doc) _exit(2);
+    if (truncate(path, 0) != 0) _exit(3);
+    pickle_doc_t *copy = pickle_parse(bytes, len, NULL);
+    size_t budget = 1000000;
+    bool same = copy && pv_equal(pickle_root(doc), pickle_root(copy), 0, &budget);
+    pickle_free(doc);
+    pickle_free(copy);
+    _exit(same ? 0 : 4);
+  }
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  if (WIFSIGNALED(ws)) fprintf(stderr, "the reader was killed by %s\n", strsignal(WTERMSIG(ws)));
+  assert_true(WIFEXITED(ws));
+  assert_int_equal(WEXITSTATUS(ws), 0);
+  free(bytes);
+}
+
+/* ---- numbers that would wrap --------------------------------------------- */
+
+static void expect_trace_refused(const char *line, const char *field) {
+  const char *path = in_dir("bad.trace");
+  char text[512];
+  snprintf(text, sizeof text, "# gcalloc trace 2\n1 1 open 0 sim -\n%s\n", line);
+  write_file(path, text, strlen(text));
+  trace_t t;
+  int rc = trace_load(path, &t);
+  if (rc == GCA_OK) {
+    fprintf(stderr, "accepted: %s\n", line);
+    trace_free(&t);
+  }
+  assert_int_equal(rc, GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "line 3");
+  assert_contains(gca_last_error(), field);
+}
+
+static void test_trace_numbers_out_of_range(void **state) {
+  (void)state;
+  expect_trace_refused("5 1 malloc 0 4294967296 0 4096 1000", "the device");
+  expect_trace_refused("5 1 malloc 0 256 0 4096 1000", "the device");
+  expect_trace_refused("5 1 malloc 0 -1 0 4096 1000", "the device");
+  expect_trace_refused("5 1 malloc 0 0 0 -18446744073709551104 1000", "the size");
+  expect_trace_refused("5 1 malloc 0 0 0 18446744073709551616 1000", "the size");
+  expect_trace_refused("5 1 malloc 0 0 123456789abcdef012345 4096 1000", "the stream");
+  expect_trace_refused("5 1 malloc 0 0 0 4096 1000 extra", "the end of the line");
+  expect_trace_refused("5 1 free 0 1000 7", "the status");
+  expect_trace_refused("5 1 free 0 1000 0 2", "the pending flag");
+  expect_trace_refused("5 1 malloc 2147483648 0 0 4096 1000", "the allocator id");
+  expect_trace_refused("5 1 empty_cache 0 -2 0", "the device");
+  expect_trace_refused("5 1 unknown_call 0", "the call");
+}
+
+static void test_config_divisions_that_would_wrap(void **state) {
+  (void)state;
+  gca_allocator_t *a = NULL;
+  assert_int_equal(gca_open("sim", "roundup_power2_divisions:36028797018963968", &a), GCA_ERR_CONFIG); /* 2^55 */
+  assert_contains(gca_last_error(), "at most 2^54");
+  assert_int_equal(gca_open("sim", "roundup_power2_divisions:[256:36028797018963968]", &a), GCA_ERR_CONFIG);
+  assert_contains(gca_last_error(), "at most 2^54");
+  a = open_sim("sim", "roundup_power2_divisions:18014398509481984"); /* 2^54: taken, and no size wraps */
+  assert_int_equal(gca_round_size(a, 3 * MiB + 1), 3 * MiB + 512);
+  gca_close(a);
+}
+
+static void test_csv_line_with_a_nul(void **state) {
+  (void)state;
+  const char *path = in_dir("nul.csv");
+  static const char text[] = "Time,Action,Pointer,Size\n1,allocate,0x1000,4096\0junk\n2,free,0x1000,4096\n";
+  write_file(path, text, sizeof text - 1);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), ":2: holds a NUL character");
+}
+
+/* ---- the trace file and the tools ----------------------------------------- */
+
+/* Run in a fresh process (the trace file is opened at a process's first
+ * gca_open): writes past RLIMIT_FSIZE fail, and the failure is told. */
+static int trace_write_child(void) {
+  signal(SIGXFSZ, SIG_IGN);
+  struct rlimit lim = {4096, 4096};
+  setrlimit(RLIMIT_FSIZE, &lim);
+  log_capture_t cap = {0};
+  gca_set_log_handler(capture_log, &cap);
+  gca_allocator_t *a = NULL;
+  if (gca_open("sim", NULL, &a) != GCA_OK) return 2;
+  for (int i = 0; i < 200; i++) gca_free(a, gca_malloc(a, 4096, 0, 0));
+  gca_close(a);
+  if (!strstr(cap.all, "a write failed")) {
+    fprintf(stderr, "no warning; log: %s\n", cap.all);
+    return 1;
+  }
+  return 0;
+}
+
+static void test_trace_file_write_failure_is_told(void **state) {
+  (void)state;
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=%s %s --trace-write-child", in_dir("full.trace"), GCALLOC_SELF_PATH);
+  assert_int_equal(system(cmd), 0);
+  /* A file that cannot take even the header. */
+  snprintf(cmd, sizeof cmd, "GCALLOC_TRACE_FILE=/dev/full %s demo --steps 1 2>%s >/dev/null", GCALLOC_TOOL_PATH,
+           in_dir("full.err"));
+  assert_int_equal(system(cmd), 0);
+  size_t len;
+  char *err = (char *)read_whole(in_dir("full.err"), &len);
+  assert_non_null(err);
+  assert_contains(err, "GCALLOC_TRACE_FILE=/dev/full cannot be written");
+  free(err);
+}
+
+static int tool_status(const char *args) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "%s %s >%s 2>&1", GCALLOC_TOOL_PATH, args, in_dir("tool.out"));
+  int ws = system(cmd);
+  return WIFEXITED(ws) ? WEXITSTATUS(ws) : -1;
+}
+
+static char *tool_output(void) {
+  size_t len;
+  char *out = (char *)read_whole(in_dir("tool.out"), &len);
+  assert_non_null(out);
+  return out;
+}
+
+static void test_options_out_of_range(void **state) {
+  (void)state;
+  assert_int_equal(tool_status("replay some.pickle --capacity 99999TiB"), 2);
+  char *out = tool_output();
+  assert_contains(out, "--capacity '99999TiB' is more than the most it may be");
+  free(out);
+  assert_int_equal(tool_status("tune some.pickle --capacity 9PiB"), 2);
+  assert_int_equal(tool_status("bench --traces /nonexistent/traces"), 2);
+  out = tool_output();
+  assert_contains(out, "the traces folder /nonexistent/traces");
+  free(out);
+}
+
+/* tune's advice on a real snapshot whose best setting uses gcalloc's own
+ * keys: that one is shown for GCALLOC_ALLOC_CONF, and PyTorch is given the
+ * best of its own keys, replayed alone, never worse than the defaults. */
+static void test_tune_advice_is_never_worse_for_pytorch(void **state) {
+  (void)state;
+  const char *trace = GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle";
+  if (access(trace, R_OK) != 0) {
+    fprintf(stderr, "skipped: %s is not there\n", trace);
+    skip();
+  }
+  char args[1024];
+  snprintf(args, sizeof args, "tune %s", trace);
+  assert_int_equal(tool_status(args), 0);
+  char *text = tool_output();
+  assert_contains(text, "GCALLOC_ALLOC_CONF=");
+  /* Whatever follows PYTORCH_CUDA_ALLOC_CONF= names PyTorch's keys only. */
+  for (const char *p = strstr(text, "PYTORCH_CUDA_ALLOC_CONF="); p; p = strstr(p + 1, "PYTORCH_CUDA_ALLOC_CONF=")) {
+    const char *end = strchr(p, '\n');
+    char line[512];
+    snprintf(line, sizeof line, "%.*s", (int)(end ? end - p : 200), p);
+    assert_null(strstr(line, "stitching"));
+    assert_null(strstr(line, "cross_stream_reuse"));
+    assert_null(strstr(line, "per_process_memory_fraction"));
+  }
+  free(text);
+  snprintf(args, sizeof args, "tune %s --json", trace);
+  assert_int_equal(tool_status(args), 0);
+  json_object *root = json_object_from_file(in_dir("tool.out"));
+  assert_non_null(root);
+  json_object *best, *torch_best, *defaults, *v;
+  assert_true(json_object_object_get_ex(root, "best", &best));
+  assert_true(json_object_object_get_ex(root, "best_pytorch", &torch_best));
+  assert_true(json_object_object_get_ex(root, "defaults", &defaults));
+  assert_true(json_object_object_get_ex(defaults, "peak_reserved_bytes", &v));
+  int64_t default_peak = json_object_get_int64(v);
+  assert_true(json_object_object_get_ex(best, "peak_reserved_bytes", &v));
+  assert_true(json_object_get_int64(v) <= default_peak);
+  assert_non_null(torch_best); /* on this trace, plain expandable segments save about 5% */
+  assert_true(json_object_object_get_ex(torch_best, "conf", &v));
+  const char *conf = json_object_get_string(v);
+  assert_null(strstr(conf, "stitching"));
+  assert_true(json_object_object_get_ex(torch_best, "peak_reserved_bytes", &v));
+  assert_true(json_object_get_int64(v) < default_peak);
+  json_object_put(root);
+}
+
+static int setup(void **state) {
+  (void)state;
+  return mkdtemp(dir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+  (void)state;
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  return system(cmd) == 0 ? 0 : -1;
+}
+
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "--trace-write-child")) return trace_write_child();
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_memo_index_past_the_stores),
+      cmocka_unit_test(test_gzip_of_zeros_fails_at_once),
+      cmocka_unit_test(test_gzip_of_one_endless_line),
+      cmocka_unit_test(test_endless_device),
+      cmocka_unit_test(test_cap_on_decompressed_input),
+      cmocka_unit_test(test_snapshot_truncated_while_read),
+      cmocka_unit_test(test_trace_numbers_out_of_range),
+      cmocka_unit_test(test_config_divisions_that_would_wrap),
+      cmocka_unit_test(test_csv_line_with_a_nul),
+      cmocka_unit_test(test_trace_file_write_failure_is_told),
+      cmocka_unit_test(test_options_out_of_range),
+      cmocka_unit_test(test_tune_advice_is_never_worse_for_pytorch),
+  };
+  return cmocka_run_group_tests(tests, setup, teardown);
+}
