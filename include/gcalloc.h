@@ -92,8 +92,10 @@ GCA_API gca_log_level gca_set_log_level(gca_log_level level);
 GCA_API gca_log_level gca_get_log_level(void);
 
 /* Receives every message the library logs. `message` has no trailing newline
- * and is valid only during the call. Called without any allocator lock held,
- * so the handler may call back into gcalloc. */
+ * and is valid only during the call. Called without any lock of the library
+ * held (a message logged inside a locked region is delivered when the
+ * thread leaves it), so the handler may call back into gcalloc; the
+ * caller's gca_last_error() is the same after it as before. */
 typedef void (*gca_log_fn)(gca_log_level level, const char *message, void *user);
 
 /* Install a process-wide log handler; NULL restores the default, which writes
@@ -287,9 +289,10 @@ GCA_API int gca_get_memory_fraction(gca_allocator_t *a, int device, double *frac
 /* ------------------------------------------------------------------------ */
 
 /* Callbacks are kept per allocator (at most 32 of each kind), called in the
- * order they were added, on the allocating thread, with no allocator lock
- * held: they may call gcalloc (free, empty_cache) but must not wait for
- * another thread that is allocating on the same device. Adding the same
+ * order they were added, on the allocating thread, with no lock of the
+ * library held (trace recording's included): they may call any gcalloc
+ * function but gca_close of this allocator, and must not wait for another
+ * thread that is allocating on the same device. Adding the same
  * function twice calls it twice; removing takes out the first match of
  * (fn, user), or fails with GCA_ERR_INVALID. */
 
@@ -657,7 +660,9 @@ GCA_API int gca_snapshot_write(const gca_snapshot_t *s, const char *path, gca_sn
 /* Walk every segment of `device` (-1: all devices) and verify the invariants:
  * blocks tile their segment exactly; no two free neighbours are left unmerged;
  * every free block is in exactly one free index and every allocated block in
- * the allocation map; the statistics equal a recount from the segments.
+ * the allocation map; the statistics equal a recount from the segments; and
+ * the device memory the backend handed out and did not take back equals the
+ * reserved bytes plus pages kept after a refused free (nothing dropped).
  * Returns GCA_OK or GCA_ERR_CORRUPT with the first broken invariant named in
  * gca_last_error(). Cost is proportional to the number of blocks. */
 GCA_API int gca_check(gca_allocator_t *a, int device);
