@@ -1386,6 +1386,13 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < sizeof head ? piped_len : sizeof head;
   if (f) rewind(f);
   else if (head_len) memcpy(head, piped, head_len);
+  /* A file is held to the same first byte as a pipe (whose was looked at
+   * as it was read), so that both refuse alike. */
+  input_guard_t guard = {0};
+  if (f && !guard_input(&guard, path, "its input", head, head_len)) {
+    fclose(f);
+    return gca_last_status();
+  }
   /* A gzip, zstd, xz or bzip2 trace is read whole and decompressed into
    * memory, and read there as a pipe's; lz4 is named, with the command
    * that decompresses it (such a file had been read as an allocatorSim log,
