@@ -18,7 +18,7 @@
  * mmap threshold after freeing large chunks, and a trace measured after
  * another then looks several times faster for glibc than measured alone.
  *
- * Targets (issue 2): the 4 KiB loop at most 2x mimalloc; every trace at most
+ * Targets: the 4 KiB loop at most 2x mimalloc; every trace at most
  * half of the fastest host allocator.
  */
 #include <dirent.h>
@@ -35,7 +35,7 @@
 #include <unistd.h>
 
 #include "gcalloc.h"
-#include "../src/export/trace.h"
+#include "replay/trace.h"
 #include "../tools/tool.h"
 
 typedef struct host_alloc {

@@ -41,8 +41,8 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
-#include "../src/internal.h"
-#include "../src/export/replay.h"
+#include "core/core.h"
+#include "replay/replay.h"
 #include "../tools/tool.h"
 
 
@@ -68,7 +68,7 @@ static double python_load_seconds(const char *path, int runs) {
   return s;
 }
 
-#define TARGET_EVENTS_PER_SECOND 5e6 /* issue 6's target, which sets each trace's budget */
+#define TARGET_EVENTS_PER_SECOND 5e6 /* the reference rate that sets each trace's budget */
 
 typedef struct row {
   char name[256];
@@ -122,8 +122,8 @@ static bool spawn_replay(const char *self, const char *path, double *rate, long 
 /* `runs` new processes back to back: the best events/s and the fewest
  * page faults one took; then, with idle_s > 0, IDLE_RUNS more, each after
  * idle_s seconds of sleep (a process run once, whose fresh memory a
- * virtual machine's host may have taken back meanwhile:
- * docs/replay-speed-log.md, "Stop 25"): their median events/s. -1 each
+ * virtual machine's host may have taken back meanwhile): their median
+ * events/s. -1 each
  * where it cannot be measured (no /proc/self/exe, a run that failed). */
 #define IDLE_RUNS 3
 static void fresh_processes(const char *path, int runs, double idle_s, double *best_rate, long *fewest_faults,

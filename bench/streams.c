@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/internal.h"
+#include "core/core.h"
 #include "../tools/tool.h"
 
 #define STREAMS 4
@@ -103,7 +103,7 @@ static bool alloc_use(runner_t *rn, request_t *r, size_t size, void **out) {
     snprintf(rn->res->error, sizeof rn->res->error, "%s", gca_last_error());
     return false;
   }
-  if (sim_launch(&rn->a->backend, 0, r->stream, size / BYTES_PER_NS + 1, (uintptr_t)p, size) != GCA_OK) {
+  if (gca__sim_launch(&rn->a->backend, 0, r->stream, size / BYTES_PER_NS + 1, (uintptr_t)p, size) != GCA_OK) {
     snprintf(rn->res->error, sizeof rn->res->error, "%s", gca_last_error());
     return false;
   }
@@ -169,7 +169,7 @@ static void run_scenario(const scenario_t *sc, int engines, const char *conf, si
       request_t *r = &reqs[i];
       if (!r->active) continue;
       ok = step(&rn, r, &rng);
-      sim_advance(sim, HOST_NS_PER_OP);
+      gca__sim_advance(sim, HOST_NS_PER_OP);
       if (ok && !r->active) {
         finished++;
         if (started < sc->requests) start_request(r, started++, &rng);
@@ -177,15 +177,15 @@ static void run_scenario(const scenario_t *sc, int engines, const char *conf, si
     }
   }
   /* The makespan: when the last stream's work completes. */
-  uint64_t end = sim_now(sim);
+  uint64_t end = gca__sim_now(sim);
   for (int s = 0; s < STREAMS; s++) {
-    uint64_t t = sim_stream_ready_at(sim, 0, (gca_stream_t)(0x100 * (1 + s)));
+    uint64_t t = gca__sim_stream_ready_at(sim, 0, (gca_stream_t)(0x100 * (1 + s)));
     if (t > end) end = t;
   }
   gca_stats_t st;
   gca_get_stats(a, 0, &st);
   sim_counters_t c;
-  sim_get_counters(sim, 0, &c);
+  gca__sim_get_counters(sim, 0, &c);
   res->ok = ok;
   res->peak_allocated = st.allocated_bytes[GCA_POOL_ALL].peak;
   res->peak_reserved = st.reserved_bytes[GCA_POOL_ALL].peak;

@@ -18,7 +18,7 @@
 # waits that long before each process (one per trace and build a round,
 # then): a process run once after the machine has been idle, whose fresh
 # memory the kernel may have to get back from a virtual machine's host
-# first (docs/replay-speed-log.md, "Stop 25").
+# first.
 set -eu
 old=${1:?usage: scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]}
 new=${2:-}
@@ -88,7 +88,7 @@ for line in sys.stdin:
     build, trace, s = line.split()
     bests.setdefault((trace, build), []).append(float(s))
 # Per round, each build's best of 40; over the rounds, the least and the
-# first quartile (a slow stretch of the VM that hits a few rounds moves the
+# first quartile (a slow stretch of the machine that hits a few rounds moves the
 # quartile less than the median, and the least alone can be one lucky round).
 def q25(v):
     v = sorted(v)

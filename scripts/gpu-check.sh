@@ -26,8 +26,8 @@ step() { # name, command...
 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step test_cuda_driver env GCALLOC_REQUIRE_GPU=1 CMOCKA_MESSAGE_OUTPUT=stdout "$build/tests/test_cuda_driver"
 step bench_cuda "$build/gcalloc" bench-cuda
-# The replay's speed on a machine other than the project's 2-core VM, back
-# to back and once after 4 s idle (docs/replay-speed-log.md, "Stop 25"): the traces
+# The replay's speed on the device machine's processors (a regression
+# check, docs/benchmarks.md), back to back and once after 4 s idle: the traces
 # are ../shared/traces, or where TRACES says (a copy carried to a device
 # machine, which has no ../shared); skipped when there are none.
 traces=${TRACES:-../shared/traces}

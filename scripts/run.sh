@@ -15,7 +15,7 @@ scripts/install-deps.sh
 # Release, with GCC's profile-guided optimization trained on a synthetic
 # snapshot (scripts/build-pgo.sh): the replay of the real snapshots takes
 # 5-8% fewer instructions than a plain Release build, which takes 4% fewer
-# than RelWithDebInfo with the profile (docs/replay-speed-log.md, "Stop 34").
+# than RelWithDebInfo with the profile (docs/benchmarks.md).
 scripts/build-pgo.sh build
 
 trace=../shared/traces/ZidongLiu__DeComFL/memory.pickle

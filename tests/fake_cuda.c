@@ -1,5 +1,5 @@
 /* A test double of the CUDA driver: the entry points gcalloc's cuda backend
- * loads (src/backend/cuda.c), implemented on host memory, so CI exercises
+ * loads (src/backends/cuda.c), implemented on host memory, so CI exercises
  * the whole backend without a GPU. Loaded through GCALLOC_CUDA_DRIVER or
  * "cuda:driver=PATH"; a test that dlopens the same file gets the same copy
  * and drives it with the fakecuda_* functions below.

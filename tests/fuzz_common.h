@@ -3,8 +3,8 @@
 #ifndef GCALLOC_FUZZ_COMMON_H
 #define GCALLOC_FUZZ_COMMON_H
 
-#include "export/replay.h"
-#include "export/trace.h"
+#include "replay/replay.h"
+#include "replay/trace.h"
 
 static inline void fuzz_replay_small(const trace_t *t) {
   if (t->count > 4096) return;

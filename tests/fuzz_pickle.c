@@ -14,10 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "export/pickle.h"
-#include "export/replay.h"
-#include "export/trace.h"
+#include "core/core.h"
+#include "replay/pickle.h"
+#include "replay/replay.h"
+#include "replay/trace.h"
 #include "fuzz_common.h"
 
 /* Walk the values reachable from v, as a reader of the tree would, up to a

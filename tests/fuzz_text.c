@@ -20,9 +20,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "internal.h"
-#include "export/replay.h"
-#include "export/trace.h"
+#include "core/core.h"
+#include "replay/replay.h"
+#include "replay/trace.h"
 #include "fuzz_common.h"
 
 static int input_fd = -1;

@@ -12,7 +12,9 @@
 #include <string.h>
 #include <cmocka.h>
 
-#include "internal.h"
+#include "core/core.h"
+#include "host/host.h"
+#include "observe/observe.h"
 
 #define MiB ((size_t)1 << 20)
 #define KiB ((size_t)1 << 10)
@@ -58,7 +60,7 @@ static inline void assert_census_counts_equal(const page_census_t *a, const page
 
 static inline sim_counters_t sim_counters(gca_allocator_t *a, int device) {
   sim_counters_t c;
-  assert_int_equal(sim_get_counters(&a->backend, device, &c), GCA_OK);
+  assert_int_equal(gca__sim_get_counters(&a->backend, device, &c), GCA_OK);
   return c;
 }
 

@@ -25,8 +25,8 @@ static int teardown(void **state) {
 
 static config_t apply_ok(const char *text) {
   config_t c;
-  config_defaults(&c);
-  int rc = config_apply(&c, text, NULL);
+  gca__config_defaults(&c);
+  int rc = gca__config_apply(&c, text, NULL);
   if (rc) fprintf(stderr, "unexpected error for '%s': %s\n", text, gca_last_error());
   assert_int_equal(rc, GCA_OK);
   return c;
@@ -35,10 +35,10 @@ static config_t apply_ok(const char *text) {
 /* Fails, names every fragment given, and leaves the config untouched. */
 static void apply_bad(const char *text, const char *frag1, const char *frag2) {
   config_t c, before;
-  config_defaults(&c);
-  assert_int_equal(config_apply(&c, "max_split_size_mb:64", NULL), GCA_OK);
+  gca__config_defaults(&c);
+  assert_int_equal(gca__config_apply(&c, "max_split_size_mb:64", NULL), GCA_OK);
   before = c;
-  assert_int_equal(config_apply(&c, text, NULL), GCA_ERR_CONFIG);
+  assert_int_equal(gca__config_apply(&c, text, NULL), GCA_ERR_CONFIG);
   assert_int_equal(gca_last_status(), GCA_ERR_CONFIG);
   if (frag1) assert_contains(gca_last_error(), frag1);
   if (frag2) assert_contains(gca_last_error(), frag2);
@@ -281,10 +281,10 @@ static void test_default_log_prints_once(void **state) {
   int saved = dup(2);
   dup2(fileno(tmp), 2);
   config_t c;
-  config_defaults(&c);
-  config_apply(&c, "some_unknown_key_for_dedup:1", NULL);
-  config_apply(&c, "some_unknown_key_for_dedup:1", NULL);
-  config_apply(&c, "another_unknown_key_for_dedup:1", NULL);
+  gca__config_defaults(&c);
+  gca__config_apply(&c, "some_unknown_key_for_dedup:1", NULL);
+  gca__config_apply(&c, "some_unknown_key_for_dedup:1", NULL);
+  gca__config_apply(&c, "another_unknown_key_for_dedup:1", NULL);
   fflush(stderr);
   dup2(saved, 2);
   close(saved);

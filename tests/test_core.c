@@ -337,7 +337,7 @@ static void test_devices_are_separate(void **state) {
 static void test_zero_size_and_usable_size(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim", NULL);
-  set_error(GCA_ERR_IO, "stale");
+  gca__set_error(GCA_ERR_IO, "stale");
   assert_null(gca_malloc(a, 0, 0, 0));
   assert_int_equal(gca_last_status(), GCA_OK);
   void *p = gca_malloc(a, 1000, 0, 0);

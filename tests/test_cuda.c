@@ -407,7 +407,7 @@ static void test_peer_access_to_mappings(void **state) {
 
 /* The statistics, the cache checked first. */
 static gca_host_stats_t checked_host_stats(gca_allocator_t *a) {
-  assert_int_equal(host_cache_check(a), GCA_OK);
+  assert_int_equal(gca__host_cache_check(a), GCA_OK);
   return host_stats(a);
 }
 

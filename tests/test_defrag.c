@@ -229,7 +229,7 @@ static void test_sim_virtual_memory(void **state) {
   assert_int_equal(sim_counters(a, 0).vm_mapped, 0);
   /* Unmapping memory that queued work uses is a hazard. */
   assert_int_equal(ops->vm_map(st, 0, va + 10 * MiB, 4 * MiB, h1), GCA_OK);
-  assert_int_equal(sim_launch(&a->backend, 0, S1, 1000, va + 10 * MiB, 4096), GCA_OK);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, S1, 1000, va + 10 * MiB, 4096), GCA_OK);
   assert_int_equal(ops->vm_unmap(st, 0, va + 10 * MiB, 4 * MiB), GCA_ERR_CORRUPT);
   assert_int_equal(sim_counters(a, 0).hazards, 1);
   assert_int_equal(ops->vm_destroy(st, 0, h1), GCA_OK);
@@ -434,8 +434,8 @@ static void test_unmap_waits_for_stream(void **state) {
     gca_allocator_t *a = open_sim("sim:capacity=100MiB", confs[k]);
     void *p[5];
     for (int i = 0; i < 5; i++) assert_non_null(p[i] = gca_malloc(a, 20 * MiB, 0, S1));
-    assert_int_equal(sim_launch(&a->backend, 0, S1, 5000, (uintptr_t)p[1], 20 * MiB), GCA_OK);
-    assert_int_equal(sim_launch(&a->backend, 0, S1, 5000, (uintptr_t)p[3], 20 * MiB), GCA_OK);
+    assert_int_equal(gca__sim_launch(&a->backend, 0, S1, 5000, (uintptr_t)p[1], 20 * MiB), GCA_OK);
+    assert_int_equal(gca__sim_launch(&a->backend, 0, S1, 5000, (uintptr_t)p[3], 20 * MiB), GCA_OK);
     /* Freed on their own stream: back in the cache at once, work pending. */
     assert_int_equal(gca_free(a, p[1]), GCA_OK);
     assert_int_equal(gca_free(a, p[3]), GCA_OK);
@@ -445,7 +445,7 @@ static void test_unmap_waits_for_stream(void **state) {
     sim_counters_t c = sim_counters(a, 0);
     assert_int_equal(c.hazards, 0);
     assert_true(c.host_waits > waits);
-    assert_true(sim_now(&a->backend) >= 10000); /* the host waited for the work */
+    assert_true(gca__sim_now(&a->backend) >= 10000); /* the host waited for the work */
     assert_consistent(a);
     gca_close(a);
   }
@@ -459,7 +459,7 @@ static void test_streams_have_own_segments(void **state) {
   void *y = gca_malloc(a, 4 * MiB, 0, S2);
   assert_true((uintptr_t)y - (uintptr_t)x >= 9 * 1024 * MiB || (uintptr_t)x - (uintptr_t)y >= 9 * 1024 * MiB);
   assert_int_equal(gca_record_stream(a, x, S2), GCA_OK);
-  assert_int_equal(sim_launch(&a->backend, 0, S2, 1000, (uintptr_t)x, 4 * MiB), GCA_OK);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, S2, 1000, (uintptr_t)x, 4 * MiB), GCA_OK);
   assert_int_equal(gca_free(a, x), GCA_OK); /* pending: an event on S2 */
   assert_int_equal(gca_empty_cache(a, 0), GCA_OK); /* waits for it, then unmaps */
   sim_counters_t c = sim_counters(a, 0);
@@ -505,14 +505,14 @@ static void test_history_and_snapshot(void **state) {
  * peak) are the walk's, field by field. */
 static void assert_counts_match(gca_allocator_t *a, const page_census_t *walked) {
   page_census_t kept;
-  expandable_census_counts(&a->devices[0], &kept);
+  gca__expandable_census_counts(&a->devices[0], &kept);
   assert_null(kept.maps);
   assert_census_counts_equal(&kept, walked);
 }
 
 static page_census_t census_of(gca_allocator_t *a) {
   page_census_t c;
-  assert_int_equal(expandable_census(&a->devices[0], true, &c), GCA_OK);
+  assert_int_equal(gca__expandable_census(&a->devices[0], true, &c), GCA_OK);
   assert_counts_match(a, &c);
   return c;
 }
@@ -552,7 +552,7 @@ static void test_page_census(void **state) {
     assert_int_equal(r->runs[i].size, want[i].size);
     assert_int_equal(r->runs[i].state, want[i].state);
   }
-  page_census_free(&c);
+  gca__page_census_free(&c);
   assert_int_equal(a->devices[0].pages_mapped, 5);
   assert_int_equal(a->devices[0].pages_unmapped, 2);
   /* Freeing the first block leaves pages 0 and 1 mapped and wholly free:
@@ -563,20 +563,20 @@ static void test_page_census(void **state) {
   assert_int_equal(c.free_bytes, 40 * MiB);
   assert_int_equal(c.maps[0].run_count, 3);
   assert_int_equal(c.maps[0].runs[0].size, 40 * MiB);
-  page_census_free(&c);
+  gca__page_census_free(&c);
   /* Without maps: the same counts, no runs. */
-  assert_int_equal(expandable_census(&a->devices[0], false, &c), GCA_OK);
+  assert_int_equal(gca__expandable_census(&a->devices[0], false, &c), GCA_OK);
   assert_null(c.maps);
   assert_int_equal(c.mapped_pages, 3);
   assert_int_equal(c.unmapped_pages, 2);
-  page_census_free(&c);
+  gca__page_census_free(&c);
   /* Everything released: the range is given back, nothing to count. */
   assert_int_equal(gca_free(a, pc), GCA_OK);
   assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
   c = census_of(a);
   assert_int_equal(c.ranges, 0);
   assert_int_equal(c.mapped_pages + c.unmapped_pages, 0);
-  page_census_free(&c);
+  gca__page_census_free(&c);
   assert_int_equal(a->devices[0].pages_unmapped, 5);
   assert_consistent(a);
   gca_close(a);
@@ -607,7 +607,7 @@ static size_t random_size(void) {
 }
 
 static void launch(gca_allocator_t *a, gca_stream_t s, const slot_t *sl) {
-  int rc = sim_launch(&a->backend, 0, s, below(3000), (uintptr_t)sl->ptr, sl->usable);
+  int rc = gca__sim_launch(&a->backend, 0, s, below(3000), (uintptr_t)sl->ptr, sl->usable);
   if (rc) fprintf(stderr, "%s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
 }
@@ -630,7 +630,7 @@ static void assert_census_agrees(gca_allocator_t *a) {
     assert_int_equal(r->extent, (r->mapped_pages + r->unmapped_pages) * r->page_size);
     assert_true(r->free_pages <= r->mapped_pages);
   }
-  page_census_free(&c);
+  gca__page_census_free(&c);
 }
 
 static void run(const char *conf, uint64_t seed, int ops) {
@@ -670,7 +670,7 @@ static void run(const char *conf, uint64_t seed, int ops) {
       assert_int_equal(gca_free(a, sl->ptr), GCA_OK);
       sl->ptr = NULL;
     } else if (r < 97) {
-      sim_advance(&a->backend, below(4000));
+      gca__sim_advance(&a->backend, below(4000));
     } else if (r < 99) {
       assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
     } else {

@@ -15,8 +15,8 @@
 #include <json-c/json.h>
 
 #include "helpers.h"
-#include "export/pickle.h"
-#include "export/trace.h"
+#include "replay/pickle.h"
+#include "replay/trace.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define UNDER_ASAN 1
@@ -175,7 +175,8 @@ static void test_cap_on_decompressed_input(void **state) {
   gzFile g = gzopen(path, "wb");
   assert_non_null(g);
   gzprintf(g, "# gcalloc trace 2\n1 1 open 0 sim -\n");
-  for (int i = 0; i < 100000; i++) gzprintf(g, "%d 1 malloc 0 0 0 4096 %x\n%d 1 free 0 %x 0\n", i, 0x1000 + i, i, 0x1000 + i);
+  for (int i = 0; i < 100000; i++)
+    gzprintf(g, "%d 1 malloc 0 0 0 4096 %x\n%d 1 free 0 %x 0\n", i, 0x1000 + i, i, 0x1000 + i);
   gzclose(g);
   outcome_t o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES=1MiB");
   assert_false(o.crashed);

@@ -1,4 +1,4 @@
-/* The kept helper threads (src/helpers.c) that the trace reader and the
+/* The kept helper threads (src/base/helpers.c) that the trace reader and the
  * replay run their parallel steps on: every job submitted runs exactly
  * once, or is taken back unrun and says so; chores run without anyone
  * waiting; many threads submit at once; the pool has a ceiling and refuses
@@ -37,11 +37,11 @@ static void test_jobs_run_once(void **state) {
     c[i] = (counted_t){.total = &total};
     atomic_init(&c[i].runs, 0);
     jobs[i] = (helper_job_t){.run = count_run, .arg = &c[i]};
-    submitted += helper_submit(&jobs[i]);
+    submitted += gca__helper_submit(&jobs[i]);
   }
   assert_int_equal(submitted, 16);
   for (int i = 0; i < 16; i++) {
-    bool did = helper_wait(&jobs[i]);
+    bool did = gca__helper_wait(&jobs[i]);
     assert_int_equal(atomic_load(&c[i].runs), did ? 1 : 0);
     ran += did;
   }
@@ -57,8 +57,8 @@ static void test_wait_takes_back_or_waits(void **state) {
     counted_t c = {0};
     atomic_init(&c.runs, 0);
     helper_job_t job = {.run = count_run, .arg = &c};
-    assert_true(helper_submit(&job));
-    bool did = helper_wait(&job);
+    assert_true(gca__helper_submit(&job));
+    bool did = gca__helper_wait(&job);
     assert_int_equal(atomic_load(&c.runs), did ? 1 : 0);
     taken_back += !did;
   }
@@ -75,7 +75,7 @@ static void test_chores_run(void **state) {
   for (int i = 0; i < 100; i++) {
     c[i] = (counted_t){.total = &total};
     atomic_init(&c[i].runs, 0);
-    if (!helper_detach(count_run, &c[i])) {
+    if (!gca__helper_detach(count_run, &c[i])) {
       count_run(&c[i]);
       inline_runs++;
     }
@@ -104,8 +104,8 @@ static void *submit_many(void *arg) {
     counted_t c = {.total = s->total};
     atomic_init(&c.runs, 0);
     helper_job_t job = {.run = count_run, .arg = &c};
-    if (!helper_submit(&job)) continue;
-    if (helper_wait(&job)) s->ran++;
+    if (!gca__helper_submit(&job)) continue;
+    if (gca__helper_wait(&job)) s->ran++;
     else count_run(&c); /* taken back: the caller does it, as the replay does */
     if (atomic_load(&c.runs) != 1) abort();
   }
@@ -138,7 +138,7 @@ static void test_ceiling(void **state) {
     c[i] = (counted_t){.total = &total, .hold = &hold};
     atomic_init(&c[i].runs, 0);
     jobs[i] = (helper_job_t){.run = count_run, .arg = &c[i]};
-    if (!helper_submit(&jobs[i])) break;
+    if (!gca__helper_submit(&jobs[i])) break;
     accepted++;
     /* Each held job has a thread before the next is submitted, so that the
      * count does not depend on how fast threads start. */
@@ -147,7 +147,7 @@ static void test_ceiling(void **state) {
   assert_int_equal(accepted, GCA_HELPERS_MAX);
   assert_int_equal(atomic_load(&c[GCA_HELPERS_MAX].runs), 0);
   atomic_store(&hold, false);
-  for (int i = 0; i < accepted; i++) assert_true(helper_wait(&jobs[i]));
+  for (int i = 0; i < accepted; i++) assert_true(gca__helper_wait(&jobs[i]));
   assert_int_equal(atomic_load(&total), GCA_HELPERS_MAX);
 }
 
@@ -167,16 +167,16 @@ static void test_fork_child_has_own_pool(void **state) {
   counted_t warm = {0};
   atomic_init(&warm.runs, 0);
   helper_job_t job = {.run = count_run, .arg = &warm};
-  assert_true(helper_submit(&job)); /* the parent has threads */
-  helper_wait(&job);
+  assert_true(gca__helper_submit(&job)); /* the parent has threads */
+  gca__helper_wait(&job);
   pid_t child = fork();
   assert_true(child >= 0);
   if (child == 0) {
     counted_t c = {0};
     atomic_init(&c.runs, 0);
     helper_job_t mine = {.run = count_run, .arg = &c};
-    if (!helper_submit(&mine)) _exit(2);
-    bool did = helper_wait(&mine);
+    if (!gca__helper_submit(&mine)) _exit(2);
+    bool did = gca__helper_wait(&mine);
     _exit(atomic_load(&c.runs) == (did ? 1 : 0) ? 0 : 3);
   }
   int status = 0;
@@ -221,12 +221,12 @@ static void test_threads_keep_the_creators_processors(void **state) {
     seen[i] = (affinity_seen_t){.hold = &hold, .got = -1};
     atomic_init(&seen[i].recorded, false);
     jobs[i] = (helper_job_t){.run = record_affinity, .arg = &seen[i]};
-    assert_true(helper_submit(&jobs[i]));
+    assert_true(gca__helper_submit(&jobs[i]));
     while (!atomic_load(&seen[i].recorded)) sched_yield(); /* its thread holds it: the next needs another */
   }
   atomic_store(&hold, false);
   for (int i = 0; i < HELD; i++) {
-    assert_true(helper_wait(&jobs[i]));
+    assert_true(gca__helper_wait(&jobs[i]));
     assert_int_equal(seen[i].got, 0);
     assert_true(CPU_EQUAL(&seen[i].set, &mine));
   }
@@ -251,8 +251,8 @@ static void test_one_processor_allowed(void **state) {
     affinity_seen_t a = {.hold = &hold, .got = -1};
     atomic_init(&a.recorded, false);
     helper_job_t job = {.run = record_affinity, .arg = &a};
-    if (!helper_submit(&job)) _exit(2);
-    bool did = helper_wait(&job);
+    if (!gca__helper_submit(&job)) _exit(2);
+    bool did = gca__helper_wait(&job);
     if (!did) record_affinity(&a); /* taken back: the caller runs it */
     _exit(a.got == 0 && CPU_EQUAL(&a.set, &one) ? 0 : 3);
   }
@@ -267,14 +267,14 @@ static void test_processors_usable(void **state) {
   (void)state;
   cpu_set_t had, one;
   assert_int_equal(sched_getaffinity(0, sizeof had, &had), 0);
-  assert_int_equal(processors_usable(), CPU_COUNT(&had));
+  assert_int_equal(gca__processors_usable(), CPU_COUNT(&had));
   CPU_ZERO(&one);
   int cpu = sched_getcpu();
   CPU_SET(cpu >= 0 ? cpu : 0, &one);
   if (sched_setaffinity(0, sizeof one, &one) != 0) skip(); /* (not allowed here: nothing to check) */
-  assert_int_equal(processors_usable(), 1);
+  assert_int_equal(gca__processors_usable(), 1);
   assert_int_equal(sched_setaffinity(0, sizeof had, &had), 0);
-  assert_int_equal(processors_usable(), CPU_COUNT(&had));
+  assert_int_equal(gca__processors_usable(), CPU_COUNT(&had));
 }
 #endif
 

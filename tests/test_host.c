@@ -22,7 +22,7 @@
 #define S3 ((gca_stream_t)0x300)
 
 static void assert_host_consistent(gca_allocator_t *a) {
-  int rc = host_cache_check(a);
+  int rc = gca__host_cache_check(a);
   if (rc != GCA_OK) fprintf(stderr, "host invariant broken: %s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
 }
@@ -31,7 +31,7 @@ static void assert_host_consistent(gca_allocator_t *a) {
  * pinned memory would; the sim reports a hazard if unordered work of
  * another stream still uses it. */
 static int copy_on(gca_allocator_t *a, gca_stream_t stream, void *p, size_t size, uint64_t ns) {
-  return sim_launch(&a->backend, 0, stream, ns, (uintptr_t)p, size);
+  return gca__sim_launch(&a->backend, 0, stream, ns, (uintptr_t)p, size);
 }
 
 static void test_power_of_two_classes(void **state) {
@@ -130,7 +130,7 @@ static void test_reuse_waits_for_streams(void **state) {
   assert_true(q != p);
   assert_int_equal(copy_on(a, S2, q, 64 * KiB, 10), GCA_OK);
   assert_int_equal(gca_host_free(a, q), GCA_OK); /* not used on a recorded stream: cached at once */
-  sim_advance(&a->backend, 1000);
+  gca__sim_advance(&a->backend, 1000);
   /* The malloc collects p's completed event first, which makes p the most
    * recently returned block: p, then q. */
   char *again = gca_host_malloc(a, 64 * KiB);
@@ -142,7 +142,7 @@ static void test_reuse_waits_for_streams(void **state) {
   assert_int_equal(s.segment.current, 2);
   assert_int_equal(sim_counters(a, 0).hazards, 0);
   assert_host_consistent(a);
-  sim_advance(&a->backend, 10); /* the last copy is done before closing */
+  gca__sim_advance(&a->backend, 10); /* the last copy is done before closing */
   gca_close(a);
 }
 
@@ -159,7 +159,7 @@ static void test_missing_record_stream_is_a_hazard(void **state) {
   assert_int_not_equal(copy_on(a, S2, q, 4096, 10), GCA_OK);
   assert_contains(gca_last_error(), "hazard");
   assert_int_equal(sim_counters(a, 0).hazards, 1);
-  sim_advance(&a->backend, 1000); /* let the copies finish before closing */
+  gca__sim_advance(&a->backend, 1000); /* let the copies finish before closing */
   gca_close(a);
 }
 
@@ -178,7 +178,7 @@ static void test_miss_finds_finished_block_of_its_size(void **state) {
   assert_int_equal(gca_host_free(a, slow), GCA_OK);
   assert_int_equal(gca_host_free(a, other), GCA_OK);
   assert_int_equal(gca_host_free(a, fast), GCA_OK);
-  sim_advance(&a->backend, 200);
+  gca__sim_advance(&a->backend, 200);
   assert_int_equal(host_stats(a).pending_blocks, 3);
   /* The head of the queue (slow) is not done: in-order collection frees nothing. */
   void *p = gca_host_malloc(a, 1024);
@@ -187,7 +187,7 @@ static void test_miss_finds_finished_block_of_its_size(void **state) {
   assert_int_equal(s.segment.current, 3); /* nothing new pinned */
   assert_int_equal(s.pending_blocks, 2);  /* slow, and other (another size: not asked about) */
   assert_host_consistent(a);
-  sim_advance(&a->backend, 10000);
+  gca__sim_advance(&a->backend, 10000);
   assert_int_equal(gca_host_empty_cache(a), GCA_OK); /* collects both, unpins both */
   s = host_stats(a);
   assert_int_equal(s.pending_blocks, 0);
@@ -226,7 +226,7 @@ static void test_empty_cache_and_is_pinned(void **state) {
   assert_int_equal(sim_counters(a, 0).host_live, 2);
   assert_int_equal(gca_host_is_pinned(a, cached, &pinned), GCA_OK);
   assert_int_equal(pinned, 0);
-  sim_advance(&a->backend, 500);
+  gca__sim_advance(&a->backend, 500);
   assert_int_equal(gca_host_empty_cache(a), GCA_OK);
   assert_int_equal(host_stats(a).segment.current, 1);
   assert_int_equal(gca_host_free(a, live), GCA_OK);
@@ -325,7 +325,7 @@ static void test_event_failures(void **state) {
   uint64_t waits = sim_counters(a, 0).host_waits;
   assert_int_equal(gca_host_free(a, p), GCA_OK);
   assert_int_equal(sim_counters(a, 0).host_waits, waits + 1);
-  assert_true(sim_now(&a->backend) >= 700);
+  assert_true(gca__sim_now(&a->backend) >= 700);
   gca_host_stats_t s = host_stats(a);
   assert_int_equal(s.num_event_errors, 1);
   assert_int_equal(s.cached_bytes, 4096);
@@ -373,7 +373,7 @@ static void test_query_failure(void **state) {
   assert_int_equal(b->ops->event_query(b->state, 0, first), BACKEND_NOT_READY);
   b->ops->event_destroy(b->state, 0, first);
   assert_ptr_equal(gca_host_malloc(a, 4096), p); /* query failed, stream waited, block reused */
-  assert_true(sim_now(&a->backend) >= 700);
+  assert_true(gca__sim_now(&a->backend) >= 700);
   assert_int_equal(host_stats(a).num_event_errors, 1);
   assert_host_consistent(a);
   gca_close(a);
@@ -498,7 +498,7 @@ static void test_background_collection(void **state) {
     assert_int_equal(gca_host_record_stream(a, p, 0, S1), GCA_OK);
     assert_int_equal(gca_host_free(a, p), GCA_OK);
     assert_int_equal(host_stats(a).pending_blocks, 1);
-    sim_advance(&a->backend, 500); /* the copy is done */
+    gca__sim_advance(&a->backend, 500); /* the copy is done */
     /* Up to 2 s for the thread's next round (every 100 us). */
     gca_host_stats_t s = host_stats(a);
     for (int i = 0; i < 2000 && s.pending_blocks; i++) {
@@ -551,12 +551,12 @@ static void test_fork_with_background_thread(void **state) {
           gca_host_free(a, p) != GCA_OK)
         _exit(2);
       /* Both copies done: the child's own collector takes both blocks back. */
-      sim_advance(&a->backend, 1000000);
+      gca__sim_advance(&a->backend, 1000000);
       for (int i = 0; i < 2000 && host_stats(a).pending_blocks; i++) {
         struct timespec pause = {0, 1000000};
         nanosleep(&pause, NULL);
       }
-      if (host_stats(a).pending_blocks != 0 || host_cache_check(a) != GCA_OK) _exit(3);
+      if (host_stats(a).pending_blocks != 0 || gca__host_cache_check(a) != GCA_OK) _exit(3);
       gca_close(a);
       _exit(0);
     }
@@ -579,7 +579,7 @@ static void test_launch_blocking(void **state) {
   assert_int_equal(gca_host_record_stream(a, p, 0, S1), GCA_OK);
   assert_int_equal(gca_host_free(a, p), GCA_OK);
   /* The free waited for the copy: the block is cached already. */
-  assert_true(sim_now(&a->backend) >= 900);
+  assert_true(gca__sim_now(&a->backend) >= 900);
   assert_int_equal(host_stats(a).pending_blocks, 0);
   assert_int_equal(host_stats(a).num_event_errors, 0);
   assert_ptr_equal(gca_host_malloc(a, 4096), p);
@@ -675,7 +675,7 @@ static void test_random(void **state) {
         break;
       }
       case 12: case 13:
-        sim_advance(&a->backend, next_random(&rng) % 1500);
+        gca__sim_advance(&a->backend, next_random(&rng) % 1500);
         break;
       case 14:
         if (r % 7 == 0) assert_int_equal(gca_host_empty_cache(a), GCA_OK);
@@ -695,8 +695,8 @@ static void test_random(void **state) {
     }
     /* Let every copy finish, then everything cached goes back. */
     for (int k = 0; k < 3; k++) {
-      uint64_t ready = sim_stream_ready_at(&a->backend, 0, streams[k]), now = sim_now(&a->backend);
-      if (ready > now) sim_advance(&a->backend, ready - now);
+      uint64_t ready = gca__sim_stream_ready_at(&a->backend, 0, streams[k]), now = gca__sim_now(&a->backend);
+      if (ready > now) gca__sim_advance(&a->backend, ready - now);
     }
     assert_int_equal(gca_host_empty_cache(a), GCA_OK);
     gca_host_stats_t s = host_stats(a);

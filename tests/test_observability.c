@@ -11,9 +11,9 @@
 #include <unistd.h>
 
 #include "helpers.h"
-#include "export/record.h"
-#include "export/replay.h"
-#include "export/trace.h"
+#include "replay/record.h"
+#include "replay/replay.h"
+#include "replay/trace.h"
 
 #define S1 ((gca_stream_t)0x100)
 #define S2 ((gca_stream_t)0x200)
@@ -152,7 +152,7 @@ static void test_snapshot_contents(void **state) {
   void *q = gca_malloc(a, 5 * MiB, 0, S2);     /* 20 MiB segment of S2, split */
   void *on1 = gca_malloc(a, 3 * MiB, 1, S1);   /* device 1 */
   assert_int_equal(gca_record_stream(a, q, S3), GCA_OK);
-  assert_int_equal(sim_launch(&a->backend, 0, S3, 1000, (uintptr_t)q, 5 * MiB), GCA_OK);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, S3, 1000, (uintptr_t)q, 5 * MiB), GCA_OK);
   assert_int_equal(gca_free(a, q), GCA_OK); /* pending */
   gca_snapshot_t *s;
   assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
@@ -305,7 +305,7 @@ static void test_export_pickle_and_json(void **state) {
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000), GCA_OK);
   void *p = gca_malloc(a, 1000, 0, S1), *q = gca_malloc(a, 5 * MiB, 0, S2), *r = gca_malloc(a, 3 * MiB, 1, S1);
   assert_int_equal(gca_record_stream(a, q, S3), GCA_OK);
-  assert_int_equal(sim_launch(&a->backend, 0, S3, 1000, (uintptr_t)q, 5 * MiB), GCA_OK);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, S3, 1000, (uintptr_t)q, 5 * MiB), GCA_OK);
   gca_free(a, q);
   gca_snapshot_t *s;
   assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
@@ -407,22 +407,22 @@ static void test_cxx_names_demangled(void **state) {
   (void)state;
   const char *mangled = "_ZN5torch4cuda22CUDAPluggableAllocator22CUDAPluggableAllocator6mallocEmaP11CUstream_st";
   arena_t ar = {0};
-  if (!find_demangler()) { /* not loaded yet: names stay as they are */
-    assert_string_equal(readable_name(&ar, NULL, mangled), mangled);
+  if (!gca__find_demangler()) { /* not loaded yet: names stay as they are */
+    assert_string_equal(gca__readable_name(&ar, NULL, mangled), mangled);
   }
   void *cxx = dlopen("libstdc++.so.6", RTLD_NOW | RTLD_LOCAL);
   if (!cxx) fprintf(stderr, "cannot load the C++ runtime: %s\n", dlerror());
   assert_non_null(cxx);
-  demangle_fn demangle = find_demangler();
+  demangle_fn demangle = gca__find_demangler();
   assert_non_null(demangle);
-  assert_string_equal(readable_name(&ar, demangle, mangled),
+  assert_string_equal(gca__readable_name(&ar, demangle, mangled),
                       "torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator::malloc(unsigned long, signed char, "
                       "CUstream_st*)");
   /* C names, and what is not a valid mangled name, are kept. */
-  assert_string_equal(readable_name(&ar, demangle, "gca_torch_malloc"), "gca_torch_malloc");
-  assert_string_equal(readable_name(&ar, demangle, "_Zbroken"), "_Zbroken");
-  assert_string_equal(readable_name(&ar, demangle, "??"), "??");
-  arena_free(&ar);
+  assert_string_equal(gca__readable_name(&ar, demangle, "gca_torch_malloc"), "gca_torch_malloc");
+  assert_string_equal(gca__readable_name(&ar, demangle, "_Zbroken"), "_Zbroken");
+  assert_string_equal(gca__readable_name(&ar, demangle, "??"), "??");
+  gca__arena_free(&ar);
 }
 
 /* ---- logging ------------------------------------------------------------ */
@@ -596,12 +596,12 @@ static int64_t run_pending_job(void) {
   gca_allocator_t *a = NULL;
   if (gca_open("sim:capacity=256MiB", NULL, &a) != GCA_OK) return -1;
   void *first = gca_malloc(a, 12 * MiB, 0, S1);
-  if (!first || sim_launch(&a->backend, 0, S2, 1000, (uintptr_t)first, 12 * MiB) != GCA_OK ||
+  if (!first || gca__sim_launch(&a->backend, 0, S2, 1000, (uintptr_t)first, 12 * MiB) != GCA_OK ||
       gca_record_stream(a, first, S2) != GCA_OK || gca_free(a, first) != GCA_OK)
     return -1;
   void *second = gca_malloc(a, 12 * MiB, 0, S1); /* S2's work runs on: a segment of its own */
   if (!second || second == first || gca_free(a, second) != GCA_OK) return -1;
-  sim_advance(&a->backend, 2000);
+  gca__sim_advance(&a->backend, 2000);
   void *third = gca_malloc(a, 12 * MiB, 0, S1); /* done now: either segment will do */
   gca_stats_t st;
   if (!third || gca_free(a, third) != GCA_OK || gca_get_stats(a, 0, &st) != GCA_OK) return -1;

@@ -8,7 +8,7 @@
 #include <sys/wait.h>
 
 #include "helpers.h"
-#include "export/replay.h"
+#include "replay/replay.h"
 
 static replay_options_t defaults(void) { return (replay_options_t){.device = -1, .infer_empty_cache = true, .match_segments = true}; }
 
@@ -358,7 +358,7 @@ static void test_gcalloc_trace_allocators(void **state) {
   FILE *f = fopen("/tmp/gcalloc-replay-shared.txt", "r");
   assert_non_null(f);
   size_t len;
-  unsigned char *text = read_stream(f, "the tool's output", &len);
+  unsigned char *text = gca__read_stream(f, "the tool's output", &len);
   fclose(f);
   assert_non_null(text);
   assert_contains((const char *)text, "\ndevice 1 (allocator 2's device 0): 4 operations replayed");

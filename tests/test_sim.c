@@ -7,7 +7,7 @@
 
 static backend_t open_backend(const char *spec) {
   backend_t b;
-  int rc = backend_open(spec, &b);
+  int rc = gca__backend_open(spec, &b);
   if (rc) fprintf(stderr, "%s: %s\n", spec, gca_last_error());
   assert_int_equal(rc, GCA_OK);
   return b;
@@ -18,7 +18,7 @@ static size_t total_of(const char *spec) {
   size_t f, t;
   assert_int_equal(b.ops->mem_get_info(b.state, 0, &f, &t), GCA_OK);
   assert_int_equal(f, t);
-  backend_close(&b);
+  gca__backend_close(&b);
   return t;
 }
 
@@ -80,13 +80,13 @@ static void test_capacity_and_address_reuse(void **state) {
   assert_int_equal(b.ops->free(b.state, 0, r, 2 * MiB), GCA_OK);
   assert_int_equal(b.ops->free(b.state, 0, r, 2 * MiB), GCA_ERR_BAD_POINTER);
   sim_counters_t c;
-  assert_int_equal(sim_get_counters(&b, 0, &c), GCA_OK);
+  assert_int_equal(gca__sim_get_counters(&b, 0, &c), GCA_OK);
   assert_int_equal(c.malloc_calls, 4);
   assert_int_equal(c.mallocs, 3);
   assert_int_equal(c.frees, 2);
   assert_int_equal(c.live, 1);
   assert_int_equal(c.used, 4 * MiB);
-  backend_close(&b);
+  gca__backend_close(&b);
 }
 
 /* Placement (sim_set_placement): an allocation of the next entry's size
@@ -102,7 +102,7 @@ static void test_placement(void **state) {
   assert_int_equal(b.ops->free(b.state, 1, first, 2 * MiB), GCA_OK);
   const uint64_t origin = 0x7f0000000000ull;
   const sim_place_t places[] = {{20 * MiB, origin + 64 * MiB}, {2 * MiB, origin}, {4 * MiB, origin + 64 * MiB}};
-  assert_int_equal(sim_set_placement(&b, 1, places, 3, origin), GCA_OK);
+  assert_int_equal(gca__sim_set_placement(&b, 1, places, 3, origin), GCA_OK);
   assert_int_equal(b.ops->malloc(b.state, 1, 6 * MiB, &fit), GCA_OK); /* not the next entry's size */
   assert_int_equal(fit, first);
   assert_int_equal(b.ops->malloc(b.state, 1, 20 * MiB, &at), GCA_OK);
@@ -114,22 +114,22 @@ static void test_placement(void **state) {
   /* Freed ranges merge around a placed one as around any other. */
   assert_int_equal(b.ops->free(b.state, 1, at, 20 * MiB), GCA_OK);
   const sim_place_t back[] = {{8 * MiB, origin + 70 * MiB}};
-  assert_int_equal(sim_set_placement(&b, 1, back, 1, origin), GCA_OK);
+  assert_int_equal(gca__sim_set_placement(&b, 1, back, 1, origin), GCA_OK);
   assert_int_equal(b.ops->malloc(b.state, 1, 8 * MiB, &at), GCA_OK);
   assert_int_equal(at, first + 70 * MiB);
   /* An address below the origin is left to first fit. */
   const sim_place_t below[] = {{2 * MiB, origin - 4 * MiB}};
-  assert_int_equal(sim_set_placement(&b, 1, below, 1, origin), GCA_OK);
+  assert_int_equal(gca__sim_set_placement(&b, 1, below, 1, origin), GCA_OK);
   assert_int_equal(b.ops->malloc(b.state, 1, 2 * MiB, &again), GCA_OK);
   assert_int_equal(again, first + 12 * MiB);
   sim_counters_t c;
-  assert_int_equal(sim_get_counters(&b, 1, &c), GCA_OK);
+  assert_int_equal(gca__sim_get_counters(&b, 1, &c), GCA_OK);
   assert_int_equal(c.live, 5);
-  backend_close(&b);
+  gca__backend_close(&b);
   backend_t one;
-  assert_int_equal(backend_open("sim", &one), GCA_OK);
-  assert_int_equal(sim_set_placement(&one, 5, places, 1, origin), GCA_ERR_INVALID); /* no device 5 */
-  backend_close(&one);
+  assert_int_equal(gca__backend_open("sim", &one), GCA_OK);
+  assert_int_equal(gca__sim_set_placement(&one, 5, places, 1, origin), GCA_ERR_INVALID); /* no device 5 */
+  gca__backend_close(&one);
 }
 
 static void test_fail_at_is_transient(void **state) {
@@ -171,7 +171,7 @@ static int failure_pattern(const char *spec, char *pattern, int n) {
     failures += rc != GCA_OK;
   }
   pattern[n] = '\0';
-  backend_close(&b);
+  gca__backend_close(&b);
   return failures;
 }
 

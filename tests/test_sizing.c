@@ -5,57 +5,57 @@
 
 static config_t with(const char *text) {
   config_t c;
-  config_defaults(&c);
-  assert_int_equal(config_apply(&c, text, NULL), GCA_OK);
+  gca__config_defaults(&c);
+  assert_int_equal(gca__config_apply(&c, text, NULL), GCA_OK);
   return c;
 }
 
 static void test_round_default(void **state) {
   (void)state;
   config_t c = with("");
-  assert_int_equal(round_size(&c, 0), 512);
-  assert_int_equal(round_size(&c, 1), 512);
-  assert_int_equal(round_size(&c, 511), 512);
-  assert_int_equal(round_size(&c, 512), 512);
-  assert_int_equal(round_size(&c, 513), 1024);
-  assert_int_equal(round_size(&c, 1000), 1024);
-  assert_int_equal(round_size(&c, 4096), 4096);
-  assert_int_equal(round_size(&c, 1048576), 1048576);
-  assert_int_equal(round_size(&c, 1048577), 1049088);
-  assert_int_equal(round_size(&c, (size_t)5 << 30), (size_t)5 << 30);
+  assert_int_equal(gca__round_size(&c, 0), 512);
+  assert_int_equal(gca__round_size(&c, 1), 512);
+  assert_int_equal(gca__round_size(&c, 511), 512);
+  assert_int_equal(gca__round_size(&c, 512), 512);
+  assert_int_equal(gca__round_size(&c, 513), 1024);
+  assert_int_equal(gca__round_size(&c, 1000), 1024);
+  assert_int_equal(gca__round_size(&c, 4096), 4096);
+  assert_int_equal(gca__round_size(&c, 1048576), 1048576);
+  assert_int_equal(gca__round_size(&c, 1048577), 1049088);
+  assert_int_equal(gca__round_size(&c, (size_t)5 << 30), (size_t)5 << 30);
 }
 
 static void test_round_overflow(void **state) {
   (void)state;
   config_t c = with("");
-  assert_int_equal(round_size(&c, SIZE_MAX), 0);
-  assert_int_equal(round_size(&c, SIZE_MAX - 510), 0);
-  assert_int_equal(round_size(&c, SIZE_MAX - 511), SIZE_MAX - 511); /* already a multiple of 512 */
+  assert_int_equal(gca__round_size(&c, SIZE_MAX), 0);
+  assert_int_equal(gca__round_size(&c, SIZE_MAX - 510), 0);
+  assert_int_equal(gca__round_size(&c, SIZE_MAX - 511), SIZE_MAX - 511); /* already a multiple of 512 */
   c = with("roundup_power2_divisions:2");
-  assert_int_equal(round_size(&c, SIZE_MAX), 0);
+  assert_int_equal(gca__round_size(&c, SIZE_MAX), 0);
 }
 
 static void test_division_steps(void **state) {
   (void)state;
-  assert_int_equal(round_to_division(1200, 4), 1280); /* the reference's example */
-  assert_int_equal(round_to_division(1024, 4), 1024); /* powers of two stay */
-  assert_int_equal(round_to_division(5000, 4), 5120);
-  assert_int_equal(round_to_division(5120, 4), 5120);
-  assert_int_equal(round_to_division(3, 8), 4);       /* step 0: next power of two */
-  assert_int_equal(round_to_division(1048577, 8), 1179648);
+  assert_int_equal(gca__round_to_division(1200, 4), 1280); /* the reference's example */
+  assert_int_equal(gca__round_to_division(1024, 4), 1024); /* powers of two stay */
+  assert_int_equal(gca__round_to_division(5000, 4), 5120);
+  assert_int_equal(gca__round_to_division(5120, 4), 5120);
+  assert_int_equal(gca__round_to_division(3, 8), 4);       /* step 0: next power of two */
+  assert_int_equal(gca__round_to_division(1048577, 8), 1179648);
 }
 
 static void test_round_single_division(void **state) {
   (void)state;
   config_t c = with("roundup_power2_divisions:4");
   for (int i = 0; i < ROUNDUP_INTERVALS; i++) assert_int_equal(c.roundup_divisions[i], 4);
-  assert_int_equal(round_size(&c, 1200), 1536);    /* not above 512 * 4: plain rounding */
-  assert_int_equal(round_size(&c, 2048), 2048);
-  assert_int_equal(round_size(&c, 2049), 2560);
-  assert_int_equal(round_size(&c, 5000), 5120);
-  assert_int_equal(round_size(&c, 1048577), 1310720);
-  assert_int_equal(round_size(&c, 3145729), 3670016);
-  assert_int_equal(round_size(&c, 4194304), 4194304);
+  assert_int_equal(gca__round_size(&c, 1200), 1536);    /* not above 512 * 4: plain rounding */
+  assert_int_equal(gca__round_size(&c, 2048), 2048);
+  assert_int_equal(gca__round_size(&c, 2049), 2560);
+  assert_int_equal(gca__round_size(&c, 5000), 5120);
+  assert_int_equal(gca__round_size(&c, 1048577), 1310720);
+  assert_int_equal(gca__round_size(&c, 3145729), 3670016);
+  assert_int_equal(gca__round_size(&c, 4194304), 4194304);
 }
 
 static void test_round_division_list(void **state) {
@@ -64,11 +64,11 @@ static void test_round_division_list(void **state) {
   for (int i = 0; i <= 8; i++) assert_int_equal(c.roundup_divisions[i], 1);
   assert_int_equal(c.roundup_divisions[9], 2);
   for (int i = 10; i < ROUNDUP_INTERVALS; i++) assert_int_equal(c.roundup_divisions[i], 8);
-  assert_int_equal(round_size(&c, 300 * MiB), 300 * MiB);
-  assert_int_equal(round_size(&c, 300 * MiB + 1), 300 * MiB + 512);
-  assert_int_equal(round_size(&c, 600 * MiB + 1), 768 * MiB);
-  assert_int_equal(round_size(&c, 1536 * MiB + 1), 1664 * MiB);
-  assert_int_equal(round_size(&c, MiB + 1), MiB + 512);
+  assert_int_equal(gca__round_size(&c, 300 * MiB), 300 * MiB);
+  assert_int_equal(gca__round_size(&c, 300 * MiB + 1), 300 * MiB + 512);
+  assert_int_equal(gca__round_size(&c, 600 * MiB + 1), 768 * MiB);
+  assert_int_equal(gca__round_size(&c, 1536 * MiB + 1), 1664 * MiB);
+  assert_int_equal(gca__round_size(&c, MiB + 1), MiB + 512);
 
   c = with("roundup_power2_divisions:[64:8]"); /* first key fills the intervals below it */
   for (int i = 0; i <= 6; i++) assert_int_equal(c.roundup_divisions[i], 8);
@@ -88,19 +88,19 @@ static void test_round_division_list(void **state) {
 
 static void test_interval_index(void **state) {
   (void)state;
-  assert_int_equal(roundup_interval(0), 0);
-  assert_int_equal(roundup_interval(1), 0);
-  assert_int_equal(roundup_interval(MiB - 1), 0);
-  assert_int_equal(roundup_interval(MiB), 0);
-  assert_int_equal(roundup_interval(2 * MiB - 1), 0);
-  assert_int_equal(roundup_interval(2 * MiB), 1);
-  assert_int_equal(roundup_interval(3 * MiB), 1);
-  assert_int_equal(roundup_interval(4 * MiB), 2);
-  assert_int_equal(roundup_interval((size_t)1 << 30), 10);
-  assert_int_equal(roundup_interval((size_t)16 << 30), 14);
-  assert_int_equal(roundup_interval((size_t)32 << 30), 15);
-  assert_int_equal(roundup_interval((size_t)64 << 30), 15);
-  assert_int_equal(roundup_interval(SIZE_MAX), 15);
+  assert_int_equal(gca__roundup_interval(0), 0);
+  assert_int_equal(gca__roundup_interval(1), 0);
+  assert_int_equal(gca__roundup_interval(MiB - 1), 0);
+  assert_int_equal(gca__roundup_interval(MiB), 0);
+  assert_int_equal(gca__roundup_interval(2 * MiB - 1), 0);
+  assert_int_equal(gca__roundup_interval(2 * MiB), 1);
+  assert_int_equal(gca__roundup_interval(3 * MiB), 1);
+  assert_int_equal(gca__roundup_interval(4 * MiB), 2);
+  assert_int_equal(gca__roundup_interval((size_t)1 << 30), 10);
+  assert_int_equal(gca__roundup_interval((size_t)16 << 30), 14);
+  assert_int_equal(gca__roundup_interval((size_t)32 << 30), 15);
+  assert_int_equal(gca__roundup_interval((size_t)64 << 30), 15);
+  assert_int_equal(gca__roundup_interval(SIZE_MAX), 15);
 }
 
 static void test_segment_sizes(void **state) {

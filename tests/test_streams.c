@@ -19,7 +19,7 @@ static const backend_t *sim_of_allocator(gca_allocator_t *a) { return &a->backen
 
 /* Launch work on [p, p + size) and assert the sim saw no hazard. */
 static void use(gca_allocator_t *a, void *p, size_t size, gca_stream_t stream, uint64_t ns) {
-  int rc = sim_launch(sim_of_allocator(a), 0, stream, ns, (uintptr_t)p, size);
+  int rc = gca__sim_launch(sim_of_allocator(a), 0, stream, ns, (uintptr_t)p, size);
   if (rc) fprintf(stderr, "%s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
 }
@@ -39,75 +39,75 @@ static void close_clean(gca_allocator_t *a) {
 static void test_sim_model(void **state) {
   (void)state;
   backend_t b;
-  assert_int_equal(backend_open("sim", &b), GCA_OK);
+  assert_int_equal(gca__backend_open("sim", &b), GCA_OK);
   const backend_ops_t *ops = b.ops;
   uintptr_t addr;
   assert_int_equal(ops->malloc(b.state, 0, 4096, &addr), GCA_OK);
 
   /* Work queues per stream; time stands still until advanced. */
-  assert_int_equal(sim_launch(&b, 0, S1, 100, addr, 1024), GCA_OK);
-  assert_int_equal(sim_launch(&b, 0, S1, 50, addr, 1024), GCA_OK); /* same stream: ordered */
-  assert_int_equal(sim_stream_ready_at(&b, 0, S1), 150);
-  assert_int_equal(sim_stream_ready_at(&b, 0, S2), 0);
+  assert_int_equal(gca__sim_launch(&b, 0, S1, 100, addr, 1024), GCA_OK);
+  assert_int_equal(gca__sim_launch(&b, 0, S1, 50, addr, 1024), GCA_OK); /* same stream: ordered */
+  assert_int_equal(gca__sim_stream_ready_at(&b, 0, S1), 150);
+  assert_int_equal(gca__sim_stream_ready_at(&b, 0, S2), 0);
 
   uintptr_t e1, e2;
   assert_int_equal(ops->event_record(b.state, 0, S1, &e1), GCA_OK);
   assert_int_equal(ops->event_record(b.state, 0, S2, &e2), GCA_OK); /* idle stream: complete */
   assert_int_equal(ops->event_query(b.state, 0, e1), BACKEND_NOT_READY);
   assert_int_equal(ops->event_query(b.state, 0, e2), GCA_OK);
-  sim_advance(&b, 149);
+  gca__sim_advance(&b, 149);
   assert_int_equal(ops->event_query(b.state, 0, e1), BACKEND_NOT_READY);
-  sim_advance(&b, 1);
+  gca__sim_advance(&b, 1);
   assert_int_equal(ops->event_query(b.state, 0, e1), GCA_OK);
 
   /* Unordered use of memory still in use by another stream is a hazard... */
-  assert_int_equal(sim_launch(&b, 0, S1, 100, addr, 1024), GCA_OK); /* until 250 */
-  assert_int_equal(sim_launch(&b, 0, S2, 10, addr + 512, 16), GCA_ERR_BACKEND);
+  assert_int_equal(gca__sim_launch(&b, 0, S1, 100, addr, 1024), GCA_OK); /* until 250 */
+  assert_int_equal(gca__sim_launch(&b, 0, S2, 10, addr + 512, 16), GCA_ERR_BACKEND);
   assert_contains(gca_last_error(), "hazard");
   sim_counters_t c;
-  assert_int_equal(sim_get_counters(&b, 0, &c), GCA_OK);
+  assert_int_equal(gca__sim_get_counters(&b, 0, &c), GCA_OK);
   assert_int_equal(c.hazards, 1);
   /* ...disjoint memory is not, and a stream made to wait is ordered. */
-  assert_int_equal(sim_launch(&b, 0, S2, 10, addr + 2048, 16), GCA_OK);
+  assert_int_equal(gca__sim_launch(&b, 0, S2, 10, addr + 2048, 16), GCA_OK);
   uintptr_t e3;
   assert_int_equal(ops->event_record(b.state, 0, S1, &e3), GCA_OK);
   assert_int_equal(ops->stream_wait_event(b.state, 0, S3, e3), GCA_OK);
-  assert_int_equal(sim_launch(&b, 0, S3, 10, addr, 1024), GCA_OK);
-  assert_int_equal(sim_stream_ready_at(&b, 0, S3), 260);
+  assert_int_equal(gca__sim_launch(&b, 0, S3, 10, addr, 1024), GCA_OK);
+  assert_int_equal(gca__sim_stream_ready_at(&b, 0, S3), 260);
 
   /* A device free under queued work is a hazard; waiting first is not. */
   assert_int_equal(ops->free(b.state, 0, addr, 4096), GCA_ERR_CORRUPT);
   assert_contains(gca_last_error(), "frees");
-  sim_advance(&b, 1000);
+  gca__sim_advance(&b, 1000);
   assert_int_equal(ops->malloc(b.state, 0, 4096, &addr), GCA_OK);
-  assert_int_equal(sim_launch(&b, 0, S2, 1000, addr, 4096), GCA_OK);
+  assert_int_equal(gca__sim_launch(&b, 0, S2, 1000, addr, 4096), GCA_OK);
   assert_int_equal(ops->stream_synchronize(b.state, 0, S2), GCA_OK);
-  assert_true(sim_now(&b) >= sim_stream_ready_at(&b, 0, S2));
+  assert_true(gca__sim_now(&b) >= gca__sim_stream_ready_at(&b, 0, S2));
   assert_int_equal(ops->free(b.state, 0, addr, 4096), GCA_OK);
 
   /* Event synchronize moves time to the event; destroyed events are gone. */
   uintptr_t e4;
-  assert_int_equal(sim_launch(&b, 0, S1, 5000, 0, 0), GCA_OK);
+  assert_int_equal(gca__sim_launch(&b, 0, S1, 5000, 0, 0), GCA_OK);
   assert_int_equal(ops->event_record(b.state, 0, S1, &e4), GCA_OK);
-  uint64_t due = sim_stream_ready_at(&b, 0, S1);
+  uint64_t due = gca__sim_stream_ready_at(&b, 0, S1);
   assert_int_equal(ops->event_synchronize(b.state, 0, e4), GCA_OK);
-  assert_int_equal(sim_now(&b), due);
+  assert_int_equal(gca__sim_now(&b), due);
   uintptr_t all[] = {e1, e2, e3, e4};
   for (int i = 0; i < 4; i++) ops->event_destroy(b.state, 0, all[i]);
-  assert_int_equal(sim_get_counters(&b, 0, &c), GCA_OK);
+  assert_int_equal(gca__sim_get_counters(&b, 0, &c), GCA_OK);
   assert_int_equal(c.events_live, 0);
   assert_int_equal(c.events_recorded, 4);
   assert_int_equal(c.stream_waits, 1);
   assert_int_equal(c.hazards, 2);
   assert_int_equal(ops->event_query(b.state, 0, 12345), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "not a live event");
-  backend_close(&b);
+  gca__backend_close(&b);
 }
 
 static void test_sim_stream_faults(void **state) {
   (void)state;
   backend_t b;
-  assert_int_equal(backend_open("sim:event_fail_at=2,wait_fail_at=1", &b), GCA_OK);
+  assert_int_equal(gca__backend_open("sim:event_fail_at=2,wait_fail_at=1", &b), GCA_OK);
   uintptr_t e;
   assert_int_equal(b.ops->event_record(b.state, 0, S1, &e), GCA_OK);
   assert_int_equal(b.ops->event_record(b.state, 0, S1, &e), GCA_ERR_BACKEND);
@@ -116,7 +116,7 @@ static void test_sim_stream_faults(void **state) {
   assert_contains(gca_last_error(), "injected failure of host wait #1");
   assert_int_equal(b.ops->stream_synchronize(b.state, 0, S1), GCA_OK);
   b.ops->event_destroy(b.state, 0, e);
-  backend_close(&b);
+  gca__backend_close(&b);
   gca_allocator_t *a = NULL;
   assert_int_equal(gca_open("sim:event_fail_at=0", NULL, &a), GCA_ERR_BACKEND);
   assert_int_equal(gca_open("sim:wait_fail_at=x", NULL, &a), GCA_ERR_BACKEND);
@@ -160,13 +160,13 @@ static void test_record_stream_defers_reuse(void **state) {
   assert_ptr_not_equal(q, p);
   use(a, q, 1000, S1, 10);
   assert_int_equal(gca_free(a, q), GCA_OK);
-  sim_advance(sim_of_allocator(a), 499);
+  gca__sim_advance(sim_of_allocator(a), 499);
   void *r = gca_malloc(a, 1000, 0, S1);
   assert_ptr_not_equal(r, p);
   assert_int_equal(gca_free(a, r), GCA_OK);
 
   /* The moment S2's work completes, the next malloc reuses p. */
-  sim_advance(sim_of_allocator(a), 1);
+  gca__sim_advance(sim_of_allocator(a), 1);
   void *again = gca_malloc(a, 1000, 0, S1);
   assert_ptr_equal(again, p);
   use(a, again, 1000, S1, 10);
@@ -212,7 +212,7 @@ static void test_statistics_during_and_after(void **state) {
   assert_int_equal(s.requested_bytes[ALL].current, 2000);
   assert_int_equal(s.inactive_split_bytes[ALL].current, 2 * MiB - 2048);
 
-  sim_advance(sim_of_allocator(a), 100);
+  gca__sim_advance(sim_of_allocator(a), 100);
   assert_int_equal(gca_process_events(a, 0), GCA_OK);
   s = stats_of(a, 0);
   assert_int_equal(s.active[ALL].current, 1);
@@ -277,7 +277,7 @@ static void test_event_processing_order(void **state) {
 
   /* S3 done: y completes; z still waits for S2. A slow stream does not
    * hold up another's queue. */
-  sim_advance(sim, 20);
+  gca__sim_advance(sim, 20);
   assert_int_equal(gca_process_events(a, 0), GCA_OK);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 2);
   assert_int_equal(a->devices[0].pending_events, 2);
@@ -287,7 +287,7 @@ static void test_event_processing_order(void **state) {
   assert_ptr_equal(y2, y);
 
   /* S2 done at 1010: x and z complete in their queue's order. */
-  sim_advance(sim, 990);
+  gca__sim_advance(sim, 990);
   assert_int_equal(gca_process_events(a, -1), GCA_OK);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 1);
   assert_int_equal(a->devices[0].pending_events, 0);
@@ -321,8 +321,8 @@ static void test_synchronize_drains_everything(void **state) {
   assert_int_equal(a->devices[0].pending_events, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
   /* The host waited until the last of that work. */
-  assert_true(sim_now(sim) >= sim_stream_ready_at(sim, 0, S2));
-  assert_true(sim_now(sim) >= sim_stream_ready_at(sim, 0, S3));
+  assert_true(gca__sim_now(sim) >= gca__sim_stream_ready_at(sim, 0, S2));
+  assert_true(gca__sim_now(sim) >= gca__sim_stream_ready_at(sim, 0, S3));
   assert_int_equal(gca_synchronize(a, 2), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "device 2 does not exist");
   close_clean(a);
@@ -376,7 +376,7 @@ static void test_launch_blocking_frees_complete_at_once(void **state) {
   gca_stats_t s = stats_of(a, 0);
   assert_int_equal(s.active[GCA_POOL_ALL].current, 0);
   assert_int_equal(s.active_bytes[GCA_POOL_ALL].current, 0);
-  assert_int_equal(sim_now(sim), 777);
+  assert_int_equal(gca__sim_now(sim), 777);
   assert_int_equal(a->devices[0].pending_events, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
   /* The block is reusable right away, on S2's work being done. */
@@ -394,10 +394,10 @@ static void test_device_free_waits_for_the_stream(void **state) {
   void *p = gca_malloc(a, 30 * MiB, 0, S1);
   use(a, p, 30 * MiB, S1, 5000);
   assert_int_equal(gca_free(a, p), GCA_OK); /* cached for S1 at once */
-  assert_int_equal(sim_now(sim), 0);
+  assert_int_equal(gca__sim_now(sim), 0);
   /* empty_cache gives the segment back, but only once S1 is done with it. */
   assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
-  assert_int_equal(sim_now(sim), 5000);
+  assert_int_equal(gca__sim_now(sim), 5000);
   assert_int_equal(sim_counters(a, 0).frees, 1);
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
@@ -416,7 +416,7 @@ static void test_release_without_waiting(void **state) {
   use(a, p, 30 * MiB, S1, 5000);
   assert_int_equal(gca_free(a, p), GCA_OK);
   lock_acquire(&d->lock);
-  segment_release(d, pool_first(&d->large_pool));
+  gca__segment_release(d, gca__pool_first(&d->large_pool));
   lock_release(&d->lock);
   assert_int_equal(d->releasing_count, 1);
   assert_int_equal(sim_counters(a, 0).frees, 0);
@@ -424,7 +424,7 @@ static void test_release_without_waiting(void **state) {
   assert_consistent(a);
   assert_int_equal(gca_process_events(a, 0), GCA_OK); /* not yet */
   assert_int_equal(d->releasing_count, 1);
-  sim_advance(sim, 5000);
+  gca__sim_advance(sim, 5000);
   void *q = gca_malloc(a, 4096, 0, S1); /* malloc finishes it */
   assert_int_equal(d->releasing_count, 0);
   assert_int_equal(sim_counters(a, 0).frees, 1);
@@ -450,7 +450,7 @@ static void test_out_of_memory_path_waits(void **state) {
   void *q = gca_malloc(a, 60 * MiB, 0, S3);   /* needs p's memory */
   assert_non_null(q);
   assert_ptr_equal(q, p); /* the sim reuses the address it got back */
-  assert_int_equal(sim_now(sim), 7000);
+  assert_int_equal(gca__sim_now(sim), 7000);
   use(a, q, 60 * MiB, S3, 10);
   gca_stats_t s = stats_of(a, 0);
   assert_int_equal(s.num_alloc_retries, 1);
@@ -518,7 +518,7 @@ static void test_cross_stream_reuse_whole_segment(void **state) {
   assert_ptr_equal(q, p);
   /* S2 now waits for S1's work: using q on S2 is ordered, not a hazard. */
   assert_int_equal(sim_counters(a, 0).stream_waits, 1);
-  assert_true(sim_stream_ready_at(sim, 0, S2) >= 2000);
+  assert_true(gca__sim_stream_ready_at(sim, 0, S2) >= 2000);
   use(a, q, 30 * MiB, S2, 10);
   gca_stats_t s = stats_of(a, 0);
   assert_int_equal(s.num_cross_stream_reuses, 1);
@@ -564,7 +564,7 @@ static void test_cross_stream_reuse_prefers_idle_streams(void **state) {
   void *idle = gca_malloc(a, 40 * MiB, 0, S3);
   use(a, busy, 30 * MiB, S1, 9000);
   use(a, idle, 40 * MiB, S3, 10);
-  sim_advance(sim, 10);
+  gca__sim_advance(sim, 10);
   gca_free(a, busy);
   gca_free(a, idle);
   void *q = gca_malloc(a, 30 * MiB, 0, S2);
@@ -574,7 +574,7 @@ static void test_cross_stream_reuse_prefers_idle_streams(void **state) {
   void *r = gca_malloc(a, 30 * MiB, 0, S2); /* only S1's busy segment is left */
   assert_ptr_equal(r, busy);
   assert_int_equal(sim_counters(a, 0).stream_waits, 1);
-  assert_true(sim_stream_ready_at(sim, 0, S2) >= 9000);
+  assert_true(gca__sim_stream_ready_at(sim, 0, S2) >= 9000);
   use(a, r, 30 * MiB, S2, 5);
   assert_int_equal(stats_of(a, 0).num_cross_stream_reuses, 2);
   assert_int_equal(stats_of(a, 0).num_device_alloc, 2);
@@ -639,7 +639,7 @@ static void test_event_failure_falls_back_to_waiting(void **state) {
   assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
   use(a, p, 4096, S2, 250);
   assert_int_equal(gca_free(a, p), GCA_OK);
-  assert_int_equal(sim_now(sim), 250);
+  assert_int_equal(gca__sim_now(sim), 250);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 0);
   assert_int_equal(a->devices[0].event_errors, 1);
   assert_ptr_equal(gca_malloc(a, 4096, 0, S1), p);

@@ -41,7 +41,7 @@ static size_t random_size(void) {
 }
 
 static void launch(gca_allocator_t *a, gca_stream_t s, const slot_t *sl, uint64_t ns) {
-  int rc = sim_launch(&a->backend, 0, s, ns, (uintptr_t)sl->ptr, sl->size);
+  int rc = gca__sim_launch(&a->backend, 0, s, ns, (uintptr_t)sl->ptr, sl->size);
   if (rc) fprintf(stderr, "%s\n", gca_last_error());
   assert_int_equal(rc, GCA_OK);
 }
@@ -90,7 +90,7 @@ static void run(const char *conf, uint64_t seed, int ops) {
       model_allocated -= (int64_t)sl->usable;
       sl->ptr = NULL;
     } else if (r < 96) {
-      sim_advance(&a->backend, below(3000));
+      gca__sim_advance(&a->backend, below(3000));
     } else if (r < 98) {
       assert_int_equal(gca_process_events(a, 0), GCA_OK);
     } else if (r < 99) {

@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
-#include "export/trace.h"
+#include "replay/trace.h"
 
 #define WORKERS 4
 #define OPS_PER_WORKER 20000
@@ -35,7 +35,7 @@ typedef struct worker {
 static atomic_int workers_running;
 
 static bool launch(const backend_t *b, gca_stream_t s, void *p, size_t size, uint64_t ns) {
-  return sim_launch(b, 0, s, ns, (uintptr_t)p, size) == GCA_OK;
+  return gca__sim_launch(b, 0, s, ns, (uintptr_t)p, size) == GCA_OK;
 }
 
 static void *work(void *arg) {
@@ -79,7 +79,7 @@ static void *work(void *arg) {
       if (gca_free(w->a, live[slot].p) != GCA_OK) w->failures++;
       live[slot].p = NULL;
     }
-    if (r >= 90) sim_advance(b, next_random(&s) % 2000);
+    if (r >= 90) gca__sim_advance(b, next_random(&s) % 2000);
     if (r == 99 && gca_process_events(w->a, 0) != GCA_OK) w->failures++;
   }
   for (int i = 0; i < SLOTS; i++)
@@ -206,14 +206,14 @@ static void test_recorded_under_concurrency(void **state) {
   trace_t t;
   assert_int_equal(trace_load(path, &t), GCA_OK);
   addr_map_t live; /* address -> 1 allocated, 2 its free pending */
-  assert_true(addr_map_init(&live));
+  assert_true(gca__addr_map_init(&live));
   size_t requested = 0, allocs = 0, live_count = 0;
   for (size_t i = 0; i < t.count; i++) {
     const trace_event_t *e = &t.events[i];
-    uint64_t *state_of = addr_map_get(&live, e->addr);
+    uint64_t *state_of = gca__addr_map_get(&live, e->addr);
     if (e->action == TA_ALLOC) {
       if (state_of) fail_msg("event %zu: %#" PRIx64 " allocated again before its free completed", i, e->addr);
-      assert_true(addr_map_put(&live, e->addr, 1));
+      assert_true(gca__addr_map_put(&live, e->addr, 1));
       allocs++;
       live_count++;
     } else if (e->action == TA_FREE_REQUESTED) {
@@ -223,14 +223,14 @@ static void test_recorded_under_concurrency(void **state) {
       requested++;
     } else if (e->action == TA_FREE_COMPLETED) {
       assert_non_null(state_of);
-      addr_map_del(&live, e->addr);
+      gca__addr_map_del(&live, e->addr);
       live_count--;
     }
   }
   assert_int_equal(live_count, 0);
   assert_true(allocs > 0 && requested > 0);
   printf("%zu events recorded, %zu allocations, %zu frees left pending\n", t.count, allocs, requested);
-  addr_map_free(&live);
+  gca__addr_map_free(&live);
   trace_free(&t);
   remove(path);
 }

@@ -15,8 +15,8 @@
 #include <zstd.h>
 
 #include "helpers.h"
-#include "export/pickle.h"
-#include "export/trace.h"
+#include "replay/pickle.h"
+#include "replay/trace.h"
 
 /* pickle.dumps({'a':1,'b':[2,3.25,True,None,-70000,2**40,'x'],'c':{'n':-1},'t':(1,2)}, protocol=4) */
 static const unsigned char dict_p4[] =
@@ -63,7 +63,7 @@ static void test_pickle_values(void **state) {
 
 /* Every kind of value stored in the memo and read back through it, ints
  * at and past 60 bits and a string past 1 MiB among them (the bounds of
- * an 8-byte memo cell, tried at stop 30 and not kept: docs/replay.md): a
+ * an 8-byte memo cell, tried once and not kept): a
  * list read by the machine, and a dict read by the flat loop, each
  * followed by references to all it stored. */
 static size_t put_long1(unsigned char *p, int64_t v) {
@@ -1076,15 +1076,15 @@ static void test_big_arrays(void **state) {
   /* Mappings are aligned to 2 MiB only for huge pages, which a process
    * asks for from its second trace read on (util.c): this one's may not
    * have come to that yet. */
-  big_prefer_huge_pages();
+  gca__big_prefer_huge_pages();
   static const size_t sizes[] = {100, 200, 100 << 10, 300 << 10, 1 << 20, 5 << 20};
   size_t bytes = sizes[0];
-  unsigned char *a = big_zalloc(bytes);
+  unsigned char *a = gca__big_zalloc(bytes);
   assert_non_null(a);
   for (size_t i = 0; i < bytes; i++) assert_int_equal(a[i], 0);
   memset(a, 0xab, bytes);
   for (size_t k = 1; k < sizeof sizes / sizeof *sizes; k++) {
-    unsigned char *grown = big_rezalloc(a, bytes, sizes[k]);
+    unsigned char *grown = gca__big_rezalloc(a, bytes, sizes[k]);
     assert_non_null(grown);
     for (size_t i = 0; i < bytes; i++) assert_int_equal(grown[i], 0xab);
     for (size_t i = bytes; i < sizes[k]; i++) assert_int_equal(grown[i], 0);
@@ -1095,36 +1095,36 @@ static void test_big_arrays(void **state) {
     bytes = sizes[k];
     memset(a, 0xab, bytes);
   }
-  assert_true(big_rezalloc(a, bytes, bytes / 2) == a); /* never shrinks */
-  big_free(a, bytes);
+  assert_true(gca__big_rezalloc(a, bytes, bytes / 2) == a); /* never shrinks */
+  gca__big_free(a, bytes);
   /* big_regrow: the same growth, contents kept, the new part not promised
    * zero (the memo and the events' array write it before reading it). */
   bytes = sizes[0];
-  a = big_alloc(bytes);
+  a = gca__big_alloc(bytes);
   assert_non_null(a);
   memset(a, 0xcd, bytes);
   for (size_t k = 1; k < sizeof sizes / sizeof *sizes; k++) {
-    unsigned char *grown = big_regrow(a, bytes, sizes[k]);
+    unsigned char *grown = gca__big_regrow(a, bytes, sizes[k]);
     assert_non_null(grown);
     for (size_t i = 0; i < bytes; i++) assert_int_equal(grown[i], 0xcd);
     a = grown;
     bytes = sizes[k];
     memset(a, 0xcd, bytes);
   }
-  assert_true(big_regrow(a, bytes, bytes / 2) == a);
-  big_free(a, bytes);
-  big_free(NULL, 0);
+  assert_true(gca__big_regrow(a, bytes, bytes / 2) == a);
+  gca__big_free(a, bytes);
+  gca__big_free(NULL, 0);
   /* A freed mapping may be kept and handed out again: still zero, also in
    * the part a later growth within it adds (the old contents were 0xab). */
   for (int round = 0; round < 3; round++) {
-    unsigned char *b = big_zalloc(300 << 10);
+    unsigned char *b = gca__big_zalloc(300 << 10);
     assert_non_null(b);
     for (size_t i = 0; i < (300 << 10); i++) assert_int_equal(b[i], 0);
-    unsigned char *c = big_rezalloc(b, 300 << 10, 1 << 20);
+    unsigned char *c = gca__big_rezalloc(b, 300 << 10, 1 << 20);
     assert_non_null(c);
     for (size_t i = 0; i < (1 << 20); i++) assert_int_equal(c[i], 0);
     memset(c, 0xab, 1 << 20);
-    big_free(c, 1 << 20);
+    gca__big_free(c, 1 << 20);
   }
 }
 

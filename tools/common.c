@@ -10,8 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../src/export/trace.h"
-#include "../src/internal.h"
+#include "replay/trace.h"
+#include "core/core.h"
 #include "tool.h"
 
 static void print_usage(FILE *f, const tool_command_t *c) { fprintf(f, "usage: gcalloc %s %s\n", c->name, c->usage); }
@@ -53,11 +53,11 @@ static int take_value(const tool_command_t *c, const tool_option_t *o, const cha
     }
     case OPTION_SIZE: {
       uint64_t size;
-      if (parse_size(text, strlen(text), &size) && size > 0 && (o->max <= 0 || size <= (uint64_t)o->max)) {
+      if (gca__parse_size(text, strlen(text), &size) && size > 0 && (o->max <= 0 || size <= (uint64_t)o->max)) {
         *(uint64_t *)o->out = size;
         return 0;
       }
-      if (o->max > 0 && parse_size(text, strlen(text), &size) && size > 0)
+      if (o->max > 0 && gca__parse_size(text, strlen(text), &size) && size > 0)
         snprintf(why, sizeof why, "%s '%s' is more than the most it may be, %ld bytes", o->name, text, o->max);
       else
         snprintf(why, sizeof why, "%s '%s' is not a size like 24GiB", o->name, text);

@@ -15,8 +15,8 @@
 #include <sys/stat.h>
 #endif
 
-#include "../src/internal.h"
-#include "../src/export/replay.h"
+#include "core/core.h"
+#include "replay/replay.h"
 #include "tool.h"
 
 
@@ -213,7 +213,7 @@ static void heap_warm(const char *path) {
   free(block);
   heap_warm_range.start = (char *)start;
   heap_warm_range.bytes = end - start;
-  (void)helper_detach(heap_warm_run, NULL);
+  (void)gca__helper_detach(heap_warm_run, NULL);
 }
 
 /* Devices replayed at once fill the processors, each in a heap of its own

@@ -14,8 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../src/internal.h"
-#include "../src/export/replay.h"
+#include "core/core.h"
+#include "replay/replay.h"
 #include "tool.h"
 
 #define TIMELINE_POINTS 1500

@@ -26,8 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../src/internal.h"
-#include "../src/export/replay.h"
+#include "core/core.h"
+#include "replay/replay.h"
 #include "tool.h"
 
 typedef struct candidate {
@@ -124,7 +124,7 @@ static int evaluate_all(const trace_t *t, const replay_options_t *base, candidat
   atomic_init(&j.done, 0);
   atomic_init(&j.failed, false);
   pthread_mutex_init(&j.lock, NULL);
-  long online = processors_usable();
+  long online = gca__processors_usable();
   size_t workers = online < 1 ? 1 : online > TUNE_WORKERS ? TUNE_WORKERS : (size_t)online;
   if (workers > count) workers = count ? count : 1;
   pthread_t threads[TUNE_WORKERS];
@@ -134,7 +134,7 @@ static int evaluate_all(const trace_t *t, const replay_options_t *base, candidat
   evaluate_some(&j, progress);
   for (size_t i = 0; i < started; i++) pthread_join(threads[i], NULL);
   pthread_mutex_destroy(&j.lock);
-  if (atomic_load(&j.failed)) return set_error(j.status, "%s", j.message);
+  if (atomic_load(&j.failed)) return gca__set_error(j.status, "%s", j.message);
   return GCA_OK;
 }
 

@@ -1,0 +1,563 @@
+/* The public entry points: opening an allocator on a backend, routing each
+ * call to its device, configuration from the environment and from code.
+ *
+ * Configuration precedence: the first of GCALLOC_ALLOC_CONF,
+ * PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF that is set (even to "") is
+ * read at open; the string passed to gca_open is applied on top of it. A
+ * malformed environment string fails gca_open with a message naming the
+ * variable, as PyTorch refuses to start on one.
+ *
+ * Launch-blocking mode, for debugging, is read at open from the first set
+ * of GCALLOC_LAUNCH_BLOCKING, CUDA_LAUNCH_BLOCKING, ACL_LAUNCH_BLOCKING:
+ * then every free completes before gca_free returns, waiting for the streams
+ * that used the block, and so does every device free.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "core/core.h"
+#include "host/host.h"
+#include "observe/observe.h"
+
+/* A call failed: the caller has the status and the message, so it is only
+ * debug information for the log. */
+GCA_COLD static void log_failure(const char *call) {
+  if (log_on(GCA_LOG_DEBUG)) gca__log_message(GCA_LOG_DEBUG, "%s failed: %s", call, gca_last_error());
+}
+
+/* A spec or configuration as one word for the trace file (spaces mean
+ * nothing in either). */
+static void one_word(const char *text, char *out, size_t cap) {
+  size_t n = 0;
+  for (const char *p = text ? text : ""; *p && n + 1 < cap; p++)
+    if (*p != ' ' && *p != '\t' && *p != '\n') out[n++] = *p;
+  if (n == 0 && cap > 1) out[n++] = '-';
+  out[n] = '\0';
+}
+
+static const char *const config_variables[] = {"GCALLOC_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                                               "PYTORCH_CUDA_ALLOC_CONF"};
+
+static int apply_environment(config_t *cfg) {
+  for (size_t i = 0; i < sizeof config_variables / sizeof config_variables[0]; i++) {
+    const char *text = getenv(config_variables[i]);
+    if (text) return gca__config_apply(cfg, text, config_variables[i]);
+  }
+  return GCA_OK;
+}
+
+static const char *const launch_blocking_variables[] = {"GCALLOC_LAUNCH_BLOCKING", "CUDA_LAUNCH_BLOCKING",
+                                                        "ACL_LAUNCH_BLOCKING"};
+
+static bool launch_blocking_from_environment(void) {
+  for (size_t i = 0; i < sizeof launch_blocking_variables / sizeof launch_blocking_variables[0]; i++) {
+    const char *v = getenv(launch_blocking_variables[i]);
+    if (!v) continue;
+    if (!strcmp(v, "1") || !strcasecmp(v, "true") || !strcasecmp(v, "yes") || !strcasecmp(v, "on")) return true;
+    if (!strcmp(v, "0") || !*v || !strcasecmp(v, "false") || !strcasecmp(v, "no") || !strcasecmp(v, "off"))
+      return false;
+    gca__log_message(GCA_LOG_WARNING, "%s=%s is not 1 or 0; launch-blocking mode stays off", launch_blocking_variables[i],
+                     v);
+    return false;
+  }
+  return false;
+}
+
+/* expandable_segments:True on a backend without virtual memory is served
+ * with ordinary segments; say so (outside any device lock). */
+static void warn_if_no_virtual_memory(gca_allocator_t *a, const config_t *cfg) {
+  if (cfg->expandable_segments && a->device_count > 0 && a->devices[0].vm_state < 0)
+    gca__log_message(GCA_LOG_WARNING,
+                     "expandable_segments:True: backend %s has no virtual memory; ordinary segments are used instead",
+                     a->backend.ops->name);
+}
+
+int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
+  gca__log_init();
+  if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
+  *out = NULL;
+  config_t cfg;
+  gca__config_defaults(&cfg);
+  int rc = apply_environment(&cfg);
+  if (rc) return rc;
+  rc = gca__config_apply(&cfg, config, NULL);
+  if (rc) return rc;
+
+  gca_allocator_t *a = calloc(1, sizeof *a);
+  if (!a) return gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
+  rc = gca__backend_open(backend, &a->backend);
+  if (rc) {
+    free(a);
+    return rc;
+  }
+  a->config = cfg;
+  a->launch_blocking = launch_blocking_from_environment();
+  a->device_count = a->backend.ops->device_count(a->backend.state);
+  a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
+  bool config_lock = a->devices && pthread_mutex_init(&a->config_lock, NULL) == 0;
+  if (!config_lock || pthread_mutex_init(&a->callbacks_lock, NULL) != 0) {
+    if (config_lock) pthread_mutex_destroy(&a->config_lock);
+    free(a->devices);
+    gca__backend_close(&a->backend);
+    free(a);
+    return gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
+  }
+  for (int i = 0; i <= a->device_count; i++) {
+    /* The devices, then the pinned host allocator. */
+    rc = i < a->device_count ? gca__device_init(&a->devices[i], a, i, &cfg) : gca__host_cache_create(a);
+    if (rc) {
+      while (i-- > 0) gca__device_destroy(&a->devices[i]);
+      pthread_mutex_destroy(&a->config_lock);
+      pthread_mutex_destroy(&a->callbacks_lock);
+      free(a->devices);
+      gca__backend_close(&a->backend);
+      free(a);
+      return rc;
+    }
+  }
+  a->id = gca__record_init();
+  if (gca__trace_file_active()) {
+    char spec[256], conf[512];
+    one_word(backend, spec, sizeof spec);
+    one_word(config, conf, sizeof conf);
+    gca__record_lock_calls();
+    gca__record_line("open", "%d %s %s", a->id, spec, conf);
+    gca__record_unlock_calls();
+  }
+  gca__log_message(GCA_LOG_INFO, "allocator %d opened on %s with %d device%s", a->id, a->backend.ops->name,
+                   a->device_count, a->device_count == 1 ? "" : "s");
+  warn_if_no_virtual_memory(a, &cfg);
+  *out = a;
+  return GCA_OK;
+}
+
+void gca_close(gca_allocator_t *a) {
+  if (!a) return;
+  gca__record_lock_calls();
+  gca__record_line("close", "%d", a->id);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
+  gca__host_cache_destroy(a);
+  for (int i = 0; i < a->device_count; i++) gca__device_destroy(&a->devices[i]);
+  free(a->devices);
+  pthread_mutex_destroy(&a->config_lock);
+  pthread_mutex_destroy(&a->callbacks_lock);
+  gca__backend_close(&a->backend);
+  free(a);
+}
+
+int gca_device_count(const gca_allocator_t *a) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_device_count: allocator is NULL");
+  return a->device_count;
+}
+
+const char *gca_backend_name(const gca_allocator_t *a) { return a ? a->backend.ops->name : ""; }
+
+/* The device, or NULL with the error set. */
+static device_t *device_of(const gca_allocator_t *a, int device, const char *what) {
+  if (unlikely(!a)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  if (unlikely(device < 0 || device >= a->device_count)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
+                   a->device_count, a->device_count == 1 ? "" : "s");
+    return NULL;
+  }
+  return &a->devices[device];
+}
+
+/* ---- device facts and peers -------------------------------------------- */
+
+static int not_offered(const gca_allocator_t *a, const char *what) {
+  return gca__set_error(GCA_ERR_BACKEND, "%s: the %s backend does not offer it", what, a->backend.ops->name);
+}
+
+int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out) {
+  if (!device_of(a, device, "gca_device_properties")) return gca_last_status();
+  if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_device_properties: out is NULL");
+  if (!a->backend.ops->device_properties) return not_offered(a, "gca_device_properties");
+  return a->backend.ops->device_properties(a->backend.state, device, out);
+}
+
+/* Both devices exist and differ. */
+static int peer_pair(const gca_allocator_t *a, int device, int peer, const char *what) {
+  if (!device_of(a, device, what) || !device_of(a, peer, what)) return gca_last_status();
+  if (device == peer) return gca__set_error(GCA_ERR_INVALID, "%s: device %d cannot be its own peer", what, device);
+  return GCA_OK;
+}
+
+int gca_can_access_peer(gca_allocator_t *a, int device, int peer, int *can) {
+  int rc = peer_pair(a, device, peer, "gca_can_access_peer");
+  if (rc) return rc;
+  if (!can) return gca__set_error(GCA_ERR_INVALID, "gca_can_access_peer: can is NULL");
+  if (!a->backend.ops->can_access_peer) return not_offered(a, "gca_can_access_peer");
+  return a->backend.ops->can_access_peer(a->backend.state, device, peer, can);
+}
+
+int gca_enable_peer_access(gca_allocator_t *a, int device, int peer) {
+  int rc = peer_pair(a, device, peer, "gca_enable_peer_access");
+  if (rc) return rc;
+  if (!a->backend.ops->enable_peer_access) return not_offered(a, "gca_enable_peer_access");
+  return a->backend.ops->enable_peer_access(a->backend.state, device, peer);
+}
+
+int gca_disable_peer_access(gca_allocator_t *a, int device, int peer) {
+  int rc = peer_pair(a, device, peer, "gca_disable_peer_access");
+  if (rc) return rc;
+  if (!a->backend.ops->disable_peer_access) return not_offered(a, "gca_disable_peer_access");
+  return a->backend.ops->disable_peer_access(a->backend.state, device, peer);
+}
+
+int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *greatest) {
+  if (!device_of(a, device, "gca_stream_priority_range")) return gca_last_status();
+  if (!least || !greatest) return gca__set_error(GCA_ERR_INVALID, "gca_stream_priority_range: least or greatest is NULL");
+  if (!a->backend.ops->stream_priority_range) return not_offered(a, "gca_stream_priority_range");
+  return a->backend.ops->stream_priority_range(a->backend.state, device, least, greatest);
+}
+
+static inline void *malloc_plain(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  device_t *d = device_of(a, device, "gca_malloc");
+  if (unlikely(!d)) return NULL;
+  if (unlikely(size == 0)) {
+    gca__clear_error();
+    return NULL;
+  }
+  return gca__device_malloc(d, size, stream);
+}
+
+static bool in_span(const device_t *d, uintptr_t addr) {
+  return addr >= atomic_load_explicit(&d->span_lo, memory_order_relaxed) &&
+         addr < atomic_load_explicit(&d->span_hi, memory_order_relaxed);
+}
+
+static int free_on(device_t *d, uintptr_t addr) {
+  lock_acquire(&d->lock);
+  int rc = gca__device_free_locked(d, addr);
+  lock_release(&d->lock);
+  device_wake_waiters(d);
+  return rc;
+}
+
+static inline int free_plain(gca_allocator_t *a, void *ptr) {
+  if (!ptr) return GCA_OK;
+  if (unlikely(!a)) return gca__set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
+  uintptr_t addr = (uintptr_t)ptr;
+  /* One device: no need to look at address spans first. */
+  if (likely(a->device_count == 1)) {
+    if (likely(free_on(&a->devices[0], addr) == GCA_OK)) return GCA_OK;
+  } else {
+    for (int i = 0; i < a->device_count; i++)
+      if (in_span(&a->devices[i], addr) && free_on(&a->devices[i], addr) == GCA_OK) return GCA_OK;
+  }
+  /* Not a live allocation: say what it is, from the device that holds it. */
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    bool explained = gca__device_explain_bad_pointer(d, addr, "free");
+    lock_release(&d->lock);
+    if (explained) return GCA_ERR_BAD_POINTER;
+  }
+  return gca__set_error(GCA_ERR_BAD_POINTER, "cannot free %p: it was not allocated by this allocator", ptr);
+}
+
+size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
+  if (!a || !ptr) {
+    gca__set_error(GCA_ERR_INVALID, "gca_usable_size: %s is NULL", a ? "pointer" : "allocator");
+    return 0;
+  }
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    block_t *b = gca__block_map_find(&d->allocated, addr);
+    size_t size = b ? b->size : 0;
+    lock_release(&d->lock);
+    if (size) return size;
+  }
+  gca__set_error(GCA_ERR_BAD_POINTER, "gca_usable_size: %p is not a live allocation", ptr);
+  return 0;
+}
+
+static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+  if (!a || !ptr)
+    return gca__set_error(GCA_ERR_INVALID, "gca_record_stream: %s is NULL", a ? "pointer" : "allocator");
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    int rc = gca__device_record_stream_locked(d, addr, stream);
+    bool explained = rc == GCA_ERR_BAD_POINTER && gca__device_explain_bad_pointer(d, addr, "record a stream use of");
+    lock_release(&d->lock);
+    if (rc != GCA_ERR_BAD_POINTER || explained) return rc;
+  }
+  return gca__set_error(GCA_ERR_BAD_POINTER, "cannot record a stream use of %p: it was not allocated by this allocator",
+                        ptr);
+}
+
+/* Run `fn` on one device, or on every device for -1. */
+static int for_devices(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+  if (device == -1) {
+    for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
+    return GCA_OK;
+  }
+  device_t *d = device_of(a, device, what);
+  if (!d) return gca_last_status();
+  fn(d);
+  return GCA_OK;
+}
+
+int gca_synchronize(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_synchronize", gca__device_synchronize);
+}
+
+int gca_process_events(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_process_events", gca__device_process_events);
+}
+
+int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device) {
+  device_t *d = device_of(a, device, "gca_set_memory_fraction");
+  if (!d) return gca_last_status();
+  lock_acquire(&d->lock);
+  int rc = gca__device_set_fraction_locked(d, fraction);
+  lock_release(&d->lock);
+  if (rc) gca__prefix_error("gca_set_memory_fraction");
+  else device_wake_waiters(d); /* a higher limit may let a waiting allocation through */
+  return rc;
+}
+
+int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction) {
+  device_t *d = device_of(a, device, "gca_get_memory_fraction");
+  if (!d) return gca_last_status();
+  if (!fraction) return gca__set_error(GCA_ERR_INVALID, "gca_get_memory_fraction: fraction is NULL");
+  lock_acquire(&d->lock);
+  *fraction = d->fraction_set ? d->fraction : 1.0;
+  lock_release(&d->lock);
+  return GCA_OK;
+}
+
+/* The callback registries (oom.c keeps them). */
+#define CALLBACK_API(kind, type, add, remove)                                      \
+  int add(gca_allocator_t *a, type fn, void *user) {                               \
+    return gca__callbacks_add(a, kind, (void (*)(void))fn, user, #add);                 \
+  }                                                                                \
+  int remove(gca_allocator_t *a, type fn, void *user) {                            \
+    return gca__callbacks_remove(a, kind, (void (*)(void))fn, user, #remove);           \
+  }
+
+CALLBACK_API(CB_FREE_MEMORY, gca_free_memory_fn, gca_add_free_memory_callback, gca_remove_free_memory_callback)
+CALLBACK_API(CB_OOM_OBSERVER, gca_oom_observer_fn, gca_add_oom_observer, gca_remove_oom_observer)
+CALLBACK_API(CB_OOM_HANDLER, gca_oom_handler_fn, gca_add_oom_handler, gca_remove_oom_handler)
+
+int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, size_t max_entries) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
+  if (enabled && (context < GCA_CONTEXT_NONE || context > GCA_CONTEXT_ALL))
+    return gca__set_error(GCA_ERR_INVALID, "gca_record_history: context %d is not NONE, STATE, ALLOC or ALL", (int)context);
+  if (enabled && (max_entries == 0 || max_entries > ((size_t)1 << 26)))
+    return gca__set_error(GCA_ERR_INVALID, "gca_record_history: max_entries %zu must be from 1 to %zu", max_entries,
+                          (size_t)1 << 26);
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    int rc = GCA_OK;
+    if (enabled) rc = gca__history_start(d, (int)context, max_entries);
+    else gca__history_stop(d);
+    lock_release(&d->lock);
+    if (rc) return rc;
+  }
+  return GCA_OK;
+}
+
+int gca_launch_blocking(const gca_allocator_t *a) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_launch_blocking: allocator is NULL");
+  return a->launch_blocking ? 1 : 0;
+}
+
+static int empty_cache_plain(gca_allocator_t *a, int device) {
+  return for_devices(a, device, "gca_empty_cache", gca__device_empty_cache);
+}
+
+/* ---- the observed entry points -------------------------------------------
+ * Taken only while calls_observed is set (trace-level logging or a trace
+ * file): each call is recorded in the trace file, under its lock, and
+ * logged at trace level. Otherwise the public functions below pay one
+ * relaxed load and a predictable branch. */
+
+static int allocator_id(const gca_allocator_t *a) { return a ? a->id : -1; }
+
+GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  gca__record_lock_calls();
+  void *p = malloc_plain(a, size, device, stream);
+  gca__record_line("malloc", "%d %d %" PRIxPTR " %zu %" PRIxPTR, allocator_id(a), device, (uintptr_t)stream, size,
+                   (uintptr_t)p);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_TRACE, "malloc(%zu bytes, device %d, stream %#" PRIxPTR ") = %p", size, device,
+                   (uintptr_t)stream, p);
+  return p;
+}
+
+GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
+  gca__record_lock_calls();
+  (void)gca__record_free_left_pending();
+  int rc = free_plain(a, ptr);
+  if (gca__record_free_left_pending())
+    gca__record_line("free", "%d %" PRIxPTR " %d 1", allocator_id(a), (uintptr_t)ptr, rc);
+  else
+    gca__record_line("free", "%d %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr, rc);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_TRACE, "free(%p) = %s", ptr, gca_status_name(rc));
+  return rc;
+}
+
+GCA_FLATTEN void *gca_malloc(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  if (unlikely(atomic_load_explicit(&gca__calls_observed, memory_order_relaxed)))
+    return malloc_observed(a, size, device, stream);
+  void *p = malloc_plain(a, size, device, stream);
+  if (unlikely(!p) && size) log_failure("gca_malloc");
+  return p;
+}
+
+GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
+  if (unlikely(atomic_load_explicit(&gca__calls_observed, memory_order_relaxed))) return free_observed(a, ptr);
+  int rc = free_plain(a, ptr);
+  if (unlikely(rc)) log_failure("gca_free");
+  return rc;
+}
+
+int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+  gca__record_lock_calls();
+  int rc = record_stream_plain(a, ptr, stream);
+  gca__record_line("record_stream", "%d %" PRIxPTR " %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr,
+                   (uintptr_t)stream, rc);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_TRACE, "record_stream(%p, stream %#" PRIxPTR ") = %s", ptr, (uintptr_t)stream,
+                   gca_status_name(rc));
+  if (rc) log_failure("gca_record_stream");
+  return rc;
+}
+
+int gca_empty_cache(gca_allocator_t *a, int device) {
+  gca__record_lock_calls();
+  int rc = empty_cache_plain(a, device);
+  gca__record_line("empty_cache", "%d %d %d", allocator_id(a), device, rc);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_TRACE, "empty_cache(device %d) = %s", device, gca_status_name(rc));
+  return rc;
+}
+
+int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {
+  device_t *d = device_of(a, device, "gca_mem_get_info");
+  if (!d) return gca_last_status();
+  size_t f = 0, t = 0;
+  int rc = a->backend.ops->mem_get_info(a->backend.state, device, &f, &t);
+  if (rc) return rc;
+  if (free_bytes) *free_bytes = f;
+  if (total_bytes) *total_bytes = t;
+  return GCA_OK;
+}
+
+int gca_set_config(gca_allocator_t *a, const char *config) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
+  gca__log_hold(); /* the configuration's warnings are delivered after the lock */
+  mutex_lock(&a->config_lock);
+  config_t next = a->config;
+  int rc = gca__config_apply(&next, config, NULL);
+  if (rc == GCA_OK) {
+    /* The fraction key, when it changes, sets every device's fraction;
+     * gca_set_memory_fraction's per-device settings stay otherwise. */
+    bool fraction_changed = next.memory_fraction_set &&
+                            (!a->config.memory_fraction_set || next.memory_fraction != a->config.memory_fraction);
+    a->config = next;
+    for (int i = 0; i < a->device_count; i++) {
+      device_t *d = &a->devices[i];
+      lock_acquire(&d->lock);
+      d->config = next;
+      if (fraction_changed) (void)gca__device_set_fraction_locked(d, next.memory_fraction);
+      lock_release(&d->lock);
+    }
+    if (next.expandable_segments) warn_if_no_virtual_memory(a, &next);
+  }
+  mutex_unlock(&a->config_lock);
+  gca__log_release();
+  return rc;
+}
+
+int gca_get_config(gca_allocator_t *a, char *buf, size_t cap) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_get_config: allocator is NULL");
+  mutex_lock(&a->config_lock);
+  size_t n = gca__config_format(&a->config, buf, cap);
+  mutex_unlock(&a->config_lock);
+  return (int)n;
+}
+
+size_t gca_round_size(gca_allocator_t *a, size_t size) {
+  if (!a) {
+    gca__set_error(GCA_ERR_INVALID, "gca_round_size: allocator is NULL");
+    return 0;
+  }
+  mutex_lock(&a->config_lock);
+  size_t r = gca__round_size(&a->config, size);
+  mutex_unlock(&a->config_lock);
+  return r;
+}
+
+/* ---- statistics --------------------------------------------------------- */
+
+int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
+  device_t *d = device_of(a, device, "gca_get_stats");
+  if (!d) return gca_last_status();
+  if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
+  lock_acquire(&d->lock);
+  gca__stats_materialize(&d->stats, out);
+  out->max_split_size = d->config.max_split_size == SIZE_MAX ? -1 : (int64_t)d->config.max_split_size;
+  lock_release(&d->lock);
+  return GCA_OK;
+}
+
+static int reset_stats(gca_allocator_t *a, int device, const char *what, void (*reset)(kept_stats_t *)) {
+  device_t *d = device_of(a, device, what);
+  if (!d) return gca_last_status();
+  lock_acquire(&d->lock);
+  reset(&d->stats);
+  lock_release(&d->lock);
+  return GCA_OK;
+}
+
+int gca_reset_peak_stats(gca_allocator_t *a, int device) {
+  return reset_stats(a, device, "gca_reset_peak_stats", gca__stats_reset_peak);
+}
+
+int gca_reset_accumulated_stats(gca_allocator_t *a, int device) {
+  return reset_stats(a, device, "gca_reset_accumulated_stats", gca__stats_reset_accumulated);
+}
+
+int64_t gca_allocated_bytes(const gca_allocator_t *a, int device) {
+  if (!a || device < 0 || device >= a->device_count) return 0;
+  return atomic_load_explicit(&a->devices[device].allocated_now, memory_order_relaxed);
+}
+
+int64_t gca_reserved_bytes(const gca_allocator_t *a, int device) {
+  if (!a || device < 0 || device >= a->device_count) return 0;
+  return atomic_load_explicit(&a->devices[device].reserved_now, memory_order_relaxed);
+}
+
+int gca_check(gca_allocator_t *a, int device) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_check: allocator is NULL");
+  int first = device == -1 ? 0 : device;
+  int last = device == -1 ? a->device_count - 1 : device;
+  if (device != -1 && !device_of(a, device, "gca_check")) return gca_last_status();
+  for (int i = first; i <= last; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    int rc = gca__device_check_locked(d);
+    lock_release(&d->lock);
+    if (rc) return rc;
+  }
+  return GCA_OK;
+}

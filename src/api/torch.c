@@ -1,0 +1,132 @@
+/* The drop-in for PyTorch: C functions with the signatures
+ * torch.cuda.memory.CUDAPluggableAllocator loads from a shared library
+ * (alloc and free), and a few more that the Python package (python/gcalloc)
+ * calls, all on one process-wide allocator.
+ *
+ * PyTorch calls alloc and free from any thread, with the device index and
+ * the cudaStream_t of the current stream; a cudaStream_t is the driver's
+ * CUstream, which is what the cuda backend takes. The allocator is opened by
+ * gca_torch_init (the Python package does, before handing the functions to
+ * PyTorch), or on the first allocation from GCALLOC_TORCH_BACKEND (default
+ * "cuda") and the environment's configuration.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "host/host.h"
+#include "observe/observe.h"
+
+static pthread_mutex_t torch_lock = PTHREAD_MUTEX_INITIALIZER;
+static gca_allocator_t *_Atomic torch_allocator;
+/* The last failed allocation's message, for whichever thread asks: PyTorch
+ * allocates on autograd's threads too, where gca_last_error() stays. */
+static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
+static char last_failure[4096];
+
+static void keep_failure(const char *message) {
+  mutex_lock(&failure_lock);
+  snprintf(last_failure, sizeof last_failure, "%s", message);
+  mutex_unlock(&failure_lock);
+}
+
+size_t gca_torch_last_failure(char *buf, size_t cap) {
+  mutex_lock(&failure_lock);
+  size_t len = strlen(last_failure);
+  if (buf && cap) snprintf(buf, cap, "%s", last_failure);
+  mutex_unlock(&failure_lock);
+  return len;
+}
+
+int gca_torch_init(const char *backend, const char *config) {
+  gca__log_hold(); /* opening logs; a handler may allocate through these exports */
+  mutex_lock(&torch_lock);
+  int rc = GCA_OK;
+  gca_allocator_t *a = atomic_load(&torch_allocator);
+  if (a) {
+    /* Already open (PyTorch may have allocated): only the settings change. */
+    if (backend && *backend && strncmp(backend, gca_backend_name(a), strlen(gca_backend_name(a))) != 0)
+      rc = gca__set_error(GCA_ERR_INVALID, "gca_torch_init: the allocator is already open on the %s backend, not %s",
+                          gca_backend_name(a), backend);
+    else if (config && *config)
+      rc = gca_set_config(a, config);
+  } else {
+    const char *env = getenv("GCALLOC_TORCH_BACKEND");
+    const char *spec = backend && *backend ? backend : env && *env ? env : "cuda";
+    rc = gca_open(spec, config, &a);
+    if (rc == GCA_OK) {
+      keep_failure("");
+      atomic_store(&torch_allocator, a);
+    }
+  }
+  mutex_unlock(&torch_lock);
+  gca__log_release();
+  return rc;
+}
+
+gca_allocator_t *gca_torch_allocator(void) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (a || gca_torch_init(NULL, NULL) != GCA_OK) return a;
+  return atomic_load(&torch_allocator);
+}
+
+void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
+  gca_allocator_t *a = gca_torch_allocator();
+  if (!a) {
+    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation of %td bytes on device %d: no allocator: %s", size, device,
+                     gca_last_error());
+    keep_failure(gca_last_error());
+    return NULL;
+  }
+  if (size < 0) {
+    gca__set_error(GCA_ERR_INVALID, "gca_torch_malloc: negative size %td", size);
+    keep_failure(gca_last_error());
+    return NULL;
+  }
+  void *p = gca_malloc(a, (size_t)size, device, (gca_stream_t)stream);
+  /* PyTorch has no way to hear why: say it where the user will see it, and
+   * keep it for gca_torch_last_failure. */
+  if (!p && size) {
+    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, gca_last_error());
+    keep_failure(gca_last_error());
+  }
+  return p;
+}
+
+void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream) {
+  (void)size;
+  (void)device;
+  (void)stream;
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (!ptr) return;
+  if (!a || gca_free(a, ptr) != GCA_OK)
+    gca__log_message(GCA_LOG_ERROR, "PyTorch free of %p on device %d failed: %s", ptr, device,
+                     a ? gca_last_error() : "no allocator is open");
+}
+
+void gca_torch_record_stream(void *ptr, void *stream) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (a && gca_record_stream(a, ptr, (gca_stream_t)stream) != GCA_OK)
+    gca__log_message(GCA_LOG_ERROR, "record_stream of %p failed: %s", ptr, gca_last_error());
+}
+
+void gca_torch_empty_cache(void) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (a) (void)gca_empty_cache(a, -1);
+}
+
+void gca_torch_set_memory_fraction(double fraction, int device) {
+  gca_allocator_t *a = gca_torch_allocator();
+  if (a && gca_set_memory_fraction(a, fraction, device) != GCA_OK)
+    gca__log_message(GCA_LOG_ERROR, "set_per_process_memory_fraction(%g, %d) failed: %s", fraction, device,
+                     gca_last_error());
+}
+
+void gca_torch_shutdown(void) {
+  mutex_lock(&torch_lock);
+  gca_allocator_t *a = atomic_exchange(&torch_allocator, NULL);
+  mutex_unlock(&torch_lock);
+  gca_close(a);
+}

@@ -1,0 +1,38 @@
+/* Opening a backend by name: "NAME" or "NAME:options". The registry is a
+ * plain table; backends that need a driver (cuda) load it at run time, so
+ * the library never links one.
+ */
+#include <string.h>
+
+#include "base/base.h"
+#include "backends/backend.h"
+
+typedef struct backend_entry {
+  const char *name;
+  int (*create)(const char *options, backend_t *out);
+} backend_entry_t;
+
+static const backend_entry_t registry[] = {
+    {"sim", gca__sim_backend_create},
+    {"cuda", gca__cuda_backend_create},
+};
+
+int gca__backend_open(const char *spec, backend_t *out) {
+  if (!spec || !*spec) spec = "sim";
+  const char *colon = strchr(spec, ':');
+  size_t name_len = colon ? (size_t)(colon - spec) : strlen(spec);
+  const char *options = colon ? colon + 1 : "";
+  for (size_t i = 0; i < sizeof registry / sizeof registry[0]; i++) {
+    if (strlen(registry[i].name) == name_len && strncmp(registry[i].name, spec, name_len) == 0)
+      return registry[i].create(options, out);
+  }
+  return gca__set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim, cuda)", (int)name_len, spec);
+}
+
+void gca__backend_close(backend_t *b) {
+  if (b && b->ops) b->ops->destroy(b->state);
+  if (b) {
+    b->ops = NULL;
+    b->state = NULL;
+  }
+}

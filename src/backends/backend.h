@@ -1,0 +1,205 @@
+/* The backend interface: the device primitives the caching core needs.
+ *
+ * Like mimalloc's prim layer, this is the only way the core reaches a device.
+ * A backend is a table of functions plus an opaque state; it is opened from a
+ * spec "NAME:key=value,...". Calls may come from several threads at once (one
+ * per device lock), so a backend guards its own state. Every call returns
+ * GCA_OK or a negative gca_status and sets the error message on failure;
+ * GCA_ERR_OOM means "no memory now" (the core may free cache and retry), any
+ * other failure is final.
+ *
+ * Streams and events order memory reuse: the core records an event on a
+ * stream (it completes when the work queued on the stream before it has),
+ * asks whether it has completed, waits for it, or makes another stream wait
+ * for it. A stream is the caller's handle (gca_stream_t, a cudaStream_t on
+ * CUDA); an event is the backend's handle. The stream and event entries may
+ * be NULL: the core then treats the device as synchronous (every event has
+ * completed when recorded).
+ *
+ * Virtual memory (expandable segments) separates address space from
+ * physical memory, as CUDA's cuMemAddressReserve / cuMemCreate / cuMemMap
+ * do: reserve a range of addresses (no memory behind it), create physical
+ * memory (counted against the device's capacity; GCA_ERR_OOM when there is
+ * none), map it at an address of a reserved range (readable and writable by
+ * the device once mapped), unmap it, destroy it, give the range back. All
+ * addresses and sizes are multiples of vm_granularity. A backend without
+ * virtual memory leaves all seven entries NULL; the core then serves
+ * expandable_segments:True with ordinary segments and says so once.
+ */
+#ifndef GCALLOC_BACKEND_H
+#define GCALLOC_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gcalloc.h"
+
+/* event_query's answer when the event has not completed yet (not an error). */
+#define BACKEND_NOT_READY 1
+
+typedef struct backend_ops {
+  const char *name;
+  int (*device_count)(void *state);
+  /* Allocate `size` bytes on `device`; the address is 512-byte aligned. */
+  int (*malloc)(void *state, int device, size_t size, uintptr_t *addr);
+  /* Free what malloc returned; `size` is the size it was asked for.
+   * GCA_ERR_BAD_POINTER: the device holds no such allocation (a bookkeeping
+   * error of the caller; nothing was freed); GCA_ERR_CORRUPT: freed, but
+   * work still used it (the sim's race detector); any other failure: the
+   * device refused and the memory is still allocated. */
+  int (*free)(void *state, int device, uintptr_t addr, size_t size);
+  int (*mem_get_info)(void *state, int device, size_t *free_bytes, size_t *total_bytes);
+  /* Create an event and record it on `stream`: it completes when every piece
+   * of work queued on the stream so far has. */
+  int (*event_record)(void *state, int device, gca_stream_t stream, uintptr_t *event);
+  /* GCA_OK when the event has completed, BACKEND_NOT_READY when not yet. */
+  int (*event_query)(void *state, int device, uintptr_t event);
+  /* Block the host until the event has completed. */
+  int (*event_synchronize)(void *state, int device, uintptr_t event);
+  /* Release an event (recorded, completed or not). */
+  void (*event_destroy)(void *state, int device, uintptr_t event);
+  /* Work queued on `stream` from now on starts only after `event` completes. */
+  int (*stream_wait_event)(void *state, int device, gca_stream_t stream, uintptr_t event);
+  /* Block the host until all work queued on `stream` has completed. */
+  int (*stream_synchronize)(void *state, int device, gca_stream_t stream);
+  /* Virtual memory (may all be NULL). The page size mappings are made of. */
+  int (*vm_granularity)(void *state, int device, size_t *granularity);
+  /* Reserve `size` bytes of addresses, aligned to the granularity. */
+  int (*vm_reserve)(void *state, int device, size_t size, uintptr_t *addr);
+  /* Give back a reserved range (addr and size as reserved); nothing may be mapped in it. */
+  int (*vm_unreserve)(void *state, int device, uintptr_t addr, size_t size);
+  /* Create `size` bytes of physical memory; its handle in *handle. */
+  int (*vm_create)(void *state, int device, size_t size, uintptr_t *handle);
+  /* Destroy physical memory; it must not be mapped. */
+  int (*vm_destroy)(void *state, int device, uintptr_t handle);
+  /* Map the whole of `handle` (size bytes) at addr, inside a reserved range. */
+  int (*vm_map)(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle);
+  /* Unmap what is mapped at [addr, addr + size) (whole mappings). The
+   * caller must have waited for work that uses it: like a free,
+   * GCA_ERR_CORRUPT reports that it did not (the sim's race detector). */
+  int (*vm_unmap)(void *state, int device, uintptr_t addr, size_t size);
+  /* Optional (NULL: the core calls the ones above once per page). A
+   * backend whose calls cost more than their work (the sim: a lock and a
+   * look-up each) serves a run of pages in one. vm_create_many: what n
+   * vm_create calls of `size` bytes would do, stopping at the first that
+   * fails (its status returned), with *made created in handles[].
+   * vm_destroy_many: n vm_destroy calls, each destroyed if it can be; the
+   * last refusal's status, in *refused how many were, and the refused
+   * handles moved to the front of handles[] in their order (the memory is
+   * still the caller's, to give back later). vm_map_many:
+   * handles[i] (each `size` bytes) mapped at addr + i * size, all or none. */
+  int (*vm_create_many)(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made);
+  int (*vm_destroy_many)(void *state, int device, uintptr_t *handles, size_t n, size_t *refused);
+  int (*vm_map_many)(void *state, int device, uintptr_t addr, size_t size, size_t n, const uintptr_t *handles);
+  /* Device facts and peers (may be NULL: the public calls then say the
+   * backend has none). */
+  int (*device_properties)(void *state, int device, gca_device_properties_t *out);
+  int (*can_access_peer)(void *state, int device, int peer, int *can);
+  int (*enable_peer_access)(void *state, int device, int peer);
+  int (*disable_peer_access)(void *state, int device, int peer);
+  int (*stream_priority_range)(void *state, int device, int *least, int *greatest);
+  /* Page-locked host memory for the pinned host allocator (may be NULL). */
+  int (*host_alloc)(void *state, size_t size, void **ptr);
+  int (*host_free)(void *state, void *ptr);
+  /* Page-lock `size` bytes of the caller's memory at ptr (cudaHostRegister),
+   * and undo it (may be NULL: pinned_use_cuda_host_register then falls back
+   * to host_alloc). */
+  int (*host_register)(void *state, void *ptr, size_t size);
+  int (*host_unregister)(void *state, void *ptr);
+  /* Whether the backend knows `ptr` as page-locked host memory. */
+  int (*host_is_pinned)(void *state, const void *ptr, int *pinned);
+  void (*destroy)(void *state);
+  /* destroy() gives back all the device's memory at once (the sim, whose
+   * device memory is its own bookkeeping): closing an allocator then need
+   * not give it back a segment and a page at a time. A real device's
+   * memory outlives the backend's state, so the CUDA backend says no. */
+  bool destroy_releases_memory;
+} backend_ops_t;
+
+typedef struct backend {
+  const backend_ops_t *ops;
+  void *state;
+} backend_t;
+
+/* Open a backend from a spec ("sim", "sim:capacity=24GiB"). */
+int gca__backend_open(const char *spec, backend_t *out);
+void gca__backend_close(backend_t *b);
+
+/* The sim backend (backend/sim.c). */
+int gca__sim_backend_create(const char *options, backend_t *out);
+/* The CUDA backend (backend/cuda.c): the driver API through dlopen. */
+int gca__cuda_backend_create(const char *options, backend_t *out);
+
+/* The most memory a sim device may have (each device's addresses are a
+ * range of twice that). */
+#define SIM_MAX_CAPACITY ((size_t)1 << 43) /* 8 TiB */
+
+/* Ground truth kept by the sim device, for tests that check the allocator's
+ * own counting against the device's. */
+typedef struct sim_counters {
+  uint64_t malloc_calls;     /* every request, failed ones included */
+  uint64_t mallocs;          /* successful allocations */
+  uint64_t frees;
+  uint64_t live;             /* allocations not yet freed */
+  size_t used;               /* bytes in live allocations */
+  size_t capacity;
+  uint64_t launches;         /* work queued with sim_launch */
+  uint64_t events_recorded;  /* event_record calls, failed ones included */
+  uint64_t events_live;      /* recorded and not yet destroyed */
+  uint64_t stream_waits;     /* stream_wait_event calls */
+  uint64_t host_waits;       /* event or stream synchronizations */
+  uint64_t hazards;          /* unordered uses of memory, device frees of memory in use */
+  uint64_t free_calls;       /* every free, failed ones included */
+  /* Virtual memory. Physical memory counts in `used` and, as an
+   * allocation, in malloc_calls (so fault injection reaches it). */
+  uint64_t vm_reserved;      /* bytes of address space reserved now */
+  uint64_t vm_handles;       /* physical allocations alive */
+  uint64_t vm_mapped;        /* bytes mapped now */
+  uint64_t vm_maps, vm_unmaps;
+  /* Pinned host memory (one host for all devices: the same in each). */
+  uint64_t host_calls;       /* host_alloc and host_register calls, failed ones included */
+  uint64_t host_live;        /* ranges allocated or registered now */
+  size_t host_used;          /* bytes in them */
+  uint64_t host_unbacked_pages; /* pages not yet backed when registered (mincore), all registrations */
+} sim_counters_t;
+
+/* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */
+int gca__sim_get_counters(const backend_t *b, int device, sim_counters_t *out);
+
+/* Driving the sim's device model (tests, benchmarks, replay). Time is
+ * simulated: it moves only when sim_advance is called or when the host waits
+ * (an event or stream synchronization moves it to the moment the awaited
+ * work completes). Streams are independent of each other (as CUDA streams
+ * created non-blocking): only events order them.
+ *
+ * Queue `duration_ns` of work on `stream` that uses [addr, addr + size) (size
+ * 0: no memory). It starts when the stream's earlier work and every event
+ * the stream was made to wait for have completed. If that memory is in use by
+ * work of another stream that is not ordered before it, or later freed while
+ * the work is pending, the sim counts a hazard and the call (or the free)
+ * fails naming both; the work is queued either way. */
+int gca__sim_launch(const backend_t *b, int device, gca_stream_t stream, uint64_t duration_ns, uintptr_t addr,
+                    size_t size);
+/* Where device allocations go (the replay's: docs/replay.md, "the start as
+ * PyTorch had it"): a list of (size, address) in the order they are
+ * expected, addresses as another device gave them; `origin` of those is
+ * put at the device's first address, the others at the same distance from
+ * it. An allocation of the next entry's size takes its address when that
+ * range is free, and the entry is used up either way; any other
+ * allocation goes first fit, as without a list. Ties between free blocks of
+ * one size are broken by address, so where segments lie decides which a
+ * request takes. Replaces any list given before (n 0: none).
+ * GCA_ERR_INVALID for another backend, GCA_ERR_NOMEM. */
+typedef struct sim_place {
+  uint64_t size, addr;
+} sim_place_t;
+int gca__sim_set_placement(const backend_t *b, int device, const sim_place_t *places, size_t n, uint64_t origin);
+
+/* Move simulated time forward; work and events due by then complete. */
+void gca__sim_advance(const backend_t *b, uint64_t ns);
+/* The simulated time in ns since the backend was opened. */
+uint64_t gca__sim_now(const backend_t *b);
+/* When the work queued so far on `stream` completes (<= now: idle). */
+uint64_t gca__sim_stream_ready_at(const backend_t *b, int device, gca_stream_t stream);
+
+#endif /* GCALLOC_BACKEND_H */

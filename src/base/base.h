@@ -1,0 +1,212 @@
+/* The base utilities every layer of the library may use, and nothing
+ * else: errors and logging, compiler hints and debug assertions, locks
+ * (lock.h), growing arrays, big arrays and arenas, helper threads, a small
+ * integer map, bounded text, and parsing of sizes. A backend sees this and
+ * the backend interface only.
+ */
+#ifndef GCALLOC_BASE_H
+#define GCALLOC_BASE_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "gcalloc.h"
+#include "base/lock.h"
+
+#if defined(__GNUC__)
+#define likely(x) __builtin_expect(!!(x), 1)
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#define GCA_PRINTF(f, a) __attribute__((format(printf, f, a)))
+/* The library is built as one translation unit, so the compiler sees the
+ * whole cached path: GCA_FLATTEN on the two entry points inlines it into
+ * them; GCA_COLD keeps the miss and error paths out of line. */
+#define GCA_FLATTEN __attribute__((flatten))
+#define GCA_COLD __attribute__((noinline, cold))
+#else
+#define GCA_FLATTEN
+#define GCA_COLD
+#define likely(x) (x)
+#define unlikely(x) (x)
+#define GCA_PRINTF(f, a)
+#endif
+
+/* Invariants checked in debug builds, as SQLite's assert(): a broken one
+ * stops the process with its place and condition. Release builds drop
+ * them. */
+#ifndef NDEBUG
+#define GCA_ASSERT(cond) ((cond) ? (void)0 : gca__assert_failed(#cond, __FILE__, __LINE__))
+__attribute__((noreturn)) void gca__assert_failed(const char *cond, const char *file, int line);
+#else
+#define GCA_ASSERT(cond) ((void)0)
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Errors and logging (error.c)                                              */
+/* ------------------------------------------------------------------------ */
+
+/* Record a failure for gca_last_error(); returns `status` for tail calls. */
+int gca__set_error(int status, const char *fmt, ...) GCA_PRINTF(2, 3);
+/* Put "prefix: " before the current error message; returns its status. */
+int gca__prefix_error(const char *prefix);
+void gca__clear_error(void);
+/* Log a message through the installed handler. The handler never runs under
+ * a lock of the library: a region that holds one and may log is bracketed
+ * by log_hold() and log_release(), which delivers what was logged inside
+ * once the outermost hold ends. */
+void gca__log_message(gca_log_level level, const char *fmt, ...) GCA_PRINTF(2, 3);
+void gca__log_hold(void);
+void gca__log_release(void);
+extern _Atomic int gca__log_level_now;
+extern _Atomic int gca__calls_observed;
+static inline bool log_on(int level) {
+  return unlikely(level <= atomic_load_explicit(&gca__log_level_now, memory_order_relaxed));
+}
+/* Read GCALLOC_LOG and GCALLOC_LOG_FILE once (gca_open calls it). */
+void gca__log_init(void);
+/* Whether every call must be observed for a trace file being written
+ * (trace recording says; calls_observed follows it and the log level). */
+void gca__log_set_calls_recorded(bool on);
+
+/* ------------------------------------------------------------------------ */
+/* Small helpers (util.c)                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Grow a dynamic array: realloc to twice *cap elements (`first` when empty).
+ * Returns the new array and updates *cap, or returns NULL on host OOM and
+ * leaves both untouched. */
+void *gca__grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* FNV-1a of a string's bytes, never 0 (so 0 can mark an empty slot). */
+uint64_t gca__text_hash(const char *s);
+/* Arrays of megabytes filled at once (the pickle reader's memo, a
+ * snapshot's events): zero-filled, and from 256 KiB on mapped on their own
+ * (4 KiB pages: util.c, big_map, says why not huge ones), so that freeing
+ * one gives its memory back at once and a freed one can be kept whole for
+ * the next (a process that reads trace after trace then faults nothing in
+ * again). `bytes` must be what the array was allocated or last grown to.
+ * big_rezalloc zero-fills the new part; on failure it returns NULL and
+ * leaves the array as it was. A few freed mappings are kept for reuse, as
+ * malloc keeps freed memory. */
+#if defined(__SANITIZE_ADDRESS__)
+#define GCA_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define GCA_UNDER_ASAN 1
+#endif
+#endif
+/* Whether big arrays are mappings of their own: on Linux, but not under
+ * AddressSanitizer, which checks the bounds of what malloc gives only. */
+#if defined(__linux__) && !defined(GCA_UNDER_ASAN)
+#define GCA_BIG_MAPPED 1
+#else
+#define GCA_BIG_MAPPED 0
+#endif
+void *gca__big_zalloc(size_t bytes);
+/* `bytes` of fresh, zeroed memory mapped on its own, aligned to a 2 MiB
+ * huge page, with the kernel asked for transparent huge pages (a hint);
+ * NULL if it cannot be mapped. munmap(p, bytes) gives it back. The pinned
+ * allocator's large registered blocks use it: long-lived, and registered
+ * with the driver page by page. */
+#define HUGE_PAGE_BYTES ((size_t)2 << 20)
+void *gca__huge_map(size_t bytes);
+/* The same, not zero-filled (a kept mapping is handed out as it was). */
+void *gca__big_alloc(size_t bytes);
+void *gca__big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
+/* big_rezalloc without the zero fill, for an array written before it is
+ * read (the new part is garbage where a kept mapping is reused). */
+void *gca__big_regrow(void *array, size_t old_bytes, size_t new_bytes);
+void gca__big_free(void *array, size_t bytes);
+/* For a process that reads trace after trace (trace_load calls it from
+ * the second on: the benchmark's runs in one process, a script's loop):
+ * big arrays mapped from then on ask for transparent huge pages, and the
+ * kept mappings, on 4 KiB pages, are given back. The new ones are kept and
+ * reused in turn, so the kernel's cost of backing a huge page (high on a
+ * VM after idle: util.c, big_map) is paid once, and every later read runs
+ * on fewer TLB entries: on 4 KiB pages, reads in one process were 4-6%
+ * slower. */
+void gca__big_prefer_huge_pages(void);
+/* A bump allocator for things freed all at once (a snapshot, a parsed
+ * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,
+ * no more than that many bytes in all. A refused allocation sets `failed`,
+ * and `over_limit` too when the limit refused it. Memory is 16-aligned. */
+typedef struct arena_chunk arena_chunk_t;
+typedef struct arena {
+  arena_chunk_t *head;
+  size_t chunk, limit, bytes;
+  bool big; /* chunks are big arrays (big_alloc): mapped on their own, kept for reuse */
+  bool failed, over_limit;
+} arena_t;
+void *gca__arena_alloc(arena_t *ar, size_t n);
+void *gca__arena_zalloc(arena_t *ar, size_t n);
+/* Grows p, the arena's latest allocation (old_n bytes), to new_n bytes
+ * where it is: true when it was the last thing in its chunk and the chunk
+ * has the room; else false, and nothing changed. */
+bool gca__arena_extend(arena_t *ar, void *p, size_t old_n, size_t new_n);
+char *gca__arena_strdup(arena_t *ar, const char *s);
+
+void gca__arena_free(arena_t *ar);
+
+/* Kept helper threads (helpers.c) for the tools' parallel steps: the trace
+ * reader's second reader, the replay's device workers; and the pinned host
+ * allocator's page touching (host.c). A job runs
+ * run(arg) on one of them. helper_submit queues it, and returns false when
+ * no thread could be had (the caller runs it itself). helper_wait returns
+ * once it has run, or takes it back if no thread has started it yet and
+ * returns false. helper_detach runs run(arg) soon, and nobody waits. */
+typedef struct helper_job {
+  void (*run)(void *arg);
+  void *arg;
+  struct helper_job *next;
+  atomic_int state;
+  bool detached;
+} helper_job_t;
+#define GCA_HELPERS_MAX 64 /* threads kept at most */
+bool gca__helper_submit(helper_job_t *job);
+bool gca__helper_wait(helper_job_t *job);
+bool gca__helper_detach(void (*run)(void *arg), void *arg);
+/* The processors this thread may run on (its affinity: a `taskset` or a
+ * container's set counts), at least 1. A system call of a few
+ * microseconds: sysconf's count of those online reads a file under /sys,
+ * 30-50 us in a new process on the project's VM. */
+int gca__processors_usable(void);
+/* One step of a thread's wait for another that runs on another processor
+ * (helpers looking for work, the trace readers waiting for each other). */
+void gca__spin_pause(void);
+/* Integer key -> integer value, open addressing with linear probing,
+ * growing as it fills; for the trace readers and the replay (not the hot
+ * path, which has block_map). Keys must be below UINT64_MAX - 1. */
+typedef struct addr_map {
+  uint64_t *keys; /* key + 1; 0 empty, UINT64_MAX deleted */
+  uint64_t *vals;
+  size_t cap, used; /* used counts deleted slots too, until the next growth */
+} addr_map_t;
+#define ADDR_MAP_DELETED UINT64_MAX
+bool gca__addr_map_init(addr_map_t *m);
+uint64_t *gca__addr_map_get(const addr_map_t *m, uint64_t key); /* NULL if absent */
+bool gca__addr_map_put(addr_map_t *m, uint64_t key, uint64_t val); /* false on host OOM */
+void gca__addr_map_del(addr_map_t *m, uint64_t key);
+void gca__addr_map_free(addr_map_t *m);
+/* A bounded text being written; `len` counts what did not fit too. */
+typedef struct text {
+  char *buf;
+  size_t cap, len;
+} text_t;
+void gca__text_put(text_t *t, const char *fmt, ...) GCA_PRINTF(2, 3);
+/* Parse "24GiB", "1.5GB", "4096" into bytes. Returns false on bad text or overflow. */
+bool gca__parse_size(const char *text, size_t len, uint64_t *out);
+/* The decimal digits at the start of text[0, len) into *out: how many were
+ * read, 0 when none or when the value overflows 64 bits (no sign, no
+ * blanks: callers decide what may surround the number). */
+size_t gca__parse_decimal(const char *text, size_t len, uint64_t *out);
+/* All of what is left to read from f (a pipe, say, which cannot be mapped or
+ * read twice), malloc'd with a NUL after it (*len excludes it); NULL with
+ * the error set, naming `name`, when it cannot be read or held. */
+unsigned char *gca__read_stream(FILE *f, const char *name, size_t *len);
+/* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
+ * "X.YY KiB/MiB/GiB". */
+void gca__format_bytes(uint64_t bytes, char *buf, size_t cap);
+
+#endif /* GCALLOC_BASE_H */

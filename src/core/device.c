@@ -1,0 +1,418 @@
+/* One device's caching allocator: the malloc and free paths and the cache
+ * release, under the device's single lock.
+ *
+ * malloc, as PyTorch does it: complete the deferred frees whose events have
+ * completed, round the size, pick the pool, take the best fit. On a miss:
+ * with cross_stream_reuse, move the smallest fitting whole segment cached
+ * for another stream to this one (preferring streams whose work is all
+ * done), ordered after that stream's work; else ask the device for a
+ * segment; if the device is full, free cached oversize blocks that could
+ * cover the request and ask again; then wait for every pending free, free every whole cached segment, look in the
+ * cache once more and ask the device once more (num_alloc_retries); then
+ * fail with an out-of-memory message in PyTorch's form (num_ooms). The
+ * cached path makes no system call and allocates nothing (descriptors come
+ * from a recycled list); its cost is a tree lookup and a hash insert.
+ *
+ * free: the allocated counters drop at once; a block used on other streams
+ * waits for their events (events.c), any other returns to its pool at once.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+
+int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg) {
+  memset(d, 0, sizeof *d);
+  pthread_condattr_t attr;
+  bool cond_ok = pthread_condattr_init(&attr) == 0;
+  cond_ok = cond_ok && pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
+            pthread_cond_init(&d->wait_cond, &attr) == 0;
+  pthread_condattr_destroy(&attr);
+  if (!cond_ok) return gca__set_error(GCA_ERR_NOMEM, "cannot create the condition variable of device %d", index);
+  if (lock_init(&d->lock) != 0 || pthread_mutex_init(&d->wait_lock, NULL) != 0) {
+    pthread_cond_destroy(&d->wait_cond);
+    return gca__set_error(GCA_ERR_NOMEM, "cannot create the locks of device %d", index);
+  }
+  d->owner = owner;
+  d->index = index;
+  d->backend = &owner->backend;
+  d->config = *cfg;
+  d->launch_blocking = owner->launch_blocking;
+  gca__pool_init(&d->small_pool, GCA_POOL_SMALL);
+  gca__pool_init(&d->large_pool, GCA_POOL_LARGE);
+  if (gca__block_map_init(&d->allocated) != GCA_OK) {
+    lock_destroy(&d->lock);
+    pthread_mutex_destroy(&d->wait_lock);
+    pthread_cond_destroy(&d->wait_cond);
+    return gca__set_error(GCA_ERR_NOMEM, "out of host memory creating device %d", index);
+  }
+  atomic_init(&d->allocated_now, 0);
+  atomic_init(&d->reserved_now, 0);
+  atomic_init(&d->span_lo, UINTPTR_MAX);
+  atomic_init(&d->span_hi, 0);
+  atomic_init(&d->waiters, 0);
+  if (cfg->memory_fraction_set) (void)gca__device_set_fraction_locked(d, cfg->memory_fraction);
+  (void)gca__expandable_available(d); /* ask the backend now, so the answer can be logged outside any lock */
+  return GCA_OK;
+}
+
+int gca__device_set_fraction_locked(device_t *d, double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    return gca__set_error(GCA_ERR_INVALID, "invalid memory fraction %g for device %d: it must be within [0, 1]", fraction,
+                          d->index);
+  size_t free_bytes = 0, total = 0;
+  int rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
+  if (rc) return rc;
+  d->fraction_set = true;
+  d->fraction = fraction;
+  d->allowed = (size_t)(fraction * (double)total);
+  return GCA_OK;
+}
+
+void gca__device_destroy(device_t *d) {
+  /* Give every segment back, live blocks included: the allocator is going
+   * away and nothing may leak on the device. First wait for the work that
+   * may still use the memory. A backend whose destroy() releases all of it
+   * (the sim) is not asked piece by piece: a replay of an expandable trace
+   * spent a third of its time unmapping thousands of pages at the end. */
+  gca__events_shutdown(d);
+  bool give_back = !d->backend->ops->destroy_releases_memory;
+  segment_t *seg = d->segments;
+  while (seg) {
+    segment_t *next = seg->next;
+    for (block_t *b = seg->head; b; b = b->next) gca__history_drop_stack(b);
+    if (seg->expandable) gca__expandable_segment_destroy(d, seg, give_back);
+    else if (give_back) d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+    free(seg);
+    seg = next;
+  }
+  d->segments = NULL;
+  gca__expandable_kept_destroy(d, give_back);
+  gca__block_chunks_free(d);
+  gca__history_destroy(d);
+  gca__block_map_destroy(&d->allocated);
+  lock_destroy(&d->lock);
+  pthread_mutex_destroy(&d->wait_lock);
+  pthread_cond_destroy(&d->wait_cond);
+}
+
+/* PyTorch's release_cached_blocks: wait for every pending free, then give
+ * every whole cached segment back, and wait until the device has them. */
+static void release_cached_blocks(device_t *d) {
+  d->stats.num_sync_all_streams++;
+  gca__events_synchronize(d);
+  gca__segment_release_all_cached(d);
+  gca__events_finish_releases(d, true);
+}
+
+/* The smallest whole cached segment of another stream that fits `rounded`
+ * under the oversize rules and the configured size ratio, preferring
+ * streams whose work is all done (no waiting); NULL if none. Only whole
+ * segments move between streams: taking pieces of another stream's split
+ * segments was measured to fragment both streams' segments and to trade
+ * blocks back and forth, each time with a wait (docs/streams.md). The ratio
+ * bounds how much larger than a fresh segment a moved one may be: a larger
+ * one is split, and a split segment cannot be given back under pressure.
+ * Whether a stream is idle is asked only of a stream whose candidate could
+ * win. */
+static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                        bool *idle) {
+  block_t *best = NULL;
+  *idle = false;
+  for (block_t *first = gca__pool_first(pool); first; first = gca__pool_first_after_stream(pool, first->stream)) {
+    if (first->stream == stream) continue;
+    block_t *b = gca__pool_lower_bound(pool, first->stream, rounded);
+    while (b && b->stream == first->stream && (b->prev || b->next || b->expandable)) b = gca__pool_next(pool, b);
+    if (!b || b->stream != first->stream || !gca__pool_fits(&d->config, rounded, b)) continue;
+    if ((double)b->size > d->config.cross_stream_reuse * (double)gca__segment_size_for(rounded)) continue;
+    if (best && *idle && b->size >= best->size) continue;
+    bool is_idle = gca__events_stream_is_idle(d, b->stream);
+    if (best && !(is_idle && !*idle) && !(is_idle == *idle && b->size < best->size)) continue;
+    best = b;
+    *idle = is_idle;
+  }
+  return best;
+}
+
+/* Cross-stream reuse, if configured: move a whole cached segment of another
+ * stream to `stream`, once `stream` is ordered after that stream's work
+ * (nothing to order if it is idle), and hand out the request from it. */
+static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                       size_t requested) {
+  if (d->config.cross_stream_reuse <= 0) return NULL;
+  bool idle;
+  block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
+  if (!b || (!idle && !gca__events_order_reuse(d, b->stream, stream))) return NULL;
+  d->stats.num_cross_stream_reuses++;
+  gca__pool_remove(pool, b);
+  b->stream = b->segment->stream = stream;
+  return gca__block_take(d, b, NULL, false, rounded, requested);
+}
+
+/* A fit in the cache: on the stream's own blocks, then (if configured) on
+ * another stream's. */
+static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested) {
+  block_t *pred = NULL;
+  pool->lookups++;
+  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
+  return b ? gca__block_take(d, b, pred, true, rounded, requested)
+           : take_from_other_stream(d, pool, stream, rounded, requested);
+}
+
+static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                 size_t requested, int *rc) {
+  if (d->config.expandable_segments && gca__expandable_available(d))
+    return gca__expandable_take(d, pool, stream, rounded, requested, rc);
+  block_t *b = gca__segment_alloc(d, pool, stream, rounded, rc);
+  return b ? gca__block_take(d, b, NULL, false, rounded, requested) : NULL;
+}
+
+/* From the device: a new segment, freeing cache when the device is full
+ * (PyTorch's alloc_block, release_available_cached_blocks,
+ * release_cached_blocks). NULL with *rc set if nothing worked. */
+static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
+                                 int *rc) {
+  gca__gc_collect(d);
+  block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
+  if (b || *rc != GCA_ERR_OOM) return b;
+
+  if (gca__segment_release_available(d, pool, stream, rounded)) {
+    gca__events_finish_releases(d, true);
+    b = take_new_segment(d, pool, stream, rounded, requested, rc);
+    if (b || *rc != GCA_ERR_OOM) return b;
+  }
+
+  release_cached_blocks(d);
+  /* Unlike PyTorch, look in the cache again: frees that were waiting for
+   * events have just completed, and one of them may fit. */
+  b = take_cached(d, pool, stream, rounded, requested);
+  if (b) return b;
+  d->stats.num_alloc_retries++;
+  return take_new_segment(d, pool, stream, rounded, requested, rc);
+}
+
+/* One pass of the ladder after a miss on the stream's own cache. */
+static block_t *attempt(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  block_t *b = take_from_other_stream(d, pool, stream, rounded, requested);
+  return b ? b : take_from_device(d, pool, stream, rounded, requested, rc);
+}
+
+/* Take the lock again after running without it (callbacks, handlers), and
+ * collect the frees that completed meanwhile. */
+static void relock(device_t *d) {
+  lock_acquire(&d->lock);
+  if (d->pending_events | (uintptr_t)d->releasing) gca__events_process(d);
+}
+
+/* Memory may have come back: the cache, then the ladder. */
+static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
+                           int *rc) {
+  block_t *b = take_cached(d, pool, stream, rounded, requested);
+  return b ? b : attempt(d, pool, stream, rounded, requested, rc);
+}
+
+/* After the ladder failed for want of memory: wait for memory to come back
+ * (oom_retry_timeout_ms), then let the OOM handlers free some (bounded by
+ * oom_handler_retries), trying again after each. The lock is held on entry
+ * and on return, released while waiting and while handlers run. */
+static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  block_t *b = NULL;
+  uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
+  if (timeout_ns && gca__oom_worth_waiting(d, rounded)) {
+    d->stats.num_alloc_waits++;
+    atomic_fetch_add(&d->waiters, 1);
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    uint64_t backoff = 1000000, waited = 0; /* 1 ms, doubling to 128 ms */
+    while (!b && *rc == GCA_ERR_OOM && waited < timeout_ns) {
+      uint64_t generation = gca__oom_generation(d);
+      uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
+      gca__oom_wait(d, generation, step);
+      if (d->pending_events | (uintptr_t)d->releasing) gca__events_process(d);
+      b = take_again(d, pool, stream, rounded, requested, rc);
+      clock_gettime(CLOCK_MONOTONIC, &now);
+      waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
+      if (backoff < 128000000) backoff *= 2;
+    }
+    atomic_fetch_sub(&d->waiters, 1);
+  }
+  for (uint32_t round = 0; !b && *rc == GCA_ERR_OOM && round < d->config.oom_handler_retries; round++) {
+    if (!atomic_load_explicit(&d->owner->callbacks[CB_OOM_HANDLER].count, memory_order_relaxed)) break;
+    lock_release(&d->lock);
+    bool again = gca__oom_run_callbacks(d, CB_OOM_HANDLER, gca__segment_size_for(rounded));
+    relock(d);
+    if (!again) break;
+    d->stats.num_oom_handler_retries++;
+    b = take_again(d, pool, stream, rounded, requested, rc);
+  }
+  return b;
+}
+
+/* Device failures gcalloc handled since the last report: with the lock
+ * held, how many; logged (without the lock) by report_absorbed. */
+void gca__note_absorbed(device_t *d) {
+  snprintf(d->absorbed_message, sizeof d->absorbed_message, "%s", gca_last_error());
+}
+
+void gca__note_refused_free(device_t *d) {
+  d->stats.num_device_free_failures++;
+  gca__note_absorbed(d);
+}
+
+static absorbed_t take_absorbed(device_t *d) {
+  absorbed_t a;
+  size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;
+  a.fresh = now - d->reported_errors;
+  d->reported_errors = now;
+  if (a.fresh) memcpy(a.last, d->absorbed_message, sizeof a.last);
+  return a;
+}
+
+GCA_COLD static void report_absorbed(device_t *d, const absorbed_t *a) {
+  if (a->fresh)
+    gca__log_message(GCA_LOG_ERROR, "device %d: %zu device failures handled (events waited out, frees refused and kept; "
+                     "see num_device_free_failures); the last: %s", d->index, a->fresh, a->last);
+}
+
+/* The miss path, with the lock held; returns the address (0 on failure,
+ * with the error set) with the lock released. */
+GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
+                                         size_t requested) {
+  block_t *b = NULL;
+  int rc = GCA_ERR_OOM;
+  /* PyTorch's free-memory callbacks, then the cache again. */
+  if (atomic_load_explicit(&d->owner->callbacks[CB_FREE_MEMORY].count, memory_order_relaxed)) {
+    lock_release(&d->lock);
+    bool freed = gca__oom_run_callbacks(d, CB_FREE_MEMORY, rounded);
+    relock(d);
+    if (freed) b = take_cached(d, pool, stream, rounded, requested);
+  }
+  if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
+  if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
+  absorbed_t absorbed = take_absorbed(d);
+  if (b || rc != GCA_ERR_OOM) {
+    uintptr_t addr = b ? b->addr : 0;
+    lock_release(&d->lock);
+    report_absorbed(d, &absorbed);
+    return addr;
+  }
+  d->stats.num_ooms++;
+  oom_report_t report;
+  gca__oom_explain(d, stream, rounded, &report);
+  if (d->recording) gca__history_oom(d, report.size, stream, report.free_bytes);
+  lock_release(&d->lock);
+  report_absorbed(d, &absorbed);
+  gca__oom_notify(d, &report);
+  return 0;
+}
+
+void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
+  lock_acquire(&d->lock);
+  if (unlikely(d->pending_events | (uintptr_t)d->releasing)) gca__events_process(d);
+  size_t rounded = gca__round_size(&d->config, size);
+  if (unlikely(rounded == 0)) {
+    lock_release(&d->lock);
+    gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: the size overflows when rounded", size);
+    return NULL;
+  }
+  pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
+  pool->lookups++;
+  block_t *pred = NULL;
+  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
+  if (unlikely(b == NULL)) return (void *)malloc_on_miss(d, pool, stream, rounded, size);
+  uintptr_t addr = gca__block_take(d, b, pred, true, rounded, size)->addr;
+  lock_release(&d->lock);
+  return (void *)addr;
+}
+
+GCA_COLD static void free_slow(device_t *d, block_t *b) {
+  if (d->recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+  if (b->uses) {
+    gca__events_defer_free(d, b);
+    return;
+  }
+  gca__history_free_completed(d, b);
+  gca__block_give_back(d, b);
+}
+
+int gca__device_free_locked(device_t *d, uintptr_t addr) {
+  block_t *b = gca__block_map_take(&d->allocated, addr);
+  if (unlikely(b == NULL)) return GCA_ERR_BAD_POINTER;
+  int kind = pool_kind_of(b);
+  family_decrease(&d->stats, FAM_ALLOCATION, kind, 1);
+  family_decrease(&d->stats, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
+  if (unlikely(b->oversize)) {
+    stat_decrease(&d->stats.oversize_allocations, 1);
+    b->oversize = false;
+  }
+  atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
+  /* One branch for the rare cases: stream uses, a stack, history on. */
+  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->recording) != 0)) free_slow(d, b);
+  else gca__block_give_back(d, b);
+  return GCA_OK;
+}
+
+int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream) {
+  block_t *b = gca__block_map_find(&d->allocated, addr);
+  return b ? gca__stream_uses_add(b, stream) : GCA_ERR_BAD_POINTER;
+}
+
+void gca__device_process_events(device_t *d) {
+  lock_acquire(&d->lock);
+  gca__events_process(d);
+  lock_release(&d->lock);
+  device_wake_waiters(d);
+}
+
+void gca__device_synchronize(device_t *d) {
+  lock_acquire(&d->lock);
+  d->stats.num_sync_all_streams++;
+  gca__events_synchronize(d);
+  absorbed_t absorbed = take_absorbed(d);
+  lock_release(&d->lock);
+  report_absorbed(d, &absorbed);
+  device_wake_waiters(d);
+}
+
+GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action) {
+  for (segment_t *seg = d->segments; seg; seg = seg->next) {
+    if (addr < seg->addr || addr - seg->addr >= seg->size) continue;
+    for (block_t *b = seg->head; b; b = b->next) {
+      if (addr < b->addr || addr - b->addr >= b->size) continue;
+      if (b->state == BLOCK_ALLOCATED) {
+        gca__set_error(GCA_ERR_BAD_POINTER,
+                       "cannot %s %p: it points %zu bytes inside the allocation at %p (%zu bytes) on device %d; "
+                       "pass the pointer gca_malloc returned",
+                       action, (void *)addr, (size_t)(addr - b->addr), (void *)b->addr, b->size, d->index);
+      } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
+        gca__set_error(GCA_ERR_BAD_POINTER,
+                       "cannot %s %p: it was freed already on device %d (its free waits for work queued on the "
+                       "streams that used it)",
+                       action, (void *)addr, d->index);
+      } else if (b->state == BLOCK_UNMAPPED) {
+        gca__set_error(GCA_ERR_BAD_POINTER,
+                       "cannot %s %p: it is not allocated (it lies in unmapped address space of an expandable "
+                       "segment of device %d)",
+                       action, (void *)addr, d->index);
+      } else {
+        gca__set_error(GCA_ERR_BAD_POINTER,
+                       "cannot %s %p: it is not allocated (it lies in free cached memory of device %d; "
+                       "was it freed twice?)",
+                       action, (void *)addr, d->index);
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+void gca__device_empty_cache(device_t *d) {
+  lock_acquire(&d->lock);
+  release_cached_blocks(d);
+  absorbed_t absorbed = take_absorbed(d);
+  lock_release(&d->lock);
+  report_absorbed(d, &absorbed);
+  device_wake_waiters(d);
+}

@@ -1,0 +1,415 @@
+/* Segments and blocks: getting memory from the device and giving it back,
+ * splitting a block to hand out part of it, merging a freed block with its
+ * free neighbours. The statistics move here, in PyTorch's exact steps
+ * (alloc_found_block, free_block, alloc_block, release_block), so that every
+ * counter equals what a walk over the segments would count.
+ *
+ * All functions run with the device lock held.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+
+/* ---- block descriptors -------------------------------------------------- */
+
+#define BLOCKS_PER_CHUNK 128
+
+struct block_chunk {
+  block_chunk_t *next;
+  block_t blocks[BLOCKS_PER_CHUNK];
+};
+
+GCA_COLD static bool add_block_chunk(device_t *d) {
+  block_chunk_t *chunk = malloc(sizeof *chunk);
+  if (!chunk) return false;
+  chunk->next = d->chunks;
+  d->chunks = chunk;
+  for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
+    chunk->blocks[i].next = d->spare_blocks;
+    d->spare_blocks = &chunk->blocks[i];
+  }
+  return true;
+}
+
+block_t *gca__block_new(device_t *d) {
+  if (unlikely(!d->spare_blocks) && !add_block_chunk(d)) return NULL;
+  block_t *b = d->spare_blocks;
+  d->spare_blocks = b->next;
+  /* Callers set addr, size, stream, segment, pool and the links; the rest
+   * starts clear. Cheaper than clearing the whole descriptor. */
+  b->prev = b->next = b->hash_next = NULL;
+  b->requested = 0;
+  b->uses = NULL;
+  b->event_count = 0;
+  b->state = BLOCK_FREE;
+  b->oversize = false;
+  b->expandable = false;
+  b->traced_pending = false;
+  b->stack = NULL;
+  return b;
+}
+
+void gca__block_chunks_free(device_t *d) {
+  while (d->chunks) {
+    block_chunk_t *next = d->chunks->next;
+    free(d->chunks);
+    d->chunks = next;
+  }
+  d->spare_blocks = NULL;
+}
+
+void gca__block_recycle(device_t *d, block_t *b) {
+  b->next = d->spare_blocks;
+  d->spare_blocks = b;
+}
+
+/* ---- segments ----------------------------------------------------------- */
+
+void gca__mirror_reserved(device_t *d) {
+  atomic_store_explicit(&d->reserved_now, family_current(&d->stats, FAM_RESERVED_BYTES), memory_order_relaxed);
+}
+
+void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
+  if (lo < atomic_load_explicit(&d->span_lo, memory_order_relaxed))
+    atomic_store_explicit(&d->span_lo, lo, memory_order_relaxed);
+  if (hi > atomic_load_explicit(&d->span_hi, memory_order_relaxed))
+    atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
+}
+
+bool gca__segment_descriptors_new(device_t *d, segment_t **seg, block_t **b, int *status) {
+  *seg = malloc(sizeof **seg);
+  *b = gca__block_new(d);
+  if (*seg && *b) return true;
+  free(*seg);
+  if (*b) gca__block_recycle(d, *b);
+  *status = gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+  return false;
+}
+
+void gca__segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b) {
+  free(seg);
+  gca__block_recycle(d, b);
+}
+
+void gca__segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_stream_t stream, uintptr_t addr,
+                        size_t size) {
+  /* Every field not named starts clear, so a field added later cannot be forgotten here. */
+  *seg = (segment_t){.addr = addr, .size = size, .stream = stream, .pool = pool, .head = b};
+  gca__segment_link(d, seg);
+  b->addr = addr;
+  b->size = size;
+  b->stream = stream;
+  b->segment = seg;
+  b->pool = pool;
+}
+
+void gca__segment_link(device_t *d, segment_t *seg) {
+  seg->prev = NULL;
+  seg->next = d->segments;
+  if (d->segments) d->segments->prev = seg;
+  d->segments = seg;
+  d->segment_count++;
+}
+
+void gca__segment_unlink(device_t *d, segment_t *seg) {
+  if (seg->prev) seg->prev->next = seg->next;
+  else d->segments = seg->next;
+  if (seg->next) seg->next->prev = seg->prev;
+  d->segment_count--;
+}
+
+block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, int *status) {
+  size_t size = gca__segment_size_for(rounded);
+  if (size == 0) {
+    *status = gca__set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
+    return NULL;
+  }
+  if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->allowed) {
+    /* PyTorch's alloc_block: refused without asking the device. */
+    *status = gca__set_error(GCA_ERR_OOM,
+                             "device %d: %zu more bytes would pass the %zu the process may reserve "
+                             "(per_process_memory_fraction %g)",
+                             d->index, size, d->allowed, d->fraction);
+    return NULL;
+  }
+  segment_t *seg;
+  block_t *b;
+  if (!gca__segment_descriptors_new(d, &seg, &b, status)) return NULL;
+  uintptr_t addr = 0;
+  int rc = d->backend->ops->malloc(d->backend->state, d->index, size, &addr);
+  if (rc != GCA_OK) {
+    gca__segment_descriptors_drop(d, seg, b);
+    *status = rc;
+    return NULL;
+  }
+  d->device_bytes += size;
+  gca__segment_start(d, seg, b, pool, stream, addr, size);
+  seg->oversize = size >= d->config.max_split_size;
+
+  kept_stats_t *s = &d->stats;
+  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
+  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, true, size);
+  family_increase(s, FAM_SEGMENT, pool->kind, 1);
+  family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
+  s->num_device_alloc++;
+  if (seg->oversize) stat_increase(&s->oversize_segments, 1);
+  gca__mirror_reserved(d);
+  gca__widen_span(d, addr, addr + size);
+  *status = GCA_OK;
+  return b;
+}
+
+bool gca__segment_release(device_t *d, block_t *b) {
+  segment_t *seg = b->segment;
+  gca__pool_remove(b->pool, b);
+  /* Blocks freed on their own stream came back to the pool at once, while
+   * work queued on that stream may still use them (reuse on the stream is
+   * ordered after it; a device free is not). So the device free waits for
+   * the stream. Other streams' uses were waited for before the blocks came
+   * back (events.c). */
+  uintptr_t event;
+  if (gca__events_ready_to_free(d, seg->stream, &event)) return gca__segment_free_now(d, seg);
+  if (!event) {
+    /* Cannot know when the stream is done with it: keep it cached. */
+    gca__pool_insert(b->pool, b);
+    return false;
+  }
+  b->state = BLOCK_RELEASING;
+  seg->release_event = event;
+  seg->release_next = d->releasing;
+  d->releasing = seg;
+  d->releasing_count++;
+  return true;
+}
+
+bool gca__segment_free_now(device_t *d, segment_t *seg) {
+  block_t *b = seg->head;
+  /* Only a whole segment, nothing allocated in it, goes back to the device. */
+  GCA_ASSERT(b && !b->prev && !b->next && b->addr == seg->addr && b->size == seg->size);
+  GCA_ASSERT(b->state == BLOCK_FREE || b->state == BLOCK_RELEASING);
+  int rc = d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+  if (rc == GCA_ERR_BAD_POINTER || rc == GCA_ERR_CORRUPT) {
+    /* The device says our books were wrong (no such allocation, or it was
+     * still in use): the segment leaves them anyway, since keeping it would
+     * keep a block nobody can use, and gca_check reports the error. */
+    d->backend_free_errors++;
+  } else if (rc != GCA_OK) {
+    /* The device refused and still holds the memory: keep the segment
+     * cached, whole, to be given back another time. */
+    gca__note_refused_free(d);
+    b->state = BLOCK_FREE;
+    gca__pool_insert(b->pool, b);
+    return false;
+  }
+  d->device_bytes -= seg->size;
+
+  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
+  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, seg->size);
+  kept_stats_t *s = &d->stats;
+  family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
+  family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);
+  s->num_device_free++;
+  if (seg->oversize) stat_decrease(&s->oversize_segments, 1);
+  gca__mirror_reserved(d);
+
+  gca__segment_unlink(d, seg);
+  free(seg);
+  gca__block_recycle(d, b);
+  return true;
+}
+
+/* A whole ordinary segment (an expandable segment's memory goes back page by page instead). */
+static bool unsplit(const block_t *b) { return !b->prev && !b->next && !b->expandable; }
+
+bool gca__segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded) {
+  size_t max_split = d->config.max_split_size;
+  if (max_split == SIZE_MAX) return false;
+  size_t want = rounded < max_split ? max_split : rounded;
+  block_t *b = gca__pool_lower_bound(pool, stream, want);
+  /* As PyTorch: an expandable block found here sends the search to the
+   * loop below, which skips expandable blocks. */
+  if (b && unsplit(b)) {
+    gca__segment_release(d, b);
+    return true;
+  }
+  /* No single block is large enough: free oversize blocks of this stream,
+   * largest first, until enough is released. */
+  block_t *cur = gca__pool_last_on_stream(pool, stream);
+  size_t released = 0;
+  while (cur && released < want && cur->size >= max_split && cur->stream == stream) {
+    block_t *prev = gca__pool_prev(pool, cur);
+    if (unsplit(cur)) {
+      released += cur->size;
+      gca__segment_release(d, cur);
+    }
+    cur = prev;
+  }
+  return released >= want;
+}
+
+void gca__segment_release_all_cached(device_t *d) {
+  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
+  for (int i = 0; i < 2; i++) {
+    block_t *b = gca__pool_first(pools[i]);
+    while (b) {
+      block_t *next = gca__pool_next(pools[i], b);
+      if (unsplit(b)) gca__segment_release(d, b);
+      b = next;
+    }
+  }
+  gca__expandable_release_all(d);
+}
+
+/* ---- split and merge ---------------------------------------------------- */
+
+static bool should_split(const device_t *d, const block_t *b, size_t size) {
+  size_t remaining = b->size - size;
+  /* PyTorch decides by the setting, not by the block's segment. */
+  if (b->pool->kind == GCA_POOL_SMALL || d->config.expandable_segments) return remaining >= MIN_BLOCK_SIZE;
+  return size < d->config.max_split_size && remaining > SMALL_SIZE;
+}
+
+GCA_COLD static void note_taken(device_t *d, block_t *b, size_t requested) {
+  if (d->pending_blocks) gca__stats_note_active_peak(&d->stats);
+  if (d->recording) gca__history_alloc(d, b, requested);
+}
+
+/* Enter the handed-out block in the books (PyTorch's alloc_found_block tail). */
+static void account_taken(device_t *d, block_t *b, size_t requested) {
+  kept_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  b->state = BLOCK_ALLOCATED;
+  b->requested = requested;
+  gca__block_map_insert(&d->allocated, b);
+  family_increase(s, FAM_ALLOCATION, kind, 1);
+  family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
+  family_increase(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
+  b->oversize = b->size >= d->config.max_split_size;
+  if (b->oversize) stat_increase(&s->oversize_allocations, 1);
+  atomic_store_explicit(&d->allocated_now, family_current(s, FAM_ALLOCATED_BYTES), memory_order_relaxed);
+  /* One branch for both rare cases: frees are pending, or history records. */
+  if (unlikely(d->pending_blocks | (size_t)d->recording)) note_taken(d, b, requested);
+}
+
+block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
+  /* Only a free block large enough is handed out, in whole 512-byte units. */
+  GCA_ASSERT(b->state == BLOCK_FREE && b->size >= rounded && rounded % MIN_BLOCK_SIZE == 0);
+  kept_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  bool already_split = !unsplit(b);
+
+  block_t *piece = should_split(d, b, rounded) ? gca__block_new(d) : NULL;
+  if (piece) {
+    /* The request takes the low end as a new block; `b` stays the free
+     * remainder. Its key only shrinks, so it usually keeps its place in the
+     * index and the tree is not touched. */
+    piece->addr = b->addr;
+    piece->size = rounded;
+    piece->stream = b->stream;
+    piece->segment = b->segment;
+    piece->pool = b->pool;
+    piece->prev = b->prev;
+    piece->next = b;
+    if (piece->prev) piece->prev->next = piece;
+    else b->segment->head = piece;
+    b->prev = piece;
+    b->addr += rounded;
+    b->size -= rounded;
+    b->gc_base = b->pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
+    if (in_index) gca__pool_key_decreased(b->pool, b, pred);
+    else gca__pool_insert(b->pool, b);
+    /* PyTorch keeps expandable blocks out of inactive_split: their whole
+     * free pages can always be given back. */
+    piece->expandable = b->expandable;
+    if (unlikely(b->expandable)) {
+      /* nothing to count */
+    } else if (already_split) {
+      /* An inactive split piece shrinks by what was handed out. */
+      family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)rounded);
+    } else {
+      /* A whole block becomes split: its rest is a new inactive piece. */
+      family_increase(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
+      family_increase(s, FAM_INACTIVE_SPLIT, kind, 1);
+    }
+    GCA_ASSERT(piece->addr + piece->size == b->addr && b->size % MIN_BLOCK_SIZE == 0); /* still tiled */
+    account_taken(d, piece, requested);
+    return piece;
+  }
+  /* No split (or no host memory for a descriptor: then the whole block is
+   * handed out, a looser fit rather than a failure). */
+  if (in_index) gca__pool_remove(b->pool, b);
+  if (already_split && !b->expandable) {
+    family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
+    family_decrease(s, FAM_INACTIVE_SPLIT, kind, 1);
+  }
+  account_taken(d, b, requested);
+  return b;
+}
+
+/* Free and in the index: a pending neighbour is not merged with (PyTorch's
+ * try_merge_blocks skips blocks with events outstanding). */
+static bool is_free(const block_t *b) { return b && b->state == BLOCK_FREE; }
+
+void gca__history_free_completed(device_t *d, block_t *b) {
+  if (d->recording) gca__history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, b->stream);
+  gca__history_drop_stack(b);
+}
+
+void gca__block_give_back(device_t *d, block_t *b) {
+  /* A block comes back from use (a free, or a pending free completing),
+   * never twice, and still tiles its segment with its neighbours. */
+  GCA_ASSERT(b->state == BLOCK_ALLOCATED || b->state == BLOCK_PENDING);
+  GCA_ASSERT((!b->prev || b->prev->addr + b->prev->size == b->addr) &&
+             (!b->next || b->addr + b->size == b->next->addr));
+  kept_stats_t *s = &d->stats;
+  int kind = pool_kind_of(b);
+  size_t requested = b->requested;
+  block_t *prev = is_free(b->prev) ? b->prev : NULL;
+  block_t *next = is_free(b->next) ? b->next : NULL;
+  int64_t split_blocks = 0, split_bytes = 0;
+
+  /* Merge with free neighbours. The surviving descriptor is one already in
+   * the index when there is one: its key only grows, so it usually keeps its
+   * place and the tree is not touched. */
+  block_t *survivor;
+  if (prev) {
+    survivor = prev;
+    split_blocks -= 1;
+    split_bytes -= (int64_t)prev->size;
+    block_absorb_next(prev);
+    gca__block_recycle(d, b);
+    if (next) {
+      split_blocks -= 1;
+      split_bytes -= (int64_t)next->size;
+      gca__pool_remove(next->pool, next);
+      block_absorb_next(prev);
+      gca__block_recycle(d, next);
+    }
+    gca__pool_key_increased(prev->pool, prev);
+  } else if (next) {
+    survivor = next;
+    split_blocks -= 1;
+    split_bytes -= (int64_t)next->size;
+    block_absorb_prev(next);
+    gca__block_recycle(d, b);
+    gca__pool_key_increased(next->pool, next);
+  } else {
+    survivor = b;
+    b->state = BLOCK_FREE;
+    b->requested = 0;
+    gca__pool_insert(b->pool, b);
+  }
+  survivor->gc_base = survivor->pool->lookups;
+  if (survivor->prev || survivor->next) {
+    split_blocks += 1;
+    split_bytes += (int64_t)survivor->size;
+  }
+  if (survivor->expandable) split_blocks = split_bytes = 0;
+  if (split_blocks > 0) family_increase(s, FAM_INACTIVE_SPLIT, kind, split_blocks);
+  else if (split_blocks < 0) family_decrease(s, FAM_INACTIVE_SPLIT, kind, -split_blocks);
+  if (split_bytes > 0) family_increase(s, FAM_INACTIVE_SPLIT_BYTES, kind, split_bytes);
+  else if (split_bytes < 0) family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, -split_bytes);
+
+  family_decrease(s, FAM_REQUESTED_BYTES, kind, (int64_t)requested);
+}

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The layout's rules, checked (label `layout`; docs/design.md states them):
+
+1. Layers depend one way. Every `#include "..."` of a source file is resolved
+   to the folder it names, and a folder may include only the folders listed
+   for it below: a lower layer never includes a higher one's header, and a
+   backend sees only the backend interface and the base utilities.
+2. With BUILD given: every global symbol the static library defines has the
+   gca_ prefix family (nm), and the shared library links no compression
+   library (its own NEEDED entries, objdump -p: Debian's libunwind itself
+   links liblzma, which ldd then lists too).
+
+usage: check_layout.py SOURCE_DIR [BUILD_DIR]
+"""
+import os
+import re
+import subprocess
+import sys
+
+# Folder -> the folders its files may include (besides include/gcalloc.h).
+ALLOWED = {
+    "src/base": {"src/base"},
+    "src/backends": {"src/base", "src/backends"},
+    "src/core": {"src/base", "src/backends/backend.h", "src/core"},
+    "src/host": {"src/base", "src/backends/backend.h", "src/core", "src/host"},
+    "src/observe": {"src/base", "src/backends/backend.h", "src/core", "src/observe"},
+    "src/api": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "src/api"},
+    "replay": {"src/base", "src/backends/backend.h", "src/core", "src/observe", "replay"},
+    "tools": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "replay", "tools"},
+    "bench": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "replay", "tools",
+              "bench"},
+}
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def resolve(src, here, name):
+    """The include's path relative to src, as the compiler finds it (the
+    file's own folder first, then src/, the project root, include/)."""
+    for base in (here, os.path.join(src, "src"), src, os.path.join(src, "include")):
+        path = os.path.normpath(os.path.join(base, name))
+        if os.path.isfile(path):
+            return os.path.relpath(path, src)
+    return None
+
+
+def layer_of(rel):
+    for folder in sorted(ALLOWED, key=len, reverse=True):
+        if rel == folder or rel.startswith(folder + "/"):
+            return folder
+    return None
+
+
+def allowed(rules, rel):
+    return rel == "include/gcalloc.h" or any(rel == r or rel.startswith(r + "/") for r in rules)
+
+
+def check_includes(src):
+    problems, seen = [], 0
+    for folder in ALLOWED:
+        for root, _, files in os.walk(os.path.join(src, folder)):
+            for f in files:
+                if not f.endswith((".c", ".h")):
+                    continue
+                path = os.path.join(root, f)
+                rel_file = os.path.relpath(path, src)
+                with open(path, encoding="utf-8") as fh:
+                    text = fh.read()
+                for name in INCLUDE.findall(text):
+                    seen += 1
+                    rel = resolve(src, root, name)
+                    if rel is None:
+                        problems.append("%s: #include \"%s\" is not a file of the project" % (rel_file, name))
+                    elif not allowed(ALLOWED[layer_of(rel_file)], rel):
+                        problems.append("%s (layer %s) includes %s (layer %s)" %
+                                        (rel_file, layer_of(rel_file), rel, layer_of(rel) or "?"))
+    return problems, seen
+
+
+def check_build(build):
+    problems = []
+    static = os.path.join(build, "libgcalloc.a")
+    out = subprocess.run(["nm", "-g", "--defined-only", static], capture_output=True, text=True, check=True).stdout
+    symbols = [line.split()[2] for line in out.splitlines() if len(line.split()) == 3]
+    for name in symbols:
+        # (AddressSanitizer adds an ODR indicator named after each global.)
+        if name.startswith("__odr_asan."):
+            name = name[len("__odr_asan."):]
+        if not name.startswith("gca_"):
+            problems.append("libgcalloc.a defines %s: every global symbol has the gca_ prefix family" % name)
+    shared = os.path.join(build, "libgcalloc.so")
+    dump = subprocess.run(["objdump", "-p", shared], capture_output=True, text=True, check=True).stdout
+    needed = " ".join(line.split()[1] for line in dump.splitlines() if line.strip().startswith("NEEDED"))
+    for lib in ("libz.", "libzstd.", "liblzma.", "libbz2."):
+        if lib in needed:
+            problems.append("libgcalloc.so links %s: decompression belongs to the replay toolkit" % lib.rstrip("."))
+    return problems, len(symbols)
+
+
+def main():
+    src = os.path.abspath(sys.argv[1])
+    problems, seen = check_includes(src)
+    print("layers: %d includes checked" % seen)
+    if len(sys.argv) > 2:
+        more, count = check_build(os.path.abspath(sys.argv[2]))
+        problems += more
+        print("symbols: %d global symbols of libgcalloc.a checked; libgcalloc.so's NEEDED libraries checked" % count)
+    for p in problems:
+        print("FAIL: " + p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
