@@ -718,6 +718,20 @@ GCA_API size_t gca_torch_last_failure(char *buf, size_t cap);
 /* Close the process-wide allocator (every pointer it gave becomes invalid). */
 GCA_API void gca_torch_shutdown(void);
 
+/* The same process-wide allocator for PyTorch on Ascend NPUs, with the
+ * signatures torch_npu.npu.memory.NPUPluggableAllocator loads
+ * (void *alloc(size_t size, int device, aclrtStream stream) and
+ * void free(void *ptr, size_t size, int device, aclrtStream stream)):
+ *
+ *   torch_npu.npu.memory.change_current_allocator(torch_npu.npu.memory.NPUPluggableAllocator(
+ *       "libgcalloc.so", "gca_npu_malloc", "gca_npu_free"))
+ *
+ * or `gcalloc.torch_npu.install()`. Opened at the first call if it is not
+ * yet, on GCALLOC_TORCH_BACKEND, else "acl". A failure is logged and kept
+ * for gca_torch_last_failure, as gca_torch_malloc's. */
+GCA_API void *gca_npu_malloc(size_t size, int device, void *stream);
+GCA_API void gca_npu_free(void *ptr, size_t size, int device, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -55,7 +55,7 @@ static void test_bad_options(void **state) {
   expect_bad("sim:bogus=1", "unknown option 'bogus'");
   expect_bad("sim:capacity", "needs a value");
   expect_bad("cuda:driver=/nonexistent/libcuda.so.1", "no CUDA driver");
-  expect_bad("nope:x=1", "unknown backend 'nope' (available: sim, cuda)");
+  expect_bad("nope:x=1", "unknown backend 'nope' (available: sim, cuda, acl)");
 }
 
 static void test_capacity_and_address_reuse(void **state) {

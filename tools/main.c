@@ -13,6 +13,8 @@
  *   gcalloc bench-cuda [--json]
  *       the cuda backend against the driver's allocators on a real GPU
  *       (bench/cuda.c);
+ *   gcalloc bench-acl [--json]
+ *       the acl backend against AscendCL's allocation (bench/acl.c);
  *   gcalloc replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
  *                        [--no-empty-cache]
  *       replay a recorded trace on the simulated device (tools/replay.c,
@@ -35,7 +37,7 @@
 #include "tool.h"
 
 static const tool_command_t *const commands[] = {&demo_command,         &bench_command,      &bench_streams_command,
-                                                 &bench_replay_command, &bench_cuda_command, &replay_command,
+                                                 &bench_replay_command, &bench_cuda_command, &bench_acl_command, &replay_command,
                                                  &tune_command};
 
 /* Every command's usage line and summary, from the commands themselves. */
@@ -89,6 +91,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "replay") == 0) return replay_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-replay") == 0) return bench_replay_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-cuda") == 0) return bench_cuda_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-acl") == 0) return bench_acl_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());

@@ -3,7 +3,10 @@
  *
  * Configuration precedence: the first of GCALLOC_ALLOC_CONF,
  * PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF that is set (even to "") is
- * read at open; the string passed to gca_open is applied on top of it. A
+ * read at open (on the acl backend: GCALLOC_ALLOC_CONF,
+ * MINDTORCH_NPU_ALLOC_CONF, PYTORCH_NPU_ALLOC_CONF, PYTORCH_ALLOC_CONF,
+ * PYTORCH_CUDA_ALLOC_CONF); the string passed to gca_open is applied on
+ * top of it. A
  * malformed environment string fails gca_open with a message naming the
  * variable, as PyTorch refuses to start on one.
  *
@@ -37,13 +40,24 @@ static void one_word(const char *text, char *out, size_t cap) {
   out[n] = '\0';
 }
 
-static const char *const config_variables[] = {"GCALLOC_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
-                                               "PYTORCH_CUDA_ALLOC_CONF"};
+/* The variables read, first set wins, by backend: on an NPU a framework's
+ * own NPU variable beats PyTorch's CUDA one (docs/configuration.md). */
+static const char *const config_variables[] = {"GCALLOC_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                                               NULL};
+static const char *const npu_config_variables[] = {"GCALLOC_ALLOC_CONF",      "MINDTORCH_NPU_ALLOC_CONF",
+                                                   "PYTORCH_NPU_ALLOC_CONF",  "PYTORCH_ALLOC_CONF",
+                                                   "PYTORCH_CUDA_ALLOC_CONF", NULL};
 
-static int apply_environment(config_t *cfg) {
-  for (size_t i = 0; i < sizeof config_variables / sizeof config_variables[0]; i++) {
-    const char *text = getenv(config_variables[i]);
-    if (text) return gca__config_apply(cfg, text, config_variables[i]);
+static bool backend_is(const char *spec, const char *name) {
+  size_t n = strlen(name);
+  return spec && strncmp(spec, name, n) == 0 && (spec[n] == '\0' || spec[n] == ':');
+}
+
+static int apply_environment(config_t *cfg, const char *backend) {
+  const char *const *names = backend_is(backend, "acl") ? npu_config_variables : config_variables;
+  for (size_t i = 0; names[i]; i++) {
+    const char *text = getenv(names[i]);
+    if (text) return gca__config_apply(cfg, text, names[i]);
   }
   return GCA_OK;
 }
@@ -80,7 +94,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   *out = NULL;
   config_t cfg;
   gca__config_defaults(&cfg);
-  int rc = apply_environment(&cfg);
+  int rc = apply_environment(&cfg, backend);
   if (rc) return rc;
   rc = gca__config_apply(&cfg, config, NULL);
   if (rc) return rc;
@@ -117,6 +131,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
       return rc;
     }
   }
+  a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0; /* (gca_round_size's) */
   a->id = gca__record_init();
   if (gca__trace_file_active()) {
     char spec[256], conf[512];
@@ -478,9 +493,11 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
       device_t *d = &a->devices[i];
       lock_acquire(&d->lock);
       d->config = next;
+      gca__device_resolve_pad(d);
       if (fraction_changed) (void)gca__device_set_fraction_locked(d, next.memory_fraction);
       lock_release(&d->lock);
     }
+    a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0;
     if (next.expandable_segments) warn_if_no_virtual_memory(a, &next);
   }
   mutex_unlock(&a->config_lock);

@@ -8,7 +8,10 @@
  * CUstream, which is what the cuda backend takes. The allocator is opened by
  * gca_torch_init (the Python package does, before handing the functions to
  * PyTorch), or on the first allocation from GCALLOC_TORCH_BACKEND (default
- * "cuda") and the environment's configuration.
+ * "cuda") and the environment's configuration. torch_npu's
+ * NPUPluggableAllocator loads gca_npu_malloc and gca_npu_free, the same
+ * with a size_t size and an aclrtStream, whose first allocation opens the
+ * allocator on "acl" by default.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -40,7 +43,9 @@ size_t gca_torch_last_failure(char *buf, size_t cap) {
   return len;
 }
 
-int gca_torch_init(const char *backend, const char *config) {
+/* Open (or configure) the process-wide allocator; `fallback` is the
+ * backend when neither `backend` nor GCALLOC_TORCH_BACKEND names one. */
+static int torch_init(const char *backend, const char *config, const char *fallback) {
   gca__log_hold(); /* opening logs; a handler may allocate through these exports */
   mutex_lock(&torch_lock);
   int rc = GCA_OK;
@@ -54,7 +59,7 @@ int gca_torch_init(const char *backend, const char *config) {
       rc = gca_set_config(a, config);
   } else {
     const char *env = getenv("GCALLOC_TORCH_BACKEND");
-    const char *spec = backend && *backend ? backend : env && *env ? env : "cuda";
+    const char *spec = backend && *backend ? backend : env && *env ? env : fallback;
     rc = gca_open(spec, config, &a);
     if (rc == GCA_OK) {
       keep_failure("");
@@ -66,26 +71,25 @@ int gca_torch_init(const char *backend, const char *config) {
   return rc;
 }
 
-gca_allocator_t *gca_torch_allocator(void) {
+int gca_torch_init(const char *backend, const char *config) { return torch_init(backend, config, "cuda"); }
+
+static gca_allocator_t *process_allocator(const char *fallback) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
-  if (a || gca_torch_init(NULL, NULL) != GCA_OK) return a;
+  if (a || torch_init(NULL, NULL, fallback) != GCA_OK) return a;
   return atomic_load(&torch_allocator);
 }
 
-void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
-  gca_allocator_t *a = gca_torch_allocator();
+gca_allocator_t *gca_torch_allocator(void) { return process_allocator("cuda"); }
+
+/* An allocation for PyTorch (CUDA or NPU) on the process-wide allocator. */
+static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void *stream) {
   if (!a) {
-    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation of %td bytes on device %d: no allocator: %s", size, device,
+    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation of %zu bytes on device %d: no allocator: %s", size, device,
                      gca_last_error());
     keep_failure(gca_last_error());
     return NULL;
   }
-  if (size < 0) {
-    gca__set_error(GCA_ERR_INVALID, "gca_torch_malloc: negative size %td", size);
-    keep_failure(gca_last_error());
-    return NULL;
-  }
-  void *p = gca_malloc(a, (size_t)size, device, (gca_stream_t)stream);
+  void *p = gca_malloc(a, size, device, (gca_stream_t)stream);
   /* PyTorch has no way to hear why: say it where the user will see it, and
    * keep it for gca_torch_last_failure. */
   if (!p && size) {
@@ -95,15 +99,35 @@ void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
   return p;
 }
 
-void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream) {
-  (void)size;
-  (void)device;
-  (void)stream;
+void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
+  if (size < 0) {
+    gca__set_error(GCA_ERR_INVALID, "gca_torch_malloc: negative size %td", size);
+    keep_failure(gca_last_error());
+    return NULL;
+  }
+  return framework_malloc(gca_torch_allocator(), (size_t)size, device, stream);
+}
+
+void *gca_npu_malloc(size_t size, int device, void *stream) {
+  return framework_malloc(process_allocator("acl"), size, device, stream);
+}
+
+static void framework_free(void *ptr, int device) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
   if (!ptr) return;
   if (!a || gca_free(a, ptr) != GCA_OK)
     gca__log_message(GCA_LOG_ERROR, "PyTorch free of %p on device %d failed: %s", ptr, device,
                      a ? gca_last_error() : "no allocator is open");
+}
+
+void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream) {
+  (void)size, (void)stream;
+  framework_free(ptr, device);
+}
+
+void gca_npu_free(void *ptr, size_t size, int device, void *stream) {
+  (void)size, (void)stream;
+  framework_free(ptr, device);
 }
 
 void gca_torch_record_stream(void *ptr, void *stream) {

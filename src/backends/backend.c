@@ -15,6 +15,7 @@ typedef struct backend_entry {
 static const backend_entry_t registry[] = {
     {"sim", gca__sim_backend_create},
     {"cuda", gca__cuda_backend_create},
+    {"acl", gca__acl_backend_create},
 };
 
 int gca__backend_open(const char *spec, backend_t *out) {
@@ -26,7 +27,7 @@ int gca__backend_open(const char *spec, backend_t *out) {
     if (strlen(registry[i].name) == name_len && strncmp(registry[i].name, spec, name_len) == 0)
       return registry[i].create(options, out);
   }
-  return gca__set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim, cuda)", (int)name_len, spec);
+  return gca__set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim, cuda, acl)", (int)name_len, spec);
 }
 
 void gca__backend_close(backend_t *b) {

@@ -108,6 +108,10 @@ typedef struct backend_ops {
   int (*host_unregister)(void *state, void *ptr);
   /* Whether the backend knows `ptr` as page-locked host memory. */
   int (*host_is_pinned)(void *state, const void *ptr, int *pinned);
+  /* Bytes added to every request before it is rounded (may be NULL: none).
+   * torch_npu pads by 32 on SoCs before Ascend950; the configuration key
+   * pad_32_bytes overrides what the backend says. */
+  int (*size_pad)(void *state, int device, size_t *pad);
   void (*destroy)(void *state);
   /* destroy() gives back all the device's memory at once (the sim, whose
    * device memory is its own bookkeeping): closing an allocator then need
@@ -127,8 +131,10 @@ void gca__backend_close(backend_t *b);
 
 /* The sim backend (backend/sim.c). */
 int gca__sim_backend_create(const char *options, backend_t *out);
-/* The CUDA backend (backend/cuda.c): the driver API through dlopen. */
+/* The CUDA backend (backends/cuda.c): the driver API through dlopen. */
 int gca__cuda_backend_create(const char *options, backend_t *out);
+/* The Ascend backend (backends/acl.c): AscendCL's runtime through dlopen. */
+int gca__acl_backend_create(const char *options, backend_t *out);
 
 /* The most memory a sim device may have (each device's addresses are a
  * range of twice that). */

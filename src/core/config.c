@@ -277,7 +277,46 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     else return fail(p, key, v, "must be True, False or a size ratio >= 1");
     return GCA_OK;
   }
-  if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "release_lock_on_hipmalloc") == 0) {
+  if (strcmp(key, "pad_32_bytes") == 0) {
+    /* gcalloc's own: torch_npu's 32-byte pad before rounding; auto asks the backend (the SoC). */
+    token_t *v = next(p);
+    if (tok_is(v, "auto")) c->pad_32_mode = PAD_AUTO;
+    else if (tok_is(v, "True")) c->pad_32_mode = PAD_ON;
+    else if (tok_is(v, "False")) c->pad_32_mode = PAD_OFF;
+    else return fail(p, key, v, "must be auto, True or False");
+    return GCA_OK;
+  }
+  /* torch_npu's keys (PYTORCH_NPU_ALLOC_CONF): its names for keys gcalloc
+   * has, then those whose feature is not built, checked and warned of. */
+  if (strcmp(key, "pinned_mem_register") == 0) return read_bool(p, key, &c->pinned_use_host_register);
+  if (strcmp(key, "multi_stream_lazy_reclaim") == 0 || strcmp(key, "throw_on_npumalloc_oom") == 0 ||
+      strcmp(key, "pin_memory_expandable_segments") == 0) {
+    bool on;
+    rc = read_bool(p, key, &on);
+    if (rc == GCA_OK && on) warn_not_built(p, key);
+    return rc;
+  }
+  if (strcmp(key, "base_addr_aligned_kb") == 0) {
+    uint64_t kb;
+    rc = read_uint_upto(p, key, 16, "must be an integer from 0 to 16 (KiB)", &kb);
+    if (rc == GCA_OK && kb != 16) warn_not_built(p, key); /* (16 is torch_npu's default) */
+    return rc;
+  }
+  if (strcmp(key, "segment_size_mb") == 0 || strcmp(key, "large_segment_size_mb") == 0) {
+    token_t *v = next(p);
+    uint64_t mb;
+    if (!parse_uint(v, &mb) || mb < 20 || mb > 512) return fail(p, key, v, "must be an integer from 20 to 512 (MiB)");
+    if (mb != 20) warn_not_built(p, key);
+    return GCA_OK;
+  }
+  if (strcmp(key, "page_size") == 0) {
+    token_t *v = next(p);
+    if (tok_is(v, "1g")) warn_not_built(p, "page_size:1g");
+    else if (!tok_is(v, "default")) return fail(p, key, v, "must be 1g or default");
+    return GCA_OK;
+  }
+  if (strcmp(key, "release_lock_on_cudamalloc") == 0 || strcmp(key, "release_lock_on_hipmalloc") == 0 ||
+      strcmp(key, "release_lock_on_npumalloc") == 0) {
     rc = read_bool(p, key, &c->release_lock_on_malloc);
     if (rc == GCA_OK && c->release_lock_on_malloc) warn_not_built(p, key);
     return rc;
@@ -417,6 +456,7 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   gca__text_put(&o, ",pinned_use_background_threads:%s", c->pinned_use_background_threads ? "True" : "False");
   if (c->pinned_reserve_segment_mb) gca__text_put(&o, ",pinned_reserve_segment_size_mb:%zu", c->pinned_reserve_segment_mb);
   gca__text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
+  if (c->pad_32_mode != PAD_AUTO) gca__text_put(&o, ",pad_32_bytes:%s", c->pad_32_mode == PAD_ON ? "True" : "False");
   if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
     gca__text_put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
   else

@@ -60,7 +60,13 @@ typedef struct config {
    * 0 off, HUGE_VAL any size. */
   double cross_stream_reuse;
   bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
+  /* pad_32_bytes (gcalloc's own, for torch_npu's sizing): PAD_AUTO asks
+   * the backend (backend_ops_t.size_pad), PAD_ON and PAD_OFF decide. */
+  int pad_32_mode;
+  size_t size_pad;                /* bytes added before rounding, resolved per device */
 } config_t;
+
+enum { PAD_AUTO = 0, PAD_ON = 1, PAD_OFF = 2 };
 
 void gca__config_defaults(config_t *cfg);
 
@@ -77,7 +83,8 @@ size_t gca__config_format(const config_t *cfg, char *buf, size_t cap);
 /* Sizing rules (size.c)                                                     */
 /* ------------------------------------------------------------------------ */
 
-/* PyTorch's round_size; 0 when `size` is too large to round. */
+/* PyTorch's round_size (torch_npu's, with cfg->size_pad added first); 0
+ * when `size` is too large to round. */
 size_t gca__round_size(const config_t *cfg, size_t size);
 /* Round up to the next of `divisions` equal steps between the surrounding
  * powers of two (PyTorch's roundup_power2_next_division); 0 on overflow. */
@@ -423,6 +430,9 @@ struct device {
 };
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
+/* d->config.size_pad from its pad_32_bytes mode and the backend (at init,
+ * and after every configuration change). */
+void gca__device_resolve_pad(device_t *d);
 void gca__device_destroy(device_t *d);
 void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream);
 /* With the lock held: free the allocation at addr, or GCA_ERR_BAD_POINTER. */

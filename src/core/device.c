@@ -39,6 +39,7 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   d->index = index;
   d->backend = &owner->backend;
   d->config = *cfg;
+  gca__device_resolve_pad(d);
   d->launch_blocking = owner->launch_blocking;
   gca__pool_init(&d->small_pool, GCA_POOL_SMALL);
   gca__pool_init(&d->large_pool, GCA_POOL_LARGE);
@@ -56,6 +57,15 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   if (cfg->memory_fraction_set) (void)gca__device_set_fraction_locked(d, cfg->memory_fraction);
   (void)gca__expandable_available(d); /* ask the backend now, so the answer can be logged outside any lock */
   return GCA_OK;
+}
+
+void gca__device_resolve_pad(device_t *d) {
+  size_t pad = 0;
+  if (d->config.pad_32_mode == PAD_ON) pad = 32;
+  else if (d->config.pad_32_mode == PAD_AUTO && d->backend->ops->size_pad &&
+           d->backend->ops->size_pad(d->backend->state, d->index, &pad) != GCA_OK)
+    pad = 0;
+  d->config.size_pad = pad;
 }
 
 int gca__device_set_fraction_locked(device_t *d, double fraction) {

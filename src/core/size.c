@@ -32,6 +32,10 @@ size_t gca__round_to_division(size_t size, size_t divisions) {
 }
 
 size_t gca__round_size(const config_t *cfg, size_t size) {
+  if (unlikely(cfg->size_pad)) {
+    if (size > SIZE_MAX - cfg->size_pad) return 0;
+    size += cfg->size_pad;
+  }
   if (size < MIN_BLOCK_SIZE) return MIN_BLOCK_SIZE;
   if (unlikely(cfg->any_divisions)) {
     size_t divisions = cfg->roundup_divisions[gca__roundup_interval(size)];

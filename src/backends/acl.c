@@ -1,0 +1,679 @@
+/* The Ascend backend ("acl", "acl:library=PATH"): the backend interface over
+ * AscendCL's runtime, loaded at run time.
+ *
+ * The library never links CANN: libascendcl.so (or the file named by the
+ * library= option or GCALLOC_ACL_LIBRARY, e.g. the stand-in the tests
+ * build) is opened with dlopen when an acl allocator is opened. The calls
+ * every AscendCL has are required; those torch_npu treats as optional
+ * (aclrtMallocAlign32, aclrtQueryEventStatus, aclrtCreateEventWithFlag,
+ * aclrtGetSocName, peer access, host memory, virtual memory) are looked up
+ * with dlsym and their absence handled. The types are declared here with
+ * their ABI layout (acl_rt.h), so no CANN header is needed to build.
+ *
+ * aclInit is called once; ACL_ERROR_REPEAT_INITIALIZE means a framework
+ * initialized first, which is fine. The current device is per thread in
+ * AscendCL: every call that works on a device makes it current on the
+ * calling thread first (aclrtGetDevice, then aclrtSetDevice when it differs
+ * or none is set), as torch_npu's allocator does. Device memory comes from
+ * aclrtMallocAlign32 (else aclrtMalloc, which pads by 32 bytes) with the
+ * HUGE_FIRST policy. Events are created with
+ * ACL_EVENT_CAPTURE_STREAM_PROGRESS where the runtime has
+ * aclrtCreateEventWithFlag, and kept in a per-device free list; they are
+ * queried with aclrtQueryEventStatus (COMPLETE = 1) or, on an older
+ * runtime, aclrtQueryEvent (COMPLETE = 0): the two enums have opposite
+ * values. Every AscendCL error becomes a gcalloc status whose message names
+ * the call, its arguments and the code (and its name where known): 207001
+ * and 207018 are GCA_ERR_OOM (the core releases its cache and retries),
+ * invalid parameters GCA_ERR_INVALID (GCA_ERR_BAD_POINTER for a free),
+ * anything else GCA_ERR_BACKEND.
+ *
+ * Virtual memory (expandable segments) uses aclrtReserveMemAddress (with
+ * the huge-page flag, as torch_npu), aclrtMallocPhysical (HBM, huge pages),
+ * aclrtMapMem, aclrtUnmapMem (one mapping each), aclrtFreePhysical,
+ * aclrtReleaseMemAddress, at aclrtMemGetAllocationGranularity's minimum. It
+ * is probed at open as torch_npu does, by reserving 512 bytes; without the
+ * entry points or when the probe fails, expandable_segments:True is served
+ * with ordinary segments, with a warning.
+ */
+#include <dlfcn.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/base.h"
+#include "backends/backend.h"
+
+/* ---- AscendCL's ABI (acl_base.h, acl_rt.h) ------------------------------ */
+
+typedef int aclError;
+typedef void *aclrtStream;
+typedef void *aclrtEvent;
+typedef void *aclrtDrvMemHandle;
+
+enum {
+  ACL_SUCCESS = 0,
+  ACL_ERROR_INVALID_PARAM = 100000,
+  ACL_ERROR_REPEAT_INITIALIZE = 100002,
+  ACL_ERROR_RT_PARAM_INVALID = 107000,
+  ACL_ERROR_RT_MEMORY_ALLOCATION = 207001,
+  ACL_ERROR_RT_DEVICE_OOM = 207018,
+  ACL_HBM_MEM = 1,
+  ACL_HBM_MEM_HUGE = 4,
+  ACL_MEM_MALLOC_HUGE_FIRST = 0,
+  ACL_EVENT_CAPTURE_STREAM_PROGRESS = 0x2,
+  ACL_EVENT_RECORDED_STATUS_COMPLETE = 1, /* aclrtEventRecordedStatus (aclrtQueryEventStatus) */
+  ACL_EVENT_STATUS_COMPLETE = 0,          /* aclrtEventStatus (aclrtQueryEvent) */
+  ACL_MEM_LOCATION_TYPE_DEVICE = 1,
+  ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  ACL_RESERVE_HUGE_PAGE = 1 /* torch_npu's flags for aclrtReserveMemAddress */
+};
+
+typedef struct aclrtPhysicalMemProp {
+  int handleType;
+  int allocationType;
+  int memAttr;
+  struct {
+    uint32_t id;
+    int type;
+  } location;
+  uint64_t reserve;
+} aclrtPhysicalMemProp;
+
+/* Every entry point used: X(name, required, args). */
+#define ACL_ENTRIES(X)                                                                                         \
+  X(aclInit, 1, (const char *config))                                                                          \
+  X(aclrtGetDeviceCount, 1, (uint32_t * count))                                                                \
+  X(aclrtSetDevice, 1, (int32_t id))                                                                           \
+  X(aclrtGetDevice, 1, (int32_t * id))                                                                         \
+  X(aclrtMalloc, 1, (void **p, size_t size, int policy))                                                       \
+  X(aclrtMallocAlign32, 0, (void **p, size_t size, int policy))                                                \
+  X(aclrtFree, 1, (void *p))                                                                                   \
+  X(aclrtGetMemInfo, 1, (int attr, size_t *free_bytes, size_t *total))                                         \
+  X(aclrtCreateEvent, 1, (aclrtEvent * e))                                                                     \
+  X(aclrtCreateEventWithFlag, 0, (aclrtEvent * e, uint32_t flag))                                              \
+  X(aclrtRecordEvent, 1, (aclrtEvent e, aclrtStream s))                                                        \
+  X(aclrtQueryEventStatus, 0, (aclrtEvent e, int *status))                                                     \
+  X(aclrtQueryEvent, 0, (aclrtEvent e, int *status))                                                           \
+  X(aclrtSynchronizeEvent, 1, (aclrtEvent e))                                                                  \
+  X(aclrtDestroyEvent, 1, (aclrtEvent e))                                                                      \
+  X(aclrtStreamWaitEvent, 1, (aclrtStream s, aclrtEvent e))                                                    \
+  X(aclrtSynchronizeStream, 1, (aclrtStream s))                                                                \
+  X(aclrtDeviceCanAccessPeer, 0, (int32_t * can, int32_t device, int32_t peer))                                \
+  X(aclrtDeviceEnablePeerAccess, 0, (int32_t peer, uint32_t flags))                                            \
+  X(aclrtDeviceDisablePeerAccess, 0, (int32_t peer))                                                           \
+  X(aclrtMallocHost, 0, (void **p, size_t size))                                                               \
+  X(aclrtFreeHost, 0, (void *p))                                                                               \
+  X(aclrtMemGetAllocationGranularity, 0, (aclrtPhysicalMemProp * prop, int option, size_t *granularity))       \
+  X(aclrtReserveMemAddress, 0, (void **va, size_t size, size_t alignment, void *expect, uint64_t flags))       \
+  X(aclrtReleaseMemAddress, 0, (void *va))                                                                     \
+  X(aclrtMallocPhysical, 0, (aclrtDrvMemHandle * h, size_t size, const aclrtPhysicalMemProp *prop, uint64_t f)) \
+  X(aclrtFreePhysical, 0, (aclrtDrvMemHandle h))                                                               \
+  X(aclrtMapMem, 0, (void *va, size_t size, size_t offset, aclrtDrvMemHandle h, uint64_t flags))               \
+  X(aclrtUnmapMem, 0, (void *va))
+
+typedef struct runtime {
+  void *handle;
+#define DECLARE_ENTRY(name, required, args) aclError(*name) args;
+  ACL_ENTRIES(DECLARE_ENTRY)
+#undef DECLARE_ENTRY
+  const char *(*aclrtGetSocName)(void);
+} runtime_t;
+
+#define EVENT_CACHE 256 /* events kept for reuse per device */
+
+typedef struct acl_mapping {
+  uintptr_t addr;
+  size_t size;
+  aclrtDrvMemHandle handle; /* what is mapped there */
+} acl_mapping_t;
+
+typedef struct acl_device {
+  bool vm;
+  size_t granularity;
+  pthread_mutex_t event_lock;
+  aclrtEvent events[EVENT_CACHE];
+  size_t event_count;
+  /* The mappings made (aclrtUnmapMem takes one at a time, by its start). */
+  pthread_mutex_t vm_lock;
+  acl_mapping_t *mappings;
+  size_t mapping_count, mapping_cap;
+} acl_device_t;
+
+typedef struct acl {
+  runtime_t rt;
+  char path[512];
+  char soc[64];
+  int device_count;
+  acl_device_t devices[];
+} acl_t;
+
+/* ---- errors ------------------------------------------------------------- */
+
+static const struct {
+  int code;
+  const char *name;
+} acl_error_names[] = {
+    {100000, "ACL_ERROR_INVALID_PARAM"},        {100001, "ACL_ERROR_UNINITIALIZE"},
+    {100002, "ACL_ERROR_REPEAT_INITIALIZE"},    {200000, "ACL_ERROR_BAD_ALLOC"},
+    {200001, "ACL_ERROR_API_NOT_SUPPORT"},      {200002, "ACL_ERROR_INVALID_DEVICE"},
+    {200006, "ACL_ERROR_FEATURE_UNSUPPORTED"},  {107000, "ACL_ERROR_RT_PARAM_INVALID"},
+    {107001, "ACL_ERROR_RT_INVALID_DEVICEID"},  {107002, "ACL_ERROR_RT_CONTEXT_NULL"},
+    {207000, "ACL_ERROR_RT_FEATURE_NOT_SUPPORT"}, {207001, "ACL_ERROR_RT_MEMORY_ALLOCATION"},
+    {207002, "ACL_ERROR_RT_MEMORY_FREE"},       {207004, "ACL_ERROR_RT_NO_DEVICE"},
+    {207018, "ACL_ERROR_RT_DEVICE_OOM"},        {507000, "ACL_ERROR_RT_INTERNAL_ERROR"},
+    {507006, "ACL_ERROR_RT_EVENT_NOT_COMPLETE"}, {507053, "ACL_ERROR_RT_DEVICE_MEM_ERROR"},
+};
+
+static const char *acl_error_name(aclError r) {
+  for (size_t i = 0; i < sizeof acl_error_names / sizeof acl_error_names[0]; i++)
+    if (acl_error_names[i].code == r) return acl_error_names[i].name;
+  return "an AscendCL error";
+}
+
+/* The status for a failed call, with its message. */
+GCA_PRINTF(3, 4) static int acl_error(aclError r, int invalid_status, const char *fmt, ...) {
+  char what[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  int status = r == ACL_ERROR_RT_MEMORY_ALLOCATION || r == ACL_ERROR_RT_DEVICE_OOM ? GCA_ERR_OOM
+               : r == ACL_ERROR_INVALID_PARAM || r == ACL_ERROR_RT_PARAM_INVALID  ? invalid_status
+                                                                                  : GCA_ERR_BACKEND;
+  return gca__set_error(status, "acl backend: %s failed: %s (%d)", what, acl_error_name(r), r);
+}
+
+#define ACL_CHECK(call, invalid, ...)                              \
+  do {                                                         \
+    aclError r_ = (call);                                      \
+    if (r_ != ACL_SUCCESS) return acl_error(r_, invalid, __VA_ARGS__); \
+  } while (0)
+
+/* Make `device` current on this thread: AscendCL's current device is per
+ * thread, and a thread that never set one has none. */
+static int acl_enter(acl_t *a, int device) {
+  int32_t cur = -1;
+  if (a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS && cur == device) return GCA_OK;
+  ACL_CHECK(a->rt.aclrtSetDevice(device), GCA_ERR_BACKEND, "aclrtSetDevice (device %d)", device);
+  return GCA_OK;
+}
+
+static int acl_missing(const char *entry) {
+  return gca__set_error(GCA_ERR_BACKEND, "acl backend: the AscendCL runtime has no %s", entry);
+}
+
+/* ---- the backend operations -------------------------------------------- */
+
+static int acl_device_count(void *state) { return ((acl_t *)state)->device_count; }
+
+static int acl_malloc(void *state, int device, size_t size, uintptr_t *addr) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  void *p = NULL;
+  if (a->rt.aclrtMallocAlign32)
+    ACL_CHECK(a->rt.aclrtMallocAlign32(&p, size, ACL_MEM_MALLOC_HUGE_FIRST), GCA_ERR_INVALID,
+          "aclrtMallocAlign32 (%zu bytes, device %d)", size, device);
+  else
+    ACL_CHECK(a->rt.aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST), GCA_ERR_INVALID, "aclrtMalloc (%zu bytes, device %d)",
+          size, device);
+  *addr = (uintptr_t)p;
+  return GCA_OK;
+}
+
+static int acl_free(void *state, int device, uintptr_t addr, size_t size) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtFree((void *)addr), GCA_ERR_BAD_POINTER, "aclrtFree (0x%" PRIxPTR ", %zu bytes, device %d)", addr,
+        size, device);
+  return GCA_OK;
+}
+
+static int acl_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes), GCA_ERR_BACKEND,
+        "aclrtGetMemInfo (ACL_HBM_MEM, device %d)", device);
+  return GCA_OK;
+}
+
+static int acl_create_event(acl_t *a, int device, aclrtEvent *e) {
+  if (a->rt.aclrtCreateEventWithFlag)
+    ACL_CHECK(a->rt.aclrtCreateEventWithFlag(e, ACL_EVENT_CAPTURE_STREAM_PROGRESS), GCA_ERR_BACKEND,
+          "aclrtCreateEventWithFlag (device %d)", device);
+  else
+    ACL_CHECK(a->rt.aclrtCreateEvent(e), GCA_ERR_BACKEND, "aclrtCreateEvent (device %d)", device);
+  return GCA_OK;
+}
+
+static int acl_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
+  acl_t *a = state;
+  acl_device_t *d = &a->devices[device];
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  aclrtEvent e = NULL;
+  pthread_mutex_lock(&d->event_lock);
+  if (d->event_count) e = d->events[--d->event_count];
+  pthread_mutex_unlock(&d->event_lock);
+  if (!e && (rc = acl_create_event(a, device, &e)) != GCA_OK) return rc;
+  aclError r = a->rt.aclrtRecordEvent(e, (aclrtStream)stream);
+  if (r != ACL_SUCCESS) {
+    a->rt.aclrtDestroyEvent(e);
+    return acl_error(r, GCA_ERR_INVALID, "aclrtRecordEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  }
+  *event = (uintptr_t)e;
+  return GCA_OK;
+}
+
+/* The two query forms answer in enums with opposite values. */
+static int acl_event_query(void *state, int device, uintptr_t event) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  int status = -1;
+  if (a->rt.aclrtQueryEventStatus) {
+    ACL_CHECK(a->rt.aclrtQueryEventStatus((aclrtEvent)event, &status), GCA_ERR_INVALID,
+          "aclrtQueryEventStatus (device %d)", device);
+    return status == ACL_EVENT_RECORDED_STATUS_COMPLETE ? GCA_OK : BACKEND_NOT_READY;
+  }
+  ACL_CHECK(a->rt.aclrtQueryEvent((aclrtEvent)event, &status), GCA_ERR_INVALID, "aclrtQueryEvent (device %d)", device);
+  return status == ACL_EVENT_STATUS_COMPLETE ? GCA_OK : BACKEND_NOT_READY;
+}
+
+static int acl_event_synchronize(void *state, int device, uintptr_t event) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtSynchronizeEvent((aclrtEvent)event), GCA_ERR_INVALID, "aclrtSynchronizeEvent (device %d)", device);
+  return GCA_OK;
+}
+
+static void acl_event_destroy(void *state, int device, uintptr_t event) {
+  acl_t *a = state;
+  acl_device_t *d = &a->devices[device];
+  pthread_mutex_lock(&d->event_lock);
+  bool kept = d->event_count < EVENT_CACHE;
+  if (kept) d->events[d->event_count++] = (aclrtEvent)event;
+  pthread_mutex_unlock(&d->event_lock);
+  if (!kept && acl_enter(a, device) == GCA_OK) a->rt.aclrtDestroyEvent((aclrtEvent)event);
+}
+
+static int acl_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtStreamWaitEvent((aclrtStream)stream, (aclrtEvent)event), GCA_ERR_INVALID,
+        "aclrtStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  return GCA_OK;
+}
+
+static int acl_stream_synchronize(void *state, int device, gca_stream_t stream) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtSynchronizeStream((aclrtStream)stream), GCA_ERR_INVALID,
+        "aclrtSynchronizeStream (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  return GCA_OK;
+}
+
+/* ---- virtual memory ----------------------------------------------------- */
+
+static aclrtPhysicalMemProp acl_device_memory(int device) {
+  aclrtPhysicalMemProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.memAttr = ACL_HBM_MEM_HUGE;
+  prop.location.id = (uint32_t)device;
+  prop.location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
+  return prop;
+}
+
+static int acl_no_vm(int device) {
+  return gca__set_error(GCA_ERR_BACKEND, "acl backend: device %d has no virtual memory", device);
+}
+
+static int acl_vm_granularity(void *state, int device, size_t *granularity) {
+  acl_t *a = state;
+  if (!a->devices[device].vm) return acl_no_vm(device);
+  *granularity = a->devices[device].granularity;
+  return GCA_OK;
+}
+
+static int acl_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
+  acl_t *a = state;
+  if (!a->devices[device].vm) return acl_no_vm(device);
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  void *va = NULL;
+  ACL_CHECK(a->rt.aclrtReserveMemAddress(&va, size, 0, NULL, ACL_RESERVE_HUGE_PAGE), GCA_ERR_INVALID,
+        "aclrtReserveMemAddress (%zu bytes, device %d)", size, device);
+  *addr = (uintptr_t)va;
+  return GCA_OK;
+}
+
+static int acl_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtReleaseMemAddress((void *)addr), GCA_ERR_INVALID,
+        "aclrtReleaseMemAddress (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
+  return GCA_OK;
+}
+
+static int acl_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  aclrtPhysicalMemProp prop = acl_device_memory(device);
+  aclrtDrvMemHandle h = NULL;
+  ACL_CHECK(a->rt.aclrtMallocPhysical(&h, size, &prop, 0), GCA_ERR_INVALID, "aclrtMallocPhysical (%zu bytes, device %d)",
+        size, device);
+  *handle = (uintptr_t)h;
+  return GCA_OK;
+}
+
+static int acl_vm_destroy(void *state, int device, uintptr_t handle) {
+  acl_t *a = state;
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtFreePhysical((aclrtDrvMemHandle)handle), GCA_ERR_INVALID, "aclrtFreePhysical (device %d)", device);
+  return GCA_OK;
+}
+
+static int acl_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
+  acl_t *a = state;
+  acl_device_t *d = &a->devices[device];
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  pthread_mutex_lock(&d->vm_lock);
+  if (d->mapping_count == d->mapping_cap) {
+    acl_mapping_t *grown = gca__grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
+    if (!grown) {
+      pthread_mutex_unlock(&d->vm_lock);
+      return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory recording a mapping");
+    }
+    d->mappings = grown;
+  }
+  aclError r = a->rt.aclrtMapMem((void *)addr, size, 0, (aclrtDrvMemHandle)handle, 0);
+  if (r == ACL_SUCCESS) d->mappings[d->mapping_count++] = (acl_mapping_t){addr, size, (aclrtDrvMemHandle)handle};
+  pthread_mutex_unlock(&d->vm_lock);
+  if (r != ACL_SUCCESS)
+    return acl_error(r, GCA_ERR_INVALID, "aclrtMapMem (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
+  return GCA_OK;
+}
+
+/* [addr, addr + size) is whole mappings, maybe several: aclrtUnmapMem
+ * takes one at a time, by its start. All or none: on a refusal the ones
+ * unmapped by this call are mapped again, so the caller's pages are as
+ * they were. */
+static int acl_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
+  acl_t *a = state;
+  acl_device_t *d = &a->devices[device];
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  pthread_mutex_lock(&d->vm_lock);
+  acl_mapping_t *undone = malloc((d->mapping_count + 1) * sizeof *undone);
+  if (!undone) {
+    pthread_mutex_unlock(&d->vm_lock);
+    return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory unmapping");
+  }
+  size_t kept = 0, done = 0, found = 0;
+  aclError r = ACL_SUCCESS;
+  uintptr_t failed_at = 0;
+  for (size_t i = 0; i < d->mapping_count; i++) {
+    acl_mapping_t m = d->mappings[i];
+    if (r == ACL_SUCCESS && m.addr >= addr && m.addr < addr + size) {
+      found += m.size;
+      r = a->rt.aclrtUnmapMem((void *)m.addr);
+      if (r == ACL_SUCCESS) {
+        undone[done++] = m;
+        continue;
+      }
+      failed_at = m.addr;
+    }
+    d->mappings[kept++] = m;
+  }
+  for (size_t k = 0; r != ACL_SUCCESS && k < done; k++) /* put back what this call unmapped */
+    if (a->rt.aclrtMapMem((void *)undone[k].addr, undone[k].size, 0, undone[k].handle, 0) == ACL_SUCCESS)
+      d->mappings[kept++] = undone[k];
+  free(undone);
+  d->mapping_count = kept;
+  pthread_mutex_unlock(&d->vm_lock);
+  if (r != ACL_SUCCESS)
+    return acl_error(r, GCA_ERR_INVALID, "aclrtUnmapMem (0x%" PRIxPTR ", one of the mappings in %zu bytes at 0x%" PRIxPTR
+                     ", device %d)", failed_at, size, addr, device);
+  if (found != size)
+    return gca__set_error(GCA_ERR_INVALID, "acl backend: unmap of %zu bytes at 0x%" PRIxPTR " on device %d: %zu of them "
+                          "were mapped", size, addr, device, found);
+  return GCA_OK;
+}
+
+/* ---- device facts, peers, host memory, sizing -------------------------- */
+
+static int acl_device_properties(void *state, int device, gca_device_properties_t *out) {
+  acl_t *a = state;
+  memset(out, 0, sizeof *out);
+  snprintf(out->name, sizeof out->name, "%s", a->soc[0] ? a->soc : "Ascend NPU");
+  size_t free_bytes = 0, total = 0;
+  int rc = acl_mem_get_info(state, device, &free_bytes, &total);
+  if (rc) return rc;
+  out->total_memory = total;
+  return GCA_OK;
+}
+
+static int acl_can_access_peer(void *state, int device, int peer, int *can) {
+  acl_t *a = state;
+  if (!a->rt.aclrtDeviceCanAccessPeer) return acl_missing("aclrtDeviceCanAccessPeer");
+  int32_t c = 0;
+  ACL_CHECK(a->rt.aclrtDeviceCanAccessPeer(&c, device, peer), GCA_ERR_INVALID,
+        "aclrtDeviceCanAccessPeer (device %d, peer %d)", device, peer);
+  *can = c != 0;
+  return GCA_OK;
+}
+
+/* AscendCL enables access from the current device: made current first. */
+static int acl_enable_peer_access(void *state, int device, int peer) {
+  acl_t *a = state;
+  if (!a->rt.aclrtDeviceEnablePeerAccess) return acl_missing("aclrtDeviceEnablePeerAccess");
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtDeviceEnablePeerAccess(peer, 0), GCA_ERR_INVALID, "aclrtDeviceEnablePeerAccess (device %d, peer %d)",
+        device, peer);
+  return GCA_OK;
+}
+
+static int acl_disable_peer_access(void *state, int device, int peer) {
+  acl_t *a = state;
+  if (!a->rt.aclrtDeviceDisablePeerAccess) return acl_missing("aclrtDeviceDisablePeerAccess");
+  int rc = acl_enter(a, device);
+  if (rc) return rc;
+  ACL_CHECK(a->rt.aclrtDeviceDisablePeerAccess(peer), GCA_ERR_INVALID, "aclrtDeviceDisablePeerAccess (device %d, peer %d)",
+        device, peer);
+  return GCA_OK;
+}
+
+static int acl_host_alloc(void *state, size_t size, void **ptr) {
+  acl_t *a = state;
+  if (!a->rt.aclrtMallocHost) return acl_missing("aclrtMallocHost");
+  ACL_CHECK(a->rt.aclrtMallocHost(ptr, size), GCA_ERR_INVALID, "aclrtMallocHost (%zu bytes)", size);
+  return GCA_OK;
+}
+
+static int acl_host_free(void *state, void *ptr) {
+  acl_t *a = state;
+  if (!a->rt.aclrtFreeHost) return acl_missing("aclrtFreeHost");
+  ACL_CHECK(a->rt.aclrtFreeHost(ptr), GCA_ERR_BAD_POINTER, "aclrtFreeHost (%p)", ptr);
+  return GCA_OK;
+}
+
+/* torch_npu pads every request by 32 bytes before rounding, but on
+ * Ascend950 and later SoCs: decided here from the SoC name (a name without
+ * a number, or no name at all, is taken as an earlier SoC). */
+static int acl_size_pad(void *state, int device, size_t *pad) {
+  (void)device;
+  acl_t *a = state;
+  *pad = 32;
+  if (strncmp(a->soc, "Ascend", 6) == 0) {
+    char *end = NULL;
+    long model = strtol(a->soc + 6, &end, 10);
+    if (end != a->soc + 6 && model >= 950) *pad = 0;
+  }
+  return GCA_OK;
+}
+
+/* ---- opening and closing ------------------------------------------------ */
+
+static void acl_destroy(void *state) {
+  acl_t *a = state;
+  if (!a) return;
+  for (int i = 0; i < a->device_count; i++) {
+    acl_device_t *d = &a->devices[i];
+    if (d->event_count && acl_enter(a, i) == GCA_OK)
+      for (size_t k = 0; k < d->event_count; k++) a->rt.aclrtDestroyEvent(d->events[k]);
+    pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    free(d->mappings);
+  }
+  /* Neither aclFinalize nor aclrtResetDevice: the framework beside us may
+   * still use the runtime. */
+  if (a->rt.handle) dlclose(a->rt.handle);
+  free(a);
+}
+
+static const backend_ops_t acl_ops = {
+    .name = "acl",
+    .device_count = acl_device_count,
+    .malloc = acl_malloc,
+    .free = acl_free,
+    .mem_get_info = acl_mem_get_info,
+    .event_record = acl_event_record,
+    .event_query = acl_event_query,
+    .event_synchronize = acl_event_synchronize,
+    .event_destroy = acl_event_destroy,
+    .stream_wait_event = acl_stream_wait_event,
+    .stream_synchronize = acl_stream_synchronize,
+    .vm_granularity = acl_vm_granularity,
+    .vm_reserve = acl_vm_reserve,
+    .vm_unreserve = acl_vm_unreserve,
+    .vm_create = acl_vm_create,
+    .vm_destroy = acl_vm_destroy,
+    .vm_map = acl_vm_map,
+    .vm_unmap = acl_vm_unmap,
+    .device_properties = acl_device_properties,
+    .can_access_peer = acl_can_access_peer,
+    .enable_peer_access = acl_enable_peer_access,
+    .disable_peer_access = acl_disable_peer_access,
+    .host_alloc = acl_host_alloc,
+    .host_free = acl_host_free,
+    .size_pad = acl_size_pad,
+    .destroy = acl_destroy,
+};
+
+static int acl_load_runtime(const char *path, runtime_t *rt) {
+  dlerror();
+  rt->handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!rt->handle) {
+    const char *why = dlerror();
+    return gca__set_error(GCA_ERR_BACKEND, "acl backend: no AscendCL runtime: cannot load %s (%s)", path,
+                          why ? why : "unknown reason");
+  }
+#define LOOK_UP(name, required, args)                                                                            \
+  *(void **)&rt->name = dlsym(rt->handle, #name);                                                                \
+  if (required && !rt->name)                                                                                     \
+    return gca__set_error(GCA_ERR_BACKEND, "acl backend: %s has no %s (too old, or not AscendCL's runtime)", path, \
+                          #name);
+  ACL_ENTRIES(LOOK_UP)
+#undef LOOK_UP
+  *(void **)&rt->aclrtGetSocName = dlsym(rt->handle, "aclrtGetSocName");
+  if (!rt->aclrtQueryEventStatus && !rt->aclrtQueryEvent)
+    return gca__set_error(GCA_ERR_BACKEND, "acl backend: %s has neither aclrtQueryEventStatus nor aclrtQueryEvent", path);
+  return GCA_OK;
+}
+
+/* Virtual memory as torch_npu probes it: every entry point, a granularity,
+ * and a 512-byte reservation that succeeds (and is given back). */
+static void acl_probe_vm(acl_t *a, int device) {
+  acl_device_t *d = &a->devices[device];
+  const runtime_t *rt = &a->rt;
+  if (!rt->aclrtMemGetAllocationGranularity || !rt->aclrtReserveMemAddress || !rt->aclrtReleaseMemAddress ||
+      !rt->aclrtMallocPhysical || !rt->aclrtFreePhysical || !rt->aclrtMapMem || !rt->aclrtUnmapMem)
+    return;
+  aclrtPhysicalMemProp prop = acl_device_memory(device);
+  size_t g = 0;
+  void *probe = NULL;
+  if (acl_enter(a, device) != GCA_OK ||
+      rt->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g) != ACL_SUCCESS || !g ||
+      rt->aclrtReserveMemAddress(&probe, 512, 0, NULL, ACL_RESERVE_HUGE_PAGE) != ACL_SUCCESS) {
+    gca__clear_error();
+    return;
+  }
+  rt->aclrtReleaseMemAddress(probe);
+  d->granularity = g;
+  d->vm = true;
+}
+
+int gca__acl_backend_create(const char *options, backend_t *out) {
+  char path[512] = "";
+  const char *p = options ? options : "";
+  while (*p) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    if (len > 8 && strncmp(p, "library=", 8) == 0 && len - 8 < sizeof path) {
+      memcpy(path, p + 8, len - 8);
+      path[len - 8] = 0;
+    } else if (len > 0) {
+      return gca__set_error(GCA_ERR_BACKEND, "acl backend: unknown option '%.*s' (options: library=PATH)", (int)len, p);
+    }
+    p += len + (end ? 1 : 0);
+  }
+  if (!path[0]) {
+    const char *env = getenv("GCALLOC_ACL_LIBRARY");
+    snprintf(path, sizeof path, "%s", env && *env ? env : "libascendcl.so");
+  }
+
+  runtime_t rt;
+  memset(&rt, 0, sizeof rt);
+  int rc = acl_load_runtime(path, &rt);
+  if (rc) {
+    if (rt.handle) dlclose(rt.handle);
+    return rc;
+  }
+  aclError r = rt.aclInit(NULL);
+  uint32_t count = 0;
+  if (r == ACL_ERROR_REPEAT_INITIALIZE) r = ACL_SUCCESS; /* a framework initialized it first */
+  if (r != ACL_SUCCESS) {
+    rc = acl_error(r, GCA_ERR_BACKEND, "aclInit (runtime %s)", path);
+  } else if ((r = rt.aclrtGetDeviceCount(&count)) != ACL_SUCCESS) {
+    rc = acl_error(r, GCA_ERR_BACKEND, "aclrtGetDeviceCount (runtime %s)", path);
+  } else if (count == 0 || count > 1024) {
+    rc = gca__set_error(GCA_ERR_BACKEND, "acl backend: the runtime %s sees %s", path,
+                        count ? "more than 1024 devices" : "no NPU");
+  }
+  if (rc) {
+    dlclose(rt.handle);
+    return rc;
+  }
+  acl_t *a = calloc(1, sizeof *a + (size_t)count * sizeof a->devices[0]);
+  if (!a) {
+    dlclose(rt.handle);
+    return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory");
+  }
+  a->rt = rt;
+  snprintf(a->path, sizeof a->path, "%s", path);
+  const char *soc = rt.aclrtGetSocName ? rt.aclrtGetSocName() : NULL;
+  snprintf(a->soc, sizeof a->soc, "%s", soc ? soc : "");
+  for (uint32_t i = 0; i < count; i++) {
+    acl_device_t *d = &a->devices[i];
+    pthread_mutex_init(&d->event_lock, NULL);
+    pthread_mutex_init(&d->vm_lock, NULL);
+    a->device_count = (int)i + 1;
+    acl_probe_vm(a, (int)i);
+  }
+  out->ops = &acl_ops;
+  out->state = a;
+  return GCA_OK;
+}
