@@ -23,6 +23,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "fake_plumbing.h"
+
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
 #define MAX_ITEMS 65536
@@ -75,18 +77,6 @@ typedef struct fake_event {
   int pending;
 } fake_event_t;
 
-typedef struct injection {
-  char entry[64];
-  unsigned skip, times;
-  int code;
-} injection_t;
-
-typedef struct call_count {
-  char entry[64];
-  unsigned long calls;
-} call_count_t;
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized, device_count = -1, hold_events, peers_enabled[MAX_DEVICES][MAX_DEVICES];
 static size_t capacity = (size_t)1 << 30, used[MAX_DEVICES];
 static char soc_name[64] = "Ascend910B3";
@@ -97,15 +87,12 @@ static unsigned long set_device_calls;
 static item_t items[MAX_ITEMS];
 static fake_event_t *events[MAX_ITEMS];
 static size_t live_events;
-static injection_t injections[32];
-static call_count_t counts[128];
 
 /* ---- control ------------------------------------------------------------ */
 
 EXPORT void fakeacl_reset(void) {
   pthread_mutex_lock(&lock);
-  memset(injections, 0, sizeof injections);
-  memset(counts, 0, sizeof counts);
+  plumbing_reset();
   memset(peers_enabled, 0, sizeof peers_enabled);
   hold_events = 0;
   device_count = -1;
@@ -116,26 +103,10 @@ EXPORT void fakeacl_reset(void) {
 
 /* The named entry point fails with `code` after `skip` more calls, `times` times. */
 EXPORT void fakeacl_fail(const char *entry, unsigned skip, unsigned times, int code) {
-  pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < sizeof injections / sizeof injections[0]; i++)
-    if (!injections[i].times) {
-      snprintf(injections[i].entry, sizeof injections[i].entry, "%s", entry);
-      injections[i].skip = skip;
-      injections[i].times = times;
-      injections[i].code = code;
-      break;
-    }
-  pthread_mutex_unlock(&lock);
+  plumbing_fail(entry, skip, times, code);
 }
 
-EXPORT unsigned long fakeacl_calls(const char *entry) {
-  unsigned long n = 0;
-  pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
-    if (!strcmp(counts[i].entry, entry)) n = counts[i].calls;
-  pthread_mutex_unlock(&lock);
-  return n;
-}
+EXPORT unsigned long fakeacl_calls(const char *entry) { return plumbing_calls(entry); }
 
 EXPORT void fakeacl_set_capacity(size_t bytes) { capacity = bytes; }
 EXPORT void fakeacl_set_devices(int n) { device_count = n; }
@@ -167,40 +138,6 @@ EXPORT unsigned long fakeacl_set_device_calls(void) { return set_device_calls; }
 
 /* ---- plumbing ----------------------------------------------------------- */
 
-/* Count the call; an injected failure's code, or ACL_SUCCESS. With the lock held. */
-static int enter(const char *entry) {
-  size_t i;
-  for (i = 0; i < sizeof counts / sizeof counts[0] && counts[i].entry[0]; i++)
-    if (!strcmp(counts[i].entry, entry)) break;
-  if (i < sizeof counts / sizeof counts[0]) {
-    if (!counts[i].entry[0]) snprintf(counts[i].entry, sizeof counts[i].entry, "%s", entry);
-    counts[i].calls++;
-  }
-  for (size_t k = 0; k < sizeof injections / sizeof injections[0]; k++) {
-    injection_t *in = &injections[k];
-    if (!in->times || strcmp(in->entry, entry)) continue;
-    if (in->skip) {
-      in->skip--;
-      continue;
-    }
-    in->times--;
-    return in->code;
-  }
-  return ACL_SUCCESS;
-}
-
-#define ENTER(name)              \
-  pthread_mutex_lock(&lock);     \
-  int rc_ = enter(name);         \
-  if (rc_) {                     \
-    pthread_mutex_unlock(&lock); \
-    return rc_;                  \
-  }
-#define LEAVE(code)              \
-  do {                           \
-    pthread_mutex_unlock(&lock); \
-    return (code);               \
-  } while (0)
 /* [rt] runtime calls before aclInit fail; [rt] a thread with no current
  * device has no context. */
 #define NEED_DEVICE()                               \

@@ -36,6 +36,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "fake_plumbing.h"
+
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
 #define MAX_ITEMS 65536
@@ -83,25 +85,11 @@ typedef struct item {
   unsigned access; /* mapped: the devices that may read and write it, a bit each */
 } item_t;
 
-typedef struct injection {
-  char entry[64];
-  unsigned skip, times;
-  int code;
-} injection_t;
-
-typedef struct call_count {
-  char entry[64];
-  unsigned long calls;
-} call_count_t;
-
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int initialized, device_count = -1, hold_events, no_vmm;
 static size_t capacity = (size_t)1 << 30, used[MAX_DEVICES];
 static fake_ctx_t contexts[MAX_DEVICES];
 static __thread fake_ctx_t *current;
 static item_t items[MAX_ITEMS];
-static injection_t injections[32];
-static call_count_t counts[128];
 static fake_event_t *events[MAX_ITEMS];
 static size_t live_events;
 
@@ -109,8 +97,7 @@ static size_t live_events;
 
 EXPORT void fakecuda_reset(void) {
   pthread_mutex_lock(&lock);
-  memset(injections, 0, sizeof injections);
-  memset(counts, 0, sizeof counts);
+  plumbing_reset();
   hold_events = 0;
   no_vmm = 0;
   device_count = -1;
@@ -118,26 +105,10 @@ EXPORT void fakecuda_reset(void) {
 }
 
 EXPORT void fakecuda_fail(const char *entry, unsigned skip, unsigned times, int code) {
-  pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < sizeof injections / sizeof injections[0]; i++)
-    if (!injections[i].times) {
-      strncpy(injections[i].entry, entry, sizeof injections[i].entry - 1);
-      injections[i].skip = skip;
-      injections[i].times = times;
-      injections[i].code = code;
-      break;
-    }
-  pthread_mutex_unlock(&lock);
+  plumbing_fail(entry, skip, times, code);
 }
 
-EXPORT unsigned long fakecuda_calls(const char *entry) {
-  unsigned long n = 0;
-  pthread_mutex_lock(&lock);
-  for (size_t i = 0; i < sizeof counts / sizeof counts[0]; i++)
-    if (!strcmp(counts[i].entry, entry)) n = counts[i].calls;
-  pthread_mutex_unlock(&lock);
-  return n;
-}
+EXPORT unsigned long fakecuda_calls(const char *entry) { return plumbing_calls(entry); }
 
 EXPORT void fakecuda_set_capacity(size_t bytes) { capacity = bytes; }
 EXPORT void fakecuda_set_devices(int n) { device_count = n; }
@@ -168,40 +139,6 @@ EXPORT int fakecuda_retained(int device) { return contexts[device].retained; }
 
 /* ---- plumbing ----------------------------------------------------------- */
 
-/* Count the call; an injected failure's code, or OK. With the lock held. */
-static int enter(const char *entry) {
-  size_t i;
-  for (i = 0; i < sizeof counts / sizeof counts[0] && counts[i].entry[0]; i++)
-    if (!strcmp(counts[i].entry, entry)) break;
-  if (i < sizeof counts / sizeof counts[0]) {
-    if (!counts[i].entry[0]) strncpy(counts[i].entry, entry, sizeof counts[i].entry - 1);
-    counts[i].calls++;
-  }
-  for (size_t k = 0; k < sizeof injections / sizeof injections[0]; k++) {
-    injection_t *in = &injections[k];
-    if (!in->times || strcmp(in->entry, entry)) continue;
-    if (in->skip) {
-      in->skip--;
-      continue;
-    }
-    in->times--;
-    return in->code;
-  }
-  return OK;
-}
-
-#define ENTER(name)                           \
-  pthread_mutex_lock(&lock);                  \
-  int rc_ = enter(name);                      \
-  if (rc_) {                                  \
-    pthread_mutex_unlock(&lock);              \
-    return rc_;                               \
-  }
-#define LEAVE(code)            \
-  do {                         \
-    pthread_mutex_unlock(&lock); \
-    return (code);             \
-  } while (0)
 
 static int devices(void) {
   if (device_count >= 0) return device_count;
