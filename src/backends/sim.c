@@ -62,6 +62,7 @@
 #include "base/base.h"
 #include "base/tree.h"
 #include "backends/backend.h"
+#include "backends/sim_shared.h"
 
 #define SIM_ALIGN ((size_t)512)
 #define SIM_SPAN ((uintptr_t)1 << 50)        /* address range per device: room for ~100 reservations of 9 TiB */
@@ -174,6 +175,7 @@ typedef struct sim {
   lock_t lock; /* lock.h: the replay maps expandable segments page by page, a call each */
   int device_count;
   size_t capacity;
+  sim_shared_t *shared; /* shared=NAME: the capacity is shared with other processes (sim_shared.c) */
   uint64_t fail_at;     /* 0: off */
   uint64_t fail_count;  /* allocations failing from fail_at on (1 by default) */
   uint64_t free_fail_at; /* 0: off */
@@ -402,10 +404,22 @@ static int charge(sim_t *s, sim_device_t *dev, int device, size_t size, size_t f
   if (injected_failure(s, call))
     return gca__set_error(GCA_ERR_OOM, "sim: injected failure of allocation #%llu on device %d",
                           (unsigned long long)call, device);
-  if (footprint > s->capacity - dev->used)
+  size_t free_bytes = 0;
+  if (s->shared) { /* taken from the shared device now; uncharge() gives it back if the caller fails after */
+    if (gca__sim_shared_charge(s->shared, device, footprint, &free_bytes) != GCA_OK)
+      return gca__set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free to all the "
+                            "processes sharing it)", device, size, free_bytes);
+  } else if (footprint > s->capacity - dev->used) {
     return gca__set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free)", device, size,
                           s->capacity - dev->used);
+  }
   return GCA_OK;
+}
+
+/* Bytes that stop counting against the device (freed, or charged and then
+ * not allocated after all). */
+static void uncharge(sim_t *s, int device, size_t footprint) {
+  if (s->shared) gca__sim_shared_release(s->shared, device, footprint);
 }
 
 static int sim_device_count(void *state) { return ((sim_t *)state)->device_count; }
@@ -420,6 +434,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = charge(s, dev, device, size, footprint);
+  bool charged = rc == GCA_OK;
   sim_alloc_t *rec = NULL;
   if (rc == GCA_OK) {
     rec = calloc(1, sizeof *rec);
@@ -435,6 +450,7 @@ static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
     rc = gca__set_error(GCA_ERR_OOM, "sim: device %d has no free address range of %zu bytes", device, size);
   }
   if (rc != GCA_OK) {
+    if (charged) uncharge(s, device, footprint); /* (charged, then not allocated) */
     free(rec);
     lock_release(&s->lock);
     return rc;
@@ -482,6 +498,7 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
     /* On host OOM the range is lost to the address model; capacity is not. */
     else (void)give_range(dev, rec->addr, rec->footprint);
     dev->used -= rec->footprint;
+    uncharge(s, device, rec->footprint);
     dev->counters.frees++;
     dev->counters.live--;
     free(rec);
@@ -493,7 +510,7 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
 static int sim_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
   sim_t *s = state;
   lock_acquire(&s->lock);
-  *free_bytes = s->capacity - s->devices[device].used;
+  *free_bytes = s->shared ? gca__sim_shared_free(s->shared, device) : s->capacity - s->devices[device].used;
   *total_bytes = s->capacity;
   lock_release(&s->lock);
   return GCA_OK;
@@ -830,7 +847,10 @@ static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, u
   int rc = charge(s, dev, device, size, size);
   if (rc != GCA_OK) return rc;
   uint32_t slot = take_phys_slot(dev);
-  if (slot == UINT32_MAX) return gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  if (slot == UINT32_MAX) {
+    uncharge(s, device, size);
+    return gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  }
   sim_phys_t *p = phys_slot(dev, slot);
   p->pages = (uint32_t)(size >> __builtin_ctzll(s->granularity));
   p->mapped_at = 0;
@@ -881,6 +901,7 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
   if (s->free_fail_at && call == s->free_fail_at)
     return gca__set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
   dev->used -= phys_bytes(s, p);
+  uncharge(s, device, phys_bytes(s, p));
   p->pages = 0;
   p->generation++;
   p->next_free = dev->free_phys;
@@ -1091,6 +1112,7 @@ static void sim_destroy(void *state) {
     free(dev->events);
     free(dev->engine_free_at);
   }
+  gca__sim_shared_leave(s->shared); /* (what this process held goes back with its slot) */
   lock_destroy(&s->lock);
   free(s);
 }
@@ -1420,6 +1442,8 @@ typedef struct sim_options {
   uint64_t capacity, devices, fail_at, fail_count, fail_after, free_fail_at, seed, latency_ns, backed, event_fail_at,
       wait_fail_at, engines, granularity, host_capacity, host_fail_at;
   double fail_rate;
+  char shared[72]; /* shared=NAME */
+  bool capacity_given;
 } sim_options_t;
 
 static bool parse_u64(const char *text, size_t len, uint64_t *out) {
@@ -1445,6 +1469,12 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
   if (KEY_IS("capacity")) {
     if (!gca__parse_size(val, vlen, &o->capacity) || o->capacity == 0 || o->capacity > SIM_MAX_CAPACITY)
       return bad_option(key, klen, val, vlen, "expected a size between 1 byte and 8TiB, like 24GiB");
+    o->capacity_given = true;
+  } else if (KEY_IS("shared")) {
+    if (vlen == 0 || vlen >= sizeof o->shared)
+      return bad_option(key, klen, val, vlen, "expected a name of 1 to 64 letters, digits, '_', '-' or '.'");
+    memcpy(o->shared, val, vlen);
+    o->shared[vlen] = 0;
   } else if (KEY_IS("devices")) {
     if (!parse_u64(val, vlen, &o->devices) || o->devices < 1 || o->devices > SIM_MAX_DEVICES)
       return bad_option(key, klen, val, vlen, "expected an integer from 1 to 64");
@@ -1497,7 +1527,7 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
     return gca__set_error(GCA_ERR_BACKEND,
                           "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_count, "
                           "fail_after, fail_rate, seed, free_fail_at, latency_ns, event_fail_at, wait_fail_at, engines, "
-                          "granularity, backed, host_capacity, host_fail_at)",
+                          "granularity, backed, host_capacity, host_fail_at, shared)",
                           (int)klen, key);
   }
   return GCA_OK;
@@ -1544,6 +1574,16 @@ int gca__sim_backend_create(const char *options, backend_t *out) {
   s->host_capacity = o.host_capacity ? (size_t)o.host_capacity : SIZE_MAX;
   s->host_fail_at = o.host_fail_at;
   RB_INIT(&s->host);
+  if (o.shared[0]) {
+    size_t capacity = 0;
+    int rc = gca__sim_shared_join(o.shared, s->capacity, o.capacity_given, s->device_count, &capacity, &s->shared);
+    if (rc != GCA_OK) {
+      lock_destroy(&s->lock);
+      free(s);
+      return rc;
+    }
+    s->capacity = capacity;
+  }
   for (int i = 0; i < s->device_count; i++) {
     sim_device_t *dev = &s->devices[i];
     RB_INIT(&dev->live);

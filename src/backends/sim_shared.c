@@ -1,0 +1,277 @@
+/* One simulated device shared by several processes ("sim:shared=NAME"):
+ * the capacity, and what each process holds of it, live in a POSIX
+ * shared-memory region, so that processes on it run out of memory as they
+ * would on one GPU. Everything else of the sim (addresses, streams, events)
+ * stays per process, as a GPU's address space is.
+ *
+ * The region, /gcalloc-sim-NAME (mode 0600: the same user only), holds a
+ * header checked by every joiner (magic, version, size, devices,
+ * capacity), a process-shared robust mutex, and a slot per process: its
+ * pid, its start time (so that a reused pid is not taken for it) and its
+ * bytes on each device. The slot of a process that died is reclaimed, its
+ * memory given back, as a driver does, whenever a request would not fit,
+ * and a mutex its owner died holding is repaired by the next locker. Every
+ * value read from the region is bounds-checked: a region that is not one
+ * (a foreign or corrupted object) is refused with a message naming it.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/base.h"
+#include "backends/backend.h"
+#include "backends/sim_shared.h"
+
+#define SHARED_MAGIC 0x4843534d49534347ull /* "GCSIMSCH" */
+#define SHARED_VERSION 1u
+#define SHARED_SLOTS 64
+#define SHARED_DEVICES 64
+
+typedef struct shared_slot {
+  int32_t pid; /* 0: free */
+  uint64_t start_time;
+  uint64_t used[SHARED_DEVICES];
+} shared_slot_t;
+
+typedef struct shared_region {
+  _Atomic uint64_t magic; /* set last by the creator */
+  uint32_t version, size;
+  uint32_t devices;
+  uint64_t capacity;
+  pthread_mutex_t lock;
+  shared_slot_t slots[SHARED_SLOTS];
+} shared_region_t;
+
+struct sim_shared {
+  shared_region_t *r;
+  int slot;
+  char name[96]; /* the region's path, for shm_unlink */
+};
+
+/* A process's start time, in clock ticks since boot (/proc/PID/stat's 22nd
+ * field); 0 when it cannot be read (the process is gone). */
+static uint64_t start_time_of(pid_t pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* the command may hold spaces */
+  if (!p) return 0;
+  uint64_t t = 0;
+  for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+  if (p) t = strtoull(p + 1, NULL, 10);
+  return t;
+}
+
+static bool slot_alive(const shared_slot_t *s) {
+  if (s->pid <= 0) return false;
+  if (kill(s->pid, 0) != 0 && errno == ESRCH) return false;
+  return start_time_of(s->pid) == s->start_time;
+}
+
+/* Lock the region; a lock whose owner died is made consistent (what it was
+ * changing was one slot's counter, which the dead slot's reclaim drops). */
+static void region_lock(shared_region_t *r) {
+  if (pthread_mutex_lock(&r->lock) == EOWNERDEAD) pthread_mutex_consistent(&r->lock);
+}
+
+static void region_unlock(shared_region_t *r) { pthread_mutex_unlock(&r->lock); }
+
+/* Give back the slots of dead processes; with the lock held. */
+static void reclaim_dead(shared_region_t *r) {
+  for (int i = 0; i < SHARED_SLOTS; i++)
+    if (r->slots[i].pid && !slot_alive(&r->slots[i])) memset(&r->slots[i], 0, sizeof r->slots[i]);
+}
+
+/* Bytes held on `device` by every process, saturating at the capacity (a
+ * value beyond it can only be a corrupted region). With the lock held. */
+static uint64_t used_total(const shared_region_t *r, int device) {
+  uint64_t total = 0;
+  for (int i = 0; i < SHARED_SLOTS; i++) {
+    uint64_t u = r->slots[i].pid ? r->slots[i].used[device] : 0;
+    total = u > r->capacity - total ? r->capacity : total + u;
+  }
+  return total;
+}
+
+static bool name_ok(const char *name) {
+  size_t n = strlen(name);
+  if (n == 0 || n > 64) return false;
+  for (size_t i = 0; i < n; i++)
+    if (!((name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
+          (name[i] >= '0' && name[i] <= '9') || name[i] == '_' || name[i] == '-' || name[i] == '.'))
+      return false;
+  return true;
+}
+
+static int create_region(shared_region_t *r, size_t capacity, int devices) {
+  pthread_mutexattr_t attr;
+  if (pthread_mutexattr_init(&attr) != 0) return -1;
+  int rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED) ||
+           pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST) || pthread_mutex_init(&r->lock, &attr);
+  pthread_mutexattr_destroy(&attr);
+  if (rc) return -1;
+  r->version = SHARED_VERSION;
+  r->size = (uint32_t)sizeof *r;
+  r->devices = (uint32_t)devices;
+  r->capacity = capacity;
+  atomic_store_explicit(&r->magic, SHARED_MAGIC, memory_order_release);
+  return 0;
+}
+
+/* The header of a region someone else made, checked. */
+static int check_region(const shared_region_t *r, const char *name, size_t capacity, bool capacity_given,
+                        int devices) {
+  uint64_t magic = atomic_load_explicit(&r->magic, memory_order_acquire);
+  if (magic != SHARED_MAGIC)
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: /gcalloc-sim-%s is not a gcalloc sim region "
+                          "(magic %#" PRIx64 ")", name, name, magic);
+  if (r->version != SHARED_VERSION || r->size != sizeof *r)
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: the region is version %u of %u bytes, not version "
+                          "%u of %zu (another gcalloc?)", name, r->version, r->size, SHARED_VERSION, sizeof *r);
+  if (r->devices < 1 || r->devices > SHARED_DEVICES || r->capacity == 0 || r->capacity > SIM_MAX_CAPACITY)
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: the region's header is corrupt (%u devices, "
+                          "capacity %" PRIu64 ")", name, r->devices, r->capacity);
+  if ((int)r->devices != devices || (capacity_given && r->capacity != capacity))
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s is a device of %u device%s of %" PRIu64 " bytes; "
+                          "this one asks for %d of %zu", name, r->devices, r->devices == 1 ? "" : "s", r->capacity,
+                          devices, capacity);
+  return GCA_OK;
+}
+
+int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given, int devices, size_t *capacity_out,
+                         sim_shared_t **out) {
+  *out = NULL;
+  if (!name_ok(name))
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: a name is 1 to 64 letters, digits, '_', '-' or '.'",
+                          name);
+  if (devices > SHARED_DEVICES)
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: at most %d devices", name, SHARED_DEVICES);
+  char path[96];
+  snprintf(path, sizeof path, "/gcalloc-sim-%s", name);
+  bool created = true;
+  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    created = false;
+    fd = shm_open(path, O_RDWR, 0600);
+  }
+  if (fd < 0)
+    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot open %s: %s", name, path, strerror(errno));
+  struct stat st;
+  int rc = GCA_OK;
+  if (created && ftruncate(fd, (off_t)sizeof(shared_region_t)) != 0) {
+    rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot size %s: %s", name, path, strerror(errno));
+  } else if (!created) {
+    /* The creator sizes it at once: give it a moment. */
+    for (int tries = 0; tries < 100 && fstat(fd, &st) == 0 && st.st_size == 0; tries++) {
+      struct timespec pause = {0, 10 * 1000 * 1000};
+      nanosleep(&pause, NULL);
+    }
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != sizeof(shared_region_t))
+      rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %s is %lld bytes, not a gcalloc sim region (%zu)",
+                          name, path, (long long)st.st_size, sizeof(shared_region_t));
+  }
+  shared_region_t *r = MAP_FAILED;
+  if (rc == GCA_OK) {
+    r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (r == MAP_FAILED)
+      rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot map %s: %s", name, path, strerror(errno));
+  }
+  close(fd);
+  if (rc == GCA_OK && created && create_region(r, capacity, devices) != 0)
+    rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot make the region's lock", name);
+  if (rc == GCA_OK && !created) {
+    for (int tries = 0; tries < 100 && atomic_load(&r->magic) == 0; tries++) {
+      struct timespec pause = {0, 10 * 1000 * 1000};
+      nanosleep(&pause, NULL);
+    }
+    rc = check_region(r, name, capacity, capacity_given, devices);
+  }
+  sim_shared_t *sh = rc == GCA_OK ? calloc(1, sizeof *sh) : NULL;
+  if (rc == GCA_OK && !sh) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  if (rc == GCA_OK) {
+    region_lock(r);
+    reclaim_dead(r);
+    int slot = -1;
+    for (int i = 0; i < SHARED_SLOTS && slot < 0; i++)
+      if (!r->slots[i].pid) slot = i;
+    if (slot >= 0) {
+      memset(&r->slots[slot], 0, sizeof r->slots[slot]);
+      r->slots[slot].pid = (int32_t)getpid();
+      r->slots[slot].start_time = start_time_of(getpid());
+    }
+    region_unlock(r);
+    if (slot < 0) rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %d processes use it already", name,
+                                      SHARED_SLOTS);
+    else sh->slot = slot;
+  }
+  if (rc != GCA_OK) {
+    free(sh);
+    if (r != MAP_FAILED) munmap(r, sizeof *r);
+    if (created) shm_unlink(path);
+    return rc;
+  }
+  sh->r = r;
+  snprintf(sh->name, sizeof sh->name, "%s", path);
+  *capacity_out = (size_t)r->capacity;
+  *out = sh;
+  return GCA_OK;
+}
+
+void gca__sim_shared_leave(sim_shared_t *sh) {
+  if (!sh) return;
+  shared_region_t *r = sh->r;
+  region_lock(r);
+  memset(&r->slots[sh->slot], 0, sizeof r->slots[sh->slot]);
+  reclaim_dead(r);
+  bool alone = true;
+  for (int i = 0; i < SHARED_SLOTS; i++) alone &= r->slots[i].pid == 0;
+  if (alone) shm_unlink(sh->name); /* the last one out; a process joining meanwhile keeps its mapping */
+  region_unlock(r);
+  munmap(r, sizeof *r);
+  free(sh);
+}
+
+int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *free_bytes) {
+  shared_region_t *r = sh->r;
+  region_lock(r);
+  uint64_t used = used_total(r, device);
+  if (bytes > r->capacity - used) { /* dead processes' memory comes back first */
+    reclaim_dead(r);
+    used = used_total(r, device);
+  }
+  bool fits = bytes <= r->capacity - used;
+  if (fits) r->slots[sh->slot].used[device] += bytes;
+  *free_bytes = (size_t)(r->capacity - used - (fits ? bytes : 0));
+  region_unlock(r);
+  return fits ? GCA_OK : GCA_ERR_OOM;
+}
+
+void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
+  shared_region_t *r = sh->r;
+  region_lock(r);
+  uint64_t *u = &r->slots[sh->slot].used[device];
+  *u = bytes > *u ? 0 : *u - bytes;
+  region_unlock(r);
+}
+
+size_t gca__sim_shared_free(sim_shared_t *sh, int device) {
+  shared_region_t *r = sh->r;
+  region_lock(r);
+  reclaim_dead(r);
+  size_t free_bytes = (size_t)(r->capacity - used_total(r, device));
+  region_unlock(r);
+  return free_bytes;
+}

@@ -1,0 +1,163 @@
+/* One simulated device shared by several processes (label `sharing`):
+ * real processes (fork) on "sim:shared=NAME" run out of memory together,
+ * get back what another gave back, and what one that was killed held; a
+ * region that is not gcalloc's, or a device asked for with other
+ * dimensions, is refused by name. */
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+static char spec[128];
+static char name[64];
+
+static int fresh_name(void **state) {
+  (void)state;
+  static int n;
+  snprintf(name, sizeof name, "test-%d-%d", (int)getpid(), n++);
+  snprintf(spec, sizeof spec, "sim:shared=%s,capacity=100MiB", name);
+  return 0;
+}
+
+static void wait_byte(int fd) {
+  char c;
+  assert_int_equal(read(fd, &c, 1), 1);
+}
+
+static void send_byte(int fd) { assert_int_equal(write(fd, "x", 1), 1); }
+
+static int child_status(pid_t pid) {
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  return WIFEXITED(ws) ? WEXITSTATUS(ws) : 100 + (WIFSIGNALED(ws) ? WTERMSIG(ws) : 0);
+}
+
+/* Two processes, one device of 100 MiB: the second cannot have 50 MiB
+ * while the first holds 60, and can once it gave them back. */
+static void test_processes_share_capacity(void **state) {
+  (void)state;
+  int to_child[2], to_parent[2];
+  assert_int_equal(pipe(to_child), 0);
+  assert_int_equal(pipe(to_parent), 0);
+  gca_allocator_t *a = open_sim(spec, NULL);
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_non_null(p);
+  pid_t pid = fork();
+  if (pid == 0) {
+    gca_allocator_t *b = NULL;
+    if (gca_open(spec, NULL, &b) != GCA_OK) _exit(2);
+    size_t free_bytes = 0, total = 0;
+    gca_mem_get_info(b, 0, &free_bytes, &total);
+    if (total != 100 * MiB || free_bytes != 40 * MiB) _exit(3);
+    void *q = gca_malloc(b, 50 * MiB, 0, 0);
+    if (q || gca_last_status() != GCA_ERR_OOM || !strstr(gca_last_error(), "of which 40.00 MiB is free")) _exit(4);
+    send_byte(to_parent[1]);
+    wait_byte(to_child[0]); /* the parent gave its memory back */
+    q = gca_malloc(b, 50 * MiB, 0, 0);
+    if (!q) _exit(5);
+    gca_free(b, q);
+    gca_close(b);
+    _exit(0);
+  }
+  wait_byte(to_parent[0]);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  send_byte(to_child[1]);
+  assert_int_equal(child_status(pid), 0);
+  size_t free_bytes = 0, total = 0;
+  assert_int_equal(gca_mem_get_info(a, 0, &free_bytes, &total), GCA_OK);
+  assert_int_equal(free_bytes, 100 * MiB); /* the child's went back with its close */
+  gca_close(a);
+  for (int i = 0; i < 2; i++) close(to_child[i]), close(to_parent[i]);
+}
+
+/* What a process killed with SIGKILL held comes back (its slot is
+ * reclaimed when a request would not fit), as a driver frees a dead
+ * process's memory. */
+static void test_killed_process_memory_comes_back(void **state) {
+  (void)state;
+  int to_parent[2];
+  assert_int_equal(pipe(to_parent), 0);
+  gca_allocator_t *a = open_sim(spec, NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    gca_allocator_t *b = NULL;
+    if (gca_open(spec, NULL, &b) != GCA_OK || !gca_malloc(b, 80 * MiB, 0, 0)) _exit(2);
+    send_byte(to_parent[1]);
+    pause(); /* killed here, holding 80 MiB */
+    _exit(3);
+  }
+  wait_byte(to_parent[0]);
+  size_t free_bytes = 0, total = 0;
+  assert_int_equal(gca_mem_get_info(a, 0, &free_bytes, &total), GCA_OK);
+  assert_int_equal(free_bytes, 20 * MiB);
+  assert_null(gca_malloc(a, 60 * MiB, 0, 0));
+  kill(pid, SIGKILL);
+  assert_int_equal(child_status(pid), 100 + SIGKILL);
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_non_null(p);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+  close(to_parent[0]), close(to_parent[1]);
+}
+
+/* A region that is not a gcalloc sim region, or a device of other
+ * dimensions, is refused, naming it; nothing is created or changed. */
+static void test_bad_regions_refused(void **state) {
+  (void)state;
+  char path[96];
+  snprintf(path, sizeof path, "/gcalloc-sim-%s", name);
+  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, "not a gcalloc region", 20), 20);
+  close(fd);
+  gca_allocator_t *a = NULL;
+  assert_int_equal(gca_open(spec, NULL, &a), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "is 20 bytes, not a gcalloc sim region");
+  assert_null(a);
+  shm_unlink(path);
+  /* The right size, the wrong magic. */
+  a = open_sim(spec, NULL);
+  fd = shm_open(path, O_RDWR, 0600);
+  assert_true(fd >= 0);
+  uint64_t bad = 0x1234;
+  assert_int_equal(pwrite(fd, &bad, sizeof bad, 0), (ssize_t)sizeof bad);
+  gca_allocator_t *b = NULL;
+  assert_int_equal(gca_open(spec, NULL, &b), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "is not a gcalloc sim region (magic 0x1234)");
+  uint64_t magic = 0x4843534d49534347ull;
+  assert_int_equal(pwrite(fd, &magic, sizeof magic, 0), (ssize_t)sizeof magic);
+  close(fd);
+  /* Other dimensions. */
+  char other[160];
+  snprintf(other, sizeof other, "sim:shared=%s,capacity=200MiB", name);
+  assert_int_equal(gca_open(other, NULL, &b), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "of 104857600 bytes; this one asks for 1 of 209715200");
+  snprintf(other, sizeof other, "sim:shared=%s,devices=2", name);
+  assert_int_equal(gca_open(other, NULL, &b), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "this one asks for 2");
+  snprintf(other, sizeof other, "sim:shared=%s", name); /* no capacity given: the region's */
+  b = open_sim(other, NULL);
+  size_t free_bytes = 0, total = 0;
+  assert_int_equal(gca_mem_get_info(b, 0, &free_bytes, &total), GCA_OK);
+  assert_int_equal(total, 100 * MiB);
+  gca_close(b);
+  assert_int_equal(gca_open("sim:shared=a/b", NULL, &b), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "a name is 1 to 64 letters");
+  gca_close(a);
+  /* The last one out removed it. */
+  assert_int_equal(shm_open(path, O_RDWR, 0600), -1);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup(test_processes_share_capacity, fresh_name),
+      cmocka_unit_test_setup(test_killed_process_memory_comes_back, fresh_name),
+      cmocka_unit_test_setup(test_bad_regions_refused, fresh_name),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
