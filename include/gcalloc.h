@@ -410,6 +410,10 @@ typedef struct gca_stats {
   int64_t num_alloc_waits;          /* allocations that waited for memory to come back */
   int64_t num_oom_handler_retries;  /* tries made again because an OOM handler asked */
   int64_t num_pages_moved;          /* stitching: free pages of expandable segments mapped elsewhere */
+  /* Cooperation between processes (ipc_cooperation:True, docs/sharing.md): */
+  int64_t num_ipc_requests;         /* other processes asked to release their cache */
+  int64_t ipc_bytes_received;       /* bytes they released in answer */
+  int64_t num_ipc_timeouts;         /* asked processes that did not answer in time */
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */
@@ -666,6 +670,24 @@ GCA_API int gca_snapshot_write(const gca_snapshot_t *s, const char *path, gca_sn
  * Returns GCA_OK or GCA_ERR_CORRUPT with the first broken invariant named in
  * gca_last_error(). Cost is proportional to the number of blocks. */
 GCA_API int gca_check(gca_allocator_t *a, int device);
+
+/* ------------------------------------------------------------------------ */
+/* Processes sharing a device (ipc_cooperation:True; docs/sharing.md)        */
+/* ------------------------------------------------------------------------ */
+
+/* A process cooperating on a device, as it last published itself. */
+typedef struct gca_ipc_peer {
+  int32_t pid;
+  uint64_t reserved_bytes;  /* obtained from the device */
+  uint64_t allocated_bytes; /* handed out */
+  uint64_t cached_bytes;    /* reserved and not allocated: what it could release */
+  uint64_t waiting_bytes;   /* what an allocation of it waits for, or 0 */
+} gca_ipc_peer_t;
+
+/* The processes cooperating on `device` (this one included): up to `cap`
+ * copied into out; returns how many there are (GCA_ERR_INVALID, negative,
+ * when cooperation is off for the device). */
+GCA_API int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap);
 
 /* ------------------------------------------------------------------------ */
 /* Sizing rules (exposed for tools and tests; pure functions)                */

@@ -117,7 +117,7 @@ static void test_bad_regions_refused(void **state) {
   close(fd);
   gca_allocator_t *a = NULL;
   assert_int_equal(gca_open(spec, NULL, &a), GCA_ERR_BACKEND);
-  assert_contains(gca_last_error(), "is 20 bytes, not a gcalloc sim region");
+  assert_contains(gca_last_error(), "is 20 bytes, not a gcalloc region");
   assert_null(a);
   shm_unlink(path);
   /* The right size, the wrong magic. */

@@ -578,3 +578,13 @@ int gca_check(gca_allocator_t *a, int device) {
   }
   return GCA_OK;
 }
+
+int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap) {
+  device_t *d = device_of(a, device, "gca_ipc_peers");
+  if (!d) return gca_last_status();
+  if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_ipc_peers: out is NULL");
+  if (!d->coop)
+    return gca__set_error(GCA_ERR_INVALID, "gca_ipc_peers: device %d does not cooperate (ipc_cooperation:True at "
+                          "open turns it on)", device);
+  return gca__coop_peers(d->coop, out, cap);
+}

@@ -525,6 +525,15 @@ static int acl_size_pad(void *state, int device, size_t *pad) {
   return GCA_OK;
 }
 
+/* AscendCL offers no device UUID among the calls used here: the SoC name and
+ * the device's index, which ASCEND_RT_VISIBLE_DEVICES changes (processes
+ * that cooperate must see the NPUs alike; docs/acl.md). */
+static int acl_device_identity(void *state, int device, char *out, size_t cap) {
+  acl_t *a = state;
+  snprintf(out, cap, "acl:%s:%d", a->soc[0] ? a->soc : "npu", device);
+  return GCA_OK;
+}
+
 /* ---- opening and closing ------------------------------------------------ */
 
 static void acl_destroy(void *state) {
@@ -570,6 +579,7 @@ static const backend_ops_t acl_ops = {
     .host_alloc = acl_host_alloc,
     .host_free = acl_host_free,
     .size_pad = acl_size_pad,
+    .device_identity = acl_device_identity,
     .destroy = acl_destroy,
 };
 

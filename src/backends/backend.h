@@ -112,6 +112,9 @@ typedef struct backend_ops {
    * torch_npu pads by 32 on SoCs before Ascend950; the configuration key
    * pad_32_bytes overrides what the backend says. */
   int (*size_pad)(void *state, int device, size_t *pad);
+  /* What names the device across processes, whatever the visible-devices
+   * variables (may be NULL: no cooperation between processes). */
+  int (*device_identity)(void *state, int device, char *out, size_t cap);
   void (*destroy)(void *state);
   /* destroy() gives back all the device's memory at once (the sim, whose
    * device memory is its own bookkeeping): closing an allocator then need

@@ -115,6 +115,7 @@ typedef struct CUmemAccessDesc {
   X(cuDeviceGetName, "cuDeviceGetName", 1, (char *name, int len, CUdevice dev))                             \
   X(cuDeviceGetAttribute, "cuDeviceGetAttribute", 1, (int *value, int attribute, CUdevice dev))             \
   X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", 1, (size_t * bytes, CUdevice dev))                              \
+  X(cuDeviceGetUuid, "cuDeviceGetUuid_v2", 0, (unsigned char *uuid, CUdevice dev))                           \
   X(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer", 0, (int *can, CUdevice dev, CUdevice peer))             \
   X(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess", 0, (CUcontext peer, unsigned flags))                    \
   X(cuCtxDisablePeerAccess, "cuCtxDisablePeerAccess", 0, (CUcontext peer))                                  \
@@ -482,6 +483,19 @@ static int missing(const char *entry) {
   return gca__set_error(GCA_ERR_BACKEND, "cuda backend: the driver has no %s", entry);
 }
 
+/* The device's UUID (what CUDA_VISIBLE_DEVICES does not change). */
+static int cuda_device_identity(void *state, int device, char *out, size_t cap) {
+  cuda_t *c = state;
+  if (!c->drv.cuDeviceGetUuid) return missing("cuDeviceGetUuid_v2");
+  unsigned char uuid[16];
+  CHECK(c, c->drv.cuDeviceGetUuid(uuid, c->devices[device].dev), GCA_ERR_BACKEND, "cuDeviceGetUuid_v2 (device %d)",
+        device);
+  char hex[33];
+  for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", uuid[i]);
+  snprintf(out, cap, "cuda:GPU-%s", hex);
+  return GCA_OK;
+}
+
 static int cuda_can_access_peer(void *state, int device, int peer, int *can) {
   cuda_t *c = state;
   if (!c->drv.cuDeviceCanAccessPeer) return missing("cuDeviceCanAccessPeer");
@@ -649,6 +663,7 @@ static const backend_ops_t cuda_ops = {
     .host_register = cuda_host_register,
     .host_unregister = cuda_host_unregister,
     .host_is_pinned = cuda_host_is_pinned,
+    .device_identity = cuda_device_identity,
     .destroy = cuda_destroy,
 };
 

@@ -1275,6 +1275,15 @@ static int sim_device_properties(void *state, int device, gca_device_properties_
   return GCA_OK;
 }
 
+/* A shared device is named by its region; another sim device is this
+ * process's alone. */
+static int sim_device_identity(void *state, int device, char *out, size_t cap) {
+  sim_t *s = state;
+  if (s->shared) snprintf(out, cap, "sim:%s:%d", gca__sim_shared_name(s->shared), device);
+  else snprintf(out, cap, "sim:%d:%p:%d", (int)getpid(), state, device);
+  return GCA_OK;
+}
+
 static const backend_ops_t sim_ops = {
     .name = "sim",
     .device_count = sim_device_count,
@@ -1303,6 +1312,7 @@ static const backend_ops_t sim_ops = {
     .host_register = sim_host_register,
     .host_unregister = sim_host_unregister,
     .host_is_pinned = sim_host_is_pinned,
+    .device_identity = sim_device_identity,
     .destroy = sim_destroy,
     .destroy_releases_memory = true,
 };

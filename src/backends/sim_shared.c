@@ -15,16 +15,12 @@
  * (a foreign or corrupted object) is refused with a message naming it.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "base/base.h"
@@ -57,35 +53,9 @@ struct sim_shared {
   char name[96]; /* the region's path, for shm_unlink */
 };
 
-/* A process's start time, in clock ticks since boot (/proc/PID/stat's 22nd
- * field); 0 when it cannot be read (the process is gone). */
-static uint64_t start_time_of(pid_t pid) {
-  char path[64], buf[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char *p = strrchr(buf, ')'); /* the command may hold spaces */
-  if (!p) return 0;
-  uint64_t t = 0;
-  for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-  if (p) t = strtoull(p + 1, NULL, 10);
-  return t;
-}
+static bool slot_alive(const shared_slot_t *s) { return gca__process_alive(s->pid, s->start_time); }
 
-static bool slot_alive(const shared_slot_t *s) {
-  if (s->pid <= 0) return false;
-  if (kill(s->pid, 0) != 0 && errno == ESRCH) return false;
-  return start_time_of(s->pid) == s->start_time;
-}
-
-/* Lock the region; a lock whose owner died is made consistent (what it was
- * changing was one slot's counter, which the dead slot's reclaim drops). */
-static void region_lock(shared_region_t *r) {
-  if (pthread_mutex_lock(&r->lock) == EOWNERDEAD) pthread_mutex_consistent(&r->lock);
-}
+static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock); }
 
 static void region_unlock(shared_region_t *r) { pthread_mutex_unlock(&r->lock); }
 
@@ -117,12 +87,7 @@ static bool name_ok(const char *name) {
 }
 
 static int create_region(shared_region_t *r, size_t capacity, int devices) {
-  pthread_mutexattr_t attr;
-  if (pthread_mutexattr_init(&attr) != 0) return -1;
-  int rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED) ||
-           pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST) || pthread_mutex_init(&r->lock, &attr);
-  pthread_mutexattr_destroy(&attr);
-  if (rc) return -1;
+  if (gca__shared_mutex_init(&r->lock) != 0) return -1;
   r->version = SHARED_VERSION;
   r->size = (uint32_t)sizeof *r;
   r->devices = (uint32_t)devices;
@@ -161,42 +126,19 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
     return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: at most %d devices", name, SHARED_DEVICES);
   char path[96];
   snprintf(path, sizeof path, "/gcalloc-sim-%s", name);
-  bool created = true;
-  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0 && errno == EEXIST) {
-    created = false;
-    fd = shm_open(path, O_RDWR, 0600);
-  }
-  if (fd < 0)
-    return gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot open %s: %s", name, path, strerror(errno));
-  struct stat st;
+  bool created = false;
   int rc = GCA_OK;
-  if (created && ftruncate(fd, (off_t)sizeof(shared_region_t)) != 0) {
-    rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot size %s: %s", name, path, strerror(errno));
-  } else if (!created) {
-    /* The creator sizes it at once: give it a moment. */
-    for (int tries = 0; tries < 100 && fstat(fd, &st) == 0 && st.st_size == 0; tries++) {
-      struct timespec pause = {0, 10 * 1000 * 1000};
-      nanosleep(&pause, NULL);
-    }
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size != sizeof(shared_region_t))
-      rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %s is %lld bytes, not a gcalloc sim region (%zu)",
-                          name, path, (long long)st.st_size, sizeof(shared_region_t));
+  shared_region_t *r = gca__shared_region_open(path, sizeof *r, 0600, &created);
+  if (!r) {
+    char prefix[96];
+    snprintf(prefix, sizeof prefix, "sim backend: shared=%s", name);
+    gca__prefix_error(prefix);
+    return gca_last_status();
   }
-  shared_region_t *r = MAP_FAILED;
-  if (rc == GCA_OK) {
-    r = mmap(NULL, sizeof *r, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (r == MAP_FAILED)
-      rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot map %s: %s", name, path, strerror(errno));
-  }
-  close(fd);
-  if (rc == GCA_OK && created && create_region(r, capacity, devices) != 0)
+  if (created && create_region(r, capacity, devices) != 0)
     rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot make the region's lock", name);
   if (rc == GCA_OK && !created) {
-    for (int tries = 0; tries < 100 && atomic_load(&r->magic) == 0; tries++) {
-      struct timespec pause = {0, 10 * 1000 * 1000};
-      nanosleep(&pause, NULL);
-    }
+    (void)gca__shared_region_wait(&r->magic);
     rc = check_region(r, name, capacity, capacity_given, devices);
   }
   sim_shared_t *sh = rc == GCA_OK ? calloc(1, sizeof *sh) : NULL;
@@ -210,7 +152,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
     if (slot >= 0) {
       memset(&r->slots[slot], 0, sizeof r->slots[slot]);
       r->slots[slot].pid = (int32_t)getpid();
-      r->slots[slot].start_time = start_time_of(getpid());
+      r->slots[slot].start_time = gca__process_start_time((int)getpid());
     }
     region_unlock(r);
     if (slot < 0) rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %d processes use it already", name,
@@ -219,7 +161,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   }
   if (rc != GCA_OK) {
     free(sh);
-    if (r != MAP_FAILED) munmap(r, sizeof *r);
+    munmap(r, sizeof *r);
     if (created) shm_unlink(path);
     return rc;
   }
@@ -229,6 +171,8 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   *out = sh;
   return GCA_OK;
 }
+
+const char *gca__sim_shared_name(const sim_shared_t *sh) { return sh->name; }
 
 void gca__sim_shared_leave(sim_shared_t *sh) {
   if (!sh) return;

@@ -16,6 +16,8 @@ typedef struct sim_shared sim_shared_t;
 int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given, int devices, size_t *capacity_out,
                          sim_shared_t **out);
 void gca__sim_shared_leave(sim_shared_t *sh);
+/* The region's path ("/gcalloc-sim-NAME"): what names the device. */
+const char *gca__sim_shared_name(const sim_shared_t *sh);
 /* Take `bytes` of `device` for this process: GCA_OK, or GCA_ERR_OOM when
  * the processes together would pass the capacity (dead ones' memory given
  * back first); *free_bytes is what is left either way. */

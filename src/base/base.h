@@ -209,4 +209,22 @@ unsigned char *gca__read_stream(FILE *f, const char *name, size_t *len);
  * "X.YY KiB/MiB/GiB". */
 void gca__format_bytes(uint64_t bytes, char *buf, size_t cap);
 
+/* Regions shared between processes (shm.c). A process is still the one a
+ * slot names when it lives with the start time recorded
+ * (/proc/PID/stat: a reused pid has another). */
+uint64_t gca__process_start_time(int pid);
+bool gca__process_alive(int pid, uint64_t start_time);
+/* A process-shared robust mutex; locking one whose owner died makes it
+ * consistent (the caller repairs what the dead owner held). */
+int gca__shared_mutex_init(pthread_mutex_t *m);
+void gca__shared_mutex_lock(pthread_mutex_t *m);
+/* The POSIX shared-memory object `path` of exactly `size` bytes, mapped:
+ * created (zeroed, with `mode`) when it does not exist, *created then
+ * true. NULL with the error set (GCA_ERR_BACKEND naming it) when it cannot
+ * be had or has another size. */
+void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created);
+/* Wait (up to a second) for a region's creator to set its magic; false
+ * when it never did. */
+bool gca__shared_region_wait(_Atomic uint64_t *magic);
+
 #endif /* GCALLOC_BASE_H */

@@ -11,6 +11,7 @@
  * gathered while parsing and logged only once the whole string is accepted.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
@@ -27,6 +28,7 @@ void gca__config_defaults(config_t *cfg) {
   cfg->memory_fraction = 1.0;
   cfg->oom_handler_retries = 3;
   cfg->pinned_num_register_threads = 1;
+  cfg->ipc_release_timeout_ms = 1000;
 }
 
 /* ---- tokens ------------------------------------------------------------- */
@@ -277,6 +279,10 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     else return fail(p, key, v, "must be True, False or a size ratio >= 1");
     return GCA_OK;
   }
+  if (strcmp(key, "ipc_cooperation") == 0) return read_bool(p, key, &c->ipc_cooperation);
+  if (strcmp(key, "ipc_group_access") == 0) return read_bool(p, key, &c->ipc_group_access);
+  if (strcmp(key, "ipc_release_timeout_ms") == 0)
+    return read_uint_upto(p, key, 600000, "must be milliseconds from 0 to 600000", &c->ipc_release_timeout_ms);
   if (strcmp(key, "pad_32_bytes") == 0) {
     /* gcalloc's own: torch_npu's 32-byte pad before rounding; auto asks the backend (the SoC). */
     token_t *v = next(p);
@@ -457,6 +463,9 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   if (c->pinned_reserve_segment_mb) gca__text_put(&o, ",pinned_reserve_segment_size_mb:%zu", c->pinned_reserve_segment_mb);
   gca__text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
   if (c->pad_32_mode != PAD_AUTO) gca__text_put(&o, ",pad_32_bytes:%s", c->pad_32_mode == PAD_ON ? "True" : "False");
+  if (c->ipc_cooperation)
+    gca__text_put(&o, ",ipc_cooperation:True,ipc_release_timeout_ms:%" PRIu64 "%s", c->ipc_release_timeout_ms,
+                  c->ipc_group_access ? ",ipc_group_access:True" : "");
   if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
     gca__text_put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
   else

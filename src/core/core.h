@@ -64,6 +64,10 @@ typedef struct config {
    * the backend (backend_ops_t.size_pad), PAD_ON and PAD_OFF decide. */
   int pad_32_mode;
   size_t size_pad;                /* bytes added before rounding, resolved per device */
+  /* gcalloc's own: cooperation between processes on a device (coop.c). */
+  bool ipc_cooperation;
+  bool ipc_group_access;
+  uint64_t ipc_release_timeout_ms;
 } config_t;
 
 enum { PAD_AUTO = 0, PAD_ON = 1, PAD_OFF = 2 };
@@ -300,7 +304,7 @@ typedef struct family_stats {
 #define KEPT_COUNTERS(X)                                                                                     \
   X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)              \
   X(num_cross_stream_reuses) X(num_device_free_failures) X(num_gc_releases) X(num_alloc_waits)                 \
-  X(num_oom_handler_retries) X(num_pages_moved)
+  X(num_oom_handler_retries) X(num_pages_moved) X(num_ipc_requests) X(ipc_bytes_received) X(num_ipc_timeouts)
 
 typedef struct kept_stats {
   family_stats_t family[FAM_COUNT];
@@ -423,6 +427,9 @@ struct device {
   /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
+  /* Cooperation between processes (coop.c): NULL when off. */
+  struct coop *coop;
+  _Atomic int64_t coop_waiting; /* bytes an allocation waits for, published to the peers */
   /* Lowest and highest address of any segment ever held: lets gca_free find
    * the owning device of a pointer without taking every device's lock. */
   _Atomic uintptr_t span_lo;
@@ -441,6 +448,26 @@ int gca__device_free_locked(device_t *d, uintptr_t addr);
  * error "cannot ACTION ADDR: why it is not a live allocation" and return true. */
 bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action);
 void gca__device_empty_cache(device_t *d);
+/* A peer asked: release the cache as gca_empty_cache does (coop.c's thread). */
+void gca__device_release_for_peer(device_t *d);
+
+/* ---- cooperation between processes (coop.c) ---- */
+typedef struct coop coop_t;
+typedef struct coop_outcome {
+  int asked, timeouts;
+  size_t received;
+} coop_outcome_t;
+/* Join the device's rendezvous (its identity names it); a thread answers
+ * peers' requests until gca__coop_leave. */
+int gca__coop_join(device_t *d, const char *identity, coop_t **out);
+void gca__coop_leave(coop_t *c);
+/* Ask the peers that cache most to release, for `need` bytes, and wait up
+ * to ipc_release_timeout_ms; returns the bytes released. Without the
+ * device lock. */
+size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
+/* What the last request got, by peer, for the out-of-memory message. */
+const char *gca__coop_last(const coop_t *c);
+int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);
 /* With the lock held: record a use of the allocation at addr by `stream`. */
 int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream);
 void gca__device_synchronize(device_t *d);

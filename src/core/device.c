@@ -23,6 +23,21 @@
 
 #include "core/core.h"
 
+/* ipc_cooperation:True: join the device's rendezvous. A backend without an
+ * identity, or a region that cannot be had or is not one, leaves
+ * cooperation off with a warning: the allocator works alone. */
+static void join_peers(device_t *d) {
+  char identity[96];
+  const backend_ops_t *ops = d->backend->ops;
+  int rc = ops->device_identity ? ops->device_identity(d->backend->state, d->index, identity, sizeof identity)
+                                : gca__set_error(GCA_ERR_BACKEND, "the %s backend names no device across processes",
+                                                 ops->name);
+  if (rc == GCA_OK) rc = gca__coop_join(d, identity, &d->coop);
+  if (rc != GCA_OK)
+    gca__log_message(GCA_LOG_WARNING, "ipc_cooperation:True: device %d works alone: %s", d->index, gca_last_error());
+  gca__clear_error();
+}
+
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg) {
   memset(d, 0, sizeof *d);
   pthread_condattr_t attr;
@@ -56,6 +71,7 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   atomic_init(&d->waiters, 0);
   if (cfg->memory_fraction_set) (void)gca__device_set_fraction_locked(d, cfg->memory_fraction);
   (void)gca__expandable_available(d); /* ask the backend now, so the answer can be logged outside any lock */
+  if (cfg->ipc_cooperation) join_peers(d);
   return GCA_OK;
 }
 
@@ -87,6 +103,8 @@ void gca__device_destroy(device_t *d) {
    * may still use the memory. A backend whose destroy() releases all of it
    * (the sim) is not asked piece by piece: a replay of an expandable trace
    * spent a third of its time unmapping thousands of pages at the end. */
+  gca__coop_leave(d->coop); /* (its thread may empty the cache: first) */
+  d->coop = NULL;
   gca__events_shutdown(d);
   bool give_back = !d->backend->ops->destroy_releases_memory;
   segment_t *seg = d->segments;
@@ -229,6 +247,19 @@ static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_
  * and on return, released while waiting and while handlers run. */
 static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
   block_t *b = NULL;
+  if (d->coop) { /* the other processes on the device release their cache, and the request is tried again */
+    size_t need = gca__segment_size_for(rounded);
+    atomic_store(&d->coop_waiting, (int64_t)need);
+    lock_release(&d->lock);
+    coop_outcome_t got;
+    gca__coop_ask(d->coop, need, &got);
+    relock(d);
+    atomic_store(&d->coop_waiting, 0);
+    d->stats.num_ipc_requests += got.asked;
+    d->stats.ipc_bytes_received += (int64_t)got.received;
+    d->stats.num_ipc_timeouts += got.timeouts;
+    if (got.asked) b = take_again(d, pool, stream, rounded, requested, rc);
+  }
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
   if (timeout_ns && gca__oom_worth_waiting(d, rounded)) {
     d->stats.num_alloc_waits++;
@@ -416,6 +447,10 @@ GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const
     }
   }
   return false;
+}
+
+void gca__device_release_for_peer(device_t *d) {
+  gca__device_empty_cache(d); /* (which wakes this process's waiters) */
 }
 
 void gca__device_empty_cache(device_t *d) {

@@ -232,6 +232,9 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   if (pending > 0)
     gca__text_put(&o, " %s was freed but waits for work queued on other streams before it can be reused.",
                   bytes((uint64_t)pending, b1));
+  if (d->coop)
+    gca__text_put(&o, " Processes sharing the device, asked to release their cache: %s.",
+                  gca__coop_last(d->coop)[0] ? gca__coop_last(d->coop) : "none caches anything");
 
   /* The setting that would help, the likeliest first. */
   if (d->fraction_set && free_bytes >= want && (size_t)reserved + want > d->allowed)

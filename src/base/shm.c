@@ -1,0 +1,103 @@
+/* What the regions that processes share (the shared sim device, the
+ * cooperation rendezvous) need alike: opening or creating a POSIX
+ * shared-memory object of a fixed size, a process-shared robust mutex that
+ * the next locker repairs when its owner died, and whether a process is
+ * still the one a slot names (pid and start time, so that a reused pid is
+ * not taken for it).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "base/base.h"
+
+uint64_t gca__process_start_time(int pid) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *p = strrchr(buf, ')'); /* the command may hold spaces and parentheses */
+  for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+  return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+bool gca__process_alive(int pid, uint64_t start_time) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  return gca__process_start_time(pid) == start_time;
+}
+
+int gca__shared_mutex_init(pthread_mutex_t *m) {
+  pthread_mutexattr_t attr;
+  if (pthread_mutexattr_init(&attr) != 0) return -1;
+  int rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED) ||
+           pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST) || pthread_mutex_init(m, &attr);
+  pthread_mutexattr_destroy(&attr);
+  return rc ? -1 : 0;
+}
+
+void gca__shared_mutex_lock(pthread_mutex_t *m) {
+  if (pthread_mutex_lock(m) == EOWNERDEAD) pthread_mutex_consistent(m);
+}
+
+void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created) {
+  *created = true;
+  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, (mode_t)mode);
+  if (fd < 0 && errno == EEXIST) {
+    *created = false;
+    fd = shm_open(path, O_RDWR, (mode_t)mode);
+  }
+  if (fd < 0) {
+    gca__set_error(GCA_ERR_BACKEND, "cannot open %s: %s", path, strerror(errno));
+    return NULL;
+  }
+  struct stat st;
+  if (*created) {
+    (void)fchmod(fd, (mode_t)mode); /* (the umask may have taken the group's bits) */
+    if (ftruncate(fd, (off_t)size) != 0) {
+      gca__set_error(GCA_ERR_BACKEND, "cannot size %s: %s", path, strerror(errno));
+      close(fd);
+      shm_unlink(path);
+      return NULL;
+    }
+  } else {
+    /* Its creator sizes it at once: give it a moment. */
+    for (int tries = 0; tries < 100 && fstat(fd, &st) == 0 && st.st_size == 0; tries++) {
+      struct timespec pause = {0, 10 * 1000 * 1000};
+      nanosleep(&pause, NULL);
+    }
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != size) {
+      gca__set_error(GCA_ERR_BACKEND, "%s is %lld bytes, not a gcalloc region of this kind (%zu)", path,
+                     (long long)st.st_size, size);
+      close(fd);
+      return NULL;
+    }
+  }
+  void *r = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (r == MAP_FAILED) {
+    gca__set_error(GCA_ERR_BACKEND, "cannot map %s: %s", path, strerror(errno));
+    if (*created) shm_unlink(path);
+    return NULL;
+  }
+  return r;
+}
+
+bool gca__shared_region_wait(_Atomic uint64_t *magic) {
+  for (int tries = 0; tries < 100 && atomic_load(magic) == 0; tries++) {
+    struct timespec pause = {0, 10 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+  }
+  return atomic_load(magic) != 0;
+}

@@ -1,0 +1,321 @@
+/* Processes sharing a device release cache for each other
+ * (ipc_cooperation:True): gcalloc's inter-process memory pressure protocol.
+ *
+ * Every process that turns it on joins a rendezvous for the device: a
+ * POSIX shared-memory region named from the device's identity (which does
+ * not change with CUDA_VISIBLE_DEVICES: backend_ops_t.device_identity),
+ * mode 0600 (0660 with ipc_group_access:True). It holds a header checked
+ * by every joiner (magic, version, size, the identity), a process-shared
+ * robust mutex, and a slot per process: pid and start time (a reused pid
+ * is not taken for the peer), what it reserves, allocates and waits for
+ * (published by its cooperation thread, never by the hot path), and two
+ * futex words, a request sequence its peers bump and the answer sequence
+ * it sets.
+ *
+ * A process whose request would fail after its own ladder released its
+ * cache asks the peers that cache most (reserved less allocated) to
+ * release, wakes them, and waits for their answers up to
+ * ipc_release_timeout_ms; then the request is tried again. A peer answers
+ * on a thread of its own (so a peer idle in Python still answers): it
+ * empties its cache as gca_empty_cache does (after its streams' work, so
+ * never memory they may still use), and reports what it released. A peer
+ * that is stopped or wedged does not answer; the requester says which in
+ * its out-of-memory message. Slots of dead processes are reclaimed; a
+ * region that is not one (the wrong size, magic, version or identity) is
+ * refused with a warning, and cooperation stays off.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/core.h"
+
+#define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
+#define COOP_VERSION 1u
+#define COOP_SLOTS 64
+#define COOP_IDENTITY 96
+#define PUBLISH_EVERY_MS 100
+
+typedef struct coop_slot {
+  _Atomic int32_t pid; /* 0: free */
+  uint64_t start_time;
+  _Atomic uint64_t reserved, allocated, waiting;
+  _Atomic uint32_t request_seq; /* futex: bumped by a requester */
+  _Atomic uint32_t answer_seq;  /* futex: set to request_seq by the answer */
+  _Atomic uint64_t released;    /* bytes released by the last answer */
+} coop_slot_t;
+
+typedef struct coop_region {
+  _Atomic uint64_t magic;
+  uint32_t version, size;
+  char identity[COOP_IDENTITY];
+  pthread_mutex_t lock;
+  coop_slot_t slots[COOP_SLOTS];
+} coop_region_t;
+
+struct coop {
+  device_t *d;
+  coop_region_t *r;
+  int slot;
+  char path[64];
+  pthread_t thread;
+  _Atomic bool stop;
+  /* What the last request saw, for the out-of-memory message. */
+  char last[512];
+};
+
+/* ---- the region ------------------------------------------------------------ */
+
+static bool coop_slot_alive(const coop_slot_t *s) { return gca__process_alive(atomic_load(&s->pid), s->start_time); }
+
+static void coop_lock(coop_region_t *r) { gca__shared_mutex_lock(&r->lock); }
+
+static void coop_unlock(coop_region_t *r) { pthread_mutex_unlock(&r->lock); }
+
+static void coop_reclaim_dead(coop_region_t *r) {
+  for (int i = 0; i < COOP_SLOTS; i++)
+    if (atomic_load(&r->slots[i].pid) && !coop_slot_alive(&r->slots[i])) memset(&r->slots[i], 0, sizeof r->slots[i]);
+}
+
+static long coop_futex(_Atomic uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+  /* (Not FUTEX_PRIVATE_FLAG: the word is in memory shared between processes.) */
+  return syscall(SYS_futex, (uint32_t *)word, op, value, timeout, NULL, 0);
+}
+
+static void coop_wait_word(_Atomic uint32_t *word, uint32_t seen, uint64_t ns) {
+  struct timespec t = {(time_t)(ns / 1000000000u), (long)(ns % 1000000000u)};
+  (void)coop_futex(word, FUTEX_WAIT, seen, &t);
+}
+
+static uint64_t coop_now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* FNV-1a of the identity: the region's name. */
+static uint64_t identity_hash(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+static int coop_init_region(coop_region_t *r, const char *identity) {
+  if (gca__shared_mutex_init(&r->lock) != 0) return -1;
+  r->version = COOP_VERSION;
+  r->size = (uint32_t)sizeof *r;
+  snprintf(r->identity, sizeof r->identity, "%s", identity);
+  atomic_store_explicit(&r->magic, COOP_MAGIC, memory_order_release);
+  return 0;
+}
+
+/* The region for `identity`, joined; NULL with the error set. */
+static coop_region_t *coop_open_region(const char *identity, bool group, char *path, size_t path_cap) {
+  snprintf(path, path_cap, "/gcalloc-coop-%016" PRIx64, identity_hash(identity));
+  bool created = false;
+  coop_region_t *r = gca__shared_region_open(path, sizeof *r, group ? 0660 : 0600, &created);
+  if (!r) return NULL;
+  if (created && coop_init_region(r, identity) != 0) {
+    gca__set_error(GCA_ERR_BACKEND, "cannot make the lock of %s", path);
+    munmap(r, sizeof *r);
+    shm_unlink(path);
+    return NULL;
+  }
+  if (!created) (void)gca__shared_region_wait(&r->magic);
+  uint64_t magic = atomic_load_explicit(&r->magic, memory_order_acquire);
+  const char *why = magic != COOP_MAGIC                                    ? "its magic is wrong"
+                    : r->version != COOP_VERSION || r->size != sizeof *r   ? "another version made it"
+                    : strncmp(r->identity, identity, sizeof r->identity) != 0 ? "it is another device's"
+                                                                            : NULL;
+  if (why) {
+    gca__set_error(GCA_ERR_BACKEND, "%s is not this device's gcalloc cooperation region: %s", path, why);
+    munmap(r, sizeof *r);
+    return NULL;
+  }
+  return r;
+}
+
+/* ---- answering ------------------------------------------------------------- */
+
+/* Publish what this process holds (read from the device's lock-free mirrors). */
+static void coop_publish(coop_t *c) {
+  coop_slot_t *s = &c->r->slots[c->slot];
+  device_t *d = c->d;
+  atomic_store(&s->reserved, (uint64_t)atomic_load(&d->reserved_now));
+  atomic_store(&s->allocated, (uint64_t)atomic_load(&d->allocated_now));
+  atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
+}
+
+static void *answer_main(void *arg) {
+  coop_t *c = arg;
+  coop_slot_t *s = &c->r->slots[c->slot];
+  uint32_t seen = atomic_load(&s->request_seq);
+  while (!atomic_load(&c->stop)) {
+    coop_publish(c);
+    coop_wait_word(&s->request_seq, seen, (uint64_t)PUBLISH_EVERY_MS * 1000000u);
+    uint32_t seq = atomic_load(&s->request_seq);
+    if (seq == seen || atomic_load(&c->stop)) continue;
+    seen = seq;
+    /* Release what the cache holds, in stream order (as gca_empty_cache). */
+    int64_t before = atomic_load(&c->d->reserved_now);
+    gca__device_release_for_peer(c->d);
+    int64_t after = atomic_load(&c->d->reserved_now);
+    atomic_store(&s->released, before > after ? (uint64_t)(before - after) : 0);
+    coop_publish(c);
+    atomic_store(&s->answer_seq, seq);
+    coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
+  }
+  return NULL;
+}
+
+int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
+  *out = NULL;
+  coop_t *c = calloc(1, sizeof *c);
+  if (!c) return gca__set_error(GCA_ERR_NOMEM, "out of host memory");
+  c->d = d;
+  c->r = coop_open_region(identity, d->config.ipc_group_access, c->path, sizeof c->path);
+  if (!c->r) {
+    free(c);
+    return gca_last_status();
+  }
+  coop_region_t *r = c->r;
+  coop_lock(r);
+  coop_reclaim_dead(r);
+  c->slot = -1;
+  for (int i = 0; i < COOP_SLOTS && c->slot < 0; i++)
+    if (!atomic_load(&r->slots[i].pid)) c->slot = i;
+  if (c->slot >= 0) {
+    coop_slot_t *s = &r->slots[c->slot];
+    memset(s, 0, sizeof *s);
+    s->start_time = gca__process_start_time((int)getpid());
+    atomic_store(&s->pid, (int32_t)getpid());
+  }
+  coop_unlock(r);
+  if (c->slot < 0 || pthread_create(&c->thread, NULL, answer_main, c) != 0) {
+    int rc = gca__set_error(GCA_ERR_BACKEND, "%s: %s", c->path,
+                            c->slot < 0 ? "64 processes cooperate on this device already" : "cannot start a thread");
+    if (c->slot >= 0) atomic_store(&r->slots[c->slot].pid, 0);
+    munmap(r, sizeof *r);
+    free(c);
+    return rc;
+  }
+  *out = c;
+  return GCA_OK;
+}
+
+void gca__coop_leave(coop_t *c) {
+  if (!c) return;
+  atomic_store(&c->stop, true);
+  coop_futex(&c->r->slots[c->slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
+  pthread_join(c->thread, NULL);
+  coop_lock(c->r);
+  memset(&c->r->slots[c->slot], 0, sizeof c->r->slots[c->slot]);
+  coop_reclaim_dead(c->r);
+  bool alone = true;
+  for (int i = 0; i < COOP_SLOTS; i++) alone &= atomic_load(&c->r->slots[i].pid) == 0;
+  if (alone) shm_unlink(c->path);
+  coop_unlock(c->r);
+  munmap(c->r, sizeof *c->r);
+  free(c);
+}
+
+/* ---- asking ------------------------------------------------------------------ */
+
+typedef struct asked {
+  int slot;
+  int32_t pid;
+  uint32_t seq;
+  uint64_t cached;
+} asked_t;
+
+static int by_cached(const void *x, const void *y) {
+  const asked_t *a = x, *b = y;
+  return a->cached < b->cached ? 1 : a->cached > b->cached ? -1 : 0;
+}
+
+size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
+  memset(out, 0, sizeof *out);
+  coop_region_t *r = c->r;
+  asked_t asked[COOP_SLOTS];
+  int n = 0;
+  coop_lock(r);
+  coop_reclaim_dead(r);
+  for (int i = 0; i < COOP_SLOTS; i++) {
+    coop_slot_t *s = &r->slots[i];
+    int32_t pid = atomic_load(&s->pid);
+    uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+    if (i == c->slot || !pid || reserved <= allocated) continue;
+    asked[n++] = (asked_t){i, pid, 0, reserved - allocated};
+  }
+  qsort(asked, (size_t)n, sizeof asked[0], by_cached);
+  /* The peers that cache most, until what they cache covers the need. */
+  uint64_t covered = 0;
+  int m = 0;
+  while (m < n && covered < need) covered += asked[m++].cached;
+  for (int k = 0; k < m; k++) {
+    coop_slot_t *s = &r->slots[asked[k].slot];
+    asked[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
+  }
+  coop_unlock(r);
+  for (int k = 0; k < m; k++) coop_futex(&r->slots[asked[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
+  out->asked = m;
+  uint64_t deadline = coop_now_ns() + c->d->config.ipc_release_timeout_ms * 1000000u;
+  size_t received = 0;
+  text_t t = {c->last, sizeof c->last, 0};
+  c->last[0] = 0;
+  for (int k = 0; k < m; k++) {
+    coop_slot_t *s = &r->slots[asked[k].slot];
+    for (;;) {
+      uint32_t answer = atomic_load(&s->answer_seq);
+      if ((int32_t)(answer - asked[k].seq) >= 0) break;
+      uint64_t now = coop_now_ns();
+      if (now >= deadline) break;
+      coop_wait_word(&s->answer_seq, answer, deadline - now);
+    }
+    if ((int32_t)(atomic_load(&s->answer_seq) - asked[k].seq) >= 0) {
+      size_t got = (size_t)atomic_load(&s->released);
+      received += got;
+      char b[32];
+      gca__format_bytes(got, b, sizeof b);
+      gca__text_put(&t, "%spid %d released %s", t.len ? ", " : "", (int)asked[k].pid, b);
+    } else {
+      out->timeouts++;
+      char b[32];
+      gca__format_bytes(asked[k].cached, b, sizeof b);
+      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", t.len ? ", " : "",
+                    (int)asked[k].pid, b, c->d->config.ipc_release_timeout_ms);
+    }
+  }
+  out->received = received;
+  return received;
+}
+
+const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }
+
+int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
+  coop_region_t *r = c->r;
+  size_t n = 0;
+  coop_lock(r);
+  coop_reclaim_dead(r);
+  for (int i = 0; i < COOP_SLOTS; i++) {
+    coop_slot_t *s = &r->slots[i];
+    int32_t pid = atomic_load(&s->pid);
+    if (!pid) continue;
+    if (n < cap) {
+      uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+      out[n] = (gca_ipc_peer_t){pid, reserved, allocated, reserved > allocated ? reserved - allocated : 0,
+                                atomic_load(&s->waiting)};
+    }
+    n++;
+  }
+  coop_unlock(r);
+  return (int)n;
+}

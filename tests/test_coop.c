@@ -1,0 +1,217 @@
+/* Processes on one device releasing cache for each other (label
+ * `sharing`): real processes, forked and exec'ed (this program, as a
+ * peer), on one shared sim device. A peer caches memory it does not use;
+ * without cooperation the other process runs out of memory, with it the
+ * peer's thread releases and the request succeeds, the bytes counted on
+ * both sides; a stopped peer makes the requester fail within its deadline
+ * naming it; several peers together; a request no release can meet; a
+ * region that is not one leaves cooperation off. */
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include "helpers.h"
+
+static char name[64], spec[128];
+
+static int fresh_name(void **state) {
+  (void)state;
+  static int n;
+  snprintf(name, sizeof name, "coop-%d-%d", (int)getpid(), n++);
+  snprintf(spec, sizeof spec, "sim:shared=%s,capacity=100MiB", name);
+  return 0;
+}
+
+/* The rendezvous's name, as coop.c makes it from the device's identity. */
+static void coop_path(char *out, size_t cap) {
+  char identity[160];
+  snprintf(identity, sizeof identity, "sim:/gcalloc-sim-%s:0", name);
+  uint64_t h = 1469598103934665603ull;
+  for (const char *s = identity; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  snprintf(out, cap, "/gcalloc-coop-%016llx", (unsigned long long)h);
+}
+
+/* A peer killed while the others had left keeps its regions: removed
+ * after each test. */
+static int remove_regions(void **state) {
+  (void)state;
+  char path[96];
+  coop_path(path, sizeof path);
+  shm_unlink(path);
+  snprintf(path, sizeof path, "/gcalloc-sim-%s", name);
+  shm_unlink(path);
+  return 0;
+}
+
+/* A peer: caches `mib` MiB (allocated, then freed) on the shared device
+ * with cooperation on, says so on fd `ready`, and waits to be killed. */
+static int peer_main(const char *peer_spec, int mib, int ready) {
+  gca_allocator_t *a = NULL;
+  if (gca_open(peer_spec, "ipc_cooperation:True", &a) != GCA_OK) {
+    fprintf(stderr, "peer: %s\n", gca_last_error());
+    return 2;
+  }
+  void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+  if (!p || gca_free(a, p) != GCA_OK) return 3;
+  if (write(ready, "r", 1) != 1) return 4;
+  for (;;) pause();
+}
+
+typedef struct peer {
+  pid_t pid;
+} peer_t;
+
+static peer_t start_peer(int mib) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    char mib_text[16], fd_text[16];
+    snprintf(mib_text, sizeof mib_text, "%d", mib);
+    snprintf(fd_text, sizeof fd_text, "%d", fds[1]);
+    execl("/proc/self/exe", "test_coop", "--peer", spec, mib_text, fd_text, (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  char c;
+  assert_int_equal(read(fds[0], &c, 1), 1);
+  close(fds[0]);
+  return (peer_t){pid};
+}
+
+static void stop_peer(peer_t p) {
+  kill(p.pid, SIGKILL);
+  waitpid(p.pid, NULL, 0);
+}
+
+static double now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+static void test_without_cooperation_one_runs_out(void **state) {
+  (void)state;
+  peer_t peer = start_peer(60);
+  gca_allocator_t *a = open_sim(spec, NULL); /* cooperation off here */
+  assert_null(gca_malloc(a, 60 * MiB, 0, 0));
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  stop_peer(peer); /* (first: the last process out removes the region) */
+  gca_close(a);
+}
+
+static void test_a_peer_releases_its_cache(void **state) {
+  (void)state;
+  peer_t peer = start_peer(60);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_ipc_peer_t peers[8];
+  int n = 0;
+  for (int tries = 0; tries < 100; tries++) { /* (the peer publishes every 100 ms) */
+    n = gca_ipc_peers(a, 0, peers, 8);
+    bool seen = false;
+    for (int i = 0; i < n && i < 8; i++) seen |= peers[i].pid == peer.pid && peers[i].cached_bytes == 60 * MiB;
+    if (seen) break;
+    usleep(10000);
+  }
+  assert_int_equal(n, 2);
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  gca_stats_t s = stats_of(a, 0);
+  assert_int_equal(s.num_ipc_requests, 1);
+  assert_int_equal(s.ipc_bytes_received, 60 * MiB); /* what the peer's statistics said it cached */
+  assert_int_equal(s.num_ipc_timeouts, 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_consistent(a);
+  stop_peer(peer); /* (first: the last process out removes the region) */
+  gca_close(a);
+}
+
+static void test_several_peers(void **state) {
+  (void)state;
+  peer_t peers[3];
+  for (int i = 0; i < 3; i++) peers[i] = start_peer(30);
+  usleep(250000); /* every peer has published */
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  void *p = gca_malloc(a, 80 * MiB, 0, 0);
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  gca_stats_t s = stats_of(a, 0);
+  assert_true(s.num_ipc_requests >= 3); /* the 10 MiB free and 30 + 30 cached are short of 80: all three */
+  assert_true(s.ipc_bytes_received >= (int64_t)(70 * MiB));
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  for (int i = 0; i < 3; i++) stop_peer(peers[i]);
+  gca_close(a);
+}
+
+static void test_stopped_peer_times_out(void **state) {
+  (void)state;
+  peer_t peer = start_peer(60);
+  usleep(250000);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:300");
+  kill(peer.pid, SIGSTOP);
+  double t0 = now_ms();
+  assert_null(gca_malloc(a, 60 * MiB, 0, 0));
+  double took = now_ms() - t0;
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  char expect[128];
+  snprintf(expect, sizeof expect, "pid %d (caching 60.00 MiB) did not answer within 300 ms", (int)peer.pid);
+  assert_contains(gca_last_error(), expect);
+  assert_true(took >= 250 && took < 3000);
+  assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 1);
+  kill(peer.pid, SIGCONT);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+static void test_request_no_release_can_meet(void **state) {
+  (void)state;
+  peer_t peer = start_peer(20);
+  usleep(250000);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_null(gca_malloc(a, 150 * MiB, 0, 0)); /* more than the device */
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  assert_contains(gca_last_error(), "out of memory. Tried to allocate 150.00 MiB");
+  stop_peer(peer); /* (first: the last process out removes the region) */
+  gca_close(a);
+}
+
+static void test_foreign_region_leaves_cooperation_off(void **state) {
+  (void)state;
+  char path[64];
+  coop_path(path, sizeof path);
+  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+  assert_true(fd >= 0);
+  assert_int_equal(write(fd, "garbage", 7), 7);
+  close(fd);
+  log_capture_t cap = {0};
+  gca_set_log_handler(capture_log, &cap);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_set_log_handler(NULL, NULL);
+  assert_contains(cap.all, "ipc_cooperation:True: device 0 works alone");
+  assert_contains(cap.all, "is 7 bytes, not a gcalloc region");
+  gca_ipc_peer_t peers[2];
+  assert_int_equal(gca_ipc_peers(a, 0, peers, 2), GCA_ERR_INVALID);
+  void *p = gca_malloc(a, MiB, 0, 0); /* the allocator works */
+  assert_non_null(p);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  gca_close(a);
+  shm_unlink(path);
+}
+
+int main(int argc, char **argv) {
+  if (argc == 5 && !strcmp(argv[1], "--peer")) return peer_main(argv[2], atoi(argv[3]), atoi(argv[4]));
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
