@@ -689,6 +689,21 @@ typedef struct gca_ipc_peer {
  * when cooperation is off for the device). */
 GCA_API int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap);
 
+/* A device with cooperating processes on this machine, as `gcalloc top`
+ * shows it: its identity (a CUDA UUID, a shared sim's name, an Ascend SoC
+ * and index) and its live processes. */
+typedef struct gca_ipc_device {
+  char identity[96];
+  int peer_count;
+  gca_ipc_peer_t peers[64];
+} gca_ipc_device_t;
+
+/* Every rendezvous this user can read (no allocator needed): up to `cap`
+ * devices copied into out, read without taking their locks (a snapshot of
+ * what each process last published); returns how many there are. Regions
+ * that are not gcalloc's are skipped. */
+GCA_API int gca_ipc_scan(gca_ipc_device_t *out, size_t cap);
+
 /* ------------------------------------------------------------------------ */
 /* Sizing rules (exposed for tools and tests; pure functions)                */
 /* ------------------------------------------------------------------------ */

@@ -118,6 +118,29 @@ static void test_a_peer_releases_its_cache(void **state) {
     usleep(10000);
   }
   assert_int_equal(n, 2);
+  /* The same from outside, as gcalloc top reads it. */
+  static gca_ipc_device_t devices[16];
+  int found = gca_ipc_scan(devices, 16);
+  bool listed = false;
+  for (int i = 0; i < found && i < 16; i++)
+    for (int k = 0; k < devices[i].peer_count; k++)
+      listed |= devices[i].peers[k].pid == peer.pid && devices[i].peers[k].cached_bytes == 60 * MiB &&
+                strstr(devices[i].identity, name) != NULL;
+  assert_true(listed);
+#ifdef GCALLOC_TOOL_PATH
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s top --json > /tmp/gcalloc-top-%d.json", GCALLOC_TOOL_PATH, (int)getpid());
+  assert_int_equal(system(cmd), 0);
+  snprintf(cmd, sizeof cmd, "/tmp/gcalloc-top-%d.json", (int)getpid());
+  size_t len;
+  char *json = (char *)read_whole(cmd, &len);
+  assert_non_null(json);
+  char expect[64];
+  snprintf(expect, sizeof expect, "\"pid\": %d, \"reserved_bytes\": %zu", (int)peer.pid, 60 * MiB);
+  assert_contains(json, expect);
+  free(json);
+  unlink(cmd);
+#endif
   void *p = gca_malloc(a, 60 * MiB, 0, 0);
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);

@@ -24,7 +24,9 @@
  * region that is not one (the wrong size, magic, version or identity) is
  * refused with a warning, and cooperation stays off.
  */
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -32,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -318,4 +321,51 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
   }
   coop_unlock(r);
   return (int)n;
+}
+
+/* ---- looking from outside (gcalloc top) ------------------------------------ */
+
+/* One region, mapped read-only and checked; its live slots into *out. */
+static bool scan_region(const char *file, gca_ipc_device_t *out) {
+  char path[300];
+  snprintf(path, sizeof path, "/%s", file);
+  int fd = shm_open(path, O_RDONLY, 0);
+  if (fd < 0) return false;
+  struct stat st;
+  const coop_region_t *r = MAP_FAILED;
+  if (fstat(fd, &st) == 0 && (size_t)st.st_size == sizeof *r) r = mmap(NULL, sizeof *r, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (r == MAP_FAILED) return false;
+  bool ok = atomic_load(&r->magic) == COOP_MAGIC && r->version == COOP_VERSION && r->size == sizeof *r;
+  if (ok) {
+    memset(out, 0, sizeof *out);
+    memcpy(out->identity, r->identity, sizeof out->identity);
+    out->identity[sizeof out->identity - 1] = 0;
+    for (int i = 0; i < COOP_SLOTS; i++) {
+      const coop_slot_t *s = &r->slots[i];
+      int32_t pid = atomic_load(&s->pid);
+      if (!pid || !coop_slot_alive(s)) continue;
+      uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+      out->peers[out->peer_count++] = (gca_ipc_peer_t){pid, reserved, allocated,
+                                                       reserved > allocated ? reserved - allocated : 0,
+                                                       atomic_load(&s->waiting)};
+    }
+  }
+  munmap((void *)r, sizeof *r);
+  return ok;
+}
+
+int gca_ipc_scan(gca_ipc_device_t *out, size_t cap) {
+  if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_ipc_scan: out is NULL");
+  DIR *dir = opendir("/dev/shm");
+  if (!dir) return gca__set_error(GCA_ERR_IO, "gca_ipc_scan: cannot read /dev/shm: %s", strerror(errno));
+  int n = 0;
+  gca_ipc_device_t scratch;
+  for (struct dirent *e; (e = readdir(dir));) {
+    if (strncmp(e->d_name, "gcalloc-coop-", 13) != 0) continue;
+    gca_ipc_device_t *slot = (size_t)n < cap ? &out[n] : &scratch;
+    if (scan_region(e->d_name, slot)) n++;
+  }
+  closedir(dir);
+  return n;
 }

@@ -1,0 +1,90 @@
+/* `gcalloc top [--json] [--interval SECONDS]`: the processes cooperating on
+ * each device of this machine (ipc_cooperation:True, docs/sharing.md),
+ * with what each reserves, allocates, caches and waits for, as they last
+ * published it (gca_ipc_scan). On a terminal it refreshes until
+ * interrupted; otherwise, and with --json, it prints once.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gcalloc.h"
+#include "tool.h"
+
+#define MAX_DEVICES 64
+
+static double mib(uint64_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
+
+static void print_json(const gca_ipc_device_t *d, int n) {
+  printf("{\"devices\": [");
+  for (int i = 0; i < n; i++) {
+    printf("%s\n  {\"identity\": ", i ? "," : "");
+    json_put_string(stdout, d[i].identity);
+    printf(", \"processes\": [");
+    for (int k = 0; k < d[i].peer_count; k++) {
+      const gca_ipc_peer_t *p = &d[i].peers[k];
+      printf("%s{\"pid\": %d, \"reserved_bytes\": %" PRIu64 ", \"allocated_bytes\": %" PRIu64
+             ", \"cached_bytes\": %" PRIu64 ", \"waiting_bytes\": %" PRIu64 "}",
+             k ? ", " : "", (int)p->pid, p->reserved_bytes, p->allocated_bytes, p->cached_bytes, p->waiting_bytes);
+    }
+    printf("]}");
+  }
+  printf("\n]}\n");
+}
+
+static void print_table(const gca_ipc_device_t *d, int n) {
+  if (n == 0) printf("no process cooperates on a device (ipc_cooperation:True) on this machine\n");
+  for (int i = 0; i < n; i++) {
+    printf("%s%s\n", i ? "\n" : "", d[i].identity);
+    printf("  %8s %14s %14s %14s %14s\n", "pid", "reserved MiB", "allocated MiB", "cached MiB", "waiting MiB");
+    for (int k = 0; k < d[i].peer_count; k++) {
+      const gca_ipc_peer_t *p = &d[i].peers[k];
+      printf("  %8d %14.1f %14.1f %14.1f %14.1f\n", (int)p->pid, mib(p->reserved_bytes), mib(p->allocated_bytes),
+             mib(p->cached_bytes), mib(p->waiting_bytes));
+    }
+  }
+}
+
+const tool_command_t top_command = {
+    "top", NULL, "[--json] [--interval SECONDS]",
+    "the processes cooperating on each device: reserved, allocated, cached, waiting",
+    "\n"
+    "The processes that share a device with ipc_cooperation:True (docs/sharing.md), per device: what each\n"
+    "reserves, allocates, caches (could release) and waits for, as it last published it (every 100 ms).\n"
+    "On a terminal the table refreshes until interrupted; otherwise it is printed once.\n"
+    "\n"
+    "  --json                the devices and processes as JSON, once\n"
+    "  --interval SECONDS    between refreshes on a terminal (default 1)\n"
+    "  -h, --help            this help\n"};
+
+int top_main(int argc, char **argv) {
+  bool json = false;
+  long interval = 1;
+  const tool_option_t options[] = {
+      {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--interval", OPTION_NUMBER, &interval, 1, 3600, "SECONDS"},
+      {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
+  };
+  int parsed = tool_parse(&top_command, options, argc, argv, NULL);
+  if (parsed) return parsed < 0 ? 0 : parsed;
+  static gca_ipc_device_t devices[MAX_DEVICES];
+  bool refresh = !json && isatty(STDOUT_FILENO);
+  for (;;) {
+    int n = gca_ipc_scan(devices, MAX_DEVICES);
+    if (n < 0) {
+      fprintf(stderr, "gcalloc top: %s\n", gca_last_error());
+      return 1;
+    }
+    if (n > MAX_DEVICES) n = MAX_DEVICES;
+    if (json) print_json(devices, n);
+    else {
+      if (refresh) printf("\033[H\033[2J");
+      print_table(devices, n);
+      fflush(stdout);
+    }
+    if (!refresh) return 0;
+    sleep((unsigned)interval);
+  }
+}
