@@ -88,6 +88,23 @@ static void stop_peer(peer_t p) {
   waitpid(p.pid, NULL, 0);
 }
 
+/* Until the kernel shows the process stopped (state T): a signal is
+ * delivered when the process next runs. */
+static void wait_stopped(pid_t pid) {
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  for (int tries = 0; tries < 1000; tries++) {
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    if (p && p[1] == ' ' && p[2] == 'T') return;
+    usleep(1000);
+  }
+  fail_msg("process %d did not stop", (int)pid);
+}
+
 static double now_ms(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -177,6 +194,7 @@ static void test_stopped_peer_times_out(void **state) {
   usleep(250000);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:300");
   kill(peer.pid, SIGSTOP);
+  wait_stopped(peer.pid);
   double t0 = now_ms();
   assert_null(gca_malloc(a, 60 * MiB, 0, 0));
   double took = now_ms() - t0;

@@ -21,6 +21,8 @@
  *       the HTML report: tools/report.c);
  *   gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]
  *       search the settings for the least peak reserved (tools/tune.c);
+ *   gcalloc bench-sharing [--json]
+ *       processes on one device with and without cooperation (bench/sharing.c);
  *   gcalloc top [--json] [--interval SECONDS]
  *       the processes cooperating on each device (tools/top.c);
  *   gcalloc version
@@ -40,7 +42,7 @@
 
 static const tool_command_t *const commands[] = {&demo_command,         &bench_command,      &bench_streams_command,
                                                  &bench_replay_command, &bench_cuda_command, &bench_acl_command, &replay_command,
-                                                 &tune_command, &top_command};
+                                                 &tune_command, &top_command, &bench_sharing_command};
 
 /* Every command's usage line and summary, from the commands themselves. */
 static void usage(FILE *out) {
@@ -95,6 +97,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "bench-cuda") == 0) return bench_cuda_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-acl") == 0) return bench_acl_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "top") == 0) return top_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-sharing") == 0) return bench_sharing_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());

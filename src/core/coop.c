@@ -236,12 +236,14 @@ typedef struct asked {
   int slot;
   int32_t pid;
   uint32_t seq;
-  uint64_t cached;
+  uint64_t cached, reserved;
 } asked_t;
 
+/* Most cached first, then most reserved. */
 static int by_cached(const void *x, const void *y) {
   const asked_t *a = x, *b = y;
-  return a->cached < b->cached ? 1 : a->cached > b->cached ? -1 : 0;
+  if (a->cached != b->cached) return a->cached < b->cached ? 1 : -1;
+  return a->reserved < b->reserved ? 1 : a->reserved > b->reserved ? -1 : 0;
 }
 
 size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
@@ -255,14 +257,17 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
     uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
-    if (i == c->slot || !pid || reserved <= allocated) continue;
-    asked[n++] = (asked_t){i, pid, 0, reserved - allocated};
+    if (i == c->slot || !pid) continue;
+    asked[n++] = (asked_t){i, pid, 0, reserved > allocated ? reserved - allocated : 0, reserved};
   }
   qsort(asked, (size_t)n, sizeof asked[0], by_cached);
-  /* The peers that cache most, until what they cache covers the need. */
+  /* The peers that cache most, until what they cache covers the need. What
+   * they published may be 100 ms old: when it does not cover the need,
+   * every peer is asked (any may have cached since). */
   uint64_t covered = 0;
   int m = 0;
   while (m < n && covered < need) covered += asked[m++].cached;
+  if (covered < need) m = n;
   for (int k = 0; k < m; k++) {
     coop_slot_t *s = &r->slots[asked[k].slot];
     asked[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
