@@ -83,6 +83,20 @@ static peer_t start_peer(int mib) {
   return (peer_t){pid};
 }
 
+/* A peer started without waiting for it (it may be killed at any point). */
+static pid_t spawn_peer(int mib) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    int devnull = open("/dev/null", O_WRONLY);
+    char mib_text[16], fd_text[16];
+    snprintf(mib_text, sizeof mib_text, "%d", mib);
+    snprintf(fd_text, sizeof fd_text, "%d", devnull);
+    execl("/proc/self/exe", "test_coop", "--peer", spec, mib_text, fd_text, (char *)NULL);
+    _exit(127);
+  }
+  return pid;
+}
+
 static void stop_peer(peer_t p) {
   kill(p.pid, SIGKILL);
   waitpid(p.pid, NULL, 0);
@@ -244,6 +258,107 @@ static void test_foreign_region_leaves_cooperation_off(void **state) {
   shm_unlink(path);
 }
 
+/* Peers killed with SIGKILL at random points, 200 times, many inside the
+ * region's lock (the test hook holds it 2 ms of every round): the
+ * survivor's requests go on (a lock whose owner died is repaired), its
+ * invariants hold, and no slot is left behind. */
+static void test_peers_killed_at_random_points(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_COOP_HOLD_US", "2000", 1);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:50");
+  uint64_t seed = 0x2545f4914f6cdd1dull;
+  for (int i = 0; i < 200; i++) {
+    pid_t pid = spawn_peer(30);
+    usleep((useconds_t)(next_random(&seed) % 6000));
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    if (i % 20 == 19) {
+      void *p = gca_malloc(a, 90 * MiB, 0, 0); /* needs the dead peers' memory back */
+      if (!p) fprintf(stderr, "round %d: %s\n", i, gca_last_error());
+      assert_non_null(p);
+      assert_int_equal(gca_free(a, p), GCA_OK);
+      assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+      assert_consistent(a);
+    }
+  }
+  gca_ipc_peer_t peers[8];
+  assert_int_equal(gca_ipc_peers(a, 0, peers, 8), 1); /* only this process */
+  assert_int_equal(peers[0].pid, getpid());
+  gca_close(a);
+  unsetenv("GCALLOC_TEST_COOP_HOLD_US");
+}
+
+/* A rendezvous another user made (mode 0600) cannot be joined: the process
+ * works alone and says why. */
+static void test_region_of_another_user(void **state) {
+  (void)state;
+  if (geteuid() != 0) skip(); /* (a root test process makes the region and drops to nobody) */
+  char path[64];
+  coop_path(path, sizeof path);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True"); /* root's region, 0600 */
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    /* The sim region must be nobody's to share: a copy of the name for the
+     * device the child joins would be root's too. Only the rendezvous is
+     * tested here: give the child the sim region, keep the rendezvous root's. */
+    char sim_path[96];
+    snprintf(sim_path, sizeof sim_path, "/dev/shm/gcalloc-sim-%s", name);
+    if (chown(sim_path, 65534, 65534) != 0 || setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    log_capture_t cap = {0};
+    gca_set_log_handler(capture_log, &cap);
+    gca_allocator_t *b = NULL;
+    if (gca_open(spec, "ipc_cooperation:True", &b) != GCA_OK) _exit(3);
+    bool said = strstr(cap.all, "works alone") && strstr(cap.all, "Permission denied");
+    gca_close(b);
+    _exit(said ? 0 : 4);
+  }
+  close(fds[1]);
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  close(fds[0]);
+  assert_true(WIFEXITED(ws));
+  assert_int_equal(WEXITSTATUS(ws), 0);
+  gca_close(a);
+}
+
+/* The devices of the CUDA driver stand-in are named by their UUID: two
+ * processes on it meet in one rendezvous. */
+static void test_cuda_identity(void **state) {
+  (void)state;
+  char cuda_spec[300];
+  snprintf(cuda_spec, sizeof cuda_spec, "cuda:driver=%s", FAKE_CUDA_PATH);
+  gca_allocator_t *a = open_sim(cuda_spec, "ipc_cooperation:True");
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    gca_allocator_t *b = NULL;
+    if (gca_open(cuda_spec, "ipc_cooperation:True", &b) != GCA_OK) _exit(2);
+    if (write(fds[1], "r", 1) != 1) _exit(3);
+    for (;;) pause();
+  }
+  close(fds[1]);
+  char c;
+  assert_int_equal(read(fds[0], &c, 1), 1);
+  close(fds[0]);
+  static gca_ipc_device_t devices[16];
+  int n = gca_ipc_scan(devices, 16);
+  int found = -1;
+  for (int i = 0; i < n && i < 16; i++)
+    if (!strcmp(devices[i].identity, "cuda:GPU-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf")) found = i;
+  assert_true(found >= 0);
+  assert_int_equal(devices[found].peer_count, 2);
+  gca_ipc_peer_t peers[4];
+  assert_int_equal(gca_ipc_peers(a, 0, peers, 4), 2);
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  gca_close(a);
+}
+
 int main(int argc, char **argv) {
   if (argc == 5 && !strcmp(argv[1], "--peer")) return peer_main(argv[2], atoi(argv[3]), atoi(argv[4]));
   const struct CMUnitTest tests[] = {
@@ -253,6 +368,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_cuda_identity, fresh_name, remove_regions),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

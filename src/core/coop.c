@@ -73,6 +73,9 @@ struct coop {
   _Atomic bool stop;
   /* What the last request saw, for the out-of-memory message. */
   char last[512];
+  /* GCALLOC_TEST_COOP_HOLD_US (tests only): the thread holds the region's
+   * lock this long at every round, so a test can kill a process inside it. */
+  long hold_us;
 };
 
 /* ---- the region ------------------------------------------------------------ */
@@ -163,7 +166,13 @@ static void *answer_main(void *arg) {
   uint32_t seen = atomic_load(&s->request_seq);
   while (!atomic_load(&c->stop)) {
     coop_publish(c);
-    coop_wait_word(&s->request_seq, seen, (uint64_t)PUBLISH_EVERY_MS * 1000000u);
+    if (c->hold_us) {
+      coop_lock(c->r);
+      struct timespec t = {c->hold_us / 1000000, (c->hold_us % 1000000) * 1000};
+      nanosleep(&t, NULL);
+      coop_unlock(c->r);
+    }
+    coop_wait_word(&s->request_seq, seen, (uint64_t)(c->hold_us ? 1 : PUBLISH_EVERY_MS) * 1000000u);
     uint32_t seq = atomic_load(&s->request_seq);
     if (seq == seen || atomic_load(&c->stop)) continue;
     seen = seq;
@@ -184,6 +193,9 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   coop_t *c = calloc(1, sizeof *c);
   if (!c) return gca__set_error(GCA_ERR_NOMEM, "out of host memory");
   c->d = d;
+  const char *hold = getenv("GCALLOC_TEST_COOP_HOLD_US");
+  c->hold_us = hold ? strtol(hold, NULL, 10) : 0;
+  if (c->hold_us < 0 || c->hold_us > 1000000) c->hold_us = 0;
   c->r = coop_open_region(identity, d->config.ipc_group_access, c->path, sizeof c->path);
   if (!c->r) {
     free(c);
