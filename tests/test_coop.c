@@ -4,10 +4,19 @@
  * without cooperation the other process runs out of memory, with it the
  * peer's thread releases and the request succeeds, the bytes counted on
  * both sides; a stopped peer makes the requester fail within its deadline
- * naming it; several peers together; a request no release can meet; a
- * region that is not one leaves cooperation off. */
+ * naming it; several peers together; processes taking turns at needing
+ * most of the device; a request no release can meet; a region that is not
+ * one leaves cooperation off; the hot path makes no system call; the CUDA
+ * and AscendCL stand-ins' device identities. */
+#include <dlfcn.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <stddef.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -58,6 +67,78 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
   if (!p || gca_free(a, p) != GCA_OK) return 3;
   if (write(ready, "r", 1) != 1) return 4;
   for (;;) pause();
+}
+
+/* A process taking turns: at each byte on `in` it allocates `mib` MiB and
+ * frees it (the memory stays cached), answering 'd' (done) or 'o' (out of
+ * memory) on `out`; at end of input it answers its requests and bytes
+ * received, as statistics count them. */
+static int phases_main(const char *peer_spec, const char *conf, int mib, int in, int out) {
+  gca_allocator_t *a = NULL;
+  if (gca_open(peer_spec, strcmp(conf, "-") ? conf : NULL, &a) != GCA_OK) {
+    fprintf(stderr, "phases: %s\n", gca_last_error());
+    return 2;
+  }
+  char c;
+  while (read(in, &c, 1) == 1) {
+    void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+    if (p && gca_free(a, p) != GCA_OK) return 3;
+    if (write(out, p ? "d" : "o", 1) != 1) return 4;
+  }
+  gca_stats_t s;
+  if (gca_get_stats(a, 0, &s) != GCA_OK) return 5;
+  dprintf(out, "%lld %lld\n", (long long)s.num_ipc_requests, (long long)s.ipc_bytes_received);
+  gca_close(a);
+  return 0;
+}
+
+/* The hot path under a seccomp filter that traps every system call but the
+ * report's write and the exit: each trap is counted. */
+#define REPORT_FD 100
+static volatile sig_atomic_t trapped_calls, first_trapped = -1;
+
+static void on_sigsys(int sig, siginfo_t *info, void *context) {
+  (void)sig, (void)context;
+  if (first_trapped < 0) first_trapped = info->si_syscall;
+  trapped_calls++;
+}
+
+static int hot_path_main(const char *peer_spec) {
+  gca_allocator_t *a = NULL;
+  if (gca_open(peer_spec, "ipc_cooperation:True", &a) != GCA_OK) return 2;
+  static const size_t sizes[] = {512, 4096, 1 << 20, 8 << 20, 24 << 20};
+  void *p[5];
+  for (int i = 0; i < 5; i++) p[i] = gca_malloc(a, sizes[i], 0, 0); /* the cache, made once */
+  for (int i = 0; i < 5; i++)
+    if (!p[i] || gca_free(a, p[i]) != GCA_OK) return 3;
+  struct sigaction sa = {0};
+  sa.sa_sigaction = on_sigsys;
+  sa.sa_flags = SA_SIGINFO;
+  if (sigaction(SIGSYS, &sa, NULL) != 0) return 4;
+  struct sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_rt_sigreturn, 5, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_exit_group, 4, 0),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_write, 0, 2),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, REPORT_FD, 1, 0),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_TRAP),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {sizeof filter / sizeof filter[0], filter};
+  /* This thread only: the cooperation thread goes on answering. */
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0)
+    return 5;
+  for (int round = 0; round < 100000; round++)
+    for (int i = 0; i < 5; i++) {
+      void *q = gca_malloc(a, sizes[i], 0, 0);
+      if (!q || gca_free(a, q) != GCA_OK) trapped_calls += 1000000; /* (a failure: reported as calls) */
+    }
+  char text[64];
+  int n = snprintf(text, sizeof text, "%d %d\n", (int)trapped_calls, (int)first_trapped);
+  if (write(REPORT_FD, text, (size_t)n) != n) return 6;
+  syscall(SYS_exit_group, 0); /* (no close: it would make system calls) */
+  return 0;
 }
 
 typedef struct peer {
@@ -223,6 +304,76 @@ static void test_stopped_peer_times_out(void **state) {
   gca_close(a);
 }
 
+/* `procs` processes taking turns, `rounds` each, every turn needing 60% of
+ * the device: the turns that ran out of memory, and the requests and bytes
+ * received the processes' statistics count. */
+typedef struct turns {
+  int ooms;
+  long long requests, bytes_received;
+} turns_t;
+
+static turns_t take_turns(int procs, int rounds, const char *conf) {
+  int to[8], from[8];
+  pid_t pids[8];
+  for (int i = 0; i < procs; i++) {
+    int down[2], up[2];
+    /* (close-on-exec: a later child must not hold an earlier one's pipes) */
+    assert_int_equal(pipe2(down, O_CLOEXEC), 0);
+    assert_int_equal(pipe2(up, O_CLOEXEC), 0);
+    pids[i] = fork();
+    if (pids[i] == 0) {
+      if (fcntl(down[0], F_SETFD, 0) != 0 || fcntl(up[1], F_SETFD, 0) != 0) _exit(126);
+      char in_text[16], out_text[16];
+      snprintf(in_text, sizeof in_text, "%d", down[0]);
+      snprintf(out_text, sizeof out_text, "%d", up[1]);
+      execl("/proc/self/exe", "test_coop", "--phases", spec, conf, "60", in_text, out_text, (char *)NULL);
+      _exit(127);
+    }
+    close(down[0]), close(up[1]);
+    to[i] = down[1], from[i] = up[0];
+  }
+  turns_t t = {0};
+  for (int r = 0; r < rounds; r++)
+    for (int i = 0; i < procs; i++) {
+      char c = 0;
+      assert_int_equal(write(to[i], "g", 1), 1);
+      assert_int_equal(read(from[i], &c, 1), 1);
+      assert_true(c == 'd' || c == 'o');
+      t.ooms += c == 'o';
+    }
+  for (int i = 0; i < procs; i++) {
+    close(to[i]);
+    char line[64] = {0};
+    size_t n = 0;
+    while (n < sizeof line - 1 && read(from[i], line + n, 1) == 1 && line[n] != '\n') n++;
+    long long requests = 0, bytes = 0;
+    assert_int_equal(sscanf(line, "%lld %lld", &requests, &bytes), 2);
+    t.requests += requests, t.bytes_received += bytes;
+    close(from[i]);
+    int ws = 0;
+    assert_int_equal(waitpid(pids[i], &ws, 0), pids[i]);
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  }
+  return t;
+}
+
+/* Two and four processes taking turns at needing 60% of the device: alone,
+ * every turn after the first process's runs out of memory (its cache holds
+ * the device); cooperating, every turn completes, and each turn after the
+ * first received exactly what the previous turn left cached. */
+static void test_processes_taking_turns(void **state) {
+  (void)state;
+  turns_t alone = take_turns(2, 5, "-");
+  assert_int_equal(alone.ooms, 5);
+  assert_int_equal(alone.requests, 0);
+  for (int procs = 2; procs <= 4; procs += 2) {
+    turns_t together = take_turns(procs, 5, "ipc_cooperation:True");
+    assert_int_equal(together.ooms, 0);
+    assert_true(together.requests >= procs * 5 - 1);
+    assert_int_equal(together.bytes_received, (long long)(procs * 5 - 1) * 60 * (long long)MiB);
+  }
+}
+
 static void test_request_no_release_can_meet(void **state) {
   (void)state;
   peer_t peer = start_peer(20);
@@ -256,6 +407,81 @@ static void test_foreign_region_leaves_cooperation_off(void **state) {
   assert_int_equal(gca_free(a, p), GCA_OK);
   gca_close(a);
   shm_unlink(path);
+}
+
+/* A region of the right size with the wrong magic, and one cut short, are
+ * refused by name. */
+static void test_bad_magic_and_truncated_region(void **state) {
+  (void)state;
+  char path[64], file[96];
+  coop_path(path, sizeof path);
+  snprintf(file, sizeof file, "/dev/shm%s", path);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  struct stat st;
+  assert_int_equal(stat(file, &st), 0);
+  size_t size = (size_t)st.st_size;
+  gca_close(a); /* (the last process out removes the region) */
+  assert_int_not_equal(access(file, F_OK), 0);
+  for (int kind = 0; kind < 2; kind++) {
+    int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+    assert_true(fd >= 0);
+    size_t cut = kind == 0 ? size : size / 2;
+    unsigned char *junk = malloc(cut);
+    memset(junk, 0xa5, cut);
+    assert_int_equal(write(fd, junk, cut), (ssize_t)cut);
+    free(junk);
+    close(fd);
+    log_capture_t cap = {0};
+    gca_set_log_handler(capture_log, &cap);
+    a = open_sim(spec, "ipc_cooperation:True");
+    gca_set_log_handler(NULL, NULL);
+    assert_contains(cap.all, "device 0 works alone");
+    assert_contains(cap.all, kind == 0 ? "its magic is wrong" : "not a gcalloc region");
+    void *p = gca_malloc(a, MiB, 0, 0);
+    assert_non_null(p);
+    assert_int_equal(gca_free(a, p), GCA_OK);
+    gca_close(a);
+    shm_unlink(path);
+  }
+}
+
+/* With cooperation on and a peer present, a cache hit and a free make no
+ * system call: a child runs them under a seccomp filter that traps every
+ * call but its report. */
+static void test_hot_path_makes_no_system_call(void **state) {
+  (void)state;
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  skip(); /* (the sanitizers' runtimes make calls of their own) */
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  skip();
+#endif
+#endif
+  peer_t peer = start_peer(20);
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    if (dup2(fds[1], REPORT_FD) < 0) _exit(126);
+    execl("/proc/self/exe", "test_coop", "--hot-path", spec, (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  char text[64] = {0};
+  size_t n = 0;
+  ssize_t got;
+  while (n < sizeof text - 1 && (got = read(fds[0], text + n, sizeof text - 1 - n)) > 0) n += (size_t)got;
+  close(fds[0]);
+  int ws = 0;
+  waitpid(pid, &ws, 0);
+  stop_peer(peer);
+  assert_true(WIFEXITED(ws));
+  assert_int_equal(WEXITSTATUS(ws), 0);
+  int calls = -1, first = -1;
+  assert_int_equal(sscanf(text, "%d %d", &calls, &first), 2);
+  if (calls) fprintf(stderr, "the hot path made %d system calls, the first number %d\n", calls, first);
+  assert_int_equal(calls, 0);
 }
 
 /* Peers killed with SIGKILL at random points, 200 times, many inside the
@@ -324,36 +550,86 @@ static void test_region_of_another_user(void **state) {
   gca_close(a);
 }
 
-/* The devices of the CUDA driver stand-in are named by their UUID: two
- * processes on it meet in one rendezvous. */
-static void test_cuda_identity(void **state) {
-  (void)state;
-  char cuda_spec[300];
-  snprintf(cuda_spec, sizeof cuda_spec, "cuda:driver=%s", FAKE_CUDA_PATH);
-  gca_allocator_t *a = open_sim(cuda_spec, "ipc_cooperation:True");
+/* Two processes opening `backend_spec` with cooperation on meet in the
+ * rendezvous named `identity`; the other one's pid is returned, running,
+ * and the bytes it caches (60 MiB as the backend rounds it) in `cached`. */
+static pid_t meet_on(const char *backend_spec, const char *identity, gca_allocator_t *a, uint64_t *cached) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
   pid_t pid = fork();
   if (pid == 0) {
     close(fds[0]);
-    gca_allocator_t *b = NULL;
-    if (gca_open(cuda_spec, "ipc_cooperation:True", &b) != GCA_OK) _exit(2);
-    if (write(fds[1], "r", 1) != 1) _exit(3);
-    for (;;) pause();
+    char fd_text[16];
+    snprintf(fd_text, sizeof fd_text, "%d", fds[1]);
+    execl("/proc/self/exe", "test_coop", "--peer", backend_spec, "60", fd_text, (char *)NULL);
+    _exit(127);
   }
   close(fds[1]);
   char c;
   assert_int_equal(read(fds[0], &c, 1), 1);
   close(fds[0]);
   static gca_ipc_device_t devices[16];
-  int n = gca_ipc_scan(devices, 16);
   int found = -1;
-  for (int i = 0; i < n && i < 16; i++)
-    if (!strcmp(devices[i].identity, "cuda:GPU-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf")) found = i;
+  for (int tries = 0; tries < 100 && found < 0; tries++) { /* (the peer publishes every 100 ms) */
+    int n = gca_ipc_scan(devices, 16);
+    for (int i = 0; i < n && i < 16; i++)
+      if (!strcmp(devices[i].identity, identity) && devices[i].peer_count == 2)
+        for (int k = 0; k < 2; k++)
+          if (devices[i].peers[k].pid == pid && devices[i].peers[k].cached_bytes >= 60 * MiB) {
+            found = i;
+            *cached = devices[i].peers[k].cached_bytes;
+          }
+    if (found < 0) usleep(10000);
+  }
+  if (found < 0) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
   assert_true(found >= 0);
-  assert_int_equal(devices[found].peer_count, 2);
   gca_ipc_peer_t peers[4];
   assert_int_equal(gca_ipc_peers(a, 0, peers, 4), 2);
+  return pid;
+}
+
+/* The devices of the CUDA driver stand-in are named by their UUID. */
+static void test_cuda_identity(void **state) {
+  (void)state;
+  char cuda_spec[300];
+  snprintf(cuda_spec, sizeof cuda_spec, "cuda:driver=%s", FAKE_CUDA_PATH);
+  gca_allocator_t *a = open_sim(cuda_spec, "ipc_cooperation:True");
+  uint64_t cached = 0;
+  pid_t pid = meet_on(cuda_spec, "cuda:GPU-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf", a, &cached);
+  assert_int_equal(cached, 60 * MiB);
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  gca_close(a);
+}
+
+/* The AscendCL stand-in's devices are named by SoC and index; a request
+ * made when aclrtMalloc* reports out of memory reaches the peer, which
+ * releases what it cached (every process has its own stand-in memory, so
+ * the retry is refused again: the statistics show the exchange). */
+static void test_acl_identity_and_request(void **state) {
+  (void)state;
+  const char *acl_spec = "acl:library=" FAKE_ACL_PATH;
+  gca_allocator_t *a = open_sim(acl_spec, "ipc_cooperation:True");
+  uint64_t cached = 0;
+  pid_t pid = meet_on(acl_spec, "acl:Ascend910B3:0", a, &cached); /* (60 MiB + the 32-byte pad, rounded) */
+  void *lib = dlopen(FAKE_ACL_PATH, RTLD_NOW | RTLD_NOLOAD);
+  assert_non_null(lib);
+  void (*inject)(const char *, unsigned, unsigned, int) =
+      (void (*)(const char *, unsigned, unsigned, int))dlsym(lib, "fakeacl_fail");
+  void (*reset)(void) = (void (*)(void))dlsym(lib, "fakeacl_reset");
+  assert_true(inject && reset);
+  inject("aclrtMallocAlign32", 0, 1000, 207001); /* ACL_ERROR_RT_MEMORY_ALLOCATION */
+  assert_null(gca_malloc(a, 60 * MiB, 0, 0));
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  gca_stats_t s = stats_of(a, 0);
+  assert_true(s.num_ipc_requests >= 1);
+  assert_int_equal(s.ipc_bytes_received, cached);
+  gca_ipc_peer_t peers[4];
+  int n = gca_ipc_peers(a, 0, peers, 4);
+  for (int i = 0; i < n && i < 4; i++)
+    if (peers[i].pid == pid) assert_int_equal(peers[i].reserved_bytes, 0);
+  reset();
+  dlclose(lib);
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   gca_close(a);
@@ -361,16 +637,23 @@ static void test_cuda_identity(void **state) {
 
 int main(int argc, char **argv) {
   if (argc == 5 && !strcmp(argv[1], "--peer")) return peer_main(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (argc == 7 && !strcmp(argv[1], "--phases"))
+    return phases_main(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
+  if (argc == 3 && !strcmp(argv[1], "--hot-path")) return hot_path_main(argv[2]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cuda_identity, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_acl_identity_and_request, fresh_name, remove_regions),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
