@@ -4,8 +4,7 @@
  * without cooperation the other process runs out of memory, with it the
  * peer's thread releases and the request succeeds, the bytes counted on
  * both sides; a stopped peer makes the requester fail within its deadline
- * naming it; several peers together; processes taking turns at needing
- * most of the device; a request no release can meet; a region that is not
+ * naming it; several peers together; a request no release can meet; a region that is not
  * one leaves cooperation off; the hot path makes no system call; the CUDA
  * and AscendCL stand-ins' device identities. */
 #include <dlfcn.h>
@@ -67,30 +66,6 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
   if (!p || gca_free(a, p) != GCA_OK) return 3;
   if (write(ready, "r", 1) != 1) return 4;
   for (;;) pause();
-}
-
-/* A process taking turns: at each byte on `in` it allocates `mib` MiB and
- * frees it (the memory stays cached), answering 'd' (done) or 'o' (out of
- * memory) on `out`; at end of input it answers its requests and bytes
- * received, as statistics count them. */
-static int phases_main(const char *peer_spec, const char *conf, int mib, int in, int out) {
-  gca_allocator_t *a = NULL;
-  if (gca_open(peer_spec, strcmp(conf, "-") ? conf : NULL, &a) != GCA_OK) {
-    fprintf(stderr, "phases: %s\n", gca_last_error());
-    return 2;
-  }
-  char c;
-  while (read(in, &c, 1) == 1) {
-    void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
-    if (!p) fprintf(stderr, "phases %d: %s\n", (int)getpid(), gca_last_error());
-    if (p && gca_free(a, p) != GCA_OK) return 3;
-    if (write(out, p ? "d" : "o", 1) != 1) return 4;
-  }
-  gca_stats_t s;
-  if (gca_get_stats(a, 0, &s) != GCA_OK) return 5;
-  dprintf(out, "%lld %lld\n", (long long)s.num_ipc_requests, (long long)s.ipc_bytes_received);
-  gca_close(a);
-  return 0;
 }
 
 /* The hot path under a seccomp filter that traps every system call but the
@@ -303,77 +278,6 @@ static void test_stopped_peer_times_out(void **state) {
   kill(peer.pid, SIGCONT);
   stop_peer(peer);
   gca_close(a);
-}
-
-/* `procs` processes taking turns, `rounds` each, every turn needing 60% of
- * the device: the turns that ran out of memory, and the requests and bytes
- * received the processes' statistics count. */
-typedef struct turns {
-  int ooms;
-  long long requests, bytes_received;
-} turns_t;
-
-static turns_t take_turns(int procs, int rounds, const char *conf) {
-  int to[8], from[8];
-  pid_t pids[8];
-  for (int i = 0; i < procs; i++) {
-    int down[2], up[2];
-    /* (close-on-exec: a later child must not hold an earlier one's pipes) */
-    assert_int_equal(pipe2(down, O_CLOEXEC), 0);
-    assert_int_equal(pipe2(up, O_CLOEXEC), 0);
-    pids[i] = fork();
-    if (pids[i] == 0) {
-      if (fcntl(down[0], F_SETFD, 0) != 0 || fcntl(up[1], F_SETFD, 0) != 0) _exit(126);
-      char in_text[16], out_text[16];
-      snprintf(in_text, sizeof in_text, "%d", down[0]);
-      snprintf(out_text, sizeof out_text, "%d", up[1]);
-      execl("/proc/self/exe", "test_coop", "--phases", spec, conf, "60", in_text, out_text, (char *)NULL);
-      _exit(127);
-    }
-    close(down[0]), close(up[1]);
-    to[i] = down[1], from[i] = up[0];
-  }
-  turns_t t = {0};
-  for (int r = 0; r < rounds; r++)
-    for (int i = 0; i < procs; i++) {
-      char c = 0;
-      assert_int_equal(write(to[i], "g", 1), 1);
-      assert_int_equal(read(from[i], &c, 1), 1);
-      assert_true(c == 'd' || c == 'o');
-      t.ooms += c == 'o';
-    }
-  for (int i = 0; i < procs; i++) {
-    close(to[i]);
-    char line[64] = {0};
-    size_t n = 0;
-    while (n < sizeof line - 1 && read(from[i], line + n, 1) == 1 && line[n] != '\n') n++;
-    long long requests = 0, bytes = 0;
-    assert_int_equal(sscanf(line, "%lld %lld", &requests, &bytes), 2);
-    t.requests += requests, t.bytes_received += bytes;
-    close(from[i]);
-    int ws = 0;
-    assert_int_equal(waitpid(pids[i], &ws, 0), pids[i]);
-    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
-  }
-  return t;
-}
-
-/* Two and four processes taking turns at needing 60% of the device: alone,
- * every turn after the first process's runs out of memory (its cache holds
- * the device); cooperating, every turn completes, and each turn after the
- * first received exactly what the previous turn left cached. */
-static void test_processes_taking_turns(void **state) {
-  (void)state;
-  turns_t alone = take_turns(2, 5, "-");
-  assert_int_equal(alone.ooms, 5);
-  assert_int_equal(alone.requests, 0);
-  for (int procs = 2; procs <= 4; procs += 2) {
-    /* (a deadline no load on a shared test machine reaches) */
-    turns_t together = take_turns(procs, 5, "ipc_cooperation:True,ipc_release_timeout_ms:10000");
-    assert_int_equal(together.ooms, 0);
-    assert_true(together.requests >= procs * 5 - 1);
-    assert_int_equal(together.bytes_received, (long long)(procs * 5 - 1) * 60 * (long long)MiB);
-  }
 }
 
 static void test_request_no_release_can_meet(void **state) {
@@ -639,15 +543,12 @@ static void test_acl_identity_and_request(void **state) {
 
 int main(int argc, char **argv) {
   if (argc == 5 && !strcmp(argv[1], "--peer")) return peer_main(argv[2], atoi(argv[3]), atoi(argv[4]));
-  if (argc == 7 && !strcmp(argv[1], "--phases"))
-    return phases_main(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
   if (argc == 3 && !strcmp(argv[1], "--hot-path")) return hot_path_main(argv[2]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
-      cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
