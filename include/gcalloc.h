@@ -615,7 +615,13 @@ typedef enum gca_trace_action {
   GCA_TRACE_SEGMENT_MAP = 5,    /* "segment_map" (expandable segments) */
   GCA_TRACE_SEGMENT_UNMAP = 6,  /* "segment_unmap" (expandable segments) */
   GCA_TRACE_SNAPSHOT = 7,       /* "snapshot": a snapshot was taken here */
-  GCA_TRACE_OOM = 8             /* "oom": an allocation failed; size is what was asked of the device */
+  GCA_TRACE_OOM = 8,            /* "oom": an allocation failed; size is what was asked of the device */
+  /* gcalloc's own (ipc_cooperation:True; memory_viz and PyTorch's tools
+   * list them and pass over them): */
+  GCA_TRACE_IPC_REQUEST = 9,    /* "ipc_request": this process asked its peers to release cache;
+                                   size is what it needed, ipc_* what they did */
+  GCA_TRACE_IPC_RELEASE = 10    /* "ipc_release": this process released cache a peer asked for; size is
+                                   what it released (its segment_free entries come just before) */
 } gca_trace_action;
 
 typedef struct gca_trace_entry {
@@ -627,6 +633,10 @@ typedef struct gca_trace_entry {
   uint64_t device_free;     /* oom only: the device's free bytes */
   const gca_frame_t *frames;
   size_t frame_count;
+  uint64_t ipc_bytes_received; /* ipc_request: what the peers released */
+  int32_t ipc_peers_asked;     /* ipc_request: how many peers were asked */
+  int32_t ipc_peers_silent;    /* ipc_request: how many did not answer in time */
+  int32_t ipc_requester;       /* ipc_release: the pid that asked (the latest, when several did) */
 } gca_trace_entry_t;
 
 /* The state of every device, and the recorded history (empty unless

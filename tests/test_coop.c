@@ -4,7 +4,8 @@
  * without cooperation the other process runs out of memory, with it the
  * peer's thread releases and the request succeeds, the bytes counted on
  * both sides; a stopped peer makes the requester fail within its deadline
- * naming it; several peers together; a request no release can meet; a region that is not
+ * naming it; several peers together; processes taking turns at needing
+ * most of the device; a request no release can meet; a region that is not
  * one leaves cooperation off; the hot path makes no system call; the CUDA
  * and AscendCL stand-ins' device identities. */
 #include <dlfcn.h>
@@ -54,6 +55,23 @@ static int remove_regions(void **state) {
   return 0;
 }
 
+/* With GCALLOC_TEST_PEER_HISTORY set, a peer records its history and,
+ * once a request emptied its cache, tells on `out` what its last entries
+ * say: "<action> <size> <requester pid> <segment_free entries before it>". */
+static int report_release(gca_allocator_t *a, int out) {
+  for (int tries = 0; tries < 1000 && stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current; tries++) usleep(10000);
+  gca_snapshot_t *sn = NULL;
+  if (gca_snapshot_take(a, &sn) != GCA_OK) return 5;
+  const gca_trace_entry_t *e = sn->device_traces[0];
+  size_t n = sn->trace_counts[0], last = n - 1, frees = 0;
+  while (last > 0 && e[last].action == GCA_TRACE_SNAPSHOT) last--;
+  for (size_t i = 0; i < last; i++) frees += e[i].action == GCA_TRACE_SEGMENT_FREE;
+  dprintf(out, "%d %llu %d %zu\n", n ? e[last].action : -1, n ? (unsigned long long)e[last].size : 0ull,
+          n ? e[last].ipc_requester : 0, frees);
+  gca_snapshot_free(sn);
+  return 0;
+}
+
 /* A peer: caches `mib` MiB (allocated, then freed) on the shared device
  * with cooperation on, says so on fd `ready`, and waits to be killed. */
 static int peer_main(const char *peer_spec, int mib, int ready) {
@@ -62,10 +80,37 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
     fprintf(stderr, "peer: %s\n", gca_last_error());
     return 2;
   }
+  bool history = getenv("GCALLOC_TEST_PEER_HISTORY") != NULL;
+  if (history && gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000) != GCA_OK) return 2;
   void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
   if (!p || gca_free(a, p) != GCA_OK) return 3;
   if (write(ready, "r", 1) != 1) return 4;
+  if (history && report_release(a, ready) != 0) return 5;
   for (;;) pause();
+}
+
+/* A process taking turns: at each byte on `in` it allocates `mib` MiB and
+ * frees it (the memory stays cached), answering 'd' (done) or 'o' (out of
+ * memory) on `out`; at end of input it answers its requests and bytes
+ * received, as statistics count them. */
+static int phases_main(const char *peer_spec, const char *conf, int mib, int in, int out) {
+  gca_allocator_t *a = NULL;
+  if (gca_open(peer_spec, strcmp(conf, "-") ? conf : NULL, &a) != GCA_OK) {
+    fprintf(stderr, "phases: %s\n", gca_last_error());
+    return 2;
+  }
+  char c;
+  while (read(in, &c, 1) == 1) {
+    void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+    if (!p && strcmp(conf, "-")) fprintf(stderr, "phases %d: %s\n", (int)getpid(), gca_last_error());
+    if (p && gca_free(a, p) != GCA_OK) return 3;
+    if (write(out, p ? "d" : "o", 1) != 1) return 4;
+  }
+  gca_stats_t s;
+  if (gca_get_stats(a, 0, &s) != GCA_OK) return 5;
+  dprintf(out, "%lld %lld\n", (long long)s.num_ipc_requests, (long long)s.ipc_bytes_received);
+  gca_close(a);
+  return 0;
 }
 
 /* The hot path under a seccomp filter that traps every system call but the
@@ -119,12 +164,21 @@ static int hot_path_main(const char *peer_spec) {
 
 typedef struct peer {
   pid_t pid;
+  int fd; /* what it tells after it is ready */
 } peer_t;
+
+/* fork(), the child killed when this process ends: a test that fails
+ * half-way leaves no peer behind to hold its output open. */
+static pid_t fork_child(void) {
+  pid_t parent = getpid(), pid = fork();
+  if (pid == 0 && (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)) _exit(125);
+  return pid;
+}
 
 static peer_t start_peer(int mib) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  pid_t pid = fork();
+  pid_t pid = fork_child();
   if (pid == 0) {
     close(fds[0]);
     char mib_text[16], fd_text[16];
@@ -136,13 +190,12 @@ static peer_t start_peer(int mib) {
   close(fds[1]);
   char c;
   assert_int_equal(read(fds[0], &c, 1), 1);
-  close(fds[0]);
-  return (peer_t){pid};
+  return (peer_t){pid, fds[0]};
 }
 
 /* A peer started without waiting for it (it may be killed at any point). */
 static pid_t spawn_peer(int mib) {
-  pid_t pid = fork();
+  pid_t pid = fork_child();
   if (pid == 0) {
     int devnull = open("/dev/null", O_WRONLY);
     char mib_text[16], fd_text[16];
@@ -157,6 +210,7 @@ static pid_t spawn_peer(int mib) {
 static void stop_peer(peer_t p) {
   kill(p.pid, SIGKILL);
   waitpid(p.pid, NULL, 0);
+  close(p.fd);
 }
 
 /* Until the kernel shows the process stopped (state T): a signal is
@@ -242,6 +296,65 @@ static void test_a_peer_releases_its_cache(void **state) {
   gca_close(a);
 }
 
+/* Both histories tell what happened: the requester's an ipc_request entry
+ * (what it needed, asked, received; its stack) before the segment it then
+ * took, in the snapshot and its JSON; the peer's an ipc_release entry
+ * (what it released, who asked) after its segment_free. */
+static void test_history_records_cooperation(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_PEER_HISTORY", "1", 1);
+  peer_t peer = start_peer(60);
+  unsetenv("GCALLOC_TEST_PEER_HISTORY");
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000), GCA_OK);
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_non_null(p);
+  gca_snapshot_t *sn = NULL;
+  assert_int_equal(gca_snapshot_take(a, &sn), GCA_OK);
+  const gca_trace_entry_t *e = sn->device_traces[0];
+  size_t n = sn->trace_counts[0], at = n;
+  for (size_t i = 0; i < n; i++)
+    if (e[i].action == GCA_TRACE_IPC_REQUEST) at = i;
+  assert_true(at + 2 < n);
+  assert_int_equal(e[at].size, 60 * MiB);
+  assert_int_equal(e[at].ipc_peers_asked, 1);
+  assert_int_equal(e[at].ipc_peers_silent, 0);
+  assert_int_equal(e[at].ipc_bytes_received, 60 * MiB);
+  assert_true(e[at].frame_count > 0);
+  assert_int_equal(e[at + 1].action, GCA_TRACE_SEGMENT_ALLOC);
+  assert_int_equal(e[at + 2].action, GCA_TRACE_ALLOC);
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/gcalloc-coop-history-%d.json", (int)getpid());
+  assert_int_equal(gca_snapshot_write(sn, path, GCA_SNAPSHOT_JSON), GCA_OK);
+  size_t len;
+  char *json = (char *)read_whole(path, &len);
+  assert_non_null(json);
+  assert_contains(json, "\"action\":\"ipc_request\",\"addr\":0,\"size\":62914560,");
+  assert_contains(json, "\"peers_asked\":1,\"peers_silent\":0,\"bytes_received\":62914560,\"frames\":[{");
+  free(json);
+  unlink(path);
+#ifdef GCALLOC_TOOL_PATH
+  /* The replay reads such a snapshot, passing over the new entries. */
+  snprintf(path, sizeof path, "/tmp/gcalloc-coop-history-%d.pickle", (int)getpid());
+  assert_int_equal(gca_snapshot_write(sn, path, GCA_SNAPSHOT_PICKLE), GCA_OK);
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s replay %s > /dev/null", GCALLOC_TOOL_PATH, path);
+  assert_int_equal(system(cmd), 0);
+  unlink(path);
+#endif
+  gca_snapshot_free(sn);
+  /* The peer's last entry, after its one segment_free. */
+  char line[128] = {0};
+  size_t got = 0;
+  while (got < sizeof line - 1 && read(peer.fd, line + got, 1) == 1 && line[got] != '\n') got++;
+  char expect[128];
+  snprintf(expect, sizeof expect, "%d %zu %d 1\n", GCA_TRACE_IPC_RELEASE, 60 * MiB, (int)getpid());
+  assert_string_equal(line, expect);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 static void test_several_peers(void **state) {
   (void)state;
   peer_t peers[3];
@@ -278,6 +391,128 @@ static void test_stopped_peer_times_out(void **state) {
   kill(peer.pid, SIGCONT);
   stop_peer(peer);
   gca_close(a);
+}
+
+/* A peer that dies while asked (killed, not yet reaped: a zombie) is not
+ * waited for until the deadline: the request goes on as soon as it is seen
+ * dead, and the memory it held is the device's again. */
+static void test_peer_dying_while_asked(void **state) {
+  (void)state;
+  peer_t peer = start_peer(60);
+  usleep(250000);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  kill(peer.pid, SIGSTOP); /* (it cannot answer) */
+  wait_stopped(peer.pid);
+  pid_t killer = fork_child();
+  if (killer == 0) {
+    usleep(200000);
+    _exit(kill(peer.pid, SIGKILL) == 0 ? 0 : 1);
+  }
+  double t0 = now_ms();
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  double took = now_ms() - t0;
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  assert_true(took >= 150 && took < 2500);
+  assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 0);
+  int ws = 0;
+  assert_int_equal(waitpid(killer, &ws, 0), killer);
+  assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  waitpid(peer.pid, NULL, 0);
+  close(peer.fd);
+  gca_close(a);
+}
+
+/* A peer asked before its answering thread first ran (a loaded machine
+ * may start a thread late): the request made in between is answered once
+ * the thread runs, not missed. */
+static void test_peer_whose_thread_starts_late(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_COOP_LATE_US", "300000", 1);
+  peer_t peer = start_peer(60); /* (ready: it caches 60 MiB; its thread has not run yet) */
+  unsetenv("GCALLOC_TEST_COOP_LATE_US");
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  gca_stats_t s = stats_of(a, 0);
+  assert_int_equal(s.ipc_bytes_received, 60 * MiB);
+  assert_int_equal(s.num_ipc_timeouts, 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+/* `procs` processes taking turns, `rounds` each, every turn needing 60% of
+ * the device: the turns that ran out of memory, and the requests and bytes
+ * received the processes' statistics count. */
+typedef struct turns {
+  int ooms;
+  long long requests, bytes_received;
+} turns_t;
+
+static turns_t take_turns(int procs, int rounds, const char *conf) {
+  int to[8], from[8];
+  pid_t pids[8];
+  for (int i = 0; i < procs; i++) {
+    int down[2], up[2];
+    /* (close-on-exec: a later child must not hold an earlier one's pipes) */
+    assert_int_equal(pipe2(down, O_CLOEXEC), 0);
+    assert_int_equal(pipe2(up, O_CLOEXEC), 0);
+    pids[i] = fork_child();
+    if (pids[i] == 0) {
+      if (fcntl(down[0], F_SETFD, 0) != 0 || fcntl(up[1], F_SETFD, 0) != 0) _exit(126);
+      char in_text[16], out_text[16];
+      snprintf(in_text, sizeof in_text, "%d", down[0]);
+      snprintf(out_text, sizeof out_text, "%d", up[1]);
+      execl("/proc/self/exe", "test_coop", "--phases", spec, conf, "60", in_text, out_text, (char *)NULL);
+      _exit(127);
+    }
+    close(down[0]), close(up[1]);
+    to[i] = down[1], from[i] = up[0];
+  }
+  turns_t t = {0};
+  for (int r = 0; r < rounds; r++)
+    for (int i = 0; i < procs; i++) {
+      char c = 0;
+      assert_int_equal(write(to[i], "g", 1), 1);
+      assert_int_equal(read(from[i], &c, 1), 1);
+      assert_true(c == 'd' || c == 'o');
+      t.ooms += c == 'o';
+    }
+  for (int i = 0; i < procs; i++) {
+    close(to[i]);
+    char line[64] = {0};
+    size_t n = 0;
+    while (n < sizeof line - 1 && read(from[i], line + n, 1) == 1 && line[n] != '\n') n++;
+    long long requests = 0, bytes = 0;
+    assert_int_equal(sscanf(line, "%lld %lld", &requests, &bytes), 2);
+    t.requests += requests, t.bytes_received += bytes;
+    close(from[i]);
+    int ws = 0;
+    assert_int_equal(waitpid(pids[i], &ws, 0), pids[i]);
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  }
+  return t;
+}
+
+/* Two and four processes taking turns at needing 60% of the device: alone,
+ * every turn after the first process's runs out of memory (its cache holds
+ * the device); cooperating, every turn completes, and each turn after the
+ * first received exactly what the previous turn left cached. */
+static void test_processes_taking_turns(void **state) {
+  (void)state;
+  turns_t alone = take_turns(2, 5, "-");
+  assert_int_equal(alone.ooms, 5);
+  assert_int_equal(alone.requests, 0);
+  for (int procs = 2; procs <= 4; procs += 2) {
+    /* (a deadline no load on a shared test machine reaches) */
+    turns_t together = take_turns(procs, 5, "ipc_cooperation:True,ipc_release_timeout_ms:10000");
+    assert_int_equal(together.ooms, 0);
+    assert_true(together.requests >= procs * 5 - 1);
+    assert_int_equal(together.bytes_received, (long long)(procs * 5 - 1) * 60 * (long long)MiB);
+  }
 }
 
 static void test_request_no_release_can_meet(void **state) {
@@ -366,7 +601,7 @@ static void test_hot_path_makes_no_system_call(void **state) {
   peer_t peer = start_peer(20);
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  pid_t pid = fork();
+  pid_t pid = fork_child();
   if (pid == 0) {
     close(fds[0]);
     if (dup2(fds[1], REPORT_FD) < 0) _exit(126);
@@ -430,7 +665,7 @@ static void test_region_of_another_user(void **state) {
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True"); /* root's region, 0600 */
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  pid_t pid = fork();
+  pid_t pid = fork_child();
   if (pid == 0) {
     close(fds[0]);
     /* The sim region must be nobody's to share: a copy of the name for the
@@ -462,7 +697,7 @@ static void test_region_of_another_user(void **state) {
 static pid_t meet_on(const char *backend_spec, const char *identity, gca_allocator_t *a, uint64_t *cached) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
-  pid_t pid = fork();
+  pid_t pid = fork_child();
   if (pid == 0) {
     close(fds[0]);
     char fd_text[16];
@@ -543,12 +778,18 @@ static void test_acl_identity_and_request(void **state) {
 
 int main(int argc, char **argv) {
   if (argc == 5 && !strcmp(argv[1], "--peer")) return peer_main(argv[2], atoi(argv[3]), atoi(argv[4]));
+  if (argc == 7 && !strcmp(argv[1], "--phases"))
+    return phases_main(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
   if (argc == 3 && !strcmp(argv[1], "--hot-path")) return hot_path_main(argv[2]);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_history_records_cooperation, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_peer_dying_while_asked, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_peer_whose_thread_starts_late, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),

@@ -19,23 +19,40 @@
 
 #include "base/base.h"
 
-uint64_t gca__process_start_time(int pid) {
+/* Field 3 (state) and field 22 (start time) of /proc/PID/stat; false when
+ * it cannot be read. */
+static bool read_stat(int pid, char *state, uint64_t *start_time) {
   char path[64], buf[1024];
   snprintf(path, sizeof path, "/proc/%d/stat", pid);
   FILE *f = fopen(path, "r");
-  if (!f) return 0;
+  if (!f) return false;
   size_t n = fread(buf, 1, sizeof buf - 1, f);
   fclose(f);
   buf[n] = 0;
   const char *p = strrchr(buf, ')'); /* the command may hold spaces and parentheses */
+  if (!p || p[1] != ' ' || !p[2]) return false;
+  *state = p[2];
   for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-  return p ? strtoull(p + 1, NULL, 10) : 0;
+  if (!p) return false;
+  *start_time = strtoull(p + 1, NULL, 10);
+  return true;
+}
+
+uint64_t gca__process_start_time(int pid) {
+  char state;
+  uint64_t start_time;
+  return read_stat(pid, &state, &start_time) ? start_time : 0;
 }
 
 bool gca__process_alive(int pid, uint64_t start_time) {
   if (pid <= 0) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  return gca__process_start_time(pid) == start_time;
+  /* A zombie has given its memory back; a stat that cannot be read
+   * (/proc mounted hidepid, no file descriptor left) is no proof of death. */
+  char state;
+  uint64_t now;
+  if (!read_stat(pid, &state, &now)) return true;
+  return now == start_time && state != 'Z' && state != 'X';
 }
 
 int gca__shared_mutex_init(pthread_mutex_t *m) {

@@ -20,7 +20,8 @@
  * empties its cache as gca_empty_cache does (after its streams' work, so
  * never memory they may still use), and reports what it released. A peer
  * that is stopped or wedged does not answer; the requester says which in
- * its out-of-memory message. Slots of dead processes are reclaimed; a
+ * its out-of-memory message. One that dies or leaves while asked is not
+ * waited for. Slots of dead processes are reclaimed; a
  * region that is not one (the wrong size, magic, version or identity) is
  * refused with a warning, and cooperation stays off.
  */
@@ -42,7 +43,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 1u
+#define COOP_VERSION 2u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
@@ -54,6 +55,7 @@ typedef struct coop_slot {
   _Atomic uint32_t request_seq; /* futex: bumped by a requester */
   _Atomic uint32_t answer_seq;  /* futex: set to request_seq by the answer */
   _Atomic uint64_t released;    /* bytes released by the last answer */
+  _Atomic int32_t asked_by;     /* the pid of the latest requester (for the history) */
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -74,8 +76,11 @@ struct coop {
   /* What the last request saw, for the out-of-memory message. */
   char last[512];
   /* GCALLOC_TEST_COOP_HOLD_US (tests only): the thread holds the region's
-   * lock this long at every round, so a test can kill a process inside it. */
-  long hold_us;
+   * lock this long at every round, so a test can kill a process inside it.
+   * GCALLOC_TEST_COOP_LATE_US (tests only): the thread starts running this
+   * late, as a thread of a loaded machine may. */
+  long hold_us, late_us;
+  uint32_t seen; /* the slot's request sequence when it was taken */
 };
 
 /* ---- the region ------------------------------------------------------------ */
@@ -163,7 +168,10 @@ static void coop_publish(coop_t *c) {
 static void *answer_main(void *arg) {
   coop_t *c = arg;
   coop_slot_t *s = &c->r->slots[c->slot];
-  uint32_t seen = atomic_load(&s->request_seq);
+  if (c->late_us) nanosleep(&(struct timespec){c->late_us / 1000000, (c->late_us % 1000000) * 1000}, NULL);
+  /* The sequence as it was when the slot was taken, not as the thread first
+   * finds it: a request made before it first runs is answered. */
+  uint32_t seen = c->seen;
   while (!atomic_load(&c->stop)) {
     coop_publish(c);
     if (c->hold_us) {
@@ -177,10 +185,7 @@ static void *answer_main(void *arg) {
     if (seq == seen || atomic_load(&c->stop)) continue;
     seen = seq;
     /* Release what the cache holds, in stream order (as gca_empty_cache). */
-    int64_t before = atomic_load(&c->d->reserved_now);
-    gca__device_release_for_peer(c->d);
-    int64_t after = atomic_load(&c->d->reserved_now);
-    atomic_store(&s->released, before > after ? (uint64_t)(before - after) : 0);
+    atomic_store(&s->released, (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by)));
     coop_publish(c);
     atomic_store(&s->answer_seq, seq);
     coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
@@ -188,14 +193,20 @@ static void *answer_main(void *arg) {
   return NULL;
 }
 
+/* A test hook's microseconds, 0 to 1 s (0 when unset or out of range). */
+static long test_hook_us(const char *variable) {
+  const char *text = getenv(variable);
+  long us = text ? strtol(text, NULL, 10) : 0;
+  return us >= 0 && us <= 1000000 ? us : 0;
+}
+
 int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   *out = NULL;
   coop_t *c = calloc(1, sizeof *c);
   if (!c) return gca__set_error(GCA_ERR_NOMEM, "out of host memory");
   c->d = d;
-  const char *hold = getenv("GCALLOC_TEST_COOP_HOLD_US");
-  c->hold_us = hold ? strtol(hold, NULL, 10) : 0;
-  if (c->hold_us < 0 || c->hold_us > 1000000) c->hold_us = 0;
+  c->hold_us = test_hook_us("GCALLOC_TEST_COOP_HOLD_US");
+  c->late_us = test_hook_us("GCALLOC_TEST_COOP_LATE_US");
   c->r = coop_open_region(identity, d->config.ipc_group_access, c->path, sizeof c->path);
   if (!c->r) {
     free(c);
@@ -212,6 +223,7 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
     memset(s, 0, sizeof *s);
     s->start_time = gca__process_start_time((int)getpid());
     atomic_store(&s->pid, (int32_t)getpid());
+    c->seen = atomic_load(&s->request_seq);
   }
   coop_unlock(r);
   if (c->slot < 0 || pthread_create(&c->thread, NULL, answer_main, c) != 0) {
@@ -233,6 +245,8 @@ void gca__coop_leave(coop_t *c) {
   pthread_join(c->thread, NULL);
   coop_lock(c->r);
   memset(&c->r->slots[c->slot], 0, sizeof c->r->slots[c->slot]);
+  /* (a peer waiting for this process's answer learns it left) */
+  coop_futex(&c->r->slots[c->slot].answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
   coop_reclaim_dead(c->r);
   bool alone = true;
   for (int i = 0; i < COOP_SLOTS; i++) alone &= atomic_load(&c->r->slots[i].pid) == 0;
@@ -247,6 +261,7 @@ void gca__coop_leave(coop_t *c) {
 typedef struct asked {
   int slot;
   int32_t pid;
+  uint64_t start_time;
   uint32_t seq;
   uint64_t cached, reserved;
 } asked_t;
@@ -256,6 +271,30 @@ static int by_cached(const void *x, const void *y) {
   const asked_t *a = x, *b = y;
   if (a->cached != b->cached) return a->cached < b->cached ? 1 : -1;
   return a->reserved < b->reserved ? 1 : a->reserved > b->reserved ? -1 : 0;
+}
+
+typedef enum { ANSWERED, GONE, SILENT } answer_t;
+
+/* Until the peer answers `a`, exits or leaves (its memory goes back to the
+ * device: waiting on longer is pointless), or the deadline passes. The
+ * answer word is watched in slices so a death is seen within one. */
+static answer_t wait_for_answer(coop_slot_t *s, const asked_t *a, uint64_t deadline) {
+  const uint64_t slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
+  uint64_t check_at = coop_now_ns() + slice; /* (reading /proc at once would slow every round trip) */
+  for (;;) {
+    uint32_t answer = atomic_load(&s->answer_seq);
+    bool same = atomic_load(&s->pid) == a->pid;
+    if (same && (int32_t)(answer - a->seq) >= 0) return ANSWERED;
+    uint64_t now = coop_now_ns();
+    if (!same) return GONE;
+    if (now >= check_at) {
+      if (!gca__process_alive(a->pid, a->start_time)) return GONE;
+      check_at = now + slice;
+    }
+    if (now >= deadline) return SILENT;
+    uint64_t until = deadline < check_at ? deadline : check_at;
+    coop_wait_word(&s->answer_seq, answer, until - now);
+  }
 }
 
 size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
@@ -270,7 +309,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     int32_t pid = atomic_load(&s->pid);
     uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
     if (i == c->slot || !pid) continue;
-    asked[n++] = (asked_t){i, pid, 0, reserved > allocated ? reserved - allocated : 0, reserved};
+    asked[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved};
   }
   qsort(asked, (size_t)n, sizeof asked[0], by_cached);
   /* The peers that cache most, until what they cache covers the need. What
@@ -282,6 +321,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   if (covered < need) m = n;
   for (int k = 0; k < m; k++) {
     coop_slot_t *s = &r->slots[asked[k].slot];
+    atomic_store(&s->asked_by, (int32_t)getpid());
     asked[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
   }
   coop_unlock(r);
@@ -293,25 +333,25 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   c->last[0] = 0;
   for (int k = 0; k < m; k++) {
     coop_slot_t *s = &r->slots[asked[k].slot];
-    for (;;) {
-      uint32_t answer = atomic_load(&s->answer_seq);
-      if ((int32_t)(answer - asked[k].seq) >= 0) break;
-      uint64_t now = coop_now_ns();
-      if (now >= deadline) break;
-      coop_wait_word(&s->answer_seq, answer, deadline - now);
-    }
-    if ((int32_t)(atomic_load(&s->answer_seq) - asked[k].seq) >= 0) {
+    const char *comma = t.len ? ", " : "";
+    char b[32];
+    switch (wait_for_answer(s, &asked[k], deadline)) {
+    case ANSWERED: {
       size_t got = (size_t)atomic_load(&s->released);
       received += got;
-      char b[32];
       gca__format_bytes(got, b, sizeof b);
-      gca__text_put(&t, "%spid %d released %s", t.len ? ", " : "", (int)asked[k].pid, b);
-    } else {
+      gca__text_put(&t, "%spid %d released %s", comma, (int)asked[k].pid, b);
+      break;
+    }
+    case GONE:
+      gca__text_put(&t, "%spid %d left the device", comma, (int)asked[k].pid);
+      break;
+    case SILENT:
       out->timeouts++;
-      char b[32];
       gca__format_bytes(asked[k].cached, b, sizeof b);
-      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", t.len ? ", " : "",
-                    (int)asked[k].pid, b, c->d->config.ipc_release_timeout_ms);
+      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)asked[k].pid, b,
+                    c->d->config.ipc_release_timeout_ms);
+      break;
     }
   }
   out->received = received;

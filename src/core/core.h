@@ -448,8 +448,9 @@ int gca__device_free_locked(device_t *d, uintptr_t addr);
  * error "cannot ACTION ADDR: why it is not a live allocation" and return true. */
 bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action);
 void gca__device_empty_cache(device_t *d);
-/* A peer asked: release the cache as gca_empty_cache does (coop.c's thread). */
-void gca__device_release_for_peer(device_t *d);
+/* A peer asked (`requester`, for the history): release the cache as
+ * gca_empty_cache does (coop.c's thread); the bytes released. */
+size_t gca__device_release_for_peer(device_t *d, int32_t requester);
 
 /* ---- cooperation between processes (coop.c) ---- */
 typedef struct coop coop_t;
@@ -681,6 +682,9 @@ typedef struct history_entry {
   gca_stream_t stream;
   uint64_t addr, size, device_free;
   int64_t time_us;
+  uint64_t ipc_received;               /* ipc_request */
+  int32_t ipc_asked, ipc_silent;       /* ipc_request */
+  int32_t ipc_requester;               /* ipc_release */
   uintptr_t ips[MAX_FRAMES];
 } history_entry_t;
 
@@ -695,6 +699,11 @@ int64_t gca__history_now_us(void);
 void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream);
 void gca__history_alloc(device_t *d, block_t *b, size_t requested);
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free);
+/* Cooperation between processes: a request to the peers and what came of
+ * it; a release made for a peer (no stack: the answering thread's). */
+void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
+                              size_t received);
+void gca__history_ipc_release(device_t *d, size_t released, int32_t requester);
 /* A block's free completed: drop its stack. */
 void gca__history_drop_stack(block_t *b);
 /* segment.c: a free completes: record it (if on) and drop the block's stack. */

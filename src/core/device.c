@@ -258,6 +258,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
     d->stats.num_ipc_requests += got.asked;
     d->stats.ipc_bytes_received += (int64_t)got.received;
     d->stats.num_ipc_timeouts += got.timeouts;
+    if (d->recording) gca__history_ipc_request(d, need, stream, (int)got.asked, (int)got.timeouts, got.received);
     if (got.asked) b = take_again(d, pool, stream, rounded, requested, rc);
   }
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
@@ -449,15 +450,22 @@ GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const
   return false;
 }
 
-void gca__device_release_for_peer(device_t *d) {
-  gca__device_empty_cache(d); /* (which wakes this process's waiters) */
-}
-
-void gca__device_empty_cache(device_t *d) {
+/* Release the cache (for a peer when `requester` is not 0); the bytes
+ * released. */
+static size_t empty_cache(device_t *d, int32_t requester) {
   lock_acquire(&d->lock);
+  int64_t before = atomic_load(&d->reserved_now);
   release_cached_blocks(d);
+  int64_t after = atomic_load(&d->reserved_now);
+  size_t released = before > after ? (size_t)(before - after) : 0;
+  if (requester && d->recording) gca__history_ipc_release(d, released, requester);
   absorbed_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
   report_absorbed(d, &absorbed);
   device_wake_waiters(d);
+  return released;
 }
+
+size_t gca__device_release_for_peer(device_t *d, int32_t requester) { return empty_cache(d, requester); }
+
+void gca__device_empty_cache(device_t *d) { (void)empty_cache(d, 0); }

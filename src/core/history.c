@@ -52,6 +52,8 @@ static history_entry_t *record(device_t *d, int action, uintptr_t addr, size_t s
   e->size = size;
   e->stream = stream;
   e->device_free = 0;
+  e->ipc_received = 0;
+  e->ipc_asked = e->ipc_silent = e->ipc_requester = 0;
   e->time_us = gca__history_now_us();
   return e;
 }
@@ -72,6 +74,19 @@ void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t devi
   history_entry_t *e = record(d, GCA_TRACE_OOM, 0, size, stream);
   e->device_free = device_free;
   if (wants_stack(d->history, GCA_TRACE_OOM)) e->depth = capture(e->ips);
+}
+
+void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
+                              size_t received) {
+  history_entry_t *e = record(d, GCA_TRACE_IPC_REQUEST, 0, need, stream);
+  e->ipc_received = received;
+  e->ipc_asked = asked;
+  e->ipc_silent = silent;
+  if (wants_stack(d->history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(e->ips);
+}
+
+void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
+  record(d, GCA_TRACE_IPC_RELEASE, 0, released, 0)->ipc_requester = requester;
 }
 
 void gca__history_alloc(device_t *d, block_t *b, size_t requested) {

@@ -129,6 +129,10 @@ static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **o
     e->stream = raw[i].stream;
     e->time_us = raw[i].time_us;
     e->device_free = raw[i].device_free;
+    e->ipc_bytes_received = raw[i].ipc_received;
+    e->ipc_peers_asked = raw[i].ipc_asked;
+    e->ipc_peers_silent = raw[i].ipc_silent;
+    e->ipc_requester = raw[i].ipc_requester;
     remember_stack(sn, raw[i].ips, raw[i].depth, &e->frames, &e->frame_count);
   }
   *out = entries;

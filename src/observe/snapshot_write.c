@@ -295,8 +295,10 @@ static void emit_frames(emitter_t *e, const gca_frame_t *frames, size_t n) {
 }
 
 static const char *const block_states[] = {"active_allocated", "active_pending_free", "inactive"};
-static const char *const actions[] = {"alloc",      "free_requested", "free_completed", "segment_alloc", "segment_free",
-                                      "segment_map", "segment_unmap", "snapshot",       "oom"};
+static const char *const actions[] = {"alloc",         "free_requested", "free_completed", "segment_alloc",
+                                      "segment_free",  "segment_map",    "segment_unmap",  "snapshot",
+                                      "oom",           "ipc_request",    "ipc_release"};
+_Static_assert(sizeof actions / sizeof actions[0] == GCA_TRACE_IPC_RELEASE + 1, "a name for every action");
 
 static void emit_segment(emitter_t *e, const gca_snapshot_segment_t *s) {
   e->begin_dict(e);
@@ -341,6 +343,13 @@ static void emit_entry(emitter_t *e, const gca_trace_entry_t *t) {
   kv_int(e, "size", (int64_t)t->size);
   kv_int(e, "stream", (int64_t)t->stream);
   kv_int(e, "time_us", t->time_us);
+  if (t->action == GCA_TRACE_IPC_REQUEST) {
+    kv_int(e, "peers_asked", t->ipc_peers_asked);
+    kv_int(e, "peers_silent", t->ipc_peers_silent);
+    kv_int(e, "bytes_received", (int64_t)t->ipc_bytes_received);
+  } else if (t->action == GCA_TRACE_IPC_RELEASE) {
+    kv_int(e, "requester_pid", t->ipc_requester);
+  }
   e->key(e, "frames");
   emit_frames(e, t->frames, t->frame_count);
   e->end_dict(e);
