@@ -603,6 +603,7 @@ typedef struct gca_snapshot_segment {
   int is_expandable;
   const gca_snapshot_block_t *blocks; /* in address order, tiling the segment */
   size_t block_count;
+  uint64_t pool_id;         /* the private pool it belongs to (gca_pool_create); 0: the default pool */
 } gca_snapshot_segment_t;
 
 /* The actions of history entries, with PyTorch's names. */
@@ -680,6 +681,76 @@ GCA_API int gca_snapshot_write(const gca_snapshot_t *s, const char *path, gca_sn
  * Returns GCA_OK or GCA_ERR_CORRUPT with the first broken invariant named in
  * gca_last_error(). Cost is proportional to the number of blocks. */
 GCA_API int gca_check(gca_allocator_t *a, int device);
+
+/* ------------------------------------------------------------------------ */
+/* Private pools (docs/pools.md)                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A private pool of one device: its memory serves only the allocations
+ * routed to it, and what is freed in it is reused only in it (PyTorch's
+ * private pools, as CUDA graphs and torch.cuda.MemPool use them). Pools are
+ * named by ids, unique in the allocator and never reused; 0 names the
+ * default pool, where every allocation goes unless routed. Memory in a
+ * private pool counts in the device's statistics as any other. Calls that
+ * name a pool that does not exist (or no longer does) fail with
+ * GCA_ERR_INVALID and change nothing. */
+typedef uint64_t gca_pool_t;
+
+/* Create a pool on `device`, holding one reference. */
+GCA_API int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out);
+/* One more reference (a second graph sharing the pool's memory). */
+GCA_API int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool);
+/* Drop a reference. Dropping the last one ends the pool: its cached memory
+ * goes back to the device (after the work queued on its streams). That is
+ * refused, changing nothing, while blocks of the pool are live (allocated,
+ * or freed but still used by queued work) or allocations are routed to it. */
+GCA_API int gca_pool_release(gca_allocator_t *a, gca_pool_t pool);
+/* Route the calling thread's allocations to `pool` (on the pool's device;
+ * pool 0: the default pool on every device) until the matching
+ * gca_pool_pop. Pushes nest, up to 16 deep; the innermost wins, and a
+ * thread's route wins over a stream's. Push and pop on the same thread. */
+GCA_API int gca_pool_push(gca_allocator_t *a, gca_pool_t pool);
+GCA_API int gca_pool_pop(gca_allocator_t *a);
+/* Route every allocation on `stream` of the pool's device to `pool` (what
+ * graph capture needs), until unrouted. A stream routes to one pool. */
+GCA_API int gca_pool_route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream);
+GCA_API int gca_pool_unroute_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream);
+
+/* Graph capture of `stream` into `pool` (PyTorch's beginAllocateToPool and
+ * endAllocateToPool; call begin before the driver's stream capture begins
+ * and end after it ended). Allocations on the stream go to the pool, as a
+ * stream route; and while any capture runs on the device, gcalloc frees
+ * nothing to the device, unmaps nothing, synchronizes nothing, records and
+ * queries no event, and collects no garbage: an allocation the cache cannot
+ * serve takes a new segment or fails. A free of a block used on other
+ * streams waits, pending, until the last capture on the device ends, and
+ * its events are recorded then. gca_empty_cache, gca_synchronize and
+ * gca_pool_release on that device are refused meanwhile (docs/pools.md). */
+GCA_API int gca_capture_begin(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream);
+GCA_API int gca_capture_end(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream);
+
+/* A pool's holdings now (counted from its segments when asked: the hot
+ * path keeps nothing per pool, so there are no peaks). */
+typedef struct gca_pool_stats {
+  gca_pool_t id;
+  int device;
+  int64_t references;
+  uint64_t routes;            /* threads' pushes and streams routed to it */
+  uint64_t segments;
+  uint64_t reserved_bytes;    /* mapped bytes of its segments */
+  uint64_t allocated_bytes;   /* its live blocks (rounded sizes) */
+  uint64_t requested_bytes;   /* what their callers asked for */
+  uint64_t allocations;       /* live blocks */
+  uint64_t pending_bytes;     /* freed, still used by queued work */
+  uint64_t cached_bytes;      /* free, mapped: what only this pool's allocations may reuse */
+} gca_pool_stats_t;
+
+GCA_API int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out);
+/* The pool a live allocation belongs to (0: the default pool). */
+GCA_API int gca_pool_of(gca_allocator_t *a, void *ptr, gca_pool_t *out);
+/* The private pools of `device`: up to `cap` ids into `out`; returns how
+ * many there are (or a negative status). */
+GCA_API int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_t cap);
 
 /* ------------------------------------------------------------------------ */
 /* Processes sharing a device (ipc_cooperation:True; docs/sharing.md)        */

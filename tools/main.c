@@ -23,6 +23,8 @@
  *       search the settings for the least peak reserved (tools/tune.c);
  *   gcalloc bench-sharing [--json]
  *       processes on one device with and without cooperation (bench/sharing.c);
+ *   gcalloc bench-pools [--json]
+ *       the hot path's cost with private pools in use (bench/pools.c);
  *   gcalloc top [--json] [--interval SECONDS]
  *       the processes cooperating on each device (tools/top.c);
  *   gcalloc version
@@ -42,7 +44,8 @@
 
 static const tool_command_t *const commands[] = {&demo_command,         &bench_command,      &bench_streams_command,
                                                  &bench_replay_command, &bench_cuda_command, &bench_acl_command, &replay_command,
-                                                 &tune_command, &top_command, &bench_sharing_command};
+                                                 &tune_command, &top_command, &bench_sharing_command,
+                                                 &bench_pools_command};
 
 /* Every command's usage line and summary, from the commands themselves. */
 static void usage(FILE *out) {
@@ -98,6 +101,7 @@ int main(int argc, char **argv) {
   if (strcmp(argv[1], "bench-acl") == 0) return bench_acl_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "top") == 0) return top_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "bench-sharing") == 0) return bench_sharing_main(argc - 1, argv + 1);
+  if (strcmp(argv[1], "bench-pools") == 0) return bench_pools_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
   if (strcmp(argv[1], "version") == 0) {
     printf("gcalloc %s\n", gca_version());

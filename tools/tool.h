@@ -12,6 +12,7 @@ int bench_cuda_main(int argc, char **argv);
 int bench_acl_main(int argc, char **argv);
 int top_main(int argc, char **argv);
 int bench_sharing_main(int argc, char **argv);
+int bench_pools_main(int argc, char **argv);
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -67,7 +68,8 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
 void tool_help(const tool_command_t *c);
 /* The commands, each defined beside its _main. */
 extern const tool_command_t demo_command, bench_command, bench_streams_command, bench_replay_command,
-    bench_cuda_command, bench_acl_command, replay_command, tune_command, top_command, bench_sharing_command;
+    bench_cuda_command, bench_acl_command, replay_command, tune_command, top_command, bench_sharing_command,
+    bench_pools_command;
 
 /* Shared helpers (common.c): a JSON string, escaped so that it is also safe
  * inside an HTML script; seconds on the monotonic clock; a qsort comparison

@@ -70,6 +70,14 @@ class _DurationStat(ctypes.Structure):
                 ("count", ctypes.c_int64)]
 
 
+class _PoolStats(ctypes.Structure):  # gca_pool_stats_t
+    _fields_ = [("id", ctypes.c_uint64), ("device", ctypes.c_int), ("references", ctypes.c_int64),
+                ("routes", ctypes.c_uint64), ("segments", ctypes.c_uint64), ("reserved_bytes", ctypes.c_uint64),
+                ("allocated_bytes", ctypes.c_uint64), ("requested_bytes", ctypes.c_uint64),
+                ("allocations", ctypes.c_uint64), ("pending_bytes", ctypes.c_uint64),
+                ("cached_bytes", ctypes.c_uint64)]
+
+
 class _HostStats(ctypes.Structure):  # gca_host_stats_t
     _fields_ = [("allocation", _Stat), ("segment", _Stat), ("allocated_bytes", _Stat), ("reserved_bytes", _Stat),
                 ("host_alloc_time", _DurationStat), ("host_free_time", _DurationStat),
@@ -116,7 +124,19 @@ _sig("gca_host_record_stream", ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_size
 _sig("gca_host_empty_cache", ctypes.c_int, _P)
 _sig("gca_host_is_pinned", ctypes.c_int, _P, _P, ctypes.POINTER(ctypes.c_int))
 _sig("gca_host_stats", ctypes.c_int, _P, ctypes.POINTER(_HostStats))
+_sig("gca_pool_get_stats", ctypes.c_int, _P, ctypes.c_uint64, ctypes.POINTER(_PoolStats))
 _sig("gca_host_reset_peak_stats", ctypes.c_int, _P)
+_sig("gca_pool_create", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
+_sig("gca_pool_retain", ctypes.c_int, _P, ctypes.c_uint64)
+_sig("gca_pool_release", ctypes.c_int, _P, ctypes.c_uint64)
+_sig("gca_pool_push", ctypes.c_int, _P, ctypes.c_uint64)
+_sig("gca_pool_pop", ctypes.c_int, _P)
+_sig("gca_pool_route_stream", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t)
+_sig("gca_pool_unroute_stream", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t)
+_sig("gca_capture_begin", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t)
+_sig("gca_capture_end", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_size_t)
+_sig("gca_pool_of", ctypes.c_int, _P, _P, ctypes.POINTER(ctypes.c_uint64))
+_sig("gca_pool_list", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t)
 _sig("gca_torch_init", ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p)
 _sig("gca_torch_allocator", _P)
 _sig("gca_torch_malloc", _P, ctypes.c_ssize_t, ctypes.c_int, _P)
@@ -182,6 +202,10 @@ def _device(value, name="device", allow_all=False):
             raise OverflowError("%s %d does not fit in a C int" % (name, value))
         raise ValueError("%s must be %s, not %d" % (name, ">= -1 (-1: every device)" if allow_all else ">= 0", value))
     return value
+
+
+def _pool(value, name="pool"):
+    return _unsigned(value, name, (1 << 64) - 1)
 
 
 def _fraction(value):
@@ -322,6 +346,86 @@ class Allocator:
         device = _device(device, allow_all=True)
         with self._handle() as a:
             _check(_lib.gca_synchronize(a, device))
+
+    # ---- private pools (docs/pools.md) ----
+
+    def create_pool(self, device=0):
+        """A new private pool on `device`: its id (an int > 0), holding one reference."""
+        device = _device(device)
+        out = ctypes.c_uint64()
+        with self._handle() as a:
+            _check(_lib.gca_pool_create(a, device, ctypes.byref(out)))
+        return out.value
+
+    def retain_pool(self, pool):
+        pool = _pool(pool)
+        with self._handle() as a:
+            _check(_lib.gca_pool_retain(a, pool))
+
+    def release_pool(self, pool):
+        """Drop a reference; the last one gives the pool's memory back (refused while anything in it is live)."""
+        pool = _pool(pool)
+        with self._handle() as a:
+            _check(_lib.gca_pool_release(a, pool))
+
+    @contextlib.contextmanager
+    def pool(self, pool):
+        """Inside the block, this thread's allocations go to `pool` (0: the default pool)."""
+        pool = _pool(pool)
+        with self._handle() as a:
+            _check(_lib.gca_pool_push(a, pool))
+        try:
+            yield pool
+        finally:
+            with self._handle() as a:
+                _check(_lib.gca_pool_pop(a))
+
+    def route_stream(self, pool, stream):
+        pool, stream = _pool(pool), _stream(stream)
+        with self._handle() as a:
+            _check(_lib.gca_pool_route_stream(a, pool, stream))
+
+    def unroute_stream(self, pool, stream):
+        pool, stream = _pool(pool), _stream(stream)
+        with self._handle() as a:
+            _check(_lib.gca_pool_unroute_stream(a, pool, stream))
+
+    @contextlib.contextmanager
+    def capture(self, pool, stream):
+        """A graph capture of `stream` into `pool` for the block's length (gca_capture_begin/end)."""
+        pool, stream = _pool(pool), _stream(stream)
+        with self._handle() as a:
+            _check(_lib.gca_capture_begin(a, pool, stream))
+        try:
+            yield pool
+        finally:
+            with self._handle() as a:
+                _check(_lib.gca_capture_end(a, pool, stream))
+
+    def pool_stats(self, pool):
+        """What the pool holds now, as a dict (gca_pool_stats_t's fields)."""
+        pool = _pool(pool)
+        s = _PoolStats()
+        with self._handle() as a:
+            _check(_lib.gca_pool_get_stats(a, pool, ctypes.byref(s)))
+        return {name: getattr(s, name) for name, _ in _PoolStats._fields_}
+
+    def pool_of(self, ptr):
+        """The pool of a live allocation (0: the default pool)."""
+        ptr = _address(ptr)
+        out = ctypes.c_uint64()
+        with self._handle() as a:
+            _check(_lib.gca_pool_of(a, ptr, ctypes.byref(out)))
+        return out.value
+
+    def pools(self, device=0):
+        """The ids of the device's private pools, oldest first."""
+        device = _device(device)
+        with self._handle() as a:
+            n = _check(_lib.gca_pool_list(a, device, None, 0))
+            ids = (ctypes.c_uint64 * max(n, 1))()
+            n = _check(_lib.gca_pool_list(a, device, ids, n))
+        return list(ids[:n])
 
     def set_config(self, conf):
         conf = _text(conf, "conf")

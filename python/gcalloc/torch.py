@@ -17,12 +17,15 @@ on exit waits for the device and empties gcalloc's cache, but PyTorch keeps
 allocating through gcalloc afterwards.
 """
 import contextlib
+import threading
 
 from . import GcallocError, _lib, _text, library_path
 
-__all__ = ["install", "using", "installed", "last_failure"]
+__all__ = ["install", "using", "installed", "last_failure", "pool"]
 
 _installed = False
+_named_pools = {}  # (process allocator, name, device) -> pool id
+_named_lock = threading.Lock()
 
 
 def installed():
@@ -93,3 +96,30 @@ def using(conf=None, backend=None):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         _lib.gca_torch_empty_cache()
+
+
+def _current_device():
+    try:
+        import torch
+
+        return torch.cuda.current_device()
+    except Exception:  # (no CUDA here, or a stand-in without it)
+        return 0
+
+
+@contextlib.contextmanager
+def pool(name, device=None):
+    """Inside the block, PyTorch's allocations made on this thread go to
+    gcalloc's private pool `name` on `device` (the current CUDA device by
+    default), created at the first use of the name; blocks freed in it are
+    reused only in it (docs/pools.md). Yields the pool's id."""
+    from . import _process_allocator
+
+    allocator = _process_allocator()
+    key = (allocator._a, str(name), _current_device() if device is None else device)
+    with _named_lock:
+        pool_id = _named_pools.get(key)
+        if pool_id is None:
+            pool_id = _named_pools[key] = allocator.create_pool(key[2])
+    with allocator.pool(pool_id):
+        yield pool_id

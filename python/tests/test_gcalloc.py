@@ -204,6 +204,18 @@ def test_torch_entry_points(monkeypatch):
         p = alloc(MiB, 0, None)
         free(p, MiB, 0, None)
     assert "garbage_collection_threshold:0.8" in gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
+    # PyTorch's allocations inside gcalloc.torch.pool(name) go to that pool.
+    with gcalloc.torch.pool("kv") as kv:
+        p = alloc(MiB, 0, None)
+    with gcalloc.torch.pool("kv") as again:
+        q = alloc(MiB, 0, None)
+    r = alloc(MiB, 0, None)
+    process = gcalloc._process_allocator()
+    assert kv == again and [process.pool_of(x) for x in (p, q, r)] == [kv, kv, 0]
+    snapshot = gcalloc.memory_snapshot()
+    assert [kv, 0] in [seg["segment_pool_id"] for seg in snapshot["segments"]]
+    for x in (p, q, r):
+        free(x, MiB, 0, None)
     lib.gca_torch_shutdown()
 
 
@@ -262,3 +274,47 @@ def test_torch_npu_entry_points(monkeypatch):
         q = a.malloc(4096, device=1)
         a.free(q)
     lib.gca_torch_shutdown()
+
+
+def test_private_pools():
+    """Pools from Python: routing by thread (nested) and by stream, reuse inside, release refused then done,
+    statistics, a capture."""
+    with gcalloc.Allocator("sim:capacity=1GiB") as a:
+        kv, other = a.create_pool(), a.create_pool()
+        assert a.pools() == [kv, other]
+        with a.pool(kv):
+            p = a.malloc(4 * MiB)
+            with a.pool(other):
+                q = a.malloc(MiB)
+            r = a.malloc(MiB)
+        s = a.malloc(MiB)
+        assert [a.pool_of(x) for x in (p, q, r, s)] == [kv, other, kv, 0]
+        stats = a.pool_stats(kv)
+        assert (stats["allocations"], stats["allocated_bytes"], stats["segments"]) == (2, 5 * MiB, 2)  # large, small
+        with pytest.raises(gcalloc.GcallocError, match="2 blocks .* of it are live"):
+            a.release_pool(kv)
+        for x in (p, r):
+            a.free(x)
+        with a.pool(kv):
+            assert a.malloc(4 * MiB) == p  # its own block again
+        a.free(p)
+        a.route_stream(other, 7)
+        t = a.malloc(MiB, stream=7)
+        assert a.pool_of(t) == other
+        a.unroute_stream(other, 7)
+        with a.capture(other, 9):
+            u = a.malloc(MiB, stream=9)
+            with pytest.raises(gcalloc.GcallocError, match="captured into a graph"):
+                a.empty_cache()
+        assert a.pool_of(u) == other
+        for x in (q, s, t, u):
+            a.free(x)
+        a.release_pool(kv)
+        a.release_pool(other)
+        assert a.pools() == []
+        with pytest.raises(gcalloc.GcallocError, match="was released"):
+            a.pool_stats(kv)
+        with pytest.raises(OverflowError):
+            a.release_pool(1 << 64)
+        a.empty_cache()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0

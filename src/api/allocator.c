@@ -328,8 +328,20 @@ static int for_devices(gca_allocator_t *a, int device, const char *what, void (*
   return GCA_OK;
 }
 
+/* The same for a call that would synchronize or free: refused, doing
+ * nothing, while a graph capture runs on a device it names. */
+static int for_devices_not_capturing(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+  for (int i = 0; i < a->device_count; i++) {
+    if (device != -1 && device != i) continue;
+    int rc = gca__device_capturing(&a->devices[i], what);
+    if (rc) return rc;
+  }
+  return for_devices(a, device, what, fn);
+}
+
 int gca_synchronize(gca_allocator_t *a, int device) {
-  return for_devices(a, device, "gca_synchronize", gca__device_synchronize);
+  return for_devices_not_capturing(a, device, "gca_synchronize", gca__device_synchronize);
 }
 
 int gca_process_events(gca_allocator_t *a, int device) {
@@ -395,7 +407,7 @@ int gca_launch_blocking(const gca_allocator_t *a) {
 }
 
 static int empty_cache_plain(gca_allocator_t *a, int device) {
-  return for_devices(a, device, "gca_empty_cache", gca__device_empty_cache);
+  return for_devices_not_capturing(a, device, "gca_empty_cache", gca__device_empty_cache);
 }
 
 /* ---- the observed entry points -------------------------------------------

@@ -170,10 +170,17 @@ typedef struct sim_counters {
   uint64_t host_live;        /* ranges allocated or registered now */
   size_t host_used;          /* bytes in them */
   uint64_t host_unbacked_pages; /* pages not yet backed when registered (mincore), all registrations */
+  uint64_t capture_violations; /* calls refused while a stream was captured (gca__sim_set_capture) */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */
 int gca__sim_get_counters(const backend_t *b, int device, sim_counters_t *out);
+/* Model graph capture on the device (as the application's
+ * cudaStreamBeginCapture and EndCapture would): while on, device frees,
+ * unmaps, physical memory destroys, address range releases, event records,
+ * queries and synchronizations, stream waits and synchronizations fail and
+ * count in capture_violations. */
+int gca__sim_set_capture(const backend_t *b, int device, bool on);
 
 /* Driving the sim's device model (tests, benchmarks, replay). Time is
  * simulated: it moves only when sim_advance is called or when the host waits

@@ -169,6 +169,7 @@ typedef struct sim_device {
   uint32_t free_phys;       /* head of the free list, slot + 1; 0: none */
   sim_place_t *places;      /* sim_set_placement's list, addresses made this device's */
   size_t place_count, place_next;
+  bool capturing;           /* gca__sim_set_capture: a stream of the device is being captured */
 } sim_device_t;
 
 typedef struct sim {
@@ -424,6 +425,15 @@ static void uncharge(sim_t *s, int device, size_t footprint) {
 
 static int sim_device_count(void *state) { return ((sim_t *)state)->device_count; }
 
+/* While a stream of the device is captured into a graph, a driver refuses
+ * what would synchronize or leave the graph unable to replay: the device
+ * frees, unmaps and destroys nothing, and records, queries and waits for no
+ * event or stream. The sim refuses them too, and counts each. */
+static int refused_in_capture(sim_device_t *dev, int device, const char *what) {
+  dev->counters.capture_violations++;
+  return gca__set_error(GCA_ERR_BACKEND, "sim: %s on device %d while one of its streams is captured", what, device);
+}
+
 static int sim_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   sim_t *s = state;
   add_latency(s);
@@ -475,7 +485,9 @@ static int sim_free(void *state, int device, uintptr_t addr, size_t size) {
   sim_alloc_t *rec = RB_FIND(sim_live, &dev->live, &key);
   uint64_t call = ++dev->counters.free_calls;
   int rc = GCA_OK;
-  if (!rec) {
+  if (dev->capturing) {
+    rc = refused_in_capture(dev, device, "free");
+  } else if (!rec) {
     rc = gca__set_error(GCA_ERR_BAD_POINTER, "sim: device %d never allocated %p (or it was freed already)", device,
                         (void *)addr);
   } else if (rec->size != size) {
@@ -523,7 +535,9 @@ static int sim_event_record(void *state, int device, gca_stream_t stream, uintpt
   uint64_t call = ++dev->counters.events_recorded;
   int rc = GCA_OK;
   sim_stream_t *st = NULL;
-  if (s->event_fail_at && call == s->event_fail_at) {
+  if (dev->capturing) {
+    rc = refused_in_capture(dev, device, "event record");
+  } else if (s->event_fail_at && call == s->event_fail_at) {
     rc = gca__set_error(GCA_ERR_BACKEND, "sim: injected failure of event record #%" PRIu64 " on device %d", call,
                         device);
   } else if (!(st = find_stream(dev, stream, true)) || !new_event(dev, st->ready_at, event)) {
@@ -539,7 +553,10 @@ static int sim_event_query(void *state, int device, uintptr_t event) {
   sim_t *s = state;
   lock_acquire(&s->lock);
   sim_event_t *e = event_of(&s->devices[device], event);
-  int rc = !e ? bad_event(device, event) : e->at <= s->now ? GCA_OK : BACKEND_NOT_READY;
+  int rc = s->devices[device].capturing ? refused_in_capture(&s->devices[device], device, "event query")
+           : !e                         ? bad_event(device, event)
+           : e->at <= s->now            ? GCA_OK
+                                        : BACKEND_NOT_READY;
   lock_release(&s->lock);
   return rc;
 }
@@ -549,7 +566,8 @@ static int sim_event_synchronize(void *state, int device, uintptr_t event) {
   lock_acquire(&s->lock);
   sim_event_t *e = event_of(&s->devices[device], event);
   int rc = GCA_OK;
-  if (!e) rc = bad_event(device, event);
+  if (s->devices[device].capturing) rc = refused_in_capture(&s->devices[device], device, "event synchronize");
+  else if (!e) rc = bad_event(device, event);
   else rc = wait_until(s, &s->devices[device], e->at);
   lock_release(&s->lock);
   return rc;
@@ -577,7 +595,8 @@ static int sim_stream_wait_event(void *state, int device, gca_stream_t stream, u
   sim_event_t *e = event_of(&s->devices[device], event);
   sim_stream_t *st = NULL;
   int rc = GCA_OK;
-  if (!e) rc = bad_event(device, event);
+  if (dev->capturing) rc = refused_in_capture(dev, device, "stream wait");
+  else if (!e) rc = bad_event(device, event);
   else if (!(st = find_stream(dev, stream, true))) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   else {
     if (e->at > st->ready_at) st->ready_at = e->at;
@@ -592,7 +611,7 @@ static int sim_stream_synchronize(void *state, int device, gca_stream_t stream) 
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_stream_t *st = find_stream(dev, stream, false);
-  int rc = wait_until(s, dev, st ? st->ready_at : 0);
+  int rc = dev->capturing ? refused_in_capture(dev, device, "stream synchronize") : wait_until(s, dev, st ? st->ready_at : 0);
   lock_release(&s->lock);
   return rc;
 }
@@ -788,6 +807,11 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
   sim_alloc_t *r = RB_FIND(sim_reserved, &dev->reserved, &key);
   sim_phys_t *m = NULL;
   int rc = GCA_OK;
+  if (dev->capturing) {
+    rc = refused_in_capture(dev, device, "address range release");
+    lock_release(&s->lock);
+    return rc;
+  }
   if (!r || r->size != size)
     rc = gca__set_error(GCA_ERR_BAD_POINTER, "sim: device %d has no reservation of %zu bytes at %#" PRIxPTR, device,
                         size, addr);
@@ -892,6 +916,7 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
 static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t handle) {
   sim_phys_t *p = phys_of(dev, handle);
   uint64_t call = ++dev->counters.free_calls;
+  if (dev->capturing) return refused_in_capture(dev, device, "physical memory destroy");
   if (!p)
     return gca__set_error(GCA_ERR_BAD_POINTER, "sim: %#" PRIxPTR " is not live physical memory of device %d", handle,
                           device);
@@ -1031,7 +1056,9 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   map_leaf_t *leaf = NULL;
   /* Whole mappings only, and no holes: check before changing anything. */
   uintptr_t at = addr, end = addr + size;
-  if (end < addr)
+  if (dev->capturing)
+    rc = refused_in_capture(dev, device, "unmap"), end = at;
+  else if (end < addr)
     rc = gca__set_error(GCA_ERR_INVALID, "sim: [%#" PRIxPTR ", +%zu) wraps around the address space", addr, size);
   while (rc == GCA_OK && at < end) {
     sim_phys_t *m = vm_aligned(s, at) ? mapped_at_page(s, dev, at, &leaf_key, &leaf) : NULL;
@@ -1350,6 +1377,15 @@ int gca__sim_set_placement(const backend_t *b, int device, const sim_place_t *pl
   dev->places = copy;
   dev->place_count = n;
   dev->place_next = 0;
+  lock_release(&s->lock);
+  return GCA_OK;
+}
+
+int gca__sim_set_capture(const backend_t *b, int device, bool on) {
+  sim_t *s = sim_of(b, device);
+  if (!s) return GCA_ERR_INVALID;
+  lock_acquire(&s->lock);
+  s->devices[device].capturing = on;
   lock_release(&s->lock);
   return GCA_OK;
 }

@@ -44,6 +44,7 @@ typedef struct recount {
   size_t allocated_blocks;
   size_t pending_blocks, quarantined_blocks, releasing_segments;
   uint64_t events_awaited; /* sum of pending blocks' event counts */
+  size_t held_blocks;      /* pending with no event yet: held for a capture's end */
 } recount_t;
 
 #define BAD(...) return gca__set_error(GCA_ERR_CORRUPT, __VA_ARGS__)
@@ -113,8 +114,10 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
     if (b->next && b->next->prev != b)
       BAD("device %d: block at %#" PRIxPTR " and its next neighbour disagree on their link", d->index,
           b->addr);
-    if (b->uses && b->state != BLOCK_ALLOCATED)
+    bool held = b->state == BLOCK_PENDING && b->event_count == 0; /* a free held for a capture's end */
+    if (b->uses && b->state != BLOCK_ALLOCATED && !held)
       BAD("device %d: block at %#" PRIxPTR " has stream uses but is not allocated", d->index, b->addr);
+    if (held) r->held_blocks++;
     switch (b->state) {
       case BLOCK_ALLOCATED:
         if (gca__block_map_find(&d->allocated, b->addr) != b)
@@ -142,7 +145,7 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
         break;
       case BLOCK_PENDING:
       case BLOCK_QUARANTINED:
-        if (b->state == BLOCK_PENDING && b->event_count == 0)
+        if (held && !b->uses)
           BAD("device %d: pending block at %#" PRIxPTR " waits for no event", d->index, b->addr);
         if (b->state == BLOCK_QUARANTINED) r->quarantined_blocks++;
         r->pending_blocks++;
@@ -203,6 +206,11 @@ static int check_events(device_t *d, const recount_t *r) {
   if (queued != d->pending_events || queued != r->events_awaited)
     BAD("device %d: the event queues hold %" PRIu64 " events, the device counts %zu, pending blocks await %" PRIu64,
         d->index, queued, d->pending_events, r->events_awaited);
+  size_t held = 0;
+  for (const block_t *b = d->held; b; b = b->hash_next) held++;
+  if (held != r->held_blocks || (held && !d->captures))
+    BAD("device %d: %zu frees held for a capture's end, %zu pending blocks without events, %zu captures", d->index,
+        held, r->held_blocks, d->captures);
   if (r->pending_blocks != d->pending_blocks || r->quarantined_blocks != d->quarantined_blocks)
     BAD("device %d: %zu pending blocks (%zu quarantined) counted, the device has %zu (%zu)", d->index,
         r->pending_blocks, r->quarantined_blocks, d->pending_blocks, d->quarantined_blocks);
@@ -262,17 +270,28 @@ int gca__device_check_locked(device_t *d) {
         d->index, d->backend_free_errors);
   if (segments != d->segment_count)
     BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
-  if (r.free_blocks[GCA_POOL_SMALL] != d->small_pool.free_count)
-    BAD("device %d: small free index holds %zu blocks, the segments have %zu free", d->index,
-        d->small_pool.free_count, r.free_blocks[GCA_POOL_SMALL]);
-  if (r.free_blocks[GCA_POOL_LARGE] != d->large_pool.free_count)
-    BAD("device %d: large free index holds %zu blocks, the segments have %zu free", d->index,
-        d->large_pool.free_count, r.free_blocks[GCA_POOL_LARGE]);
-  if (r.unmapped_blocks[GCA_POOL_SMALL] != d->small_pool.unmapped_count ||
-      r.unmapped_blocks[GCA_POOL_LARGE] != d->large_pool.unmapped_count)
+  /* The indexes of every pool, private ones included, by kind. */
+  size_t indexed[GCA_POOL_KINDS] = {0}, unmapped_indexed[GCA_POOL_KINDS] = {0};
+  for (size_t i = 0; gca__device_pool_at(d, i); i++) {
+    pool_t *pool = gca__device_pool_at(d, i);
+    indexed[pool->kind] += pool->free_count;
+    unmapped_indexed[pool->kind] += pool->unmapped_count;
+  }
+  if (r.free_blocks[GCA_POOL_SMALL] != indexed[GCA_POOL_SMALL])
+    BAD("device %d: small free indexes hold %zu blocks, the segments have %zu free", d->index,
+        indexed[GCA_POOL_SMALL], r.free_blocks[GCA_POOL_SMALL]);
+  if (r.free_blocks[GCA_POOL_LARGE] != indexed[GCA_POOL_LARGE])
+    BAD("device %d: large free indexes hold %zu blocks, the segments have %zu free", d->index,
+        indexed[GCA_POOL_LARGE], r.free_blocks[GCA_POOL_LARGE]);
+  if (r.unmapped_blocks[GCA_POOL_SMALL] != unmapped_indexed[GCA_POOL_SMALL] ||
+      r.unmapped_blocks[GCA_POOL_LARGE] != unmapped_indexed[GCA_POOL_LARGE])
     BAD("device %d: the unmapped indexes hold %zu and %zu blocks, the segments have %zu and %zu unmapped", d->index,
-        d->small_pool.unmapped_count, d->large_pool.unmapped_count, r.unmapped_blocks[GCA_POOL_SMALL],
+        unmapped_indexed[GCA_POOL_SMALL], unmapped_indexed[GCA_POOL_LARGE], r.unmapped_blocks[GCA_POOL_SMALL],
         r.unmapped_blocks[GCA_POOL_LARGE]);
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner && gca__mempool_find(d, seg->pool->owner->id) != seg->pool->owner)
+      BAD("device %d: segment at %#" PRIxPTR " belongs to a private pool the device does not list", d->index,
+          seg->addr);
   if (r.allocated_blocks != d->allocated.count)
     BAD("device %d: allocation map holds %zu blocks, the segments have %zu allocated", d->index,
         d->allocated.count, r.allocated_blocks);

@@ -186,6 +186,7 @@ struct pool {
   size_t unmapped_count;
   uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
   int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
+  struct mempool *owner;     /* the private pool it belongs to; NULL: the device's default pools */
 };
 
 void gca__pool_init(pool_t *pool, int kind);
@@ -377,6 +378,18 @@ struct device {
   config_t config;           /* a copy of the allocator's, refreshed under the lock */
   pool_t small_pool;
   pool_t large_pool;
+  /* Private pools (mempool.c), and how many routes lead to them: while 0,
+   * an allocation pays one branch for them. */
+  struct mempool *mempools;
+  size_t routes;
+  struct stream_route *stream_routes;
+  size_t stream_route_count, stream_route_cap;
+  /* Graph captures running on the device (gca_capture_begin): while any
+   * does, nothing is freed to the device, unmapped, synchronized, or has an
+   * event recorded or queried. Frees that would record events wait in
+   * `held` (linked by hash_next: they are out of the allocation map). */
+  size_t captures;
+  block_t *held;
   block_map_t allocated;
   segment_t *segments;
   size_t segment_count;
@@ -435,6 +448,37 @@ struct device {
   _Atomic uintptr_t span_lo;
   _Atomic uintptr_t span_hi;
 };
+
+/* ---- private pools (mempool.c), with the device lock held ---- */
+typedef struct mempool {
+  pool_t small, large;
+  uint64_t id;
+  device_t *device;
+  int64_t references;        /* gca_pool_retain / gca_pool_release */
+  size_t thread_routes;      /* threads' pushes naming it, not yet popped */
+  size_t stream_routes;      /* streams routed to it */
+  struct mempool *next;      /* the device's list */
+} mempool_t;
+
+typedef struct stream_route {
+  gca_stream_t stream;
+  mempool_t *pool;
+  bool capture;              /* made by gca_capture_begin */
+} stream_route_t;
+
+/* The pool an allocation of `rounded` bytes on `stream` goes to, when some
+ * route exists (d->routes): the calling thread's innermost push for this
+ * device, else the stream's route, else `fallback`. */
+pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback);
+mempool_t *gca__mempool_find(device_t *d, uint64_t id);
+/* GCA_OK, or GCA_ERR_INVALID naming `what` while a capture runs on the
+ * device (calls that would synchronize or free are refused then). */
+int gca__device_capturing(device_t *d, const char *what);
+/* Give every segment of the device's private pools back (at destroy). */
+void gca__mempools_destroy(device_t *d);
+/* Every free index of the device: the default pools, then each private
+ * pool's small and large. `i` from 0 until it returns NULL. */
+pool_t *gca__device_pool_at(device_t *d, size_t i);
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
 /* d->config.size_pad from its pad_32_bytes mode and the backend (at init,
@@ -527,8 +571,11 @@ bool gca__segment_free_now(device_t *d, segment_t *seg);
 /* Free the smallest cached oversize block that satisfies `rounded` (or
  * several, from the largest down); PyTorch's release_available_cached_blocks. */
 bool gca__segment_release_available(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded);
-/* Release every unsplit free block of both pools. */
+/* Release every unsplit free block of both default pools (private pools
+ * keep theirs: it is their graphs' memory). */
 void gca__segment_release_all_cached(device_t *d);
+/* Release every unsplit free block of one pool. */
+void gca__segment_release_pool(device_t *d, pool_t *pool);
 /* Hand out free block `b` (in its pool's index if in_index, else a fresh
  * segment's block; then `pred` is its predecessor in the index) for a
  * request: split if the rules say so, update the
@@ -581,6 +628,8 @@ block_t *gca__expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t s
  * for the segment's stream, and give back the address range of segments
  * left with nothing mapped (PyTorch's release_blocks for them). */
 void gca__expandable_release_all(device_t *d);
+/* The same for one pool's free expandable blocks. */
+void gca__expandable_release_pool(device_t *d, pool_t *pool);
 /* At device destruction: unmap and destroy everything and give the range
  * back (when give_back: see device_destroy), and free the page table. */
 void gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
@@ -641,11 +690,14 @@ static inline int block_state_of(const block_t *b) {
 
 /* events.c: with the lock held. */
 /* A freed block with stream uses: record an event on each of those streams;
- * the free completes when they all have. */
+ * the free completes when they all have. During a graph capture the block
+ * is held pending, its events recorded when the last capture ends. */
 void gca__events_defer_free(device_t *d, block_t *b);
+/* The last capture on the device ended: record the held blocks' events. */
+void gca__events_after_capture(device_t *d);
 /* Complete the deferred frees whose events have completed, per stream in
  * order, and the device frees whose streams are done (PyTorch's
- * process_events). */
+ * process_events). Nothing during a capture. */
 void gca__events_process(device_t *d);
 /* Wait for every pending event and complete every deferred free. */
 void gca__events_synchronize(device_t *d);
@@ -786,6 +838,7 @@ struct gca_allocator {
   pthread_mutex_t callbacks_lock;
   callback_list_t callbacks[CB_KINDS];
   host_cache_t *host;          /* the pinned host allocator (host.c) */
+  _Atomic uint64_t last_pool_id; /* private pools' ids: the next is one more */
 };
 
 /* ------------------------------------------------------------------------ */

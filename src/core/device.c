@@ -118,6 +118,7 @@ void gca__device_destroy(device_t *d) {
   }
   d->segments = NULL;
   gca__expandable_kept_destroy(d, give_back);
+  gca__mempools_destroy(d);
   gca__block_chunks_free(d);
   gca__history_destroy(d);
   gca__block_map_destroy(&d->allocated);
@@ -169,7 +170,7 @@ static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t 
  * (nothing to order if it is idle), and hand out the request from it. */
 static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                        size_t requested) {
-  if (d->config.cross_stream_reuse <= 0) return NULL;
+  if (d->config.cross_stream_reuse <= 0 || d->captures) return NULL; /* (it queries and records events) */
   bool idle;
   block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
   if (!b || (!idle && !gca__events_order_reuse(d, b->stream, stream))) return NULL;
@@ -202,9 +203,11 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
  * release_cached_blocks). NULL with *rc set if nothing worked. */
 static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
                                  int *rc) {
-  gca__gc_collect(d);
+  if (!d->captures) gca__gc_collect(d);
   block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
   if (b || *rc != GCA_ERR_OOM) return b;
+  /* During a graph capture nothing goes back to the device: a new segment or nothing. */
+  if (d->captures) return NULL;
 
   if (gca__segment_release_available(d, pool, stream, rounded)) {
     gca__events_finish_releases(d, true);
@@ -360,6 +363,7 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
+  if (unlikely(d->routes)) pool = gca__mempool_route(d, stream, rounded, pool);
   pool->lookups++;
   block_t *pred = NULL;
   block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
@@ -410,6 +414,10 @@ void gca__device_process_events(device_t *d) {
 
 void gca__device_synchronize(device_t *d) {
   lock_acquire(&d->lock);
+  if (d->captures) {
+    lock_release(&d->lock);
+    return;
+  }
   d->stats.num_sync_all_streams++;
   gca__events_synchronize(d);
   absorbed_t absorbed = take_absorbed(d);
@@ -454,6 +462,10 @@ GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const
  * released. */
 static size_t empty_cache(device_t *d, int32_t requester) {
   lock_acquire(&d->lock);
+  if (d->captures) { /* (a peer's request during a graph capture: nothing may go back now) */
+    lock_release(&d->lock);
+    return 0;
+  }
   int64_t before = atomic_load(&d->reserved_now);
   release_cached_blocks(d);
   int64_t after = atomic_load(&d->reserved_now);

@@ -171,14 +171,10 @@ static void drop_empty_queues(device_t *d) {
   }
 }
 
-void gca__events_defer_free(device_t *d, block_t *b) {
+/* Record the events of pending block b's stream uses. */
+static void record_uses(device_t *d, block_t *b) {
   stream_uses_t *uses = b->uses;
-  int kind = pool_kind_of(b);
   b->uses = NULL;
-  b->state = BLOCK_PENDING;
-  family_increase(&d->stats, FAM_PENDING, kind, 1);
-  family_increase(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
-  d->pending_blocks++;
   /* One count is held while the events are recorded and dropped at the end,
    * which completes the free then if no event had to be queued. */
   b->event_count = 1;
@@ -209,6 +205,32 @@ void gca__events_defer_free(device_t *d, block_t *b) {
   event_done(d, b, true);
 }
 
+void gca__events_defer_free(device_t *d, block_t *b) {
+  int kind = pool_kind_of(b);
+  b->state = BLOCK_PENDING;
+  family_increase(&d->stats, FAM_PENDING, kind, 1);
+  family_increase(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
+  d->pending_blocks++;
+  if (unlikely(d->captures)) { /* no event may be recorded now: held until the capture ends */
+    b->event_count = 0;
+    b->hash_next = d->held;
+    d->held = b;
+    return;
+  }
+  record_uses(d, b);
+}
+
+void gca__events_after_capture(device_t *d) {
+  block_t *b = d->held;
+  d->held = NULL;
+  while (b) {
+    block_t *next = b->hash_next;
+    b->hash_next = NULL;
+    record_uses(d, b);
+    b = next;
+  }
+}
+
 /* Take the oldest entry of q, now complete (or failed: `rc`), and finish it. */
 static void finish_head(device_t *d, event_queue_t *q, int rc) {
   if (rc != GCA_OK) rc = wait_stream_instead(d, q->stream);
@@ -218,6 +240,7 @@ static void finish_head(device_t *d, event_queue_t *q, int rc) {
 }
 
 void gca__events_process(device_t *d) {
+  if (unlikely(d->captures)) return; /* (no event may be queried) */
   for (size_t i = 0; i < d->queue_count; i++) {
     event_queue_t *q = &d->queues[i];
     while (q->count) {

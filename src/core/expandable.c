@@ -62,10 +62,11 @@ typedef struct kept_page {
   size_t size;
 } kept_page_t;
 
-/* A page the device would not take back is still its memory and ours:
+/* A page the device would not take back (or that may not be given back
+ * during a graph capture: not `refused`) is still its memory and ours:
  * kept, to be offered again, rather than dropped (which would leak it). */
-static void keep_page(device_t *d, uintptr_t handle, size_t size) {
-  gca__note_refused_free(d);
+static void keep_page(device_t *d, uintptr_t handle, size_t size, bool refused) {
+  if (refused) gca__note_refused_free(d);
   if (d->kept_page_count == d->kept_page_cap) {
     kept_page_t *grown = gca__grow_array(d->kept_pages, &d->kept_page_cap, sizeof *grown, 16);
     if (!grown) return; /* lost to the books: gca_check's device count says so */
@@ -79,14 +80,16 @@ static void keep_page(device_t *d, uintptr_t handle, size_t size) {
  * those it refuses are kept. */
 static void destroy_pages(device_t *d, uintptr_t *handles, size_t n, size_t page) {
   size_t refused = 0;
-  if (d->backend->ops->vm_destroy_many) {
+  if (d->captures) { /* (nothing is destroyed during a graph capture: kept, offered back later) */
+    refused = n;
+  } else if (d->backend->ops->vm_destroy_many) {
     if (VM(d, vm_destroy_many, handles, n, &refused) == GCA_OK) refused = 0;
   } else {
     for (size_t i = 0; i < n; i++)
       if (VM(d, vm_destroy, handles[i]) != GCA_OK) handles[refused++] = handles[i];
   }
   d->device_bytes -= (n - refused) * page;
-  for (size_t i = 0; i < refused; i++) keep_page(d, handles[i], page);
+  for (size_t i = 0; i < refused; i++) keep_page(d, handles[i], page, !d->captures);
 }
 
 /* Offer the kept pages back (every release does, first). A page the device
@@ -325,28 +328,29 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   return n;
 }
 
+void gca__expandable_release_pool(device_t *d, pool_t *pool) {
+  if (!pool->expandable_segments) return;
+  /* Gather first: unmapping changes the index under a walk. Unmapping one
+   * free block never touches another free block's descriptor. */
+  size_t count = 0;
+  for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) count += b->expandable;
+  block_t **list = count ? malloc(count * sizeof *list) : NULL;
+  if (!list) return;
+  size_t n = 0;
+  for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b))
+    if (b->expandable) list[n++] = b;
+  for (size_t i = 0; i < n; i++) {
+    block_t *b = list[i];
+    unmap_pages(d, b, SIZE_MAX, NULL);
+    if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
+  }
+  free(list);
+}
+
 void gca__expandable_release_all(device_t *d) {
   if (d->kept_page_count) retry_kept_pages(d);
-  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
-  for (int p = 0; p < 2; p++) {
-    pool_t *pool = pools[p];
-    if (!pool->expandable_segments) continue;
-    /* Gather first: unmapping changes the index under a walk. Unmapping one
-     * free block never touches another free block's descriptor. */
-    size_t count = 0;
-    for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) count += b->expandable;
-    block_t **list = count ? malloc(count * sizeof *list) : NULL;
-    if (!list) continue;
-    size_t n = 0;
-    for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b))
-      if (b->expandable) list[n++] = b;
-    for (size_t i = 0; i < n; i++) {
-      block_t *b = list[i];
-      unmap_pages(d, b, SIZE_MAX, NULL);
-      if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
-    }
-    free(list);
-  }
+  gca__expandable_release_pool(d, &d->large_pool);
+  gca__expandable_release_pool(d, &d->small_pool);
 }
 
 /* ---- mapping ------------------------------------------------------------ */
@@ -383,7 +387,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   pool_t *pool = target->pool;
   size_t movable = 0, listed = 0;
   block_t **donors = NULL;
-  if (d->config.stitching && (donors = malloc(n * sizeof *donors)))
+  if (d->config.stitching && !d->captures && (donors = malloc(n * sizeof *donors)))
     movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
   size_t fresh = n - movable;
   if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->allowed) {

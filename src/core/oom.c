@@ -180,11 +180,11 @@ static void add_stream_bytes(cache_view_t *v, gca_stream_t s, uint64_t n) {
 
 static void view_cache(device_t *d, gca_stream_t stream, cache_view_t *v) {
   memset(v, 0, sizeof *v);
-  pool_t *pools[2] = {&d->small_pool, &d->large_pool};
-  for (int p = 0; p < 2; p++)
-    for (block_t *b = gca__pool_first(pools[p]); b; b = gca__pool_next(pools[p], b)) {
-      v->free_bytes[pools[p]->kind] += b->size;
-      v->free_blocks[pools[p]->kind]++;
+  pool_t *pool;
+  for (size_t p = 0; (pool = gca__device_pool_at(d, p)) != NULL; p++)
+    for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) {
+      v->free_bytes[pool->kind] += b->size;
+      v->free_blocks[pool->kind]++;
       if (b->size > v->largest) v->largest = b->size;
       add_stream_bytes(v, b->stream, b->size);
       if (b->stream != stream) v->other_streams += b->size;

@@ -62,6 +62,7 @@ void gca__pool_init(pool_t *pool, int kind) {
   pool->expandable_segments = 0;
   pool->lookups = 0;
   pool->kind = kind;
+  pool->owner = NULL;
 }
 
 void gca__pool_insert(pool_t *pool, block_t *b) {

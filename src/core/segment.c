@@ -248,16 +248,18 @@ bool gca__segment_release_available(device_t *d, pool_t *pool, gca_stream_t stre
   return released >= want;
 }
 
-void gca__segment_release_all_cached(device_t *d) {
-  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
-  for (int i = 0; i < 2; i++) {
-    block_t *b = gca__pool_first(pools[i]);
-    while (b) {
-      block_t *next = gca__pool_next(pools[i], b);
-      if (unsplit(b)) gca__segment_release(d, b);
-      b = next;
-    }
+void gca__segment_release_pool(device_t *d, pool_t *pool) {
+  block_t *b = gca__pool_first(pool);
+  while (b) {
+    block_t *next = gca__pool_next(pool, b);
+    if (unsplit(b)) gca__segment_release(d, b);
+    b = next;
   }
+}
+
+void gca__segment_release_all_cached(device_t *d) {
+  gca__segment_release_pool(d, &d->large_pool);
+  gca__segment_release_pool(d, &d->small_pool);
   gca__expandable_release_all(d);
 }
 

@@ -79,6 +79,7 @@ static void copy_run(snapshot_impl_t *sn, device_t *d, segment_t *seg, block_t *
   s->address = head->addr;
   s->stream = seg->stream;
   s->pool = seg->pool->kind;
+  s->pool_id = seg->pool->owner ? seg->pool->owner->id : 0;
   s->is_expandable = seg->expandable;
   s->blocks = blocks;
   s->block_count = blocks ? n : 0;

@@ -4,7 +4,7 @@
  * The layout is torch.cuda.memory._snapshot()'s (what _dump_snapshot
  * pickles and memory_viz reads): {"segments": [...], "device_traces":
  * [[...] per device], "allocator_settings": {...}}, keys and value types as
- * PyTorch writes them, except that segment_pool_id is a list [0, 0] where
+ * PyTorch writes them, except that segment_pool_id is a list [id, 0] where
  * PyTorch has a tuple, so the file holds only dicts, lists, strings, ints,
  * floats, bools and None (memory_viz reads both alike).
  *
@@ -310,9 +310,9 @@ static void emit_segment(emitter_t *e, const gca_snapshot_segment_t *s) {
   kv_int(e, "requested_size", (int64_t)s->requested_size);
   kv_int(e, "stream", (int64_t)s->stream);
   kv_str(e, "segment_type", s->pool == GCA_POOL_SMALL ? "small" : "large");
-  e->key(e, "segment_pool_id");
+  e->key(e, "segment_pool_id"); /* (PyTorch's (id, 0) of a torch.cuda.MemPool) */
   e->begin_list(e);
-  e->integer(e, 0);
+  e->integer(e, (int64_t)s->pool_id);
   e->integer(e, 0);
   e->end_list(e);
   kv_bool(e, "is_expandable", s->is_expandable != 0);

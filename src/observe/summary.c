@@ -63,6 +63,29 @@ static void row(text_t *t, const char *name, const gca_stat_t *st, const gca_sta
   gca__text_put(t, "| %-21s | %s | %s | %s | %s |\n", name, cur, peak, alloc, freed);
 }
 
+/* gcalloc's own rows, when the device has private pools: what each holds
+ * now (their memory is inside the rows above too). */
+static void pools(gca_allocator_t *a, int device, text_t *t) {
+  gca_pool_t ids[64];
+  int n = gca_pool_list(a, device, ids, 64);
+  if (n <= 0) return;
+  gca__text_put(t, "|     Private pool      |  Reserved  | Allocated  |   Cached   |   Allocs   |\n");
+  for (int i = 0; i < n && i < 64; i++) {
+    gca_pool_stats_t p;
+    if (gca_pool_get_stats(a, ids[i], &p) != GCA_OK) continue;
+    char name[24], cells[4][CELL_SIZE];
+    snprintf(name, sizeof name, "pool %llu", (unsigned long long)p.id);
+    format_cell(cells[0], &sizes, (int64_t)p.reserved_bytes, (int64_t)p.reserved_bytes);
+    format_cell(cells[1], &sizes, (int64_t)p.allocated_bytes, (int64_t)p.allocated_bytes);
+    format_cell(cells[2], &sizes, (int64_t)p.cached_bytes, (int64_t)p.cached_bytes);
+    format_cell(cells[3], &counts, (int64_t)p.allocations, (int64_t)p.allocations);
+    rule(t, '-');
+    gca__text_put(t, "| %-21s | %s | %s | %s | %s |\n", name, cells[0], cells[1], cells[2], cells[3]);
+  }
+  if (n > 64) gca__text_put(t, "| %-73s |\n", "(and more pools)");
+  rule(t, '=');
+}
+
 int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *buf, size_t cap) {
   gca_stats_t s;
   int rc = gca_get_stats(a, device, &s);
@@ -112,5 +135,6 @@ int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *bu
   rule(&t, '-');
   row(&t, "Oversize GPU segments", &s.oversize_segments, &s.oversize_segments, &counts);
   rule(&t, '=');
+  pools(a, device, &t);
   return (int)t.len;
 }

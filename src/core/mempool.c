@@ -1,0 +1,408 @@
+/* Private pools: memory of a device that serves only the allocations routed
+ * to it (PyTorch's private pools, as CUDA graphs and torch.cuda.MemPool use
+ * them).
+ *
+ * A private pool is a pair of free indexes (small and large) of its own;
+ * its segments point at them, so a block freed in the pool goes back to
+ * them and is reused only there, and everything else (best fit, split and
+ * merge, stream-ordered frees, the out-of-memory ladder) works on it as on
+ * the default pools. Allocations reach a pool by a route: the calling
+ * thread's stack of pushes (innermost first), else the stream's route.
+ * While no route exists on a device (d->routes is 0) an allocation pays one
+ * branch for all this.
+ *
+ * The device's cache release (gca_empty_cache, the ladder) leaves private
+ * pools alone: their memory is their graphs'. A pool's memory goes back when
+ * its last reference is dropped, which is refused while anything in it is
+ * live or routed there. Statistics per pool are counted from its segments
+ * when asked, so the hot path keeps nothing per pool.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/core.h"
+
+#define ROUTE_DEPTH 16
+
+/* The calling thread's pushes. `device` NULL: pool 0 on every device of
+ * the allocator. Pointers only compared, never followed, until popped. */
+typedef struct thread_route {
+  gca_allocator_t *allocator;
+  device_t *device;
+  mempool_t *pool;
+} thread_route_t;
+
+static _Thread_local thread_route_t thread_routes[ROUTE_DEPTH];
+static _Thread_local int thread_route_depth;
+
+static pool_t *pool_for(mempool_t *mp, size_t rounded) { return rounded <= SMALL_SIZE ? &mp->small : &mp->large; }
+
+pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback) {
+  for (int i = thread_route_depth - 1; i >= 0; i--) {
+    const thread_route_t *r = &thread_routes[i];
+    if (r->allocator != d->owner || (r->device && r->device != d)) continue;
+    return r->pool ? pool_for(r->pool, rounded) : fallback;
+  }
+  for (size_t i = 0; i < d->stream_route_count; i++)
+    if (d->stream_routes[i].stream == stream) return pool_for(d->stream_routes[i].pool, rounded);
+  return fallback;
+}
+
+mempool_t *gca__mempool_find(device_t *d, uint64_t id) {
+  for (mempool_t *mp = d->mempools; mp; mp = mp->next)
+    if (mp->id == id) return mp;
+  return NULL;
+}
+
+pool_t *gca__device_pool_at(device_t *d, size_t i) {
+  if (i < 2) return i == 0 ? &d->small_pool : &d->large_pool;
+  mempool_t *mp = d->mempools;
+  for (size_t k = 2; mp && k + 2 <= i; k += 2) mp = mp->next;
+  return !mp ? NULL : i % 2 == 0 ? &mp->small : &mp->large;
+}
+
+void gca__mempools_destroy(device_t *d) {
+  while (d->mempools) {
+    mempool_t *next = d->mempools->next;
+    free(d->mempools);
+    d->mempools = next;
+  }
+  free(d->stream_routes);
+  d->stream_routes = NULL;
+  d->stream_route_count = d->stream_route_cap = 0;
+}
+
+/* ---- lookup ------------------------------------------------------------- */
+
+/* The pool `id` and its device, locked; NULL (nothing locked) with the
+ * error set. */
+static mempool_t *lock_pool(gca_allocator_t *a, gca_pool_t id, const char *what) {
+  if (!a) {
+    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  for (int i = 0; id && i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    mempool_t *mp = gca__mempool_find(d, id);
+    if (mp) return mp;
+    lock_release(&d->lock);
+  }
+  gca__set_error(GCA_ERR_INVALID, "%s: pool %" PRIu64 " does not exist%s", what, id,
+                 id && id <= atomic_load(&a->last_pool_id) ? " (it was released)" : "");
+  return NULL;
+}
+
+static device_t *device_named(gca_allocator_t *a, int device, const char *what) {
+  if (!a) {
+    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  if (device < 0 || device >= a->device_count) {
+    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
+                   a->device_count, a->device_count == 1 ? "" : "s");
+    return NULL;
+  }
+  return &a->devices[device];
+}
+
+/* ---- life --------------------------------------------------------------- */
+
+int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out) {
+  device_t *d = device_named(a, device, "gca_pool_create");
+  if (!d) return gca_last_status();
+  if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: out is NULL");
+  mempool_t *mp = calloc(1, sizeof *mp);
+  if (!mp) return gca__set_error(GCA_ERR_NOMEM, "gca_pool_create: out of host memory");
+  gca__pool_init(&mp->small, GCA_POOL_SMALL);
+  gca__pool_init(&mp->large, GCA_POOL_LARGE);
+  mp->small.owner = mp->large.owner = mp;
+  mp->id = atomic_fetch_add(&a->last_pool_id, 1) + 1;
+  mp->device = d;
+  mp->references = 1;
+  lock_acquire(&d->lock);
+  mempool_t **tail = &d->mempools; /* (in creation order) */
+  while (*tail) tail = &(*tail)->next;
+  *tail = mp;
+  lock_release(&d->lock);
+  *out = mp->id;
+  return GCA_OK;
+}
+
+int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool) {
+  mempool_t *mp = lock_pool(a, pool, "gca_pool_retain");
+  if (!mp) return gca_last_status();
+  mp->references++;
+  lock_release(&mp->device->lock);
+  return GCA_OK;
+}
+
+/* Give a segment left in an ending pool (its device refused the free) to
+ * the default pool of its kind: the books stay whole. */
+static void rehome(device_t *d, segment_t *seg) {
+  pool_t *from = seg->pool, *to = from->kind == GCA_POOL_SMALL ? &d->small_pool : &d->large_pool;
+  for (block_t *b = seg->head; b; b = b->next) {
+    if (b->state == BLOCK_FREE) {
+      gca__pool_remove(from, b);
+      b->pool = to;
+      gca__pool_insert(to, b);
+    } else if (b->state == BLOCK_UNMAPPED) {
+      gca__pool_unmapped_remove(from, b);
+      b->pool = to;
+      gca__pool_unmapped_insert(to, b);
+    } else {
+      b->pool = to;
+    }
+  }
+  if (seg->expandable) {
+    from->expandable_segments--;
+    to->expandable_segments++;
+  }
+  seg->pool = to;
+}
+
+/* What keeps a pool from ending, or NULL. */
+static const char *busy(const mempool_t *mp, char *why, size_t cap) {
+  size_t live = 0, bytes = 0;
+  for (segment_t *seg = mp->device->segments; seg; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    for (block_t *b = seg->head; b; b = b->next)
+      if (b->state == BLOCK_ALLOCATED || b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
+        live++;
+        bytes += b->size;
+      }
+  }
+  if (live) {
+    char text[32];
+    gca__format_bytes(bytes, text, sizeof text);
+    snprintf(why, cap, "%zu block%s (%s) of it %s live", live, live == 1 ? "" : "s", text, live == 1 ? "is" : "are");
+    return why;
+  }
+  if (mp->thread_routes || mp->stream_routes) {
+    snprintf(why, cap, "allocations are routed to it (%zu thread push%s, %zu stream%s)", mp->thread_routes,
+             mp->thread_routes == 1 ? "" : "es", mp->stream_routes, mp->stream_routes == 1 ? "" : "s");
+    return why;
+  }
+  return NULL;
+}
+
+int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
+  mempool_t *mp = lock_pool(a, pool, "gca_pool_release");
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  if (mp->references > 1) {
+    mp->references--;
+    lock_release(&d->lock);
+    return GCA_OK;
+  }
+  char why[160];
+  if (d->captures) {
+    lock_release(&d->lock);
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end while a stream of device %d "
+                          "is captured (its memory would go back to the device)", pool, d->index);
+  }
+  if (busy(mp, why, sizeof why)) {
+    lock_release(&d->lock);
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end: %s", pool, why);
+  }
+  /* Its cache goes back after the work queued on its streams (a segment
+   * whose stream is busy is released when that work completes). */
+  gca__segment_release_pool(d, &mp->small);
+  gca__segment_release_pool(d, &mp->large);
+  gca__expandable_release_pool(d, &mp->small);
+  gca__expandable_release_pool(d, &mp->large);
+  gca__events_finish_releases(d, true);
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner == mp) rehome(d, seg);
+  for (mempool_t **p = &d->mempools; *p; p = &(*p)->next)
+    if (*p == mp) {
+      *p = mp->next;
+      break;
+    }
+  lock_release(&d->lock);
+  free(mp);
+  device_wake_waiters(d); /* (memory came back) */
+  return GCA_OK;
+}
+
+/* ---- routes ------------------------------------------------------------- */
+
+int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
+  if (thread_route_depth == ROUTE_DEPTH)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: this thread has %d pushes already", ROUTE_DEPTH);
+  thread_route_t r = {a, NULL, NULL};
+  if (pool) {
+    mempool_t *mp = lock_pool(a, pool, "gca_pool_push");
+    if (!mp) return gca_last_status();
+    r.device = mp->device;
+    r.pool = mp;
+    mp->thread_routes++;
+    mp->device->routes++;
+    lock_release(&mp->device->lock);
+  } else {
+    for (int i = 0; i < a->device_count; i++) {
+      lock_acquire(&a->devices[i].lock);
+      a->devices[i].routes++;
+      lock_release(&a->devices[i].lock);
+    }
+  }
+  thread_routes[thread_route_depth++] = r;
+  return GCA_OK;
+}
+
+int gca_pool_pop(gca_allocator_t *a) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
+  if (thread_route_depth == 0 || thread_routes[thread_route_depth - 1].allocator != a)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: this thread's last push was not to this allocator%s",
+                          thread_route_depth ? "" : " (it has none)");
+  thread_route_t r = thread_routes[--thread_route_depth];
+  if (r.device) {
+    lock_acquire(&r.device->lock);
+    r.pool->thread_routes--;
+    r.device->routes--;
+    lock_release(&r.device->lock);
+  } else {
+    for (int i = 0; i < a->device_count; i++) {
+      lock_acquire(&a->devices[i].lock);
+      a->devices[i].routes--;
+      lock_release(&a->devices[i].lock);
+    }
+  }
+  return GCA_OK;
+}
+
+/* Route `stream` to the pool (a capture's route if `capture`). */
+static int route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream, bool capture, const char *what) {
+  mempool_t *mp = lock_pool(a, pool, what);
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  int rc = GCA_OK;
+  for (size_t i = 0; i < d->stream_route_count && rc == GCA_OK; i++)
+    if (d->stream_routes[i].stream == stream)
+      rc = gca__set_error(GCA_ERR_INVALID, "%s: stream %#" PRIxPTR " is routed to pool %" PRIu64 " already%s", what,
+                          (uintptr_t)stream, d->stream_routes[i].pool->id,
+                          d->stream_routes[i].capture ? " (captured)" : "");
+  if (rc == GCA_OK && d->stream_route_count == d->stream_route_cap) {
+    size_t cap = d->stream_route_cap ? 2 * d->stream_route_cap : 4;
+    stream_route_t *grown = realloc(d->stream_routes, cap * sizeof *grown);
+    if (grown) {
+      d->stream_routes = grown;
+      d->stream_route_cap = cap;
+    } else {
+      rc = gca__set_error(GCA_ERR_NOMEM, "%s: out of host memory", what);
+    }
+  }
+  if (rc == GCA_OK) {
+    d->stream_routes[d->stream_route_count++] = (stream_route_t){stream, mp, capture};
+    mp->stream_routes++;
+    d->routes++;
+    d->captures += capture;
+  }
+  lock_release(&d->lock);
+  return rc;
+}
+
+static int unroute_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream, bool capture, const char *what) {
+  mempool_t *mp = lock_pool(a, pool, what);
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  for (size_t i = 0; i < d->stream_route_count; i++) {
+    stream_route_t *r = &d->stream_routes[i];
+    if (r->stream != stream || r->pool != mp || r->capture != capture) continue;
+    *r = d->stream_routes[--d->stream_route_count];
+    mp->stream_routes--;
+    d->routes--;
+    /* The last capture ended: the frees held meanwhile record their events. */
+    if (capture && --d->captures == 0) gca__events_after_capture(d);
+    lock_release(&d->lock);
+    return GCA_OK;
+  }
+  lock_release(&d->lock);
+  return gca__set_error(GCA_ERR_INVALID, "%s: stream %#" PRIxPTR " is not %s pool %" PRIu64, what, (uintptr_t)stream,
+                        capture ? "captured into" : "routed to", pool);
+}
+
+int gca_pool_route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
+  return route_stream(a, pool, stream, false, "gca_pool_route_stream");
+}
+
+int gca_pool_unroute_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
+  return unroute_stream(a, pool, stream, false, "gca_pool_unroute_stream");
+}
+
+int gca_capture_begin(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
+  return route_stream(a, pool, stream, true, "gca_capture_begin");
+}
+
+int gca_capture_end(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
+  return unroute_stream(a, pool, stream, true, "gca_capture_end");
+}
+
+int gca__device_capturing(device_t *d, const char *what) {
+  lock_acquire(&d->lock);
+  size_t captures = d->captures;
+  lock_release(&d->lock);
+  if (!captures) return GCA_OK;
+  return gca__set_error(GCA_ERR_INVALID, "%s: device %d has %zu stream%s captured into a graph: nothing may be "
+                        "synchronized or given back until the capture ends", what, d->index, captures,
+                        captures == 1 ? "" : "s");
+}
+
+/* ---- looking ------------------------------------------------------------ */
+
+int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out) {
+  if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: out is NULL");
+  mempool_t *mp = lock_pool(a, pool, "gca_pool_get_stats");
+  if (!mp) return gca_last_status();
+  memset(out, 0, sizeof *out);
+  out->id = mp->id;
+  out->device = mp->device->index;
+  out->references = mp->references;
+  out->routes = mp->thread_routes + mp->stream_routes;
+  for (segment_t *seg = mp->device->segments; seg; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    out->segments++;
+    out->reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
+    for (block_t *b = seg->head; b; b = b->next) {
+      if (b->state == BLOCK_ALLOCATED) {
+        out->allocations++;
+        out->allocated_bytes += b->size;
+        out->requested_bytes += b->requested;
+      } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
+        out->pending_bytes += b->size;
+      } else if (b->state == BLOCK_FREE) {
+        out->cached_bytes += b->size;
+      }
+    }
+  }
+  lock_release(&mp->device->lock);
+  return GCA_OK;
+}
+
+int gca_pool_of(gca_allocator_t *a, void *ptr, gca_pool_t *out) {
+  if (!a || !ptr || !out)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_of: %s is NULL", !a ? "allocator" : !ptr ? "pointer" : "out");
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    block_t *b = gca__block_map_find(&d->allocated, (uintptr_t)ptr);
+    if (b) *out = b->pool->owner ? b->pool->owner->id : 0;
+    lock_release(&d->lock);
+    if (b) return GCA_OK;
+  }
+  return gca__set_error(GCA_ERR_BAD_POINTER, "gca_pool_of: %p is not a live allocation", ptr);
+}
+
+int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_t cap) {
+  device_t *d = device_named(a, device, "gca_pool_list");
+  if (!d) return gca_last_status();
+  if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_pool_list: out is NULL");
+  int n = 0;
+  lock_acquire(&d->lock);
+  for (mempool_t *mp = d->mempools; mp; mp = mp->next, n++)
+    if ((size_t)n < cap) out[n] = mp->id;
+  lock_release(&d->lock);
+  return n;
+}

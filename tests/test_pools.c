@@ -1,0 +1,537 @@
+/* Private pools (label `pools`): routing by thread (push/pop, nested) and
+ * by stream, the default pool untouched; blocks reused only inside their
+ * pool; reference counts and the release refused while anything is live or
+ * routed, then done; statistics per pool; pool ids in snapshots and the
+ * summary; the device's cache release leaving private pools alone, and the
+ * out-of-memory ladder freeing the default cache for a pool; expandable
+ * segments in a pool; threads routing to different pools at once; a seeded
+ * random workload under the invariant checker after every step. */
+#include <pthread.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+#define S1 ((gca_stream_t)0x100)
+#define S2 ((gca_stream_t)0x200)
+
+static gca_pool_t pool_of(gca_allocator_t *a, void *p) {
+  gca_pool_t id = 99;
+  assert_int_equal(gca_pool_of(a, p, &id), GCA_OK);
+  return id;
+}
+
+static gca_pool_t new_pool(gca_allocator_t *a) {
+  gca_pool_t id = 0;
+  assert_int_equal(gca_pool_create(a, 0, &id), GCA_OK);
+  assert_true(id > 0);
+  return id;
+}
+
+static gca_pool_stats_t pool_stats(gca_allocator_t *a, gca_pool_t id) {
+  gca_pool_stats_t s;
+  assert_int_equal(gca_pool_get_stats(a, id, &s), GCA_OK);
+  return s;
+}
+
+static void test_default_untouched(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a);
+  void *x = gca_malloc(a, 4 * MiB, 0, 0), *y = gca_malloc(a, 4 * KiB, 0, S1);
+  assert_int_equal(pool_of(a, x), 0);
+  assert_int_equal(pool_of(a, y), 0);
+  gca_pool_stats_t s = pool_stats(a, p);
+  assert_int_equal(s.segments, 0);
+  assert_int_equal(s.reserved_bytes, 0);
+  assert_int_equal(s.references, 1);
+  gca_free(a, x);
+  gca_free(a, y);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+static void test_thread_routes_nest(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a), q = new_pool(a);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 1 * MiB, 0, 0);
+  assert_int_equal(gca_pool_push(a, q), GCA_OK);
+  void *y = gca_malloc(a, 3 * MiB, 0, S1);
+  assert_int_equal(gca_pool_push(a, 0), GCA_OK); /* the default pool, inside q */
+  void *z = gca_malloc(a, 2 * KiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  void *w = gca_malloc(a, 2 * KiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  void *v = gca_malloc(a, 2 * KiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  void *u = gca_malloc(a, 2 * KiB, 0, 0);
+  assert_int_equal(pool_of(a, x), p);
+  assert_int_equal(pool_of(a, y), q);
+  assert_int_equal(pool_of(a, z), 0);
+  assert_int_equal(pool_of(a, w), q);
+  assert_int_equal(pool_of(a, v), p);
+  assert_int_equal(pool_of(a, u), 0);
+  /* Nothing left to pop; a push of a pool that does not exist. */
+  assert_int_equal(gca_pool_pop(a), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "it has none");
+  assert_int_equal(gca_pool_push(a, 12345), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "pool 12345 does not exist");
+  assert_consistent(a);
+  for (void **b = (void *[]){x, y, z, w, v, u, NULL}; *b; b++) assert_int_equal(gca_free(a, *b), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(gca_pool_release(a, q), GCA_OK);
+  gca_close(a);
+}
+
+static void test_stream_routes(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a), q = new_pool(a);
+  assert_int_equal(gca_pool_route_stream(a, p, S1), GCA_OK);
+  assert_int_equal(gca_pool_route_stream(a, q, S1), GCA_ERR_INVALID); /* one pool a stream */
+  assert_contains(gca_last_error(), "is routed to pool");
+  void *x = gca_malloc(a, 1 * MiB, 0, S1), *y = gca_malloc(a, 1 * MiB, 0, S2);
+  assert_int_equal(pool_of(a, x), p);
+  assert_int_equal(pool_of(a, y), 0);
+  /* A thread's push wins over the stream's route. */
+  assert_int_equal(gca_pool_push(a, q), GCA_OK);
+  void *z = gca_malloc(a, 1 * MiB, 0, S1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(pool_of(a, z), q);
+  assert_int_equal(pool_stats(a, p).routes, 1);
+  assert_int_equal(gca_pool_unroute_stream(a, q, S1), GCA_ERR_INVALID);
+  assert_int_equal(gca_pool_unroute_stream(a, p, S1), GCA_OK);
+  void *w = gca_malloc(a, 1 * MiB, 0, S1);
+  assert_int_equal(pool_of(a, w), 0);
+  for (void **b = (void *[]){x, y, z, w, NULL}; *b; b++) assert_int_equal(gca_free(a, *b), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(gca_pool_release(a, q), GCA_OK);
+  gca_close(a);
+}
+
+/* A block freed in a pool serves only that pool's allocations. */
+static void test_reuse_only_inside(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 4 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  int64_t reserved = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current;
+  void *y = gca_malloc(a, 4 * MiB, 0, 0); /* the default pool: a segment of its own */
+  assert_ptr_not_equal(x, y);
+  assert_true(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current > reserved);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *z = gca_malloc(a, 4 * MiB, 0, 0); /* the pool's block again */
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_ptr_equal(x, z);
+  gca_pool_stats_t s = pool_stats(a, p);
+  assert_int_equal(s.segments, 1);
+  assert_int_equal(s.reserved_bytes, 20 * MiB); /* a 4 MiB request takes a 20 MiB segment (kLargeBuffer) */
+  assert_int_equal(s.allocations, 1);
+  assert_int_equal(s.allocated_bytes, 4 * MiB);
+  assert_int_equal(s.requested_bytes, 4 * MiB);
+  assert_int_equal(s.cached_bytes, 16 * MiB);
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_free(a, z), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  gca_close(a);
+}
+
+/* Release: refused while a block is live or a route leads to the pool (and
+ * nothing changes), done once neither holds; references counted. */
+static void test_release_refused_then_done(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a);
+  assert_int_equal(gca_pool_retain(a, p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 30 * MiB, 0, 0);
+  void *y = gca_malloc(a, 100 * KiB, 0, 0);
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK); /* 2 references: one goes */
+  assert_int_equal(pool_stats(a, p).references, 1);
+  gca_stats_t before = stats_of(a, 0);
+  assert_int_equal(gca_pool_release(a, p), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "1 block (30.00 MiB) of it is live");
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "allocations are routed to it (1 thread push, 0 streams)");
+  gca_stats_t after = stats_of(a, 0);
+  assert_int_equal(before.reserved_bytes[GCA_POOL_ALL].current, after.reserved_bytes[GCA_POOL_ALL].current);
+  assert_int_equal(pool_stats(a, p).references, 1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  /* Its memory went back, and the pool is no more. */
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+  sim_counters_t c = sim_counters(a, 0);
+  assert_int_equal(c.used, 0);
+  gca_pool_stats_t s;
+  assert_int_equal(gca_pool_get_stats(a, p, &s), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "(it was released)");
+  assert_int_equal(gca_pool_release(a, p), GCA_ERR_INVALID);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+/* gca_empty_cache leaves a pool's cache (its graphs' memory); the ladder
+ * frees the default pool's cache for a pool's request. */
+static void test_cache_release_and_pressure(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=100MiB", NULL);
+  gca_pool_t p = new_pool(a);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 30 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  void *y = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 30 * MiB);
+  assert_int_equal(pool_stats(a, p).cached_bytes, 30 * MiB);
+  /* Default cache of 60 MiB; the pool needs 50 more: the ladder frees the default cache. */
+  void *big = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_int_equal(gca_free(a, big), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *z = gca_malloc(a, 50 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_non_null(z);
+  assert_int_equal(pool_of(a, z), p);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 80 * MiB);
+  /* The pool's own cache is not given up for the default pool. */
+  void *w = gca_malloc(a, 40 * MiB, 0, 0);
+  assert_null(w);
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  assert_int_equal(gca_free(a, z), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+  gca_close(a);
+}
+
+static void test_snapshot_and_summary_name_pools(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = new_pool(a);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 3 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  void *y = gca_malloc(a, 1 * MiB, 0, 0);
+  gca_snapshot_t *sn = NULL;
+  assert_int_equal(gca_snapshot_take(a, &sn), GCA_OK);
+  assert_int_equal(sn->segment_count, 2);
+  int in_pool = 0;
+  for (size_t i = 0; i < sn->segment_count; i++) in_pool += sn->segments[i].pool_id == p;
+  assert_int_equal(in_pool, 1);
+  char path[64], expect[64];
+  snprintf(path, sizeof path, "/tmp/gcalloc-pools-%d.json", (int)getpid());
+  assert_int_equal(gca_snapshot_write(sn, path, GCA_SNAPSHOT_JSON), GCA_OK);
+  size_t len;
+  char *json = (char *)read_whole(path, &len);
+  snprintf(expect, sizeof expect, "\"segment_pool_id\":[%llu,0]", (unsigned long long)p);
+  assert_contains(json, expect);
+  assert_contains(json, "\"segment_pool_id\":[0,0]");
+  free(json);
+  unlink(path);
+  gca_snapshot_free(sn);
+  char text[8192];
+  assert_true(gca_memory_summary(a, 0, 0, text, sizeof text) > 0);
+  snprintf(expect, sizeof expect, "| pool %llu ", (unsigned long long)p);
+  assert_contains(text, expect);
+  assert_contains(text, "Private pool");
+  gca_free(a, x);
+  gca_free(a, y);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_true(gca_memory_summary(a, 0, 0, text, sizeof text) > 0);
+  assert_null(strstr(text, "Private pool"));
+  gca_close(a);
+}
+
+static void test_expandable_segments_in_a_pool(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", "expandable_segments:True");
+  gca_pool_t p = new_pool(a);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *b[8];
+  for (int i = 0; i < 8; i++) b[i] = gca_malloc(a, (size_t)(i + 1) * 3 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  void *d = gca_malloc(a, 5 * MiB, 0, 0);
+  for (int i = 0; i < 8; i++) assert_int_equal(pool_of(a, b[i]), p);
+  assert_int_equal(pool_of(a, d), 0);
+  assert_consistent(a);
+  for (int i = 0; i < 8; i += 2) assert_int_equal(gca_free(a, b[i]), GCA_OK);
+  assert_consistent(a);
+  for (int i = 1; i < 8; i += 2) assert_int_equal(gca_free(a, b[i]), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_free(a, d), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  gca_close(a);
+}
+
+/* Threads pushing their own pools at once each allocate in their own. */
+typedef struct worker {
+  gca_allocator_t *a;
+  gca_pool_t pool;
+  int wrong;
+} worker_t;
+
+static void *work(void *arg) {
+  worker_t *w = arg;
+  void *held[16] = {0};
+  uint64_t seed = w->pool * 7919;
+  if (gca_pool_push(w->a, w->pool) != GCA_OK) w->wrong++;
+  for (int i = 0; i < 4000; i++) {
+    int k = (int)(next_random(&seed) % 16);
+    if (held[k]) {
+      gca_pool_t id = 0;
+      if (gca_pool_of(w->a, held[k], &id) != GCA_OK || id != w->pool) w->wrong++;
+      if (gca_free(w->a, held[k]) != GCA_OK) w->wrong++;
+      held[k] = NULL;
+    } else {
+      held[k] = gca_malloc(w->a, 512 + next_random(&seed) % (3 * MiB), 0, 0);
+      if (!held[k]) w->wrong++;
+    }
+  }
+  if (gca_pool_pop(w->a) != GCA_OK) w->wrong++;
+  for (int k = 0; k < 16; k++)
+    if (held[k] && gca_free(w->a, held[k]) != GCA_OK) w->wrong++;
+  return NULL;
+}
+
+static void test_threads_route_to_their_pools(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  worker_t w[4];
+  pthread_t t[4];
+  for (int i = 0; i < 4; i++) {
+    w[i] = (worker_t){a, new_pool(a), 0};
+    assert_int_equal(pthread_create(&t[i], NULL, work, &w[i]), 0);
+  }
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(pthread_join(t[i], NULL), 0);
+    assert_int_equal(w[i].wrong, 0);
+  }
+  assert_consistent(a);
+  for (int i = 0; i < 4; i++) assert_int_equal(gca_pool_release(a, w[i].pool), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+  gca_close(a);
+}
+
+/* A seeded random workload over the default pool and three private ones,
+ * routed by pushes and by streams, with stream uses and pool releases, on a
+ * small device (the ladder runs): the invariants hold after every step, and
+ * at the end everything goes back. */
+static void run_random(const char *conf) {
+  gca_allocator_t *a = open_sim("sim:capacity=256MiB", conf);
+  uint64_t seed = 0x9e3779b97f4a7c15ull;
+  gca_pool_t pools[3] = {new_pool(a), new_pool(a), new_pool(a)};
+  void *held[64] = {0};
+  gca_pool_t where[64] = {0};
+  gca_stream_t streams[3] = {0, S1, S2};
+  for (int step = 0; step < 3000; step++) {
+    int k = (int)(next_random(&seed) % 64);
+    uint64_t r = next_random(&seed);
+    if (held[k]) {
+      assert_int_equal(pool_of(a, held[k]), where[k]);
+      if (r % 5 == 0) assert_int_equal(gca_record_stream(a, held[k], S2), GCA_OK);
+      assert_int_equal(gca_free(a, held[k]), GCA_OK);
+      held[k] = NULL;
+    } else {
+      int route = (int)(r % 5); /* 0: none, 1-3: push pools[route-1], 4: stream S1 routed to pools[0] */
+      gca_stream_t stream = streams[(r >> 8) % 3];
+      size_t size = (r >> 16) % 4 == 0 ? 1 + (r >> 20) % (24 * MiB) : 1 + (r >> 20) % (600 * KiB);
+      if (route >= 1 && route <= 3) assert_int_equal(gca_pool_push(a, pools[route - 1]), GCA_OK);
+      if (route == 4) {
+        assert_int_equal(gca_pool_route_stream(a, pools[0], S1), GCA_OK);
+        stream = S1;
+      }
+      held[k] = gca_malloc(a, size, 0, stream);
+      if (route >= 1 && route <= 3) assert_int_equal(gca_pool_pop(a), GCA_OK);
+      if (route == 4) assert_int_equal(gca_pool_unroute_stream(a, pools[0], S1), GCA_OK);
+      where[k] = route >= 1 && route <= 3 ? pools[route - 1] : route == 4 ? pools[0] : 0;
+      if (!held[k]) assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+    }
+    if (step % 500 == 499) { /* a pool refuses to end while it holds blocks, then ends; another takes its place */
+      int i = (int)(r % 3), live = 0;
+      for (int j = 0; j < 64; j++) live += held[j] && where[j] == pools[i];
+      if (live) {
+        assert_int_equal(gca_pool_release(a, pools[i]), GCA_ERR_INVALID);
+        assert_contains(gca_last_error(), "of it");
+      }
+      for (int j = 0; j < 64; j++)
+        if (held[j] && where[j] == pools[i]) {
+          assert_int_equal(gca_free(a, held[j]), GCA_OK);
+          held[j] = NULL;
+        }
+      assert_int_equal(gca_synchronize(a, 0), GCA_OK); /* (frees waiting for S2's work complete) */
+      assert_int_equal(gca_pool_release(a, pools[i]), GCA_OK);
+      pools[i] = new_pool(a);
+    }
+    if (step % 700 == 0) assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+    assert_consistent(a);
+  }
+  for (int k = 0; k < 64; k++)
+    if (held[k]) assert_int_equal(gca_free(a, held[k]), GCA_OK);
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  for (int i = 0; i < 3; i++) assert_int_equal(gca_pool_release(a, pools[i]), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+static void test_random_workload(void **state) {
+  (void)state;
+  run_random(NULL);
+}
+
+static void test_random_workload_expandable(void **state) {
+  (void)state;
+  run_random("expandable_segments:True");
+}
+
+/* ---- graph capture ------------------------------------------------------- */
+
+static int64_t pending_frees(gca_allocator_t *a) {
+  gca_stats_t s = stats_of(a, 0);
+  return s.active[GCA_POOL_ALL].current - s.allocation[GCA_POOL_ALL].current;
+}
+
+/* Without the allocator told of the capture, the sim's model refuses what a
+ * driver would: a cache release is a device free, refused and counted. */
+static void test_sim_refuses_during_capture(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  void *p = gca_malloc(a, 4 * MiB, 0, S1);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, true), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK); /* (the device's refusal is absorbed: the segment stays) */
+  assert_true(sim_counters(a, 0).capture_violations > 0);
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, false), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  gca_close(a);
+}
+
+/* A capture of a random alloc/free sequence on several streams (the
+ * captured one, and two others with stream uses), on a device small enough
+ * that requests miss and the ladder runs: the sim, modelling the capture,
+ * refuses nothing because nothing forbidden is asked of it; calls that
+ * would synchronize or free are refused by gcalloc; the frees of blocks
+ * used on other streams wait until the capture ends, then complete. */
+static void run_capture(const char *conf) {
+  gca_allocator_t *a = open_sim("sim:capacity=192MiB", conf);
+  gca_pool_t graph = new_pool(a), other = new_pool(a);
+  uint64_t seed = 0x5851f42d4c957f2dull;
+  /* Before the capture: cache in the default pool, and a free still waiting for S2's work. */
+  void *warm = gca_malloc(a, 40 * MiB, 0, S2);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, S2, 1000000, (uintptr_t)warm, 40 * MiB), GCA_OK);
+  assert_int_equal(gca_record_stream(a, warm, 0), GCA_OK);
+  assert_int_equal(gca_free(a, warm), GCA_OK);
+  assert_int_equal(pending_frees(a), 1);
+
+  assert_int_equal(gca_capture_begin(a, graph, S1), GCA_OK);
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, true), GCA_OK);
+  assert_int_equal(gca_capture_begin(a, other, S1), GCA_ERR_INVALID); /* (one capture a stream) */
+  void *held[48] = {0};
+  gca_stream_t on[48];
+  gca_stream_t streams[3] = {S1, S1, S2};
+  int misses = 0, deferred = 0;
+  for (int step = 0; step < 1500; step++) {
+    int k = (int)(next_random(&seed) % 48);
+    uint64_t r = next_random(&seed);
+    if (held[k]) {
+      if (r % 4 == 0) {
+        assert_int_equal(gca_record_stream(a, held[k], on[k] == S1 ? S2 : S1), GCA_OK);
+        deferred++;
+      }
+      assert_int_equal(gca_free(a, held[k]), GCA_OK);
+      held[k] = NULL;
+    } else {
+      on[k] = streams[r % 3];
+      size_t size = (r >> 8) % 3 == 0 ? 1 + (r >> 16) % (12 * MiB) : 1 + (r >> 16) % (300 * KiB);
+      held[k] = gca_malloc(a, size, 0, on[k]);
+      if (!held[k]) {
+        assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+        misses++;
+      } else if (on[k] == S1) {
+        assert_int_equal(pool_of(a, held[k]), graph);
+      }
+    }
+    if (step % 300 == 0) {
+      assert_int_equal(gca_empty_cache(a, -1), GCA_ERR_INVALID);
+      assert_contains(gca_last_error(), "captured into a graph");
+      assert_int_equal(gca_synchronize(a, 0), GCA_ERR_INVALID);
+      assert_int_equal(gca_pool_release(a, other), GCA_ERR_INVALID);
+      assert_int_equal(gca_process_events(a, 0), GCA_OK); /* (queries nothing) */
+    }
+    assert_consistent(a);
+    assert_int_equal(sim_counters(a, 0).capture_violations, 0);
+  }
+  assert_true(misses > 0); /* the device filled up: the ladder ran, under the capture's rules */
+  assert_true(deferred > 0);
+  int64_t waiting = pending_frees(a);
+  assert_true(waiting > 1); /* the earlier free, and frees held for the capture's end */
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, false), GCA_OK);
+  assert_int_equal(gca_capture_end(a, graph, S1), GCA_OK);
+  assert_int_equal(gca_capture_end(a, graph, S1), GCA_ERR_INVALID);
+  /* After the end, the held frees record their events and complete with the streams' work. */
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  assert_int_equal(pending_frees(a), 0);
+  assert_consistent(a);
+  for (int k = 0; k < 48; k++)
+    if (held[k]) assert_int_equal(gca_free(a, held[k]), GCA_OK);
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  assert_int_equal(gca_pool_release(a, graph), GCA_OK);
+  assert_int_equal(gca_pool_release(a, other), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_int_equal(sim_counters(a, 0).capture_violations, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+static void test_capture_random_sequence(void **state) {
+  (void)state;
+  run_capture(NULL);
+}
+
+static void test_capture_random_sequence_expandable(void **state) {
+  (void)state;
+  run_capture("expandable_segments:True,stitching:True");
+}
+
+static void test_capture_random_sequence_cross_stream(void **state) {
+  (void)state;
+  run_capture("cross_stream_reuse:2,garbage_collection_threshold:0.5,per_process_memory_fraction:0.9");
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_default_untouched),
+      cmocka_unit_test(test_thread_routes_nest),
+      cmocka_unit_test(test_stream_routes),
+      cmocka_unit_test(test_reuse_only_inside),
+      cmocka_unit_test(test_release_refused_then_done),
+      cmocka_unit_test(test_cache_release_and_pressure),
+      cmocka_unit_test(test_snapshot_and_summary_name_pools),
+      cmocka_unit_test(test_expandable_segments_in_a_pool),
+      cmocka_unit_test(test_threads_route_to_their_pools),
+      cmocka_unit_test(test_random_workload),
+      cmocka_unit_test(test_random_workload_expandable),
+      cmocka_unit_test(test_sim_refuses_during_capture),
+      cmocka_unit_test(test_capture_random_sequence),
+      cmocka_unit_test(test_capture_random_sequence_expandable),
+      cmocka_unit_test(test_capture_random_sequence_cross_stream),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
