@@ -698,6 +698,32 @@ typedef uint64_t gca_pool_t;
 
 /* Create a pool on `device`, holding one reference. */
 GCA_API int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out);
+/* The same with flags: GCA_POOL_PAUSABLE makes a pool that can pause (its
+ * segments are expandable, whatever expandable_segments says; the backend
+ * needs virtual memory, else GCA_ERR_BACKEND). */
+enum { GCA_POOL_PAUSABLE = 1 };
+GCA_API int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_t *out);
+/* Pause a pausable pool: wait for its own streams (not the whole device),
+ * with GCA_PAUSE_BACKUP copy every live block to pinned host memory (the
+ * pinned host allocator's), then unmap and give back all its physical
+ * memory; *released (may be NULL) says how much. Its addresses stay
+ * reserved and its blocks stay live: pointers into it stay valid, to be
+ * used again after gca_pool_resume. While paused, an allocation routed to
+ * it fails (GCA_ERR_INVALID), a free of its blocks is legal (nothing is
+ * given back twice; the block's copy is dropped). Pausing a paused pool,
+ * or one that cannot pause, is refused and changes nothing; so is a pause
+ * during a graph capture on its device. If the device will not unmap some
+ * pages they stay mapped and the error is returned (the pool is paused). */
+enum { GCA_PAUSE_BACKUP = 1 };
+GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *released);
+/* Resume a paused pool: new memory mapped at the same addresses, the host
+ * copies written back (ordered on each block's stream, waited for), then
+ * given back to the pinned host allocator unless GCA_RESUME_KEEP_BACKUP
+ * (kept until the next pause, resume or the pool's end). Out of memory:
+ * GCA_ERR_OOM, the pool still paused (what was mapped stays; call again).
+ * Resuming a running pool is refused and changes nothing. */
+enum { GCA_RESUME_KEEP_BACKUP = 1 };
+GCA_API int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags);
 /* One more reference (a second graph sharing the pool's memory). */
 GCA_API int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool);
 /* Drop a reference. Dropping the last one ends the pool: its cached memory
@@ -743,6 +769,8 @@ typedef struct gca_pool_stats {
   uint64_t allocations;       /* live blocks */
   uint64_t pending_bytes;     /* freed, still used by queued work */
   uint64_t cached_bytes;      /* free, mapped: what only this pool's allocations may reuse */
+  int pausable, paused;
+  uint64_t backup_bytes;      /* host copies held (a pause's, or kept at resume) */
 } gca_pool_stats_t;
 
 GCA_API int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out);

@@ -6,6 +6,7 @@
  * out-of-memory ladder freeing the default cache for a pool; expandable
  * segments in a pool; threads routing to different pools at once; a seeded
  * random workload under the invariant checker after every step. */
+#include <dlfcn.h>
 #include <pthread.h>
 #include <unistd.h>
 
@@ -515,6 +516,270 @@ static void test_capture_random_sequence_cross_stream(void **state) {
   run_capture("cross_stream_reuse:2,garbage_collection_threshold:0.5,per_process_memory_fraction:0.9");
 }
 
+/* ---- pause and resume ------------------------------------------------------ */
+
+static void test_pause_refusals(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t plain = new_pool(a), p = 0;
+  assert_int_equal(gca_pool_pause(a, plain, 0, NULL), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "cannot pause (create it with GCA_POOL_PAUSABLE)");
+  assert_int_equal(gca_pool_create_ex(a, 0, 8, &p), GCA_ERR_INVALID);
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_ERR_INVALID); /* running */
+  assert_contains(gca_last_error(), "is not paused");
+  assert_int_equal(gca_pool_pause(a, p, 4, NULL), GCA_ERR_INVALID); /* unknown flag */
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 3 * MiB, 0, 0);
+  assert_non_null(x);
+  size_t released = 0, first_released;
+  assert_int_equal(gca_pool_pause(a, p, 0, &released), GCA_OK);
+  assert_true(released >= 3 * MiB);
+  first_released = released;
+  assert_null(gca_malloc(a, 1 * MiB, 0, 0)); /* routed to a paused pool */
+  assert_int_equal(gca_last_status(), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "it is paused (resume it first)");
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  gca_stats_t before = stats_of(a, 0);
+  assert_int_equal(gca_pool_pause(a, p, 0, &released), GCA_ERR_INVALID); /* paused already: nothing changes */
+  assert_contains(gca_last_error(), "is paused already");
+  assert_int_equal(released, 0);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, before.reserved_bytes[GCA_POOL_ALL].current);
+  gca_pool_stats_t s = pool_stats(a, p);
+  assert_true(s.pausable && s.paused);
+  assert_int_equal(s.reserved_bytes, 0);
+  assert_int_equal(s.allocations, 1);
+  assert_consistent(a);
+  /* Capture rules: no pause or resume during one. */
+  gca_pool_t g = new_pool(a);
+  assert_int_equal(gca_capture_begin(a, g, S1), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_ERR_INVALID);
+  assert_int_equal(gca_capture_end(a, g, S1), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(pool_stats(a, p).reserved_bytes, first_released);
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(gca_pool_release(a, g), GCA_OK);
+  assert_int_equal(gca_pool_release(a, plain), GCA_OK);
+  gca_close(a);
+  /* A device without virtual memory has no pausable pools. */
+  a = open_sim("sim:backed=1", NULL);
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_ERR_BACKEND);
+  assert_contains(gca_last_error(), "has no virtual memory");
+  gca_close(a);
+}
+
+/* A pause gives the pool's memory back: the device's free memory rises by
+ * what it reported, another allocation can use it meanwhile; the host
+ * copies are taken and written back; the addresses stay; a free while
+ * paused gives nothing back twice and drops its copy. */
+static void test_pause_gives_memory_back(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=1GiB", NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *big = gca_malloc(a, 600 * MiB, 0, 0), *mid = gca_malloc(a, 30 * MiB, 0, S1), *small = gca_malloc(a, 5000, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_true(big && mid && small);
+  size_t free_before, total;
+  assert_int_equal(gca_mem_get_info(a, 0, &free_before, &total), GCA_OK);
+  uint64_t pool_reserved = pool_stats(a, p).reserved_bytes;
+  sim_counters_t c0 = sim_counters(a, 0);
+  size_t released = 0;
+  assert_int_equal(gca_pool_pause(a, p, GCA_PAUSE_BACKUP, &released), GCA_OK);
+  assert_int_equal(released, pool_reserved);
+  size_t free_after;
+  assert_int_equal(gca_mem_get_info(a, 0, &free_after, &total), GCA_OK);
+  assert_int_equal(free_after - free_before, released);
+  sim_counters_t c1 = sim_counters(a, 0);
+  assert_int_equal(c0.used - c1.used, released);
+  assert_int_equal(c1.copied_to_host - c0.copied_to_host, 600 * MiB + 30 * MiB + 5000);
+  gca_pool_stats_t s = pool_stats(a, p);
+  assert_int_equal(s.backup_bytes, 600 * MiB + 30 * MiB + 5000);
+  assert_int_equal(host_stats(a).allocated_bytes.current >= (int64_t)(630 * MiB), 1);
+  /* The memory is the device's again: the default pool takes most of it meanwhile. */
+  void *other = gca_malloc(a, 900 * MiB, 0, 0);
+  assert_non_null(other);
+  assert_int_equal(gca_free(a, other), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  /* Freed while paused: its copy goes, nothing is given back twice. */
+  assert_int_equal(gca_free(a, mid), GCA_OK);
+  assert_int_equal(pool_stats(a, p).backup_bytes, 600 * MiB + 5000);
+  assert_int_equal(sim_counters(a, 0).used, c1.used);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  sim_counters_t c2 = sim_counters(a, 0);
+  assert_int_equal(c2.used, c0.used); /* the same pages mapped again */
+  assert_int_equal(c2.copied_to_device - c1.copied_to_device, 600 * MiB + 5000);
+  assert_int_equal(pool_stats(a, p).backup_bytes, 0);
+  assert_int_equal(host_stats(a).allocated_bytes.current, 0);
+  assert_int_equal(pool_of(a, big), p);
+  assert_int_equal(pool_of(a, small), p);
+  assert_consistent(a);
+  /* The pool works as before. */
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *again = gca_malloc(a, 30 * MiB, 0, S1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_ptr_equal(again, mid); /* its block, at its address */
+  for (void **b = (void *[]){big, small, again, NULL}; *b; b++) assert_int_equal(gca_free(a, *b), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+/* A paused pool with nothing live can end: its addresses go back. */
+static void test_release_while_paused(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 40 * MiB, 0, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_pause(a, p, GCA_PAUSE_BACKUP, NULL), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_ERR_INVALID); /* x is live */
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  sim_counters_t c = sim_counters(a, 0);
+  assert_int_equal(c.used, 0);
+  assert_int_equal(c.vm_reserved, 0);
+  assert_int_equal(host_stats(a).allocated_bytes.current, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+/* 1,000 cycles of a random workload, pausing (with and without copies,
+ * freeing some blocks while paused) and resuming: after every cycle the
+ * device holds exactly what the books say, nothing is left in pinned
+ * memory, and the invariants hold; every 100 cycles, with the workload
+ * freed and the pool paused, the device holds nothing at all (no page, no
+ * allocation, no event left behind). */
+static void test_pause_resume_cycles(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=512MiB", NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  uint64_t seed = 0xd1b54a32d192ed03ull;
+  void *held[32] = {0};
+  for (int cycle = 0; cycle < 1000; cycle++) {
+    assert_int_equal(gca_pool_push(a, p), GCA_OK);
+    for (int op = 0; op < 12; op++) {
+      int k = (int)(next_random(&seed) % 32);
+      uint64_t r = next_random(&seed);
+      if (held[k]) {
+        assert_int_equal(gca_free(a, held[k]), GCA_OK);
+        held[k] = NULL;
+      } else {
+        held[k] = gca_malloc(a, 1 + r % ((r >> 40) % 4 == 0 ? 24 * MiB : 400 * KiB), 0, (r >> 20) % 2 ? S1 : 0);
+        if (!held[k]) assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+      }
+    }
+    assert_int_equal(gca_pool_pop(a), GCA_OK);
+    uint64_t reserved = pool_stats(a, p).reserved_bytes;
+    size_t released = 0;
+    assert_int_equal(gca_pool_pause(a, p, cycle % 2 ? GCA_PAUSE_BACKUP : 0, &released), GCA_OK);
+    assert_int_equal(released, reserved);
+    for (int k = 0; k < 32; k += 7)
+      if (held[k] && next_random(&seed) % 3 == 0) {
+        assert_int_equal(gca_free(a, held[k]), GCA_OK);
+        held[k] = NULL;
+      }
+    assert_consistent(a);
+    assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+    assert_int_equal(pool_stats(a, p).reserved_bytes, reserved);
+    sim_counters_t c = sim_counters(a, 0);
+    gca_stats_t st = stats_of(a, 0);
+    assert_int_equal(c.used, (size_t)st.reserved_bytes[GCA_POOL_ALL].current); /* the device holds what the books say */
+    assert_int_equal(host_stats(a).allocated_bytes.current, 0);
+    assert_int_equal(gca_host_empty_cache(a), GCA_OK);
+    assert_int_equal(host_stats(a).reserved_bytes.current, 0);
+    assert_consistent(a);
+    if (cycle % 100 == 99) { /* everything freed: the same counts as the first time */
+      for (int k = 0; k < 32; k++)
+        if (held[k]) assert_int_equal(gca_free(a, held[k]), GCA_OK), held[k] = NULL;
+      assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+      assert_int_equal(gca_pool_pause(a, p, GCA_PAUSE_BACKUP, NULL), GCA_OK);
+      sim_counters_t now = sim_counters(a, 0);
+      assert_int_equal(now.used, 0);
+      assert_int_equal(now.live, 0);
+      assert_int_equal(now.vm_handles, 0);
+      assert_int_equal(now.vm_mapped, 0);
+      assert_int_equal(now.events_live, 0);
+      assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 0);
+      assert_int_equal(pool_stats(a, p).backup_bytes, 0);
+      assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+    }
+  }
+  for (int k = 0; k < 32; k++)
+    if (held[k]) assert_int_equal(gca_free(a, held[k]), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  sim_counters_t end = sim_counters(a, 0);
+  assert_int_equal(end.used, 0);
+  assert_int_equal(end.vm_handles, 0);
+  assert_int_equal(end.vm_reserved, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+/* On the CUDA driver stand-in, whose mappings are real: patterns written
+ * before a pause read back the same, at the same addresses, after the
+ * resume; the driver's free memory rose by what the pause reported. */
+static void test_pause_resume_on_cuda_stand_in(void **state) {
+  (void)state;
+  void *fake = dlopen(FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  assert_non_null(fake);
+  void (*fake_reset)(void), (*fake_set_capacity)(size_t);
+  size_t (*fake_used)(int);
+  *(void **)&fake_reset = dlsym(fake, "fakecuda_reset");
+  *(void **)&fake_set_capacity = dlsym(fake, "fakecuda_set_capacity");
+  *(void **)&fake_used = dlsym(fake, "fakecuda_used");
+  fake_reset();
+  fake_set_capacity((size_t)1 << 30);
+  gca_allocator_t *a = open_sim("cuda:driver=" FAKE_CUDA_PATH, NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  size_t sizes[5] = {4096, 100 * KiB, 3 * MiB, 21 * MiB + 12345, 64 * MiB};
+  unsigned char *blocks[5];
+  uint64_t seed = 42;
+  for (int i = 0; i < 5; i++) {
+    blocks[i] = gca_malloc(a, sizes[i], 0, 0);
+    assert_non_null(blocks[i]);
+    for (size_t j = 0; j < sizes[i]; j++) blocks[i][j] = (unsigned char)(next_random(&seed) >> 56);
+  }
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  size_t used = fake_used(0), released = 0;
+  assert_int_equal(gca_pool_pause(a, p, GCA_PAUSE_BACKUP, &released), GCA_OK);
+  assert_true(released > 0);
+  assert_int_equal(used - fake_used(0), released);
+  /* Meanwhile another allocation takes the memory and scribbles on it. */
+  void *other = gca_malloc(a, released, 0, 0);
+  assert_non_null(other);
+  memset(other, 0xA5, released);
+  assert_int_equal(gca_free(a, other), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(fake_used(0), used);
+  seed = 42;
+  for (int i = 0; i < 5; i++)
+    for (size_t j = 0; j < sizes[i]; j++)
+      if (blocks[i][j] != (unsigned char)(next_random(&seed) >> 56)) fail_msg("block %d byte %zu differs", i, j);
+  /* Without copies the addresses come back, their contents do not matter. */
+  assert_int_equal(gca_pool_pause(a, p, 0, NULL), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  blocks[0][0] = 1; /* (mapped again: writable) */
+  for (int i = 0; i < 5; i++) assert_int_equal(gca_free(a, blocks[i]), GCA_OK);
+  assert_consistent(a);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(fake_used(0), 0);
+  gca_close(a);
+  dlclose(fake);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_default_untouched),
@@ -532,6 +797,11 @@ int main(void) {
       cmocka_unit_test(test_capture_random_sequence),
       cmocka_unit_test(test_capture_random_sequence_expandable),
       cmocka_unit_test(test_capture_random_sequence_cross_stream),
+      cmocka_unit_test(test_pause_refusals),
+      cmocka_unit_test(test_pause_gives_memory_back),
+      cmocka_unit_test(test_release_while_paused),
+      cmocka_unit_test(test_pause_resume_cycles),
+      cmocka_unit_test(test_pause_resume_on_cuda_stand_in),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -75,7 +75,8 @@ class _PoolStats(ctypes.Structure):  # gca_pool_stats_t
                 ("routes", ctypes.c_uint64), ("segments", ctypes.c_uint64), ("reserved_bytes", ctypes.c_uint64),
                 ("allocated_bytes", ctypes.c_uint64), ("requested_bytes", ctypes.c_uint64),
                 ("allocations", ctypes.c_uint64), ("pending_bytes", ctypes.c_uint64),
-                ("cached_bytes", ctypes.c_uint64)]
+                ("cached_bytes", ctypes.c_uint64), ("pausable", ctypes.c_int), ("paused", ctypes.c_int),
+                ("backup_bytes", ctypes.c_uint64)]
 
 
 class _HostStats(ctypes.Structure):  # gca_host_stats_t
@@ -127,6 +128,9 @@ _sig("gca_host_stats", ctypes.c_int, _P, ctypes.POINTER(_HostStats))
 _sig("gca_pool_get_stats", ctypes.c_int, _P, ctypes.c_uint64, ctypes.POINTER(_PoolStats))
 _sig("gca_host_reset_peak_stats", ctypes.c_int, _P)
 _sig("gca_pool_create", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64))
+_sig("gca_pool_create_ex", ctypes.c_int, _P, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64))
+_sig("gca_pool_pause", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint, ctypes.POINTER(ctypes.c_size_t))
+_sig("gca_pool_resume", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint)
 _sig("gca_pool_retain", ctypes.c_int, _P, ctypes.c_uint64)
 _sig("gca_pool_release", ctypes.c_int, _P, ctypes.c_uint64)
 _sig("gca_pool_push", ctypes.c_int, _P, ctypes.c_uint64)
@@ -349,13 +353,29 @@ class Allocator:
 
     # ---- private pools (docs/pools.md) ----
 
-    def create_pool(self, device=0):
-        """A new private pool on `device`: its id (an int > 0), holding one reference."""
+    def create_pool(self, device=0, pausable=False):
+        """A new private pool on `device`: its id (an int > 0), holding one reference. A pausable pool
+        can give its memory back and take it again at the same addresses (pause_pool, resume_pool)."""
         device = _device(device)
         out = ctypes.c_uint64()
         with self._handle() as a:
-            _check(_lib.gca_pool_create(a, device, ctypes.byref(out)))
+            _check(_lib.gca_pool_create_ex(a, device, 1 if pausable else 0, ctypes.byref(out)))
         return out.value
+
+    def pause_pool(self, pool, backup=False):
+        """Give a pausable pool's memory back, keeping its addresses (with backup, a pinned host copy of
+        every live block first); the bytes given back."""
+        pool = _pool(pool)
+        released = ctypes.c_size_t()
+        with self._handle() as a:
+            _check(_lib.gca_pool_pause(a, pool, 1 if backup else 0, ctypes.byref(released)))
+        return released.value
+
+    def resume_pool(self, pool, keep_backup=False):
+        """Map new memory at a paused pool's addresses and write its copies back."""
+        pool = _pool(pool)
+        with self._handle() as a:
+            _check(_lib.gca_pool_resume(a, pool, 1 if keep_backup else 0))
 
     def retain_pool(self, pool):
         pool = _pool(pool)

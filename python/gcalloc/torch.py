@@ -21,7 +21,7 @@ import threading
 
 from . import GcallocError, _lib, _text, library_path
 
-__all__ = ["install", "using", "installed", "last_failure", "pool"]
+__all__ = ["install", "using", "installed", "last_failure", "pool", "pause", "resume"]
 
 _installed = False
 _named_pools = {}  # (process allocator, name, device) -> pool id
@@ -115,11 +115,40 @@ def pool(name, device=None):
     reused only in it (docs/pools.md). Yields the pool's id."""
     from . import _process_allocator
 
+    allocator, pool_id = _named(name, device, create=True)
+    with allocator.pool(pool_id):
+        yield pool_id
+
+
+def _named(name, device, create):
+    """The process allocator and the id of the pool `name` (made pausable where the device allows)."""
+    from . import _process_allocator
+
     allocator = _process_allocator()
     key = (allocator._a, str(name), _current_device() if device is None else device)
     with _named_lock:
         pool_id = _named_pools.get(key)
         if pool_id is None:
-            pool_id = _named_pools[key] = allocator.create_pool(key[2])
-    with allocator.pool(pool_id):
-        yield pool_id
+            if not create:
+                raise KeyError("gcalloc: no pool named %r on device %d" % (key[1], key[2]))
+            try:
+                pool_id = allocator.create_pool(key[2], pausable=True)
+            except GcallocError:  # (no virtual memory there: a pool that cannot pause)
+                pool_id = allocator.create_pool(key[2])
+            _named_pools[key] = pool_id
+    return allocator, pool_id
+
+
+def pause(name, backup=True, device=None):
+    """Give the memory of pool `name` back to the device, keeping its addresses: PyTorch's tensors in it
+    stay valid, to be used after resume(name). With backup, their contents are kept in pinned host memory
+    and written back at resume; without, they are lost (for caches to be refilled). Returns the bytes
+    given back. Synchronizes only the pool's own streams."""
+    allocator, pool_id = _named(name, device, create=False)
+    return allocator.pause_pool(pool_id, backup=backup)
+
+
+def resume(name, device=None):
+    """Map memory again under pool `name`'s addresses and restore what pause(name, backup=True) kept."""
+    allocator, pool_id = _named(name, device, create=False)
+    allocator.resume_pool(pool_id)

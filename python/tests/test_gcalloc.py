@@ -214,6 +214,16 @@ def test_torch_entry_points(monkeypatch):
     assert kv == again and [process.pool_of(x) for x in (p, q, r)] == [kv, kv, 0]
     snapshot = gcalloc.memory_snapshot()
     assert [kv, 0] in [seg["segment_pool_id"] for seg in snapshot["segments"]]
+    # Sleep mode: the pool's memory goes back and comes again at the same addresses.
+    reserved = gcalloc.memory_stats()["reserved_bytes.all.current"]
+    released = gcalloc.torch.pause("kv")
+    assert released > 0 and gcalloc.memory_stats()["reserved_bytes.all.current"] == reserved - released
+    assert process.pool_stats(kv)["paused"] == 1
+    gcalloc.torch.resume("kv")
+    assert gcalloc.memory_stats()["reserved_bytes.all.current"] == reserved
+    assert [process.pool_of(x) for x in (p, q)] == [kv, kv]
+    with pytest.raises(KeyError, match="no pool named 'nothing'"):
+        gcalloc.torch.pause("nothing")
     for x in (p, q, r):
         free(x, MiB, 0, None)
     lib.gca_torch_shutdown()
@@ -318,3 +328,18 @@ def test_private_pools():
             a.release_pool(1 << 64)
         a.empty_cache()
         assert a.memory_stats()["reserved_bytes.all.current"] == 0
+        # A pausable pool: its memory given back and taken again, at the same addresses.
+        sleepy = a.create_pool(pausable=True)
+        with a.pool(sleepy):
+            p = a.malloc(8 * MiB)
+        released = a.pause_pool(sleepy, backup=True)
+        assert released >= 8 * MiB and a.pool_stats(sleepy)["backup_bytes"] == 8 * MiB
+        with pytest.raises(gcalloc.GcallocError, match="paused already"):
+            a.pause_pool(sleepy)
+        with pytest.raises(gcalloc.GcallocError, match="it is paused"):
+            with a.pool(sleepy):
+                a.malloc(MiB)
+        a.resume_pool(sleepy)
+        assert a.pool_of(p) == sleepy and a.pool_stats(sleepy)["paused"] == 0
+        a.free(p)
+        a.release_pool(sleepy)

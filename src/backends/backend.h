@@ -62,6 +62,12 @@ typedef struct backend_ops {
   int (*stream_wait_event)(void *state, int device, gca_stream_t stream, uintptr_t event);
   /* Block the host until all work queued on `stream` has completed. */
   int (*stream_synchronize)(void *state, int device, gca_stream_t stream);
+  /* Copies between device memory and (pinned) host memory, queued on
+   * `stream` after its earlier work; they are done when the stream is
+   * (stream_synchronize). NULL: not offered (pausing a pool with a host
+   * copy is then refused). */
+  int (*copy_to_host)(void *state, int device, gca_stream_t stream, void *dst, uintptr_t src, size_t size);
+  int (*copy_to_device)(void *state, int device, gca_stream_t stream, uintptr_t dst, const void *src, size_t size);
   /* Virtual memory (may all be NULL). The page size mappings are made of. */
   int (*vm_granularity)(void *state, int device, size_t *granularity);
   /* Reserve `size` bytes of addresses, aligned to the granularity. */
@@ -171,6 +177,7 @@ typedef struct sim_counters {
   size_t host_used;          /* bytes in them */
   uint64_t host_unbacked_pages; /* pages not yet backed when registered (mincore), all registrations */
   uint64_t capture_violations; /* calls refused while a stream was captured (gca__sim_set_capture) */
+  uint64_t copied_to_host, copied_to_device; /* bytes copied (copy_to_host / copy_to_device) */
 } sim_counters_t;
 
 /* Fills *out for a sim backend; GCA_ERR_INVALID for any other backend. */

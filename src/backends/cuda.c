@@ -112,6 +112,8 @@ typedef struct CUmemAccessDesc {
   X(cuEventDestroy, "cuEventDestroy_v2", 1, (CUevent event))                                                \
   X(cuStreamWaitEvent, "cuStreamWaitEvent", 1, (CUstream stream, CUevent event, unsigned flags))            \
   X(cuStreamSynchronize, "cuStreamSynchronize", 1, (CUstream stream))                                       \
+  X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0, (void *dst, CUdeviceptr src, size_t bytes, CUstream stream)) \
+  X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \
   X(cuDeviceGetName, "cuDeviceGetName", 1, (char *name, int len, CUdevice dev))                             \
   X(cuDeviceGetAttribute, "cuDeviceGetAttribute", 1, (int *value, int attribute, CUdevice dev))             \
   X(cuDeviceTotalMem, "cuDeviceTotalMem_v2", 1, (size_t * bytes, CUdevice dev))                              \
@@ -312,6 +314,27 @@ static int cuda_stream_synchronize(void *state, int device, gca_stream_t stream)
   if (rc) return rc;
   CHECK(c, c->drv.cuStreamSynchronize((CUstream)stream), GCA_ERR_INVALID,
         "cuStreamSynchronize (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  return GCA_OK;
+}
+
+static int cuda_copy_to_host(void *state, int device, gca_stream_t stream, void *dst, uintptr_t src, size_t size) {
+  cuda_t *c = state;
+  if (!c->drv.cuMemcpyDtoHAsync) return gca__set_error(GCA_ERR_BACKEND, "cuda backend: the driver has no cuMemcpyDtoHAsync_v2");
+  int rc = enter(c, device);
+  if (rc) return rc;
+  CHECK(c, c->drv.cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, size, (CUstream)stream), GCA_ERR_BACKEND,
+        "cuMemcpyDtoHAsync (%zu bytes from 0x%" PRIxPTR ", device %d)", size, src, device);
+  return GCA_OK;
+}
+
+static int cuda_copy_to_device(void *state, int device, gca_stream_t stream, uintptr_t dst, const void *src,
+                               size_t size) {
+  cuda_t *c = state;
+  if (!c->drv.cuMemcpyHtoDAsync) return gca__set_error(GCA_ERR_BACKEND, "cuda backend: the driver has no cuMemcpyHtoDAsync_v2");
+  int rc = enter(c, device);
+  if (rc) return rc;
+  CHECK(c, c->drv.cuMemcpyHtoDAsync((CUdeviceptr)dst, src, size, (CUstream)stream), GCA_ERR_BACKEND,
+        "cuMemcpyHtoDAsync (%zu bytes to 0x%" PRIxPTR ", device %d)", size, dst, device);
   return GCA_OK;
 }
 
@@ -646,6 +669,8 @@ static const backend_ops_t cuda_ops = {
     .event_destroy = cuda_event_destroy,
     .stream_wait_event = cuda_stream_wait_event,
     .stream_synchronize = cuda_stream_synchronize,
+    .copy_to_host = cuda_copy_to_host,
+    .copy_to_device = cuda_copy_to_device,
     .vm_granularity = cuda_vm_granularity,
     .vm_reserve = cuda_vm_reserve,
     .vm_unreserve = cuda_vm_unreserve,

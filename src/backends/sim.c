@@ -1311,6 +1311,58 @@ static int sim_device_identity(void *state, int device, char *out, size_t cap) {
   return GCA_OK;
 }
 
+/* ---- copies ------------------------------------------------------------- */
+
+/* Whether [addr, +size) is device memory of the device: inside one live
+ * allocation, or mapped at every page. */
+static bool device_range(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t size) {
+  sim_alloc_t key = {.addr = addr};
+  sim_alloc_t *rec = RB_NFIND(sim_live, &dev->live, &key);
+  if (!rec || rec->addr != addr) rec = rec ? RB_PREV(sim_live, &dev->live, rec) : RB_MAX(sim_live, &dev->live);
+  if (rec && addr >= rec->addr && addr - rec->addr <= rec->size && size <= rec->size - (addr - rec->addr)) return true;
+  if (s->backed || !size || addr + size < addr) return false;
+  uint64_t leaf_key = UINT64_MAX;
+  map_leaf_t *leaf = NULL;
+  uintptr_t first = addr & ~(uintptr_t)(s->granularity - 1);
+  for (uintptr_t at = first; at < addr + size; at += s->granularity)
+    if (!mapped_at_page(s, dev, at, &leaf_key, &leaf)) return false;
+  return true;
+}
+
+/* A copy, in stream order: work of `size` bytes on the stream; in backed
+ * mode the bytes move (the device's memory is host memory). */
+static int sim_copy(sim_t *s, int device, gca_stream_t stream, void *host, uintptr_t addr, size_t size, bool to_host) {
+  lock_acquire(&s->lock);
+  sim_device_t *dev = &s->devices[device];
+  int rc = GCA_OK;
+  if (dev->capturing) {
+    rc = refused_in_capture(dev, device, "copy");
+  } else if (!host || !device_range(s, dev, addr, size)) {
+    rc = gca__set_error(GCA_ERR_INVALID, "sim: copy %s [%#" PRIxPTR ", +%zu): %s", to_host ? "from" : "to", addr, size,
+                        host ? "not device memory of this device" : "no host buffer");
+  } else if (!find_stream(dev, stream, true)) {
+    rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  } else {
+    if (s->backed) {
+      if (to_host) memcpy(host, (const void *)addr, size);
+      else memcpy((void *)addr, host, size);
+    }
+    if (to_host) dev->counters.copied_to_host += size;
+    else dev->counters.copied_to_device += size;
+  }
+  lock_release(&s->lock);
+  return rc;
+}
+
+static int sim_copy_to_host(void *state, int device, gca_stream_t stream, void *dst, uintptr_t src, size_t size) {
+  return sim_copy(state, device, stream, dst, src, size, true);
+}
+
+static int sim_copy_to_device(void *state, int device, gca_stream_t stream, uintptr_t dst, const void *src,
+                              size_t size) {
+  return sim_copy(state, device, stream, (void *)src, dst, size, false);
+}
+
 static const backend_ops_t sim_ops = {
     .name = "sim",
     .device_count = sim_device_count,
@@ -1323,6 +1375,8 @@ static const backend_ops_t sim_ops = {
     .event_destroy = sim_event_destroy,
     .stream_wait_event = sim_stream_wait_event,
     .stream_synchronize = sim_stream_synchronize,
+    .copy_to_host = sim_copy_to_host,
+    .copy_to_device = sim_copy_to_device,
     .vm_granularity = sim_vm_granularity,
     .vm_reserve = sim_vm_reserve,
     .vm_unreserve = sim_vm_unreserve,

@@ -77,7 +77,8 @@ static int check_pages(device_t *d, segment_t *seg, recount_t *r) {
       BAD("device %d: unmapped block at %#" PRIxPTR " is missing from the unmapped index", d->index, b->addr);
     if (unmapped) r->unmapped_blocks[seg->pool->kind]++;
     for (size_t i = first; i < end; i++) {
-      bool is_mapped = i < seg->page_cap && seg->pages[i] != 0;
+      /* (a page of a paused pool counts as mapped: it is, again, at resume) */
+      bool is_mapped = i < seg->page_cap && (seg->pages[i] != 0 || (seg->paused_pages && seg->paused_pages[i]));
       if (is_mapped == unmapped)
         BAD("device %d: page %zu of expandable segment at %#" PRIxPTR " is %s under the %s block at %#" PRIxPTR,
             d->index, i, seg->addr, is_mapped ? "mapped" : "unmapped", unmapped ? "unmapped" : "mapped", b->addr);
@@ -288,6 +289,10 @@ int gca__device_check_locked(device_t *d) {
     BAD("device %d: the unmapped indexes hold %zu and %zu blocks, the segments have %zu and %zu unmapped", d->index,
         unmapped_indexed[GCA_POOL_SMALL], unmapped_indexed[GCA_POOL_LARGE], r.unmapped_blocks[GCA_POOL_SMALL],
         r.unmapped_blocks[GCA_POOL_LARGE]);
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->paused_pages && !(seg->pool->owner && seg->pool->owner->paused))
+      BAD("device %d: segment at %#" PRIxPTR " keeps pages for a resume but its pool is not paused", d->index,
+          seg->addr);
   for (segment_t *seg = d->segments; seg; seg = seg->next)
     if (seg->pool->owner && gca__mempool_find(d, seg->pool->owner->id) != seg->pool->owner)
       BAD("device %d: segment at %#" PRIxPTR " belongs to a private pool the device does not list", d->index,

@@ -173,6 +173,9 @@ struct segment {
   size_t page_cap;
   size_t mapped_bytes;
   size_t mapped_top;         /* one past the highest page mapped (0: none), for the census */
+  /* Its pool is paused: 1 for each page that was mapped and is mapped
+   * again at resume (page_cap entries); NULL otherwise. */
+  uint8_t *paused_pages;
 };
 
 RB_HEAD(free_index, block);
@@ -187,6 +190,7 @@ struct pool {
   uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
   int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
   struct mempool *owner;     /* the private pool it belongs to; NULL: the device's default pools */
+  bool pausable;             /* its segments are expandable whatever the configuration (mempool.c) */
 };
 
 void gca__pool_init(pool_t *pool, int kind);
@@ -390,6 +394,7 @@ struct device {
    * `held` (linked by hash_next: they are out of the allocation map). */
   size_t captures;
   block_t *held;
+  size_t paused_pools;       /* frees look for a host copy to drop while nonzero */
   block_map_t allocated;
   segment_t *segments;
   size_t segment_count;
@@ -450,6 +455,14 @@ struct device {
 };
 
 /* ---- private pools (mempool.c), with the device lock held ---- */
+/* A live block's copy in pinned host memory, taken at a pause. */
+typedef struct pool_backup {
+  uintptr_t addr;
+  size_t size;
+  gca_stream_t stream;
+  void *host;
+} pool_backup_t;
+
 typedef struct mempool {
   pool_t small, large;
   uint64_t id;
@@ -457,6 +470,12 @@ typedef struct mempool {
   int64_t references;        /* gca_pool_retain / gca_pool_release */
   size_t thread_routes;      /* threads' pushes naming it, not yet popped */
   size_t stream_routes;      /* streams routed to it */
+  bool pausable, paused;
+  pool_backup_t *backups;    /* host copies (a pause's, or kept at resume) */
+  size_t backup_count, backup_cap, backup_bytes;
+  /* Gives a host copy back (the front end's: the host allocator is above
+   * the core). Set with the first copy. */
+  void (*drop_backup)(gca_allocator_t *a, void *host);
   struct mempool *next;      /* the device's list */
 } mempool_t;
 
@@ -468,9 +487,23 @@ typedef struct stream_route {
 
 /* The pool an allocation of `rounded` bytes on `stream` goes to, when some
  * route exists (d->routes): the calling thread's innermost push for this
- * device, else the stream's route, else `fallback`. */
+ * device, else the stream's route, else `fallback`; NULL, with the error
+ * set, when that pool is paused. */
 pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback);
 mempool_t *gca__mempool_find(device_t *d, uint64_t id);
+/* The pool `id` with its device locked; NULL (nothing locked) with the
+ * error set. */
+mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what);
+/* Wait for the pool's own streams (its segments', its live blocks' other
+ * uses, its pending frees') and complete the frees they held back. */
+int gca__mempool_quiesce(device_t *d, mempool_t *mp);
+/* Unmap and give back every page of a pool's segments, remembering them;
+ * and map new memory at the remembered pages. */
+int gca__mempool_unmap(device_t *d, mempool_t *mp, size_t *released);
+int gca__mempool_remap(device_t *d, mempool_t *mp);
+/* Drop the pool's host copies (all, or the one of the block at addr). */
+void gca__mempool_drop_backups(device_t *d, mempool_t *mp);
+void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
 /* GCA_OK, or GCA_ERR_INVALID naming `what` while a capture runs on the
  * device (calls that would synchronize or free are refused then). */
 int gca__device_capturing(device_t *d, const char *what);
@@ -630,6 +663,16 @@ block_t *gca__expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t s
 void gca__expandable_release_all(device_t *d);
 /* The same for one pool's free expandable blocks. */
 void gca__expandable_release_pool(device_t *d, pool_t *pool);
+/* Pause: unmap and destroy every mapped page of seg, marked in
+ * seg->paused_pages; the bytes given back are added to *released. Pages
+ * the device will not unmap stay mapped (the first error is returned). */
+int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released);
+/* Resume: new memory at every marked page not mapped yet; on failure the
+ * pages mapped so far stay, the rest stay marked. */
+int gca__expandable_resume(device_t *d, segment_t *seg);
+/* A paused segment of an ending pool, nothing mapped in it: give its
+ * addresses back. */
+void gca__expandable_release_paused(device_t *d, segment_t *seg);
 /* At device destruction: unmap and destroy everything and give the range
  * back (when give_back: see device_destroy), and free the page table. */
 void gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);

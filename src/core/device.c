@@ -192,7 +192,7 @@ static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size
 
 static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                  size_t requested, int *rc) {
-  if (d->config.expandable_segments && gca__expandable_available(d))
+  if ((d->config.expandable_segments || pool->pausable) && gca__expandable_available(d))
     return gca__expandable_take(d, pool, stream, rounded, requested, rc);
   block_t *b = gca__segment_alloc(d, pool, stream, rounded, rc);
   return b ? gca__block_take(d, b, NULL, false, rounded, requested) : NULL;
@@ -363,7 +363,10 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
-  if (unlikely(d->routes)) pool = gca__mempool_route(d, stream, rounded, pool);
+  if (unlikely(d->routes) && !(pool = gca__mempool_route(d, stream, rounded, pool))) {
+    lock_release(&d->lock); /* (a paused pool: the error is set) */
+    return NULL;
+  }
   pool->lookups++;
   block_t *pred = NULL;
   block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
@@ -374,6 +377,8 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
 }
 
 GCA_COLD static void free_slow(device_t *d, block_t *b) {
+  /* Freed while its pool is paused: its host copy is not restored. */
+  if (d->paused_pools && b->pool->owner && b->pool->owner->paused) gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
   if (d->recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
   if (b->uses) {
     gca__events_defer_free(d, b);
@@ -395,7 +400,8 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
   }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   /* One branch for the rare cases: stream uses, a stack, history on. */
-  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->recording) != 0)) free_slow(d, b);
+  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->recording | d->paused_pools) != 0))
+    free_slow(d, b);
   else gca__block_give_back(d, b);
   return GCA_OK;
 }

@@ -212,6 +212,8 @@ void gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back
   if (give_back) (void)VM(d, vm_unreserve, seg->addr, seg->size);
   free(seg->pages);
   seg->pages = NULL;
+  free(seg->paused_pages);
+  seg->paused_pages = NULL;
 }
 
 static bool ensure_pages(segment_t *seg, size_t end) {
@@ -351,6 +353,121 @@ void gca__expandable_release_all(device_t *d) {
   if (d->kept_page_count) retry_kept_pages(d);
   gca__expandable_release_pool(d, &d->large_pool);
   gca__expandable_release_pool(d, &d->small_pool);
+}
+
+/* ---- pausing a pool ----------------------------------------------------- */
+
+/* One past the highest page mapped. */
+static size_t top_page(const segment_t *seg) {
+  size_t top = seg->page_cap;
+  while (top && !seg->pages[top - 1]) top--;
+  return top;
+}
+
+int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released) {
+  size_t page = seg->page_size;
+  if (!seg->paused_pages && !(seg->paused_pages = calloc(seg->page_cap ? seg->page_cap : 1, 1)))
+    return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+  int status = GCA_OK;
+  size_t unmapped = 0;
+  for (size_t i = 0; i < seg->page_cap;) {
+    size_t n = 0;
+    while (i + n < seg->page_cap && seg->pages[i + n]) n++;
+    if (!n) {
+      i++;
+      continue;
+    }
+    uintptr_t at = seg->addr + i * page;
+    int rc = VM(d, vm_unmap, at, n * page);
+    if (rc == GCA_ERR_CORRUPT) {
+      d->backend_free_errors++; /* unmapped, but the device says it was in use */
+    } else if (rc != GCA_OK) { /* still mapped: it stays, and is not given back */
+      gca__note_refused_free(d);
+      if (status == GCA_OK) status = rc;
+      i += n;
+      continue;
+    }
+    destroy_pages(d, seg->pages + i, n, page);
+    memset(seg->pages + i, 0, n * sizeof *seg->pages);
+    memset(seg->paused_pages + i, 1, n);
+    unmapped += n;
+    if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, n * page, seg->stream);
+    i += n;
+  }
+  size_t bytes = unmapped * page;
+  seg->mapped_bytes -= bytes;
+  seg->mapped_top = top_page(seg);
+  d->pages_unmapped += unmapped;
+  if (unmapped) {
+    family_decrease(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)bytes);
+    gca__mirror_reserved(d);
+    d->stats.num_device_free++;
+    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, bytes);
+  }
+  *released += bytes;
+  return status;
+}
+
+int gca__expandable_resume(device_t *d, segment_t *seg) {
+  if (!seg->paused_pages) return GCA_OK;
+  size_t page = seg->page_size;
+  for (size_t i = 0; i < seg->page_cap;) {
+    size_t n = 0;
+    while (i + n < seg->page_cap && seg->paused_pages[i + n] && !seg->pages[i + n]) n++;
+    if (!n) {
+      seg->paused_pages[i++] = 0; /* (not marked, or still mapped: nothing to do) */
+      continue;
+    }
+    if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->allowed)
+      return gca__set_error(GCA_ERR_OOM, "device %d: %zu more bytes would pass the %zu the process may reserve "
+                            "(per_process_memory_fraction %g)", d->index, n * page, d->allowed, d->fraction);
+    uintptr_t *handles = malloc(n * sizeof *handles);
+    if (!handles) return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+    size_t made = 0;
+    uintptr_t at = seg->addr + i * page;
+    int rc = create_pages(d, page, n, handles, &made);
+    if (rc == GCA_OK) rc = map_pages(d, at, page, n, handles);
+    if (rc != GCA_OK) {
+      destroy_pages(d, handles, made, page);
+      free(handles);
+      return rc;
+    }
+    memcpy(seg->pages + i, handles, n * sizeof *handles);
+    free(handles);
+    memset(seg->paused_pages + i, 0, n);
+    seg->mapped_bytes += n * page;
+    if (i + n > seg->mapped_top) seg->mapped_top = i + n;
+    d->pages_mapped += n;
+    d->stats.num_device_alloc++;
+    family_increase(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)(n * page));
+    gca__mirror_reserved(d);
+    if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, at, n * page, seg->stream);
+    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, true, n * page);
+    i += n;
+  }
+  free(seg->paused_pages);
+  seg->paused_pages = NULL;
+  return GCA_OK;
+}
+
+void gca__expandable_release_paused(device_t *d, segment_t *seg) {
+  free(seg->paused_pages);
+  seg->paused_pages = NULL;
+  /* Nothing mapped and nothing live: one unmapped block over it all. */
+  pool_t *pool = seg->pool;
+  block_t *head = seg->head;
+  for (block_t *b = head; b; b = b->next) {
+    if (b->state == BLOCK_FREE) gca__pool_remove(pool, b);
+    else if (b->state == BLOCK_UNMAPPED) gca__pool_unmapped_remove(pool, b);
+  }
+  while (head->next) {
+    block_t *next = head->next;
+    block_absorb_next(head);
+    gca__block_recycle(d, next);
+  }
+  head->state = BLOCK_UNMAPPED;
+  gca__pool_unmapped_insert(pool, head);
+  release_segment(d, seg);
 }
 
 /* ---- mapping ------------------------------------------------------------ */
@@ -545,7 +662,7 @@ static size_t expandable_size(const block_t *b) {
 }
 
 block_t *gca__expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream, block_t *b) {
-  if (cfg->expandable_segments) {
+  if (cfg->expandable_segments || pool->pausable) {
     for (block_t *next = gca__pool_next(pool, b);
          b->expandable && next && next->stream == stream && expandable_size(next) < expandable_size(b);
          next = gca__pool_next(pool, next))

@@ -37,16 +37,25 @@ static _Thread_local thread_route_t thread_routes[ROUTE_DEPTH];
 static _Thread_local int thread_route_depth;
 
 static pool_t *pool_for(mempool_t *mp, size_t rounded) { return rounded <= SMALL_SIZE ? &mp->small : &mp->large; }
+static pool_t *pool_open_for(mempool_t *mp, size_t rounded);
 
 pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback) {
   for (int i = thread_route_depth - 1; i >= 0; i--) {
     const thread_route_t *r = &thread_routes[i];
     if (r->allocator != d->owner || (r->device && r->device != d)) continue;
-    return r->pool ? pool_for(r->pool, rounded) : fallback;
+    return r->pool ? pool_open_for(r->pool, rounded) : fallback;
   }
   for (size_t i = 0; i < d->stream_route_count; i++)
-    if (d->stream_routes[i].stream == stream) return pool_for(d->stream_routes[i].pool, rounded);
+    if (d->stream_routes[i].stream == stream) return pool_open_for(d->stream_routes[i].pool, rounded);
   return fallback;
+}
+
+/* pool_for, but a paused pool serves nothing. */
+static pool_t *pool_open_for(mempool_t *mp, size_t rounded) {
+  if (!mp->paused) return pool_for(mp, rounded);
+  gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes in pool %" PRIu64 ": it is paused (resume it first)",
+                 rounded, mp->id);
+  return NULL;
 }
 
 mempool_t *gca__mempool_find(device_t *d, uint64_t id) {
@@ -65,6 +74,7 @@ pool_t *gca__device_pool_at(device_t *d, size_t i) {
 void gca__mempools_destroy(device_t *d) {
   while (d->mempools) {
     mempool_t *next = d->mempools->next;
+    free(d->mempools->backups); /* (their host memory goes with the host allocator) */
     free(d->mempools);
     d->mempools = next;
   }
@@ -77,7 +87,7 @@ void gca__mempools_destroy(device_t *d) {
 
 /* The pool `id` and its device, locked; NULL (nothing locked) with the
  * error set. */
-static mempool_t *lock_pool(gca_allocator_t *a, gca_pool_t id, const char *what) {
+mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) {
   if (!a) {
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;
@@ -110,18 +120,32 @@ static device_t *device_named(gca_allocator_t *a, int device, const char *what) 
 /* ---- life --------------------------------------------------------------- */
 
 int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out) {
+  return gca_pool_create_ex(a, device, 0, out);
+}
+
+int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_t *out) {
   device_t *d = device_named(a, device, "gca_pool_create");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: out is NULL");
+  if (flags & ~(unsigned)GCA_POOL_PAUSABLE)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: unknown flags %#x", flags & ~(unsigned)GCA_POOL_PAUSABLE);
   mempool_t *mp = calloc(1, sizeof *mp);
   if (!mp) return gca__set_error(GCA_ERR_NOMEM, "gca_pool_create: out of host memory");
   gca__pool_init(&mp->small, GCA_POOL_SMALL);
   gca__pool_init(&mp->large, GCA_POOL_LARGE);
   mp->small.owner = mp->large.owner = mp;
-  mp->id = atomic_fetch_add(&a->last_pool_id, 1) + 1;
+  mp->pausable = mp->small.pausable = mp->large.pausable = (flags & GCA_POOL_PAUSABLE) != 0;
   mp->device = d;
   mp->references = 1;
   lock_acquire(&d->lock);
+  /* A pool that pauses keeps its addresses: it needs the device's virtual memory. */
+  if (mp->pausable && !gca__expandable_available(d)) {
+    lock_release(&d->lock);
+    free(mp);
+    return gca__set_error(GCA_ERR_BACKEND, "gca_pool_create: device %d of the %s backend has no virtual memory: a "
+                          "pool there cannot pause", device, d->backend->ops->name);
+  }
+  mp->id = atomic_fetch_add(&a->last_pool_id, 1) + 1;
   mempool_t **tail = &d->mempools; /* (in creation order) */
   while (*tail) tail = &(*tail)->next;
   *tail = mp;
@@ -131,7 +155,7 @@ int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out) {
 }
 
 int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool) {
-  mempool_t *mp = lock_pool(a, pool, "gca_pool_retain");
+  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_retain");
   if (!mp) return gca_last_status();
   mp->references++;
   lock_release(&mp->device->lock);
@@ -188,7 +212,7 @@ static const char *busy(const mempool_t *mp, char *why, size_t cap) {
 }
 
 int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
-  mempool_t *mp = lock_pool(a, pool, "gca_pool_release");
+  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_release");
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
   if (mp->references > 1) {
@@ -206,6 +230,22 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
     lock_release(&d->lock);
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end: %s", pool, why);
   }
+  if (mp->paused) {
+    for (segment_t *seg = d->segments; seg; seg = seg->next)
+      if (seg->pool->owner == mp && seg->mapped_bytes) {
+        lock_release(&d->lock);
+        return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " is paused with pages the device "
+                              "would not unmap: resume it first", pool);
+      }
+    /* Nothing mapped, nothing live: its addresses go back. */
+    for (segment_t *seg = d->segments, *next; seg; seg = next) {
+      next = seg->next;
+      if (seg->pool->owner == mp && seg->paused_pages) gca__expandable_release_paused(d, seg);
+    }
+    mp->paused = false;
+    d->paused_pools--;
+  }
+  gca__mempool_drop_backups(d, mp);
   /* Its cache goes back after the work queued on its streams (a segment
    * whose stream is busy is released when that work completes). */
   gca__segment_release_pool(d, &mp->small);
@@ -221,9 +261,88 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
       break;
     }
   lock_release(&d->lock);
+  free(mp->backups);
   free(mp);
   device_wake_waiters(d); /* (memory came back) */
   return GCA_OK;
+}
+
+/* ---- pausing (the front end's gca_pool_pause and gca_pool_resume) --------- */
+
+/* A set of streams, in an array that grows. */
+typedef struct stream_set {
+  gca_stream_t *items;
+  size_t count, cap;
+} stream_set_t;
+
+static int stream_set_add(stream_set_t *set, gca_stream_t s) {
+  for (size_t i = 0; i < set->count; i++)
+    if (set->items[i] == s) return GCA_OK;
+  if (set->count == set->cap) {
+    size_t cap = set->cap ? 2 * set->cap : 16;
+    gca_stream_t *grown = realloc(set->items, cap * sizeof *grown);
+    if (!grown) return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
+    set->items = grown;
+    set->cap = cap;
+  }
+  set->items[set->count++] = s;
+  return GCA_OK;
+}
+
+int gca__mempool_quiesce(device_t *d, mempool_t *mp) {
+  stream_set_t set = {0};
+  int rc = GCA_OK;
+  for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    rc = stream_set_add(&set, seg->stream);
+    for (block_t *b = seg->head; b && rc == GCA_OK; b = b->next)
+      for (uint32_t k = 0; b->uses && k < b->uses->count && rc == GCA_OK; k++) rc = stream_set_add(&set, b->uses->streams[k]);
+  }
+  for (size_t q = 0; q < d->queue_count && rc == GCA_OK; q++) {
+    const event_queue_t *eq = &d->queues[q];
+    for (size_t j = 0; j < eq->count && rc == GCA_OK; j++)
+      if (eq->items[(eq->head + j) % eq->cap].block->pool->owner == mp) rc = stream_set_add(&set, eq->stream);
+  }
+  for (size_t i = 0; rc == GCA_OK && i < set.count; i++) rc = gca__events_wait_stream(d, set.items[i]);
+  free(set.items);
+  if (rc == GCA_OK) gca__events_process(d); /* (the pool's pending frees are done now) */
+  return rc;
+}
+
+int gca__mempool_unmap(device_t *d, mempool_t *mp, size_t *released) {
+  *released = 0;
+  int rc = GCA_OK;
+  for (segment_t *seg = d->segments; seg; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    int one = gca__expandable_pause(d, seg, released);
+    if (rc == GCA_OK) rc = one;
+  }
+  return rc;
+}
+
+int gca__mempool_remap(device_t *d, mempool_t *mp) {
+  for (segment_t *seg = d->segments; seg; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    int rc = gca__expandable_resume(d, seg);
+    if (rc) return rc;
+  }
+  return GCA_OK;
+}
+
+void gca__mempool_drop_backups(device_t *d, mempool_t *mp) {
+  for (size_t i = 0; i < mp->backup_count; i++) mp->drop_backup(d->owner, mp->backups[i].host);
+  mp->backup_count = 0;
+  mp->backup_bytes = 0;
+}
+
+void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
+  for (size_t i = 0; i < mp->backup_count; i++) {
+    if (mp->backups[i].addr != addr) continue;
+    mp->drop_backup(d->owner, mp->backups[i].host);
+    mp->backup_bytes -= mp->backups[i].size;
+    mp->backups[i] = mp->backups[--mp->backup_count];
+    return;
+  }
 }
 
 /* ---- routes ------------------------------------------------------------- */
@@ -234,7 +353,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: this thread has %d pushes already", ROUTE_DEPTH);
   thread_route_t r = {a, NULL, NULL};
   if (pool) {
-    mempool_t *mp = lock_pool(a, pool, "gca_pool_push");
+    mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_push");
     if (!mp) return gca_last_status();
     r.device = mp->device;
     r.pool = mp;
@@ -275,7 +394,7 @@ int gca_pool_pop(gca_allocator_t *a) {
 
 /* Route `stream` to the pool (a capture's route if `capture`). */
 static int route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream, bool capture, const char *what) {
-  mempool_t *mp = lock_pool(a, pool, what);
+  mempool_t *mp = gca__mempool_lock(a, pool, what);
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
   int rc = GCA_OK;
@@ -305,7 +424,7 @@ static int route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream
 }
 
 static int unroute_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream, bool capture, const char *what) {
-  mempool_t *mp = lock_pool(a, pool, what);
+  mempool_t *mp = gca__mempool_lock(a, pool, what);
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
   for (size_t i = 0; i < d->stream_route_count; i++) {
@@ -354,13 +473,16 @@ int gca__device_capturing(device_t *d, const char *what) {
 
 int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out) {
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: out is NULL");
-  mempool_t *mp = lock_pool(a, pool, "gca_pool_get_stats");
+  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_get_stats");
   if (!mp) return gca_last_status();
   memset(out, 0, sizeof *out);
   out->id = mp->id;
   out->device = mp->device->index;
   out->references = mp->references;
   out->routes = mp->thread_routes + mp->stream_routes;
+  out->pausable = mp->pausable;
+  out->paused = mp->paused;
+  out->backup_bytes = mp->backup_bytes;
   for (segment_t *seg = mp->device->segments; seg; seg = seg->next) {
     if (seg->pool->owner != mp) continue;
     out->segments++;
@@ -372,7 +494,7 @@ int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *ou
         out->requested_bytes += b->requested;
       } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
         out->pending_bytes += b->size;
-      } else if (b->state == BLOCK_FREE) {
+      } else if (b->state == BLOCK_FREE && !seg->paused_pages) { /* (a paused pool caches nothing) */
         out->cached_bytes += b->size;
       }
     }

@@ -268,7 +268,8 @@ void gca__segment_release_all_cached(device_t *d) {
 static bool should_split(const device_t *d, const block_t *b, size_t size) {
   size_t remaining = b->size - size;
   /* PyTorch decides by the setting, not by the block's segment. */
-  if (b->pool->kind == GCA_POOL_SMALL || d->config.expandable_segments) return remaining >= MIN_BLOCK_SIZE;
+  if (b->pool->kind == GCA_POOL_SMALL || d->config.expandable_segments || b->pool->pausable)
+    return remaining >= MIN_BLOCK_SIZE;
   return size < d->config.max_split_size && remaining > SMALL_SIZE;
 }
 

@@ -1,0 +1,135 @@
+/* Pausing and resuming a private pool (docs/pools.md): its physical
+ * memory given back while its addresses stay reserved, optionally with a
+ * host copy of what is live, then new memory mapped at the same addresses
+ * and the copies written back.
+ *
+ * The front end does it because it needs both the core (the pool, its
+ * pages) and the pinned host allocator, which sits above the core. All of
+ * it runs under the device's lock, so nothing in the pool changes between
+ * the copy and the unmap; the only waits are for the pool's own streams.
+ * The core drops a copy when its block is freed while paused, through the
+ * pool's drop_backup hook.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "core/core.h"
+
+static void drop_backup(gca_allocator_t *a, void *host) { (void)gca_host_free(a, host); }
+
+/* Put "<what>: " before the current message. */
+static void prefix(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void prefix(const char *fmt, ...) {
+  char what[160];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(what, sizeof what, fmt, ap);
+  va_end(ap);
+  gca__prefix_error(what);
+}
+
+/* Copy every live block of the pool to pinned host memory and wait for the
+ * copies; on failure nothing is kept. */
+static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
+  const backend_ops_t *ops = d->backend->ops;
+  if (!ops->copy_to_host || !ops->copy_to_device)
+    return gca__set_error(GCA_ERR_BACKEND, "gca_pool_pause: the %s backend cannot copy to host memory", ops->name);
+  mp->drop_backup = drop_backup;
+  int rc = GCA_OK;
+  for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next) {
+    if (seg->pool->owner != mp) continue;
+    for (block_t *b = seg->head; b && rc == GCA_OK; b = b->next) {
+      if (b->state != BLOCK_ALLOCATED) continue;
+      if (mp->backup_count == mp->backup_cap) {
+        pool_backup_t *grown = gca__grow_array(mp->backups, &mp->backup_cap, sizeof *grown, 16);
+        if (!grown) {
+          rc = gca__set_error(GCA_ERR_NOMEM, "gca_pool_pause: out of host memory for the list of copies");
+          break;
+        }
+        mp->backups = grown;
+      }
+      size_t size = b->requested ? b->requested : b->size;
+      void *host = gca_host_malloc(a, size);
+      if (!host) {
+        rc = gca_last_status() ? gca_last_status() : GCA_ERR_NOMEM;
+        prefix("gca_pool_pause: no pinned host memory for the copy of %zu bytes at %#" PRIxPTR, size, b->addr);
+        break;
+      }
+      mp->backups[mp->backup_count++] = (pool_backup_t){b->addr, size, b->stream, host};
+      mp->backup_bytes += size;
+      rc = ops->copy_to_host(d->backend->state, d->index, b->stream, host, b->addr, size);
+    }
+  }
+  for (size_t i = 0; rc == GCA_OK && i < mp->backup_count; i++) rc = gca__events_wait_stream(d, mp->backups[i].stream);
+  if (rc != GCA_OK) gca__mempool_drop_backups(d, mp);
+  return rc;
+}
+
+/* Write the copies back, each on its block's stream, and wait for them. */
+static int restore_backups(device_t *d, mempool_t *mp) {
+  const backend_ops_t *ops = d->backend->ops;
+  int rc = GCA_OK;
+  for (size_t i = 0; rc == GCA_OK && i < mp->backup_count; i++) {
+    const pool_backup_t *k = &mp->backups[i];
+    rc = ops->copy_to_device(d->backend->state, d->index, k->stream, k->addr, k->host, k->size);
+  }
+  for (size_t i = 0; rc == GCA_OK && i < mp->backup_count; i++) rc = gca__events_wait_stream(d, mp->backups[i].stream);
+  return rc;
+}
+
+int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *released) {
+  if (released) *released = 0;
+  if (flags & ~(unsigned)GCA_PAUSE_BACKUP)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: unknown flags %#x", flags & ~(unsigned)GCA_PAUSE_BACKUP);
+  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_pause");
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  int rc = GCA_OK;
+  if (!mp->pausable)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: pool %" PRIu64 " cannot pause (create it with "
+                        "GCA_POOL_PAUSABLE)", pool);
+  else if (mp->paused)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: pool %" PRIu64 " is paused already", pool);
+  else if (d->captures)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: device %d has a stream captured into a graph", d->index);
+  if (rc == GCA_OK) rc = gca__mempool_quiesce(d, mp);
+  if (rc == GCA_OK) gca__mempool_drop_backups(d, mp); /* (copies kept from a resume are out of date) */
+  if (rc == GCA_OK && (flags & GCA_PAUSE_BACKUP)) rc = take_backups(a, d, mp);
+  size_t bytes = 0;
+  if (rc == GCA_OK) {
+    mp->paused = true;
+    d->paused_pools++;
+    rc = gca__mempool_unmap(d, mp, &bytes);
+  }
+  lock_release(&d->lock);
+  if (bytes) device_wake_waiters(d); /* (memory came back) */
+  if (released) *released = bytes;
+  return rc;
+}
+
+int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
+  if (flags & ~(unsigned)GCA_RESUME_KEEP_BACKUP)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: unknown flags %#x",
+                          flags & ~(unsigned)GCA_RESUME_KEEP_BACKUP);
+  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  int rc = GCA_OK;
+  if (!mp->paused)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: pool %" PRIu64 " is not paused", pool);
+  else if (d->captures)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: device %d has a stream captured into a graph", d->index);
+  if (rc == GCA_OK && (rc = gca__mempool_remap(d, mp)) != GCA_OK)
+    prefix("gca_pool_resume: pool %" PRIu64 " stays paused", pool);
+  if (rc == GCA_OK) {
+    mp->paused = false;
+    d->paused_pools--;
+    rc = restore_backups(d, mp);
+    if (rc != GCA_OK) prefix("gca_pool_resume: pool %" PRIu64 " runs, but its data was not restored", pool);
+    else if (!(flags & GCA_RESUME_KEEP_BACKUP)) gca__mempool_drop_backups(d, mp);
+  }
+  lock_release(&d->lock);
+  return rc;
+}
