@@ -57,6 +57,7 @@ enum {
   HOST_MEMORY_ALREADY_REGISTERED = 712,
   HOST_MEMORY_NOT_REGISTERED = 713,
   NOT_SUPPORTED = 801,
+  STREAM_CAPTURE_UNSUPPORTED = 900,
   UNKNOWN = 999
 };
 
@@ -95,9 +96,12 @@ static size_t live_events;
 
 /* ---- control ------------------------------------------------------------ */
 
+static int capture_global; /* (fakecuda_capture, below) */
+
 EXPORT void fakecuda_reset(void) {
   pthread_mutex_lock(&lock);
   plumbing_reset();
+  capture_global = 0;
   hold_events = 0;
   no_vmm = 0;
   device_count = -1;
@@ -109,6 +113,22 @@ EXPORT void fakecuda_fail(const char *entry, unsigned skip, unsigned times, int 
 }
 
 EXPORT unsigned long fakecuda_calls(const char *entry) { return plumbing_calls(entry); }
+
+/* A graph capture in global mode under way (fakecuda_capture): calls that
+ * take memory are refused unless the calling thread is in relaxed mode
+ * (cuThreadExchangeStreamCaptureMode), as the driver does. */
+static _Thread_local int capture_mode; /* 0 global, 1 thread-local, 2 relaxed */
+EXPORT void fakecuda_capture(int on) { capture_global = on; }
+#define REFUSED_IN_CAPTURE() (capture_global && capture_mode != 2)
+
+EXPORT int cuThreadExchangeStreamCaptureMode(int *mode) {
+  ENTER("cuThreadExchangeStreamCaptureMode");
+  if (!mode || *mode < 0 || *mode > 2) LEAVE(INVALID_VALUE);
+  int old = capture_mode;
+  capture_mode = *mode;
+  *mode = old;
+  LEAVE(OK);
+}
 
 EXPORT void fakecuda_set_capacity(size_t bytes) { capacity = bytes; }
 EXPORT void fakecuda_set_devices(int n) { device_count = n; }
@@ -261,6 +281,7 @@ static int current_device(void) { return current && current->retained ? current-
 
 EXPORT int cuMemAlloc_v2(uint64_t *ptr, size_t size) {
   ENTER("cuMemAlloc_v2");
+  if (REFUSED_IN_CAPTURE()) LEAVE(STREAM_CAPTURE_UNSUPPORTED);
   int d = current_device();
   if (d < 0) LEAVE(INVALID_CONTEXT);
   if (!size) LEAVE(INVALID_VALUE);
@@ -586,6 +607,7 @@ EXPORT int cuMemGetAllocationGranularity(size_t *granularity, const prop_t *prop
 
 EXPORT int cuMemAddressReserve(uint64_t *ptr, size_t size, size_t alignment, uint64_t addr, unsigned long long flags) {
   ENTER("cuMemAddressReserve");
+  if (REFUSED_IN_CAPTURE()) LEAVE(STREAM_CAPTURE_UNSUPPORTED);
   if (!size || size % GRANULARITY || addr || flags || (alignment && alignment != GRANULARITY)) LEAVE(INVALID_VALUE);
   char *base = mmap(NULL, size + GRANULARITY, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) LEAVE(OUT_OF_MEMORY);
@@ -613,6 +635,7 @@ EXPORT int cuMemAddressFree(uint64_t ptr, size_t size) {
 
 EXPORT int cuMemCreate(uint64_t *handle, size_t size, const prop_t *prop, unsigned long long flags) {
   ENTER("cuMemCreate");
+  if (REFUSED_IN_CAPTURE()) LEAVE(STREAM_CAPTURE_UNSUPPORTED);
   if (!prop || prop->type != 1 || prop->location_type != 1 || flags || !size || size % GRANULARITY)
     LEAVE(INVALID_VALUE);
   int d = prop->location_id;
@@ -665,6 +688,7 @@ EXPORT int cuMemRelease(uint64_t handle) {
 
 EXPORT int cuMemMap(uint64_t ptr, size_t size, size_t offset, uint64_t handle, unsigned long long flags) {
   ENTER("cuMemMap");
+  if (REFUSED_IN_CAPTURE()) LEAVE(STREAM_CAPTURE_UNSUPPORTED);
   item_t *p = physical(handle);
   item_t *r = containing(ITEM_RESERVED, (uintptr_t)ptr);
   if (!p || !r || offset || flags || size != p->size || ptr % GRANULARITY || ptr + size > r->addr + r->size)

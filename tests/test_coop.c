@@ -82,6 +82,14 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
   }
   bool history = getenv("GCALLOC_TEST_PEER_HISTORY") != NULL;
   if (history && gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000) != GCA_OK) return 2;
+  if (getenv("GCALLOC_TEST_PEER_PAUSE")) { /* the memory is held by a paused pool instead */
+    gca_pool_t pool = 0;
+    if (gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool) != GCA_OK || gca_pool_push(a, pool) != GCA_OK) return 3;
+    void *held = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+    if (!held || gca_pool_pop(a) != GCA_OK || gca_pool_pause(a, pool, 0, NULL) != GCA_OK) return 3;
+    if (write(ready, "r", 1) != 1) return 4;
+    for (;;) pause();
+  }
   void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
   if (!p || gca_free(a, p) != GCA_OK) return 3;
   if (write(ready, "r", 1) != 1) return 4;
@@ -350,6 +358,32 @@ static void test_history_records_cooperation(void **state) {
   char expect[128];
   snprintf(expect, sizeof expect, "%d %zu %d 1\n", GCA_TRACE_IPC_RELEASE, 60 * MiB, (int)getpid());
   assert_string_equal(line, expect);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+/* A pool paused in another process gave its memory back to the device:
+ * this process allocates it without asking anyone, and the peer publishes
+ * its live block with nothing reserved under it. */
+static void test_paused_pool_frees_memory_for_others(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_PEER_PAUSE", "1", 1);
+  peer_t peer = start_peer(60);
+  unsetenv("GCALLOC_TEST_PEER_PAUSE");
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  void *p = gca_malloc(a, 80 * MiB, 0, 0);
+  assert_non_null(p);
+  assert_int_equal(stats_of(a, 0).num_ipc_requests, 0);
+  gca_ipc_peer_t peers[8];
+  bool seen = false;
+  for (int tries = 0; tries < 100 && !seen; tries++) { /* (the peer publishes every 100 ms) */
+    int n = gca_ipc_peers(a, 0, peers, 8);
+    for (int i = 0; i < n && i < 8; i++)
+      seen |= peers[i].pid == peer.pid && peers[i].allocated_bytes == 60 * MiB && peers[i].reserved_bytes == 0;
+    if (!seen) usleep(10000);
+  }
+  assert_true(seen);
   assert_int_equal(gca_free(a, p), GCA_OK);
   stop_peer(peer);
   gca_close(a);
@@ -785,6 +819,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_history_records_cooperation, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_paused_pool_frees_memory_for_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_dying_while_asked, fresh_name, remove_regions),

@@ -780,6 +780,99 @@ static void test_pause_resume_on_cuda_stand_in(void **state) {
   dlclose(fake);
 }
 
+/* Faults: a resume without memory fails, the pool paused and consistent,
+ * the pages it could map staying mapped, and completes once memory is
+ * back; a pause whose copies find no pinned memory changes nothing. */
+static void test_pause_resume_faults(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=1GiB,host_capacity=16MiB", NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 300 * MiB, 0, 0), *y = gca_malloc(a, 300 * MiB, 0, S1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_true(x && y);
+  uint64_t reserved = pool_stats(a, p).reserved_bytes;
+  /* Copies of 600 MiB do not fit 16 MiB of pinned memory: refused, nothing changed. */
+  size_t released = 1;
+  assert_int_equal(gca_pool_pause(a, p, GCA_PAUSE_BACKUP, &released), GCA_ERR_OOM);
+  assert_contains(gca_last_error(), "gca_pool_pause: no pinned host memory for the copy");
+  assert_int_equal(released, 0);
+  gca_pool_stats_t s = pool_stats(a, p);
+  assert_true(!s.paused && s.reserved_bytes == reserved && s.backup_bytes == 0);
+  assert_int_equal(host_stats(a).allocated_bytes.current, 0);
+  assert_consistent(a);
+  /* Paused without copies; the device fills up meanwhile (all but 100 MiB). */
+  assert_int_equal(gca_pool_pause(a, p, 0, &released), GCA_OK);
+  assert_int_equal(released, reserved);
+  void *filler = gca_malloc(a, 1024 * MiB - 100 * MiB - 20 * MiB, 0, 0);
+  assert_non_null(filler);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_ERR_OOM);
+  assert_contains(gca_last_error(), "gca_pool_resume: pool");
+  assert_contains(gca_last_error(), "stays paused");
+  s = pool_stats(a, p);
+  assert_true(s.paused);
+  assert_true(s.reserved_bytes < reserved); /* (what it could map stays mapped) */
+  assert_consistent(a);
+  assert_int_equal(gca_free(a, filler), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(pool_stats(a, p).reserved_bytes, reserved);
+  assert_int_equal(sim_counters(a, 0).used, (size_t)stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current);
+  assert_consistent(a);
+  /* Past the memory fraction: the same. */
+  assert_int_equal(gca_pool_pause(a, p, 0, NULL), GCA_OK);
+  assert_int_equal(gca_set_memory_fraction(a, 0.25, 0), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_ERR_OOM);
+  assert_contains(gca_last_error(), "per_process_memory_fraction");
+  assert_int_equal(gca_set_memory_fraction(a, 1.0, 0), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_consistent(a);
+  gca_close(a);
+}
+
+/* On the CUDA driver stand-in during a capture in the driver's global
+ * mode: a request that needs a new segment (plain, then expandable) gets
+ * one, its driver calls made in relaxed mode, as a driver demands; the
+ * stand-in itself refuses the same call outside relaxed mode. */
+static void test_capture_on_cuda_stand_in(void **state) {
+  (void)state;
+  void *fake = dlopen(FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  assert_non_null(fake);
+  void (*fake_reset)(void), (*fake_capture)(int);
+  unsigned long (*fake_calls)(const char *);
+  int (*mem_alloc)(uint64_t *, size_t);
+  *(void **)&fake_reset = dlsym(fake, "fakecuda_reset");
+  *(void **)&fake_capture = dlsym(fake, "fakecuda_capture");
+  *(void **)&fake_calls = dlsym(fake, "fakecuda_calls");
+  *(void **)&mem_alloc = dlsym(fake, "cuMemAlloc_v2");
+  fake_reset();
+  for (int expandable = 0; expandable < 2; expandable++) {
+    gca_allocator_t *a = open_sim("cuda:driver=" FAKE_CUDA_PATH, expandable ? "expandable_segments:True" : NULL);
+    gca_pool_t g = new_pool(a);
+    assert_int_equal(gca_capture_begin(a, g, S1), GCA_OK);
+    fake_capture(1);
+    uint64_t raw = 0;
+    assert_int_equal(mem_alloc(&raw, 4096), 900); /* (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) */
+    unsigned long exchanges = fake_calls("cuThreadExchangeStreamCaptureMode");
+    void *p = gca_malloc(a, 30 * MiB, 0, S1);
+    if (!p) fprintf(stderr, "%s\n", gca_last_error());
+    assert_non_null(p);
+    assert_int_equal(pool_of(a, p), g);
+    assert_true(fake_calls("cuThreadExchangeStreamCaptureMode") >= exchanges + 2);
+    assert_int_equal(gca_free(a, p), GCA_OK);
+    fake_capture(0);
+    assert_int_equal(gca_capture_end(a, g, S1), GCA_OK);
+    assert_int_equal(gca_pool_release(a, g), GCA_OK);
+    gca_close(a);
+  }
+  dlclose(fake);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_default_untouched),
@@ -801,7 +894,9 @@ int main(void) {
       cmocka_unit_test(test_pause_gives_memory_back),
       cmocka_unit_test(test_release_while_paused),
       cmocka_unit_test(test_pause_resume_cycles),
+      cmocka_unit_test(test_pause_resume_faults),
       cmocka_unit_test(test_pause_resume_on_cuda_stand_in),
+      cmocka_unit_test(test_capture_on_cuda_stand_in),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -112,6 +112,7 @@ typedef struct CUmemAccessDesc {
   X(cuEventDestroy, "cuEventDestroy_v2", 1, (CUevent event))                                                \
   X(cuStreamWaitEvent, "cuStreamWaitEvent", 1, (CUstream stream, CUevent event, unsigned flags))            \
   X(cuStreamSynchronize, "cuStreamSynchronize", 1, (CUstream stream))                                       \
+  X(cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", 0, (int *mode))                 \
   X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0, (void *dst, CUdeviceptr src, size_t bytes, CUstream stream)) \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \
   X(cuDeviceGetName, "cuDeviceGetName", 1, (char *name, int len, CUdevice dev))                             \
@@ -224,12 +225,31 @@ static int enter(cuda_t *c, int device) {
 
 static int cuda_device_count(void *state) { return ((cuda_t *)state)->device_count; }
 
+/* Calls that take device memory run in relaxed capture mode on the calling
+ * thread, as PyTorch runs cudaMalloc: during a graph capture in global
+ * mode (gca_capture_begin) the driver would refuse them otherwise. They
+ * are not stream work, so relaxed mode is safe for them. -1: no change. */
+#define CAPTURE_MODE_RELAXED 2
+static int relax(cuda_t *c) {
+  int mode = CAPTURE_MODE_RELAXED;
+  if (!c->drv.cuThreadExchangeStreamCaptureMode || c->drv.cuThreadExchangeStreamCaptureMode(&mode) != CUDA_SUCCESS)
+    return -1;
+  return mode;
+}
+
+static void unrelax(cuda_t *c, int mode) {
+  if (mode >= 0) (void)c->drv.cuThreadExchangeStreamCaptureMode(&mode);
+}
+
 static int cuda_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   cuda_t *c = state;
   int rc = enter(c, device);
   if (rc) return rc;
   CUdeviceptr p = 0;
-  CHECK(c, c->drv.cuMemAlloc(&p, size), GCA_ERR_INVALID, "cuMemAlloc_v2 (%zu bytes, device %d)", size, device);
+  int mode = relax(c);
+  CUresult r = c->drv.cuMemAlloc(&p, size);
+  unrelax(c, mode);
+  CHECK(c, r, GCA_ERR_INVALID, "cuMemAlloc_v2 (%zu bytes, device %d)", size, device);
   *addr = (uintptr_t)p;
   return GCA_OK;
 }
@@ -366,8 +386,10 @@ static int cuda_vm_reserve(void *state, int device, size_t size, uintptr_t *addr
   int rc = enter(c, device);
   if (rc) return rc;
   CUdeviceptr p = 0;
-  CHECK(c, c->drv.cuMemAddressReserve(&p, size, 0, 0, 0), GCA_ERR_INVALID,
-        "cuMemAddressReserve (%zu bytes, device %d)", size, device);
+  int mode = relax(c);
+  CUresult r = c->drv.cuMemAddressReserve(&p, size, 0, 0, 0);
+  unrelax(c, mode);
+  CHECK(c, r, GCA_ERR_INVALID, "cuMemAddressReserve (%zu bytes, device %d)", size, device);
   *addr = (uintptr_t)p;
   return GCA_OK;
 }
@@ -387,7 +409,10 @@ static int cuda_vm_create(void *state, int device, size_t size, uintptr_t *handl
   if (rc) return rc;
   CUmemAllocationProp prop = device_memory(device);
   CUmemGenericAllocationHandle h = 0;
-  CHECK(c, c->drv.cuMemCreate(&h, size, &prop, 0), GCA_ERR_INVALID, "cuMemCreate (%zu bytes, device %d)", size, device);
+  int mode = relax(c);
+  CUresult r = c->drv.cuMemCreate(&h, size, &prop, 0);
+  unrelax(c, mode);
+  CHECK(c, r, GCA_ERR_INVALID, "cuMemCreate (%zu bytes, device %d)", size, device);
   *handle = (uintptr_t)h;
   return GCA_OK;
 }
@@ -426,14 +451,17 @@ static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uin
     }
     d->mappings = grown;
   }
+  int mode = relax(c);
   CUresult r = c->drv.cuMemMap((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0);
   if (r != CUDA_SUCCESS) {
+    unrelax(c, mode);
     pthread_mutex_unlock(&d->vm_lock);
     return driver_error(c, r, GCA_ERR_INVALID, "cuMemMap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   }
   CUmemAccessDesc access[MAX_PEERS + 1];
   size_t n = access_list(c, device, access);
   r = c->drv.cuMemSetAccess((CUdeviceptr)addr, size, access, n);
+  unrelax(c, mode);
   if (r != CUDA_SUCCESS) {
     pthread_mutex_unlock(&d->vm_lock);
     c->drv.cuMemUnmap((CUdeviceptr)addr, size); /* mapped but unusable: undo */
