@@ -13,7 +13,8 @@
  * without host copies and, up to 8 GiB, with them. On the sim that is the
  * bookkeeping, the unmapping and mapping calls and the pinned host
  * buffers; the copies themselves cost nothing there (no bytes move without
- * backed=1): a GPU's copy time is not in these figures.
+ * backed=1, which could not hold 64 GiB): a GPU's copy time is not in
+ * these figures.
  */
 #include <inttypes.h>
 #include <stdio.h>

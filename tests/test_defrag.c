@@ -245,8 +245,8 @@ static void test_sim_virtual_memory(void **state) {
   a = open_sim("sim:fail_at=1", NULL);
   assert_int_equal(a->backend.ops->vm_create(a->backend.state, 0, 2 * MiB, &h1), GCA_ERR_OOM);
   gca_close(a);
-  /* Backed mode has none: expandable segments fall back to ordinary ones. */
-  a = open_sim("sim:backed=1,capacity=64MiB", "expandable_segments:True");
+  /* A device without it (vm=0): expandable segments fall back to ordinary ones. */
+  a = open_sim("sim:vm=0,capacity=64MiB", "expandable_segments:True");
   void *p = gca_malloc(a, 1000, 0, 0);
   assert_non_null(p);
   assert_int_equal(stats_of(a, 0).segment[GCA_POOL_ALL].current, 1);

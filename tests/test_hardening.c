@@ -273,9 +273,9 @@ static void test_log_handler_reads_config_during_set_config(void **state) {
   assert_int_equal(gca_set_config(a, "some_unknown_key:1"), GCA_OK);
   assert_true(r.calls >= 1);
   assert_contains(r.seen, "oom_handler_retries");
-  /* The warning for a device without virtual memory (a backed sim has none),
-   * logged under the configuration lock too. */
-  gca_allocator_t *b = open_sim("sim:backed=1,capacity=64MiB", NULL);
+  /* The warning for a device without virtual memory (vm=0), logged under
+   * the configuration lock too. */
+  gca_allocator_t *b = open_sim("sim:vm=0,capacity=64MiB", NULL);
   r.a = b;
   r.calls = 0;
   assert_int_equal(gca_set_config(b, "expandable_segments:True"), GCA_OK);

@@ -48,9 +48,16 @@
  * as one); a mapping must lie inside a reservation, at a multiple of the
  * granularity, over nothing mapped, and cover its whole handle. Unmapping
  * memory that queued work still uses is a hazard, as a free is. Mapped
- * memory may be used by sim_launch like allocated memory. Backed mode does
- * not model virtual memory (vm_granularity says so).
+ * memory may be used by sim_launch like allocated memory. In backed mode
+ * the mappings are real: a reservation is host address space (PROT_NONE),
+ * physical memory is a range of a sparse memfd per device, a mapping maps
+ * it there read-write, an unmap maps nothing again, and a destroy punches
+ * the range out of the file (its memory goes back to the host).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* memfd_create, fallocate */
+#endif
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,6 +128,7 @@ typedef struct sim_phys {
   };
   uint32_t pages;        /* size in pages of the granularity; 0: a free slot */
   uint32_t generation;   /* bumped when the slot is freed */
+  uint64_t unit;         /* backed mode: where it lies in the device's memfd, in pages */
 } sim_phys_t;
 #define PHYS_CHUNK_BITS 10
 #define PHYS_CHUNK_SLOTS ((uint32_t)1 << PHYS_CHUNK_BITS)
@@ -170,6 +178,11 @@ typedef struct sim_device {
   sim_place_t *places;      /* sim_set_placement's list, addresses made this device's */
   size_t place_count, place_next;
   bool capturing;           /* gca__sim_set_capture: a stream of the device is being captured */
+  /* Backed mode's physical memory: a memfd as large as the capacity
+   * (sparse), and which of its pages are taken. Made at the first use. */
+  int phys_fd1;             /* the memfd + 1; 0: none yet */
+  uint8_t *phys_taken;
+  size_t phys_units;
 } sim_device_t;
 
 typedef struct sim {
@@ -190,6 +203,7 @@ typedef struct sim {
   uint64_t now;         /* simulated ns */
   uint32_t engines;     /* 0: unlimited */
   size_t granularity;   /* of virtual memory */
+  bool no_vm;           /* vm=0: the device offers none (as a driver without it) */
   bool backed;
   /* Pinned host memory: real host memory (callers write it), allocated
    * (host_alloc) or registered (host_register), in one tree by address. */
@@ -654,21 +668,73 @@ static bool take_aligned_range(sim_device_t *dev, size_t size, size_t align, uin
 
 static bool vm_aligned(const sim_t *s, uintptr_t v) { return (v & (s->granularity - 1)) == 0; }
 
-static int no_vm(void) {
-  return gca__set_error(GCA_ERR_BACKEND, "sim: virtual memory is not modelled in backed mode");
+/* ---- backed mode's real mappings (with the sim lock held) ---- */
+
+/* The device's memfd and its page map, made at the first use. */
+static int backed_ready(sim_t *s, sim_device_t *dev, int device) {
+  if (dev->phys_fd1) return GCA_OK;
+  size_t units = s->capacity / s->granularity;
+  int fd = memfd_create("gcalloc-sim", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)(units * s->granularity)) != 0 || !(dev->phys_taken = calloc(units ? units : 1, 1))) {
+    if (fd >= 0) close(fd);
+    return gca__set_error(GCA_ERR_NOMEM, "sim: device %d cannot make its backed physical memory", device);
+  }
+  dev->phys_fd1 = fd + 1;
+  dev->phys_units = units;
+  return GCA_OK;
+}
+
+/* n free pages of the memfd, first fit; false if no run is free. */
+static bool backed_take(sim_device_t *dev, size_t n, uint64_t *first) {
+  for (size_t i = 0, run = 0; i < dev->phys_units; i++) {
+    run = dev->phys_taken[i] ? 0 : run + 1;
+    if (run == n) {
+      *first = i + 1 - n;
+      memset(dev->phys_taken + *first, 1, n);
+      return true;
+    }
+  }
+  return false;
+}
+
+/* Give n pages back: their memory returns to the host. */
+static void backed_give(const sim_t *s, sim_device_t *dev, uint64_t first, size_t n) {
+  (void)fallocate(dev->phys_fd1 - 1, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(first * s->granularity),
+                  (off_t)(n * s->granularity));
+  memset(dev->phys_taken + first, 0, n);
+}
+
+/* Nothing mapped at [addr, +size): address space only. */
+static void backed_unmap(uintptr_t addr, size_t size) {
+  (void)mmap((void *)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
 }
 
 static int sim_vm_granularity(void *state, int device, size_t *granularity) {
   sim_t *s = state;
   (void)device;
-  if (s->backed) return no_vm();
+  if (s->no_vm) return gca__set_error(GCA_ERR_BACKEND, "sim: the device offers no virtual memory (vm=0)");
+  if (s->backed && s->granularity % (size_t)sysconf(_SC_PAGESIZE))
+    return gca__set_error(GCA_ERR_BACKEND, "sim: backed virtual memory needs a granularity of whole host pages, not %zu",
+                          s->granularity);
   *granularity = s->granularity;
   return GCA_OK;
 }
 
+/* Backed mode: host address space, aligned to the granularity, nothing
+ * mapped (PROT_NONE); false if the host has none. */
+static bool backed_reserve(const sim_t *s, size_t size, uintptr_t *addr) {
+  size_t extra = s->granularity;
+  char *base = mmap(NULL, size + extra, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) return false;
+  uintptr_t at = ((uintptr_t)base + extra - 1) & ~(uintptr_t)(extra - 1);
+  if (at > (uintptr_t)base) munmap(base, at - (uintptr_t)base);
+  munmap((void *)(at + size), (uintptr_t)base + size + extra - (at + size));
+  *addr = at;
+  return true;
+}
+
 static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
   sim_t *s = state;
-  if (s->backed) return no_vm();
   if (size == 0 || !vm_aligned(s, size))
     return gca__set_error(GCA_ERR_INVALID, "sim: cannot reserve %zu bytes: not a positive multiple of %zu", size,
                           s->granularity);
@@ -677,7 +743,7 @@ static int sim_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
   int rc = GCA_OK;
   sim_alloc_t *rec = calloc(1, sizeof *rec);
   if (!rec) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-  else if (!take_aligned_range(dev, size, s->granularity, &rec->addr))
+  else if (s->backed ? !backed_reserve(s, size, &rec->addr) : !take_aligned_range(dev, size, s->granularity, &rec->addr))
     rc = gca__set_error(GCA_ERR_OOM, "sim: device %d has no free address range of %zu bytes to reserve", device, size);
   if (rc == GCA_OK) {
     rec->size = rec->footprint = size;
@@ -800,7 +866,6 @@ static sim_phys_t *first_mapping_in(const sim_t *s, sim_device_t *dev, uintptr_t
 
 static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
   sim_t *s = state;
-  if (s->backed) return no_vm();
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   sim_alloc_t key = {.addr = addr};
@@ -823,7 +888,8 @@ static int sim_vm_unreserve(void *state, int device, uintptr_t addr, size_t size
   }
   if (rc == GCA_OK) {
     RB_REMOVE(sim_reserved, &dev->reserved, r);
-    (void)give_range(dev, r->addr, r->size);
+    if (s->backed) munmap((void *)r->addr, r->size);
+    else (void)give_range(dev, r->addr, r->size);
     dev->counters.vm_reserved -= r->size;
     free(r);
   }
@@ -868,15 +934,24 @@ static uint32_t take_phys_slot(sim_device_t *dev) {
 /* Physical memory of `size` bytes (a positive multiple of the granularity,
  * of at most 2^32 - 1 pages), with the sim lock held. */
 static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, uintptr_t *handle) {
-  int rc = charge(s, dev, device, size, size);
+  int rc = s->backed ? backed_ready(s, dev, device) : GCA_OK;
+  if (rc == GCA_OK) rc = charge(s, dev, device, size, size);
   if (rc != GCA_OK) return rc;
+  uint64_t unit = 0;
+  size_t pages = size >> __builtin_ctzll(s->granularity);
+  if (s->backed && !backed_take(dev, pages, &unit)) {
+    uncharge(s, device, size);
+    return gca__set_error(GCA_ERR_OOM, "sim: device %d has no run of %zu free bytes of backed memory", device, size);
+  }
   uint32_t slot = take_phys_slot(dev);
   if (slot == UINT32_MAX) {
+    if (s->backed) backed_give(s, dev, unit, pages);
     uncharge(s, device, size);
     return gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   }
   sim_phys_t *p = phys_slot(dev, slot);
-  p->pages = (uint32_t)(size >> __builtin_ctzll(s->granularity));
+  p->unit = unit;
+  p->pages = (uint32_t)pages;
   p->mapped_at = 0;
   *handle = (uintptr_t)(((uint64_t)p->generation << 32) | (slot + 1));
   dev->used += size;
@@ -891,7 +966,6 @@ static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, u
 static int sim_vm_create_many(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made) {
   sim_t *s = state;
   *made = 0;
-  if (s->backed) return no_vm();
   if (size == 0 || !vm_aligned(s, size))
     return gca__set_error(GCA_ERR_INVALID, "sim: cannot create %zu bytes of physical memory: not a positive multiple of %zu",
                           size, s->granularity);
@@ -927,6 +1001,7 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
     return gca__set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
   dev->used -= phys_bytes(s, p);
   uncharge(s, device, phys_bytes(s, p));
+  if (s->backed) backed_give(s, dev, p->unit, p->pages);
   p->pages = 0;
   p->generation++;
   p->next_free = dev->free_phys;
@@ -943,10 +1018,6 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
 static int sim_vm_destroy_many(void *state, int device, uintptr_t *handles, size_t n, size_t *refused) {
   sim_t *s = state;
   *refused = 0;
-  if (s->backed) {
-    *refused = n;
-    return no_vm();
-  }
   for (size_t i = 0; i < n; i++) add_latency(s);
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
@@ -972,7 +1043,6 @@ static int sim_vm_destroy(void *state, int device, uintptr_t handle) {
  * and one walk over the page table. */
 static int sim_vm_map_many(void *state, int device, uintptr_t addr, size_t size, size_t n, const uintptr_t *handles) {
   sim_t *s = state;
-  if (s->backed) return no_vm();
   if (n == 0) return GCA_OK;
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
@@ -1022,6 +1092,16 @@ static int sim_vm_map_many(void *state, int device, uintptr_t addr, size_t size,
         }
     }
   }
+  /* Backed: the memory itself, mapped there. */
+  for (size_t j = 0; rc == GCA_OK && s->backed && j < n; j++) {
+    sim_phys_t *p = phys_of(dev, handles[j]);
+    void *at = (void *)(addr + j * size);
+    if (mmap(at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, dev->phys_fd1 - 1,
+             (off_t)(p->unit * s->granularity)) == MAP_FAILED) {
+      rc = gca__set_error(GCA_ERR_NOMEM, "sim: cannot map backed memory at %p", at);
+      if (j) backed_unmap(addr, j * size);
+    }
+  }
   if (rc != GCA_OK) {
     for (size_t i = 0; i < marked; i++) phys_of(dev, handles[i])->mapped_at = 0;
     lock_release(&s->lock);
@@ -1048,7 +1128,6 @@ static int sim_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
 
 static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   sim_t *s = state;
-  if (s->backed) return no_vm();
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
@@ -1091,6 +1170,7 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
         if (e) memset(e, 0, run * sizeof *e); /* (its leaf exists: it is mapped) */
       }
       m->mapped_at = 0;
+      if (s->backed) backed_unmap(at, mapping);
       dev->counters.vm_mapped -= mapping;
       dev->counters.vm_unmaps++;
       at += mapping;
@@ -1125,8 +1205,11 @@ static void sim_destroy(void *state) {
     for (rec = RB_MIN(sim_reserved, &dev->reserved); rec; rec = next) {
       next = RB_NEXT(sim_reserved, &dev->reserved, rec);
       RB_REMOVE(sim_reserved, &dev->reserved, rec);
+      if (s->backed) munmap((void *)rec->addr, rec->size);
       free(rec);
     }
+    if (dev->phys_fd1) close(dev->phys_fd1 - 1);
+    free(dev->phys_taken);
     for (size_t k = 0; k < dev->map_leaves.cap; k++)
       if (dev->map_leaves.keys && dev->map_leaves.keys[k] && dev->map_leaves.keys[k] != ADDR_MAP_DELETED)
         free((map_leaf_t *)(uintptr_t)dev->map_leaves.vals[k]);
@@ -1320,7 +1403,7 @@ static bool device_range(const sim_t *s, sim_device_t *dev, uintptr_t addr, size
   sim_alloc_t *rec = RB_NFIND(sim_live, &dev->live, &key);
   if (!rec || rec->addr != addr) rec = rec ? RB_PREV(sim_live, &dev->live, rec) : RB_MAX(sim_live, &dev->live);
   if (rec && addr >= rec->addr && addr - rec->addr <= rec->size && size <= rec->size - (addr - rec->addr)) return true;
-  if (s->backed || !size || addr + size < addr) return false;
+  if (!size || addr + size < addr) return false;
   uint64_t leaf_key = UINT64_MAX;
   map_leaf_t *leaf = NULL;
   uintptr_t first = addr & ~(uintptr_t)(s->granularity - 1);
@@ -1540,7 +1623,7 @@ uint64_t gca__sim_stream_ready_at(const backend_t *b, int device, gca_stream_t s
 
 typedef struct sim_options {
   uint64_t capacity, devices, fail_at, fail_count, fail_after, free_fail_at, seed, latency_ns, backed, event_fail_at,
-      wait_fail_at, engines, granularity, host_capacity, host_fail_at;
+      wait_fail_at, engines, granularity, host_capacity, host_fail_at, no_vm;
   double fail_rate;
   char shared[72]; /* shared=NAME */
   bool capacity_given;
@@ -1623,11 +1706,15 @@ static int parse_option(sim_options_t *o, const char *key, size_t klen, const ch
       return bad_option(key, klen, val, vlen, "expected a pinned host allocation number >= 1");
   } else if (KEY_IS("backed")) {
     if (!parse_u64(val, vlen, &o->backed) || o->backed > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
+  } else if (KEY_IS("vm")) {
+    uint64_t vm = 0;
+    if (!parse_u64(val, vlen, &vm) || vm > 1) return bad_option(key, klen, val, vlen, "expected 0 or 1");
+    o->no_vm = !vm;
   } else {
     return gca__set_error(GCA_ERR_BACKEND,
                           "sim backend: unknown option '%.*s' (options: capacity, devices, fail_at, fail_count, "
                           "fail_after, fail_rate, seed, free_fail_at, latency_ns, event_fail_at, wait_fail_at, engines, "
-                          "granularity, backed, host_capacity, host_fail_at, shared)",
+                          "granularity, backed, vm, host_capacity, host_fail_at, shared)",
                           (int)klen, key);
   }
   return GCA_OK;
@@ -1670,6 +1757,7 @@ int gca__sim_backend_create(const char *options, backend_t *out) {
   s->wait_fail_at = o.wait_fail_at;
   s->engines = (uint32_t)o.engines;
   s->backed = o.backed != 0;
+  s->no_vm = o.no_vm != 0;
   s->granularity = (size_t)o.granularity;
   s->host_capacity = o.host_capacity ? (size_t)o.host_capacity : SIZE_MAX;
   s->host_fail_at = o.host_fail_at;
