@@ -848,7 +848,7 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
   pickle_doc_t *doc = path    ? pickle_load(path, &options)
                       : owned ? pickle_parse_owned(owned, len, &options)
                               : pickle_parse(data, len, &options);
-  int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : gca__prefix_error(name);
+  int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : gca__prefix_error("%s", name);
   gca__big_free(sink.events, sink.cap * sizeof *sink.events);
   free(sink.blocks);
   return rc;

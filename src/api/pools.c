@@ -11,24 +11,12 @@
  * pool's drop_backup hook.
  */
 #include <inttypes.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "core/core.h"
 
 static void drop_backup(gca_allocator_t *a, void *host) { (void)gca_host_free(a, host); }
 
-/* Put "<what>: " before the current message. */
-static void prefix(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void prefix(const char *fmt, ...) {
-  char what[160];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(what, sizeof what, fmt, ap);
-  va_end(ap);
-  gca__prefix_error(what);
-}
 
 /* Copy every live block of the pool to pinned host memory and wait for the
  * copies; on failure nothing is kept. */
@@ -54,7 +42,7 @@ static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
       void *host = gca_host_malloc(a, size);
       if (!host) {
         rc = gca_last_status() ? gca_last_status() : GCA_ERR_NOMEM;
-        prefix("gca_pool_pause: no pinned host memory for the copy of %zu bytes at %#" PRIxPTR, size, b->addr);
+        gca__prefix_error("gca_pool_pause: no pinned host memory for the copy of %zu bytes at %#" PRIxPTR, size, b->addr);
         break;
       }
       mp->backups[mp->backup_count++] = (pool_backup_t){b->addr, size, b->stream, host};
@@ -122,12 +110,12 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
   else if (d->captures)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: device %d has a stream captured into a graph", d->index);
   if (rc == GCA_OK && (rc = gca__mempool_remap(d, mp)) != GCA_OK)
-    prefix("gca_pool_resume: pool %" PRIu64 " stays paused", pool);
+    gca__prefix_error("gca_pool_resume: pool %" PRIu64 " stays paused", pool);
   if (rc == GCA_OK) {
     mp->paused = false;
     d->paused_pools--;
     rc = restore_backups(d, mp);
-    if (rc != GCA_OK) prefix("gca_pool_resume: pool %" PRIu64 " runs, but its data was not restored", pool);
+    if (rc != GCA_OK) gca__prefix_error("gca_pool_resume: pool %" PRIu64 " runs, but its data was not restored", pool);
     else if (!(flags & GCA_RESUME_KEEP_BACKUP)) gca__mempool_drop_backups(d, mp);
   }
   lock_release(&d->lock);

@@ -129,12 +129,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   bool created = false;
   int rc = GCA_OK;
   shared_region_t *r = gca__shared_region_open(path, sizeof *r, 0600, &created);
-  if (!r) {
-    char prefix[96];
-    snprintf(prefix, sizeof prefix, "sim backend: shared=%s", name);
-    gca__prefix_error(prefix);
-    return gca_last_status();
-  }
+  if (!r) return gca__prefix_error("sim backend: shared=%s", name);
   if (created && create_region(r, capacity, devices) != 0)
     rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot make the region's lock", name);
   if (rc == GCA_OK && !created) {

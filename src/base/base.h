@@ -50,8 +50,9 @@ __attribute__((noreturn)) void gca__assert_failed(const char *cond, const char *
 
 /* Record a failure for gca_last_error(); returns `status` for tail calls. */
 int gca__set_error(int status, const char *fmt, ...) GCA_PRINTF(2, 3);
-/* Put "prefix: " before the current error message; returns its status. */
-int gca__prefix_error(const char *prefix);
+/* Put "prefix: " (formatted) before the current error message; returns
+ * its status. */
+int gca__prefix_error(const char *fmt, ...) GCA_PRINTF(1, 2);
 void gca__clear_error(void);
 /* Log a message through the installed handler. The handler never runs under
  * a lock of the library: a region that holds one and may log is bracketed

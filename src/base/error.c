@@ -50,7 +50,12 @@ GCA_COLD int gca__set_error(int status, const char *fmt, ...) {
   return status;
 }
 
-int gca__prefix_error(const char *prefix) {
+int gca__prefix_error(const char *fmt, ...) {
+  char prefix[ERROR_TEXT_MAX / 2 + 1];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(prefix, sizeof prefix, fmt, ap);
+  va_end(ap);
   size_t n = strlen(prefix);
   if (n > ERROR_TEXT_MAX / 2) n = ERROR_TEXT_MAX / 2;
   size_t keep = strlen(last_text);
