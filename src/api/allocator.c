@@ -170,20 +170,6 @@ int gca_device_count(const gca_allocator_t *a) {
 
 const char *gca_backend_name(const gca_allocator_t *a) { return a ? a->backend.ops->name : ""; }
 
-/* The device, or NULL with the error set. */
-static device_t *device_of(const gca_allocator_t *a, int device, const char *what) {
-  if (unlikely(!a)) {
-    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
-    return NULL;
-  }
-  if (unlikely(device < 0 || device >= a->device_count)) {
-    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
-                   a->device_count, a->device_count == 1 ? "" : "s");
-    return NULL;
-  }
-  return &a->devices[device];
-}
-
 /* ---- device facts and peers -------------------------------------------- */
 
 static int not_offered(const gca_allocator_t *a, const char *what) {
@@ -191,7 +177,7 @@ static int not_offered(const gca_allocator_t *a, const char *what) {
 }
 
 int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out) {
-  if (!device_of(a, device, "gca_device_properties")) return gca_last_status();
+  if (!gca__device_of(a, device, "gca_device_properties")) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_device_properties: out is NULL");
   if (!a->backend.ops->device_properties) return not_offered(a, "gca_device_properties");
   return a->backend.ops->device_properties(a->backend.state, device, out);
@@ -199,7 +185,7 @@ int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_
 
 /* Both devices exist and differ. */
 static int peer_pair(const gca_allocator_t *a, int device, int peer, const char *what) {
-  if (!device_of(a, device, what) || !device_of(a, peer, what)) return gca_last_status();
+  if (!gca__device_of(a, device, what) || !gca__device_of(a, peer, what)) return gca_last_status();
   if (device == peer) return gca__set_error(GCA_ERR_INVALID, "%s: device %d cannot be its own peer", what, device);
   return GCA_OK;
 }
@@ -227,14 +213,14 @@ int gca_disable_peer_access(gca_allocator_t *a, int device, int peer) {
 }
 
 int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *greatest) {
-  if (!device_of(a, device, "gca_stream_priority_range")) return gca_last_status();
+  if (!gca__device_of(a, device, "gca_stream_priority_range")) return gca_last_status();
   if (!least || !greatest) return gca__set_error(GCA_ERR_INVALID, "gca_stream_priority_range: least or greatest is NULL");
   if (!a->backend.ops->stream_priority_range) return not_offered(a, "gca_stream_priority_range");
   return a->backend.ops->stream_priority_range(a->backend.state, device, least, greatest);
 }
 
 static inline void *malloc_plain(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
-  device_t *d = device_of(a, device, "gca_malloc");
+  device_t *d = gca__device_of(a, device, "gca_malloc");
   if (unlikely(!d)) return NULL;
   if (unlikely(size == 0)) {
     gca__clear_error();
@@ -322,7 +308,7 @@ static int for_devices(gca_allocator_t *a, int device, const char *what, void (*
     for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
     return GCA_OK;
   }
-  device_t *d = device_of(a, device, what);
+  device_t *d = gca__device_of(a, device, what);
   if (!d) return gca_last_status();
   fn(d);
   return GCA_OK;
@@ -349,7 +335,7 @@ int gca_process_events(gca_allocator_t *a, int device) {
 }
 
 int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device) {
-  device_t *d = device_of(a, device, "gca_set_memory_fraction");
+  device_t *d = gca__device_of(a, device, "gca_set_memory_fraction");
   if (!d) return gca_last_status();
   lock_acquire(&d->lock);
   int rc = gca__device_set_fraction_locked(d, fraction);
@@ -360,7 +346,7 @@ int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device) {
 }
 
 int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction) {
-  device_t *d = device_of(a, device, "gca_get_memory_fraction");
+  device_t *d = gca__device_of(a, device, "gca_get_memory_fraction");
   if (!d) return gca_last_status();
   if (!fraction) return gca__set_error(GCA_ERR_INVALID, "gca_get_memory_fraction: fraction is NULL");
   lock_acquire(&d->lock);
@@ -479,7 +465,7 @@ int gca_empty_cache(gca_allocator_t *a, int device) {
 }
 
 int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {
-  device_t *d = device_of(a, device, "gca_mem_get_info");
+  device_t *d = gca__device_of(a, device, "gca_mem_get_info");
   if (!d) return gca_last_status();
   size_t f = 0, t = 0;
   int rc = a->backend.ops->mem_get_info(a->backend.state, device, &f, &t);
@@ -539,7 +525,7 @@ size_t gca_round_size(gca_allocator_t *a, size_t size) {
 /* ---- statistics --------------------------------------------------------- */
 
 int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
-  device_t *d = device_of(a, device, "gca_get_stats");
+  device_t *d = gca__device_of(a, device, "gca_get_stats");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
   lock_acquire(&d->lock);
@@ -550,7 +536,7 @@ int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
 }
 
 static int reset_stats(gca_allocator_t *a, int device, const char *what, void (*reset)(kept_stats_t *)) {
-  device_t *d = device_of(a, device, what);
+  device_t *d = gca__device_of(a, device, what);
   if (!d) return gca_last_status();
   lock_acquire(&d->lock);
   reset(&d->stats);
@@ -580,7 +566,7 @@ int gca_check(gca_allocator_t *a, int device) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_check: allocator is NULL");
   int first = device == -1 ? 0 : device;
   int last = device == -1 ? a->device_count - 1 : device;
-  if (device != -1 && !device_of(a, device, "gca_check")) return gca_last_status();
+  if (device != -1 && !gca__device_of(a, device, "gca_check")) return gca_last_status();
   for (int i = first; i <= last; i++) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
@@ -592,7 +578,7 @@ int gca_check(gca_allocator_t *a, int device) {
 }
 
 int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap) {
-  device_t *d = device_of(a, device, "gca_ipc_peers");
+  device_t *d = gca__device_of(a, device, "gca_ipc_peers");
   if (!d) return gca_last_status();
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_ipc_peers: out is NULL");
   if (!d->coop)

@@ -884,6 +884,21 @@ struct gca_allocator {
   _Atomic uint64_t last_pool_id; /* private pools' ids: the next is one more */
 };
 
+/* Device `device` of `a`, or NULL with the error set, naming `what` (the
+ * calls of the C API; inline: gca_malloc asks it every time). */
+static inline device_t *gca__device_of(const gca_allocator_t *a, int device, const char *what) {
+  if (unlikely(!a)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  if (unlikely(device < 0 || device >= a->device_count)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
+                   a->device_count, a->device_count == 1 ? "" : "s");
+    return NULL;
+  }
+  return &a->devices[device];
+}
+
 /* ------------------------------------------------------------------------ */
 /* Trace recording, as the core sees it                                      */
 /* ------------------------------------------------------------------------ */

@@ -104,19 +104,6 @@ mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) 
   return NULL;
 }
 
-static device_t *device_named(gca_allocator_t *a, int device, const char *what) {
-  if (!a) {
-    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
-    return NULL;
-  }
-  if (device < 0 || device >= a->device_count) {
-    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
-                   a->device_count, a->device_count == 1 ? "" : "s");
-    return NULL;
-  }
-  return &a->devices[device];
-}
-
 /* ---- life --------------------------------------------------------------- */
 
 int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out) {
@@ -124,7 +111,7 @@ int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out) {
 }
 
 int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_t *out) {
-  device_t *d = device_named(a, device, "gca_pool_create");
+  device_t *d = gca__device_of(a, device, "gca_pool_create");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: out is NULL");
   if (flags & ~(unsigned)GCA_POOL_PAUSABLE)
@@ -518,7 +505,7 @@ int gca_pool_of(gca_allocator_t *a, void *ptr, gca_pool_t *out) {
 }
 
 int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_t cap) {
-  device_t *d = device_named(a, device, "gca_pool_list");
+  device_t *d = gca__device_of(a, device, "gca_pool_list");
   if (!d) return gca_last_status();
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_pool_list: out is NULL");
   int n = 0;

@@ -763,9 +763,7 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
 int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream_t stream) {
   host_cache_t *h = host_of(a, "gca_host_record_stream");
   if (!h) return GCA_ERR_INVALID;
-  if (device < 0 || device >= a->device_count)
-    return gca__set_error(GCA_ERR_INVALID, "gca_host_record_stream: device %d does not exist (the backend has %d)", device,
-                          a->device_count);
+  if (!gca__device_of(a, device, "gca_host_record_stream")) return gca_last_status();
   mutex_lock(&h->lock);
   host_block_t *b = host_block_containing(h, (uintptr_t)ptr);
   int rc = GCA_OK;
