@@ -1399,9 +1399,7 @@ static int sim_device_identity(void *state, int device, char *out, size_t cap) {
 /* Whether [addr, +size) is device memory of the device: inside one live
  * allocation, or mapped at every page. */
 static bool device_range(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t size) {
-  sim_alloc_t key = {.addr = addr};
-  sim_alloc_t *rec = RB_NFIND(sim_live, &dev->live, &key);
-  if (!rec || rec->addr != addr) rec = rec ? RB_PREV(sim_live, &dev->live, rec) : RB_MAX(sim_live, &dev->live);
+  sim_alloc_t *rec = floor_record(RB_ROOT(&dev->live), addr);
   if (rec && addr >= rec->addr && addr - rec->addr <= rec->size && size <= rec->size - (addr - rec->addr)) return true;
   if (!size || addr + size < addr) return false;
   uint64_t leaf_key = UINT64_MAX;

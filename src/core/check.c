@@ -273,8 +273,7 @@ int gca__device_check_locked(device_t *d) {
     BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
   /* The indexes of every pool, private ones included, by kind. */
   size_t indexed[GCA_POOL_KINDS] = {0}, unmapped_indexed[GCA_POOL_KINDS] = {0};
-  for (size_t i = 0; gca__device_pool_at(d, i); i++) {
-    pool_t *pool = gca__device_pool_at(d, i);
+  for (pool_t *pool = gca__device_pool_next(d, NULL); pool; pool = gca__device_pool_next(d, pool)) {
     indexed[pool->kind] += pool->free_count;
     unmapped_indexed[pool->kind] += pool->unmapped_count;
   }

@@ -509,9 +509,10 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
 int gca__device_capturing(device_t *d, const char *what);
 /* Give every segment of the device's private pools back (at destroy). */
 void gca__mempools_destroy(device_t *d);
-/* Every free index of the device: the default pools, then each private
- * pool's small and large. `i` from 0 until it returns NULL. */
-pool_t *gca__device_pool_at(device_t *d, size_t i);
+/* Every free index of the device, one after another: the default pools,
+ * then each private pool's small and large. The first for NULL; NULL
+ * after the last. */
+pool_t *gca__device_pool_next(device_t *d, pool_t *pool);
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
 /* d->config.size_pad from its pad_32_bytes mode and the backend (at init,

@@ -64,11 +64,11 @@ mempool_t *gca__mempool_find(device_t *d, uint64_t id) {
   return NULL;
 }
 
-pool_t *gca__device_pool_at(device_t *d, size_t i) {
-  if (i < 2) return i == 0 ? &d->small_pool : &d->large_pool;
-  mempool_t *mp = d->mempools;
-  for (size_t k = 2; mp && k + 2 <= i; k += 2) mp = mp->next;
-  return !mp ? NULL : i % 2 == 0 ? &mp->small : &mp->large;
+pool_t *gca__device_pool_next(device_t *d, pool_t *pool) {
+  if (!pool) return &d->small_pool;
+  if (pool->kind == GCA_POOL_SMALL) return pool->owner ? &pool->owner->large : &d->large_pool;
+  mempool_t *next = pool->owner ? pool->owner->next : d->mempools;
+  return next ? &next->small : NULL;
 }
 
 void gca__mempools_destroy(device_t *d) {
@@ -266,11 +266,9 @@ static int stream_set_add(stream_set_t *set, gca_stream_t s) {
   for (size_t i = 0; i < set->count; i++)
     if (set->items[i] == s) return GCA_OK;
   if (set->count == set->cap) {
-    size_t cap = set->cap ? 2 * set->cap : 16;
-    gca_stream_t *grown = realloc(set->items, cap * sizeof *grown);
+    gca_stream_t *grown = gca__grow_array(set->items, &set->cap, sizeof *grown, 16);
     if (!grown) return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
     set->items = grown;
-    set->cap = cap;
   }
   set->items[set->count++] = s;
   return GCA_OK;
@@ -391,14 +389,9 @@ static int route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream
                           (uintptr_t)stream, d->stream_routes[i].pool->id,
                           d->stream_routes[i].capture ? " (captured)" : "");
   if (rc == GCA_OK && d->stream_route_count == d->stream_route_cap) {
-    size_t cap = d->stream_route_cap ? 2 * d->stream_route_cap : 4;
-    stream_route_t *grown = realloc(d->stream_routes, cap * sizeof *grown);
-    if (grown) {
-      d->stream_routes = grown;
-      d->stream_route_cap = cap;
-    } else {
-      rc = gca__set_error(GCA_ERR_NOMEM, "%s: out of host memory", what);
-    }
+    stream_route_t *grown = gca__grow_array(d->stream_routes, &d->stream_route_cap, sizeof *grown, 4);
+    if (grown) d->stream_routes = grown;
+    else rc = gca__set_error(GCA_ERR_NOMEM, "%s: out of host memory", what);
   }
   if (rc == GCA_OK) {
     d->stream_routes[d->stream_route_count++] = (stream_route_t){stream, mp, capture};

@@ -180,8 +180,7 @@ static void add_stream_bytes(cache_view_t *v, gca_stream_t s, uint64_t n) {
 
 static void view_cache(device_t *d, gca_stream_t stream, cache_view_t *v) {
   memset(v, 0, sizeof *v);
-  pool_t *pool;
-  for (size_t p = 0; (pool = gca__device_pool_at(d, p)) != NULL; p++)
+  for (pool_t *pool = gca__device_pool_next(d, NULL); pool; pool = gca__device_pool_next(d, pool))
     for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) {
       v->free_bytes[pool->kind] += b->size;
       v->free_blocks[pool->kind]++;
