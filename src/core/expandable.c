@@ -355,6 +355,22 @@ void gca__expandable_release_all(device_t *d) {
   gca__expandable_release_pool(d, &d->small_pool);
 }
 
+/* The books of pages [first, first + n) of seg, just mapped with handles
+ * (`created` of them new from the device, the rest moved there). */
+static void note_mapped(device_t *d, segment_t *seg, size_t first, size_t n, const uintptr_t *handles, size_t created) {
+  size_t page = seg->page_size, bytes = n * page;
+  memcpy(seg->pages + first, handles, n * sizeof *handles);
+  seg->mapped_bytes += bytes;
+  if (first + n > seg->mapped_top) seg->mapped_top = first + n;
+  d->pages_mapped += n;
+  family_increase(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)bytes);
+  gca__mirror_reserved(d);
+  if (created) d->stats.num_device_alloc++;
+  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, seg->addr + first * page, bytes, seg->stream);
+  if (unlikely(d->segment_observer != NULL) && created)
+    d->segment_observer(d->segment_observer_ctx, true, created * page);
+}
+
 /* ---- pausing a pool ----------------------------------------------------- */
 
 /* One past the highest page mapped. */
@@ -432,17 +448,9 @@ int gca__expandable_resume(device_t *d, segment_t *seg) {
       free(handles);
       return rc;
     }
-    memcpy(seg->pages + i, handles, n * sizeof *handles);
+    note_mapped(d, seg, i, n, handles, n);
     free(handles);
     memset(seg->paused_pages + i, 0, n);
-    seg->mapped_bytes += n * page;
-    if (i + n > seg->mapped_top) seg->mapped_top = i + n;
-    d->pages_mapped += n;
-    d->stats.num_device_alloc++;
-    family_increase(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)(n * page));
-    gca__mirror_reserved(d);
-    if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, at, n * page, seg->stream);
-    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, true, n * page);
     i += n;
   }
   free(seg->paused_pages);
@@ -568,11 +576,8 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
     if (rest) gca__block_recycle(d, rest);
     return NULL;
   }
-  memcpy(seg->pages + first, handles, n * sizeof *handles);
+  note_mapped(d, seg, first, n, handles, created);
   free(handles);
-  seg->mapped_bytes += bytes;
-  if (first + n > seg->mapped_top) seg->mapped_top = first + n;
-  d->pages_mapped += n;
 
   gca__pool_unmapped_remove(pool, b);
   if (rest) {
@@ -580,13 +585,6 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
     gca__pool_unmapped_insert(pool, rest);
   }
   b->state = BLOCK_FREE;
-
-  family_increase(&d->stats, FAM_RESERVED_BYTES, pool->kind, (int64_t)bytes);
-  gca__mirror_reserved(d);
-  if (created) d->stats.num_device_alloc++;
-  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, b->addr, bytes, b->stream);
-  if (unlikely(d->segment_observer != NULL) && created)
-    d->segment_observer(d->segment_observer_ctx, true, created * page);
 
   /* Merge with free neighbours: the one before, already in the index,
    * survives (its key only grows). */

@@ -174,16 +174,36 @@ static void rehome(device_t *d, segment_t *seg) {
 }
 
 /* What keeps a pool from ending, or NULL. */
-static const char *busy(const mempool_t *mp, char *why, size_t cap) {
-  size_t live = 0, bytes = 0;
+/* What the pool holds, counted from its segments into *out (zeroed
+ * first): its statistics but those kept on the pool itself. Returns the
+ * pending blocks, which the statistics count only in bytes. */
+static size_t count_pool(const mempool_t *mp, gca_pool_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  size_t pending = 0;
   for (segment_t *seg = mp->device->segments; seg; seg = seg->next) {
     if (seg->pool->owner != mp) continue;
-    for (block_t *b = seg->head; b; b = b->next)
-      if (b->state == BLOCK_ALLOCATED || b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
-        live++;
-        bytes += b->size;
+    out->segments++;
+    out->reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
+    for (block_t *b = seg->head; b; b = b->next) {
+      if (b->state == BLOCK_ALLOCATED) {
+        out->allocations++;
+        out->allocated_bytes += b->size;
+        out->requested_bytes += b->requested;
+      } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
+        pending++;
+        out->pending_bytes += b->size;
+      } else if (b->state == BLOCK_FREE && !seg->paused_pages) { /* (a paused pool caches nothing) */
+        out->cached_bytes += b->size;
       }
+    }
   }
+  return pending;
+}
+
+static const char *busy(const mempool_t *mp, char *why, size_t cap) {
+  gca_pool_stats_t held;
+  size_t pending = count_pool(mp, &held);
+  size_t live = held.allocations + pending, bytes = held.allocated_bytes + held.pending_bytes;
   if (live) {
     char text[32];
     gca__format_bytes(bytes, text, sizeof text);
@@ -455,7 +475,7 @@ int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *ou
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: out is NULL");
   mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_get_stats");
   if (!mp) return gca_last_status();
-  memset(out, 0, sizeof *out);
+  (void)count_pool(mp, out);
   out->id = mp->id;
   out->device = mp->device->index;
   out->references = mp->references;
@@ -463,22 +483,6 @@ int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *ou
   out->pausable = mp->pausable;
   out->paused = mp->paused;
   out->backup_bytes = mp->backup_bytes;
-  for (segment_t *seg = mp->device->segments; seg; seg = seg->next) {
-    if (seg->pool->owner != mp) continue;
-    out->segments++;
-    out->reserved_bytes += seg->expandable ? seg->mapped_bytes : seg->size;
-    for (block_t *b = seg->head; b; b = b->next) {
-      if (b->state == BLOCK_ALLOCATED) {
-        out->allocations++;
-        out->allocated_bytes += b->size;
-        out->requested_bytes += b->requested;
-      } else if (b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED) {
-        out->pending_bytes += b->size;
-      } else if (b->state == BLOCK_FREE && !seg->paused_pages) { /* (a paused pool caches nothing) */
-        out->cached_bytes += b->size;
-      }
-    }
-  }
   lock_release(&mp->device->lock);
   return GCA_OK;
 }
