@@ -627,27 +627,14 @@ static void acl_probe_vm(acl_t *a, int device) {
 }
 
 int gca__acl_backend_create(const char *options, backend_t *out) {
-  char path[512] = "";
-  const char *p = options ? options : "";
-  while (*p) {
-    const char *end = strchr(p, ',');
-    size_t len = end ? (size_t)(end - p) : strlen(p);
-    if (len > 8 && strncmp(p, "library=", 8) == 0 && len - 8 < sizeof path) {
-      memcpy(path, p + 8, len - 8);
-      path[len - 8] = 0;
-    } else if (len > 0) {
-      return gca__set_error(GCA_ERR_BACKEND, "acl backend: unknown option '%.*s' (options: library=PATH)", (int)len, p);
-    }
-    p += len + (end ? 1 : 0);
-  }
-  if (!path[0]) {
-    const char *env = getenv("GCALLOC_ACL_LIBRARY");
-    snprintf(path, sizeof path, "%s", env && *env ? env : "libascendcl.so");
-  }
+  char path[512];
+  int rc = gca__backend_library_path("acl", options, "library", "GCALLOC_ACL_LIBRARY", "libascendcl.so", path,
+                                     sizeof path);
+  if (rc) return rc;
 
   runtime_t rt;
   memset(&rt, 0, sizeof rt);
-  int rc = acl_load_runtime(path, &rt);
+  rc = acl_load_runtime(path, &rt);
   if (rc) {
     if (rt.handle) dlclose(rt.handle);
     return rc;

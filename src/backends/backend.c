@@ -2,6 +2,8 @@
  * plain table; backends that need a driver (cuda) load it at run time, so
  * the library never links one.
  */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "base/base.h"
@@ -36,4 +38,27 @@ void gca__backend_close(backend_t *b) {
     b->ops = NULL;
     b->state = NULL;
   }
+}
+
+int gca__backend_library_path(const char *backend, const char *options, const char *key, const char *env,
+                              const char *fallback, char *path, size_t cap) {
+  size_t key_len = strlen(key);
+  path[0] = 0;
+  for (const char *p = options ? options : ""; *p;) {
+    const char *end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    if (len > key_len + 1 && strncmp(p, key, key_len) == 0 && p[key_len] == '=' && len - key_len - 1 < cap) {
+      memcpy(path, p + key_len + 1, len - key_len - 1);
+      path[len - key_len - 1] = 0;
+    } else if (len > 0) {
+      return gca__set_error(GCA_ERR_BACKEND, "%s backend: unknown option '%.*s' (options: %s=PATH)", backend, (int)len,
+                            p, key);
+    }
+    p += len + (end ? 1 : 0);
+  }
+  if (!path[0]) {
+    const char *value = getenv(env);
+    snprintf(path, cap, "%s", value && *value ? value : fallback);
+  }
+  return GCA_OK;
 }

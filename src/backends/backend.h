@@ -136,6 +136,11 @@ typedef struct backend {
 
 /* Open a backend from a spec ("sim", "sim:capacity=24GiB"). */
 int gca__backend_open(const char *spec, backend_t *out);
+/* The options of a backend that loads a library and takes no other option
+ * ("KEY=PATH"): the path given, else $ENV when set and not empty, else
+ * `fallback`; an unknown option names `backend` and is an error. */
+int gca__backend_library_path(const char *backend, const char *options, const char *key, const char *env,
+                              const char *fallback, char *path, size_t cap);
 void gca__backend_close(backend_t *b);
 
 /* The sim backend (backend/sim.c). */

@@ -759,27 +759,14 @@ static void probe_virtual_memory(cuda_t *c, int device) {
 }
 
 int gca__cuda_backend_create(const char *options, backend_t *out) {
-  char path[512] = "";
-  const char *p = options ? options : "";
-  while (*p) {
-    const char *end = strchr(p, ',');
-    size_t len = end ? (size_t)(end - p) : strlen(p);
-    if (len > 7 && strncmp(p, "driver=", 7) == 0 && len - 7 < sizeof path) {
-      memcpy(path, p + 7, len - 7);
-      path[len - 7] = 0;
-    } else if (len > 0) {
-      return gca__set_error(GCA_ERR_BACKEND, "cuda backend: unknown option '%.*s' (options: driver=PATH)", (int)len, p);
-    }
-    p += len + (end ? 1 : 0);
-  }
-  if (!path[0]) {
-    const char *env = getenv("GCALLOC_CUDA_DRIVER");
-    snprintf(path, sizeof path, "%s", env && *env ? env : "libcuda.so.1");
-  }
+  char path[512];
+  int rc = gca__backend_library_path("cuda", options, "driver", "GCALLOC_CUDA_DRIVER", "libcuda.so.1", path,
+                                     sizeof path);
+  if (rc) return rc;
 
   driver_t drv;
   memset(&drv, 0, sizeof drv);
-  int rc = load_driver(path, &drv);
+  rc = load_driver(path, &drv);
   if (rc) {
     if (drv.handle) dlclose(drv.handle);
     return rc;
