@@ -270,20 +270,42 @@ class Allocator:
         _check(_lib.gca_open(_text(backend, "backend"), _text(conf, "conf"), ctypes.byref(handle)))
         self._a, self._owned = handle, True
 
-    @contextlib.contextmanager
-    def _handle(self):
+    def _enter(self, closed_ok=False):
+        """The C allocator, held open until _leave(); ValueError where it is
+        closed (None with closed_ok)."""
         with self._cond:
             if self._closing or not self._a:
+                if closed_ok:
+                    return None
                 raise ValueError("gcalloc: the allocator is closed")
             self._in_flight += 1
-            a = self._a
+            return self._a
+
+    def _leave(self):
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def _handle(self):
+        a = self._enter()
         try:
             yield a
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self._cond.notify_all()
+            self._leave()
+
+    def _end_block(self, end, *args):
+        """The end of a block (a pool push, a capture): nothing to end where
+        another thread closed the allocator meanwhile, since the block's
+        state ended with it."""
+        a = self._enter(closed_ok=True)
+        if a is None:
+            return
+        try:
+            _check(end(a, *args))
+        finally:
+            self._leave()
 
     def close(self):
         cond = getattr(self, "_cond", None)
@@ -397,8 +419,7 @@ class Allocator:
         try:
             yield pool
         finally:
-            with self._handle() as a:
-                _check(_lib.gca_pool_pop(a))
+            self._end_block(_lib.gca_pool_pop)
 
     def route_stream(self, pool, stream):
         pool, stream = _pool(pool), _stream(stream)
@@ -419,8 +440,7 @@ class Allocator:
         try:
             yield pool
         finally:
-            with self._handle() as a:
-                _check(_lib.gca_capture_end(a, pool, stream))
+            self._end_block(_lib.gca_capture_end, pool, stream)
 
     def pool_stats(self, pool):
         """What the pool holds now, as a dict (gca_pool_stats_t's fields)."""

@@ -88,6 +88,8 @@ static void warn_if_no_virtual_memory(gca_allocator_t *a, const config_t *cfg) {
                      a->backend.ops->name);
 }
 
+static void close_unregistered(gca_allocator_t *a);
+
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   gca__log_init();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
@@ -132,6 +134,10 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     }
   }
   a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0; /* (gca_round_size's) */
+  if ((rc = gca__allocator_register(a)) != GCA_OK) {
+    close_unregistered(a);
+    return rc;
+  }
   a->id = gca__record_init();
   if (gca__trace_file_active()) {
     char spec[256], conf[512];
@@ -148,12 +154,8 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   return GCA_OK;
 }
 
-void gca_close(gca_allocator_t *a) {
-  if (!a) return;
-  gca__record_lock_calls();
-  gca__record_line("close", "%d", a->id);
-  gca__record_unlock_calls();
-  gca__log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
+/* Everything gca_open made, in reverse (the allocator's serial aside). */
+static void close_unregistered(gca_allocator_t *a) {
   gca__host_cache_destroy(a);
   for (int i = 0; i < a->device_count; i++) gca__device_destroy(&a->devices[i]);
   free(a->devices);
@@ -161,6 +163,16 @@ void gca_close(gca_allocator_t *a) {
   pthread_mutex_destroy(&a->callbacks_lock);
   gca__backend_close(&a->backend);
   free(a);
+}
+
+void gca_close(gca_allocator_t *a) {
+  if (!a) return;
+  gca__allocator_unregister(a); /* (first: threads' pushes to it go stale) */
+  gca__record_lock_calls();
+  gca__record_line("close", "%d", a->id);
+  gca__record_unlock_calls();
+  gca__log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
+  close_unregistered(a);
 }
 
 int gca_device_count(const gca_allocator_t *a) {

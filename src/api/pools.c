@@ -87,9 +87,12 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
   if (rc == GCA_OK && (flags & GCA_PAUSE_BACKUP)) rc = take_backups(a, d, mp);
   size_t bytes = 0;
   if (rc == GCA_OK) {
+    /* The free cache goes back for good: the resume maps only what is live. */
+    size_t trimmed = gca__mempool_trim(d, mp);
     mp->paused = true;
     d->paused_pools++;
     rc = gca__mempool_unmap(d, mp, &bytes);
+    bytes += trimmed;
   }
   lock_release(&d->lock);
   if (bytes) device_wake_waiters(d); /* (memory came back) */
@@ -109,8 +112,14 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: pool %" PRIu64 " is not paused", pool);
   else if (d->captures)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: device %d has a stream captured into a graph", d->index);
-  if (rc == GCA_OK && (rc = gca__mempool_remap(d, mp)) != GCA_OK)
-    gca__prefix_error("gca_pool_resume: pool %" PRIu64 " stays paused", pool);
+  if (rc == GCA_OK) {
+    size_t need = gca__mempool_paused_bytes(d, mp);
+    if ((rc = gca__mempool_remap(d, mp)) != GCA_OK) {
+      char text[32];
+      gca__format_bytes(need, text, sizeof text);
+      gca__prefix_error("gca_pool_resume: pool %" PRIu64 " needs %s mapped back and stays paused", pool, text);
+    }
+  }
   if (rc == GCA_OK) {
     mp->paused = false;
     d->paused_pools--;

@@ -501,6 +501,12 @@ int gca__mempool_quiesce(device_t *d, mempool_t *mp);
  * and map new memory at the remembered pages. */
 int gca__mempool_unmap(device_t *d, mempool_t *mp, size_t *released);
 int gca__mempool_remap(device_t *d, mempool_t *mp);
+/* The pool's free cache given back (whole free pages unmapped, empty
+ * ranges released) before a pause, so a resume maps back only pages that
+ * hold live blocks. Returns the bytes unmapped. */
+size_t gca__mempool_trim(device_t *d, mempool_t *mp);
+/* The bytes a resume of the paused pool maps back. */
+size_t gca__mempool_paused_bytes(const device_t *d, const mempool_t *mp);
 /* Drop the pool's host copies (all, or the one of the block at addr). */
 void gca__mempool_drop_backups(device_t *d, mempool_t *mp);
 void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
@@ -509,6 +515,11 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
 int gca__device_capturing(device_t *d, const char *what);
 /* Give every segment of the device's private pools back (at destroy). */
 void gca__mempools_destroy(device_t *d);
+/* An allocator opens (takes its serial) and closes, for the threads' pool
+ * pushes: a push to a closed allocator goes stale, one open when its
+ * thread exits is undone. */
+int gca__allocator_register(gca_allocator_t *a);
+void gca__allocator_unregister(gca_allocator_t *a);
 /* Every free index of the device, one after another: the default pools,
  * then each private pool's small and large. The first for NULL; NULL
  * after the last. */
@@ -883,6 +894,7 @@ struct gca_allocator {
   callback_list_t callbacks[CB_KINDS];
   host_cache_t *host;          /* the pinned host allocator (host.c) */
   _Atomic uint64_t last_pool_id; /* private pools' ids: the next is one more */
+  uint64_t serial;               /* unique among the allocators of the process's life (mempool.c) */
 };
 
 /* Device `device` of `a`, or NULL with the error set, naming `what` (the

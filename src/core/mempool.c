@@ -18,6 +18,7 @@
  * when asked, so the hot path keeps nothing per pool.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,9 +27,13 @@
 #define ROUTE_DEPTH 16
 
 /* The calling thread's pushes. `device` NULL: pool 0 on every device of
- * the allocator. Pointers only compared, never followed, until popped. */
+ * the allocator. A push names its allocator by address and serial: an
+ * allocator closed while a push to it is open leaves the entry stale, and
+ * another allocator opened at the same address has another serial, so a
+ * stale entry never routes, and pointers in it are never followed. */
 typedef struct thread_route {
   gca_allocator_t *allocator;
+  uint64_t serial;
   device_t *device;
   mempool_t *pool;
 } thread_route_t;
@@ -36,13 +41,97 @@ typedef struct thread_route {
 static _Thread_local thread_route_t thread_routes[ROUTE_DEPTH];
 static _Thread_local int thread_route_depth;
 
+/* ---- the open allocators -------------------------------------------------
+ * Which allocators are open, by serial, so a thread's push can be checked
+ * for staleness without touching its allocator, and undone when its thread
+ * exits (the key's destructor). The registry's lock comes before any
+ * device lock; close unregisters first, so no route is undone on an
+ * allocator that is going away. */
+
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t *open_serials;
+static size_t open_count, open_cap;
+static uint64_t last_serial;
+static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
+static pthread_key_t exit_key;
+static bool exit_key_made;
+
+static void routes_at_exit(void *unused);
+static void make_exit_key(void) { exit_key_made = pthread_key_create(&exit_key, routes_at_exit) == 0; }
+
+int gca__allocator_register(gca_allocator_t *a) {
+  pthread_mutex_lock(&registry_lock);
+  int rc = GCA_OK;
+  if (open_count == open_cap) {
+    uint64_t *grown = gca__grow_array(open_serials, &open_cap, sizeof *grown, 8);
+    if (grown) open_serials = grown;
+    else rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
+  }
+  if (rc == GCA_OK) open_serials[open_count++] = a->serial = ++last_serial;
+  pthread_mutex_unlock(&registry_lock);
+  return rc;
+}
+
+void gca__allocator_unregister(gca_allocator_t *a) {
+  pthread_mutex_lock(&registry_lock);
+  for (size_t i = 0; i < open_count; i++)
+    if (open_serials[i] == a->serial) {
+      open_serials[i] = open_serials[--open_count];
+      break;
+    }
+  pthread_mutex_unlock(&registry_lock);
+}
+
+/* With the registry locked. */
+static bool route_live(const thread_route_t *r) {
+  for (size_t i = 0; i < open_count; i++)
+    if (open_serials[i] == r->serial) return true;
+  return false;
+}
+
+/* Undo a live push's counts. With the registry locked. */
+static void route_undo(const thread_route_t *r) {
+  if (r->device) {
+    lock_acquire(&r->device->lock);
+    r->pool->thread_routes--;
+    r->device->routes--;
+    lock_release(&r->device->lock);
+    return;
+  }
+  for (int i = 0; i < r->allocator->device_count; i++) {
+    lock_acquire(&r->allocator->devices[i].lock);
+    r->allocator->devices[i].routes--;
+    lock_release(&r->allocator->devices[i].lock);
+  }
+}
+
+/* Drop the stale entries of this thread's stack. With the registry locked. */
+static void routes_compact(void) {
+  int kept = 0;
+  for (int i = 0; i < thread_route_depth; i++)
+    if (route_live(&thread_routes[i])) thread_routes[kept++] = thread_routes[i];
+  thread_route_depth = kept;
+}
+
+/* A thread that ends inside pushes would pin their pools for ever: its
+ * pushes are undone, innermost first. */
+static void routes_at_exit(void *unused) {
+  (void)unused;
+  pthread_mutex_lock(&registry_lock);
+  while (thread_route_depth > 0) {
+    const thread_route_t *r = &thread_routes[--thread_route_depth];
+    if (route_live(r)) route_undo(r);
+  }
+  pthread_mutex_unlock(&registry_lock);
+}
+
 static pool_t *pool_for(mempool_t *mp, size_t rounded) { return rounded <= SMALL_SIZE ? &mp->small : &mp->large; }
 static pool_t *pool_open_for(mempool_t *mp, size_t rounded);
 
 pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback) {
   for (int i = thread_route_depth - 1; i >= 0; i--) {
     const thread_route_t *r = &thread_routes[i];
-    if (r->allocator != d->owner || (r->device && r->device != d)) continue;
+    if (r->allocator != d->owner || r->serial != d->owner->serial || (r->device && r->device != d)) continue;
     return r->pool ? pool_open_for(r->pool, rounded) : fallback;
   }
   for (size_t i = 0; i < d->stream_route_count; i++)
@@ -149,6 +238,13 @@ int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool) {
   return GCA_OK;
 }
 
+static size_t mapped_bytes_of(const device_t *d, const mempool_t *mp) {
+  size_t bytes = 0;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner == mp) bytes += seg->mapped_bytes;
+  return bytes;
+}
+
 /* Give a segment left in an ending pool (its device refused the free) to
  * the default pool of its kind: the books stay whole. */
 static void rehome(device_t *d, segment_t *seg) {
@@ -238,12 +334,17 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end: %s", pool, why);
   }
   if (mp->paused) {
-    for (segment_t *seg = d->segments; seg; seg = seg->next)
-      if (seg->pool->owner == mp && seg->mapped_bytes) {
-        lock_release(&d->lock);
-        return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " is paused with pages the device "
-                              "would not unmap: resume it first", pool);
-      }
+    /* Pages the device would not unmap at the pause are offered again. */
+    size_t unmapped = 0;
+    (void)gca__mempool_unmap(d, mp, &unmapped);
+    size_t mapped = mapped_bytes_of(d, mp);
+    if (mapped) {
+      char text[32];
+      gca__format_bytes(mapped, text, sizeof text);
+      lock_release(&d->lock);
+      return gca__set_error(GCA_ERR_BACKEND, "gca_pool_release: pool %" PRIu64 " is paused, and the device refused "
+                            "to unmap %s of it: try again later", pool, text);
+    }
     /* Nothing mapped, nothing live: its addresses go back. */
     for (segment_t *seg = d->segments, *next; seg; seg = next) {
       next = seg->next;
@@ -325,13 +426,33 @@ int gca__mempool_unmap(device_t *d, mempool_t *mp, size_t *released) {
   return rc;
 }
 
+/* All of the pool's pages mapped again, or none: a resume that runs out of
+ * memory part way unmaps what it mapped, so the pool is paused exactly as
+ * before (and can be resumed, released or freed into later). */
 int gca__mempool_remap(device_t *d, mempool_t *mp) {
-  for (segment_t *seg = d->segments; seg; seg = seg->next) {
-    if (seg->pool->owner != mp) continue;
-    int rc = gca__expandable_resume(d, seg);
-    if (rc) return rc;
-  }
-  return GCA_OK;
+  int rc = GCA_OK;
+  for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next)
+    if (seg->pool->owner == mp) rc = gca__expandable_resume(d, seg);
+  if (rc == GCA_OK) return GCA_OK;
+  size_t undone = 0;
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner == mp) (void)gca__expandable_pause(d, seg, &undone);
+  return rc;
+}
+
+size_t gca__mempool_paused_bytes(const device_t *d, const mempool_t *mp) {
+  size_t bytes = 0;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner == mp && seg->paused_pages)
+      for (size_t i = 0; i < seg->page_cap; i++) bytes += seg->paused_pages[i] ? seg->page_size : 0;
+  return bytes;
+}
+
+size_t gca__mempool_trim(device_t *d, mempool_t *mp) {
+  size_t before = mapped_bytes_of(d, mp);
+  gca__expandable_release_pool(d, &mp->small);
+  gca__expandable_release_pool(d, &mp->large);
+  return before - mapped_bytes_of(d, mp);
 }
 
 void gca__mempool_drop_backups(device_t *d, mempool_t *mp) {
@@ -354,47 +475,57 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
 
 int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
+  pthread_once(&exit_key_once, make_exit_key);
+  pthread_mutex_lock(&registry_lock);
+  routes_compact();
+  int rc = GCA_OK;
   if (thread_route_depth == ROUTE_DEPTH)
-    return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: this thread has %d pushes already", ROUTE_DEPTH);
-  thread_route_t r = {a, NULL, NULL};
-  if (pool) {
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_push: this thread has %d pushes already", ROUTE_DEPTH);
+  else if (!exit_key_made || pthread_setspecific(exit_key, thread_routes) != 0)
+    rc = gca__set_error(GCA_ERR_NOMEM, "gca_pool_push: cannot arrange for this thread's pushes to end with it");
+  thread_route_t r = {a, a->serial, NULL, NULL};
+  if (rc == GCA_OK && pool) {
     mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_push");
-    if (!mp) return gca_last_status();
-    r.device = mp->device;
-    r.pool = mp;
-    mp->thread_routes++;
-    mp->device->routes++;
-    lock_release(&mp->device->lock);
-  } else {
+    if (mp) {
+      r.device = mp->device;
+      r.pool = mp;
+      mp->thread_routes++;
+      mp->device->routes++;
+      lock_release(&mp->device->lock);
+    } else {
+      rc = gca_last_status();
+    }
+  } else if (rc == GCA_OK) {
     for (int i = 0; i < a->device_count; i++) {
       lock_acquire(&a->devices[i].lock);
       a->devices[i].routes++;
       lock_release(&a->devices[i].lock);
     }
   }
-  thread_routes[thread_route_depth++] = r;
-  return GCA_OK;
+  if (rc == GCA_OK) thread_routes[thread_route_depth++] = r;
+  pthread_mutex_unlock(&registry_lock);
+  return rc;
 }
 
+/* `a` is only compared until the top entry is known to be a live push to
+ * it: a pop after a concurrent close finds the push stale and says so. */
 int gca_pool_pop(gca_allocator_t *a) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
-  if (thread_route_depth == 0 || thread_routes[thread_route_depth - 1].allocator != a)
-    return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: this thread's last push was not to this allocator%s",
-                          thread_route_depth ? "" : " (it has none)");
-  thread_route_t r = thread_routes[--thread_route_depth];
-  if (r.device) {
-    lock_acquire(&r.device->lock);
-    r.pool->thread_routes--;
-    r.device->routes--;
-    lock_release(&r.device->lock);
-  } else {
-    for (int i = 0; i < a->device_count; i++) {
-      lock_acquire(&a->devices[i].lock);
-      a->devices[i].routes--;
-      lock_release(&a->devices[i].lock);
-    }
+  pthread_mutex_lock(&registry_lock);
+  bool stale = false;
+  while (thread_route_depth > 0 && !route_live(&thread_routes[thread_route_depth - 1])) {
+    stale |= thread_routes[thread_route_depth - 1].allocator == a;
+    thread_route_depth--;
   }
-  return GCA_OK;
+  int rc = GCA_OK;
+  if (thread_route_depth == 0 || thread_routes[thread_route_depth - 1].allocator != a)
+    rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: this thread's last push was not to this allocator%s",
+                        stale ? " (its push ended when the allocator was closed)"
+                        : thread_route_depth ? "" : " (it has none)");
+  else
+    route_undo(&thread_routes[--thread_route_depth]);
+  pthread_mutex_unlock(&registry_lock);
+  return rc;
 }
 
 /* Route `stream` to the pool (a capture's route if `capture`). */
