@@ -29,6 +29,8 @@ struct pickle_doc {
   pickle_options_t options;
   size_t pruned_len, records_len, blocks_len; /* of the three keys; 0 without them */
   arena_t arena; /* containers and their item arrays */
+  size_t array_limit; /* bytes each growing array (stack, marks, memo) may take */
+  bool over_limit;    /* one was refused for it */
   pv_t root;
   pv_seq_t pruned_seq; /* the contents of every container the flat reader prunes: none */
   size_t split_taken;  /* records taken from the second reader */
@@ -71,7 +73,11 @@ size_t pickle_split_taken(const pickle_doc_t *doc) { return doc ? doc->split_tak
 /* ---- the machine -------------------------------------------------------- */
 
 static int fail_memory(const pickle_doc_t *doc, size_t at) {
-  if (doc->arena.over_limit)
+  if ((doc->arena.over_limit || doc->over_limit) && doc->options.memory_limit)
+    return gca__set_error(GCA_ERR_INVALID,
+                          "pickle: at offset %zu the file needs more than the %zu bytes of host memory its reading may "
+                          "take; refused as malformed", at, doc->options.memory_limit);
+  if (doc->arena.over_limit || doc->over_limit)
     return gca__set_error(GCA_ERR_INVALID,
                           "pickle: at offset %zu the file needs more than %d bytes of host memory per byte of input; "
                           "refused as malformed", at, GCA_PICKLE_BYTES_PER_INPUT_BYTE);
@@ -231,9 +237,13 @@ static uint32_t read_u32(const unsigned char *p) {
  * (util.c): a snapshot's memo is a megabyte. Below the memo's count a slot
  * is stored or PV_UNSET (a hole); from the count up nothing is read, so the
  * new part is not zeroed, as the memo first allocated is not. */
-static bool memo_grow(pv_t **memo, size_t *cap, size_t need) {
+static bool memo_grow(pickle_doc_t *doc, pv_t **memo, size_t *cap, size_t need) {
   size_t grown_cap = *cap ? *cap : 64;
   while (grown_cap <= need) grown_cap *= 2;
+  if (grown_cap > doc->array_limit / sizeof **memo) {
+    doc->over_limit = true;
+    return false;
+  }
   pv_t *grown = gca__big_regrow(*memo, *cap * sizeof **memo, grown_cap * sizeof **memo);
   if (!grown) return false;
   *memo = grown;
@@ -503,7 +513,7 @@ FLAT_STEP size_t flat_memo(flat_t *f, size_t pos, pv_t v, const bool sym) {
   if (index != f->memo_len) return 0;
   if (index >= f->memo_cap) {
     split_join(f->split);
-    if (!memo_grow(&f->memo, &f->memo_cap, index)) return 0;
+    if (!memo_grow(f->doc, &f->memo, &f->memo_cap, index)) return 0;
   }
   f->memo[f->memo_len++] = v;
   return pos + width;
@@ -1352,7 +1362,7 @@ static size_t split_take(split_t *s, flat_t *f, size_t at, flat_mode mode, pv_t 
     size_t last = memo_len + e.memo_count - 1;
     if (last >= f->memo_cap) {
       split_join(s); /* it must not look at a memo that moves */
-      if (!memo_grow(&f->memo, &f->memo_cap, last)) goto abandon;
+      if (!memo_grow(f->doc, &f->memo, &f->memo_cap, last)) goto abandon;
     }
     if (own) f->memo[memo_len] = (pv_t){0}; /* empty while the record is not taken, as flat_dict holds it */
     memcpy(f->memo + memo_len + own, stores, (e.memo_count - own) * sizeof *stores);
@@ -1408,8 +1418,11 @@ abandon:
   do {                                                              \
     size_t grown_cap = (cap) ? (cap) : 64;                          \
     while (grown_cap < (need)) grown_cap *= 2;                      \
-    void *grown = realloc((array), grown_cap * sizeof *(array));    \
+    void *grown = grown_cap <= doc->array_limit / sizeof *(array)   \
+                      ? realloc((array), grown_cap * sizeof *(array)) \
+                      : NULL;                                       \
     if (!grown) {                                                   \
+      doc->over_limit = grown_cap > doc->array_limit / sizeof *(array); \
       fail_memory(doc, at);                                         \
       goto failed;                                                  \
     }                                                               \
@@ -1430,8 +1443,14 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
    * 4 MiB chunk (the fuzzer parses thousands a second); a big one's are big
    * arrays (util.c). */
   size_t chunk = len * 4 < ((size_t)64 << 10) ? (size_t)64 << 10 : len * 4 > ARENA_CHUNK ? ARENA_CHUNK : len * 4;
-  doc->arena = (arena_t){.chunk = chunk, .big = chunk >= ((size_t)2 << 20),
-                         .limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK};
+  size_t arena_limit = len * GCA_PICKLE_BYTES_PER_INPUT_BYTE + 2 * ARENA_CHUNK;
+  doc->array_limit = SIZE_MAX;
+  doc->over_limit = false;
+  if (doc->options.memory_limit) { /* half for containers, a sixteenth for each array */
+    if (arena_limit > doc->options.memory_limit / 2) arena_limit = doc->options.memory_limit / 2;
+    doc->array_limit = doc->options.memory_limit / 16;
+  }
+  doc->arena = (arena_t){.chunk = chunk, .big = chunk >= ((size_t)2 << 20), .limit = arena_limit};
   /* The machine's state, in locals so that it stays in registers. */
   pv_t *stack = NULL;
   size_t depth = 0, stack_cap = 0, memo_len = 0;
@@ -1530,7 +1549,7 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         /* (The second reader looks at the memo below memo_len: it must see
          * it neither move nor change.) */
         if (unlikely(split != NULL) && (base < memo_len || base >= memo_cap)) split_join(split);
-        if (base >= memo_cap && !memo_grow(&memo, &memo_cap, base)) {
+        if (base >= memo_cap && !memo_grow(doc, &memo, &memo_cap, base)) {
           fail_memory(doc, at);
           goto failed;
         }

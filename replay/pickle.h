@@ -4,7 +4,8 @@
  * snapshots (torch.cuda.memory._dump_snapshot) contain. Anything that would
  * make Python build an object (GLOBAL, REDUCE, BUILD, ...) is refused, so a
  * hostile file can at worst be rejected, never run. Memory is bounded by the
- * input: at most GCA_PICKLE_BYTES_PER_INPUT_BYTE bytes per byte read.
+ * input: at most GCA_PICKLE_BYTES_PER_INPUT_BYTE bytes per byte read, or the
+ * caller's pickle_options.memory_limit.
  */
 #ifndef GCALLOC_PICKLE_H
 #define GCALLOC_PICKLE_H
@@ -115,6 +116,11 @@ typedef struct pickle_options {
    * from 0. */
   void (*progress)(void *ctx, size_t done, size_t total);
   void *progress_ctx;
+  /* Bytes of host memory the reading may hold besides the input (0: at
+   * most GCA_PICKLE_BYTES_PER_INPUT_BYTE per input byte): at most half of
+   * it for containers, a sixteenth each for the stack, the marks and the
+   * memo. The records' steps keep their own within what remains. */
+  size_t memory_limit;
 } pickle_options_t;
 
 #define PICKLE_ONE_READER SIZE_MAX

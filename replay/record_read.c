@@ -76,8 +76,7 @@ static bool field_int(fields_t *f, const char *name, int lo, int hi, int *out) {
 
 static bool field_hex(fields_t *f, const char *name, uint64_t *out) {
   if (!field_start(f, name)) return false;
-  const char *p = f->at;
-  if (p[0] == '0' && (p[1] == 'x' || p[1] == 'X')) p += 2;
+  const char *p = f->at; /* (written bare: a 0x prefix is not the format) */
   uint64_t v = 0;
   size_t digits = 0;
   for (;; p++, digits++) {
@@ -184,6 +183,15 @@ static int parse_line(const char *line, recorded_call_t *c, const char **why) {
  * longest). */
 #define RECORD_LINE_MAX 1024
 
+/* The first line names the format's version: 1 (frees complete at once) or
+ * 2 (a free may leave its block pending, with free_completed lines). */
+static bool known_version(const char *line) {
+  static const char head[] = "# gcalloc trace ";
+  if (strncmp(line, head, sizeof head - 1)) return false;
+  const char *v = line + sizeof head - 1;
+  return (v[0] == '1' || v[0] == '2') && (v[1] == '\n' || v[1] == '\r' || v[1] == ' ' || v[1] == '\0');
+}
+
 int record_read_each(const char *path, record_each_fn each, void *ctx) {
   FILE *f = fopen(path, "r");
   if (!f) return gca__set_error(GCA_ERR_IO, "cannot read the trace %s: %s", path, strerror(errno));
@@ -207,6 +215,12 @@ int record_read_each_file(FILE *f, const char *path, record_each_fn each, void *
         rc = gca__set_error(GCA_ERR_INVALID, "trace %s, line %zu: holds a NUL character", path, lineno);
       else rc = gca__set_error(GCA_ERR_INVALID, "trace %s, line %zu: longer than %d characters", path, lineno,
                                RECORD_LINE_MAX);
+      break;
+    }
+    if (lineno == 1 && !known_version(line)) {
+      line[strcspn(line, "\n")] = '\0';
+      rc = gca__set_error(GCA_ERR_INVALID, "trace %s, line 1: '%.80s' is not the header of a gcalloc trace this "
+                          "version reads ('# gcalloc trace 1' or '# gcalloc trace 2')", path, line);
       break;
     }
     if (line[0] == '#' || line[0] == '\n') continue;

@@ -19,6 +19,35 @@
 #include "trace.h"
 #include "record.h"
 
+/* ---- what reading a compressed trace may cost ---------------------------
+ * A few kilobytes of zstd or bzip2 can stand for gigabytes, and a reader
+ * builds more from its input than the input itself: reading a compressed
+ * trace may hold at most READ_BUDGET_FLOOR + READ_BUDGET_PER_PACKED bytes per
+ * compressed byte in all (under 256 MB for a file under 100 KB). A quarter
+ * of it may be the decompressed data; what the data leaves is the reader's:
+ * the pickle reader's containers, stack, marks and memo (pickle_options.
+ * memory_limit) and the event arrays (a quarter of it, events_limit). The
+ * real snapshots compress 13 to 60 to 1 and take about 200 bytes per
+ * compressed byte to read, so only a file made to explode meets the bound;
+ * one that does is refused with the advice to decompress it first (a file
+ * read as it is takes its per-byte bounds). */
+#define READ_BUDGET_FLOOR ((size_t)96 << 20)
+#define READ_BUDGET_PER_PACKED ((size_t)1024)
+
+static size_t read_budget(size_t packed) {
+  return packed < (SIZE_MAX / 2 - READ_BUDGET_FLOOR) / READ_BUDGET_PER_PACKED
+             ? READ_BUDGET_FLOOR + packed * READ_BUDGET_PER_PACKED
+             : SIZE_MAX / 2;
+}
+
+/* Bytes the event arrays of the read in progress on this thread may take,
+ * and its path. */
+static _Thread_local size_t events_limit = SIZE_MAX;
+static _Thread_local const char *events_path;
+
+/* Whether an event array may grow to `count` events. */
+static bool events_fit(size_t count) { return count <= events_limit / sizeof(trace_event_t); }
+
 /* ---- streams by number (trace_streams_t) ------------------------------ */
 
 static uint32_t stream_slot(uint64_t value, uint32_t cap) {
@@ -88,6 +117,9 @@ void trace_streams_free(trace_streams_t *s) {
 static int push_event(trace_t *t, size_t *cap, const trace_event_t *e, uint64_t stream) {
   if (t->count == *cap) {
     size_t n = *cap ? *cap * 2 : 1024;
+    if (!events_fit(n))
+      return gca__set_error(GCA_ERR_INVALID, "%s: more events than a compressed trace of its size may hold (%zu bytes "
+                            "of them); refused as malformed: decompress it first to read it", events_path, events_limit);
     trace_event_t *ev = realloc(t->events, n * sizeof *ev);
     if (!ev) return gca__set_error(GCA_ERR_NOMEM, "out of host memory reading a trace");
     t->events = ev;
@@ -274,6 +306,7 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
      * each entry is written whole before anything reads it, and zeroing a
      * kept mapping was half a megabyte of memset on cranberrii's read. */
     size_t cap = sink->cap ? sink->cap * 2 : ((size_t)256 << 10) / sizeof *sink->events + 1;
+    if (!events_fit(cap)) return false; /* (read as a dict: the reader's own bound refuses it) */
     trace_event_t *grown = gca__big_regrow(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
     if (!grown) return false;
     sink->events = grown;
@@ -458,6 +491,7 @@ typedef struct reading {
   void *ctx;
   FILE *f;
   uint64_t total;
+  size_t memory_limit; /* what the reader may hold (a compressed trace's; 0: its own per-byte bounds) */
 } reading_t;
 
 static void text_progress(const reading_t *r, size_t lineno) {
@@ -491,6 +525,11 @@ static int load_allocsim(const char *path, FILE *f, const reading_t *reading, tr
       break;
     }
     if (2 * n + 2 > cap) {
+      if ((cap ? cap * 2 : 512) > events_limit / sizeof *ends) {
+        rc = gca__set_error(GCA_ERR_INVALID, "%s:%zu: more allocations than a compressed trace of its size may hold; "
+                            "refused as malformed: decompress it first to read it", path, lineno);
+        break;
+      }
       allocsim_end_t *more = gca__grow_array(ends, &cap, sizeof *more, 512);
       if (!more) {
         rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
@@ -760,6 +799,9 @@ static int gcalloc_call(void *ctx, const recorded_call_t *c, size_t lineno) {
   if (is_malloc) {
     int pair = gcalloc_pair(r, o, c->device, lineno);
     if (pair < 0) return gca_last_status();
+    if (o->live.keys && gca__addr_map_get(&o->live, c->ptr))
+      return gca__set_error(GCA_ERR_INVALID, "trace %s, line %zu: a malloc at %llx, which allocator %d has given out "
+                            "already and not freed", r->path, lineno, (unsigned long long)c->ptr, c->allocator);
     if ((!o->live.keys && !gca__addr_map_init(&o->live)) || !gca__addr_map_put(&o->live, c->ptr, (uint64_t)pair))
       return gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", r->path);
     e = (trace_event_t){.device = (uint8_t)pair, .action = TA_ALLOC, .addr = c->ptr, .size = c->size,
@@ -829,7 +871,8 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
                          bool machine_only, size_t split, const reading_t *reading, trace_t *t) {
   entry_sink_t sink = {.streams = &t->streams};
   /* Frames (call stacks) are most of a snapshot and a replay reads none. */
-  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split};
+  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split,
+                              .memory_limit = reading ? reading->memory_limit : 0};
   if (reading && reading->progress) {
     options.progress = snapshot_progress;
     options.progress_ctx = (void *)(uintptr_t)reading; /* (read only there) */
@@ -924,13 +967,6 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
     if (len >= known[i].magic_len && !memcmp(head, known[i].magic, known[i].magic_len)) return &known[i];
   return NULL;
 }
-
-/* A decompressed trace may be at most this many bytes per compressed byte,
- * plus UNPACKED_SLACK: gzip cannot exceed 1,032 to 1, and the snapshots in
- * ../shared/traces compress 13-35 to 1, so only a file made to explode
- * meets the bound (a few kilobytes of zstd can stand for terabytes). */
-#define UNPACKED_PER_PACKED 4096
-#define UNPACKED_SLACK ((size_t)64 << 20)
 
 /* ---- what a trace held in memory may be -------------------------------
  * Input read whole into memory (a pipe, a device, decompressed data) is
@@ -1032,10 +1068,10 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   if (!guard_input(&u->guard, path, what, u->buf, u->len)) return false;
   if (u->len + 1 < u->cap) return true;
   if (u->cap > u->limit) {
-    gca__set_error(GCA_ERR_INVALID, "%s: %s data that decompresses to more than %zu bytes (%d per compressed byte, "
+    gca__set_error(GCA_ERR_INVALID, "%s: %s data that decompresses to more than %zu bytes (%zu per compressed byte, "
                    "and %zu MiB more, at most GCALLOC_TRACE_MAX_BYTES) is refused as malformed; decompress it "
                    "yourself to read it, or raise GCALLOC_TRACE_MAX_BYTES",
-                   path, name, u->limit, UNPACKED_PER_PACKED, UNPACKED_SLACK >> 20);
+                   path, name, u->limit, READ_BUDGET_PER_PACKED / 4, (READ_BUDGET_FLOOR / 4) >> 20);
     return false;
   }
   size_t cap = u->cap * 2 > u->limit + 1 ? u->limit + 1 : u->cap * 2;
@@ -1268,9 +1304,7 @@ static size_t xz_last_size(const unsigned char *in, size_t len) {
  * it); NULL with the error set. */
 static unsigned char *unpack(const char *path, const compression_t *c, const unsigned char *packed, size_t len,
                              trace_progress_fn progress, void *ctx, size_t *out_len) {
-  size_t limit = len <= (SIZE_MAX / 2 - UNPACKED_SLACK) / UNPACKED_PER_PACKED
-                     ? len * UNPACKED_PER_PACKED + UNPACKED_SLACK
-                     : SIZE_MAX / 2;
+  size_t limit = read_budget(len) / 4;
   size_t cap = trace_max_bytes();
   if (limit > cap) limit = cap;
   /* Sized at once where the data says how long it is: a zstd frame may
@@ -1291,9 +1325,9 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
   }
   /* A size the data claims is taken only where the data could hold it
    * (gzip cannot pass 1,032 to 1; the others are held to the bound without
-   * its slack): a damaged or made-up one would have every small file ask
-   * for 64 MiB at once. */
-  if (hint > ((size_t)64 << 10) && hint / (c->packing == PACK_GZIP ? 1032 : UNPACKED_PER_PACKED) > len) hint = 0;
+   * its floor): a damaged or made-up one would have every small file ask
+   * for 24 MiB at once. */
+  if (hint > ((size_t)64 << 10) && hint / (c->packing == PACK_GZIP ? 1032 : READ_BUDGET_PER_PACKED / 4) > len) hint = 0;
   unpacked_t u = {.cap = hint     ? hint + 2
                          : len < ((size_t)16 << 10) ? (size_t)64 << 10
                                                     : len * 4,
@@ -1399,10 +1433,12 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
    * that decompresses it (such a file had been read as an allocatorSim log,
    * and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
+  size_t memory_limit = 0;
   if (packed && packed->packing != PACK_OTHER) {
     if (f && !(piped = read_and_close(&f, path, false, &piped_len))) return gca_last_status();
     size_t plain_len = 0;
     unsigned char *plain = unpack(path, packed, piped, piped_len, progress, ctx, &plain_len);
+    memory_limit = read_budget(piped_len) - plain_len; /* (the data is at most a quarter of it) */
     free(piped);
     if (!plain) return gca_last_status();
     piped = plain;
@@ -1434,7 +1470,9 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   if (mark) (void)fseek(f, (long)mark, SEEK_SET);
   int first = head_len > mark ? head[mark] : EOF;
   reading_t reading = {.progress = progress, .ctx = ctx, .f = f,
-                       .total = piped ? piped_len : regular ? (uint64_t)st.st_size : 0};
+                       .total = piped ? piped_len : regular ? (uint64_t)st.st_size : 0, .memory_limit = memory_limit};
+  events_limit = memory_limit ? memory_limit / 4 : SIZE_MAX;
+  events_path = path;
   int rc;
   if (first == EOF) rc = gca__set_error(GCA_ERR_INVALID, "%s: empty file", path);
   else if (first == 0x80 && piped) {
@@ -1444,6 +1482,7 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   else if (first == '#') rc = load_gcalloc_trace(path, f, &reading, out);
   else if (first == 'T') rc = load_rmm_csv(path, f, &reading, out);
   else rc = load_allocsim(path, f, &reading, out);
+  events_limit = SIZE_MAX;
   if (f) fclose(f);
   free(piped);
   if (rc != GCA_OK) trace_free(out);

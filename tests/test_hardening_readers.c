@@ -6,12 +6,16 @@
  * process whose peak memory is measured (and, outside AddressSanitizer,
  * bounded with RLIMIT_AS, so a regression fails rather than fills the
  * host). */
+#include <inttypes.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
+#include <bzlib.h>
+#include <lzma.h>
+#include <zstd.h>
 #include <json-c/json.h>
 
 #include "helpers.h"
@@ -184,6 +188,160 @@ static void test_cap_on_decompressed_input(void **state) {
   assert_contains(o.message, "GCALLOC_TRACE_MAX_BYTES");
   o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES=64MiB");
   assert_int_equal(o.status, GCA_OK);
+}
+
+/* ---- compressed files made to explode ------------------------------------
+ * Each payload repeats one cheap construct of its format that makes the
+ * reader build something (a list popped at once, a None left on the stack,
+ * a mark, a memo slot, an allocatorSim line, a gcalloc-trace malloc), after
+ * incompressible padding that makes the file bigger, so that its
+ * decompressed size is the most the bound on decompression lets through:
+ * the worst a reader can be made to hold for a file of that size. Each is
+ * written with the four compressors, each under 100 KB; reading it may
+ * take at most 256 MB (with AddressSanitizer's shadow and quarantine,
+ * twice that). */
+
+typedef enum { PACK_GZ, PACK_ZSTD, PACK_XZ, PACK_BZ2 } pack_t;
+static const char *const pack_names[] = {"gz", "zst", "xz", "bz2"};
+
+static void write_packed(const char *path, pack_t how, const unsigned char *data, size_t len) {
+  size_t cap = len + len / 2 + (1 << 20);
+  unsigned char *out = malloc(cap);
+  assert_non_null(out);
+  size_t n = 0;
+  if (how == PACK_GZ) {
+    z_stream z;
+    memset(&z, 0, sizeof z);
+    assert_int_equal(deflateInit2(&z, 9, Z_DEFLATED, 15 + 16, 9, Z_DEFAULT_STRATEGY), Z_OK);
+    z.next_in = (unsigned char *)data;
+    z.avail_in = (uInt)len;
+    z.next_out = out;
+    z.avail_out = (uInt)cap;
+    assert_int_equal(deflate(&z, Z_FINISH), Z_STREAM_END);
+    n = z.total_out;
+    deflateEnd(&z);
+  } else if (how == PACK_ZSTD) {
+    n = ZSTD_compress(out, cap, data, len, 3);
+    assert_false(ZSTD_isError(n));
+  } else if (how == PACK_XZ) {
+    assert_int_equal(lzma_easy_buffer_encode(1, LZMA_CHECK_CRC64, NULL, data, len, out, &n, cap), LZMA_OK);
+  } else {
+    unsigned int got = (unsigned int)cap;
+    assert_int_equal(BZ2_bzBuffToBuffCompress((char *)out, &got, (char *)data, (unsigned int)len, 9, 0, 0), BZ_OK);
+    n = got;
+  }
+  write_file(path, out, n);
+  free(out);
+}
+
+/* The payload of `kind`: `pad` bytes of padding, then the construct
+ * repeated to `len` bytes in all; NULL when the kind does not exist. */
+static unsigned char *bomb(int kind, size_t pad, size_t len, const char **name) {
+  unsigned char *b = malloc(len + 64);
+  assert_non_null(b);
+  uint64_t seed = 0x9e3779b97f4a7c15ull + (uint64_t)kind;
+  size_t at = 0;
+  if (kind <= 5) { /* pickles: PROTO 2, BINBYTES of random bytes, then the construct */
+    static const char *const names[] = {"lists in a list", "Nones on the stack", "marks", "memo slots",
+                                        "dicts in a list", "tuples in tuples"};
+    static const char *const first[] = {"]", "", "", "N", "]", "N"}, *const again[] = {"]a", "N", "(", "\x94", "}a", "\x85"};
+    *name = names[kind];
+    b[at++] = 0x80, b[at++] = 2, b[at++] = 'B';
+    for (int i = 0; i < 4; i++) b[at++] = (unsigned char)(pad >> (8 * i));
+    for (size_t i = 0; i < pad; i++) b[at++] = (unsigned char)(next_random(&seed) >> 56);
+    size_t step = strlen(again[kind]);
+    memcpy(b + at, first[kind], strlen(first[kind]));
+    at += strlen(first[kind]);
+    while (at + step + 2 < len) memcpy(b + at, again[kind], step), at += step;
+    b[at++] = 'N', b[at++] = '.';
+    return b;
+  }
+  if (kind == 6) { /* an allocatorSim log: random lines, then the shortest ones */
+    *name = "allocatorSim lines";
+    while (at < pad) at += (size_t)sprintf((char *)b + at, "%u %u %u\n", (unsigned)(next_random(&seed) >> 44),
+                                           (unsigned)(next_random(&seed) >> 44) | 1u << 20, (unsigned)(next_random(&seed) >> 40));
+    while (at + 6 < len) memcpy(b + at, "0 0 1\n", 6), at += 6;
+    b[at] = 0;
+    return b;
+  }
+  if (kind == 7) { /* a gcalloc trace: random mallocs left live, then a malloc and free repeated */
+    *name = "gcalloc-trace calls";
+    at = (size_t)sprintf((char *)b, "# gcalloc trace 2\n1 1 open 0 sim -\n");
+    while (at < pad)
+      at += (size_t)sprintf((char *)b + at, "1 1 malloc 0 0 0 1 %" PRIx64 "\n", next_random(&seed) >> 8 | 1);
+    while (at + 40 < len / 2) /* (gzip packs these lines 100 to 1 at best: half keeps it under 100 KB) */
+      at += (size_t)sprintf((char *)b + at, "1 1 malloc 0 0 0 1 1\n1 1 free 0 1 0\n");
+    b[at] = 0;
+    return b;
+  }
+  free(b);
+  return NULL;
+}
+
+static void test_compressed_bombs_stay_small(void **state) {
+  (void)state;
+  const long limit_kb = (UNDER_ASAN ? 512 : 256) * 1000;
+  const size_t pad = 48 << 10;
+  /* The most decompression lets through for a file of at least `pad`
+   * bytes (24 MiB and 256 bytes per compressed byte), less a margin. */
+  const size_t len = ((size_t)24 << 20) + 256 * pad - ((size_t)1 << 20);
+  long worst = 0;
+  for (int kind = 0;; kind++) {
+    const char *name;
+    unsigned char *data = bomb(kind, pad, len, &name);
+    if (!data) break;
+    size_t n = kind <= 5 ? len : strlen((char *)data);
+    for (pack_t how = PACK_GZ; how <= PACK_BZ2; how++) {
+      char file[64];
+      snprintf(file, sizeof file, "bomb%d.%s", kind, pack_names[how]);
+      const char *path = in_dir(file);
+      write_packed(path, how, data, n);
+      struct stat st;
+      assert_int_equal(stat(path, &st), 0);
+      outcome_t o = load_in_child(path, NULL);
+      fprintf(stderr, "%-22s %3s %6ld bytes -> %zu MiB: peak grew %6ld KiB: %.90s\n", name, pack_names[how],
+              (long)st.st_size, n >> 20, o.rss_growth_kb, o.status ? o.message : "read");
+      assert_true(st.st_size < 100 * 1000);
+      assert_false(o.crashed);
+      assert_true(o.rss_growth_kb < limit_kb);
+      if (o.rss_growth_kb > worst) worst = o.rss_growth_kb;
+      unlink(path);
+    }
+    free(data);
+  }
+  fprintf(stderr, "worst peak growth: %ld KiB\n", worst);
+}
+
+/* gcalloc traces the format does not allow: an unknown version, a 0x
+ * prefix (the writer writes bare hex), two live mallocs at one pointer. */
+static void test_gcalloc_trace_format_is_held(void **state) {
+  (void)state;
+  static const struct {
+    const char *text, *message;
+  } bad[] = {
+      {"# gcalloc trace 3\n1 1 open 0 sim -\n", "line 1: '# gcalloc trace 3' is not the header of a gcalloc trace"},
+      {"# gcalloc trace\n1 1 open 0 sim -\n", "is not the header of a gcalloc trace"},
+      {"# a comment\n# gcalloc trace 2\n", "line 1: '# a comment' is not the header"},
+      {"# gcalloc trace 2\n1 1 malloc 0 0 0 4096 0x1000\n", "line 2: the pointer (at most 16 hex digits) is missing"},
+      {"# gcalloc trace 2\n1 1 free 0 0X1000 0\n", "line 2: the pointer (at most 16 hex digits) is missing"},
+      {"# gcalloc trace 2\n1 1 malloc 0 0 0 4096 1000\n1 1 malloc 0 0 0 512 1000\n",
+       "line 3: a malloc at 1000, which allocator 0 has given out already and not freed"},
+  };
+  const char *path = in_dir("bad.trace");
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    write_file(path, bad[i].text, strlen(bad[i].text));
+    trace_t t;
+    assert_int_equal(trace_load(path, &t), GCA_ERR_INVALID);
+    assert_contains(gca_last_error(), bad[i].message);
+  }
+  /* Both versions, a pointer reused after its free, and the same pointer of two allocators, are read. */
+  static const char good[] = "# gcalloc trace 1\n1 1 open 0 sim -\n1 1 open 1 sim -\n1 1 malloc 0 0 0 4096 1000\n"
+                             "1 1 malloc 1 0 0 4096 1000\n1 1 free 0 1000 0\n1 1 malloc 0 0 0 512 1000\n";
+  write_file(path, good, sizeof good - 1);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  assert_int_equal(t.count, 4);
+  trace_free(&t);
 }
 
 /* A snapshot truncated after it was opened: the document read stays
@@ -401,6 +559,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_gzip_of_one_endless_line),
       cmocka_unit_test(test_endless_device),
       cmocka_unit_test(test_cap_on_decompressed_input),
+      cmocka_unit_test(test_compressed_bombs_stay_small),
+      cmocka_unit_test(test_gcalloc_trace_format_is_held),
       cmocka_unit_test(test_snapshot_truncated_while_read),
       cmocka_unit_test(test_trace_numbers_out_of_range),
       cmocka_unit_test(test_config_divisions_that_would_wrap),
