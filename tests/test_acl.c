@@ -503,6 +503,67 @@ static void *churn_main(void *arg) {
   return NULL;
 }
 
+/* Refused frees are kept and offered again (label hardening): aclrtFree
+ * refusing with 107000 (the runtime still holds the memory), a range
+ * aclrtReleaseMemAddress refuses, an event aclrtDestroyEvent refuses; and
+ * at close, each is tried again: the runtime holds nothing after. */
+static void test_refused_frees_are_kept_and_retried(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  void *p = gca_malloc(a, 20 * MiB, 0, S1);
+  assert_non_null(p);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  full.inject("aclrtFree", 0, 1, 107000);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(stats_of(a, 0).num_device_free_failures, 1);
+  assert_true(gca_reserved_bytes(a, 0) >= (int64_t)(20 * MiB)); /* kept, and still the runtime's */
+  assert_int_equal(full.used(0), gca_reserved_bytes(a, 0));
+  assert_consistent(a);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(full.used(0), 0);
+  assert_consistent(a);
+  /* Refused at close, twice: the third try gives it back. */
+  p = gca_malloc(a, 4 * MiB, 0, S1);
+  assert_non_null(p);
+  full.inject("aclrtFree", 0, 2, 107000);
+  gca_close(a);
+  assert_runtime_empty(&full);
+
+  /* A range the runtime would not release: offered again at the next release. */
+  full.reset();
+  a = open_sim(SPEC, "expandable_segments:True");
+  p = gca_malloc(a, 4 * MiB, 0, S1);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  full.inject("aclrtReleaseMemAddress", 0, 1, 107000);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(full.live(LIVE_RESERVED), 1);
+  assert_int_equal(full.live(LIVE_PHYSICAL), 0);
+  assert_consistent(a);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(full.live(LIVE_RESERVED), 0);
+  assert_consistent(a);
+  gca_close(a);
+  assert_runtime_empty(&full);
+
+  /* Events the runtime would not destroy: after a failed record, and at close. */
+  full.reset();
+  a = open_sim(SPEC, NULL);
+  p = gca_malloc(a, 4096, 0, S1);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  full.inject("aclrtRecordEvent", 0, 1, 107000);
+  full.inject("aclrtDestroyEvent", 0, 1, 107000);
+  (void)gca_free(a, p); /* (its event cannot be recorded: the free waits the stream out) */
+  assert_consistent(a);
+  void *q = gca_malloc(a, 4096, 0, S1);
+  assert_int_equal(gca_record_stream(a, q, S2), GCA_OK);
+  assert_int_equal(gca_free(a, q), GCA_OK); /* an event recorded, kept in the cache at completion */
+  full.complete_events();
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  full.inject("aclrtDestroyEvent", 0, 2, 107000);
+  gca_close(a);
+  assert_runtime_empty(&full);
+}
+
 static void test_threads(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim(SPEC, NULL);
@@ -711,6 +772,7 @@ int main(void) {
       cmocka_unit_test_setup(test_virtual_memory_probe_failing, fresh),
       cmocka_unit_test_setup(test_every_error_path, fresh),
       cmocka_unit_test_setup(test_more_error_paths, fresh),
+      cmocka_unit_test_setup(test_refused_frees_are_kept_and_retried, fresh),
       cmocka_unit_test_setup(test_threads, fresh),
       cmocka_unit_test_setup(test_ladder_on_207001, fresh),
       cmocka_unit_test_setup(test_pad_by_soc, fresh),

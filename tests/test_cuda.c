@@ -299,6 +299,18 @@ static void test_allocation_errors(void **state) {
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_LARGE].current, 100 * MiB);
   assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_LARGE].current, 0);
+  /* So does one refused as an invalid value (the driver may still hold it),
+   * and one refused twice at close goes at the third try. */
+  big = gca_malloc(a, 100 * MiB, 0, 0);
+  assert_int_equal(gca_free(a, big), GCA_OK);
+  fake_fail("cuMemFree_v2", 0, 1, 1);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(stats_of(a, 0).num_device_free_failures, 2);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_LARGE].current, 100 * MiB);
+  assert_int_equal(fake_used(0), 100 * MiB + 2 * MiB);
+  assert_consistent(a);
+  assert_int_equal(gca_empty_cache(a, 0), GCA_OK);
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_LARGE].current, 0);
   size_t f, t;
   fake_fail("cuMemGetInfo_v2", 0, 1, 201);
   assert_error(gca_mem_get_info(a, 0, &f, &t), GCA_ERR_BACKEND, "cuMemGetInfo_v2", "CUDA_ERROR_INVALID_CONTEXT");
@@ -323,6 +335,9 @@ static void test_allocation_errors(void **state) {
   assert_int_equal(gca_mem_get_info(a, 0, &f, &t), GCA_OK);
   assert_int_equal(gca_free(a, keep), GCA_OK);
   assert_consistent(a);
+  void *left = gca_malloc(a, 4 * MiB, 0, 0);
+  assert_non_null(left);
+  fake_fail("cuMemFree_v2", 0, 2, 1);
   gca_close(a);
   assert_driver_empty();
 }

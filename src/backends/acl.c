@@ -24,8 +24,11 @@
  * values. Every AscendCL error becomes a gcalloc status whose message names
  * the call, its arguments and the code (and its name where known): 207001
  * and 207018 are GCA_ERR_OOM (the core releases its cache and retries),
- * invalid parameters GCA_ERR_INVALID (GCA_ERR_BAD_POINTER for a free),
- * anything else GCA_ERR_BACKEND.
+ * invalid parameters GCA_ERR_INVALID (GCA_ERR_BAD_POINTER for a host free),
+ * anything else GCA_ERR_BACKEND. A refused free of device memory is
+ * GCA_ERR_BACKEND whatever the code, so the core keeps the memory and offers
+ * it again; an event aclrtDestroyEvent refuses is kept and offered again at
+ * the next destroy and at close.
  *
  * Virtual memory (expandable segments) uses aclrtReserveMemAddress (with
  * the huge-page flag, as torch_npu), aclrtMallocPhysical (HBM, huge pages),
@@ -136,6 +139,7 @@ typedef struct acl_device {
   pthread_mutex_t event_lock;
   aclrtEvent events[EVENT_CACHE];
   size_t event_count;
+  kept_handles_t refused_events; /* events aclrtDestroyEvent refused: offered again */
   /* The mappings made (aclrtUnmapMem takes one at a time, by its start). */
   pthread_mutex_t vm_lock;
   acl_mapping_t *mappings;
@@ -228,7 +232,9 @@ static int acl_free(void *state, int device, uintptr_t addr, size_t size) {
   acl_t *a = state;
   int rc = acl_enter(a, device);
   if (rc) return rc;
-  ACL_CHECK(a->rt.aclrtFree((void *)addr), GCA_ERR_BAD_POINTER, "aclrtFree (0x%" PRIxPTR ", %zu bytes, device %d)", addr,
+  /* Any refusal, invalid parameters too, leaves the memory the runtime's
+   * as far as anyone can tell: the core keeps the segment, to offer again. */
+  ACL_CHECK(a->rt.aclrtFree((void *)addr), GCA_ERR_BACKEND, "aclrtFree (0x%" PRIxPTR ", %zu bytes, device %d)", addr,
         size, device);
   return GCA_OK;
 }
@@ -251,6 +257,20 @@ static int acl_create_event(acl_t *a, int device, aclrtEvent *e) {
   return GCA_OK;
 }
 
+#define ACL_EVENTS "acl backend: events"
+
+static int acl_destroy_one_event(void *ctx, uintptr_t e) { return ((acl_t *)ctx)->rt.aclrtDestroyEvent((aclrtEvent)e); }
+
+/* Destroy e (the device current), and offer again the ones refused before;
+ * one refused now is kept for the next time. */
+static void acl_event_drop(acl_t *a, int device, aclrtEvent e) {
+  acl_device_t *d = &a->devices[device];
+  pthread_mutex_lock(&d->event_lock);
+  if (d->refused_events.count) gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
+  if (a->rt.aclrtDestroyEvent(e) != ACL_SUCCESS) (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)e, ACL_EVENTS);
+  pthread_mutex_unlock(&d->event_lock);
+}
+
 static int acl_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
   acl_t *a = state;
   acl_device_t *d = &a->devices[device];
@@ -263,7 +283,7 @@ static int acl_event_record(void *state, int device, gca_stream_t stream, uintpt
   if (!e && (rc = acl_create_event(a, device, &e)) != GCA_OK) return rc;
   aclError r = a->rt.aclrtRecordEvent(e, (aclrtStream)stream);
   if (r != ACL_SUCCESS) {
-    a->rt.aclrtDestroyEvent(e);
+    acl_event_drop(a, device, e);
     return acl_error(r, GCA_ERR_INVALID, "aclrtRecordEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
   }
   *event = (uintptr_t)e;
@@ -300,7 +320,7 @@ static void acl_event_destroy(void *state, int device, uintptr_t event) {
   bool kept = d->event_count < EVENT_CACHE;
   if (kept) d->events[d->event_count++] = (aclrtEvent)event;
   pthread_mutex_unlock(&d->event_lock);
-  if (!kept && acl_enter(a, device) == GCA_OK) a->rt.aclrtDestroyEvent((aclrtEvent)event);
+  if (!kept && acl_enter(a, device) == GCA_OK) acl_event_drop(a, device, (aclrtEvent)event);
 }
 
 static int acl_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
@@ -541,8 +561,13 @@ static void acl_destroy(void *state) {
   if (!a) return;
   for (int i = 0; i < a->device_count; i++) {
     acl_device_t *d = &a->devices[i];
-    if (d->event_count && acl_enter(a, i) == GCA_OK)
-      for (size_t k = 0; k < d->event_count; k++) a->rt.aclrtDestroyEvent(d->events[k]);
+    if ((d->event_count || d->refused_events.count) && acl_enter(a, i) == GCA_OK) {
+      for (size_t k = 0; k < d->event_count; k++)
+        if (a->rt.aclrtDestroyEvent(d->events[k]) != ACL_SUCCESS)
+          (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)d->events[k], ACL_EVENTS);
+      gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
+    }
+    gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, true, ACL_EVENTS);
     pthread_mutex_destroy(&d->event_lock);
     pthread_mutex_destroy(&d->vm_lock);
     free(d->mappings);

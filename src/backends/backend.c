@@ -62,3 +62,29 @@ int gca__backend_library_path(const char *backend, const char *options, const ch
   }
   return GCA_OK;
 }
+
+bool gca__kept_handles_add(kept_handles_t *k, uintptr_t h, const char *what) {
+  if (k->count == k->cap) {
+    uintptr_t *grown = gca__grow_array(k->items, &k->cap, sizeof *grown, 8);
+    if (!grown) {
+      gca__log_message(GCA_LOG_ERROR, "%s: one the driver refused to destroy is lost (out of host memory to keep it)",
+                       what);
+      return false;
+    }
+    k->items = grown;
+  }
+  k->items[k->count++] = h;
+  return true;
+}
+
+void gca__kept_handles_retry(kept_handles_t *k, int (*destroy)(void *ctx, uintptr_t h), void *ctx, bool last,
+                             const char *what) {
+  size_t kept = 0;
+  for (size_t i = 0; i < k->count; i++)
+    if (destroy(ctx, k->items[i]) != 0) k->items[kept++] = k->items[i];
+  k->count = kept;
+  if (!last) return;
+  if (kept) gca__log_message(GCA_LOG_ERROR, "%s: %zu the driver refused to destroy, left to it at close", what, kept);
+  free(k->items);
+  *k = (kept_handles_t){0};
+}

@@ -143,6 +143,22 @@ int gca__backend_library_path(const char *backend, const char *options, const ch
                               const char *fallback, char *path, size_t cap);
 void gca__backend_close(backend_t *b);
 
+/* Handles a driver would not destroy (events, for the CUDA and Ascend
+ * backends): still the driver's and ours, so kept and offered again, at the
+ * next destroy and at close, rather than dropped. */
+typedef struct gca__kept_handles {
+  uintptr_t *items;
+  size_t count, cap;
+} kept_handles_t;
+/* Keep h; false when out of host memory (then it is lost, and said).
+ * `what` names them in messages, plural: "acl backend: events". */
+bool gca__kept_handles_add(kept_handles_t *k, uintptr_t h, const char *what);
+/* Offer each kept handle to destroy(ctx, h) (0: destroyed); those refused
+ * stay. With `last`, the array goes too, and those refused are logged as
+ * left to the driver. */
+void gca__kept_handles_retry(kept_handles_t *k, int (*destroy)(void *ctx, uintptr_t h), void *ctx, bool last,
+                             const char *what);
+
 /* The sim backend (backend/sim.c). */
 int gca__sim_backend_create(const char *options, backend_t *out);
 /* The CUDA backend (backends/cuda.c): the driver API through dlopen. */

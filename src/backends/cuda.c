@@ -18,7 +18,10 @@
  * arguments and the driver's error name (cuGetErrorName):
  * CUDA_ERROR_OUT_OF_MEMORY is GCA_ERR_OOM (the core may release its cache
  * and retry), CUDA_ERROR_INVALID_VALUE is GCA_ERR_INVALID (GCA_ERR_BAD_POINTER
- * for a free), anything else GCA_ERR_BACKEND.
+ * for a host free), anything else GCA_ERR_BACKEND. A refused free of device
+ * memory is GCA_ERR_BACKEND whatever the code, so the core keeps the memory
+ * and offers it again; an event cuEventDestroy refuses is kept and offered
+ * again at the next destroy and at close.
  *
  * Virtual memory (expandable segments) uses cuMemAddressReserve, cuMemCreate
  * (pinned device memory), cuMemMap and cuMemSetAccess (read-write for the
@@ -167,6 +170,7 @@ typedef struct cuda_device {
   pthread_mutex_t event_lock;
   CUevent events[EVENT_CACHE];
   size_t event_count;
+  kept_handles_t refused_events; /* events cuEventDestroy refused: offered again */
   /* Virtual memory mapped on this device, and the other devices given
    * access to it (a bit each, devices 0..63): cuCtxEnablePeerAccess does not
    * reach cuMemMap'd memory, whose access is set per mapping, so a peer
@@ -258,7 +262,9 @@ static int cuda_free(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
   int rc = enter(c, device);
   if (rc) return rc;
-  CHECK(c, c->drv.cuMemFree((CUdeviceptr)addr), GCA_ERR_BAD_POINTER, "cuMemFree_v2 (0x%" PRIxPTR ", %zu bytes, device %d)",
+  /* Any refusal, an invalid value too, leaves the memory the driver's as far
+   * as anyone can tell: the core keeps the segment, to offer again. */
+  CHECK(c, c->drv.cuMemFree((CUdeviceptr)addr), GCA_ERR_BACKEND, "cuMemFree_v2 (0x%" PRIxPTR ", %zu bytes, device %d)",
         addr, size, device);
   return GCA_OK;
 }
@@ -269,6 +275,20 @@ static int cuda_mem_get_info(void *state, int device, size_t *free_bytes, size_t
   if (rc) return rc;
   CHECK(c, c->drv.cuMemGetInfo(free_bytes, total_bytes), GCA_ERR_BACKEND, "cuMemGetInfo_v2 (device %d)", device);
   return GCA_OK;
+}
+
+#define CUDA_EVENTS "cuda backend: events"
+
+static int destroy_one_event(void *ctx, uintptr_t e) { return ((cuda_t *)ctx)->drv.cuEventDestroy((CUevent)e); }
+
+/* Destroy e (the device's context current), and offer again the ones
+ * refused before; one refused now is kept for the next time. */
+static void event_drop(cuda_t *c, int device, CUevent e) {
+  cuda_device_t *d = &c->devices[device];
+  pthread_mutex_lock(&d->event_lock);
+  if (d->refused_events.count) gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, false, CUDA_EVENTS);
+  if (c->drv.cuEventDestroy(e) != CUDA_SUCCESS) (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)e, CUDA_EVENTS);
+  pthread_mutex_unlock(&d->event_lock);
 }
 
 static int cuda_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
@@ -283,7 +303,7 @@ static int cuda_event_record(void *state, int device, gca_stream_t stream, uintp
   if (!e) CHECK(c, c->drv.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), GCA_ERR_BACKEND, "cuEventCreate (device %d)", device);
   CUresult r = c->drv.cuEventRecord(e, (CUstream)stream);
   if (r != CUDA_SUCCESS) {
-    c->drv.cuEventDestroy(e);
+    event_drop(c, device, e);
     return driver_error(c, r, GCA_ERR_INVALID, "cuEventRecord (stream 0x%" PRIxPTR ", device %d)", stream, device);
   }
   *event = (uintptr_t)e;
@@ -316,7 +336,7 @@ static void cuda_event_destroy(void *state, int device, uintptr_t event) {
   if (kept) d->events[d->event_count++] = (CUevent)event;
   pthread_mutex_unlock(&d->event_lock);
   /* A recorded event may be destroyed before it completes: the driver frees it then. */
-  if (!kept && enter(c, device) == GCA_OK) c->drv.cuEventDestroy((CUevent)event);
+  if (!kept && enter(c, device) == GCA_OK) event_drop(c, device, (CUevent)event);
 }
 
 static int cuda_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
@@ -674,8 +694,13 @@ static void cuda_destroy(void *state) {
   if (!c) return;
   for (int i = 0; i < c->device_count; i++) {
     cuda_device_t *d = &c->devices[i];
-    if (d->event_count && enter(c, i) == GCA_OK)
-      for (size_t k = 0; k < d->event_count; k++) c->drv.cuEventDestroy(d->events[k]);
+    if ((d->event_count || d->refused_events.count) && enter(c, i) == GCA_OK) {
+      for (size_t k = 0; k < d->event_count; k++)
+        if (c->drv.cuEventDestroy(d->events[k]) != CUDA_SUCCESS)
+          (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)d->events[k], CUDA_EVENTS);
+      gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, false, CUDA_EVENTS);
+    }
+    gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, true, CUDA_EVENTS);
     pthread_mutex_destroy(&d->event_lock);
     pthread_mutex_destroy(&d->vm_lock);
     free(d->mappings);

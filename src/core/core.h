@@ -168,6 +168,7 @@ struct segment {
    * address range, tiled by blocks of which the UNMAPPED ones have no
    * memory; pages[i] is the physical memory mapped at page i (0: none). */
   bool expandable;
+  bool range_kept;           /* empty, and the device would not release its range: offered again at releases */
   size_t page_size;
   uintptr_t *pages;          /* page_cap entries; pages past it are unmapped */
   size_t page_cap;
@@ -686,10 +687,14 @@ int gca__expandable_resume(device_t *d, segment_t *seg);
  * addresses back. */
 void gca__expandable_release_paused(device_t *d, segment_t *seg);
 /* At device destruction: unmap and destroy everything and give the range
- * back (when give_back: see device_destroy), and free the page table. */
-void gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
-/* At close: the kept pages given back (with give_back) and forgotten. */
-void gca__expandable_kept_destroy(device_t *d, bool give_back);
+ * back (when give_back: see device_destroy), and free the page table.
+ * Returns the bytes the device would not take back. */
+size_t gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
+/* At close: the kept pages given back (with give_back) and forgotten;
+ * returns the bytes the device would not take back. */
+size_t gca__expandable_kept_destroy(device_t *d, bool give_back);
+/* At close, a call that gives memory back is tried this many times. */
+#define CLOSE_TRIES 3
 /* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
 size_t gca__expandable_snapshot_count(const device_t *d);
 

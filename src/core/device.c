@@ -107,17 +107,30 @@ void gca__device_destroy(device_t *d) {
   d->coop = NULL;
   gca__events_shutdown(d);
   bool give_back = !d->backend->ops->destroy_releases_memory;
+  size_t left = 0; /* bytes the device would not take back, after CLOSE_TRIES each */
   segment_t *seg = d->segments;
   while (seg) {
     segment_t *next = seg->next;
     for (block_t *b = seg->head; b; b = b->next) gca__history_drop_stack(b);
-    if (seg->expandable) gca__expandable_segment_destroy(d, seg, give_back);
-    else if (give_back) d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+    if (seg->expandable) {
+      left += gca__expandable_segment_destroy(d, seg, give_back);
+    } else if (give_back) {
+      int rc = GCA_ERR_BACKEND;
+      for (int i = 0; i < CLOSE_TRIES && rc != GCA_OK && rc != GCA_ERR_BAD_POINTER; i++)
+        rc = d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
+      if (rc != GCA_OK && rc != GCA_ERR_BAD_POINTER) left += seg->size;
+    }
     free(seg);
     seg = next;
   }
   d->segments = NULL;
-  gca__expandable_kept_destroy(d, give_back);
+  left += gca__expandable_kept_destroy(d, give_back);
+  if (left) {
+    char text[32];
+    gca__format_bytes(left, text, sizeof text);
+    gca__log_message(GCA_LOG_ERROR, "device %d: the device refused to take back %s at close, %d times each; they are "
+                     "left to it (last refusal: %s)", d->index, text, CLOSE_TRIES, gca_last_error());
+  }
   gca__mempools_destroy(d);
   gca__block_chunks_free(d);
   gca__history_destroy(d);

@@ -183,8 +183,10 @@ static block_t *new_segment(device_t *d, pool_t *pool, gca_stream_t stream, int 
 static void release_segment(device_t *d, segment_t *seg) {
   block_t *b = seg->head;
   if (VM(d, vm_unreserve, seg->addr, seg->size) != GCA_OK) {
-    /* Kept: an empty range costs no memory, and may serve later. */
+    /* Kept: an empty range costs no memory, may serve later, and is offered
+     * again at the pool's next release while it stays empty. */
     gca__note_refused_free(d);
+    seg->range_kept = true;
     return;
   }
   gca__pool_unmapped_remove(seg->pool, b);
@@ -195,25 +197,46 @@ static void release_segment(device_t *d, segment_t *seg) {
   gca__block_recycle(d, b);
 }
 
-void gca__expandable_kept_destroy(device_t *d, bool give_back) {
-  for (size_t i = 0; give_back && i < d->kept_page_count; i++) (void)VM(d, vm_destroy, d->kept_pages[i].handle);
+/* At close, each call that gives something back is tried CLOSE_TRIES
+ * times: whether it went (a handle the device says is not its own went). */
+static bool went(int rc) { return rc == GCA_OK || rc == GCA_ERR_BAD_POINTER; }
+
+static bool destroy_at_close(device_t *d, uintptr_t handle) {
+  bool done = false;
+  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = went(VM(d, vm_destroy, handle));
+  return done;
+}
+
+static bool unmap_at_close(device_t *d, uintptr_t addr, size_t size) {
+  bool done = false;
+  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = went(VM(d, vm_unmap, addr, size));
+  return done;
+}
+
+size_t gca__expandable_kept_destroy(device_t *d, bool give_back) {
+  size_t left = 0;
+  for (size_t i = 0; give_back && i < d->kept_page_count; i++)
+    if (!destroy_at_close(d, d->kept_pages[i].handle)) left += d->kept_pages[i].size;
   free(d->kept_pages);
   d->kept_pages = NULL;
   d->kept_page_count = d->kept_page_cap = d->kept_page_bytes = 0;
+  return left;
 }
 
-void gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back) {
-  size_t page = seg->page_size;
+size_t gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back) {
+  size_t page = seg->page_size, left = 0;
   for (size_t i = 0; give_back && i < seg->page_cap; i++) {
     if (!seg->pages[i]) continue;
-    (void)VM(d, vm_unmap, seg->addr + i * page, page);
-    (void)VM(d, vm_destroy, seg->pages[i]);
+    /* (a page still mapped cannot be destroyed: it stays the device's) */
+    if (!unmap_at_close(d, seg->addr + i * page, page) || !destroy_at_close(d, seg->pages[i])) left += page;
   }
-  if (give_back) (void)VM(d, vm_unreserve, seg->addr, seg->size);
+  bool released = !give_back; /* (a range holds no memory: one refused for good is not counted) */
+  for (int i = 0; i < CLOSE_TRIES && !released; i++) released = went(VM(d, vm_unreserve, seg->addr, seg->size));
   free(seg->pages);
   seg->pages = NULL;
   free(seg->paused_pages);
   seg->paused_pages = NULL;
+  return left;
 }
 
 static bool ensure_pages(segment_t *seg, size_t end) {
@@ -330,14 +353,17 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   return n;
 }
 
+static void release_kept_ranges(device_t *d, pool_t *pool);
+
 void gca__expandable_release_pool(device_t *d, pool_t *pool) {
   if (!pool->expandable_segments) return;
+  release_kept_ranges(d, pool); /* (first: a range refused now waits for the next release) */
   /* Gather first: unmapping changes the index under a walk. Unmapping one
    * free block never touches another free block's descriptor. */
   size_t count = 0;
   for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) count += b->expandable;
   block_t **list = count ? malloc(count * sizeof *list) : NULL;
-  if (!list) return;
+  if (count && !list) return;
   size_t n = 0;
   for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b))
     if (b->expandable) list[n++] = b;
@@ -347,6 +373,17 @@ void gca__expandable_release_pool(device_t *d, pool_t *pool) {
     if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
   }
   free(list);
+}
+
+/* The pool's empty ranges the device would not release before, offered
+ * again (a range that served since holds pages, or was released then). */
+static void release_kept_ranges(device_t *d, pool_t *pool) {
+  for (segment_t *seg = d->segments, *next; seg; seg = next) {
+    next = seg->next;
+    if (seg->pool != pool || !seg->range_kept) continue;
+    seg->range_kept = false;
+    if (seg->head->state == BLOCK_UNMAPPED && !seg->head->next && !seg->paused_pages) release_segment(d, seg);
+  }
 }
 
 void gca__expandable_release_all(device_t *d) {
