@@ -978,11 +978,16 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
 #define TRACE_MAX_BYTES_DEFAULT ((size_t)16 << 30)
 #define TEXT_LINE_LIMIT ((size_t)4096)
 
+/* The cap, or 0 with the error set when GCALLOC_TRACE_MAX_BYTES is set to
+ * something that is not a size above 0 (unset or empty: the default). */
 static size_t trace_max_bytes(void) {
   const char *text = getenv("GCALLOC_TRACE_MAX_BYTES");
+  if (!text || !*text) return TRACE_MAX_BYTES_DEFAULT;
   uint64_t v = 0;
-  if (text && *text && gca__parse_size(text, strlen(text), &v) && v > 0) return v < SIZE_MAX / 2 ? (size_t)v : SIZE_MAX / 2;
-  return TRACE_MAX_BYTES_DEFAULT;
+  if (gca__parse_size(text, strlen(text), &v) && v > 0) return v < SIZE_MAX / 2 ? (size_t)v : SIZE_MAX / 2;
+  gca__set_error(GCA_ERR_INVALID, "GCALLOC_TRACE_MAX_BYTES=%.40s is not a size above 0 (e.g. 64GiB, 512MiB or 1000000)",
+                 text);
+  return 0;
 }
 
 typedef struct input_guard {
@@ -1306,6 +1311,7 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
                              trace_progress_fn progress, void *ctx, size_t *out_len) {
   size_t limit = read_budget(len) / 4;
   size_t cap = trace_max_bytes();
+  if (!cap) return NULL;
   if (limit > cap) limit = cap;
   /* Sized at once where the data says how long it is: a zstd frame may
    * carry its size; gzip's last member ends with its size (mod 2^32); xz's
@@ -1358,6 +1364,11 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
  * or a device by the cap, and looked at as it comes (`guarded`). */
 static unsigned char *read_and_close(FILE **f, const char *path, bool guarded, size_t *len) {
   size_t cap = (size_t)64 << 10, used = 0, max = trace_max_bytes();
+  if (!max) {
+    fclose(*f);
+    *f = NULL;
+    return NULL;
+  }
   input_guard_t guard = {0};
   unsigned char *buf = malloc(cap + 1);
   bool ok = buf != NULL;

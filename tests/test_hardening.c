@@ -422,6 +422,48 @@ static void watchdog(int sig) {
   _exit(3);
 }
 
+static void keep_last_message(gca_log_level level, const char *message, void *user) {
+  if (level == GCA_LOG_WARNING) snprintf(user, 512, "%s", message);
+}
+
+/* A huge max_split_size_mb is unlimited in the statistics (-1), not a
+ * negative size; an empty configuration variable hides the later ones, as
+ * PyTorch decides (set is set), for each of the five alike, and says so
+ * when a later one says something. */
+static void test_huge_split_size_and_empty_variables(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", "max_split_size_mb:99999999999999999");
+  assert_int_equal(stats_of(a, 0).max_split_size, -1);
+  gca_close(a);
+  a = open_sim("sim", "max_split_size_mb:20");
+  assert_int_equal(stats_of(a, 0).max_split_size, 20 * MiB);
+  gca_close(a);
+  static const char *const names[] = {"GCALLOC_ALLOC_CONF", "MINDTORCH_NPU_ALLOC_CONF", "PYTORCH_NPU_ALLOC_CONF",
+                                      "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"};
+  char seen[512] = "";
+  gca_set_log_handler(keep_last_message, seen);
+  for (int empty = 0; empty < 4; empty++) {
+    for (int i = 0; i < 5; i++) unsetenv(names[i]);
+    setenv(names[empty], "", 1);
+    setenv(names[empty + 1], "max_split_size_mb:40", 1);
+    seen[0] = '\0';
+    a = open_sim("acl:library=" FAKE_ACL_PATH, NULL);
+    assert_int_equal(stats_of(a, 0).max_split_size, -1); /* the defaults: the empty one won */
+    assert_contains(seen, names[empty]);
+    assert_contains(seen, "is set but empty");
+    assert_contains(seen, names[empty + 1]);
+    gca_close(a);
+  }
+  for (int i = 0; i < 5; i++) unsetenv(names[i]);
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "", 1); /* the last, empty, hides nothing: no warning */
+  seen[0] = '\0';
+  a = open_sim("sim", NULL);
+  assert_string_equal(seen, "");
+  gca_close(a);
+  unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  gca_set_log_handler(NULL, NULL);
+}
+
 int main(void) {
   signal(SIGALRM, watchdog);
   alarm(240);
@@ -435,6 +477,7 @@ int main(void) {
       cmocka_unit_test(test_refused_page_free_is_kept_and_given_back),
       cmocka_unit_test(test_refused_free_of_unused_new_pages),
       cmocka_unit_test(test_checker_compares_with_the_device),
+      cmocka_unit_test(test_huge_split_size_and_empty_variables),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

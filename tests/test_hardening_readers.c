@@ -188,6 +188,17 @@ static void test_cap_on_decompressed_input(void **state) {
   assert_contains(o.message, "GCALLOC_TRACE_MAX_BYTES");
   o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES=64MiB");
   assert_int_equal(o.status, GCA_OK);
+  /* A cap that is not a size is refused, by name, not read as the default. */
+  static const char *const bad[] = {"GCALLOC_TRACE_MAX_BYTES=12zz", "GCALLOC_TRACE_MAX_BYTES=-5",
+                                    "GCALLOC_TRACE_MAX_BYTES=0", "GCALLOC_TRACE_MAX_BYTES=1e3"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    o = load_in_child(path, bad[i]);
+    assert_int_equal(o.status, GCA_ERR_INVALID);
+    assert_contains(o.message, bad[i]);
+    assert_contains(o.message, "is not a size above 0");
+  }
+  o = load_in_child(path, "GCALLOC_TRACE_MAX_BYTES="); /* (empty: the default) */
+  assert_int_equal(o.status, GCA_OK);
 }
 
 /* ---- compressed files made to explode ------------------------------------

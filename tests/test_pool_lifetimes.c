@@ -234,6 +234,39 @@ static void test_pause_trims_the_free_cache(void **state) {
   gca_close(a);
 }
 
+/* A pool released just after a capture ends, while a block freed during
+ * the capture still waits for another stream's work: the release waits
+ * for that work, as PyTorch's does, and the pool ends. */
+static void test_release_after_a_capture(void **state) {
+  (void)state;
+  const gca_stream_t s1 = (gca_stream_t)0x100, s2 = (gca_stream_t)0x200;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  gca_pool_t g = new_pool(a, 0);
+  assert_int_equal(gca_capture_begin(a, g, s1), GCA_OK);
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, true), GCA_OK);
+  void *x = gca_malloc(a, 4 * MiB, 0, s1);
+  assert_int_equal(pool_of(a, x), g);
+  assert_int_equal(gca_record_stream(a, x, s2), GCA_OK);
+  assert_int_equal(gca_free(a, x), GCA_OK); /* (held until the capture ends) */
+  assert_int_equal(gca__sim_set_capture(&a->backend, 0, false), GCA_OK);
+  assert_int_equal(gca_capture_end(a, g, s1), GCA_OK);
+  assert_int_equal(gca__sim_launch(&a->backend, 0, s2, 50000000, (uintptr_t)x, 4 * MiB), GCA_OK);
+  assert_int_equal(gca_pool_release(a, g), GCA_OK);
+  assert_int_equal(sim_counters(a, 0).used, 0);
+  assert_int_equal(sim_counters(a, 0).capture_violations, 0);
+  assert_consistent(a);
+  /* A block still live is named as live, and one only pending is not. */
+  g = new_pool(a, 0);
+  assert_int_equal(gca_pool_push(a, g), GCA_OK);
+  void *y = gca_malloc(a, 1 * MiB, 0, s1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_release(a, g), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "cannot end: 1 block (1.00 MiB) of it is live");
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_pool_release(a, g), GCA_OK);
+  gca_close(a);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_push_left_open_at_close),
@@ -242,6 +275,7 @@ int main(void) {
       cmocka_unit_test(test_close_while_another_thread_pushed),
       cmocka_unit_test(test_failed_resume_rolls_back),
       cmocka_unit_test(test_pause_trims_the_free_cache),
+      cmocka_unit_test(test_release_after_a_capture),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

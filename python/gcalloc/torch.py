@@ -19,7 +19,7 @@ allocating through gcalloc afterwards.
 import contextlib
 import threading
 
-from . import GcallocError, _lib, _text, library_path
+from . import GcallocError, _device, _lib, _text, library_path
 
 __all__ = ["install", "using", "installed", "last_failure", "pool", "pause", "resume"]
 
@@ -124,13 +124,16 @@ def _named(name, device, create):
     """The process allocator and the id of the pool `name` (made pausable where the device allows)."""
     from . import _process_allocator
 
+    if not isinstance(name, str):
+        raise TypeError("gcalloc: a pool's name must be a str, not %s" % type(name).__name__)
+    device = _current_device() if device is None else _device(device)
     allocator = _process_allocator()
-    key = (allocator._a, str(name), _current_device() if device is None else device)
+    key = (allocator._a, name, device)
     with _named_lock:
         pool_id = _named_pools.get(key)
         if pool_id is None:
             if not create:
-                raise KeyError("gcalloc: no pool named %r on device %d" % (key[1], key[2]))
+                raise KeyError("gcalloc: no pool named %r on device %d" % (name, device))
             try:
                 pool_id = allocator.create_pool(key[2], pausable=True)
             except GcallocError:  # (no virtual memory there: a pool that cannot pause)

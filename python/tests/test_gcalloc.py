@@ -224,6 +224,11 @@ def test_torch_entry_points(monkeypatch):
     assert [process.pool_of(x) for x in (p, q)] == [kv, kv]
     with pytest.raises(KeyError, match="no pool named 'nothing'"):
         gcalloc.torch.pause("nothing")
+    with pytest.raises(TypeError, match="device must be an int, not str"):
+        gcalloc.torch.pause("kv", device="x")
+    for name in (0, False, 0.0, None, b"kv"):  # (names are str: 0, False and 0.0 would be one pool)
+        with pytest.raises(TypeError, match="a pool's name must be a str"):
+            gcalloc.torch.pause(name)
     for x in (p, q, r):
         free(x, MiB, 0, None)
     lib.gca_torch_shutdown()

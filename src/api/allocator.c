@@ -53,11 +53,23 @@ static bool backend_is(const char *spec, const char *name) {
   return spec && strncmp(spec, name, n) == 0 && (spec[n] == '\0' || spec[n] == ':');
 }
 
+/* The first variable set wins, an empty one too (PyTorch asks whether a
+ * variable is set, not whether it says anything); an empty one that hides
+ * a later one that says something is warned about. */
 static int apply_environment(config_t *cfg, const char *backend) {
   const char *const *names = backend_is(backend, "acl") ? npu_config_variables : config_variables;
   for (size_t i = 0; names[i]; i++) {
     const char *text = getenv(names[i]);
-    if (text) return gca__config_apply(cfg, text, names[i]);
+    if (!text) continue;
+    for (size_t j = i + 1; !*text && names[j]; j++) {
+      const char *hidden = getenv(names[j]);
+      if (hidden && *hidden) {
+        gca__log_message(GCA_LOG_WARNING, "%s is set but empty, so the defaults apply and %s=%s is not read (unset %s "
+                         "to read it)", names[i], names[j], hidden, names[i]);
+        break;
+      }
+    }
+    return gca__config_apply(cfg, text, names[i]);
   }
   return GCA_OK;
 }
@@ -542,7 +554,9 @@ int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
   lock_acquire(&d->lock);
   gca__stats_materialize(&d->stats, out);
-  out->max_split_size = d->config.max_split_size == SIZE_MAX ? -1 : (int64_t)d->config.max_split_size;
+  /* -1: unlimited, or past what any block can be (PyTorch's clamp of a huge
+   * max_split_size_mb leaves a value no int64 holds). */
+  out->max_split_size = d->config.max_split_size > (size_t)INT64_MAX ? -1 : (int64_t)d->config.max_split_size;
   lock_release(&d->lock);
   return GCA_OK;
 }

@@ -299,11 +299,18 @@ static size_t count_pool(const mempool_t *mp, gca_pool_stats_t *out) {
 static const char *busy(const mempool_t *mp, char *why, size_t cap) {
   gca_pool_stats_t held;
   size_t pending = count_pool(mp, &held);
-  size_t live = held.allocations + pending, bytes = held.allocated_bytes + held.pending_bytes;
-  if (live) {
+  if (held.allocations) {
     char text[32];
-    gca__format_bytes(bytes, text, sizeof text);
-    snprintf(why, cap, "%zu block%s (%s) of it %s live", live, live == 1 ? "" : "s", text, live == 1 ? "is" : "are");
+    gca__format_bytes(held.allocated_bytes, text, sizeof text);
+    snprintf(why, cap, "%" PRIu64 " block%s (%s) of it %s live", held.allocations, held.allocations == 1 ? "" : "s",
+             text, held.allocations == 1 ? "is" : "are");
+    return why;
+  }
+  if (pending) { /* (freed, but the device would not say when its streams are done with them) */
+    char text[32];
+    gca__format_bytes(held.pending_bytes, text, sizeof text);
+    snprintf(why, cap, "%zu freed block%s (%s) of it still wait%s for work on %s streams", pending,
+             pending == 1 ? "" : "s", text, pending == 1 ? "s" : "", pending == 1 ? "its" : "their");
     return why;
   }
   if (mp->thread_routes || mp->stream_routes) {
@@ -329,6 +336,11 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end while a stream of device %d "
                           "is captured (its memory would go back to the device)", pool, d->index);
   }
+  /* Frees still waiting for their streams (those held during a capture
+   * included) complete first, as PyTorch synchronizes a private pool's
+   * events before it releases the pool. */
+  gca_pool_stats_t held;
+  if (count_pool(mp, &held) && !held.allocations && gca__mempool_quiesce(d, mp) != GCA_OK) gca__clear_error();
   if (busy(mp, why, sizeof why)) {
     lock_release(&d->lock);
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end: %s", pool, why);
