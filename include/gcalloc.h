@@ -705,8 +705,9 @@ enum { GCA_POOL_PAUSABLE = 1 };
 GCA_API int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_t *out);
 /* Pause a pausable pool: wait for its own streams (not the whole device),
  * with GCA_PAUSE_BACKUP copy every live block to pinned host memory (the
- * pinned host allocator's), then unmap and give back all its physical
- * memory; *released (may be NULL) says how much. Its addresses stay
+ * pinned host allocator's), give its free cache back for good (the resume
+ * maps back only pages that hold live blocks), then unmap and give back all
+ * its other physical memory; *released (may be NULL) says how much. Its addresses stay
  * reserved and its blocks stay live: pointers into it stay valid, to be
  * used again after gca_pool_resume. While paused, an allocation routed to
  * it fails (GCA_ERR_INVALID), a free of its blocks is legal (nothing is
@@ -720,21 +721,28 @@ GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, 
  * copies written back (ordered on each block's stream, waited for), then
  * given back to the pinned host allocator unless GCA_RESUME_KEEP_BACKUP
  * (kept until the next pause, resume or the pool's end). Out of memory:
- * GCA_ERR_OOM, the pool still paused (what was mapped stays; call again).
- * Resuming a running pool is refused and changes nothing. */
+ * GCA_ERR_OOM naming the pool's need, and the pages mapped before it ran
+ * out given back: the pool is paused exactly as before (call again, free
+ * into it, or release it). Resuming a running pool is refused and changes
+ * nothing. */
 enum { GCA_RESUME_KEEP_BACKUP = 1 };
 GCA_API int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags);
 /* One more reference (a second graph sharing the pool's memory). */
 GCA_API int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool);
-/* Drop a reference. Dropping the last one ends the pool: its cached memory
- * goes back to the device (after the work queued on its streams). That is
- * refused, changing nothing, while blocks of the pool are live (allocated,
- * or freed but still used by queued work) or allocations are routed to it. */
+/* Drop a reference. Dropping the last one ends the pool: it first waits
+ * for its frees still waiting for their streams (those held during a
+ * capture too), then its cached memory goes back to the device. That is
+ * refused, changing nothing (GCA_ERR_INVALID), while blocks of the pool are
+ * live or allocations are routed to it; a paused pool whose pages the
+ * device still refuses to unmap is refused with GCA_ERR_BACKEND. */
 GCA_API int gca_pool_release(gca_allocator_t *a, gca_pool_t pool);
 /* Route the calling thread's allocations to `pool` (on the pool's device;
  * pool 0: the default pool on every device) until the matching
  * gca_pool_pop. Pushes nest, up to 16 deep; the innermost wins, and a
- * thread's route wins over a stream's. Push and pop on the same thread. */
+ * thread's route wins over a stream's. Push and pop on the same thread. A
+ * thread that exits inside pushes has them undone; a push open when its
+ * allocator closes goes stale (it routes nothing, in no allocator opened
+ * later), and its pop fails with GCA_ERR_INVALID, touching nothing. */
 GCA_API int gca_pool_push(gca_allocator_t *a, gca_pool_t pool);
 GCA_API int gca_pool_pop(gca_allocator_t *a);
 /* Route every allocation on `stream` of the pool's device to `pool` (what

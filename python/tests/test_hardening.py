@@ -184,3 +184,54 @@ def test_thread_ending_inside_a_pool_block_does_not_pin_the_pool():
         while a.pool_stats(p)["routes"] and time.monotonic() < deadline:
             time.sleep(0.001)
         a.release_pool(p)
+
+
+# ---- the argument surface, fuzzed -------------------------------------------
+# A seeded random walk over the Allocator's methods with hostile arguments
+# (integers at and past every C width, negatives, floats, NaN, bools, None,
+# strings with and without NUL bytes, bytes, containers, arbitrary objects)
+# mixed with the addresses and pools the walk itself made. Every call either
+# works or raises one of the documented classes, and after each the
+# allocator's books hold (gca_check).
+
+_HOSTILE = [0, 1, -1, 7, 4096, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70, -2**63,
+            0.0, 1.5, float("nan"), float("inf"), True, False, None, "", "0", "cuda:1", "a\0b",
+            b"", b"x", [], [1], {}, object(), 1 << 20]
+_METHODS = ["malloc", "free", "record_stream", "empty_cache", "synchronize", "create_pool", "pause_pool",
+            "resume_pool", "retain_pool", "release_pool", "route_stream", "unroute_stream", "pool_stats",
+            "pool_of", "pools", "set_config", "get_config", "set_per_process_memory_fraction",
+            "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "memory_summary",
+            "host_malloc", "host_free", "host_record_stream", "host_empty_cache", "host_is_pinned",
+            "host_memory_stats", "host_reset_peak_memory_stats", "record_history", "memory_snapshot", "pool"]
+_ALLOWED = (TypeError, ValueError, OverflowError, KeyError, MemoryError, gcalloc.GcallocError)
+
+
+def test_argument_surface_fuzzed():
+    import random
+
+    rng = random.Random(20261127)
+    outcomes = {}
+    with gcalloc.Allocator("sim:capacity=256MiB,host_capacity=64MiB") as a:
+        made = []  # addresses and pools the walk made: legal values to mix in
+        for _ in range(20000):
+            name = rng.choice(_METHODS)
+            args = [rng.choice(_HOSTILE + made * 2) if made and rng.random() < 0.5 else rng.choice(_HOSTILE)
+                    for _ in range(rng.randint(0, 3))]
+            try:
+                if name == "pool":
+                    with a.pool(*args):
+                        pass
+                    result = None
+                else:
+                    result = getattr(a, name)(*args)
+                kind = "ok"
+                if isinstance(result, int) and not isinstance(result, bool) and result > 0:
+                    made.append(result)
+                    del made[:-16]
+            except _ALLOWED as e:
+                kind = type(e).__name__
+            outcomes[kind] = outcomes.get(kind, 0) + 1
+            with a._handle() as h:
+                assert gcalloc._lib.gca_check(h, -1) == 0, gcalloc._lib.gca_last_error().decode()
+    print("argument fuzz, 20,000 calls:", sorted(outcomes.items()))
+    assert outcomes["ok"] > 1000 and outcomes["TypeError"] > 1000 and outcomes["GcallocError"] > 100
