@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "gcalloc.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 static struct {
   int (*aclInit)(const char *);
@@ -104,7 +104,8 @@ const tool_command_t bench_acl_command = {
     "tests' stand-in it measures gcalloc's backend layer only, and says so.\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  -h, --help  this help\n"};
+    "  -h, --help  this help\n",
+    bench_acl_main};
 
 int bench_acl_main(int argc, char **argv) {
   bool json = false;

@@ -36,7 +36,7 @@
 
 #include "gcalloc.h"
 #include "replay/trace.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 typedef struct host_alloc {
   const char *name;
@@ -413,7 +413,8 @@ const tool_command_t bench_command = {
     "  --json        the figures as JSON\n"
     "  --traces DIR  the folder of traces, one folder each (default ../shared/traces)\n"
     "  --quick       fewer repetitions (a smoke test, not figures to quote)\n"
-    "  -h, --help    this help\n"};
+    "  -h, --help    this help\n",
+    bench_main};
 
 int bench_main(int argc, char **argv) {
   bool json = false, quick = false;

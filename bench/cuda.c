@@ -33,7 +33,7 @@
 #include <string.h>
 
 #include "gcalloc.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 static struct {
   int (*cuInit)(unsigned);
@@ -232,7 +232,8 @@ const tool_command_t bench_cuda_command = {
     "Needs libcuda.so.1; exits 1 without it.\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  -h, --help  this help\n"};
+    "  -h, --help  this help\n",
+    bench_cuda_main};
 
 int bench_cuda_main(int argc, char **argv) {
   bool json = false;

@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "gcalloc.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 #define PAIRS 1000000
 #define ROUNDS 7
@@ -73,7 +73,8 @@ const tool_command_t bench_pools_command = {
     "Then pause and resume of a pool holding 1, 8 and 64 GiB, with and without host copies (docs/pools.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  -h, --help  this help\n"};
+    "  -h, --help  this help\n",
+    bench_pools_main};
 
 int bench_pools_main(int argc, char **argv) {
   bool json = false;

@@ -43,7 +43,7 @@
 
 #include "core/core.h"
 #include "replay/replay.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 
 /* Best seconds of Python's pickle.load over `runs`, or -1 without python3. */
@@ -315,7 +315,8 @@ const tool_command_t bench_replay_command = {
     "  --speed-only     leave out the new processes and Python (scripts/compare-replay.sh's mode)\n"
     "  --idle SECONDS   also time a few new processes each run after that long idle, 0 to 3600\n"
     "                   (default 0: none)\n"
-    "  -h, --help       this help\n"};
+    "  -h, --help       this help\n",
+    bench_replay_main};
 
 int bench_replay_main(int argc, char **argv) {
   const char *dir = "../shared/traces";

@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "gcalloc.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 #define MIB ((size_t)1 << 20)
 #define STEPS 40
@@ -176,7 +176,8 @@ const tool_command_t bench_sharing_command = {
     "a ratio to off (docs/sharing.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  -h, --help  this help\n"};
+    "  -h, --help  this help\n",
+    bench_sharing_main};
 
 int bench_sharing_main(int argc, char **argv) {
   bool json = false;

@@ -39,7 +39,7 @@
 #include <string.h>
 
 #include "core/core.h"
-#include "../tools/tool.h"
+#include "tools/tool.h"
 
 #define STREAMS 4
 #define LAYERS 24
@@ -236,7 +236,8 @@ const tool_command_t bench_streams_command = {
     "\n"
     "  --json      the figures as JSON\n"
     "  --quick     fewer requests (a smoke test, not figures to quote)\n"
-    "  -h, --help  this help\n"};
+    "  -h, --help  this help\n",
+    bench_streams_main};
 
 int bench_streams_main(int argc, char **argv) {
   bool json = false, quick = false;

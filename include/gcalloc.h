@@ -30,9 +30,9 @@
 extern "C" {
 #endif
 
-#define GCALLOC_VERSION_MAJOR 0
-#define GCALLOC_VERSION_MINOR 3
-#define GCALLOC_VERSION_PATCH 0
+/* GCALLOC_VERSION_MAJOR, _MINOR, _PATCH and GCALLOC_VERSION_STRING ("0.4.0"),
+ * written by the build from CMakeLists.txt's version. */
+#include "gcalloc_version.h"
 
 /* Visibility: the shared library exports only what is declared here. */
 #if defined(__GNUC__) && !defined(GCA_STATIC_ONLY)

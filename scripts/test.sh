@@ -5,8 +5,9 @@
 #   scripts/run.sh builds (scripts/build-pgo.sh)   all tests
 #   clang, warnings as errors          all tests
 #   gcc, AddressSanitizer + UBSan      all tests
-#   clang, ThreadSanitizer             the concurrent tests and the Ascend backend
-#                                      (labels `threads`, `acl`)
+#   clang, ThreadSanitizer             the concurrent tests, the Ascend backend and
+#                                      the hostile-use tests (labels `threads`,
+#                                      `acl`, `hardening`)
 # Pass a CTest label (-L core) to run only that label in every build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,5 +43,5 @@ UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
   run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
 # ThreadSanitizer needs the address-space layout it was built for: run
 # without address randomization where the kernel's mmap entropy is too high.
-TSAN_OPTIONS=halt_on_error=1 setarch "$(uname -m)" -R bash -c "$(declare -f run); jobs=$jobs; ctest_args=(${ctest_args[*]@Q}); run tsan 'threads|acl' -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGCALLOC_SANITIZE=thread"
+TSAN_OPTIONS=halt_on_error=1 setarch "$(uname -m)" -R bash -c "$(declare -f run); jobs=$jobs; ctest_args=(${ctest_args[*]@Q}); run tsan 'threads|acl|hardening' -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGCALLOC_SANITIZE=thread"
 echo "=== all builds passed ==="

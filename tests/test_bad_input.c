@@ -115,7 +115,7 @@ static void test_status_names(void **state) {
   assert_string_equal(gca_status_name(GCA_OK), "GCA_OK");
   assert_string_equal(gca_status_name(GCA_ERR_BAD_POINTER), "GCA_ERR_BAD_POINTER");
   assert_string_equal(gca_status_name(-99), "GCA_ERR_UNKNOWN");
-  assert_string_equal(gca_version(), "0.3.0");
+  assert_string_equal(gca_version(), GCALLOC_VERSION_STRING);
 }
 
 int main(void) {

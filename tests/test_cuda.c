@@ -374,6 +374,23 @@ static void test_event_errors(void **state) {
     gca_close(a);
     assert_driver_empty();
   }
+  /* Events the driver will not destroy: after a failed record (kept, and
+   * destroyed at the next destroy), and at close (tried again). */
+  fake_reset();
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  void *p = gca_malloc(a, 4096, 0, S1);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  fake_fail("cuEventRecord", 0, 1, 999);
+  fake_fail("cuEventDestroy_v2", 0, 1, 999);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(fake_live_events(), 1); /* (kept: the driver still has it) */
+  p = gca_malloc(a, 4096, 0, S1);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_synchronize(a, 0), GCA_OK);
+  fake_fail("cuEventDestroy_v2", 0, 2, 999);
+  gca_close(a);
+  assert_driver_empty();
 }
 
 /* Peer access reaches expandable segments: cuCtxEnablePeerAccess does not

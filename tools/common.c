@@ -14,7 +14,9 @@
 #include "core/core.h"
 #include "tool.h"
 
-static void print_usage(FILE *f, const tool_command_t *c) { fprintf(f, "usage: gcalloc %s %s\n", c->name, c->usage); }
+static void print_usage(FILE *f, const tool_command_t *c) {
+  fprintf(f, "usage: gcalloc %s%s%s\n", c->name, *c->usage ? " " : "", c->usage);
+}
 
 /* Complains about argv's `what` on stderr: 2. */
 static int refuse(const tool_command_t *c, const char *what) {
@@ -80,6 +82,11 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
       tool_help(c);
       return -1;
     }
+  if (argc == 2 && !strcmp(argv[1], "--list-options")) {
+    for (const tool_option_t *o = options; o->name; o++) printf("%s\n", o->name);
+    printf("--help\n");
+    return -1;
+  }
   if (operand) *operand = NULL;
   for (int i = 1; i < argc; i++) {
     const char *arg = argv[i];

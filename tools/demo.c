@@ -142,7 +142,8 @@ const tool_command_t demo_command = {
     "  --conf CONF     allocator settings in PYTORCH_CUDA_ALLOC_CONF's syntax\n"
     "  --steps N       training steps, 1 to 100000 (default 12)\n"
     "  --seed S        the sequence's random seed, 0 to 2^62 (default 42)\n"
-    "  -h, --help      this help\n"};
+    "  -h, --help      this help\n",
+    demo_main};
 
 int demo_main(int argc, char **argv) {
   const char *backend = "sim";

@@ -1,34 +1,7 @@
-/* The gcalloc command-line tool.
- *
- *   gcalloc demo  [--backend SPEC] [--conf CONF] [--steps N] [--seed S]
- *       drive a training-like allocation sequence on a device (the simulated
- *       one by default) and print the statistics;
- *   gcalloc bench [--json] [--traces DIR] [--quick]
- *       time gcalloc against glibc, mimalloc and jemalloc (bench/bench.c);
- *   gcalloc bench-streams [--json] [--quick]
- *       peak reserved memory with and without cross-stream reuse on a
- *       multi-stream workload (bench/streams.c);
- *   gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]
- *       the replay's speed and peak reserved on the real traces (bench/replay.c);
- *   gcalloc bench-cuda [--json]
- *       the cuda backend against the driver's allocators on a real GPU
- *       (bench/cuda.c);
- *   gcalloc bench-acl [--json]
- *       the acl backend against AscendCL's allocation (bench/acl.c);
- *   gcalloc replay TRACE [--conf CONF] [--capacity SIZE] [--device N] [--json] [--report FILE.html]
- *                        [--no-empty-cache]
- *       replay a recorded trace on the simulated device (tools/replay.c,
- *       the HTML report: tools/report.c);
- *   gcalloc tune TRACE [--capacity SIZE] [--device N] [--json]
- *       search the settings for the least peak reserved (tools/tune.c);
- *   gcalloc bench-sharing [--json]
- *       processes on one device with and without cooperation (bench/sharing.c);
- *   gcalloc bench-pools [--json]
- *       the hot path's cost with private pools in use (bench/pools.c);
- *   gcalloc top [--json] [--interval SECONDS]
- *       the processes cooperating on each device (tools/top.c);
- *   gcalloc version
- *   gcalloc help [COMMAND]
+/* The gcalloc command-line tool: `gcalloc COMMAND [options]`, the commands
+ * listed once, in TOOL_COMMANDS (tool.h), each in a file of its own under
+ * tools/ and bench/; this file dispatches to them and serves `version`,
+ * `help` and `completion`. `gcalloc --help` lists them with their usage.
  *
  * Every command takes -h/--help, and refuses what it does not know, naming
  * it (tools/common.c, tool_parse).
@@ -42,34 +15,99 @@
 #include "gcalloc.h"
 #include "tool.h"
 
-static const tool_command_t *const commands[] = {&demo_command,         &bench_command,      &bench_streams_command,
-                                                 &bench_replay_command, &bench_cuda_command, &bench_acl_command, &replay_command,
-                                                 &tune_command, &top_command, &bench_sharing_command,
-                                                 &bench_pools_command};
+static int version_main(int argc, char **argv);
+static int help_main(int argc, char **argv);
+static int completion_main(int argc, char **argv);
+
+static const tool_command_t version_command = {"version", NULL, "", "print gcalloc's version",
+                                               "\nPrints the version of gcalloc (the library's, gca_version()).\n",
+                                               version_main};
+static const tool_command_t help_command = {
+    "help", NULL, "[COMMAND]", "the list of commands, or what COMMAND's options do",
+    "\nWithout COMMAND, the list of commands; with it, the same as 'gcalloc COMMAND --help'.\n", help_main};
+static const tool_command_t completion_command = {
+    "completion", NULL, "", "print a bash completion script for gcalloc",
+    "\nPrints a bash script that completes gcalloc's commands and their options; load it with\n"
+    "  source <(gcalloc completion)\n"
+    "or save it as /usr/share/bash-completion/completions/gcalloc.\n",
+    completion_main};
+
+#define TOOL_ENTRY(name) &name##_command,
+static const tool_command_t *const commands[] = {TOOL_COMMANDS(TOOL_ENTRY) & version_command, &help_command,
+                                                 &completion_command};
+#define COMMAND_COUNT (sizeof commands / sizeof commands[0])
 
 /* Every command's usage line and summary, from the commands themselves. */
 static void usage(FILE *out) {
   fprintf(out, "usage: gcalloc <command> [options]\n");
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-    fprintf(out, "  %s %s\n        %s\n", commands[i]->name, commands[i]->usage, commands[i]->summary);
-  fprintf(out, "  version\n"
-               "'gcalloc COMMAND --help' (or 'gcalloc help COMMAND') says what each of its options does.\n");
+  for (size_t i = 0; i < COMMAND_COUNT; i++)
+    fprintf(out, "  %s%s%s\n        %s\n", commands[i]->name, *commands[i]->usage ? " " : "", commands[i]->usage,
+            commands[i]->summary);
+  fprintf(out, "'gcalloc COMMAND --help' (or 'gcalloc help COMMAND') says what each of its options does.\n");
 }
 
-/* `gcalloc help COMMAND`: COMMAND's own --help. */
-static int help(int argc, char **argv) {
-  if (argc < 3) {
+static const tool_command_t *command_named(const char *name) {
+  for (size_t i = 0; i < COMMAND_COUNT; i++)
+    if (!strcmp(name, commands[i]->name)) return commands[i];
+  return NULL;
+}
+
+/* The commands that take only -h/--help. */
+static int no_options(const tool_command_t *c, int argc, char **argv, const char **operand) {
+  static const tool_option_t none[] = {{NULL, OPTION_FLAG, NULL, 0, 0, NULL}};
+  return tool_parse(c, none, argc, argv, operand);
+}
+
+static int version_main(int argc, char **argv) {
+  int rc = no_options(&version_command, argc, argv, NULL);
+  if (rc) return rc < 0 ? 0 : rc;
+  printf("gcalloc %s\n", gca_version());
+  return 0;
+}
+
+static int help_main(int argc, char **argv) {
+  if (argc < 2) {
     usage(stdout);
     return 0;
   }
-  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-    if (!strcmp(argv[2], commands[i]->name)) {
-      tool_help(commands[i]);
-      return 0;
-    }
-  fprintf(stderr, "gcalloc help: no command '%s'\n", argv[2]);
+  const tool_command_t *c = command_named(argv[1]);
+  if (argc == 2 && c) {
+    tool_help(c);
+    return 0;
+  }
+  if (argc == 2 && (!strcmp(argv[1], "--list-options") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
+    const char *operand;
+    int rc = no_options(&help_command, argc, argv, &operand);
+    return rc < 0 ? 0 : rc;
+  }
+  fprintf(stderr, "gcalloc help: no command '%s'\n", argv[1]);
   usage(stderr);
   return 2;
+}
+
+static int completion_main(int argc, char **argv) {
+  int rc = no_options(&completion_command, argc, argv, NULL);
+  if (rc) return rc < 0 ? 0 : rc;
+  printf("# bash completion for gcalloc (gcalloc completion)\n"
+         "_gcalloc() {\n"
+         "  local cur=${COMP_WORDS[COMP_CWORD]}\n"
+         "  if [ \"$COMP_CWORD\" -eq 1 ]; then\n"
+         "    COMPREPLY=($(compgen -W \"");
+  for (size_t i = 0; i < COMMAND_COUNT; i++) printf("%s%s", i ? " " : "", commands[i]->name);
+  printf("\" -- \"$cur\"))\n"
+         "  elif [ \"${COMP_WORDS[1]}\" = help ]; then\n"
+         "    [ \"$COMP_CWORD\" -eq 2 ] && COMPREPLY=($(compgen -W \"");
+  for (size_t i = 0; i < COMMAND_COUNT; i++) printf("%s%s", i ? " " : "", commands[i]->name);
+  printf("\" -- \"$cur\"))\n"
+         "  elif [[ $cur == -* ]]; then\n"
+         "    COMPREPLY=($(compgen -W \"$(\"${COMP_WORDS[0]}\" \"${COMP_WORDS[1]}\" --list-options 2>/dev/null)\" -- "
+         "\"$cur\"))\n"
+         "  else\n"
+         "    COMPREPLY=($(compgen -f -- \"$cur\"))\n"
+         "  fi\n"
+         "}\n"
+         "complete -o filenames -F _gcalloc gcalloc\n");
+  return 0;
 }
 
 int main(int argc, char **argv) {
@@ -91,22 +129,8 @@ int main(int argc, char **argv) {
     usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }
-  if (strcmp(argv[1], "help") == 0) return help(argc, argv);
-  if (strcmp(argv[1], "demo") == 0) return demo_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench") == 0) return bench_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-streams") == 0) return bench_streams_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "replay") == 0) return replay_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-replay") == 0) return bench_replay_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-cuda") == 0) return bench_cuda_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-acl") == 0) return bench_acl_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "top") == 0) return top_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-sharing") == 0) return bench_sharing_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "bench-pools") == 0) return bench_pools_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "tune") == 0) return tune_main(argc - 1, argv + 1);
-  if (strcmp(argv[1], "version") == 0) {
-    printf("gcalloc %s\n", gca_version());
-    return 0;
-  }
+  const tool_command_t *c = command_named(argv[1]);
+  if (c) return c->run(argc - 1, argv + 1);
   fprintf(stderr, "gcalloc: unknown command '%s'\n", argv[1]);
   usage(stderr);
   return 2;

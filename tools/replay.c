@@ -46,7 +46,8 @@ const tool_command_t replay_command = {
     "  -h, --help          this help\n"
     "\n"
     "Exit status: 0 replayed; 1 the trace could not be read or replayed, or the report written; 2 bad\n"
-    "arguments; 3 the job did not fit --capacity.\n"};
+    "arguments; 3 the job did not fit --capacity.\n",
+    replay_main};
 
 static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
   printf("trace %s: %zu events, %d device%s, loaded in %.1f ms; end to end %.1f ms, %.2f M events/s\n", path,

@@ -2,18 +2,6 @@
 #ifndef GCALLOC_TOOL_H
 #define GCALLOC_TOOL_H
 
-int demo_main(int argc, char **argv);
-int bench_main(int argc, char **argv);
-int bench_streams_main(int argc, char **argv);
-int replay_main(int argc, char **argv);
-int tune_main(int argc, char **argv);
-int bench_replay_main(int argc, char **argv);
-int bench_cuda_main(int argc, char **argv);
-int bench_acl_main(int argc, char **argv);
-int top_main(int argc, char **argv);
-int bench_sharing_main(int argc, char **argv);
-int bench_pools_main(int argc, char **argv);
-
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -54,22 +42,33 @@ typedef struct tool_command {
   const char *usage;   /* what follows "gcalloc NAME" on the usage line */
   const char *summary; /* one line for `gcalloc --help`'s list of commands */
   const char *help;    /* what --help prints after the usage line */
+  int (*run)(int argc, char **argv); /* argv[0] is the command's name */
 } tool_command_t;
+
+/* The commands, in `gcalloc --help`'s order: the one list that the tool's
+ * dispatch, its help and its shell completion (`gcalloc completion`) come
+ * from. Each NAME is NAME_command, with NAME_main its run, beside its code
+ * (tools/ and bench/); `version`, `help` and `completion` are main.c's. */
+#define TOOL_COMMANDS(X)                                                                                      \
+  X(demo) X(replay) X(tune) X(top) X(bench) X(bench_replay) X(bench_streams) X(bench_cuda) X(bench_acl)        \
+  X(bench_sharing) X(bench_pools)
+#define TOOL_DECLARE(name)                    \
+  extern const tool_command_t name##_command; \
+  int name##_main(int argc, char **argv);
+TOOL_COMMANDS(TOOL_DECLARE)
 
 /* Parses argv[1..argc) by `options` (ended by a NULL name): 0 when all of
  * it was taken (*operand set where the command takes one; "-" is given as
  * "/dev/stdin", standard input, which the readers take as any pipe); -1
- * when -h or --help was given (the help printed on stdout: exit 0); 2 with
+ * when -h or --help was given (the help printed on stdout: exit 0), or
+ * --list-options (the options' names, a line each: what the shell
+ * completion offers); 2 with
  * a message on stderr naming what is wrong (an unknown option, a value
  * missing or out of range, an operand missing or one too many). */
 int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, char **argv, const char **operand);
 /* A command's usage line and help, on stdout (its --help, and `gcalloc
  * help COMMAND`). */
 void tool_help(const tool_command_t *c);
-/* The commands, each defined beside its _main. */
-extern const tool_command_t demo_command, bench_command, bench_streams_command, bench_replay_command,
-    bench_cuda_command, bench_acl_command, replay_command, tune_command, top_command, bench_sharing_command,
-    bench_pools_command;
 
 /* Shared helpers (common.c): a JSON string, escaped so that it is also safe
  * inside an HTML script; seconds on the monotonic clock; a qsort comparison

@@ -57,7 +57,8 @@ const tool_command_t top_command = {
     "\n"
     "  --json                the devices and processes as JSON, once\n"
     "  --interval SECONDS    between refreshes on a terminal (default 1)\n"
-    "  -h, --help            this help\n"};
+    "  -h, --help            this help\n",
+    top_main};
 
 int top_main(int argc, char **argv) {
   bool json = false;

@@ -209,7 +209,8 @@ const tool_command_t tune_command = {
     "  -h, --help       this help\n"
     "\n"
     "Exit status: 0 done; 1 the trace could not be read or replayed; 2 bad arguments; 3 nothing fits\n"
-    "--capacity.\n"};
+    "--capacity.\n",
+    tune_main};
 
 int tune_main(int argc, char **argv) {
   const char *path = NULL;

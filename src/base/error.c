@@ -92,12 +92,7 @@ const char *gca_status_name(int status) {
   }
 }
 
-const char *gca_version(void) {
-#define GCA_STR2(x) #x
-#define GCA_STR(x) GCA_STR2(x)
-  return GCA_STR(GCALLOC_VERSION_MAJOR) "." GCA_STR(GCALLOC_VERSION_MINOR) "." GCA_STR(
-      GCALLOC_VERSION_PATCH);
-}
+const char *gca_version(void) { return GCALLOC_VERSION_STRING; }
 
 /* ---- logging ------------------------------------------------------------ */
 
