@@ -5,9 +5,10 @@
  *   pinned 4 KiB      the same loop through the pinned host allocator
  *                     (gca_host_malloc + gca_host_free, cached), against
  *                     the same host allocators: no target, the cost shown;
- *   trace:<name>      the alloc/free sequence of each real trace in the
- *                     traces folder (sizes and order as recorded, memory never
- *                     touched), ns per operation, replayed warm several times.
+ *   trace:<name>      the alloc/free sequence of each trace in the traces
+ *                     folder (the sample snapshots by default; sizes and
+ *                     order as recorded, memory never touched), ns per
+ *                     operation, replayed warm several times.
  * Peers: glibc malloc (the process's own), mimalloc (mi_malloc) and jemalloc,
  * both loaded with dlopen so that neither replaces malloc for the process.
  * gcalloc runs on the sim backend with no added latency. Each figure is the
@@ -404,21 +405,22 @@ static void reexec_with_tls_surplus(int argc, char **argv) {
 
 const tool_command_t bench_command = {
     "bench", NULL, "[--json] [--traces DIR] [--quick]",
-    "compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loop and real traces)",
+    "compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loops and traces)",
     "\n"
     "Times gcalloc (on the simulated device) against glibc malloc, mimalloc and jemalloc in the same run:\n"
-    "a 4 KiB malloc+free loop, the pinned host allocator's, and the alloc/free sequence of every real\n"
-    "trace; prints ns per operation and the ratios (docs/benchmarks.md).\n"
+    "a 4 KiB malloc+free loop, the pinned host allocator's, and the alloc/free sequence of every trace\n"
+    "in the traces folder; prints ns per operation and the ratios (docs/benchmarks.md).\n"
     "\n"
     "  --json        the figures as JSON\n"
-    "  --traces DIR  the folder of traces, one folder each (default ../shared/traces)\n"
+    "  --traces DIR  the folder of traces, one folder each (default: the sample snapshots, data/snapshots;\n"
+    "                without them, the loops alone)\n"
     "  --quick       fewer repetitions (a smoke test, not figures to quote)\n"
     "  -h, --help    this help\n",
     bench_main};
 
 int bench_main(int argc, char **argv) {
   bool json = false, quick = false;
-  const char *traces = "../shared/traces";
+  const char *traces = NULL;
   const tool_option_t options[] = {
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {"--quick", OPTION_FLAG, &quick, 0, 0, NULL},
@@ -427,10 +429,13 @@ int bench_main(int argc, char **argv) {
   };
   int parsed = tool_parse(&bench_command, options, argc, argv, NULL);
   if (parsed) return parsed < 0 ? 0 : parsed;
-  /* Checked before a second of work is spent on the loop. */
+  if (!traces && !(traces = tool_samples_dir()))
+    fprintf(stderr, "gcalloc bench: no sample snapshots here (data/snapshots): the loops alone; --traces DIR adds "
+                    "the traces of a folder\n");
+  /* A folder given is checked before a second of work is spent on the loop. */
   struct stat st;
-  bool found = stat(traces, &st) == 0;
-  if (!found || !S_ISDIR(st.st_mode)) {
+  bool found = !traces || stat(traces, &st) == 0;
+  if (!found || (traces && !S_ISDIR(st.st_mode))) {
     fprintf(stderr, "gcalloc bench: the traces folder %s: %s (use --traces DIR)\n", traces,
             !found ? strerror(errno) : "not a folder");
     return 2;
@@ -449,7 +454,7 @@ int bench_main(int argc, char **argv) {
   loop_args_t loop = {hosts, reps, quick ? 200000 : 3000000, false};
   if (isolated(loop_job, &loop, &results[0])) return 1;
   trace_ctx_t ctx = {hosts, reps, results + 1, 0};
-  if (for_each_trace(traces, trace_visit, &ctx) < 0) return 1;
+  if (traces && for_each_trace(traces, trace_visit, &ctx) < 0) return 1;
   int count = 1 + ctx.count;
 
   bool all_met = true;

@@ -1,5 +1,6 @@
 /* `gcalloc bench-replay [--traces DIR] [--runs N] [--json] [--speed-only]`:
- * the replay's two targets on the real traces of ../shared/traces.
+ * the replay's two targets on a folder of traces (the sample snapshots of
+ * data/snapshots by default; real PyTorch jobs' snapshots with --traces).
  *
  * Speed, end to end: reading the file, planning, replaying every device
  * with the segment matching and the page census at the peak on (what
@@ -301,7 +302,7 @@ static int bench_one(const char *path, const char *name, int runs, bool peers, d
 
 const tool_command_t bench_replay_command = {
     "bench-replay", NULL, "[--traces DIR] [--runs N] [--json] [--speed-only] [--idle SECONDS]",
-    "replay speed end to end and peak reserved against PyTorch on the real traces",
+    "replay speed end to end and peak reserved against PyTorch on a folder of traces",
     "\n"
     "The replay's targets on every real trace: its speed end to end (load, plan, replay of every device),\n"
     "best and median of N runs in this process and the best of N new processes of `gcalloc replay`,\n"
@@ -309,7 +310,8 @@ const tool_command_t bench_replay_command = {
     "against Python's unpickler loading the same file; and gcalloc's peak reserved against PyTorch's\n"
     "recorded one, per device (docs/replay.md, \"Speed\").\n"
     "\n"
-    "  --traces DIR     the folder of traces, one folder each (default ../shared/traces)\n"
+    "  --traces DIR     the folder of traces, one folder each (default: the sample snapshots,\n"
+    "                   data/snapshots)\n"
     "  --runs N         runs of each kind per trace, 1 to 1000000 (default 10)\n"
     "  --json           the figures as JSON\n"
     "  --speed-only     leave out the new processes and Python (scripts/compare-replay.sh's mode)\n"
@@ -319,7 +321,7 @@ const tool_command_t bench_replay_command = {
     bench_replay_main};
 
 int bench_replay_main(int argc, char **argv) {
-  const char *dir = "../shared/traces";
+  const char *dir = NULL;
   long runs_given = 10;
   bool json = false, speed_only = false;
   double idle_s = 0;
@@ -333,6 +335,11 @@ int bench_replay_main(int argc, char **argv) {
   };
   int parsed = tool_parse(&bench_replay_command, options, argc, argv, NULL);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  if (!dir && !(dir = tool_samples_dir())) {
+    fprintf(stderr, "gcalloc bench-replay: no sample snapshots here (data/snapshots): name a folder of traces "
+                    "with --traces DIR\n");
+    return 2;
+  }
   int runs = (int)runs_given;
   bool peers = !speed_only;
   /* Each subdirectory of DIR holds one trace file (SOURCES.txt's layout). */

@@ -19,6 +19,37 @@
 #define MiB ((size_t)1 << 20)
 #define KiB ((size_t)1 << 10)
 
+/* The real PyTorch snapshots (a folder of them, one folder each, as
+ * SOURCES.txt lists them), where GCALLOC_REAL_TRACES names one: CTest sets
+ * it for the tests it registers only where ../shared/traces is there, and
+ * those run the test programs' real-trace group; NULL otherwise. */
+static inline const char *real_traces_dir(void) { return getenv("GCALLOC_REAL_TRACES"); }
+
+/* real_traces_dir()/name, in one of four buffers that take turns. */
+static inline const char *real_path(const char *name) {
+  static char paths[4][1024];
+  static int turn;
+  char *p = paths[turn++ % 4];
+  snprintf(p, sizeof paths[0], "%s/%s", real_traces_dir() ? real_traces_dir() : "(no real traces)", name);
+  return p;
+}
+
+/* The big snapshots the readers and the replay are held to: the samples
+ * (data/snapshots), or in the real-trace group the real PyTorch snapshots
+ * (test programs that read GCALLOC_SAMPLES_DIR). */
+#define BIG_SNAPSHOTS 3
+#ifdef GCALLOC_SAMPLES_DIR
+static inline const char *big_snapshot(size_t i) {
+  static const char *const samples[BIG_SNAPSHOTS] = {GCALLOC_SAMPLES_DIR "/training/memory.pickle",
+                                                     GCALLOC_SAMPLES_DIR "/inference/memory.pickle",
+                                                     GCALLOC_SAMPLES_DIR "/cnn/memory.pickle"};
+  static const char *const real[BIG_SNAPSHOTS] = {"ZidongLiu__DeComFL/memory.pickle",
+                                                  "cranberrii__ftcourse/memory_snapshot.pickle",
+                                                  "Constructor-Sun__code_location/memory_snapshot.pickle"};
+  return real_traces_dir() ? real_path(real[i]) : samples[i];
+}
+#endif
+
 static inline gca_allocator_t *open_sim(const char *backend, const char *conf) {
   gca_allocator_t *a = NULL;
   int rc = gca_open(backend, conf, &a);

@@ -682,7 +682,6 @@ static void test_start_as_recorded_random(void **state) {
   assert_true(untold >= 1);
 }
 
-static bool have_traces(void);
 
 /* RMM's logging_resource_adaptor CSV: both spellings of a free, a clock
  * passing midnight, two streams, and an allocation that failed in the
@@ -813,8 +812,7 @@ static void test_timeline(void **state) {
   replay_result_free(&r);
   trace_free(&t);
 
-  if (!have_traces()) return;
-  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", &t), GCA_OK);
+  assert_int_equal(trace_load(big_snapshot(0), &t), GCA_OK);
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
   d = &r.devices[0];
   assert_non_null(d->recorded_reserved_at);
@@ -987,12 +985,11 @@ static void expect_same_result(const replay_result_t *x, const replay_result_t *
 static void test_plans_reused(void **state) {
   (void)state;
   const char *files[] = {
-      GCALLOC_SOURCE_DIR "/tests/data/snapshot_small.pickle",
-      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
-      GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
-      GCALLOC_TRACES_DIR "/Lin-Mao__allocatorSim/alexnet_train.log",
+      GCALLOC_SOURCE_DIR "/tests/data/snapshot_small.pickle", big_snapshot(1), big_snapshot(2),
+      real_traces_dir() ? real_path("Lin-Mao__allocatorSim/alexnet_train.log")
+                        : GCALLOC_SOURCE_DIR "/tests/fuzz/text-seeds/allocsim.log",
   };
-  size_t file_count = have_traces() ? sizeof files / sizeof files[0] : 1;
+  size_t file_count = sizeof files / sizeof files[0];
   const char *confs[] = {"", "expandable_segments:True", "max_split_size_mb:64,roundup_power2_divisions:4",
                          "garbage_collection_threshold:0.5,per_process_memory_fraction:1.0"};
   for (size_t i = 0; i < file_count; i++) {
@@ -1042,9 +1039,9 @@ static void test_plans_reused(void **state) {
  * it reserves, and no more than the defaults. */
 static void test_tune(void **state) {
   (void)state;
-  if (!have_traces()) skip();
-  json_object *root = tool_json("tune " GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle"), *best, *v,
-              *defaults_obj, *ranked;
+  char args[1024];
+  snprintf(args, sizeof args, "tune %s", big_snapshot(1));
+  json_object *root = tool_json(args), *best, *v, *defaults_obj, *ranked;
   assert_true(json_object_object_get_ex(root, "best", &best));
   assert_true(json_object_object_get_ex(root, "defaults", &defaults_obj));
   assert_true(json_object_object_get_ex(root, "ranked", &ranked));
@@ -1065,7 +1062,7 @@ static void test_tune(void **state) {
   }
   json_object_put(root);
   trace_t t;
-  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", &t), GCA_OK);
+  assert_int_equal(trace_load(big_snapshot(1), &t), GCA_OK);
   replay_options_t o = defaults();
   o.conf = conf;
   replay_result_t r;
@@ -1075,8 +1072,7 @@ static void test_tune(void **state) {
   trace_free(&t);
   /* Under a capacity nothing fits in: exit status 3. */
   char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s tune %s/ZidongLiu__DeComFL/memory.pickle --capacity 256MiB > /dev/null",
-           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
+  snprintf(cmd, sizeof cmd, "%s tune %s --capacity 256MiB > /dev/null", GCALLOC_TOOL_PATH, big_snapshot(0));
   assert_int_equal(WEXITSTATUS(system(cmd)), 3);
 }
 
@@ -1098,19 +1094,31 @@ static void test_report_unwritable(void **state) {
   assert_contains(text, "cannot write the report /nonexistent-gcalloc-dir/r.html: No such file or directory");
 }
 
-static bool have_traces(void) {
-  FILE *f = fopen(GCALLOC_TRACES_DIR "/SOURCES.txt", "r");
-  if (f) fclose(f);
-  return f != NULL;
+/* Every sample: PyTorch's segment events reproduced, one by one, and its
+ * reserved peak to the byte (data/README.md). */
+static void test_samples_reproduced(void **state) {
+  (void)state;
+  for (size_t i = 0; i < BIG_SNAPSHOTS; i++) {
+    trace_t t;
+    assert_int_equal(trace_load(big_snapshot(i), &t), GCA_OK);
+    replay_options_t o = defaults();
+    replay_result_t r;
+    assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+    replay_device_t *d = &r.devices[0];
+    assert_true(d->segment_events_recorded > 50);
+    assert_int_equal(d->segment_events_matched, d->segment_events_recorded);
+    assert_int_equal(d->peak_reserved, (uint64_t)d->recorded_peak_reserved);
+    replay_result_free(&r);
+    trace_free(&t);
+  }
 }
 
 /* DeComFL starts empty; SOURCES.txt: peak_res 1.898 GB. gcalloc reproduces
  * every one of PyTorch's segment events and its reserved peak exactly. */
 static void test_real_trace_decomfl(void **state) {
   (void)state;
-  if (!have_traces()) skip();
   trace_t t;
-  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", &t), GCA_OK);
+  assert_int_equal(trace_load(real_path("ZidongLiu__DeComFL/memory.pickle"), &t), GCA_OK);
   replay_options_t o = defaults();
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
@@ -1138,12 +1146,10 @@ static void test_real_trace_decomfl(void **state) {
  * unmapping more. */
 static void test_page_census_on_the_way(void **state) {
   (void)state;
-  if (!have_traces()) skip();
-  const char *paths[] = {GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
-                         GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
-                         GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle"};
+  const char *paths[] = {big_snapshot(2), big_snapshot(1), big_snapshot(0)};
   const char *confs[] = {NULL, "expandable_segments:True",
-                         "expandable_segments:True,garbage_collection_threshold:0.6,max_split_size_mb:64"};
+                         "expandable_segments:True,garbage_collection_threshold:0.6,max_split_size_mb:64,"
+                         "per_process_memory_fraction:0.5,stitching:True"};
   uint64_t mapped = 0, free_pages = 0, holes = 0;
   for (size_t k = 0; k < 3; k++) {
     trace_t t;
@@ -1181,9 +1187,8 @@ static void test_page_census_on_the_way(void **state) {
 /* cranberrii starts with 1.096 GB live (SOURCES.txt); peak_res 6.472 GB. */
 static void test_real_trace_seeded(void **state) {
   (void)state;
-  if (!have_traces()) skip();
   trace_t t;
-  assert_int_equal(trace_load(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", &t), GCA_OK);
+  assert_int_equal(trace_load(real_path("cranberrii__ftcourse/memory_snapshot.pickle"), &t), GCA_OK);
   replay_options_t o = defaults();
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
@@ -1204,8 +1209,9 @@ static void test_real_trace_seeded(void **state) {
 /* The tool's JSON carries the documented keys. */
 static void test_tool_json(void **state) {
   (void)state;
-  if (!have_traces()) skip();
-  json_object *root = tool_json("replay " GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle"), *devices, *v;
+  char args[1024];
+  snprintf(args, sizeof args, "replay %s", big_snapshot(0));
+  json_object *root = tool_json(args), *devices, *v;
   assert_true(json_object_object_get_ex(root, "devices", &devices));
   json_object *d0 = json_object_array_get_idx(devices, 0);
   assert_true(json_object_object_get_ex(root, "end_to_end_events_per_second", &v));
@@ -1221,7 +1227,8 @@ static void test_tool_json(void **state) {
   assert_null(v); /* no expandable segments */
   json_object_put(root);
   /* With expandable segments: the pages, and at the peak the mapped bytes are the reserved ones. */
-  root = tool_json("replay " GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle --conf expandable_segments:True");
+  snprintf(args, sizeof args, "replay %s --conf expandable_segments:True", big_snapshot(0));
+  root = tool_json(args);
   json_object_object_get_ex(root, "devices", &devices);
   d0 = json_object_array_get_idx(devices, 0);
   json_object *pages, *at_peak;
@@ -1240,8 +1247,7 @@ static void test_tool_json(void **state) {
   json_object_put(root);
   /* A capacity too small: exit status 3, oom filled in. */
   char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s replay %s/ZidongLiu__DeComFL/memory.pickle --capacity 512MiB --json > /dev/null",
-           GCALLOC_TOOL_PATH, GCALLOC_TRACES_DIR);
+  snprintf(cmd, sizeof cmd, "%s replay %s --capacity 512MiB --json > /dev/null", GCALLOC_TOOL_PATH, big_snapshot(0));
   int status = system(cmd);
   assert_int_equal(WEXITSTATUS(status), 3);
   snprintf(cmd, sizeof cmd, "%s replay /nonexistent.pickle 2>/dev/null", GCALLOC_TOOL_PATH);
@@ -1494,12 +1500,12 @@ static void test_tool_command_line(void **state) {
   /* "-" is standard input: a file, or a pipe (here of an xz-compressed
    * gcalloc trace, its seven events). */
   char args[512];
-  if (have_traces()) {
-    snprintf(args, sizeof args, "replay - --json < %s/ZidongLiu__DeComFL/memory.pickle", GCALLOC_TRACES_DIR);
+  {
+    snprintf(args, sizeof args, "replay - --json < %s", big_snapshot(0));
     assert_int_equal(run_tool(args), 0);
     char *out = cli_output("out");
     assert_contains(out, "\"trace\": \"/dev/stdin\"");
-    assert_contains(out, "\"trace_events\": 23105");
+    assert_contains(out, real_traces_dir() ? "\"trace_events\": 23105" : "\"trace_events\": 11128");
     free(out);
   }
   snprintf(args, sizeof args, "cat %s/tests/fuzz/text-seeds/gcalloc.trace.xz | %s replay - --json > /tmp/gcalloc-cli.out",
@@ -1556,8 +1562,7 @@ int main(void) {
       cmocka_unit_test(test_gcalloc_trace_allocators), cmocka_unit_test(test_report_unwritable),
       cmocka_unit_test(test_own_snapshot_round_trip), cmocka_unit_test(test_start_as_recorded),
       cmocka_unit_test(test_start_as_recorded_random),
-      cmocka_unit_test(test_real_trace_decomfl),
-      cmocka_unit_test(test_real_trace_seeded),     cmocka_unit_test(test_tool_json),
+      cmocka_unit_test(test_samples_reproduced),   cmocka_unit_test(test_tool_json),
       cmocka_unit_test(test_stream_numbers),        cmocka_unit_test(test_rmm_csv),               cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
@@ -1565,5 +1570,14 @@ int main(void) {
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };
+  /* The real-trace group (GCALLOC_REAL_TRACES: CTest's test_replay_real_traces, registered where
+   * ../shared/traces is): the real snapshots' figures, and the checks on big snapshots made on them. */
+  const struct CMUnitTest real[] = {
+      cmocka_unit_test(test_real_trace_decomfl), cmocka_unit_test(test_real_trace_seeded),
+      cmocka_unit_test(test_tool_json),          cmocka_unit_test(test_timeline),
+      cmocka_unit_test(test_page_census_on_the_way), cmocka_unit_test(test_tune),
+      cmocka_unit_test(test_plans_reused),       cmocka_unit_test(test_tool_command_line),
+  };
+  if (real_traces_dir()) return cmocka_run_group_tests_name("real traces", real, NULL, NULL);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

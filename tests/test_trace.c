@@ -1,11 +1,14 @@
 /* The plain-data pickle reader and the trace readers: small pickles written
  * by Python (pickle.dumps, protocols 2 and 4), every truncation of them,
- * refusal of object-building opcodes, and the real traces in
- * ../shared/traces with the counts SOURCES.txt gives. The reader's loop for
- * flat dicts, and the snapshot entries it hands over as they are read, are
- * checked against the general machine alone: the same tree, trace or
- * error on a small snapshot written by Python (data/snapshot_small.pickle),
- * on the real ones, and on thousands of seeded mutations of them. */
+ * refusal of object-building opcodes, and the sample snapshots
+ * (data/snapshots) with their counts. The reader's loop for flat dicts, and
+ * the snapshot entries it hands over as they are read, are checked against
+ * the general machine alone: the same tree, trace or error on a small
+ * snapshot written by Python (data/snapshot_small.pickle), on the samples,
+ * and on thousands of seeded mutations of them. With GCALLOC_REAL_TRACES
+ * (CTest's test_trace_real_traces, registered where ../shared/traces is),
+ * the real-trace group: the same on the real PyTorch snapshots, and the
+ * counts SOURCES.txt gives. */
 #include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,6 +20,11 @@
 #include "helpers.h"
 #include "replay/pickle.h"
 #include "replay/trace.h"
+
+/* The samples' allocations (trace_to_ops). */
+#define TRAINING_ALLOCS 3774
+#define INFERENCE_ALLOCS 1868
+#define CNN_ALLOCS 2762
 
 /* pickle.dumps({'a':1,'b':[2,3.25,True,None,-70000,2**40,'x'],'c':{'n':-1},'t':(1,2)}, protocol=4) */
 static const unsigned char dict_p4[] =
@@ -276,11 +284,6 @@ static void test_pickle_refuses_objects(void **state) {
   assert_int_equal(gca_last_status(), GCA_ERR_IO);
 }
 
-static bool have_traces(void) {
-  struct stat st;
-  return stat(GCALLOC_TRACES_DIR "/SOURCES.txt", &st) == 0;
-}
-
 static void expect_trace(const char *file, size_t events, int devices, size_t allocs, bool starts_empty) {
   trace_t t;
   int rc = trace_load(file, &t);
@@ -309,14 +312,22 @@ static void expect_trace(const char *file, size_t events, int devices, size_t al
   trace_free(&t);
 }
 
+/* The samples' counts (data/README.md). */
+static void test_sample_snapshots(void **state) {
+  (void)state;
+  expect_trace(GCALLOC_SAMPLES_DIR "/training/memory.pickle", 11128, 1, TRAINING_ALLOCS, true);
+  expect_trace(GCALLOC_SAMPLES_DIR "/inference/memory.pickle", 5016, 1, INFERENCE_ALLOCS, true);
+  expect_trace(GCALLOC_SAMPLES_DIR "/cnn/memory.pickle", 8091, 1, CNN_ALLOCS, true);
+}
+
+/* The real traces' counts, as SOURCES.txt gives them. */
 static void test_real_traces(void **state) {
   (void)state;
-  if (!have_traces()) skip();
-  expect_trace(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", 23105, 1, 7946, true);
-  expect_trace(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", 10307, 1, 3505, false);
-  expect_trace(GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle", 6445 + 596 + 882, 4,
+  expect_trace(real_path("ZidongLiu__DeComFL/memory.pickle"), 23105, 1, 7946, true);
+  expect_trace(real_path("cranberrii__ftcourse/memory_snapshot.pickle"), 10307, 1, 3505, false);
+  expect_trace(real_path("Constructor-Sun__code_location/memory_snapshot.pickle"), 6445 + 596 + 882, 4,
                3025, true);
-  expect_trace(GCALLOC_TRACES_DIR "/Lin-Mao__allocatorSim/alexnet_train.log", 386, 1, 193, true);
+  expect_trace(real_path("Lin-Mao__allocatorSim/alexnet_train.log"), 386, 1, 193, true);
 }
 
 static void test_bad_text_trace(void **state) {
@@ -508,12 +519,6 @@ static void expect_same_trace(const unsigned char *data, size_t len, size_t spli
   if (!slow_rc) trace_free(&slow);
 }
 
-/* The PyTorch snapshots in ../shared/traces. */
-static const char *const real_snapshots[] = {
-    GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle",
-    GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
-    GCALLOC_TRACES_DIR "/Constructor-Sun__code_location/memory_snapshot.pickle",
-};
 
 /* A trace read from a pipe (`gcalloc replay <(zcat trace.gz)`, /dev/stdin)
  * is the one read from its file, whatever its format: the first byte that
@@ -587,7 +592,7 @@ static void test_piped_traces(void **state) {
       GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/allocsim.log",
   };
   for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) expect_same_through_pipe(files[i]);
-  if (have_traces()) expect_same_through_pipe(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle");
+  for (size_t i = 0; i < BIG_SNAPSHOTS; i++) expect_same_through_pipe(big_snapshot(i));
   /* A UTF-8 byte order mark before a text trace (a spreadsheet's CSV). */
   static const char *const marked[] = {
       "\xEF\xBB\xBFThread,Time,Action,Pointer,Size,Stream\n1,1.5,allocate,0x1000,256,0x0\n",
@@ -816,9 +821,8 @@ static void test_flat_reader_same_as_machine(void **state) {
   assert_true(pv_at(list, 59)->kind == PV_RECORD && pv_at(list, 59)->u.i == 58);
   pickle_free(doc);
   free(small);
-  if (!have_traces()) return;
-  for (size_t i = 0; i < sizeof real_snapshots / sizeof *real_snapshots; i++) {
-    unsigned char *data = read_whole(real_snapshots[i], &len);
+  for (size_t i = 0; i < BIG_SNAPSHOTS; i++) {
+    unsigned char *data = read_whole(big_snapshot(i), &len);
     assert_non_null(data);
     expect_same_parse(data, len, NULL, SIZE_MAX);
     expect_same_parse(data, len, "frames", SIZE_MAX);
@@ -873,8 +877,7 @@ static void test_flat_reader_mutations(void **state) {
   }
   free(copy);
   free(small);
-  if (!have_traces()) return;
-  unsigned char *data = read_whole(GCALLOC_TRACES_DIR "/ZidongLiu__DeComFL/memory.pickle", &len);
+  unsigned char *data = read_whole(big_snapshot(0), &len);
   assert_non_null(data);
   copy = malloc(len);
   for (int i = 0; i < 12; i++) {
@@ -1044,9 +1047,8 @@ static void test_second_reader(void **state) {
     reference_free(&ref);
     free(data);
   }
-  if (!have_traces()) return;
-  for (size_t i = 0; i < sizeof real_snapshots / sizeof *real_snapshots; i++) {
-    unsigned char *data = read_whole(real_snapshots[i], &len);
+  for (size_t i = 0; i < BIG_SNAPSHOTS; i++) {
+    unsigned char *data = read_whole(big_snapshot(i), &len);
     assert_non_null(data);
     reference_read(&ref, data, len);
     expect_as_reference(&ref, data, len, 0);
@@ -1300,9 +1302,9 @@ static void test_compressed_traces(void **state) {
       GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/gcalloc.trace",
       GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/rmm-clock.csv",
       GCALLOC_TEST_DATA_DIR "/../fuzz/text-seeds/allocsim.log",
-      GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle",
+      big_snapshot(1),
   };
-  size_t file_count = sizeof files / sizeof files[0] - !have_traces();
+  size_t file_count = sizeof files / sizeof files[0];
   for (size_t i = 0; i < file_count; i++) {
     size_t len;
     unsigned char *data = read_whole(files[i], &len);
@@ -1525,8 +1527,8 @@ static void test_load_progress(void **state) {
     }
     free(data);
   }
-  /* A snapshot of 2.6 MB: at its first dict, then past 1 MiB and 2 MiB. */
-  if (have_traces()) expect_progress(GCALLOC_TRACES_DIR "/cranberrii__ftcourse/memory_snapshot.pickle", 3, 0);
+  /* A snapshot of 2.6 MB (a real one): at its first dict, then past 1 MiB and 2 MiB. */
+  if (real_traces_dir()) expect_progress(real_path("cranberrii__ftcourse/memory_snapshot.pickle"), 3, 0);
   remove("/tmp/gcalloc-progress.log");
   remove("/tmp/gcalloc-progress.csv");
   remove("/tmp/gcalloc-progress.trace");
@@ -1538,7 +1540,7 @@ int main(void) {
       cmocka_unit_test(test_pickle_values),     cmocka_unit_test(test_pickle_pruned), cmocka_unit_test(test_pickle_truncations_fail_cleanly),
       cmocka_unit_test(test_pickle_refuses_objects), cmocka_unit_test(test_pickle_long_reference_run),
       cmocka_unit_test(test_pickle_runs_seen_before), cmocka_unit_test(test_pickle_memo_values),
-      cmocka_unit_test(test_real_traces), cmocka_unit_test(test_piped_traces),
+      cmocka_unit_test(test_sample_snapshots), cmocka_unit_test(test_piped_traces),
       cmocka_unit_test(test_compressed_traces),
       cmocka_unit_test(test_bad_text_trace), cmocka_unit_test(test_flat_reader_same_as_machine),
       cmocka_unit_test(test_blocks_as_records),
@@ -1550,5 +1552,13 @@ int main(void) {
    * ThreadSanitizer build runs (tests/CMakeLists.txt). */
   if (getenv("GCALLOC_TEST_ONLY")) cmocka_set_test_filter(getenv("GCALLOC_TEST_ONLY"));
   if (getenv("GCALLOC_TEST_SKIP")) cmocka_set_skip_filter(getenv("GCALLOC_TEST_SKIP"));
+  /* The real-trace group: the same checks on the real snapshots, and their counts. */
+  const struct CMUnitTest real[] = {
+      cmocka_unit_test(test_real_traces),          cmocka_unit_test(test_piped_traces),
+      cmocka_unit_test(test_compressed_traces),    cmocka_unit_test(test_flat_reader_same_as_machine),
+      cmocka_unit_test(test_flat_reader_mutations), cmocka_unit_test(test_second_reader),
+      cmocka_unit_test(test_load_progress),
+  };
+  if (real_traces_dir()) return cmocka_run_group_tests_name("real traces", real, NULL, NULL);
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

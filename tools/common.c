@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "replay/trace.h"
@@ -192,4 +193,13 @@ void json_put_string(FILE *f, const char *s) {
     else fputc(c, f);
   }
   fputc('"', f);
+}
+
+const char *tool_samples_dir(void) {
+  static const char *const places[] = {GCALLOC_SAMPLES_DIR, GCALLOC_INSTALLED_SAMPLES_DIR};
+  for (size_t i = 0; i < sizeof places / sizeof places[0]; i++) {
+    struct stat st;
+    if (stat(places[i], &st) == 0 && S_ISDIR(st.st_mode)) return places[i];
+  }
+  return NULL;
 }
