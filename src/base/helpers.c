@@ -62,16 +62,12 @@ int gca__processors_usable(void) {
 }
 
 /* A wait's step is the processor's pause hint, a few dozen times (about a
- * microsecond), not sched_yield: a thread waiting so used to enter the
- * kernel's scheduler some hundred thousand times a second, a fifth of the
- * samples of a replay in one process (`perf`), and on the project's VM the
- * work on the other processor went slower while it did (Constructor-Sun,
- * whose devices replay on two threads, took 0.74-0.93 of the time in four
- * of five rounds of builds alternating, two of them without the yields
- * below, and 1.09 in the fifth): a virtual machine's
- * processors may be two threads of one core, and a spinning sibling takes
- * the core's resources. Every 16th step still yields, so that a thread
- * of the process that wants this processor gets it. */
+ * microsecond), not sched_yield: a thread waiting by yielding enters the
+ * kernel's scheduler some hundred thousand times a second (a fifth of a
+ * replay's samples under `perf`), and slows the work on the other
+ * processor, which on a virtual machine may be the other thread of the
+ * same core. Every 16th step still yields, so that a thread of the process
+ * that wants this processor gets it. */
 void gca__spin_pause(void) {
   static _Thread_local unsigned steps;
   if (++steps % 16 == 0) {

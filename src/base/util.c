@@ -84,18 +84,15 @@ void *gca__huge_map(size_t bytes) {
 static size_t big_size(size_t bytes) { return (bytes + BIG_PAGE - 1) / BIG_PAGE * BIG_PAGE; }
 
 /* A big array's own mapping, on the kernel's ordinary 4 KiB pages: no
- * MADV_HUGEPAGE. Huge pages were the faster choice only where the kernel
- * had them ready. On a virtual machine that hands free memory back to its
- * host (virtio-balloon free page reporting, the project's VM: order-9 free
- * blocks, exactly 2 MiB pages, are reported after 2 s), a huge page taken
- * after the process has been idle is backed by the host again first: 4-8
- * ms each instead of 0.2, and a snapshot's read took four or five of them.
- * Measured with the project's three snapshots, each `gcalloc replay` run
- * once after 4 s idle, 8 rounds alternating: 18-53 ms with huge pages,
- * 4-16 ms without; back to back (pages just freed, still backed) the two
- * are within the machine's noise but for DeComFL, whose ~1 MiB arrays take
- * 1,400 faults instead of 400 (about 1 ms more). Sized in 2 MiB steps still, so that a kept mapping fits the next
- * array of about the same size. */
+ * MADV_HUGEPAGE for a process's first trace. A huge page is faster only
+ * where the kernel has one ready: on a virtual machine that hands free
+ * memory back to its host (virtio-balloon free page reporting reports free
+ * 2 MiB blocks after a few seconds), a huge page taken after the process
+ * was idle is backed by the host again first, milliseconds each instead of
+ * a fraction of one, and a first read after idle time then costs several
+ * times more than 4 KiB pages' extra faults save (docs/benchmarks.md).
+ * Sized in 2 MiB steps still, so that a kept mapping fits the next array
+ * of about the same size. */
 static atomic_bool big_huge;
 
 static void *big_map(size_t bytes) {
