@@ -59,6 +59,19 @@ static inline gca_allocator_t *open_sim(const char *backend, const char *conf) {
   return a;
 }
 
+/* The pool of a live allocation, and a pool's statistics. */
+static inline gca_pool_t pool_of(gca_allocator_t *a, void *p) {
+  gca_pool_t id = 99;
+  assert_int_equal(gca_pool_of(a, p, &id), GCA_OK);
+  return id;
+}
+
+static inline gca_pool_stats_t pool_stats(gca_allocator_t *a, gca_pool_t id) {
+  gca_pool_stats_t s;
+  assert_int_equal(gca_pool_get_stats(a, id, &s), GCA_OK);
+  return s;
+}
+
 static inline gca_stats_t stats_of(gca_allocator_t *a, int device) {
   gca_stats_t s;
   assert_int_equal(gca_get_stats(a, device, &s), GCA_OK);

@@ -16,18 +16,6 @@ static gca_pool_t new_pool(gca_allocator_t *a, unsigned flags) {
   return id;
 }
 
-static gca_pool_t pool_of(gca_allocator_t *a, void *p) {
-  gca_pool_t id = 99;
-  assert_int_equal(gca_pool_of(a, p, &id), GCA_OK);
-  return id;
-}
-
-static gca_pool_stats_t pool_stats(gca_allocator_t *a, gca_pool_t id) {
-  gca_pool_stats_t s;
-  assert_int_equal(gca_pool_get_stats(a, id, &s), GCA_OK);
-  return s;
-}
-
 /* Closed with a push open, then an allocator opened at the same address
  * (tried until the host allocator hands the address out again): the
  * stale push neither routes nor is popped through. */

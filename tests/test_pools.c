@@ -15,23 +15,11 @@
 #define S1 ((gca_stream_t)0x100)
 #define S2 ((gca_stream_t)0x200)
 
-static gca_pool_t pool_of(gca_allocator_t *a, void *p) {
-  gca_pool_t id = 99;
-  assert_int_equal(gca_pool_of(a, p, &id), GCA_OK);
-  return id;
-}
-
 static gca_pool_t new_pool(gca_allocator_t *a) {
   gca_pool_t id = 0;
   assert_int_equal(gca_pool_create(a, 0, &id), GCA_OK);
   assert_true(id > 0);
   return id;
-}
-
-static gca_pool_stats_t pool_stats(gca_allocator_t *a, gca_pool_t id) {
-  gca_pool_stats_t s;
-  assert_int_equal(gca_pool_get_stats(a, id, &s), GCA_OK);
-  return s;
 }
 
 static void test_default_untouched(void **state) {

@@ -266,8 +266,7 @@ static int acl_destroy_one_event(void *ctx, uintptr_t e) { return ((acl_t *)ctx)
 static void acl_event_drop(acl_t *a, int device, aclrtEvent e) {
   acl_device_t *d = &a->devices[device];
   pthread_mutex_lock(&d->event_lock);
-  if (d->refused_events.count) gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
-  if (a->rt.aclrtDestroyEvent(e) != ACL_SUCCESS) (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)e, ACL_EVENTS);
+  gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)e, ACL_EVENTS);
   pthread_mutex_unlock(&d->event_lock);
 }
 
@@ -563,8 +562,7 @@ static void acl_destroy(void *state) {
     acl_device_t *d = &a->devices[i];
     if ((d->event_count || d->refused_events.count) && acl_enter(a, i) == GCA_OK) {
       for (size_t k = 0; k < d->event_count; k++)
-        if (a->rt.aclrtDestroyEvent(d->events[k]) != ACL_SUCCESS)
-          (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)d->events[k], ACL_EVENTS);
+        gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)d->events[k], ACL_EVENTS);
       gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
     }
     gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, true, ACL_EVENTS);

@@ -88,3 +88,9 @@ void gca__kept_handles_retry(kept_handles_t *k, int (*destroy)(void *ctx, uintpt
   free(k->items);
   *k = (kept_handles_t){0};
 }
+
+void gca__kept_handles_destroy(kept_handles_t *k, int (*destroy)(void *ctx, uintptr_t h), void *ctx, uintptr_t h,
+                               const char *what) {
+  if (k->count) gca__kept_handles_retry(k, destroy, ctx, false, what);
+  if (destroy(ctx, h) != 0) (void)gca__kept_handles_add(k, h, what);
+}

@@ -153,6 +153,10 @@ typedef struct gca__kept_handles {
 /* Keep h; false when out of host memory (then it is lost, and said).
  * `what` names them in messages, plural: "acl backend: events". */
 bool gca__kept_handles_add(kept_handles_t *k, uintptr_t h, const char *what);
+/* Destroy h with destroy(ctx, h) (0: destroyed), after offering the kept
+ * ones again; h is kept when refused. */
+void gca__kept_handles_destroy(kept_handles_t *k, int (*destroy)(void *ctx, uintptr_t h), void *ctx, uintptr_t h,
+                               const char *what);
 /* Offer each kept handle to destroy(ctx, h) (0: destroyed); those refused
  * stay. With `last`, the array goes too, and those refused are logged as
  * left to the driver. */

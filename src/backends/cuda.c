@@ -286,8 +286,7 @@ static int destroy_one_event(void *ctx, uintptr_t e) { return ((cuda_t *)ctx)->d
 static void event_drop(cuda_t *c, int device, CUevent e) {
   cuda_device_t *d = &c->devices[device];
   pthread_mutex_lock(&d->event_lock);
-  if (d->refused_events.count) gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, false, CUDA_EVENTS);
-  if (c->drv.cuEventDestroy(e) != CUDA_SUCCESS) (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)e, CUDA_EVENTS);
+  gca__kept_handles_destroy(&d->refused_events, destroy_one_event, c, (uintptr_t)e, CUDA_EVENTS);
   pthread_mutex_unlock(&d->event_lock);
 }
 
@@ -696,8 +695,7 @@ static void cuda_destroy(void *state) {
     cuda_device_t *d = &c->devices[i];
     if ((d->event_count || d->refused_events.count) && enter(c, i) == GCA_OK) {
       for (size_t k = 0; k < d->event_count; k++)
-        if (c->drv.cuEventDestroy(d->events[k]) != CUDA_SUCCESS)
-          (void)gca__kept_handles_add(&d->refused_events, (uintptr_t)d->events[k], CUDA_EVENTS);
+        gca__kept_handles_destroy(&d->refused_events, destroy_one_event, c, (uintptr_t)d->events[k], CUDA_EVENTS);
       gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, false, CUDA_EVENTS);
     }
     gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, true, CUDA_EVENTS);
