@@ -42,8 +42,9 @@ static void expect_all_refused(const char *path, const refusal_t *bad, size_t co
 /* `gcalloc ARGS --json`, run to its end (exit status 0) and its output
  * parsed; the caller puts the root. */
 static json_object *tool_json(const char *args) {
-  char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s %s --json > /tmp/gcalloc-tool.json", GCALLOC_TOOL_PATH, args);
+  char cmd[4096];
+  int n = snprintf(cmd, sizeof cmd, "%s %s --json > /tmp/gcalloc-tool.json", GCALLOC_TOOL_PATH, args);
+  assert_true(n > 0 && (size_t)n < sizeof cmd);
   assert_int_equal(system(cmd), 0);
   json_object *root = json_object_from_file("/tmp/gcalloc-tool.json");
   assert_non_null(root);
