@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backends/sim_driver.h"
 #include "core/core.h"
 #include "tools/tool.h"
 

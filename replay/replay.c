@@ -30,6 +30,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include "backends/sim_driver.h"
 #include "core/core.h"
 #include "replay.h"
 

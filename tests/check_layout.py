@@ -5,7 +5,12 @@
    to the folder it names, and a folder may include only the folders listed
    for it below: a lower layer never includes a higher one's header, and a
    backend sees only the backend interface and the base utilities.
-2. With BUILD given: every global symbol the static library defines has the
+2. Layers call one way too: every call of a gca_ function in a source file
+   is resolved to the file that defines it, and the caller's folder must
+   be allowed to include that file's folder (a call into src/backends is
+   allowed where any of its headers is; above the library, the public API
+   is allowed too): no call up a layer.
+3. With BUILD given: every global symbol the static library defines has the
    gca_ prefix family (nm), and the shared library links no compression
    library (its own NEEDED entries, objdump -p: Debian's libunwind itself
    links liblzma, which ldd then lists too).
@@ -25,10 +30,12 @@ ALLOWED = {
     "src/host": {"src/base", "src/backends/backend.h", "src/core", "src/host"},
     "src/observe": {"src/base", "src/backends/backend.h", "src/core", "src/observe"},
     "src/api": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "src/api"},
-    "replay": {"src/base", "src/backends/backend.h", "src/core", "src/observe", "replay"},
-    "tools": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "replay", "tools"},
-    "bench": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "replay", "tools",
-              "bench"},
+    "replay": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/observe",
+               "replay"},
+    "tools": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/host",
+              "src/observe", "replay", "tools"},
+    "bench": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/host",
+              "src/observe", "replay", "tools", "bench"},
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -76,6 +83,64 @@ def check_includes(src):
     return problems, seen
 
 
+DEFINITION_LINE = re.compile(r"^[A-Za-z_][\w \t\*]*?\b(gca_\w+)\s*\((.*)$", re.M)
+CALL = re.compile(r"\b(gca_\w+)\s*\(")
+COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\])*\"", re.S)
+
+
+def definitions(text):
+    """The gca_ functions a file defines (a line at column 0 naming one, not
+    a prototype: one that ends with ';' and opens no body)."""
+    for m in DEFINITION_LINE.finditer(text):
+        rest = m.group(2)
+        if "{" in rest or not rest.rstrip().endswith(";"):
+            yield m
+
+
+def source_files(src):
+    for folder in ALLOWED:
+        for root, _, files in os.walk(os.path.join(src, folder)):
+            for f in sorted(files):
+                if f.endswith(".c"):
+                    path = os.path.join(root, f)
+                    with open(path, encoding="utf-8") as fh:
+                        yield os.path.relpath(path, src), COMMENT.sub(" ", fh.read())
+
+
+def may_call(caller, rules, name, callee):
+    """A folder may call into a file it may include, or into any file of
+    src/backends where it may include one of that folder's headers; above
+    the library (replay, tools, bench), its public API (include/gcalloc.h)
+    too. Inside the library, the public calls are the front end's: a lower
+    layer calling one calls up."""
+    if allowed(rules, callee):
+        return True
+    if not name.startswith("gca__") and not caller.startswith("src/"):
+        return True
+    return callee.startswith("src/backends/") and any(r.startswith("src/backends/") for r in rules)
+
+
+def check_calls(src):
+    files = dict(source_files(src))
+    defined = {}
+    for rel, text in files.items():
+        for m in definitions(text):
+            defined.setdefault(m.group(1), rel)
+    problems, seen = [], 0
+    for rel, text in files.items():
+        own = {m.start(1) for m in definitions(text)}
+        rules = ALLOWED[layer_of(rel)]
+        for m in CALL.finditer(text):
+            callee = defined.get(m.group(1))
+            if m.start(1) in own or callee is None or callee == rel:
+                continue
+            seen += 1
+            if not may_call(rel, rules, m.group(1), callee):
+                problems.append("%s (layer %s) calls %s of %s (layer %s)" %
+                                (rel, layer_of(rel), m.group(1), callee, layer_of(callee)))
+    return sorted(set(problems)), seen
+
+
 def check_build(build):
     problems = []
     static = os.path.join(build, "libgcalloc.a")
@@ -100,6 +165,9 @@ def main():
     src = os.path.abspath(sys.argv[1])
     problems, seen = check_includes(src)
     print("layers: %d includes checked" % seen)
+    more, calls = check_calls(src)
+    problems += more
+    print("layers: %d calls across files checked" % calls)
     if len(sys.argv) > 2:
         more, count = check_build(os.path.abspath(sys.argv[2]))
         problems += more

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <cmocka.h>
 
+#include "backends/sim_driver.h"
 #include "core/core.h"
 #include "host/host.h"
 #include "observe/observe.h"

@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #endif
 
+#include "backends/sim_driver.h"
 #include "core/core.h"
 #include "replay/replay.h"
 #include "tool.h"

@@ -26,6 +26,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "backends/sim_driver.h"
 #include "core/core.h"
 #include "replay/replay.h"
 #include "tool.h"

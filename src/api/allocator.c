@@ -552,12 +552,7 @@ int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
   device_t *d = gca__device_of(a, device, "gca_get_stats");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
-  lock_acquire(&d->lock);
-  gca__stats_materialize(&d->stats, out);
-  /* -1: unlimited, or past what any block can be (PyTorch's clamp of a huge
-   * max_split_size_mb leaves a value no int64 holds). */
-  out->max_split_size = d->config.max_split_size > (size_t)INT64_MAX ? -1 : (int64_t)d->config.max_split_size;
-  lock_release(&d->lock);
+  gca__device_stats(d, out);
   return GCA_OK;
 }
 

@@ -69,6 +69,7 @@
 #include "base/base.h"
 #include "base/tree.h"
 #include "backends/backend.h"
+#include "backends/sim_driver.h"
 #include "backends/sim_shared.h"
 
 #define SIM_ALIGN ((size_t)512)

@@ -25,6 +25,7 @@
 
 #include "base/base.h"
 #include "backends/backend.h"
+#include "backends/sim_driver.h"
 #include "backends/sim_shared.h"
 
 #define SHARED_MAGIC 0x4843534d49534347ull /* "GCSIMSCH" */

@@ -87,16 +87,17 @@ static void pools(gca_allocator_t *a, int device, text_t *t) {
 }
 
 int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *buf, size_t cap) {
-  gca_stats_t s;
-  int rc = gca_get_stats(a, device, &s);
-  if (rc) return rc;
+  device_t *d = gca__device_of(a, device, "gca_memory_summary");
+  if (!d) return gca_last_status();
   if (!buf && cap) return gca__set_error(GCA_ERR_INVALID, "gca_memory_summary: buf is NULL");
+  gca_stats_t s;
+  gca__device_stats(d, &s);
   text_t t = {buf, cap, 0};
   if (cap) buf[0] = '\0';
 
   char title[WIDTH + 1];
   int n = snprintf(title, sizeof title, "gcalloc memory summary, device %d (%s backend)", device,
-                   gca_backend_name(a));
+                   a->backend.ops->name);
   if (n > WIDTH) n = WIDTH;
   int left = (WIDTH - n) / 2;
   rule(&t, '=');
