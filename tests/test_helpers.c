@@ -151,17 +151,10 @@ static void test_ceiling(void **state) {
   assert_int_equal(atomic_load(&total), GCA_HELPERS_MAX);
 }
 
-#if defined(__SANITIZE_THREAD__)
-#define UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define UNDER_TSAN 1
-#endif
-#endif
 
 static void test_fork_child_has_own_pool(void **state) {
   (void)state;
-#ifdef UNDER_TSAN
+#if UNDER_TSAN
   skip(); /* ThreadSanitizer refuses threads started after a fork of a threaded process */
 #endif
   counted_t warm = {0};
@@ -236,7 +229,7 @@ static void test_threads_keep_the_creators_processors(void **state) {
  * there is nowhere else to start them, so they start there. */
 static void test_one_processor_allowed(void **state) {
   (void)state;
-#ifdef UNDER_TSAN
+#if UNDER_TSAN
   skip(); /* (a fork of a threaded process: see above) */
 #endif
   pid_t child = fork();
