@@ -117,11 +117,11 @@ typedef struct map_leaf {
 /* Physical memory, in a table like the events' (handle = generation << 32
  * | slot + 1), 16 bytes a slot. The table is made of chunks of
  * PHYS_CHUNK_SLOTS that never move, and a slot is first written when it is
- * first handed out: an expandable segment creates a handle per page
- * (Constructor-Sun's device 1 has 4,205 of them), and the table grown by
- * doubling, its free list threaded through every new slot ahead, wrote
- * twice the memory it used and copied it at each growth; in a new process
- * each fresh 4 KiB page is a fault (50 of a replay's 160 there). */
+ * first handed out: an expandable segment creates a handle per page (a
+ * replay's device may make thousands), and a table grown by doubling, its
+ * free list threaded through every new slot ahead, would write twice the
+ * memory it uses and copy it at each growth, each fresh 4 KiB page a fault
+ * in a new process. */
 typedef struct sim_phys {
   union {
     uintptr_t mapped_at; /* live: where it is mapped; 0: not mapped */
@@ -798,8 +798,8 @@ static inline size_t phys_bytes(const sim_t *s, const sim_phys_t *p) {
  * memory). `*leaf_key`/`*leaf` cache the last leaf between calls on
  * neighbouring pages (key UINT64_MAX: none). A mapping's pages are walked a
  * leaf at a time, not looked up one by one: a 20 MiB page of an expandable
- * segment is ten entries of 2 MiB (Constructor-Sun's replay, whose device
- * 1 maps and unmaps 4,205 of them, took 0.53-0.57 ms instead of 0.68). */
+ * segment is ten entries of 2 MiB, and a replay maps and unmaps thousands
+ * of them. */
 static uint32_t *map_run(const sim_t *s, sim_device_t *dev, uintptr_t addr, size_t pages, bool create,
                          uint64_t *leaf_key, map_leaf_t **leaf, size_t *run) {
   /* (A shift: the granularity is a power of two, and a division was most

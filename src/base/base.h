@@ -171,7 +171,7 @@ bool gca__helper_detach(void (*run)(void *arg), void *arg);
 /* The processors this thread may run on (its affinity: a `taskset` or a
  * container's set counts), at least 1. A system call of a few
  * microseconds: sysconf's count of those online reads a file under /sys,
- * 30-50 us in a new process on the project's VM. */
+ * tens of microseconds in a new process. */
 int gca__processors_usable(void);
 /* One step of a thread's wait for another that runs on another processor
  * (helpers looking for work, the trace readers waiting for each other). */

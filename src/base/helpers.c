@@ -3,9 +3,9 @@
  * and for the pinned host allocator's page touching before registering
  * (pinned_num_register_threads, host.c).
  *
- * Starting a thread costs its creator 25-60 us on the project's VM, and the
- * thread starts 50-130 us later (its processor is woken); a replay of a
- * snapshot takes 1.5-2.5 ms and starts two. So threads are kept from one
+ * Starting a thread costs its creator tens of microseconds, and the thread
+ * starts up to a hundred later (its processor is woken), while a replay of
+ * a snapshot takes a few milliseconds and starts two. So threads are kept from one
  * job to the next: one that finishes a job looks for the next one for a
  * while (pausing its processor, spin_pause) before it sleeps,
  * and a job submitted then starts at once. `gcalloc tune` and the

@@ -336,10 +336,9 @@ static void host_touch_pages(void *arg) {
 /* Host memory to register. Blocks of 2 MiB or more are mapped on their
  * own, aligned to 2 MiB, with the kernel asked for huge pages
  * (MADV_HUGEPAGE; Linux's transparent huge pages are often in madvise
- * mode, as on the H100 machines measured): there a 16 MiB block was
- * touched in 2.6 ms instead of 6.4, registered in 0.46 ms instead of 0.63,
- * and unregistered and freed in 0.41 ms instead of 0.83. PyTorch mallocs
- * every block. Smaller blocks still come from malloc, page-aligned: a
+ * mode): touching, registering and unregistering a 16 MiB block then cost
+ * half to two thirds as much (docs/pinned.md). PyTorch mallocs every
+ * block. Smaller blocks still come from malloc, page-aligned: a
  * huge page would be mostly wasted on them. Under AddressSanitizer, which
  * checks the bounds of what malloc gives only, every block comes from
  * malloc (GCA_BIG_MAPPED, as for big arrays). */
@@ -358,9 +357,8 @@ static void host_memory_put(void *p, size_t bytes) {
  * when size >= page * threads): registering memory that is not yet backed
  * makes the kernel fault it in page by page under the driver's lock. The
  * parts go to the kept helper threads (helpers.c; PyTorch keeps a thread
- * pool for this too): starting threads for each block cost more than the
- * touching saved on an H100 machine (8 threads: 260 us for a 1 MiB block,
- * against 100 us with one). A part no helper has started when this
+ * pool for this too): starting threads for each block costs more than the
+ * touching saves (docs/pinned.md). A part no helper has started when this
  * thread is done with its own is taken back and touched here. Parts of a
  * mapped block are whole huge pages, so that no two threads fault the
  * same one. */
