@@ -73,11 +73,12 @@ size_t pickle_split_taken(const pickle_doc_t *doc) { return doc ? doc->split_tak
 /* ---- the machine -------------------------------------------------------- */
 
 static int fail_memory(const pickle_doc_t *doc, size_t at) {
-  if ((doc->arena.over_limit || doc->over_limit) && doc->options.memory_limit)
+  bool over = doc->arena.over_limit || doc->over_limit;
+  if (over && doc->options.memory_limit)
     return gca__set_error(GCA_ERR_INVALID,
                           "pickle: at offset %zu the file needs more than the %zu bytes of host memory its reading may "
                           "take; refused as malformed", at, doc->options.memory_limit);
-  if (doc->arena.over_limit || doc->over_limit)
+  if (over)
     return gca__set_error(GCA_ERR_INVALID,
                           "pickle: at offset %zu the file needs more than %d bytes of host memory per byte of input; "
                           "refused as malformed", at, GCA_PICKLE_BYTES_PER_INPUT_BYTE);

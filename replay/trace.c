@@ -45,8 +45,9 @@ static size_t read_budget(size_t packed) {
 static _Thread_local size_t events_limit = SIZE_MAX;
 static _Thread_local const char *events_path;
 
-/* Whether an event array may grow to `count` events. */
-static bool events_fit(size_t count) { return count <= events_limit / sizeof(trace_event_t); }
+/* Whether an array the reader keeps per event may grow to `count` items of
+ * `size` bytes. */
+static bool events_fit(size_t count, size_t size) { return count <= events_limit / size; }
 
 /* ---- streams by number (trace_streams_t) ------------------------------ */
 
@@ -117,7 +118,7 @@ void trace_streams_free(trace_streams_t *s) {
 static int push_event(trace_t *t, size_t *cap, const trace_event_t *e, uint64_t stream) {
   if (t->count == *cap) {
     size_t n = *cap ? *cap * 2 : 1024;
-    if (!events_fit(n))
+    if (!events_fit(n, sizeof *t->events))
       return gca__set_error(GCA_ERR_INVALID, "%s: more events than a compressed trace of its size may hold (%zu bytes "
                             "of them); refused as malformed: decompress it first to read it", events_path, events_limit);
     trace_event_t *ev = realloc(t->events, n * sizeof *ev);
@@ -306,7 +307,7 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
      * each entry is written whole before anything reads it, and zeroing a
      * kept mapping was half a megabyte of memset on cranberrii's read. */
     size_t cap = sink->cap ? sink->cap * 2 : ((size_t)256 << 10) / sizeof *sink->events + 1;
-    if (!events_fit(cap)) return false; /* (read as a dict: the reader's own bound refuses it) */
+    if (!events_fit(cap, sizeof *sink->events)) return false; /* (read as a dict: the reader's own bound refuses it) */
     trace_event_t *grown = gca__big_regrow(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
     if (!grown) return false;
     sink->events = grown;
@@ -525,7 +526,7 @@ static int load_allocsim(const char *path, FILE *f, const reading_t *reading, tr
       break;
     }
     if (2 * n + 2 > cap) {
-      if ((cap ? cap * 2 : 512) > events_limit / sizeof *ends) {
+      if (!events_fit(cap ? cap * 2 : 512, sizeof *ends)) {
         rc = gca__set_error(GCA_ERR_INVALID, "%s:%zu: more allocations than a compressed trace of its size may hold; "
                             "refused as malformed: decompress it first to read it", path, lineno);
         break;

@@ -695,8 +695,10 @@ size_t gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_ba
 /* At close: the kept pages given back (with give_back) and forgotten;
  * returns the bytes the device would not take back. */
 size_t gca__expandable_kept_destroy(device_t *d, bool give_back);
-/* At close, a call that gives memory back is tried this many times. */
+/* At close, a call that gives memory back is tried this many times; it
+ * went when it worked or the device says the handle is not its own. */
 #define CLOSE_TRIES 3
+static inline bool gca__given_back(int rc) { return rc == GCA_OK || rc == GCA_ERR_BAD_POINTER; }
 /* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
 size_t gca__expandable_snapshot_count(const device_t *d);
 

@@ -115,10 +115,10 @@ void gca__device_destroy(device_t *d) {
     if (seg->expandable) {
       left += gca__expandable_segment_destroy(d, seg, give_back);
     } else if (give_back) {
-      int rc = GCA_ERR_BACKEND;
-      for (int i = 0; i < CLOSE_TRIES && rc != GCA_OK && rc != GCA_ERR_BAD_POINTER; i++)
-        rc = d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size);
-      if (rc != GCA_OK && rc != GCA_ERR_BAD_POINTER) left += seg->size;
+      bool went = false;
+      for (int i = 0; i < CLOSE_TRIES && !went; i++)
+        went = gca__given_back(d->backend->ops->free(d->backend->state, d->index, seg->addr, seg->size));
+      if (!went) left += seg->size;
     }
     free(seg);
     seg = next;

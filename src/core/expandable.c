@@ -198,18 +198,16 @@ static void release_segment(device_t *d, segment_t *seg) {
 }
 
 /* At close, each call that gives something back is tried CLOSE_TRIES
- * times: whether it went (a handle the device says is not its own went). */
-static bool went(int rc) { return rc == GCA_OK || rc == GCA_ERR_BAD_POINTER; }
-
+ * times: whether it went (gca__given_back). */
 static bool destroy_at_close(device_t *d, uintptr_t handle) {
   bool done = false;
-  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = went(VM(d, vm_destroy, handle));
+  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = gca__given_back(VM(d, vm_destroy, handle));
   return done;
 }
 
 static bool unmap_at_close(device_t *d, uintptr_t addr, size_t size) {
   bool done = false;
-  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = went(VM(d, vm_unmap, addr, size));
+  for (int i = 0; i < CLOSE_TRIES && !done; i++) done = gca__given_back(VM(d, vm_unmap, addr, size));
   return done;
 }
 
@@ -231,7 +229,7 @@ size_t gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_ba
     if (!unmap_at_close(d, seg->addr + i * page, page) || !destroy_at_close(d, seg->pages[i])) left += page;
   }
   bool released = !give_back; /* (a range holds no memory: one refused for good is not counted) */
-  for (int i = 0; i < CLOSE_TRIES && !released; i++) released = went(VM(d, vm_unreserve, seg->addr, seg->size));
+  for (int i = 0; i < CLOSE_TRIES && !released; i++) released = gca__given_back(VM(d, vm_unreserve, seg->addr, seg->size));
   free(seg->pages);
   seg->pages = NULL;
   free(seg->paused_pages);

@@ -269,7 +269,6 @@ static void rehome(device_t *d, segment_t *seg) {
   seg->pool = to;
 }
 
-/* What keeps a pool from ending, or NULL. */
 /* What the pool holds, counted from its segments into *out (zeroed
  * first): its statistics but those kept on the pool itself. Returns the
  * pending blocks, which the statistics count only in bytes. */
@@ -296,19 +295,18 @@ static size_t count_pool(const mempool_t *mp, gca_pool_stats_t *out) {
   return pending;
 }
 
-static const char *busy(const mempool_t *mp, char *why, size_t cap) {
-  gca_pool_stats_t held;
-  size_t pending = count_pool(mp, &held);
-  if (held.allocations) {
+/* What keeps the pool from ending, given what it holds (count_pool), or NULL. */
+static const char *busy(const mempool_t *mp, const gca_pool_stats_t *held, size_t pending, char *why, size_t cap) {
+  if (held->allocations) {
     char text[32];
-    gca__format_bytes(held.allocated_bytes, text, sizeof text);
-    snprintf(why, cap, "%" PRIu64 " block%s (%s) of it %s live", held.allocations, held.allocations == 1 ? "" : "s",
-             text, held.allocations == 1 ? "is" : "are");
+    gca__format_bytes(held->allocated_bytes, text, sizeof text);
+    snprintf(why, cap, "%" PRIu64 " block%s (%s) of it %s live", held->allocations, held->allocations == 1 ? "" : "s",
+             text, held->allocations == 1 ? "is" : "are");
     return why;
   }
   if (pending) { /* (freed, but the device would not say when its streams are done with them) */
     char text[32];
-    gca__format_bytes(held.pending_bytes, text, sizeof text);
+    gca__format_bytes(held->pending_bytes, text, sizeof text);
     snprintf(why, cap, "%zu freed block%s (%s) of it still wait%s for work on %s streams", pending,
              pending == 1 ? "" : "s", text, pending == 1 ? "s" : "", pending == 1 ? "its" : "their");
     return why;
@@ -340,8 +338,12 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
    * included) complete first, as PyTorch synchronizes a private pool's
    * events before it releases the pool. */
   gca_pool_stats_t held;
-  if (count_pool(mp, &held) && !held.allocations && gca__mempool_quiesce(d, mp) != GCA_OK) gca__clear_error();
-  if (busy(mp, why, sizeof why)) {
+  size_t pending = count_pool(mp, &held);
+  if (pending && !held.allocations) {
+    if (gca__mempool_quiesce(d, mp) != GCA_OK) gca__clear_error();
+    pending = count_pool(mp, &held);
+  }
+  if (busy(mp, &held, pending, why, sizeof why)) {
     lock_release(&d->lock);
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end: %s", pool, why);
   }
