@@ -232,7 +232,7 @@ static double new_process_floor(const char *path, size_t events, int runs) {
   return best;
 }
 
-/* What fresh memory costs on this machine, which a new process pays and
+/* What fresh memory costs on this host, which a new process pays and
  * runs in one process mostly do not: microseconds to fault in a 4 KiB
  * page (touching 8 MiB page by page, huge pages refused) and a 2 MiB huge
  * page (the same where the kernel gives huge pages), best of 5; -1 where
@@ -453,7 +453,7 @@ int bench_replay_main(int argc, char **argv) {
       printf("after idle = M events/s, median of %d runs of `gcalloc replay` each in a new process after %g s idle\n",
              IDLE_RUNS, idle_s);
     if (page_us >= 0 && huge_us >= 0)
-      printf("fresh memory on this machine, best of 5: %.2f us to fault in a 4 KiB page, %.0f us a 2 MiB huge page\n",
+      printf("fresh memory on this host, best of 5: %.2f us to fault in a 4 KiB page, %.0f us a 2 MiB huge page\n",
              page_us, huge_us);
   }
   return rc;

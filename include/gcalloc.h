@@ -806,7 +806,7 @@ typedef struct gca_ipc_peer {
  * when cooperation is off for the device). */
 GCA_API int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap);
 
-/* A device with cooperating processes on this machine, as `gcalloc top`
+/* A device with cooperating processes on this host, as `gcalloc top`
  * shows it: its identity (a CUDA UUID, a shared sim's name, an Ascend SoC
  * and index) and its live processes. */
 typedef struct gca_ipc_device {

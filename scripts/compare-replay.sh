@@ -1,5 +1,5 @@
 #!/bin/sh
-# Compare the replay's end-to-end speed of two commits on this machine:
+# Compare the replay's end-to-end speed of two commits on this host:
 #   scripts/compare-replay.sh OLD_REV [NEW_REV] [ROUNDS]
 # builds both (Release, in a temporary directory; NEW_REV defaults to the
 # working tree), then runs `gcalloc bench-replay --speed-only --runs 40`

@@ -109,7 +109,7 @@ static void test_no_driver(void **state) {
   setenv("GCALLOC_CUDA_DRIVER", "/nonexistent/other.so", 1);
   assert_error(gca_open("cuda", NULL, &a), GCA_ERR_BACKEND, "no CUDA driver", "/nonexistent/other.so");
   unsetenv("GCALLOC_CUDA_DRIVER");
-  /* The real one, where this machine has none (CI): the same clean error. */
+  /* The real one, where the host has none (CI): the same clean error. */
   void *real = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (real) {
     dlclose(real);

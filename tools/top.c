@@ -1,5 +1,5 @@
 /* `gcalloc top [--json] [--interval SECONDS]`: the processes cooperating on
- * each device of this machine (ipc_cooperation:True, docs/sharing.md),
+ * each device of this host (ipc_cooperation:True, docs/sharing.md),
  * with what each reserves, allocates, caches and waits for, as they last
  * published it (gca_ipc_scan). On a terminal it refreshes until
  * interrupted; otherwise, and with --json, it prints once.
@@ -35,7 +35,7 @@ static void print_json(const gca_ipc_device_t *d, int n) {
 }
 
 static void print_table(const gca_ipc_device_t *d, int n) {
-  if (n == 0) printf("no process cooperates on a device (ipc_cooperation:True) on this machine\n");
+  if (n == 0) printf("no process cooperates on a device (ipc_cooperation:True) on this host\n");
   for (int i = 0; i < n; i++) {
     printf("%s%s\n", i ? "\n" : "", d[i].identity);
     printf("  %8s %14s %14s %14s %14s\n", "pid", "reserved MiB", "allocated MiB", "cached MiB", "waiting MiB");
