@@ -42,7 +42,8 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 
-#include "core/core.h"
+#include "base/base.h"
+#include "backends/sim_driver.h"
 #include "replay/replay.h"
 #include "tools/tool.h"
 

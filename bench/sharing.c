@@ -33,6 +33,10 @@
 #define STEPS 40
 #define ROUND_TRIPS 200
 
+/* --quick (the CTest smoke check): a quarter of the steps and round trips,
+ * a tenth of the hot loop. */
+static int steps = STEPS, round_trip_count = ROUND_TRIPS, hot_pairs = 1000000;
+
 static char device_spec[128];
 
 static void sleep_us(long us) {
@@ -43,11 +47,14 @@ static void sleep_us(long us) {
 /* One process of the phases workload: writes "completed oom" to fd. */
 static void phases_child(const char *conf, int seed, int fd) {
   gca_allocator_t *a = NULL;
-  if (gca_open(device_spec, conf, &a) != GCA_OK) _exit(2);
+  if (gca_open(device_spec, conf, &a) != GCA_OK) {
+    fprintf(stderr, "gcalloc bench-sharing: process %d cannot open the device: %s\n", seed, gca_last_error());
+    _exit(2);
+  }
   unsigned s = (unsigned)seed * 2654435761u + 1;
   int completed = 0, ooms = 0;
   void *chunks[12];
-  for (int step = 0; step < STEPS; step++) {
+  for (int step = 0; step < steps; step++) {
     int got = 0;
     bool ok = true;
     for (int i = 0; i < 12 && ok; i++) { /* 12 x 51 MiB: 60% of 1 GiB */
@@ -108,7 +115,10 @@ static int cmp_double(const void *x, const void *y) {
  * each release. */
 static void round_trip_peer(int ready) {
   gca_allocator_t *a = NULL;
-  if (gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) _exit(2);
+  if (gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) {
+    fprintf(stderr, "gcalloc bench-sharing: the round trip's peer cannot open the device: %s\n", gca_last_error());
+    _exit(2);
+  }
   bool said = false;
   for (;;) {
     if (gca_reserved_bytes(a, 0) == 0) {
@@ -137,7 +147,7 @@ static int round_trips(double *median, double *p99, int *refused) {
   if (gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) return -1;
   static double us[ROUND_TRIPS];
   int n = 0, rc = 0;
-  for (int i = 0; i < ROUND_TRIPS && rc == 0; i++) {
+  for (int i = 0; i < round_trip_count && rc == 0; i++) {
     sleep_us(3000); /* the peer caches its 512 MiB again (it looks every 200 us) */
     double t0 = tool_seconds();
     void *p = gca_malloc(a, 768 * MIB, 0, 0);
@@ -162,12 +172,12 @@ static int round_trips(double *median, double *p99, int *refused) {
 
 static double hot_loop(gca_allocator_t *a) {
   double t0 = tool_seconds();
-  for (int i = 0; i < 1000000; i++) gca_free(a, gca_malloc(a, 4096, 0, 0));
-  return (tool_seconds() - t0) * 1e9 / 1000000;
+  for (int i = 0; i < hot_pairs; i++) gca_free(a, gca_malloc(a, 4096, 0, 0));
+  return (tool_seconds() - t0) * 1e9 / hot_pairs;
 }
 
 const tool_command_t bench_sharing_command = {
-    "bench-sharing", NULL, "[--json]",
+    "bench-sharing", NULL, "[--json] [--quick]",
     "processes on one device with and without cooperation: steps, OOMs, round trip, hot path",
     "\n"
     "2, 4 and 8 processes on one shared simulated device, alternating phases that each need 60% of it,\n"
@@ -176,17 +186,24 @@ const tool_command_t bench_sharing_command = {
     "a ratio to off (docs/sharing.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
+    "  --quick     10 steps a process, 50 round trips, a shorter loop (a smoke test, not figures to quote)\n"
     "  -h, --help  this help\n",
     bench_sharing_main};
 
 int bench_sharing_main(int argc, char **argv) {
-  bool json = false;
+  bool json = false, quick = false;
   const tool_option_t options[] = {
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--quick", OPTION_FLAG, &quick, 0, 0, NULL},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&bench_sharing_command, options, argc, argv, NULL);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  if (quick) {
+    steps = STEPS / 4;
+    round_trip_count = ROUND_TRIPS / 4;
+    hot_pairs = 100000;
+  }
   snprintf(device_spec, sizeof device_spec, "sim:shared=bench-%d,capacity=1GiB", (int)getpid());
   int counts[3][2][2]; /* [procs][coop][completed, ooms] */
   static const int procs[3] = {2, 4, 8};
@@ -197,7 +214,7 @@ int bench_sharing_main(int argc, char **argv) {
         rc = 1;
   double median = 0, p99 = 0;
   int refused = 0;
-  if (round_trips(&median, &p99, &refused) || refused > ROUND_TRIPS / 2) {
+  if (round_trips(&median, &p99, &refused) || refused > round_trip_count / 2) {
     fprintf(stderr, "gcalloc bench-sharing: the round trip failed: %s\n", gca_last_error());
     rc = 1;
   }
@@ -219,18 +236,18 @@ int bench_sharing_main(int argc, char **argv) {
     for (int i = 0; i < 3; i++)
       printf("%s{\"processes\": %d, \"steps\": %d, \"without\": {\"completed\": %d, \"ooms\": %d}, "
              "\"with\": {\"completed\": %d, \"ooms\": %d}}",
-             i ? ", " : "", procs[i], procs[i] * STEPS, counts[i][0][0], counts[i][0][1], counts[i][1][0],
+             i ? ", " : "", procs[i], procs[i] * steps, counts[i][0][0], counts[i][0][1], counts[i][1][0],
              counts[i][1][1]);
     printf("], \"round_trip_us\": {\"median\": %.1f, \"p99\": %.1f}, \"hot_path_ns\": {\"off\": %.1f, \"on\": %.1f, "
            "\"ratio\": %.3f}, \"round_trips_refused\": %d}\n", median, p99, best_off, best_on, best_on / best_off, refused);
   } else {
-    printf("processes on one 1 GiB sim device, %d steps each needing 60%% of it\n", STEPS);
+    printf("processes on one 1 GiB sim device, %d steps each needing 60%% of it\n", steps);
     printf("processes   without cooperation: done / OOM     with: done / OOM\n");
     for (int i = 0; i < 3; i++)
       printf("%9d   %20d / %-6d    %8d / %-6d\n", procs[i], counts[i][0][0], counts[i][0][1], counts[i][1][0],
              counts[i][1][1]);
     printf("\nrelease request round trip (ask, peer releases 512 MiB, retry), %d times: median %.0f us, p99 %.0f us"
-           " (%d found the peer's memory in use)\n", ROUND_TRIPS, median, p99, refused);
+           " (%d found the peer's memory in use)\n", round_trip_count, median, p99, refused);
     printf("hot path, 4 KiB malloc+free, no pressure: off %.1f ns, on %.1f ns (%.3fx)\n", best_off, best_on,
            best_on / best_off);
   }

@@ -39,7 +39,7 @@
 #include <string.h>
 
 #include "backends/sim_driver.h"
-#include "core/core.h"
+#include "core/inspect.h"
 #include "tools/tool.h"
 
 #define STREAMS 4
@@ -104,7 +104,7 @@ static bool alloc_use(runner_t *rn, request_t *r, size_t size, void **out) {
     snprintf(rn->res->error, sizeof rn->res->error, "%s", gca_last_error());
     return false;
   }
-  if (gca__sim_launch(&rn->a->backend, 0, r->stream, size / BYTES_PER_NS + 1, (uintptr_t)p, size) != GCA_OK) {
+  if (gca__sim_launch(gca__inspect_backend(rn->a), 0, r->stream, size / BYTES_PER_NS + 1, (uintptr_t)p, size) != GCA_OK) {
     snprintf(rn->res->error, sizeof rn->res->error, "%s", gca_last_error());
     return false;
   }
@@ -159,7 +159,7 @@ static void run_scenario(const scenario_t *sc, int engines, const char *conf, si
     return;
   }
   runner_t rn = {a, res};
-  const backend_t *sim = &a->backend;
+  const backend_t *sim = gca__inspect_backend(a);
   uint64_t rng = sc->seed;
   request_t reqs[8];
   int started = 0, finished = 0;

@@ -17,8 +17,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "base/base.h"
 #include "pickle.h"
+#include "util.h"
 
 #define ARENA_CHUNK ((size_t)4 << 20)
 
@@ -1451,7 +1452,15 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
     if (arena_limit > doc->options.memory_limit / 2) arena_limit = doc->options.memory_limit / 2;
     doc->array_limit = doc->options.memory_limit / 16;
   }
-  doc->arena = (arena_t){.chunk = chunk, .big = chunk >= ((size_t)2 << 20), .limit = arena_limit};
+  doc->arena = (arena_t){.chunk = chunk, .limit = arena_limit};
+  if (chunk >= BIG_PAGE) {
+    /* An arena filled at once: its chunks are big arrays, whose mappings
+     * are kept and handed to the next parse (a tuning loop, the
+     * benchmark), already faulted in. */
+    doc->arena.chunk_alloc = gca__big_alloc;
+    doc->arena.chunk_free = gca__big_free;
+    doc->arena.chunk_round = BIG_PAGE;
+  }
   /* The machine's state, in locals so that it stays in registers. */
   pv_t *stack = NULL;
   size_t depth = 0, stack_cap = 0, memo_len = 0;

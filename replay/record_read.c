@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/core.h"
+#include "base/base.h"
 #include "replay/record.h"
 
 static const char *const call_names[] = {"open",          "close",       "malloc",        "free",

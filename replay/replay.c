@@ -31,8 +31,10 @@
 #include <unistd.h>
 
 #include "backends/sim_driver.h"
-#include "core/core.h"
+#include "base/base.h"
+#include "core/inspect.h"
 #include "replay.h"
+#include "util.h"
 
 typedef enum { OP_ALLOC, OP_FREE, OP_EMPTY_CACHE } op_kind;
 
@@ -564,7 +566,7 @@ typedef struct piece {
   void *ptr;
 } piece_t;
 
-static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out, size_t *n, bool known) {
+static bool add_gap(gca_allocator_t *a, bool small, uint64_t gap, piece_t *out, size_t *n, bool known) {
   if (gap % MIN_BLOCK_SIZE) return false;
   if (!small && gap && gap <= SMALL_SIZE) {
     /* (PyTorch leaves no such free block: it is the seed's before, unless
@@ -572,11 +574,11 @@ static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out,
     if (!*n || out[*n - 1].seed < 0 || known) return false;
     out[*n - 1].size += gap;
     out[*n - 1].tail = true;
-    return gca__round_size(cfg, out[*n - 1].size) == out[*n - 1].size;
+    return gca_round_size(a, out[*n - 1].size) == out[*n - 1].size;
   }
   while (gap) {
     uint64_t part = small && gap > SMALL_SIZE ? SMALL_SIZE : gap;
-    if (gca__round_size(cfg, part) != part) return false;
+    if (gca_round_size(a, part) != part) return false;
     out[(*n)++] = (piece_t){part, -1, false, NULL};
     gap -= part;
   }
@@ -585,11 +587,11 @@ static bool add_gap(const config_t *cfg, bool small, uint64_t gap, piece_t *out,
 
 /* The pieces of a start segment in address order, into out (room for
  * 3 * count + 4); 0 when the settings cannot make its layout. */
-static size_t start_pieces(const config_t *cfg, const start_segment_t *st, const seed_t *seeds, piece_t *out) {
+static size_t start_pieces(gca_allocator_t *a, const gca__settings_t *cfg, const start_segment_t *st, const seed_t *seeds, piece_t *out) {
   bool small = st->size == SMALL_BUFFER;
-  if (small ? gca__round_size(cfg, SMALL_SIZE) != SMALL_SIZE
+  if (small ? gca_round_size(a, SMALL_SIZE) != SMALL_SIZE
             : st->size < MIN_LARGE_ALLOC && st->size != LARGE_BUFFER) return 0;
-  if (!small && (gca__round_size(cfg, st->size) != st->size || gca__segment_size_for(st->size) != st->size)) return 0;
+  if (!small && (gca_round_size(a, st->size) != st->size || gca_segment_size(st->size) != st->size)) return 0;
   /* With a max_split_size, a segment at or above it is oversize: nothing
    * smaller is carved from it. */
   if (st->size >= cfg->max_split_size) return 0;
@@ -597,17 +599,17 @@ static size_t start_pieces(const config_t *cfg, const start_segment_t *st, const
   uint64_t at = 0;
   bool known = false; /* the size of the last seed's block */
   for (size_t k = st->first; k < st->first + st->count; k++) {
-    uint64_t off = seeds[k].addr - st->addr, rounded = gca__round_size(cfg, seeds[k].size);
+    uint64_t off = seeds[k].addr - st->addr, rounded = gca_round_size(a, seeds[k].size);
     uint64_t block = seeds[k].block ? seeds[k].block : rounded;
     if (!rounded || block < rounded || small != (rounded <= SMALL_SIZE) || off < at || st->size - off < block)
       return 0;
-    if (!add_gap(cfg, small, off - at, out, &n, known)) return 0;
+    if (!add_gap(a, small, off - at, out, &n, known)) return 0;
     out[n++] = (piece_t){block, (int64_t)k, block > rounded, NULL};
-    if (block > rounded && gca__round_size(cfg, block) != block) return 0;
+    if (block > rounded && gca_round_size(a, block) != block) return 0;
     at = off + block;
     known = seeds[k].block != 0;
   }
-  return add_gap(cfg, small, st->size - at, out, &n, known) ? n : 0;
+  return add_gap(a, small, st->size - at, out, &n, known) ? n : 0;
 }
 
 /* A request of the seeding refused: out of memory is the replay's answer
@@ -623,13 +625,17 @@ static int seeding_refused(replay_device_t *r, uint64_t size) {
 
 /* Whether the settings leave PyTorch's start to be made as it was: not
  * with expandable segments, which make no such segments. */
-static bool start_as_recorded(const config_t *cfg) { return !cfg->expandable_segments; }
+static bool start_as_recorded(gca_allocator_t *a) {
+  gca__settings_t s;
+  return gca__inspect_settings(a, &s) == GCA_OK && !s.expandable_segments;
+}
 
 /* The seeds, made in PyTorch's start segments where their layout allows
  * and one by one after for the rest: ptrs[i] is seed i. GCA_OK with
  * r->oom set when the device is too small for them. */
 static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **ptrs, replay_device_t *r) {
-  const config_t *cfg = &a->config;
+  gca__settings_t cfg;
+  gca__inspect_settings(a, &cfg);
   size_t room = 3 * p->seeded + 4 * p->start_count + 4;
   piece_t *pieces = malloc(room * sizeof *pieces);
   bool *placed = calloc(p->seeded + 1, sizeof *placed);
@@ -638,7 +644,7 @@ static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **p
   size_t used = 0;
   for (size_t i = 0; rc == GCA_OK && !r->oom && i < p->start_count; i++) {
     const start_segment_t *st = &p->starts[i];
-    size_t n = start_pieces(cfg, st, p->seeds, pieces + used);
+    size_t n = start_pieces(a, &cfg, st, p->seeds, pieces + used);
     if (!n) continue;
     r->start_segments++;
     /* The segment is made whole first, unless its first piece's request
@@ -647,7 +653,7 @@ static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **p
     bool small = st->size == SMALL_BUFFER;
     const piece_t *lead = &pieces[used];
     uint64_t lead_request = lead->seed >= 0 && !lead->tail ? p->seeds[lead->seed].size : lead->size;
-    if (gca__segment_size_for(gca__round_size(cfg, lead_request)) != st->size) {
+    if (gca_segment_size(gca_round_size(a, lead_request)) != st->size) {
       uint64_t whole = small ? SMALL_SIZE : st->size;
       void *first = gca_malloc(a, whole, 0, st->stream), *second = NULL;
       if (first && small) second = gca_malloc(a, whole, 0, st->stream);
@@ -708,11 +714,10 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
   gca_allocator_t *a;
   int rc = gca_open(spec, conf, &a);
   if (rc) return rc;
-  device_t *d = &a->devices[0];
-  bool as_recorded = p->start_count && start_as_recorded(&a->config);
+  bool as_recorded = p->start_count && start_as_recorded(a);
   if (p->place_count) {
     size_t skip = as_recorded ? 0 : p->place_starts; /* (segments seeded one by one go anywhere) */
-    rc = gca__sim_set_placement(&a->backend, 0, p->places + skip, p->place_count - skip, p->place_origin);
+    rc = gca__sim_set_placement(gca__inspect_backend(a), 0, p->places + skip, p->place_count - skip, p->place_origin);
     if (rc == GCA_ERR_INVALID) rc = GCA_OK; /* (not the simulator: nothing to place) */
     if (rc) {
       gca_close(a);
@@ -753,21 +758,20 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     if (rc == GCA_OK && !r->oom) {
       gca_reset_peak_stats(a, 0);
       i = p->seeded;
-      peak_reserved = (uint64_t)family_current(&d->stats, FAM_RESERVED_BYTES);
+      gca__books_t books;
+      gca__inspect_books(a, 0, &books);
+      peak_reserved = (uint64_t)books.reserved;
       r->peak_op = i ? i - 1 : 0;
-      if (census_here) gca__expandable_census_counts(d, &r->peak_pages);
+      if (census_here) gca__inspect_census_counts(a, 0, &r->peak_pages);
       for (size_t k = 0; timeline && k < i; k++) {
-        r->requested_at[k] = (uint64_t)family_current(&d->stats, FAM_REQUESTED_BYTES);
-        r->allocated_at[k] = (uint64_t)family_current(&d->stats, FAM_ALLOCATED_BYTES);
+        r->requested_at[k] = (uint64_t)books.requested;
+        r->allocated_at[k] = (uint64_t)books.allocated;
         r->reserved_at[k] = peak_reserved;
         if (r->recorded_reserved_at) r->recorded_reserved_at[k] = p->ops[k].recorded_reserved;
       }
     }
   }
-  if (log && i == p->seeded) {
-    d->segment_observer = observe_segment;
-    d->segment_observer_ctx = log;
-  }
+  if (log && i == p->seeded) gca__inspect_observe_segments(a, 0, observe_segment, log);
   bool start_snapshot = o->start_snapshot && !peak;
   if (start_snapshot && rc == GCA_OK && !r->oom && i == p->seeded) rc = gca_snapshot_take(a, &r->start_snapshot);
   size_t last = rc == GCA_OK && !r->oom ? p->count : i; /* (nothing more after a failed seeding) */
@@ -794,30 +798,29 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
       gca_empty_cache(a, 0);
     }
     /* The replay is single-threaded: the device's books can be read as they are. */
-    uint64_t reserved = (uint64_t)family_current(&d->stats, FAM_RESERVED_BYTES);
+    uint64_t reserved = (uint64_t)gca_reserved_bytes(a, 0);
     if (reserved > peak_reserved) {
       peak_reserved = reserved;
       r->peak_op = i;
-      if (census_here) gca__expandable_census_counts(d, &r->peak_pages);
+      if (census_here) gca__inspect_census_counts(a, 0, &r->peak_pages);
     }
     if (timeline) {
-      r->requested_at[i] = (uint64_t)family_current(&d->stats, FAM_REQUESTED_BYTES);
-      r->allocated_at[i] = (uint64_t)family_current(&d->stats, FAM_ALLOCATED_BYTES);
+      gca__books_t books;
+      gca__inspect_books(a, 0, &books);
+      r->requested_at[i] = (uint64_t)books.requested;
+      r->allocated_at[i] = (uint64_t)books.allocated;
       r->reserved_at[i] = reserved;
       if (r->recorded_reserved_at) r->recorded_reserved_at[i] = op->recorded_reserved;
     }
     if (unlikely(i + 1 == p->seeded)) { /* (seeded one by one) */
-      if (log) {
-        d->segment_observer = observe_segment;
-        d->segment_observer_ctx = log;
-      }
+      if (log) gca__inspect_observe_segments(a, 0, observe_segment, log);
       if (start_snapshot && (rc = gca_snapshot_take(a, &r->start_snapshot)) != GCA_OK) break;
     }
     if (o->progress && (i & 65535) == 65535) o->progress(o->progress_ctx, r->device, i + 1, p->count);
   }
   r->seconds = now_seconds() - start;
   if (timeline) r->timeline_count = i;
-  d->segment_observer = NULL;
+  gca__inspect_observe_segments(a, 0, NULL, NULL);
   gca_stats_t s;
   gca_get_stats(a, 0, &s);
   if (!peak) {
@@ -826,14 +829,16 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     r->peak_reserved = (uint64_t)s.reserved_bytes[GCA_POOL_ALL].peak;
     r->device_allocs = (uint64_t)s.num_device_alloc;
     r->device_frees = (uint64_t)s.num_device_free;
-    r->pages_mapped = d->pages_mapped;
-    r->pages_unmapped = d->pages_unmapped;
+    gca__books_t books;
+    gca__inspect_books(a, 0, &books);
+    r->pages_mapped = books.pages_mapped;
+    r->pages_unmapped = books.pages_unmapped;
     r->pages_moved = (uint64_t)s.num_pages_moved;
-    r->expandable = d->pages_mapped > 0;
+    r->expandable = books.pages_mapped > 0;
     if (!r->expandable) gca__page_census_free(&r->peak_pages); /* (a range reserved, never mapped: none, as documented) */
   }
   if (peak && rc == GCA_OK && o->timeline) rc = gca_snapshot_take(a, &peak->peak_snapshot);
-  if (peak && rc == GCA_OK) rc = gca__expandable_census(d, o->timeline, &peak->peak_pages);
+  if (peak && rc == GCA_OK) rc = gca__inspect_census(a, 0, o->timeline, &peak->peak_pages);
   free(ptrs);
   gca_close(a);
   return rc;

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "gcalloc.h"
-#include "core/core.h"
+#include "core/inspect.h"
 #include "trace.h"
 
 /* Called every few thousand operations of a long replay. */

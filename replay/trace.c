@@ -14,10 +14,11 @@
 #include <zstd.h>
 #include <zstd_errors.h>
 
-#include "core/core.h"
+#include "base/base.h"
 #include "pickle.h"
 #include "trace.h"
 #include "record.h"
+#include "util.h"
 
 /* ---- what reading a compressed trace may cost ---------------------------
  * A few kilobytes of zstd or bzip2 can stand for gigabytes, and a reader

@@ -8,9 +8,16 @@
 2. Layers call one way too: every call of a gca_ function in a source file
    is resolved to the file that defines it, and the caller's folder must
    be allowed to include that file's folder (a call into src/backends is
-   allowed where any of its headers is; above the library, the public API
-   is allowed too): no call up a layer.
-3. With BUILD given: every global symbol the static library defines has the
+   allowed where any of its headers is): no call up a layer. Above the
+   library (replay, tools, bench), the public API is allowed, and a gca__
+   function only where a header the folder may include declares it: the
+   toolkit reaches the library's insides through src/core/inspect.h, the
+   simulator's driver API and the base utilities, never otherwise.
+3. A gca__ function of the library that only the toolkit calls is part of
+   an interface made for it (declared in src/core/inspect.h or the sim's
+   driver API) or one of the few base operations listed in TOOLKIT_ONLY;
+   anything else the toolkit alone needs belongs in the toolkit.
+4. With BUILD given: every global symbol the static library defines has the
    gca_ prefix family (nm), and the shared library links no compression
    library (its own NEEDED entries, objdump -p: Debian's libunwind itself
    links liblzma, which ldd then lists too).
@@ -30,12 +37,16 @@ ALLOWED = {
     "src/host": {"src/base", "src/backends/backend.h", "src/core", "src/host"},
     "src/observe": {"src/base", "src/backends/backend.h", "src/core", "src/observe"},
     "src/api": {"src/base", "src/backends/backend.h", "src/core", "src/host", "src/observe", "src/api"},
-    "replay": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/observe",
-               "replay"},
-    "tools": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/host",
-              "src/observe", "replay", "tools"},
-    "bench": {"src/base", "src/backends/backend.h", "src/backends/sim_driver.h", "src/core", "src/host",
-              "src/observe", "replay", "tools", "bench"},
+    "replay": {"src/base", "src/core/inspect.h", "src/backends/sim_driver.h", "replay"},
+    "tools": {"src/base", "src/core/inspect.h", "src/backends/sim_driver.h", "replay", "tools"},
+    "bench": {"src/base", "src/core/inspect.h", "src/backends/sim_driver.h", "replay", "tools", "bench"},
+}
+# Base operations only the toolkit calls, kept with the structure they
+# belong to (rule 3), and why.
+TOOLKIT_ONLY = {
+    "gca__addr_map_del": "the integer map's delete, beside its insert and lookup",
+    "gca__arena_extend": "the arena's grow in place, which needs the arena's chunks",
+    "gca__helper_detach": "the helper threads' job nobody waits for, which needs their queue",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
@@ -107,15 +118,33 @@ def source_files(src):
                         yield os.path.relpath(path, src), COMMENT.sub(" ", fh.read())
 
 
-def may_call(caller, rules, name, callee):
-    """A folder may call into a file it may include, or into any file of
-    src/backends where it may include one of that folder's headers; above
-    the library (replay, tools, bench), its public API (include/gcalloc.h)
-    too. Inside the library, the public calls are the front end's: a lower
-    layer calling one calls up."""
+def declarations(src):
+    """The gca__ functions each header of src/ declares."""
+    out = {}
+    for root, _, files in os.walk(os.path.join(src, "src")):
+        for f in files:
+            if f.endswith(".h"):
+                path = os.path.join(root, f)
+                with open(path, encoding="utf-8") as fh:
+                    text = COMMENT.sub(" ", fh.read())
+                out[os.path.relpath(path, src)] = set(re.findall(r"\b(gca__\w+)\s*\(", text))
+    return out
+
+
+def may_call(caller, rules, name, callee, declared):
+    """Inside the library, a folder may call into a file it may include, or
+    into any file of src/backends where it may include one of that folder's
+    headers; the public calls are the front end's, so a lower layer calling
+    one calls up. Above it (replay, tools, bench), the public API, and a
+    gca__ function of the library only where a header it may include
+    declares it."""
+    if not caller.startswith("src/"):
+        if not callee.startswith("src/"):
+            return allowed(rules, callee)
+        if not name.startswith("gca__"):
+            return True
+        return any(name in names and allowed(rules, header) for header, names in declared.items())
     if allowed(rules, callee):
-        return True
-    if not name.startswith("gca__") and not caller.startswith("src/"):
         return True
     return callee.startswith("src/backends/") and any(r.startswith("src/backends/") for r in rules)
 
@@ -126,18 +155,34 @@ def check_calls(src):
     for rel, text in files.items():
         for m in definitions(text):
             defined.setdefault(m.group(1), rel)
+    declared = declarations(src)
     problems, seen = [], 0
+    in_library, above = set(), {}
     for rel, text in files.items():
         own = {m.start(1) for m in definitions(text)}
         rules = ALLOWED[layer_of(rel)]
         for m in CALL.finditer(text):
             callee = defined.get(m.group(1))
-            if m.start(1) in own or callee is None or callee == rel:
+            if m.start(1) in own or callee is None:
+                continue
+            if rel.startswith("src/"):
+                in_library.add(m.group(1))
+            else:
+                above.setdefault(m.group(1), set()).add(rel)
+            if callee == rel:
                 continue
             seen += 1
-            if not may_call(rel, rules, m.group(1), callee):
+            if not may_call(rel, rules, m.group(1), callee, declared):
                 problems.append("%s (layer %s) calls %s of %s (layer %s)" %
                                 (rel, layer_of(rel), m.group(1), callee, layer_of(callee)))
+    interfaces = declared.get("src/core/inspect.h", set()) | declared.get("src/backends/sim_driver.h", set())
+    for name in sorted(above):
+        callee = defined[name]
+        if (callee.startswith("src/") and name.startswith("gca__") and name not in in_library and
+                name not in interfaces and name not in TOOLKIT_ONLY):
+            problems.append("%s (of %s) is called only above the library (%s): it belongs in the toolkit, "
+                            "or in src/core/inspect.h if it must see the core" %
+                            (name, callee, ", ".join(sorted(above[name]))))
     return sorted(set(problems)), seen
 
 

@@ -10,6 +10,7 @@
 #include <inttypes.h>
 
 #include "helpers.h"
+#include "core/expandable.h"
 
 #define S1 ((gca_stream_t)0x1000)
 #define S2 ((gca_stream_t)0x2000)
@@ -553,8 +554,8 @@ static void test_page_census(void **state) {
     assert_int_equal(r->runs[i].state, want[i].state);
   }
   gca__page_census_free(&c);
-  assert_int_equal(a->devices[0].pages_mapped, 5);
-  assert_int_equal(a->devices[0].pages_unmapped, 2);
+  assert_int_equal(a->devices[0].vm.pages_mapped, 5);
+  assert_int_equal(a->devices[0].vm.pages_unmapped, 2);
   /* Freeing the first block leaves pages 0 and 1 mapped and wholly free:
    * what the next empty_cache gives back. The map ends at page 4 still. */
   assert_int_equal(gca_free(a, pa), GCA_OK);
@@ -577,7 +578,7 @@ static void test_page_census(void **state) {
   assert_int_equal(c.ranges, 0);
   assert_int_equal(c.mapped_pages + c.unmapped_pages, 0);
   gca__page_census_free(&c);
-  assert_int_equal(a->devices[0].pages_unmapped, 5);
+  assert_int_equal(a->devices[0].vm.pages_unmapped, 5);
   assert_consistent(a);
   gca_close(a);
 }
@@ -617,7 +618,7 @@ static void launch(gca_allocator_t *a, gca_stream_t s, const slot_t *sl) {
 static void assert_census_agrees(gca_allocator_t *a) {
   page_census_t c = census_of(a);
   assert_int_equal(c.mapped_bytes, sim_counters(a, 0).vm_mapped);
-  assert_int_equal(c.mapped_pages, a->devices[0].pages_mapped - a->devices[0].pages_unmapped);
+  assert_int_equal(c.mapped_pages, a->devices[0].vm.pages_mapped - a->devices[0].vm.pages_unmapped);
   for (size_t i = 0; i < c.ranges; i++) {
     const page_range_t *r = &c.maps[i];
     uint64_t runs = 0, holes = 0;

@@ -354,7 +354,7 @@ static void test_wait_lets_other_threads_free(void **state) {
 static void assert_device_matches_books(gca_allocator_t *a) {
   assert_consistent(a);
   device_t *d = &a->devices[0];
-  assert_int_equal(sim_counters(a, 0).used, (size_t)gca_reserved_bytes(a, 0) + d->kept_page_bytes);
+  assert_int_equal(sim_counters(a, 0).used, (size_t)gca_reserved_bytes(a, 0) + d->kept.page_bytes);
 }
 
 static void test_refused_page_free_is_kept_and_given_back(void **state) {
@@ -366,12 +366,12 @@ static void test_refused_page_free_is_kept_and_given_back(void **state) {
   /* The first page's destroy is refused: kept, not dropped. */
   assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
   assert_int_equal(gca_reserved_bytes(a, 0), 0);
-  assert_int_equal(a->devices[0].kept_page_bytes, 20 * MiB);
+  assert_int_equal(a->devices[0].kept.page_bytes, 20 * MiB);
   assert_int_equal(stats_of(a, 0).num_device_free_failures, 1);
   assert_device_matches_books(a);
   /* The next release gives it back. */
   assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
-  assert_int_equal(a->devices[0].kept_page_bytes, 0);
+  assert_int_equal(a->devices[0].kept.page_bytes, 0);
   assert_int_equal(sim_counters(a, 0).used, 0);
   assert_device_matches_books(a);
   gca_close(a);
@@ -404,13 +404,13 @@ static void test_checker_compares_with_the_device(void **state) {
   assert_int_equal(gca_free(a, p), GCA_OK);
   assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
   device_t *d = &a->devices[0];
-  assert_int_equal(d->kept_page_count, 1);
+  assert_int_equal(d->kept.page_count, 1);
   /* Forget the kept page, as a path that dropped its handle would. */
-  size_t bytes = d->kept_page_bytes;
-  d->kept_page_bytes = 0;
+  size_t bytes = d->kept.page_bytes;
+  d->kept.page_bytes = 0;
   assert_int_equal(gca_check(a, 0), GCA_ERR_CORRUPT);
   assert_contains(gca_last_error(), "memory was lost");
-  d->kept_page_bytes = bytes;
+  d->kept.page_bytes = bytes;
   assert_consistent(a);
   gca_close(a);
 }

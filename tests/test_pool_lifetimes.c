@@ -40,14 +40,14 @@ static void test_push_left_open_at_close(void **state) {
   void *x = gca_malloc(b, 1 * MiB, 0, 0);
   assert_non_null(x);
   assert_int_equal(pool_of(b, x), 0); /* the stale push to pool p routes nothing */
-  assert_int_equal(b->devices[0].routes, 0);
+  assert_int_equal(b->devices[0].priv.routes, 0);
   assert_int_equal(gca_pool_pop(b), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "gca_pool_pop: this thread's last push was not to this allocator");
   assert_int_equal(gca_pool_push(b, q), GCA_OK);
   void *y = gca_malloc(b, 1 * MiB, 0, 0);
   assert_int_equal(pool_of(b, y), q);
   assert_int_equal(gca_pool_pop(b), GCA_OK);
-  assert_int_equal(b->devices[0].routes, 0);
+  assert_int_equal(b->devices[0].priv.routes, 0);
   assert_int_equal(gca_free(b, x), GCA_OK);
   assert_int_equal(gca_free(b, y), GCA_OK);
   assert_int_equal(gca_pool_release(b, q), GCA_OK);
@@ -66,7 +66,7 @@ static void test_stale_pushes_take_no_room(void **state) {
   for (int i = 0; i < 16; i++) assert_int_equal(gca_pool_push(a, 0), GCA_OK);
   for (int i = 0; i < 16; i++) assert_int_equal(gca_pool_pop(a), GCA_OK);
   assert_int_equal(gca_pool_pop(a), GCA_ERR_INVALID);
-  assert_int_equal(a->devices[0].routes, 0);
+  assert_int_equal(a->devices[0].priv.routes, 0);
   gca_close(a);
 }
 
@@ -99,7 +99,7 @@ static void test_thread_exits_inside_pushes(void **state) {
   assert_int_equal(pthread_create(&th, NULL, push_and_exit, &t), 0);
   assert_int_equal(pthread_join(th, NULL), 0);
   assert_int_equal(pool_stats(a, p).routes, 0);
-  assert_int_equal(a->devices[0].routes, 0);
+  assert_int_equal(a->devices[0].priv.routes, 0);
   assert_int_equal(gca_pool_release(a, p), GCA_OK);
   assert_consistent(a);
   gca_close(a);

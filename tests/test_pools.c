@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "core/mempool.h"
 
 #define S1 ((gca_stream_t)0x100)
 #define S2 ((gca_stream_t)0x200)

@@ -9,6 +9,7 @@
 
 #include "helpers.h"
 #include "replay/replay.h"
+#include "replay/util.h"
 
 static replay_options_t defaults(void) { return (replay_options_t){.device = -1, .infer_empty_cache = true, .match_segments = true}; }
 

@@ -280,7 +280,7 @@ static void test_event_processing_order(void **state) {
   gca__sim_advance(sim, 20);
   assert_int_equal(gca_process_events(a, 0), GCA_OK);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 2);
-  assert_int_equal(a->devices[0].pending_events, 2);
+  assert_int_equal(a->devices[0].ev.pending_events, 2);
   assert_consistent(a);
   /* y is reusable now (lowest-address fit of its size on S1). */
   void *y2 = gca_malloc(a, 4096, 0, S1);
@@ -290,7 +290,7 @@ static void test_event_processing_order(void **state) {
   gca__sim_advance(sim, 990);
   assert_int_equal(gca_process_events(a, -1), GCA_OK);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 1);
-  assert_int_equal(a->devices[0].pending_events, 0);
+  assert_int_equal(a->devices[0].ev.pending_events, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
   assert_int_equal(gca_free(a, y2), GCA_OK);
   close_clean(a);
@@ -318,7 +318,7 @@ static void test_synchronize_drains_everything(void **state) {
   assert_int_equal(s.active[GCA_POOL_ALL].current, 0);
   assert_int_equal(s.active_bytes[GCA_POOL_ALL].current, 0);
   assert_int_equal(s.num_sync_all_streams, syncs + 1);
-  assert_int_equal(a->devices[0].pending_events, 0);
+  assert_int_equal(a->devices[0].ev.pending_events, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
   /* The host waited until the last of that work. */
   assert_true(gca__sim_now(sim) >= gca__sim_stream_ready_at(sim, 0, S2));
@@ -377,7 +377,7 @@ static void test_launch_blocking_frees_complete_at_once(void **state) {
   assert_int_equal(s.active[GCA_POOL_ALL].current, 0);
   assert_int_equal(s.active_bytes[GCA_POOL_ALL].current, 0);
   assert_int_equal(gca__sim_now(sim), 777);
-  assert_int_equal(a->devices[0].pending_events, 0);
+  assert_int_equal(a->devices[0].ev.pending_events, 0);
   assert_int_equal(sim_counters(a, 0).events_live, 0);
   /* The block is reusable right away, on S2's work being done. */
   assert_ptr_equal(gca_malloc(a, 8 * MiB, 0, S1), p);
@@ -418,15 +418,15 @@ static void test_release_without_waiting(void **state) {
   lock_acquire(&d->lock);
   gca__segment_release(d, gca__pool_first(&d->large_pool));
   lock_release(&d->lock);
-  assert_int_equal(d->releasing_count, 1);
+  assert_int_equal(d->ev.releasing_count, 1);
   assert_int_equal(sim_counters(a, 0).frees, 0);
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 30 * MiB);
   assert_consistent(a);
   assert_int_equal(gca_process_events(a, 0), GCA_OK); /* not yet */
-  assert_int_equal(d->releasing_count, 1);
+  assert_int_equal(d->ev.releasing_count, 1);
   gca__sim_advance(sim, 5000);
   void *q = gca_malloc(a, 4096, 0, S1); /* malloc finishes it */
-  assert_int_equal(d->releasing_count, 0);
+  assert_int_equal(d->ev.releasing_count, 0);
   assert_int_equal(sim_counters(a, 0).frees, 1);
   assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_LARGE].current, 0);
   assert_int_equal(stats_of(a, 0).num_device_free, 1);
@@ -641,7 +641,7 @@ static void test_event_failure_falls_back_to_waiting(void **state) {
   assert_int_equal(gca_free(a, p), GCA_OK);
   assert_int_equal(gca__sim_now(sim), 250);
   assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 0);
-  assert_int_equal(a->devices[0].event_errors, 1);
+  assert_int_equal(a->devices[0].ev.errors, 1);
   assert_ptr_equal(gca_malloc(a, 4096, 0, S1), p);
   close_clean(a);
 }
@@ -655,7 +655,7 @@ static void test_quarantine_when_nothing_works(void **state) {
   assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
   use(a, p, 4096, S2, 250);
   assert_int_equal(gca_free(a, p), GCA_OK);
-  assert_int_equal(a->devices[0].quarantined_blocks, 1);
+  assert_int_equal(a->devices[0].ev.quarantined_blocks, 1);
   gca_stats_t s = stats_of(a, 0);
   assert_int_equal(s.active[GCA_POOL_ALL].current, 1);
   assert_int_equal(s.allocation[GCA_POOL_ALL].current, 0);

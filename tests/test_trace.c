@@ -20,6 +20,7 @@
 #include "helpers.h"
 #include "replay/pickle.h"
 #include "replay/trace.h"
+#include "replay/util.h"
 
 /* The samples' allocations (trace_to_ops). */
 #define TRAINING_ALLOCS 3774

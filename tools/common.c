@@ -12,7 +12,8 @@
 #include <unistd.h>
 
 #include "replay/trace.h"
-#include "core/core.h"
+#include "base/base.h"
+#include "backends/sim_driver.h"
 #include "tool.h"
 
 static void print_usage(FILE *f, const tool_command_t *c) {

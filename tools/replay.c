@@ -16,7 +16,8 @@
 #endif
 
 #include "backends/sim_driver.h"
-#include "core/core.h"
+#include "base/base.h"
+#include "backends/sim_driver.h"
 #include "replay/replay.h"
 #include "tool.h"
 

@@ -14,7 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/core.h"
 #include "replay/replay.h"
 #include "tool.h"
 

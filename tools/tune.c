@@ -27,7 +27,8 @@
 #include <unistd.h>
 
 #include "backends/sim_driver.h"
-#include "core/core.h"
+#include "base/base.h"
+#include "backends/sim_driver.h"
 #include "replay/replay.h"
 #include "tool.h"
 

@@ -20,7 +20,11 @@
 #include <string.h>
 #include <strings.h>
 
+#include "core/coop.h"
 #include "core/core.h"
+#include "core/history.h"
+#include "core/mempool.h"
+#include "core/oom.h"
 #include "host/host.h"
 #include "observe/observe.h"
 
@@ -94,7 +98,7 @@ static bool launch_blocking_from_environment(void) {
 /* expandable_segments:True on a backend without virtual memory is served
  * with ordinary segments; say so (outside any device lock). */
 static void warn_if_no_virtual_memory(gca_allocator_t *a, const config_t *cfg) {
-  if (cfg->expandable_segments && a->device_count > 0 && a->devices[0].vm_state < 0)
+  if (cfg->expandable_segments && a->device_count > 0 && a->devices[0].vm.state < 0)
     gca__log_message(GCA_LOG_WARNING,
                      "expandable_segments:True: backend %s has no virtual memory; ordinary segments are used instead",
                      a->backend.ops->name);
@@ -374,7 +378,7 @@ int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction) {
   if (!d) return gca_last_status();
   if (!fraction) return gca__set_error(GCA_ERR_INVALID, "gca_get_memory_fraction: fraction is NULL");
   lock_acquire(&d->lock);
-  *fraction = d->fraction_set ? d->fraction : 1.0;
+  *fraction = d->limit.set ? d->limit.fraction : 1.0;
   lock_release(&d->lock);
   return GCA_OK;
 }

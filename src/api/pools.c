@@ -14,6 +14,9 @@
 #include <stdlib.h>
 
 #include "core/core.h"
+#include "core/events.h"
+#include "core/mempool.h"
+#include "core/oom.h"
 
 static void drop_backup(gca_allocator_t *a, void *host) { (void)gca_host_free(a, host); }
 
@@ -80,7 +83,7 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
                         "GCA_POOL_PAUSABLE)", pool);
   else if (mp->paused)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: pool %" PRIu64 " is paused already", pool);
-  else if (d->captures)
+  else if (d->capture.count)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: device %d has a stream captured into a graph", d->index);
   if (rc == GCA_OK) rc = gca__mempool_quiesce(d, mp);
   if (rc == GCA_OK) gca__mempool_drop_backups(d, mp); /* (copies kept from a resume are out of date) */
@@ -90,7 +93,7 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
     /* The free cache goes back for good: the resume maps only what is live. */
     size_t trimmed = gca__mempool_trim(d, mp);
     mp->paused = true;
-    d->paused_pools++;
+    d->priv.paused++;
     rc = gca__mempool_unmap(d, mp, &bytes);
     bytes += trimmed;
   }
@@ -110,7 +113,7 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
   int rc = GCA_OK;
   if (!mp->paused)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: pool %" PRIu64 " is not paused", pool);
-  else if (d->captures)
+  else if (d->capture.count)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: device %d has a stream captured into a graph", d->index);
   if (rc == GCA_OK) {
     size_t need = gca__mempool_paused_bytes(d, mp);
@@ -122,7 +125,7 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
   }
   if (rc == GCA_OK) {
     mp->paused = false;
-    d->paused_pools--;
+    d->priv.paused--;
     rc = restore_backups(d, mp);
     if (rc != GCA_OK) gca__prefix_error("gca_pool_resume: pool %" PRIu64 " runs, but its data was not restored", pool);
     else if (!(flags & GCA_RESUME_KEEP_BACKUP)) gca__mempool_drop_backups(d, mp);

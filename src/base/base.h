@@ -82,15 +82,6 @@ void gca__log_set_calls_recorded(bool on);
 void *gca__grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
 /* FNV-1a of a string's bytes, never 0 (so 0 can mark an empty slot). */
 uint64_t gca__text_hash(const char *s);
-/* Arrays of megabytes filled at once (the pickle reader's memo, a
- * snapshot's events): zero-filled, and from 256 KiB on mapped on their own
- * (4 KiB pages: util.c, big_map, says why not huge ones), so that freeing
- * one gives its memory back at once and a freed one can be kept whole for
- * the next (a process that reads trace after trace then faults nothing in
- * again). `bytes` must be what the array was allocated or last grown to.
- * big_rezalloc zero-fills the new part; on failure it returns NULL and
- * leaves the array as it was. A few freed mappings are kept for reuse, as
- * malloc keeps freed memory. */
 #if defined(__SANITIZE_ADDRESS__)
 #define GCA_UNDER_ASAN 1
 #elif defined(__has_feature)
@@ -98,14 +89,14 @@ uint64_t gca__text_hash(const char *s);
 #define GCA_UNDER_ASAN 1
 #endif
 #endif
-/* Whether big arrays are mappings of their own: on Linux, but not under
+/* Whether big buffers (the pinned allocator's large blocks, the trace
+ * reader's big arrays) are mappings of their own: on Linux, but not under
  * AddressSanitizer, which checks the bounds of what malloc gives only. */
 #if defined(__linux__) && !defined(GCA_UNDER_ASAN)
 #define GCA_BIG_MAPPED 1
 #else
 #define GCA_BIG_MAPPED 0
 #endif
-void *gca__big_zalloc(size_t bytes);
 /* `bytes` of fresh, zeroed memory mapped on its own, aligned to a 2 MiB
  * huge page, with the kernel asked for transparent huge pages (a hint);
  * NULL if it cannot be mapped. munmap(p, bytes) gives it back. The pinned
@@ -113,22 +104,6 @@ void *gca__big_zalloc(size_t bytes);
  * with the driver page by page. */
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
 void *gca__huge_map(size_t bytes);
-/* The same, not zero-filled (a kept mapping is handed out as it was). */
-void *gca__big_alloc(size_t bytes);
-void *gca__big_rezalloc(void *array, size_t old_bytes, size_t new_bytes);
-/* big_rezalloc without the zero fill, for an array written before it is
- * read (the new part is garbage where a kept mapping is reused). */
-void *gca__big_regrow(void *array, size_t old_bytes, size_t new_bytes);
-void gca__big_free(void *array, size_t bytes);
-/* For a process that reads trace after trace (trace_load calls it from
- * the second on: the benchmark's runs in one process, a script's loop):
- * big arrays mapped from then on ask for transparent huge pages, and the
- * kept mappings, on 4 KiB pages, are given back. The new ones are kept and
- * reused in turn, so the kernel's cost of backing a huge page (high on a
- * VM after idle: util.c, big_map) is paid once, and every later read runs
- * on fewer TLB entries: on 4 KiB pages, reads in one process were 4-6%
- * slower. */
-void gca__big_prefer_huge_pages(void);
 /* A bump allocator for things freed all at once (a snapshot, a parsed
  * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,
  * no more than that many bytes in all. A refused allocation sets `failed`,
@@ -137,7 +112,13 @@ typedef struct arena_chunk arena_chunk_t;
 typedef struct arena {
   arena_chunk_t *head;
   size_t chunk, limit, bytes;
-  bool big; /* chunks are big arrays (big_alloc): mapped on their own, kept for reuse */
+  /* Where chunks come from: malloc and free when NULL. The trace reader
+   * gives big arrays (replay/util.h), whose mappings are kept for the next
+   * parse; chunk_round (when nonzero) rounds a chunk's bytes up to the
+   * mapping's step so that none of it is wasted. */
+  void *(*chunk_alloc)(size_t bytes);
+  void (*chunk_free)(void *chunk, size_t bytes);
+  size_t chunk_round;
   bool failed, over_limit;
 } arena_t;
 void *gca__arena_alloc(arena_t *ar, size_t n);
@@ -202,10 +183,6 @@ bool gca__parse_size(const char *text, size_t len, uint64_t *out);
  * read, 0 when none or when the value overflows 64 bits (no sign, no
  * blanks: callers decide what may surround the number). */
 size_t gca__parse_decimal(const char *text, size_t len, uint64_t *out);
-/* All of what is left to read from f (a pipe, say, which cannot be mapped or
- * read twice), malloc'd with a NUL after it (*len excludes it); NULL with
- * the error set, naming `name`, when it cannot be read or held. */
-unsigned char *gca__read_stream(FILE *f, const char *name, size_t *len);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
  * "X.YY KiB/MiB/GiB". */
 void gca__format_bytes(uint64_t bytes, char *buf, size_t cap);

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/mempool.h"
 
 typedef struct recount {
   int64_t segment[3], reserved[3], allocation[3], allocated[3], requested[3];
@@ -194,8 +195,8 @@ static int compare_family(const device_t *d, const char *name, const gca_stat_t 
 /* The pending frees and releases against the recount of the segments. */
 static int check_events(device_t *d, const recount_t *r) {
   uint64_t queued = 0;
-  for (size_t i = 0; i < d->queue_count; i++) {
-    const event_queue_t *q = &d->queues[i];
+  for (size_t i = 0; i < d->ev.queue_count; i++) {
+    const event_queue_t *q = &d->ev.queues[i];
     for (size_t j = 0; j < q->count; j++) {
       const block_t *b = q->items[(q->head + j) % q->cap].block;
       if (b->state != BLOCK_PENDING && b->state != BLOCK_QUARANTINED)
@@ -204,27 +205,27 @@ static int check_events(device_t *d, const recount_t *r) {
     }
     queued += q->count;
   }
-  if (queued != d->pending_events || queued != r->events_awaited)
+  if (queued != d->ev.pending_events || queued != r->events_awaited)
     BAD("device %d: the event queues hold %" PRIu64 " events, the device counts %zu, pending blocks await %" PRIu64,
-        d->index, queued, d->pending_events, r->events_awaited);
+        d->index, queued, d->ev.pending_events, r->events_awaited);
   size_t held = 0;
-  for (const block_t *b = d->held; b; b = b->hash_next) held++;
-  if (held != r->held_blocks || (held && !d->captures))
+  for (const block_t *b = d->capture.held; b; b = b->hash_next) held++;
+  if (held != r->held_blocks || (held && !d->capture.count))
     BAD("device %d: %zu frees held for a capture's end, %zu pending blocks without events, %zu captures", d->index,
-        held, r->held_blocks, d->captures);
-  if (r->pending_blocks != d->pending_blocks || r->quarantined_blocks != d->quarantined_blocks)
+        held, r->held_blocks, d->capture.count);
+  if (r->pending_blocks != d->ev.pending_blocks || r->quarantined_blocks != d->ev.quarantined_blocks)
     BAD("device %d: %zu pending blocks (%zu quarantined) counted, the device has %zu (%zu)", d->index,
-        r->pending_blocks, r->quarantined_blocks, d->pending_blocks, d->quarantined_blocks);
+        r->pending_blocks, r->quarantined_blocks, d->ev.pending_blocks, d->ev.quarantined_blocks);
   size_t listed = 0;
-  for (const segment_t *seg = d->releasing; seg; seg = seg->release_next) {
+  for (const segment_t *seg = d->ev.releasing; seg; seg = seg->release_next) {
     if (seg->head->state != BLOCK_RELEASING)
       BAD("device %d: segment at %#" PRIxPTR " is on the releasing list but not being released", d->index,
           seg->addr);
     listed++;
   }
-  if (listed != r->releasing_segments || listed != d->releasing_count)
+  if (listed != r->releasing_segments || listed != d->ev.releasing_count)
     BAD("device %d: %zu segments being released, %zu listed, the device counts %zu", d->index,
-        r->releasing_segments, listed, d->releasing_count);
+        r->releasing_segments, listed, d->ev.releasing_count);
   return GCA_OK;
 }
 
@@ -266,9 +267,9 @@ int gca__device_check_locked(device_t *d) {
     if (rc) return rc;
     segments++;
   }
-  if (d->backend_free_errors)
+  if (d->kept.free_errors)
     BAD("device %d: the backend reported %zu segment frees as wrong (no such allocation, or memory still in use)",
-        d->index, d->backend_free_errors);
+        d->index, d->kept.free_errors);
   if (segments != d->segment_count)
     BAD("device %d: %zu segments listed, %zu counted", d->index, segments, d->segment_count);
   /* The indexes of every pool, private ones included, by kind. */
@@ -323,11 +324,11 @@ int gca__device_check_locked(device_t *d) {
         d->index, s->oversize_segments.current, r.oversize_segments);
   /* The books against the device's answers: every byte it handed out and
    * has not taken back is a segment, a mapped page or a kept page. */
-  size_t booked = (size_t)s->reserved_bytes[GCA_POOL_ALL].current + d->kept_page_bytes;
+  size_t booked = (size_t)s->reserved_bytes[GCA_POOL_ALL].current + d->kept.page_bytes;
   if (d->device_bytes != booked)
     BAD("device %d: the device has handed out %zu bytes not taken back, but the books hold %zu (%zu reserved, "
         "%zu in pages kept after a refused free): memory was lost",
-        d->index, d->device_bytes, booked, booked - d->kept_page_bytes, d->kept_page_bytes);
+        d->index, d->device_bytes, booked, booked - d->kept.page_bytes, d->kept.page_bytes);
   if (atomic_load(&d->allocated_now) != s->allocated_bytes[GCA_POOL_ALL].current ||
       atomic_load(&d->reserved_now) != s->reserved_bytes[GCA_POOL_ALL].current)
     BAD("device %d: the lock-free byte counters disagree with the statistics", d->index);

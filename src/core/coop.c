@@ -40,6 +40,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "core/coop.h"
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */

@@ -1,6 +1,9 @@
-/* The caching core and its policies: types and functions shared by
- * src/core, and seen by the layers above it (host, observe, api) and by the
- * replay toolkit.
+/* The caching core's central types and the functions every part of it
+ * shares: blocks, segments, pools, the device and the allocator. Each
+ * concern of the core has a header of its own beside this one (config.h,
+ * stats.h, mempool.h, coop.h, expandable.h, events.h, history.h, oom.h),
+ * included by the files that need it; the layers above the core (host,
+ * observe, api) see these, the replay toolkit only inspect.h.
  *
  * The picture: an allocator owns a backend (a table of device primitives) and
  * one `device` per device the backend exposes. A device owns its segments
@@ -20,83 +23,9 @@
 #include "base/base.h"
 #include "base/tree.h"
 #include "backends/backend.h"
-
-/* PyTorch's constants (CUDACachingAllocator.cpp). */
-#define KIB ((size_t)1024)
-#define MIB ((size_t)1024 * 1024)
-#define MIN_BLOCK_SIZE ((size_t)512)     /* kMinBlockSize: every size is a multiple */
-#define SMALL_SIZE MIB                   /* kSmallSize: largest small-pool request */
-#define SMALL_BUFFER (2 * MIB)           /* kSmallBuffer: small-pool segment */
-#define MIN_LARGE_ALLOC (10 * MIB)       /* kMinLargeAlloc: below it, a LARGE_BUFFER segment */
-#define LARGE_BUFFER (20 * MIB)          /* kLargeBuffer: segment for mid-size requests */
-#define ROUND_LARGE (2 * MIB)            /* kRoundLarge: big segments round up to this */
-#define ROUNDUP_INTERVALS 16             /* roundup_power2_divisions intervals, 1 MiB .. 64 GiB */
-
-/* ------------------------------------------------------------------------ */
-/* Configuration (config.c)                                                  */
-/* ------------------------------------------------------------------------ */
-
-typedef struct config {
-  size_t max_split_size;          /* SIZE_MAX: unlimited (no oversize rules) */
-  size_t max_non_split_rounding;  /* bytes an oversize block may exceed the request by */
-  size_t roundup_divisions[ROUNDUP_INTERVALS];
-  double gc_threshold;            /* 0: off */
-  double memory_fraction;         /* of each device's total the process may reserve */
-  bool memory_fraction_set;       /* the key was given (enforced, and GC may run) */
-  uint64_t oom_retry_timeout_ms;  /* 0: an allocation that cannot be served fails at once */
-  uint32_t oom_handler_retries;   /* rounds of OOM handlers asking for another try */
-  size_t pinned_num_register_threads;
-  bool expandable_segments;
-  /* gcalloc's own, with expandable segments: before mapping new memory,
-   * move whole free pages of the same pool and stream into place. */
-  bool stitching;
-  bool release_lock_on_malloc;
-  bool pinned_use_host_register;
-  bool pinned_use_background_threads;
-  size_t pinned_reserve_segment_mb; /* 0: none; the pinned allocator pins it at the first miss that finds it set */
-  bool backend_async;             /* backend:cudaMallocAsync */
-  /* A miss may take a whole segment cached for another stream, up to this
-   * many times the size of the segment the device would be asked for:
-   * 0 off, HUGE_VAL any size. */
-  double cross_stream_reuse;
-  bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
-  /* pad_32_bytes (gcalloc's own, for torch_npu's sizing): PAD_AUTO asks
-   * the backend (backend_ops_t.size_pad), PAD_ON and PAD_OFF decide. */
-  int pad_32_mode;
-  size_t size_pad;                /* bytes added before rounding, resolved per device */
-  /* gcalloc's own: cooperation between processes on a device (coop.c). */
-  bool ipc_cooperation;
-  bool ipc_group_access;
-  uint64_t ipc_release_timeout_ms;
-} config_t;
-
-enum { PAD_AUTO = 0, PAD_ON = 1, PAD_OFF = 2 };
-
-void gca__config_defaults(config_t *cfg);
-
-/* Apply `text` on top of *cfg. `origin` names where the text came from (an
- * environment variable, or NULL for code) and is quoted in messages. On error
- * *cfg is untouched, the error is set and GCA_ERR_CONFIG returned. Warnings
- * (unknown keys, features not built) go to the log. */
-int gca__config_apply(config_t *cfg, const char *text, const char *origin);
-
-/* Render *cfg as a configuration string; returns the full length. */
-size_t gca__config_format(const config_t *cfg, char *buf, size_t cap);
-
-/* ------------------------------------------------------------------------ */
-/* Sizing rules (size.c)                                                     */
-/* ------------------------------------------------------------------------ */
-
-/* PyTorch's round_size (torch_npu's, with cfg->size_pad added first); 0
- * when `size` is too large to round. */
-size_t gca__round_size(const config_t *cfg, size_t size);
-/* Round up to the next of `divisions` equal steps between the surrounding
- * powers of two (PyTorch's roundup_power2_next_division); 0 on overflow. */
-size_t gca__round_to_division(size_t size, size_t divisions);
-/* The roundup_power2_divisions interval of `size`: floor(log2 size) - 20, clamped to 0..15. */
-int gca__roundup_interval(size_t size);
-/* PyTorch's get_allocation_size; 0 when it would overflow. */
-size_t gca__segment_size_for(size_t rounded);
+#include "core/config.h"
+#include "core/inspect.h"
+#include "core/stats.h"
 
 /* ------------------------------------------------------------------------ */
 /* Blocks, segments, pools                                                   */
@@ -246,114 +175,6 @@ block_t *gca__block_map_find(const block_map_t *m, uintptr_t addr);
 block_t *gca__block_map_take(block_map_t *m, uintptr_t addr);
 
 /* ------------------------------------------------------------------------ */
-/* Statistics (stats.c)                                                      */
-/* ------------------------------------------------------------------------ */
-
-static inline void stat_increase(gca_stat_t *s, int64_t n) {
-  s->current += n;
-  if (s->current > s->peak) s->peak = s->current;
-  s->allocated += n;
-}
-
-static inline void stat_decrease(gca_stat_t *s, int64_t n) {
-  s->current -= n;
-  s->freed += n;
-}
-
-/* How a device keeps its statistics. Families are kept per pool (small,
- * large); the "all" entry is derived when read, since its current, allocated
- * and freed are sums of the two pools. Only its peak must be tracked as
- * things happen (the peak of a sum is not the sum of the peaks). A family's
- * two pool entries share one cache line, so an update finds the sibling's
- * current, needed for that peak, in the line it already holds; an
- * allocation touches a few lines of statistics plus the line of "all" peaks.
- *
- * "active" is not kept either, to spare the hot path two more families. By
- * PyTorch's definition it is what is allocated plus what was freed but whose
- * free has not completed (pending), so it is derived from the allocation
- * families and the pending ones (kept, moved only when a free is deferred):
- *   active.current   = allocation.current + pending.current
- *   active.allocated = allocation.allocated (both rise together, at malloc)
- *   active.freed     = allocation.freed - pending's rises + pending's falls
- *   active.peak      = max(allocation.peak, active_peak)
- * The sum can only rise at a malloc, and while nothing is pending it equals
- * allocation, whose peak covers it; so active_peak is raised at a malloc only
- * while some free is pending (one branch on the hot path). */
-enum stat_family {
-  FAM_ALLOCATION,
-  FAM_ALLOCATED_BYTES,
-  FAM_REQUESTED_BYTES,
-  FAM_INACTIVE_SPLIT,
-  FAM_INACTIVE_SPLIT_BYTES,
-  FAM_SEGMENT,
-  FAM_RESERVED_BYTES,
-  FAM_PENDING,       /* blocks freed whose free has not completed */
-  FAM_PENDING_BYTES,
-  FAM_COUNT
-};
-
-/* A kept statistic. "allocated" (the total of increases) is not counted on
- * the hot path: since the last reset it equals current - base + freed. */
-typedef struct kept_stat {
-  int64_t current;
-  int64_t peak;
-  int64_t freed;
-  int64_t base; /* current at the last reset of accumulated counts */
-} kept_stat_t;
-
-typedef struct family_stats {
-  _Alignas(64) kept_stat_t pool[2]; /* [kind - 1]: small, large */
-} family_stats_t;
-
-/* The scalar counters, named as in gca_stats_t: one list, so that keeping,
- * publishing and resetting a counter cannot drift apart. */
-#define KEPT_COUNTERS(X)                                                                                     \
-  X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)              \
-  X(num_cross_stream_reuses) X(num_device_free_failures) X(num_gc_releases) X(num_alloc_waits)                 \
-  X(num_oom_handler_retries) X(num_pages_moved) X(num_ipc_requests) X(ipc_bytes_received) X(num_ipc_timeouts)
-
-typedef struct kept_stats {
-  family_stats_t family[FAM_COUNT];
-  int64_t all_peak[FAM_COUNT];
-  /* Peak of allocation + pending reached while frees were pending:
-   * [0] blocks, [1] bytes; by pool index (GCA_POOL_ALL, SMALL, LARGE). */
-  int64_t active_peak[2][GCA_POOL_KINDS];
-  gca_stat_t oversize_allocations;
-  gca_stat_t oversize_segments;
-#define DECLARE_COUNTER(name) int64_t name;
-  KEPT_COUNTERS(DECLARE_COUNTER)
-#undef DECLARE_COUNTER
-} kept_stats_t;
-
-static inline int64_t family_current(const kept_stats_t *k, int fam) {
-  return k->family[fam].pool[0].current + k->family[fam].pool[1].current;
-}
-
-static inline void family_increase(kept_stats_t *k, int fam, int kind, int64_t n) {
-  kept_stat_t *st = &k->family[fam].pool[kind - 1];
-  st->current += n;
-  if (st->current > st->peak) st->peak = st->current;
-  int64_t all = family_current(k, fam);
-  if (all > k->all_peak[fam]) k->all_peak[fam] = all;
-}
-
-static inline void family_decrease(kept_stats_t *k, int fam, int kind, int64_t n) {
-  kept_stat_t *st = &k->family[fam].pool[kind - 1];
-  st->current -= n;
-  st->freed += n;
-}
-
-/* After a malloc while frees are pending: raise the active peaks. */
-void gca__stats_note_active_peak(kept_stats_t *k);
-
-/* The public view of kept statistics, "all" entries filled in. */
-void gca__stats_materialize(const kept_stats_t *kept, gca_stats_t *out);
-/* The device's statistics in PyTorch's shape (gca_get_stats), under its lock. */
-void gca__device_stats(device_t *d, gca_stats_t *out);
-void gca__stats_reset_peak(kept_stats_t *k);
-void gca__stats_reset_accumulated(kept_stats_t *k);
-
-/* ------------------------------------------------------------------------ */
 /* Devices (device.c, segment.c)                                             */
 /* ------------------------------------------------------------------------ */
 
@@ -387,64 +208,81 @@ struct device {
   pool_t large_pool;
   /* Private pools (mempool.c), and how many routes lead to them: while 0,
    * an allocation pays one branch for them. */
-  struct mempool *mempools;
-  size_t routes;
-  struct stream_route *stream_routes;
-  size_t stream_route_count, stream_route_cap;
+  struct {
+    struct mempool *list;
+    size_t routes;
+    struct stream_route *stream_routes;
+    size_t stream_route_count, stream_route_cap;
+    size_t paused;           /* frees look for a host copy to drop while nonzero */
+  } priv;
   /* Graph captures running on the device (gca_capture_begin): while any
    * does, nothing is freed to the device, unmapped, synchronized, or has an
    * event recorded or queried. Frees that would record events wait in
    * `held` (linked by hash_next: they are out of the allocation map). */
-  size_t captures;
-  block_t *held;
-  size_t paused_pools;       /* frees look for a host copy to drop while nonzero */
+  struct {
+    size_t count;
+    block_t *held;
+  } capture;
   block_map_t allocated;
   segment_t *segments;
   size_t segment_count;
-  size_t backend_free_errors; /* segment frees the backend refused */
   /* Device memory the backend has handed this device and not taken back,
    * by its own answers: gca_check holds the books to it. */
   size_t device_bytes;
-  /* Physical pages unmapped whose destroy the device refused: still held,
-   * off the reserved bytes (nothing maps them), offered back at every
-   * release (expandable.c). */
-  struct kept_page *kept_pages;
-  size_t kept_page_count, kept_page_cap, kept_page_bytes;
+  /* What the device refused to take back (it keeps it, so the cache does):
+   * segment frees refused, and physical pages unmapped whose destroy was
+   * refused, still held, off the reserved bytes (nothing maps them),
+   * offered back at every release (expandable.c). */
+  struct {
+    size_t free_errors;
+    struct kept_page *pages;
+    size_t page_count, page_cap, page_bytes;
+  } kept;
   kept_stats_t stats;
   block_t *spare_blocks;     /* recycled descriptors: no malloc on the hot path */
   block_chunk_t *chunks;     /* where the descriptors live, freed at close */
   /* Stream-ordered frees (events.c). */
-  event_queue_t *queues;     /* one per stream with pending frees */
-  size_t queue_count, queue_cap;
-  size_t pending_events;     /* entries in the queues */
-  size_t pending_blocks;     /* blocks PENDING or QUARANTINED */
-  size_t quarantined_blocks;
-  segment_t *releasing;      /* segments whose device free waits for their stream */
-  size_t releasing_count;
-  size_t event_errors;       /* backend event failures (each handled by waiting instead) */
-  size_t reported_errors;    /* event_errors + refused frees already logged */
-  char absorbed_message[256]; /* the backend's message for the last of them (note_absorbed) */
+  struct {
+    event_queue_t *queues;   /* one per stream with pending frees */
+    size_t queue_count, queue_cap;
+    size_t pending_events;   /* entries in the queues */
+    size_t pending_blocks;   /* blocks PENDING or QUARANTINED */
+    size_t quarantined_blocks;
+    segment_t *releasing;    /* segments whose device free waits for their stream */
+    size_t releasing_count;
+    size_t errors;           /* backend event failures (each handled by waiting instead) */
+    size_t reported_errors;  /* errors + refused frees already logged */
+    char absorbed_message[256]; /* the backend's message for the last of them (note_absorbed) */
+  } ev;
   bool launch_blocking;      /* every free completes before gca_free returns */
-  bool recording;            /* the history records (history.c) */
-  struct history *history;   /* NULL until recording is first started */
-  /* Told of every segment the device gives (alloc true) or takes back, for
-   * the replay (export/replay.c). NULL otherwise: the device-call paths pay
-   * one branch. */
-  void (*segment_observer)(void *ctx, bool alloc, size_t size);
-  void *segment_observer_ctx;
+  /* Observers: the history (history.c), and the replay's segment observer,
+   * told of every segment the device gives (alloc true) or takes back
+   * (inspect.h). NULL otherwise: the device-call paths pay one branch. */
+  struct {
+    bool recording;          /* the history records */
+    struct history *history; /* NULL until recording is first started */
+    gca__segment_observer_fn segment_fn;
+    void *segment_ctx;
+  } obs;
   /* Virtual memory of the backend (expandable.c): asked once. */
-  int vm_state;              /* 0 not asked, 1 available, -1 not (expandable segments fall back) */
-  size_t vm_granularity;
-  uint64_t pages_mapped;     /* expandable pages mapped so far (moves included) */
-  uint64_t pages_unmapped;   /* ... and unmapped */
+  struct {
+    int state;               /* 0 not asked, 1 available, -1 not (expandable segments fall back) */
+    size_t granularity;
+    uint64_t pages_mapped;   /* expandable pages mapped so far (moves included) */
+    uint64_t pages_unmapped; /* ... and unmapped */
+  } vm;
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
-  bool fraction_set;
-  double fraction;
-  size_t allowed;
+  struct {
+    bool set;
+    double fraction;
+    size_t allowed;
+  } limit;
   /* Waiting allocations sleep here; a free wakes them only if `waiters`. */
-  pthread_mutex_t wait_lock;
-  pthread_cond_t wait_cond;
-  uint64_t free_generation;  /* bumped by each wake, under wait_lock */
+  struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    uint64_t generation;     /* bumped by each wake, under the lock */
+  } wait;
   /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
@@ -456,77 +294,6 @@ struct device {
   _Atomic uintptr_t span_lo;
   _Atomic uintptr_t span_hi;
 };
-
-/* ---- private pools (mempool.c), with the device lock held ---- */
-/* A live block's copy in pinned host memory, taken at a pause. */
-typedef struct pool_backup {
-  uintptr_t addr;
-  size_t size;
-  gca_stream_t stream;
-  void *host;
-} pool_backup_t;
-
-typedef struct mempool {
-  pool_t small, large;
-  uint64_t id;
-  device_t *device;
-  int64_t references;        /* gca_pool_retain / gca_pool_release */
-  size_t thread_routes;      /* threads' pushes naming it, not yet popped */
-  size_t stream_routes;      /* streams routed to it */
-  bool pausable, paused;
-  pool_backup_t *backups;    /* host copies (a pause's, or kept at resume) */
-  size_t backup_count, backup_cap, backup_bytes;
-  /* Gives a host copy back (the front end's: the host allocator is above
-   * the core). Set with the first copy. */
-  void (*drop_backup)(gca_allocator_t *a, void *host);
-  struct mempool *next;      /* the device's list */
-} mempool_t;
-
-typedef struct stream_route {
-  gca_stream_t stream;
-  mempool_t *pool;
-  bool capture;              /* made by gca_capture_begin */
-} stream_route_t;
-
-/* The pool an allocation of `rounded` bytes on `stream` goes to, when some
- * route exists (d->routes): the calling thread's innermost push for this
- * device, else the stream's route, else `fallback`; NULL, with the error
- * set, when that pool is paused. */
-pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback);
-mempool_t *gca__mempool_find(device_t *d, uint64_t id);
-/* The pool `id` with its device locked; NULL (nothing locked) with the
- * error set. */
-mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what);
-/* Wait for the pool's own streams (its segments', its live blocks' other
- * uses, its pending frees') and complete the frees they held back. */
-int gca__mempool_quiesce(device_t *d, mempool_t *mp);
-/* Unmap and give back every page of a pool's segments, remembering them;
- * and map new memory at the remembered pages. */
-int gca__mempool_unmap(device_t *d, mempool_t *mp, size_t *released);
-int gca__mempool_remap(device_t *d, mempool_t *mp);
-/* The pool's free cache given back (whole free pages unmapped, empty
- * ranges released) before a pause, so a resume maps back only pages that
- * hold live blocks. Returns the bytes unmapped. */
-size_t gca__mempool_trim(device_t *d, mempool_t *mp);
-/* The bytes a resume of the paused pool maps back. */
-size_t gca__mempool_paused_bytes(const device_t *d, const mempool_t *mp);
-/* Drop the pool's host copies (all, or the one of the block at addr). */
-void gca__mempool_drop_backups(device_t *d, mempool_t *mp);
-void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
-/* GCA_OK, or GCA_ERR_INVALID naming `what` while a capture runs on the
- * device (calls that would synchronize or free are refused then). */
-int gca__device_capturing(device_t *d, const char *what);
-/* Give every segment of the device's private pools back (at destroy). */
-void gca__mempools_destroy(device_t *d);
-/* An allocator opens (takes its serial) and closes, for the threads' pool
- * pushes: a push to a closed allocator goes stale, one open when its
- * thread exits is undone. */
-int gca__allocator_register(gca_allocator_t *a);
-void gca__allocator_unregister(gca_allocator_t *a);
-/* Every free index of the device, one after another: the default pools,
- * then each private pool's small and large. The first for NULL; NULL
- * after the last. */
-pool_t *gca__device_pool_next(device_t *d, pool_t *pool);
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
 /* d->config.size_pad from its pad_32_bytes mode and the backend (at init,
@@ -544,23 +311,6 @@ void gca__device_empty_cache(device_t *d);
  * gca_empty_cache does (coop.c's thread); the bytes released. */
 size_t gca__device_release_for_peer(device_t *d, int32_t requester);
 
-/* ---- cooperation between processes (coop.c) ---- */
-typedef struct coop coop_t;
-typedef struct coop_outcome {
-  int asked, timeouts;
-  size_t received;
-} coop_outcome_t;
-/* Join the device's rendezvous (its identity names it); a thread answers
- * peers' requests until gca__coop_leave. */
-int gca__coop_join(device_t *d, const char *identity, coop_t **out);
-void gca__coop_leave(coop_t *c);
-/* Ask the peers that cache most to release, for `need` bytes, and wait up
- * to ipc_release_timeout_ms; returns the bytes released. Without the
- * device lock. */
-size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
-/* What the last request got, by peer, for the out-of-memory message. */
-const char *gca__coop_last(const coop_t *c);
-int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);
 /* With the lock held: record a use of the allocation at addr by `stream`. */
 int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream);
 void gca__device_synchronize(device_t *d);
@@ -661,85 +411,10 @@ void gca__segment_unlink(device_t *d, segment_t *seg);
 void gca__mirror_reserved(device_t *d);
 void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi);
 
-/* expandable.c, with the lock held: PyTorch's expandable segments. */
-/* Whether the backend has virtual memory (asked once; logs once if not). */
-bool gca__expandable_available(device_t *d);
-/* A block for `rounded` bytes from an expandable segment of (pool, stream),
- * mapping memory as needed (PyTorch's try_allocate_expandable_block), handed
- * out with block_take; NULL with *rc set. */
-block_t *gca__expandable_take(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc);
-/* Best fit among expandable blocks: from the lower bound `b`, PyTorch's walk
- * to the block whose size plus the unmapped space after it is smallest (or,
- * with expandable segments off, past expandable blocks). */
-block_t *gca__expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream, block_t *b);
-/* Unmap every whole free page of every expandable segment, after waiting
- * for the segment's stream, and give back the address range of segments
- * left with nothing mapped (PyTorch's release_blocks for them). */
-void gca__expandable_release_all(device_t *d);
-/* The same for one pool's free expandable blocks. */
-void gca__expandable_release_pool(device_t *d, pool_t *pool);
-/* Pause: unmap and destroy every mapped page of seg, marked in
- * seg->paused_pages; the bytes given back are added to *released. Pages
- * the device will not unmap stay mapped (the first error is returned). */
-int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released);
-/* Resume: new memory at every marked page not mapped yet; on failure the
- * pages mapped so far stay, the rest stay marked. */
-int gca__expandable_resume(device_t *d, segment_t *seg);
-/* A paused segment of an ending pool, nothing mapped in it: give its
- * addresses back. */
-void gca__expandable_release_paused(device_t *d, segment_t *seg);
-/* At device destruction: unmap and destroy everything and give the range
- * back (when give_back: see device_destroy), and free the page table.
- * Returns the bytes the device would not take back. */
-size_t gca__expandable_segment_destroy(device_t *d, segment_t *seg, bool give_back);
-/* At close: the kept pages given back (with give_back) and forgotten;
- * returns the bytes the device would not take back. */
-size_t gca__expandable_kept_destroy(device_t *d, bool give_back);
 /* At close, a call that gives memory back is tried this many times; it
  * went when it worked or the device says the handle is not its own. */
 #define CLOSE_TRIES 3
 static inline bool gca__given_back(int rc) { return rc == GCA_OK || rc == GCA_ERR_BAD_POINTER; }
-/* How many snapshot segments the device's segments make (one per mapped run of an expandable one). */
-size_t gca__expandable_snapshot_count(const device_t *d);
-
-/* The pages of a device's expandable segments at one moment: what is
- * mapped, and what is not below each range's highest mapped page (the
- * holes; the reservation above it is address space only). */
-enum { PAGE_RUN_UNMAPPED = 3 }; /* a page_run_t state beside GCA_BLOCK_* */
-typedef struct page_run {
-  uint64_t size;
-  uint8_t state;             /* GCA_BLOCK_* of a mapped block, or PAGE_RUN_UNMAPPED */
-} page_run_t;
-typedef struct page_range {
-  uintptr_t addr;
-  uint64_t reserved;         /* the address range */
-  uint64_t extent;           /* up to the end of its highest mapped page */
-  uint64_t page_size;
-  int pool;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
-  gca_stream_t stream;
-  uint64_t mapped_pages, free_pages, unmapped_pages;
-  page_run_t *runs;          /* the blocks of [addr, addr + extent) in address order */
-  size_t run_count;
-} page_range_t;
-typedef struct page_census {
-  size_t ranges;
-  uint64_t reserved_bytes;   /* address space of the ranges */
-  uint64_t mapped_pages, mapped_bytes;
-  uint64_t free_pages, free_bytes;         /* mapped pages inside free blocks: what empty_cache unmaps */
-  uint64_t unmapped_pages, unmapped_bytes; /* holes below each range's highest mapped page */
-  page_range_t *maps;        /* with expandable_census(..., true): `ranges` of them */
-} page_census_t;
-/* Count (and with `maps`, draw) the pages; GCA_ERR_NOMEM if the maps cannot be had. */
-int gca__expandable_census(const device_t *d, bool maps, page_census_t *out);
-/* The same counts without maps, from what the device keeps up to date
- * (each range's mapped bytes and top, the free indexes): cheap enough to
- * take at every new peak of a replay. Nothing to free. */
-void gca__expandable_census_counts(device_t *d, page_census_t *out);
-static inline bool device_has_expandable(const device_t *d) {
-  return d->small_pool.expandable_segments || d->large_pool.expandable_segments;
-}
-void gca__page_census_free(page_census_t *c);
-
 static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
 
 /* A block's state as snapshots name it (gca_block_state). */
@@ -751,84 +426,6 @@ static inline int block_state_of(const block_t *b) {
     default: return GCA_BLOCK_INACTIVE;
   }
 }
-
-/* events.c: with the lock held. */
-/* A freed block with stream uses: record an event on each of those streams;
- * the free completes when they all have. During a graph capture the block
- * is held pending, its events recorded when the last capture ends. */
-void gca__events_defer_free(device_t *d, block_t *b);
-/* The last capture on the device ended: record the held blocks' events. */
-void gca__events_after_capture(device_t *d);
-/* Complete the deferred frees whose events have completed, per stream in
- * order, and the device frees whose streams are done (PyTorch's
- * process_events). Nothing during a capture. */
-void gca__events_process(device_t *d);
-/* Wait for every pending event and complete every deferred free. */
-void gca__events_synchronize(device_t *d);
-/* Finish the device frees of releasing segments; wait for their streams if
- * `wait`, else only those already done. */
-void gca__events_finish_releases(device_t *d, bool wait);
-/* Make work queued on `to` from now on start after the work queued so far
- * on `from` (cross-stream reuse of a block cached for `from`); false if the
- * backend could do it neither with an event nor by waiting. */
-bool gca__events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to);
-/* Block the host until the work queued on `stream` has completed. */
-int gca__events_wait_stream(device_t *d, gca_stream_t stream);
-/* Whether every piece of work queued on `stream` has completed (false if
- * the backend cannot tell). */
-bool gca__events_stream_is_idle(device_t *d, gca_stream_t stream);
-/* Record an event on `stream` for a segment's device free: true if the
- * stream is already idle (free now); else the event is in *event. On a
- * backend failure waits for the stream instead, and returns true; false
- * with *event 0 if even that failed. */
-bool gca__events_ready_to_free(device_t *d, gca_stream_t stream, uintptr_t *event);
-/* Add `stream` to a block's stream uses; GCA_ERR_NOMEM if the set cannot grow. */
-int gca__stream_uses_add(block_t *b, gca_stream_t stream);
-/* At device destruction: wait for every stream the device's memory may be
- * used on, and forget the pending frees. */
-void gca__events_shutdown(device_t *d);
-
-/* ------------------------------------------------------------------------ */
-/* History (history.c), with the lock held                                   */
-/* ------------------------------------------------------------------------ */
-
-typedef struct history_entry {
-  uint8_t action;            /* gca_trace_action */
-  uint8_t depth;             /* frames in ips */
-  gca_stream_t stream;
-  uint64_t addr, size, device_free;
-  int64_t time_us;
-  uint64_t ipc_received;               /* ipc_request */
-  int32_t ipc_asked, ipc_silent;       /* ipc_request */
-  int32_t ipc_requester;               /* ipc_release */
-  uintptr_t ips[MAX_FRAMES];
-} history_entry_t;
-
-typedef struct history {
-  history_entry_t *ring;
-  size_t cap, count, next;   /* next: where the next entry goes */
-  int context;               /* gca_context */
-} history_t;
-
-int64_t gca__history_now_us(void);
-/* Entries; called only while d->recording. */
-void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream);
-void gca__history_alloc(device_t *d, block_t *b, size_t requested);
-void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free);
-/* Cooperation between processes: a request to the peers and what came of
- * it; a release made for a peer (no stack: the answering thread's). */
-void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
-                              size_t received);
-void gca__history_ipc_release(device_t *d, size_t released, int32_t requester);
-/* A block's free completed: drop its stack. */
-void gca__history_drop_stack(block_t *b);
-/* segment.c: a free completes: record it (if on) and drop the block's stack. */
-void gca__history_free_completed(device_t *d, block_t *b);
-int gca__history_start(device_t *d, int context, size_t max_entries);
-void gca__history_stop(device_t *d);
-void gca__history_destroy(device_t *d);
-/* Copy the ring, oldest first, into out (room for d->history->cap); returns how many. */
-size_t gca__history_copy(const device_t *d, history_entry_t *out);
 
 
 /* gc.c, with the lock held: PyTorch's garbage_collect_cached_blocks. When a
@@ -855,35 +452,6 @@ typedef struct callback_list {
   callback_t items[MAX_CALLBACKS];
   _Atomic int count; /* read without the lock to skip an empty list */
 } callback_list_t;
-
-int gca__callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
-int gca__callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what);
-/* Without any device lock: run the free-memory callbacks (true if one freed
- * memory) or the OOM handlers (true if one asked for another try). */
-bool gca__oom_run_callbacks(device_t *d, int kind, size_t size);
-/* With the lock held, on a request the device cannot serve: true if waiting
- * for memory to come back may help (something this allocator holds could be
- * freed, and the request fits in what the device or the fraction allows). */
-bool gca__oom_worth_waiting(device_t *d, size_t rounded);
-/* With the lock held: release it and wait until a free wakes this thread or
- * `ns` pass, then take it again. `generation` is the value read before the
- * last attempt (oom_generation). */
-void gca__oom_wait(device_t *d, uint64_t generation, uint64_t ns);
-uint64_t gca__oom_generation(device_t *d);
-/* Wake allocations waiting on `d` (called after frees, without the lock). */
-void gca__oom_wake(device_t *d);
-static inline void device_wake_waiters(device_t *d) {
-  if (unlikely(atomic_load_explicit(&d->waiters, memory_order_relaxed))) gca__oom_wake(d);
-}
-/* What the failed allocation tells observers. */
-typedef struct oom_report {
-  size_t size, limit, free_bytes;
-} oom_report_t;
-/* With the lock held: set the out-of-memory error (PyTorch's message plus
- * what it lacks) and fill *report for the observers. */
-void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_report_t *report);
-/* Without any device lock: tell the observers. Keeps the error message. */
-void gca__oom_notify(device_t *d, const oom_report_t *report);
 
 /* ------------------------------------------------------------------------ */
 /* The allocator (allocator.c)                                               */

@@ -21,7 +21,13 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/coop.h"
 #include "core/core.h"
+#include "core/events.h"
+#include "core/expandable.h"
+#include "core/history.h"
+#include "core/mempool.h"
+#include "core/oom.h"
 
 /* ipc_cooperation:True: join the device's rendezvous. A backend without an
  * identity, or a region that cannot be had or is not one, leaves
@@ -43,11 +49,11 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   pthread_condattr_t attr;
   bool cond_ok = pthread_condattr_init(&attr) == 0;
   cond_ok = cond_ok && pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
-            pthread_cond_init(&d->wait_cond, &attr) == 0;
+            pthread_cond_init(&d->wait.cond, &attr) == 0;
   pthread_condattr_destroy(&attr);
   if (!cond_ok) return gca__set_error(GCA_ERR_NOMEM, "cannot create the condition variable of device %d", index);
-  if (lock_init(&d->lock) != 0 || pthread_mutex_init(&d->wait_lock, NULL) != 0) {
-    pthread_cond_destroy(&d->wait_cond);
+  if (lock_init(&d->lock) != 0 || pthread_mutex_init(&d->wait.lock, NULL) != 0) {
+    pthread_cond_destroy(&d->wait.cond);
     return gca__set_error(GCA_ERR_NOMEM, "cannot create the locks of device %d", index);
   }
   d->owner = owner;
@@ -60,8 +66,8 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   gca__pool_init(&d->large_pool, GCA_POOL_LARGE);
   if (gca__block_map_init(&d->allocated) != GCA_OK) {
     lock_destroy(&d->lock);
-    pthread_mutex_destroy(&d->wait_lock);
-    pthread_cond_destroy(&d->wait_cond);
+    pthread_mutex_destroy(&d->wait.lock);
+    pthread_cond_destroy(&d->wait.cond);
     return gca__set_error(GCA_ERR_NOMEM, "out of host memory creating device %d", index);
   }
   atomic_init(&d->allocated_now, 0);
@@ -91,9 +97,9 @@ int gca__device_set_fraction_locked(device_t *d, double fraction) {
   size_t free_bytes = 0, total = 0;
   int rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
   if (rc) return rc;
-  d->fraction_set = true;
-  d->fraction = fraction;
-  d->allowed = (size_t)(fraction * (double)total);
+  d->limit.set = true;
+  d->limit.fraction = fraction;
+  d->limit.allowed = (size_t)(fraction * (double)total);
   return GCA_OK;
 }
 
@@ -136,8 +142,8 @@ void gca__device_destroy(device_t *d) {
   gca__history_destroy(d);
   gca__block_map_destroy(&d->allocated);
   lock_destroy(&d->lock);
-  pthread_mutex_destroy(&d->wait_lock);
-  pthread_cond_destroy(&d->wait_cond);
+  pthread_mutex_destroy(&d->wait.lock);
+  pthread_cond_destroy(&d->wait.cond);
 }
 
 /* PyTorch's release_cached_blocks: wait for every pending free, then give
@@ -183,7 +189,7 @@ static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t 
  * (nothing to order if it is idle), and hand out the request from it. */
 static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
                                        size_t requested) {
-  if (d->config.cross_stream_reuse <= 0 || d->captures) return NULL; /* (it queries and records events) */
+  if (d->config.cross_stream_reuse <= 0 || d->capture.count) return NULL; /* (it queries and records events) */
   bool idle;
   block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
   if (!b || (!idle && !gca__events_order_reuse(d, b->stream, stream))) return NULL;
@@ -216,11 +222,11 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
  * release_cached_blocks). NULL with *rc set if nothing worked. */
 static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
                                  int *rc) {
-  if (!d->captures) gca__gc_collect(d);
+  if (!d->capture.count) gca__gc_collect(d);
   block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
   if (b || *rc != GCA_ERR_OOM) return b;
   /* During a graph capture nothing goes back to the device: a new segment or nothing. */
-  if (d->captures) return NULL;
+  if (d->capture.count) return NULL;
 
   if (gca__segment_release_available(d, pool, stream, rounded)) {
     gca__events_finish_releases(d, true);
@@ -247,7 +253,7 @@ static block_t *attempt(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
  * collect the frees that completed meanwhile. */
 static void relock(device_t *d) {
   lock_acquire(&d->lock);
-  if (d->pending_events | (uintptr_t)d->releasing) gca__events_process(d);
+  if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
 }
 
 /* Memory may have come back: the cache, then the ladder. */
@@ -274,7 +280,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
     d->stats.num_ipc_requests += got.asked;
     d->stats.ipc_bytes_received += (int64_t)got.received;
     d->stats.num_ipc_timeouts += got.timeouts;
-    if (d->recording) gca__history_ipc_request(d, need, stream, (int)got.asked, (int)got.timeouts, got.received);
+    if (d->obs.recording) gca__history_ipc_request(d, need, stream, (int)got.asked, (int)got.timeouts, got.received);
     if (got.asked) b = take_again(d, pool, stream, rounded, requested, rc);
   }
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
@@ -288,7 +294,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
       uint64_t generation = gca__oom_generation(d);
       uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
       gca__oom_wait(d, generation, step);
-      if (d->pending_events | (uintptr_t)d->releasing) gca__events_process(d);
+      if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
       b = take_again(d, pool, stream, rounded, requested, rc);
       clock_gettime(CLOCK_MONOTONIC, &now);
       waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
@@ -311,7 +317,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
 /* Device failures gcalloc handled since the last report: with the lock
  * held, how many; logged (without the lock) by report_absorbed. */
 void gca__note_absorbed(device_t *d) {
-  snprintf(d->absorbed_message, sizeof d->absorbed_message, "%s", gca_last_error());
+  snprintf(d->ev.absorbed_message, sizeof d->ev.absorbed_message, "%s", gca_last_error());
 }
 
 void gca__note_refused_free(device_t *d) {
@@ -321,10 +327,10 @@ void gca__note_refused_free(device_t *d) {
 
 static absorbed_t take_absorbed(device_t *d) {
   absorbed_t a;
-  size_t now = d->event_errors + (size_t)d->stats.num_device_free_failures;
-  a.fresh = now - d->reported_errors;
-  d->reported_errors = now;
-  if (a.fresh) memcpy(a.last, d->absorbed_message, sizeof a.last);
+  size_t now = d->ev.errors + (size_t)d->stats.num_device_free_failures;
+  a.fresh = now - d->ev.reported_errors;
+  d->ev.reported_errors = now;
+  if (a.fresh) memcpy(a.last, d->ev.absorbed_message, sizeof a.last);
   return a;
 }
 
@@ -359,7 +365,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   d->stats.num_ooms++;
   oom_report_t report;
   gca__oom_explain(d, stream, rounded, &report);
-  if (d->recording) gca__history_oom(d, report.size, stream, report.free_bytes);
+  if (d->obs.recording) gca__history_oom(d, report.size, stream, report.free_bytes);
   lock_release(&d->lock);
   report_absorbed(d, &absorbed);
   gca__oom_notify(d, &report);
@@ -368,7 +374,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
 
 void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
   lock_acquire(&d->lock);
-  if (unlikely(d->pending_events | (uintptr_t)d->releasing)) gca__events_process(d);
+  if (unlikely(d->ev.pending_events | (uintptr_t)d->ev.releasing)) gca__events_process(d);
   size_t rounded = gca__round_size(&d->config, size);
   if (unlikely(rounded == 0)) {
     lock_release(&d->lock);
@@ -376,7 +382,7 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool_t *pool = rounded <= SMALL_SIZE ? &d->small_pool : &d->large_pool;
-  if (unlikely(d->routes) && !(pool = gca__mempool_route(d, stream, rounded, pool))) {
+  if (unlikely(d->priv.routes) && !(pool = gca__mempool_route(d, stream, rounded, pool))) {
     lock_release(&d->lock); /* (a paused pool: the error is set) */
     return NULL;
   }
@@ -391,8 +397,8 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
 
 GCA_COLD static void free_slow(device_t *d, block_t *b) {
   /* Freed while its pool is paused: its host copy is not restored. */
-  if (d->paused_pools && b->pool->owner && b->pool->owner->paused) gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
-  if (d->recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+  if (d->priv.paused && b->pool->owner && b->pool->owner->paused) gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
+  if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
   if (b->uses) {
     gca__events_defer_free(d, b);
     return;
@@ -413,7 +419,7 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
   }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   /* One branch for the rare cases: stream uses, a stack, history on. */
-  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->recording | d->paused_pools) != 0))
+  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->obs.recording | d->priv.paused) != 0))
     free_slow(d, b);
   else gca__block_give_back(d, b);
   return GCA_OK;
@@ -433,7 +439,7 @@ void gca__device_process_events(device_t *d) {
 
 void gca__device_synchronize(device_t *d) {
   lock_acquire(&d->lock);
-  if (d->captures) {
+  if (d->capture.count) {
     lock_release(&d->lock);
     return;
   }
@@ -481,7 +487,7 @@ GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const
  * released. */
 static size_t empty_cache(device_t *d, int32_t requester) {
   lock_acquire(&d->lock);
-  if (d->captures) { /* (a peer's request during a graph capture: nothing may go back now) */
+  if (d->capture.count) { /* (a peer's request during a graph capture: nothing may go back now) */
     lock_release(&d->lock);
     return 0;
   }
@@ -489,7 +495,7 @@ static size_t empty_cache(device_t *d, int32_t requester) {
   release_cached_blocks(d);
   int64_t after = atomic_load(&d->reserved_now);
   size_t released = before > after ? (size_t)(before - after) : 0;
-  if (requester && d->recording) gca__history_ipc_release(d, released, requester);
+  if (requester && d->obs.recording) gca__history_ipc_release(d, released, requester);
   absorbed_t absorbed = take_absorbed(d);
   lock_release(&d->lock);
   report_absorbed(d, &absorbed);

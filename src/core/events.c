@@ -25,6 +25,8 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/events.h"
+#include "core/history.h"
 
 /* ---- the backend's stream primitives; a backend without them is a
  *      synchronous device, whose events have completed when recorded ---- */
@@ -57,7 +59,7 @@ static int wait_stream(device_t *d, gca_stream_t stream) {
 
 /* The fallback when an event failed: wait for the whole stream. */
 static int wait_stream_instead(device_t *d, gca_stream_t stream) {
-  d->event_errors++;
+  d->ev.errors++;
   gca__note_absorbed(d);
   return wait_stream(d, stream);
 }
@@ -92,7 +94,7 @@ static void complete_free(device_t *d, block_t *b) {
   int kind = pool_kind_of(b);
   family_decrease(&d->stats, FAM_PENDING, kind, 1);
   family_decrease(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
-  d->pending_blocks--;
+  d->ev.pending_blocks--;
   gca__history_free_completed(d, b);
   if (unlikely(b->traced_pending)) {
     b->traced_pending = false;
@@ -105,7 +107,7 @@ static void complete_free(device_t *d, block_t *b) {
 static void quarantine(device_t *d, block_t *b) {
   if (b->state == BLOCK_PENDING) {
     b->state = BLOCK_QUARANTINED;
-    d->quarantined_blocks++;
+    d->ev.quarantined_blocks++;
   }
 }
 
@@ -116,14 +118,14 @@ static void event_done(device_t *d, block_t *b, bool ok) {
 }
 
 static event_queue_t *queue_of(device_t *d, gca_stream_t stream) {
-  for (size_t i = 0; i < d->queue_count; i++)
-    if (d->queues[i].stream == stream) return &d->queues[i];
-  if (d->queue_count == d->queue_cap) {
-    event_queue_t *grown = gca__grow_array(d->queues, &d->queue_cap, sizeof *grown, 4);
+  for (size_t i = 0; i < d->ev.queue_count; i++)
+    if (d->ev.queues[i].stream == stream) return &d->ev.queues[i];
+  if (d->ev.queue_count == d->ev.queue_cap) {
+    event_queue_t *grown = gca__grow_array(d->ev.queues, &d->ev.queue_cap, sizeof *grown, 4);
     if (!grown) return NULL;
-    d->queues = grown;
+    d->ev.queues = grown;
   }
-  event_queue_t *q = &d->queues[d->queue_count++];
+  event_queue_t *q = &d->ev.queues[d->ev.queue_count++];
   memset(q, 0, sizeof *q);
   q->stream = stream;
   return q;
@@ -145,7 +147,7 @@ static bool queue_push(device_t *d, gca_stream_t stream, uintptr_t event, block_
   }
   q->items[(q->head + q->count) % q->cap] = (pending_free_t){event, b};
   q->count++;
-  d->pending_events++;
+  d->ev.pending_events++;
   return true;
 }
 
@@ -153,18 +155,18 @@ static pending_free_t queue_pop(device_t *d, event_queue_t *q) {
   pending_free_t pf = q->items[q->head];
   q->head = (q->head + 1) % q->cap;
   q->count--;
-  d->pending_events--;
+  d->ev.pending_events--;
   return pf;
 }
 
 /* Queues left empty keep their ring for the next free on that stream;
  * drop them once there are many, so short-lived streams do not pile up. */
 static void drop_empty_queues(device_t *d) {
-  if (d->queue_count <= 16) return;
-  for (size_t i = 0; i < d->queue_count;) {
-    if (d->queues[i].count == 0) {
-      free(d->queues[i].items);
-      d->queues[i] = d->queues[--d->queue_count];
+  if (d->ev.queue_count <= 16) return;
+  for (size_t i = 0; i < d->ev.queue_count;) {
+    if (d->ev.queues[i].count == 0) {
+      free(d->ev.queues[i].items);
+      d->ev.queues[i] = d->ev.queues[--d->ev.queue_count];
     } else {
       i++;
     }
@@ -210,19 +212,19 @@ void gca__events_defer_free(device_t *d, block_t *b) {
   b->state = BLOCK_PENDING;
   family_increase(&d->stats, FAM_PENDING, kind, 1);
   family_increase(&d->stats, FAM_PENDING_BYTES, kind, (int64_t)b->size);
-  d->pending_blocks++;
-  if (unlikely(d->captures)) { /* no event may be recorded now: held until the capture ends */
+  d->ev.pending_blocks++;
+  if (unlikely(d->capture.count)) { /* no event may be recorded now: held until the capture ends */
     b->event_count = 0;
-    b->hash_next = d->held;
-    d->held = b;
+    b->hash_next = d->capture.held;
+    d->capture.held = b;
     return;
   }
   record_uses(d, b);
 }
 
 void gca__events_after_capture(device_t *d) {
-  block_t *b = d->held;
-  d->held = NULL;
+  block_t *b = d->capture.held;
+  d->capture.held = NULL;
   while (b) {
     block_t *next = b->hash_next;
     b->hash_next = NULL;
@@ -240,9 +242,9 @@ static void finish_head(device_t *d, event_queue_t *q, int rc) {
 }
 
 void gca__events_process(device_t *d) {
-  if (unlikely(d->captures)) return; /* (no event may be queried) */
-  for (size_t i = 0; i < d->queue_count; i++) {
-    event_queue_t *q = &d->queues[i];
+  if (unlikely(d->capture.count)) return; /* (no event may be queried) */
+  for (size_t i = 0; i < d->ev.queue_count; i++) {
+    event_queue_t *q = &d->ev.queues[i];
     while (q->count) {
       int rc = query_event(d, q->items[q->head].event);
       if (rc == BACKEND_NOT_READY) break;
@@ -250,12 +252,12 @@ void gca__events_process(device_t *d) {
     }
   }
   drop_empty_queues(d);
-  if (d->releasing) gca__events_finish_releases(d, false);
+  if (d->ev.releasing) gca__events_finish_releases(d, false);
 }
 
 void gca__events_synchronize(device_t *d) {
-  for (size_t i = 0; i < d->queue_count; i++) {
-    event_queue_t *q = &d->queues[i];
+  for (size_t i = 0; i < d->ev.queue_count; i++) {
+    event_queue_t *q = &d->ev.queues[i];
     while (q->count) finish_head(d, q, wait_event(d, q->items[q->head].event));
   }
   drop_empty_queues(d);
@@ -282,7 +284,7 @@ bool gca__events_ready_to_free(device_t *d, gca_stream_t stream, uintptr_t *even
 }
 
 void gca__events_finish_releases(device_t *d, bool wait) {
-  segment_t **link = &d->releasing;
+  segment_t **link = &d->ev.releasing;
   while (*link) {
     segment_t *seg = *link;
     int rc = wait ? wait_event(d, seg->release_event) : query_event(d, seg->release_event);
@@ -295,7 +297,7 @@ void gca__events_finish_releases(device_t *d, bool wait) {
     seg->release_event = 0;
     *link = seg->release_next;
     seg->release_next = NULL;
-    d->releasing_count--;
+    d->ev.releasing_count--;
     if (rc == GCA_OK) {
       gca__segment_free_now(d, seg);
     } else {
@@ -350,8 +352,8 @@ void gca__events_shutdown(device_t *d) {
       b->uses = NULL;
     }
   }
-  for (size_t i = 0; i < d->queue_count; i++) free(d->queues[i].items);
-  free(d->queues);
-  d->queues = NULL;
-  d->queue_count = d->queue_cap = 0;
+  for (size_t i = 0; i < d->ev.queue_count; i++) free(d->ev.queues[i].items);
+  free(d->ev.queues);
+  d->ev.queues = NULL;
+  d->ev.queue_count = d->ev.queue_cap = 0;
 }

@@ -36,6 +36,9 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/events.h"
+#include "core/expandable.h"
+#include "core/history.h"
 
 #define VM(d, fn, ...) ((d)->backend->ops->fn((d)->backend->state, (d)->index, __VA_ARGS__))
 
@@ -67,20 +70,20 @@ typedef struct kept_page {
  * kept, to be offered again, rather than dropped (which would leak it). */
 static void keep_page(device_t *d, uintptr_t handle, size_t size, bool refused) {
   if (refused) gca__note_refused_free(d);
-  if (d->kept_page_count == d->kept_page_cap) {
-    kept_page_t *grown = gca__grow_array(d->kept_pages, &d->kept_page_cap, sizeof *grown, 16);
+  if (d->kept.page_count == d->kept.page_cap) {
+    kept_page_t *grown = gca__grow_array(d->kept.pages, &d->kept.page_cap, sizeof *grown, 16);
     if (!grown) return; /* lost to the books: gca_check's device count says so */
-    d->kept_pages = grown;
+    d->kept.pages = grown;
   }
-  d->kept_pages[d->kept_page_count++] = (kept_page_t){handle, size};
-  d->kept_page_bytes += size;
+  d->kept.pages[d->kept.page_count++] = (kept_page_t){handle, size};
+  d->kept.page_bytes += size;
 }
 
 /* Back to the device, n pages of `page` bytes (handles[] may be reordered);
  * those it refuses are kept. */
 static void destroy_pages(device_t *d, uintptr_t *handles, size_t n, size_t page) {
   size_t refused = 0;
-  if (d->captures) { /* (nothing is destroyed during a graph capture: kept, offered back later) */
+  if (d->capture.count) { /* (nothing is destroyed during a graph capture: kept, offered back later) */
     refused = n;
   } else if (d->backend->ops->vm_destroy_many) {
     if (VM(d, vm_destroy_many, handles, n, &refused) == GCA_OK) refused = 0;
@@ -89,7 +92,7 @@ static void destroy_pages(device_t *d, uintptr_t *handles, size_t n, size_t page
       if (VM(d, vm_destroy, handles[i]) != GCA_OK) handles[refused++] = handles[i];
   }
   d->device_bytes -= (n - refused) * page;
-  for (size_t i = 0; i < refused; i++) keep_page(d, handles[i], page, !d->captures);
+  for (size_t i = 0; i < refused; i++) keep_page(d, handles[i], page, !d->capture.count);
 }
 
 /* Offer the kept pages back (every release does, first). A page the device
@@ -97,24 +100,24 @@ static void destroy_pages(device_t *d, uintptr_t *handles, size_t n, size_t page
  * for gca_check. */
 static void retry_kept_pages(device_t *d) {
   size_t kept = 0;
-  for (size_t i = 0; i < d->kept_page_count; i++) {
-    kept_page_t k = d->kept_pages[i];
+  for (size_t i = 0; i < d->kept.page_count; i++) {
+    kept_page_t k = d->kept.pages[i];
     int rc = VM(d, vm_destroy, k.handle);
     if (rc == GCA_OK || rc == GCA_ERR_BAD_POINTER) {
-      d->kept_page_bytes -= k.size;
+      d->kept.page_bytes -= k.size;
       d->device_bytes -= k.size;
       if (rc == GCA_OK) {
         d->stats.num_device_free++;
-        if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, k.size);
+        if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, k.size);
       } else {
-        d->backend_free_errors++;
+        d->kept.free_errors++;
       }
       continue;
     }
     gca__note_refused_free(d);
-    d->kept_pages[kept++] = k;
+    d->kept.pages[kept++] = k;
   }
-  d->kept_page_count = kept;
+  d->kept.page_count = kept;
 }
 
 /* handles[i] mapped at addr + i * page: all of them, or none. */
@@ -128,23 +131,23 @@ static int map_pages(device_t *d, uintptr_t addr, size_t page, size_t n, const u
 }
 
 bool gca__expandable_available(device_t *d) {
-  if (d->vm_state == 0) {
+  if (d->vm.state == 0) {
     const backend_ops_t *ops = d->backend->ops;
     size_t granularity = 0;
     bool ok = ops->vm_granularity && ops->vm_reserve && ops->vm_unreserve && ops->vm_create && ops->vm_destroy &&
               ops->vm_map && ops->vm_unmap && ops->vm_granularity(d->backend->state, d->index, &granularity) == GCA_OK &&
               granularity >= MIN_BLOCK_SIZE && (granularity & (granularity - 1)) == 0;
-    d->vm_granularity = granularity;
-    d->vm_state = ok ? 1 : -1;
+    d->vm.granularity = granularity;
+    d->vm.state = ok ? 1 : -1;
     if (!ok) gca__clear_error();
   }
-  return d->vm_state > 0;
+  return d->vm.state > 0;
 }
 
 /* The page size of the pool's segments: PyTorch's, rounded up to the device's granularity. */
 static size_t page_size_of(const device_t *d, const pool_t *pool) {
   size_t want = pool->kind == GCA_POOL_SMALL ? SMALL_BUFFER : LARGE_BUFFER;
-  size_t g = d->vm_granularity;
+  size_t g = d->vm.granularity;
   return (want + g - 1) / g * g;
 }
 
@@ -213,11 +216,11 @@ static bool unmap_at_close(device_t *d, uintptr_t addr, size_t size) {
 
 size_t gca__expandable_kept_destroy(device_t *d, bool give_back) {
   size_t left = 0;
-  for (size_t i = 0; give_back && i < d->kept_page_count; i++)
-    if (!destroy_at_close(d, d->kept_pages[i].handle)) left += d->kept_pages[i].size;
-  free(d->kept_pages);
-  d->kept_pages = NULL;
-  d->kept_page_count = d->kept_page_cap = d->kept_page_bytes = 0;
+  for (size_t i = 0; give_back && i < d->kept.page_count; i++)
+    if (!destroy_at_close(d, d->kept.pages[i].handle)) left += d->kept.pages[i].size;
+  free(d->kept.pages);
+  d->kept.pages = NULL;
+  d->kept.page_count = d->kept.page_cap = d->kept.page_bytes = 0;
   return left;
 }
 
@@ -290,7 +293,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   int rc = gca__events_wait_stream(d, seg->stream);
   if (rc == GCA_OK) rc = VM(d, vm_unmap, at, bytes);
   if (rc == GCA_ERR_CORRUPT) {
-    d->backend_free_errors++; /* unmapped, but the device says it was in use */
+    d->kept.free_errors++; /* unmapped, but the device says it was in use */
   } else if (rc != GCA_OK) {
     gca__note_refused_free(d);
     if (low) gca__block_recycle(d, low);
@@ -306,7 +309,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     while (top && !seg->pages[top - 1]) top--;
     seg->mapped_top = top;
   }
-  d->pages_unmapped += n;
+  d->vm.pages_unmapped += n;
 
   gca__pool_remove(pool, b);
   if (low) {
@@ -341,12 +344,12 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
 
   family_decrease(&d->stats, FAM_RESERVED_BYTES, pool->kind, (int64_t)bytes);
   gca__mirror_reserved(d);
-  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, bytes, seg->stream);
+  if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, bytes, seg->stream);
   if (handles_out) {
     d->stats.num_pages_moved += (int64_t)n;
   } else {
     d->stats.num_device_free++;
-    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, bytes);
+    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, bytes);
   }
   return n;
 }
@@ -385,7 +388,7 @@ static void release_kept_ranges(device_t *d, pool_t *pool) {
 }
 
 void gca__expandable_release_all(device_t *d) {
-  if (d->kept_page_count) retry_kept_pages(d);
+  if (d->kept.page_count) retry_kept_pages(d);
   gca__expandable_release_pool(d, &d->large_pool);
   gca__expandable_release_pool(d, &d->small_pool);
 }
@@ -397,13 +400,13 @@ static void note_mapped(device_t *d, segment_t *seg, size_t first, size_t n, con
   memcpy(seg->pages + first, handles, n * sizeof *handles);
   seg->mapped_bytes += bytes;
   if (first + n > seg->mapped_top) seg->mapped_top = first + n;
-  d->pages_mapped += n;
+  d->vm.pages_mapped += n;
   family_increase(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)bytes);
   gca__mirror_reserved(d);
   if (created) d->stats.num_device_alloc++;
-  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, seg->addr + first * page, bytes, seg->stream);
-  if (unlikely(d->segment_observer != NULL) && created)
-    d->segment_observer(d->segment_observer_ctx, true, created * page);
+  if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, seg->addr + first * page, bytes, seg->stream);
+  if (unlikely(d->obs.segment_fn != NULL) && created)
+    d->obs.segment_fn(d->obs.segment_ctx, true, created * page);
 }
 
 /* ---- pausing a pool ----------------------------------------------------- */
@@ -431,7 +434,7 @@ int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released) {
     uintptr_t at = seg->addr + i * page;
     int rc = VM(d, vm_unmap, at, n * page);
     if (rc == GCA_ERR_CORRUPT) {
-      d->backend_free_errors++; /* unmapped, but the device says it was in use */
+      d->kept.free_errors++; /* unmapped, but the device says it was in use */
     } else if (rc != GCA_OK) { /* still mapped: it stays, and is not given back */
       gca__note_refused_free(d);
       if (status == GCA_OK) status = rc;
@@ -442,18 +445,18 @@ int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released) {
     memset(seg->pages + i, 0, n * sizeof *seg->pages);
     memset(seg->paused_pages + i, 1, n);
     unmapped += n;
-    if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, n * page, seg->stream);
+    if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_UNMAP, at, n * page, seg->stream);
     i += n;
   }
   size_t bytes = unmapped * page;
   seg->mapped_bytes -= bytes;
   seg->mapped_top = top_page(seg);
-  d->pages_unmapped += unmapped;
+  d->vm.pages_unmapped += unmapped;
   if (unmapped) {
     family_decrease(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)bytes);
     gca__mirror_reserved(d);
     d->stats.num_device_free++;
-    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, bytes);
+    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, bytes);
   }
   *released += bytes;
   return status;
@@ -469,9 +472,9 @@ int gca__expandable_resume(device_t *d, segment_t *seg) {
       seg->paused_pages[i++] = 0; /* (not marked, or still mapped: nothing to do) */
       continue;
     }
-    if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->allowed)
+    if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->limit.allowed)
       return gca__set_error(GCA_ERR_OOM, "device %d: %zu more bytes would pass the %zu the process may reserve "
-                            "(per_process_memory_fraction %g)", d->index, n * page, d->allowed, d->fraction);
+                            "(per_process_memory_fraction %g)", d->index, n * page, d->limit.allowed, d->limit.fraction);
     uintptr_t *handles = malloc(n * sizeof *handles);
     if (!handles) return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
     size_t made = 0;
@@ -547,15 +550,15 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   pool_t *pool = target->pool;
   size_t movable = 0, listed = 0;
   block_t **donors = NULL;
-  if (d->config.stitching && !d->captures && (donors = malloc(n * sizeof *donors)))
+  if (d->config.stitching && !d->capture.count && (donors = malloc(n * sizeof *donors)))
     movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
   size_t fresh = n - movable;
-  if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->allowed) {
+  if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->limit.allowed) {
     free(donors);
     return gca__set_error(GCA_ERR_OOM,
                           "device %d: %zu more bytes would pass the %zu the process may reserve "
                           "(per_process_memory_fraction %g)",
-                          d->index, fresh * page, d->allowed, d->fraction);
+                          d->index, fresh * page, d->limit.allowed, d->limit.fraction);
   }
   /* Create first: it is the step that can run out of memory, and nothing
    * has moved yet if it does. */
@@ -578,7 +581,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   if (moved) {
     /* The moved pages went back to the device after all. */
     d->stats.num_device_free++;
-    if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, moved * page);
+    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, moved * page);
   }
   return rc;
 }

@@ -2,7 +2,7 @@
  * and the call stacks of live blocks.
  *
  * Recording is switched per allocator at run time (gca_record_history). The
- * core calls the history_* hooks below only when d->recording is set (one
+ * core calls the history_* hooks below only when d->obs.recording is set (one
  * predictable branch when it is not). Stacks are captured with libunwind's
  * unw_backtrace as raw instruction pointers, which is fast (tens of ns a
  * frame) and safe under the device lock; turning them into names happens
@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/core.h"
+#include "core/history.h"
 
 int64_t gca__history_now_us(void) {
   struct timespec t;
@@ -44,7 +45,7 @@ static history_entry_t *next_slot(history_t *h) {
 }
 
 static history_entry_t *record(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream) {
-  history_t *h = d->history;
+  history_t *h = d->obs.history;
   history_entry_t *e = next_slot(h);
   e->action = (uint8_t)action;
   e->depth = 0;
@@ -67,13 +68,13 @@ static bool wants_stack(const history_t *h, int action) {
 
 void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream) {
   history_entry_t *e = record(d, action, addr, size, stream);
-  if (wants_stack(d->history, action)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, action)) e->depth = capture(e->ips);
 }
 
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
   history_entry_t *e = record(d, GCA_TRACE_OOM, 0, size, stream);
   e->device_free = device_free;
-  if (wants_stack(d->history, GCA_TRACE_OOM)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, GCA_TRACE_OOM)) e->depth = capture(e->ips);
 }
 
 void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
@@ -82,7 +83,7 @@ void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int
   e->ipc_received = received;
   e->ipc_asked = asked;
   e->ipc_silent = silent;
-  if (wants_stack(d->history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(e->ips);
 }
 
 void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
@@ -90,7 +91,7 @@ void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
 }
 
 void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
-  history_t *h = d->history;
+  history_t *h = d->obs.history;
   history_entry_t *e = record(d, GCA_TRACE_ALLOC, b->addr, requested, b->stream);
   if (h->context < GCA_CONTEXT_STATE) return;
   call_stack_t *stack = malloc(sizeof *stack);
@@ -115,10 +116,10 @@ void gca__history_drop_stack(block_t *b) {
 
 int gca__history_start(device_t *d, int context, size_t max_entries) {
   history_entry_t *ring = calloc(max_entries, sizeof *ring);
-  history_t *h = d->history ? d->history : calloc(1, sizeof *h);
+  history_t *h = d->obs.history ? d->obs.history : calloc(1, sizeof *h);
   if (!ring || !h) {
     free(ring);
-    if (!d->history) free(h);
+    if (!d->obs.history) free(h);
     return gca__set_error(GCA_ERR_NOMEM, "out of host memory for a history of %zu entries", max_entries);
   }
   free(h->ring);
@@ -126,22 +127,22 @@ int gca__history_start(device_t *d, int context, size_t max_entries) {
   h->cap = max_entries;
   h->count = h->next = 0;
   h->context = context;
-  d->history = h;
-  d->recording = true;
+  d->obs.history = h;
+  d->obs.recording = true;
   return GCA_OK;
 }
 
-void gca__history_stop(device_t *d) { d->recording = false; }
+void gca__history_stop(device_t *d) { d->obs.recording = false; }
 
 void gca__history_destroy(device_t *d) {
-  if (d->history) free(d->history->ring);
-  free(d->history);
-  d->history = NULL;
-  d->recording = false;
+  if (d->obs.history) free(d->obs.history->ring);
+  free(d->obs.history);
+  d->obs.history = NULL;
+  d->obs.recording = false;
 }
 
 size_t gca__history_copy(const device_t *d, history_entry_t *out) {
-  const history_t *h = d->history;
+  const history_t *h = d->obs.history;
   if (!h) return 0;
   size_t first = h->count < h->cap ? 0 : h->next; /* the oldest */
   for (size_t i = 0; i < h->count; i++) out[i] = h->ring[(first + i) % h->cap];

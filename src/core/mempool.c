@@ -8,7 +8,7 @@
  * merge, stream-ordered frees, the out-of-memory ladder) works on it as on
  * the default pools. Allocations reach a pool by a route: the calling
  * thread's stack of pushes (innermost first), else the stream's route.
- * While no route exists on a device (d->routes is 0) an allocation pays one
+ * While no route exists on a device (d->priv.routes is 0) an allocation pays one
  * branch for all this.
  *
  * The device's cache release (gca_empty_cache, the ladder) leaves private
@@ -23,6 +23,10 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/events.h"
+#include "core/expandable.h"
+#include "core/mempool.h"
+#include "core/oom.h"
 
 #define ROUTE_DEPTH 16
 
@@ -94,13 +98,13 @@ static void route_undo(const thread_route_t *r) {
   if (r->device) {
     lock_acquire(&r->device->lock);
     r->pool->thread_routes--;
-    r->device->routes--;
+    r->device->priv.routes--;
     lock_release(&r->device->lock);
     return;
   }
   for (int i = 0; i < r->allocator->device_count; i++) {
     lock_acquire(&r->allocator->devices[i].lock);
-    r->allocator->devices[i].routes--;
+    r->allocator->devices[i].priv.routes--;
     lock_release(&r->allocator->devices[i].lock);
   }
 }
@@ -134,8 +138,8 @@ pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, poo
     if (r->allocator != d->owner || r->serial != d->owner->serial || (r->device && r->device != d)) continue;
     return r->pool ? pool_open_for(r->pool, rounded) : fallback;
   }
-  for (size_t i = 0; i < d->stream_route_count; i++)
-    if (d->stream_routes[i].stream == stream) return pool_open_for(d->stream_routes[i].pool, rounded);
+  for (size_t i = 0; i < d->priv.stream_route_count; i++)
+    if (d->priv.stream_routes[i].stream == stream) return pool_open_for(d->priv.stream_routes[i].pool, rounded);
   return fallback;
 }
 
@@ -148,7 +152,7 @@ static pool_t *pool_open_for(mempool_t *mp, size_t rounded) {
 }
 
 mempool_t *gca__mempool_find(device_t *d, uint64_t id) {
-  for (mempool_t *mp = d->mempools; mp; mp = mp->next)
+  for (mempool_t *mp = d->priv.list; mp; mp = mp->next)
     if (mp->id == id) return mp;
   return NULL;
 }
@@ -156,20 +160,20 @@ mempool_t *gca__mempool_find(device_t *d, uint64_t id) {
 pool_t *gca__device_pool_next(device_t *d, pool_t *pool) {
   if (!pool) return &d->small_pool;
   if (pool->kind == GCA_POOL_SMALL) return pool->owner ? &pool->owner->large : &d->large_pool;
-  mempool_t *next = pool->owner ? pool->owner->next : d->mempools;
+  mempool_t *next = pool->owner ? pool->owner->next : d->priv.list;
   return next ? &next->small : NULL;
 }
 
 void gca__mempools_destroy(device_t *d) {
-  while (d->mempools) {
-    mempool_t *next = d->mempools->next;
-    free(d->mempools->backups); /* (their host memory goes with the host allocator) */
-    free(d->mempools);
-    d->mempools = next;
+  while (d->priv.list) {
+    mempool_t *next = d->priv.list->next;
+    free(d->priv.list->backups); /* (their host memory goes with the host allocator) */
+    free(d->priv.list);
+    d->priv.list = next;
   }
-  free(d->stream_routes);
-  d->stream_routes = NULL;
-  d->stream_route_count = d->stream_route_cap = 0;
+  free(d->priv.stream_routes);
+  d->priv.stream_routes = NULL;
+  d->priv.stream_route_count = d->priv.stream_route_cap = 0;
 }
 
 /* ---- lookup ------------------------------------------------------------- */
@@ -222,7 +226,7 @@ int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_
                           "pool there cannot pause", device, d->backend->ops->name);
   }
   mp->id = atomic_fetch_add(&a->last_pool_id, 1) + 1;
-  mempool_t **tail = &d->mempools; /* (in creation order) */
+  mempool_t **tail = &d->priv.list; /* (in creation order) */
   while (*tail) tail = &(*tail)->next;
   *tail = mp;
   lock_release(&d->lock);
@@ -329,7 +333,7 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
     return GCA_OK;
   }
   char why[160];
-  if (d->captures) {
+  if (d->capture.count) {
     lock_release(&d->lock);
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_release: pool %" PRIu64 " cannot end while a stream of device %d "
                           "is captured (its memory would go back to the device)", pool, d->index);
@@ -365,7 +369,7 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
       if (seg->pool->owner == mp && seg->paused_pages) gca__expandable_release_paused(d, seg);
     }
     mp->paused = false;
-    d->paused_pools--;
+    d->priv.paused--;
   }
   gca__mempool_drop_backups(d, mp);
   /* Its cache goes back after the work queued on its streams (a segment
@@ -377,7 +381,7 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
   gca__events_finish_releases(d, true);
   for (segment_t *seg = d->segments; seg; seg = seg->next)
     if (seg->pool->owner == mp) rehome(d, seg);
-  for (mempool_t **p = &d->mempools; *p; p = &(*p)->next)
+  for (mempool_t **p = &d->priv.list; *p; p = &(*p)->next)
     if (*p == mp) {
       *p = mp->next;
       break;
@@ -418,8 +422,8 @@ int gca__mempool_quiesce(device_t *d, mempool_t *mp) {
     for (block_t *b = seg->head; b && rc == GCA_OK; b = b->next)
       for (uint32_t k = 0; b->uses && k < b->uses->count && rc == GCA_OK; k++) rc = stream_set_add(&set, b->uses->streams[k]);
   }
-  for (size_t q = 0; q < d->queue_count && rc == GCA_OK; q++) {
-    const event_queue_t *eq = &d->queues[q];
+  for (size_t q = 0; q < d->ev.queue_count && rc == GCA_OK; q++) {
+    const event_queue_t *eq = &d->ev.queues[q];
     for (size_t j = 0; j < eq->count && rc == GCA_OK; j++)
       if (eq->items[(eq->head + j) % eq->cap].block->pool->owner == mp) rc = stream_set_add(&set, eq->stream);
   }
@@ -504,7 +508,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
       r.device = mp->device;
       r.pool = mp;
       mp->thread_routes++;
-      mp->device->routes++;
+      mp->device->priv.routes++;
       lock_release(&mp->device->lock);
     } else {
       rc = gca_last_status();
@@ -512,7 +516,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
   } else if (rc == GCA_OK) {
     for (int i = 0; i < a->device_count; i++) {
       lock_acquire(&a->devices[i].lock);
-      a->devices[i].routes++;
+      a->devices[i].priv.routes++;
       lock_release(&a->devices[i].lock);
     }
   }
@@ -548,21 +552,21 @@ static int route_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
   int rc = GCA_OK;
-  for (size_t i = 0; i < d->stream_route_count && rc == GCA_OK; i++)
-    if (d->stream_routes[i].stream == stream)
+  for (size_t i = 0; i < d->priv.stream_route_count && rc == GCA_OK; i++)
+    if (d->priv.stream_routes[i].stream == stream)
       rc = gca__set_error(GCA_ERR_INVALID, "%s: stream %#" PRIxPTR " is routed to pool %" PRIu64 " already%s", what,
-                          (uintptr_t)stream, d->stream_routes[i].pool->id,
-                          d->stream_routes[i].capture ? " (captured)" : "");
-  if (rc == GCA_OK && d->stream_route_count == d->stream_route_cap) {
-    stream_route_t *grown = gca__grow_array(d->stream_routes, &d->stream_route_cap, sizeof *grown, 4);
-    if (grown) d->stream_routes = grown;
+                          (uintptr_t)stream, d->priv.stream_routes[i].pool->id,
+                          d->priv.stream_routes[i].capture ? " (captured)" : "");
+  if (rc == GCA_OK && d->priv.stream_route_count == d->priv.stream_route_cap) {
+    stream_route_t *grown = gca__grow_array(d->priv.stream_routes, &d->priv.stream_route_cap, sizeof *grown, 4);
+    if (grown) d->priv.stream_routes = grown;
     else rc = gca__set_error(GCA_ERR_NOMEM, "%s: out of host memory", what);
   }
   if (rc == GCA_OK) {
-    d->stream_routes[d->stream_route_count++] = (stream_route_t){stream, mp, capture};
+    d->priv.stream_routes[d->priv.stream_route_count++] = (stream_route_t){stream, mp, capture};
     mp->stream_routes++;
-    d->routes++;
-    d->captures += capture;
+    d->priv.routes++;
+    d->capture.count += capture;
   }
   lock_release(&d->lock);
   return rc;
@@ -572,14 +576,14 @@ static int unroute_stream(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stre
   mempool_t *mp = gca__mempool_lock(a, pool, what);
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
-  for (size_t i = 0; i < d->stream_route_count; i++) {
-    stream_route_t *r = &d->stream_routes[i];
+  for (size_t i = 0; i < d->priv.stream_route_count; i++) {
+    stream_route_t *r = &d->priv.stream_routes[i];
     if (r->stream != stream || r->pool != mp || r->capture != capture) continue;
-    *r = d->stream_routes[--d->stream_route_count];
+    *r = d->priv.stream_routes[--d->priv.stream_route_count];
     mp->stream_routes--;
-    d->routes--;
+    d->priv.routes--;
     /* The last capture ended: the frees held meanwhile record their events. */
-    if (capture && --d->captures == 0) gca__events_after_capture(d);
+    if (capture && --d->capture.count == 0) gca__events_after_capture(d);
     lock_release(&d->lock);
     return GCA_OK;
   }
@@ -606,7 +610,7 @@ int gca_capture_end(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
 
 int gca__device_capturing(device_t *d, const char *what) {
   lock_acquire(&d->lock);
-  size_t captures = d->captures;
+  size_t captures = d->capture.count;
   lock_release(&d->lock);
   if (!captures) return GCA_OK;
   return gca__set_error(GCA_ERR_INVALID, "%s: device %d has %zu stream%s captured into a graph: nothing may be "
@@ -652,7 +656,7 @@ int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_t cap) {
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_pool_list: out is NULL");
   int n = 0;
   lock_acquire(&d->lock);
-  for (mempool_t *mp = d->mempools; mp; mp = mp->next, n++)
+  for (mempool_t *mp = d->priv.list; mp; mp = mp->next, n++)
     if ((size_t)n < cap) out[n] = mp->id;
   lock_release(&d->lock);
   return n;

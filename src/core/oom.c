@@ -20,7 +20,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/coop.h"
 #include "core/core.h"
+#include "core/mempool.h"
+#include "core/oom.h"
 
 /* ---- callbacks ---------------------------------------------------------- */
 
@@ -108,15 +111,15 @@ static size_t device_total(device_t *d, size_t *free_bytes) {
 
 bool gca__oom_worth_waiting(device_t *d, size_t rounded) {
   size_t need = gca__segment_size_for(rounded);
-  size_t limit = d->fraction_set ? d->allowed : device_total(d, NULL);
+  size_t limit = d->limit.set ? d->limit.allowed : device_total(d, NULL);
   if (need > limit) return false; /* can never fit: fail now */
-  return family_current(&d->stats, FAM_ALLOCATED_BYTES) > 0 || d->pending_blocks > 0 || d->releasing;
+  return family_current(&d->stats, FAM_ALLOCATED_BYTES) > 0 || d->ev.pending_blocks > 0 || d->ev.releasing;
 }
 
 uint64_t gca__oom_generation(device_t *d) {
-  mutex_lock(&d->wait_lock);
-  uint64_t g = d->free_generation;
-  mutex_unlock(&d->wait_lock);
+  mutex_lock(&d->wait.lock);
+  uint64_t g = d->wait.generation;
+  mutex_unlock(&d->wait.lock);
   return g;
 }
 
@@ -129,20 +132,20 @@ void gca__oom_wait(device_t *d, uint64_t generation, uint64_t ns) {
   uint64_t nsec = (uint64_t)until.tv_nsec + ns;
   until.tv_sec += (time_t)(nsec / 1000000000u);
   until.tv_nsec = (long)(nsec % 1000000000u);
-  mutex_lock(&d->wait_lock);
-  while (d->free_generation == generation) {
-    if (pthread_cond_timedwait(&d->wait_cond, &d->wait_lock, &until) != 0) break;
+  mutex_lock(&d->wait.lock);
+  while (d->wait.generation == generation) {
+    if (pthread_cond_timedwait(&d->wait.cond, &d->wait.lock, &until) != 0) break;
   }
-  mutex_unlock(&d->wait_lock);
+  mutex_unlock(&d->wait.lock);
   recorder_resume(traced);
   lock_acquire(&d->lock);
 }
 
 void gca__oom_wake(device_t *d) {
-  mutex_lock(&d->wait_lock);
-  d->free_generation++;
-  pthread_cond_broadcast(&d->wait_cond);
-  mutex_unlock(&d->wait_lock);
+  mutex_lock(&d->wait.lock);
+  d->wait.generation++;
+  pthread_cond_broadcast(&d->wait.cond);
+  mutex_unlock(&d->wait.lock);
 }
 
 /* ---- the message -------------------------------------------------------- */
@@ -199,7 +202,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   int64_t reserved = family_current(&d->stats, FAM_RESERVED_BYTES);
   int64_t pending = family_current(&d->stats, FAM_PENDING_BYTES);
   report->size = want;
-  report->limit = d->fraction_set ? d->allowed : total;
+  report->limit = d->limit.set ? d->limit.allowed : total;
   report->free_bytes = free_bytes;
 
   char msg[2048];
@@ -207,7 +210,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   /* PyTorch's message, word for word but for the names. */
   gca__text_put(&o, "out of memory. Tried to allocate %s. Device %d has a total capacity of %s of which %s is free. ",
                 bytes(want, b1), d->index, bytes(total, b2), bytes(free_bytes, b3));
-  if (d->fraction_set) gca__text_put(&o, "%s allowed; ", bytes(d->allowed, b1));
+  if (d->limit.set) gca__text_put(&o, "%s allowed; ", bytes(d->limit.allowed, b1));
   gca__text_put(&o, "Of the allocated memory %s is allocated by gcalloc, and %s is reserved by gcalloc but unallocated.",
                 bytes((uint64_t)allocated, b1), bytes((uint64_t)(reserved - allocated), b2));
 
@@ -236,11 +239,11 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
                   gca__coop_last(d->coop)[0] ? gca__coop_last(d->coop) : "none caches anything");
 
   /* The setting that would help, the likeliest first. */
-  if (d->fraction_set && free_bytes >= want && (size_t)reserved + want > d->allowed)
+  if (d->limit.set && free_bytes >= want && (size_t)reserved + want > d->limit.allowed)
     gca__text_put(&o,
                   " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "
                   "free; raise the fraction.",
-                  bytes(d->allowed, b1), d->fraction, bytes(free_bytes, b2));
+                  bytes(d->limit.allowed, b1), d->limit.fraction, bytes(free_bytes, b2));
   else if (d->config.oom_retry_timeout_ms == 0 && (pending > 0 || allocated > 0))
     gca__text_put(&o, " To help: if other threads are about to free memory, set oom_retry_timeout_ms to wait for it.");
   else if ((uint64_t)(reserved - allocated) >= want)

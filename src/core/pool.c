@@ -10,6 +10,7 @@
  * Expandable segments bend the order a little (expandable.c, refit).
  */
 #include "core/core.h"
+#include "core/expandable.h"
 
 static int compare_blocks(const block_t *a, const block_t *b) {
   if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;

@@ -10,6 +10,9 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/events.h"
+#include "core/expandable.h"
+#include "core/history.h"
 
 /* ---- block descriptors -------------------------------------------------- */
 
@@ -125,12 +128,12 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
     *status = gca__set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
     return NULL;
   }
-  if (d->fraction_set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->allowed) {
+  if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->limit.allowed) {
     /* PyTorch's alloc_block: refused without asking the device. */
     *status = gca__set_error(GCA_ERR_OOM,
                              "device %d: %zu more bytes would pass the %zu the process may reserve "
                              "(per_process_memory_fraction %g)",
-                             d->index, size, d->allowed, d->fraction);
+                             d->index, size, d->limit.allowed, d->limit.fraction);
     return NULL;
   }
   segment_t *seg;
@@ -148,8 +151,8 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
   seg->oversize = size >= d->config.max_split_size;
 
   kept_stats_t *s = &d->stats;
-  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
-  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, true, size);
+  if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
+  if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, true, size);
   family_increase(s, FAM_SEGMENT, pool->kind, 1);
   family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
   s->num_device_alloc++;
@@ -177,9 +180,9 @@ bool gca__segment_release(device_t *d, block_t *b) {
   }
   b->state = BLOCK_RELEASING;
   seg->release_event = event;
-  seg->release_next = d->releasing;
-  d->releasing = seg;
-  d->releasing_count++;
+  seg->release_next = d->ev.releasing;
+  d->ev.releasing = seg;
+  d->ev.releasing_count++;
   return true;
 }
 
@@ -193,7 +196,7 @@ bool gca__segment_free_now(device_t *d, segment_t *seg) {
     /* The device says our books were wrong (no such allocation, or it was
      * still in use): the segment leaves them anyway, since keeping it would
      * keep a block nobody can use, and gca_check reports the error. */
-    d->backend_free_errors++;
+    d->kept.free_errors++;
   } else if (rc != GCA_OK) {
     /* The device refused and still holds the memory: keep the segment
      * cached, whole, to be given back another time. */
@@ -204,8 +207,8 @@ bool gca__segment_free_now(device_t *d, segment_t *seg) {
   }
   d->device_bytes -= seg->size;
 
-  if (unlikely(d->recording)) gca__history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
-  if (unlikely(d->segment_observer != NULL)) d->segment_observer(d->segment_observer_ctx, false, seg->size);
+  if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
+  if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, seg->size);
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
   family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);
@@ -274,8 +277,8 @@ static bool should_split(const device_t *d, const block_t *b, size_t size) {
 }
 
 GCA_COLD static void note_taken(device_t *d, block_t *b, size_t requested) {
-  if (d->pending_blocks) gca__stats_note_active_peak(&d->stats);
-  if (d->recording) gca__history_alloc(d, b, requested);
+  if (d->ev.pending_blocks) gca__stats_note_active_peak(&d->stats);
+  if (d->obs.recording) gca__history_alloc(d, b, requested);
 }
 
 /* Enter the handed-out block in the books (PyTorch's alloc_found_block tail). */
@@ -292,7 +295,7 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   if (b->oversize) stat_increase(&s->oversize_allocations, 1);
   atomic_store_explicit(&d->allocated_now, family_current(s, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   /* One branch for both rare cases: frees are pending, or history records. */
-  if (unlikely(d->pending_blocks | (size_t)d->recording)) note_taken(d, b, requested);
+  if (unlikely(d->ev.pending_blocks | (size_t)d->obs.recording)) note_taken(d, b, requested);
 }
 
 block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
@@ -355,7 +358,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
 static bool is_free(const block_t *b) { return b && b->state == BLOCK_FREE; }
 
 void gca__history_free_completed(device_t *d, block_t *b) {
-  if (d->recording) gca__history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, b->stream);
+  if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, b->stream);
   gca__history_drop_stack(b);
 }
 

@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 #include "observe/observe.h"
+#include "core/history.h"
 
 static pthread_mutex_t record_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t record_once = PTHREAD_ONCE_INIT;

@@ -14,6 +14,9 @@
 #include <string.h>
 
 #include "observe/observe.h"
+#include "core/expandable.h"
+#include "core/history.h"
+#include "core/mempool.h"
 
 /* ---- the snapshot ------------------------------------------------------- */
 
@@ -117,9 +120,9 @@ static void copy_segments(snapshot_impl_t *sn, device_t *d, gca_snapshot_segment
 static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **out, size_t *count) {
   *out = NULL;
   *count = 0;
-  if (!d->history || !d->history->count) return;
-  history_entry_t *raw = gca__arena_alloc(&sn->arena, d->history->count * sizeof *raw);
-  gca_trace_entry_t *entries = gca__arena_zalloc(&sn->arena, d->history->count * sizeof *entries);
+  if (!d->obs.history || !d->obs.history->count) return;
+  history_entry_t *raw = gca__arena_alloc(&sn->arena, d->obs.history->count * sizeof *raw);
+  gca_trace_entry_t *entries = gca__arena_zalloc(&sn->arena, d->obs.history->count * sizeof *entries);
   if (!raw || !entries) return;
   size_t n = gca__history_copy(d, raw);
   for (size_t i = 0; i < n; i++) {
@@ -238,7 +241,7 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
   for (int i = 0; i < n && traces && counts; i++) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
-    if (d->recording) gca__history_event(d, GCA_TRACE_SNAPSHOT, 0, 0, 0);
+    if (d->obs.recording) gca__history_event(d, GCA_TRACE_SNAPSHOT, 0, 0, 0);
     if (i == 0) sn->config = d->config;
     size_t here = gca__expandable_snapshot_count(d);
     if (total + here > cap) {

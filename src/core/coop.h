@@ -1,0 +1,27 @@
+/* Cooperation between processes on one device (coop.c): the rendezvous,
+ * release requests to the peers and their answers.
+ */
+#ifndef GCALLOC_CORE_COOP_H
+#define GCALLOC_CORE_COOP_H
+
+#include "core/core.h"
+
+/* ---- cooperation between processes (coop.c) ---- */
+typedef struct coop coop_t;
+typedef struct coop_outcome {
+  int asked, timeouts;
+  size_t received;
+} coop_outcome_t;
+/* Join the device's rendezvous (its identity names it); a thread answers
+ * peers' requests until gca__coop_leave. */
+int gca__coop_join(device_t *d, const char *identity, coop_t **out);
+void gca__coop_leave(coop_t *c);
+/* Ask the peers that cache most to release, for `need` bytes, and wait up
+ * to ipc_release_timeout_ms; returns the bytes released. Without the
+ * device lock. */
+size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
+/* What the last request got, by peer, for the out-of-memory message. */
+const char *gca__coop_last(const coop_t *c);
+int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);
+
+#endif /* GCALLOC_CORE_COOP_H */
