@@ -175,16 +175,15 @@ static inline uint32_t record_kind(unsigned role) { return role == 3; }
 
 /* Appends n values. Growth extends the array where it is when nothing was
  * allocated after it (a long list, which a pickler appends to in batches
- * of a thousand: the device lists' abandoned copies, before those lists
- * were held as ranges, were 330 KiB of cranberrii's arena and 640 KiB of
- * DeComFL's, each page a fault in a new process); else it allocates a new
+ * of a thousand: abandoned copies of a long list are hundreds of KiB of
+ * the arena, each page a fault in a new process); else it allocates a new
  * array from the arena and leaves the old one there: at most as much
  * again, and no per-container free. */
 static bool seq_add(pickle_doc_t *doc, pv_seq_t *s, const pv_t *items, size_t n) {
   if (s->pruned || n == 0) return true;
   /* A device's entries (or a segment's blocks), records in the order they
-   * were taken: held as a range, not as 16 bytes each (370 KiB of
-   * DeComFL's, a page fault per 4 KiB in a new process). Anything else in
+   * were taken: held as a range, not as 16 bytes each (hundreds of KiB
+   * for a long history, a page fault per 4 KiB in a new process). Anything else in
    * the list makes it items. */
   if ((s->role == 2 || s->role == 3) && (s->record_range || !s->count)) {
     int64_t first = s->record_range ? s->record_base + (int64_t)s->count : items[0].u.i;
@@ -309,9 +308,10 @@ static inline size_t scan_refs(const unsigned char *buf, size_t len, size_t pos,
  * A snapshot's frames lists repeat: a training loop allocates from the same
  * call stacks step after step, and PyTorch's pickler writes each frame once
  * and refers to it by memo index after, so the same stack is the same bytes
- * (94% of the bytes in cranberrii's runs are a run seen before). Decoding a
- * run reference by reference mispredicts a branch wherever BINGET and
- * LONG_BINGET alternate (106,000 times in cranberrii); comparing its bytes
+ * (over 90% of the bytes in a real snapshot's runs are a run seen before).
+ * Decoding a run reference by reference mispredicts a branch wherever
+ * BINGET and LONG_BINGET alternate (about 100,000 times in a 10,000-event
+ * snapshot); comparing its bytes
  * with a run seen before goes tens of bytes a cycle. Two guesses, from what
  * a reader learned of the runs it decoded: the run that followed the
  * previous run the last time that one was read (a program repeats its
@@ -319,14 +319,13 @@ static inline size_t scan_refs(const unsigned char *buf, size_t len, size_t pos,
  * bytes, most recently seen first. A run is known by where it was learned
  * (its start): stacks share their innermost frames (the allocator's own)
  * and their outermost (the training loop), so an identity hashed from a
- * few words at each end, as it was, named different runs alike and sent
- * the first guess wrong, and with one run kept a head (cranberrii's 296
- * distinct runs have 170 heads, up to 20 runs a head; Constructor-Sun's,
- * up to 133) the second missed too: 38% of cranberrii's bytes in runs were
- * recognised, 85% now (Constructor-Sun 31% -> 77%; the rest are first
- * sightings, each reader learning its own, and runs under 48 bytes), the
- * whole read 0.05-0.1 ms shorter. Eight ways were slower than four (more
- * compares where none matches, a bigger table to clear). A guess is taken
+ * few words at each end would name different runs alike and send the
+ * first guess wrong, and with one run kept a head (real snapshots have up
+ * to 20, and up to 133, distinct runs a head) the second would miss too:
+ * known by their start, 77-85% of the bytes in runs are recognised, not
+ * 31-38% (the rest are first sightings, each reader learning its own, and
+ * runs under 48 bytes). Eight ways are slower than four (more compares
+ * where none matches, a bigger table to clear). A guess is taken
  * only if its bytes are the same, the run here ends where it ended, and
  * its largest index is below the count stored: exactly when decoding would
  * have gone over the same bytes to the same place (tests compare the two).
@@ -1082,12 +1081,10 @@ static void split_retry(split_t *s, split_pending_t *p, size_t shown, pv_t *reso
 /* The least offset the second reader may start at on its own: 62% of the
  * file. It does more per byte (it prepares and writes out each entry, the
  * first merges it), 1.5-1.8 times as much on these snapshots, and the
- * first caught up with it before the end at 55%. Measured (load and
- * replay, best of 400, builds alternating): from 55% to 61-64%,
- * Constructor-Sun 1.60 -> 1.49 ms and cranberrii 2.01 -> 1.93-1.96;
- * DeComFL, whose later entries are smaller, 2.85 -> 3.0-3.07 (still 7.5 M
- * events/s); 67% was slower on all three. (Earlier, with the second
- * reader starting later: 45% and 50% were slower than 55%.) */
+ * first catches up with it before the end from anywhere under 60%. On
+ * real snapshots (load and replay, best of 400, builds alternating), 61-64%
+ * is 4-7% faster than 55% for most, 5% slower for one whose later entries
+ * are smaller (still 7.5 M events/s); 67% is slower on all. */
 static size_t split_least(size_t len) { return len / 50 * 31; }
 
 /* The second reader's start when it was not given: the first FRAME that
@@ -1108,7 +1105,7 @@ static size_t split_find(const unsigned char *buf, size_t len) {
 static void split_main(void *arg) {
   split_t *s = arg;
   if (!s->at) s->at = split_find(s->doc->buf, s->doc->len);
-  /* Units: 2.7 bytes per byte of input (DeComFL's small entries take 1.8),
+  /* Units: 2.7 bytes per byte of input (small entries take 1.8),
    * and 64 KiB at least (a tiny test file's take up to 6). When it is
    * full, the second reader stops and the first reads the rest. */
   s->cap = (s->doc->len - s->at) / 6 > 4096 ? (s->doc->len - s->at) / 6 : 4096;

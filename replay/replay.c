@@ -174,7 +174,7 @@ static void sort_seeds(seed_t *seeds, seed_t *tmp, size_t n) {
 /* Where a device's events lie in the trace: from its first to past its
  * last (lo == hi: none). A trace's readers group events by device, so a
  * device's plan looks at its own events only, not at every event of the
- * trace three times (a tenth of replaying Constructor-Sun's four devices). */
+ * trace three times (a tenth of the replay of a four-device snapshot). */
 typedef struct event_span {
   size_t lo, hi;
 } event_span_t;
@@ -445,8 +445,8 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
   if (ok) {
     p->cap = n + ns + 1;
     /* A big array (util.c): in a new process it takes the mapping the
-     * reader's memo left, already faulted in, instead of 60 pages of its
-     * own (cranberrii's replay 1.5 -> 1.35 ms in a new process). */
+     * reader's memo left, already faulted in, instead of dozens of pages
+     * of its own (a tenth of a new process's replay). */
     ok = (p->ops = gca__big_alloc(p->cap * sizeof *p->ops)) != NULL;
   }
   uint32_t slots = 0;
@@ -535,8 +535,8 @@ static void observe_segment(void *ctx, bool alloc, size_t size) {
  * Seeded one by one, the allocations live at the start are packed into as
  * few segments as gcalloc would make for them; PyTorch, whose history is
  * not in the record, had them spread over the segments it had made, with
- * memory cached free between them (cranberrii: 1,336 MiB reserved for
- * 1,053 MiB live), and served the first requests of the record from that
+ * memory cached free between them (on real snapshots, a quarter more
+ * reserved than live), and served the first requests of the record from that
  * cache. When the plan knows those segments (plan_start_segments), the
  * replay makes them, each at its recorded size, with the seeds at their
  * recorded offsets and the gaps free, through the allocator's own calls:
@@ -742,8 +742,8 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
   /* The page census at the peak, without maps: counted at each new peak
    * as it comes (a few ranges and the free blocks), not by a second run up
    * to the last one (which the maps and the snapshot of --report still
-   * take): Constructor-Sun's expandable devices were replayed twice,
-   * 0.27 ms of its 1.5. */
+   * take): a second run would replay an expandable device twice, a
+   * sixth of the whole replay of such a snapshot. */
   bool census_here = o->page_census && !o->timeline && !peak;
   double start = now_seconds();
   size_t i = 0;

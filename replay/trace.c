@@ -164,8 +164,8 @@ static bool read_uint(const pv_t *v, uint64_t *out) {
  * in one array, not two, and nothing is copied. The final segments'
  * blocks are taken so too (pickle_options.block_key): a dict of five
  * pairs each in the reader's arena was 200 bytes a block, most of that
- * arena (cranberrii's 1,079 blocks, about 210 of its 359 KiB), each page of it a
- * fault in a new process. */
+ * arena (about 200 KiB for a thousand blocks), each page of it a fault in
+ * a new process. */
 typedef struct entry_sink {
   trace_event_t *events;
   size_t count, cap;
@@ -306,7 +306,7 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
      * to 2 MiB, instead of three reallocs on the heap and a copy (35 page
      * faults on the first reader's path in a new process). Not zeroed:
      * each entry is written whole before anything reads it, and zeroing a
-     * kept mapping was half a megabyte of memset on cranberrii's read. */
+     * kept mapping would be half a megabyte of memset on a 10,000-event read. */
     size_t cap = sink->cap ? sink->cap * 2 : ((size_t)256 << 10) / sizeof *sink->events + 1;
     if (!events_fit(cap, sizeof *sink->events)) return false; /* (read as a dict: the reader's own bound refuses it) */
     trace_event_t *grown = gca__big_regrow(sink->events, sink->cap * sizeof *grown, cap * sizeof *grown);
@@ -1443,8 +1443,8 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   }
   /* A gzip, zstd, xz or bzip2 trace is read whole and decompressed into
    * memory, and read there as a pipe's; lz4 is named, with the command
-   * that decompresses it (such a file had been read as an allocatorSim log,
-   * and refused for its first line). */
+   * that decompresses it (read as it is, it would be taken for an
+   * allocatorSim log and refused for its first line). */
   const compression_t *packed = compression_of(head, head_len);
   size_t memory_limit = 0;
   if (packed && packed->packing != PACK_OTHER) {

@@ -31,8 +31,8 @@ typedef enum trace_action {
 } trace_action;
 
 /* 32 bytes: a long trace's events are most of what reading it writes, and
- * in a new process each fresh 4 KiB of them a page fault (DeComFL's 23,105
- * events were 225 pages at 40 bytes). Devices are numbered 0 to 255 in
+ * in a new process each fresh 4 KiB of them a page fault (23,000 events
+ * are 180 pages, not 225 at 40 bytes). Devices are numbered 0 to 255 in
  * every format, and a stream is its number in trace_t.streams. */
 typedef struct trace_event {
   uint64_t addr;   /* device_free for oom entries */

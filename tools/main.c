@@ -117,8 +117,8 @@ int main(int argc, char **argv) {
    * device's tables) on two threads at once, and glibc gave them back to
    * the kernel after each (arrays from 128 KiB on are mappings of their
    * own, and heaps are trimmed), so the next took the pages' faults again,
-   * serialized on the process's memory map: Constructor-Sun's replay after
-   * a read took 0.7-1.9 ms instead of 0.5-0.6, a third of the time. `tune`
+   * serialized on the process's memory map: a replay after a read took up
+   * to three times as long. `tune`
    * and the benchmark replay many times in one process; `replay` counts on
    * it to fault its heap in ahead (tools/replay.c, heap_warm). (The library
    * leaves malloc's settings to the program that links it.) */

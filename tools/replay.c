@@ -171,9 +171,9 @@ static void show_progress(void *ctx, int device, size_t done, size_t total) {
 /* The heap a replay grows into, faulted in ahead of it by a helper thread.
  * In a new process the trace's entries and the simulated device's tables,
  * blocks and records come from heap pages never touched before: reading
- * and replaying a snapshot faults in 100-180 of them, 2-3 us each on the
- * project's VM, on the reading and replaying thread's path (0.2-0.4 ms of
- * cranberrii's 3.5), while the other processor has finished the second
+ * and replaying a snapshot faults in 100-180 of them, 2-3 us each on a
+ * virtual machine, on the reading and replaying thread's path (a tenth of
+ * a new process's replay), while the other processor has finished the second
  * reader's part and waits. So before the trace is read the heap is grown,
  * by a block freed at once (gcalloc.c keeps malloc from trimming it or
  * mapping such a block apart), and a helper asks the kernel to map those
