@@ -7,7 +7,7 @@
  *              moment. Without cooperation a process's cache starves the
  *              others; with it they ask each other. Reported: steps
  *              completed and steps that ran out of memory, over all.
- *   round trip a peer caches 512 MiB; the other process asks for 768 MiB,
+ *   round trip a peer caches 512 MiB when told; the other process asks for 768 MiB,
  *              which fits only once the peer released: the time of that
  *              gca_malloc (the request, the peer's release, the retry),
  *              median and p99 of ROUND_TRIPS, in microseconds.
@@ -18,7 +18,6 @@
  * costs, not what a driver's free does.
  */
 #include <inttypes.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -111,48 +110,64 @@ static int cmp_double(const void *x, const void *y) {
   return (a > b) - (a < b);
 }
 
-/* The peer of the round trip: keeps 512 MiB cached, re-caching it after
- * each release. */
-static void round_trip_peer(int ready) {
+/* The peer of the round trip: on each byte from `commands` caches 512 MiB
+ * (unless it still does) and answers on `answers`; it ends at end of
+ * file. Told when to cache, it never takes the memory back between a
+ * release and the requester's retry, which would make the round trip
+ * measure a race instead. */
+static void round_trip_peer(int commands, int answers) {
   gca_allocator_t *a = NULL;
   if (gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) {
     fprintf(stderr, "gcalloc bench-sharing: the round trip's peer cannot open the device: %s\n", gca_last_error());
     _exit(2);
   }
-  bool said = false;
-  for (;;) {
-    if (gca_reserved_bytes(a, 0) == 0) {
+  char c;
+  while (read(commands, &c, 1) == 1) {
+    bool cached = gca_reserved_bytes(a, 0) > 0;
+    if (!cached) {
       void *p = gca_malloc(a, 512 * MIB, 0, 0);
       if (p) gca_free(a, p);
-      if (!said && p) said = write(ready, "r", 1) == 1;
+      cached = p != NULL;
     }
-    sleep_us(200);
+    if (write(answers, cached ? "r" : "x", 1) != 1) break;
   }
+  gca_close(a);
+  _exit(0);
 }
 
 static int round_trips(double *median, double *p99, int *refused) {
-  int fds[2];
-  if (pipe(fds)) return -1;
+  int to_peer[2], from_peer[2];
+  if (pipe(to_peer)) return -1;
+  if (pipe(from_peer)) {
+    close(to_peer[0]);
+    close(to_peer[1]);
+    return -1;
+  }
   pid_t peer = fork();
   if (peer == 0) {
-    close(fds[0]);
-    round_trip_peer(fds[1]);
+    close(to_peer[1]);
+    close(from_peer[0]);
+    round_trip_peer(to_peer[0], from_peer[1]);
   }
-  close(fds[1]);
-  char c;
-  if (read(fds[0], &c, 1) != 1) return -1;
-  close(fds[0]);
+  close(to_peer[0]);
+  close(from_peer[1]);
+  char c = 0;
+  int rc = write(to_peer[1], "c", 1) == 1 && read(from_peer[0], &c, 1) == 1 && c == 'r' ? 0 : -1;
   sleep_us(200000); /* the peer has published */
   gca_allocator_t *a = NULL;
-  if (gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) return -1;
+  if (rc == 0 && gca_open(device_spec, "ipc_cooperation:True", &a) != GCA_OK) rc = -1;
   static double us[ROUND_TRIPS];
-  int n = 0, rc = 0;
+  int n = 0;
   for (int i = 0; i < round_trip_count && rc == 0; i++) {
-    sleep_us(3000); /* the peer caches its 512 MiB again (it looks every 200 us) */
+    /* The peer caches its 512 MiB again, then the request. */
+    if (write(to_peer[1], "c", 1) != 1 || read(from_peer[0], &c, 1) != 1 || c != 'r') {
+      rc = -1;
+      break;
+    }
     double t0 = tool_seconds();
     void *p = gca_malloc(a, 768 * MIB, 0, 0);
     double t = (tool_seconds() - t0) * 1e6;
-    if (!p) { /* the peer held its 512 MiB (between its malloc and free): not a round trip */
+    if (!p) { /* the peer did not answer within ipc_release_timeout_ms: not a round trip */
       (*refused)++;
       continue;
     }
@@ -160,14 +175,16 @@ static int round_trips(double *median, double *p99, int *refused) {
     gca_free(a, p);
     gca_empty_cache(a, 0);
   }
-  kill(peer, SIGKILL);
+  close(to_peer[1]); /* (the peer ends) */
+  close(from_peer[0]);
   waitpid(peer, NULL, 0);
   gca_close(a);
-  if (n == 0) return -1;
+  if (rc == 0 && n == 0) rc = -1;
+  if (rc) return rc;
   qsort(us, (size_t)n, sizeof us[0], cmp_double);
   *median = us[n / 2];
   *p99 = us[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1];
-  return rc;
+  return 0;
 }
 
 static double hot_loop(gca_allocator_t *a) {
@@ -247,7 +264,7 @@ int bench_sharing_main(int argc, char **argv) {
       printf("%9d   %20d / %-6d    %8d / %-6d\n", procs[i], counts[i][0][0], counts[i][0][1], counts[i][1][0],
              counts[i][1][1]);
     printf("\nrelease request round trip (ask, peer releases 512 MiB, retry), %d times: median %.0f us, p99 %.0f us"
-           " (%d found the peer's memory in use)\n", round_trip_count, median, p99, refused);
+           " (%d not answered in time)\n", round_trip_count, median, p99, refused);
     printf("hot path, 4 KiB malloc+free, no pressure: off %.1f ns, on %.1f ns (%.3fx)\n", best_off, best_on,
            best_on / best_off);
   }
