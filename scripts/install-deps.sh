@@ -4,7 +4,8 @@
 # header-only red-black tree), json-c (the JSON export), libunwind (stacks
 # in the history), zlib, zstd, liblzma and libbz2 (the replay reads gzip-,
 # zstd-, xz- and bzip2-compressed traces), python3 (a test reads the pickle export with Python's own
-# unpickler) and python3-pytest (the Python package's tests), the sanitizer runtimes and libFuzzer (clang's runtime), Chromium
+# unpickler), python3-pytest (the Python package's tests) and python3-venv (a test
+# runs `pip install .` in a fresh virtual environment), the sanitizer runtimes and libFuzzer (clang's runtime), Chromium
 # and a font (a test renders the replay's HTML report headless), and the peers
 # the benchmark measures against (mimalloc, jemalloc). Runs apt-get as root, or through sudo when
 # available; does nothing when all is there already.
@@ -12,7 +13,7 @@ set -euo pipefail
 
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev libcmocka-dev libbsd-dev
           libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev libjson-c-dev libunwind-dev zlib1g-dev libzstd-dev liblzma-dev libbz2-dev
-          python3 python3-pytest
+          python3 python3-pytest python3-venv
           chromium fonts-liberation)
 
 missing=()

@@ -19,4 +19,20 @@ cmake -S "$src/tests/consumer" -B "$scratch/consumer" -DCMAKE_PREFIX_PATH="$scra
 cmake --build "$scratch/consumer" >/dev/null
 LD_LIBRARY_PATH="$libdir" "$scratch/consumer/consumer_shared"
 "$scratch/consumer/consumer_static"
-echo "install check: headers, shared and static libraries, pkg-config and CMake package all work"
+# The Python package lands where the system's python3 searches under the
+# configured prefix (for /usr/local on Debian, a folder on its own path:
+# it does not search /usr/local/lib/python3/dist-packages), and imports from
+# there.
+cache() { sed -n "s/^$1:[A-Z]*=//p" "$build/CMakeCache.txt"; }
+pydir=$(cache GCALLOC_PYTHON_DIR) py=$(cache GCALLOC_PYTHON3) prefix=$(cache CMAKE_INSTALL_PREFIX)
+if [ -n "$pydir" ] && [ -x "$py" ]; then
+  test -f "$scratch/prefix/$pydir/gcalloc/__init__.py"
+  if "$py" -c 'import os, sys; sys.exit(os.path.isdir("/usr/lib/python3/dist-packages") == False)'; then
+    # (Debian's python3: the configured prefix's folder must be on its path.)
+    "$py" -c 'import sys; p = sys.argv[1]; sys.exit(0 if p in sys.path else "%s does not search %s" % (sys.executable, p))' \
+      "$prefix/$pydir"
+  fi
+  GCALLOC_LIBRARY=$(ls "$libdir"/libgcalloc.so.*.* | head -n 1) PYTHONPATH="$scratch/prefix/$pydir" \
+    "$py" -c 'import gcalloc; assert gcalloc.version()'
+fi
+echo "install check: headers, shared and static libraries, pkg-config, CMake package and Python package all work"

@@ -197,10 +197,19 @@ void json_put_string(FILE *f, const char *s) {
 }
 
 const char *tool_samples_dir(void) {
-  static const char *const places[] = {GCALLOC_SAMPLES_DIR, GCALLOC_INSTALLED_SAMPLES_DIR};
+  /* Beside the tool first: in the Python package a pip install makes, the
+   * tool is gcalloc/bin/gcalloc and the samples gcalloc/data/snapshots. */
+  static char beside[4096];
+  ssize_t n = readlink("/proc/self/exe", beside, sizeof beside - 1);
+  char *slash = n > 0 ? memrchr(beside, '/', (size_t)n) : NULL;
+  if (slash && (size_t)(slash - beside) + sizeof "/../data/snapshots" <= sizeof beside)
+    memcpy(slash, "/../data/snapshots", sizeof "/../data/snapshots");
+  else
+    beside[0] = '\0';
+  const char *const places[] = {beside, GCALLOC_SAMPLES_DIR, GCALLOC_INSTALLED_SAMPLES_DIR};
   for (size_t i = 0; i < sizeof places / sizeof places[0]; i++) {
     struct stat st;
-    if (stat(places[i], &st) == 0 && S_ISDIR(st.st_mode)) return places[i];
+    if (places[i][0] && stat(places[i], &st) == 0 && S_ISDIR(st.st_mode)) return places[i];
   }
   return NULL;
 }

@@ -95,8 +95,9 @@ struct trace;
 bool tool_load_trace(const char *command, const char *path, struct trace *t, tool_progress_t *p);
 int compare_doubles(const void *a, const void *b);
 /* The folder of the sample snapshots the project ships (data/snapshots,
- * one folder each): the source tree's, else the installed one; NULL when
- * neither is there. */
+ * one folder each): beside the tool in the Python package
+ * (gcalloc/data/snapshots), else the source tree's, else the installed
+ * one; NULL when none is there. */
 const char *tool_samples_dir(void);
 static inline double gib(double bytes) { return bytes / (double)(1 << 30); }
 
