@@ -19,20 +19,49 @@ import ctypes.util
 import glob
 import json
 import os
+import re
 import tempfile
 import threading
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["Allocator", "GcallocError", "library_path", "memory_stats", "memory_summary", "memory_snapshot",
-           "dump_snapshot", "empty_cache", "set_per_process_memory_fraction", "reset_peak_memory_stats",
+__all__ = ["Allocator", "GcallocError", "OutOfMemoryError", "DeviceProperties", "library_path", "version",
+           "device_count", "synchronize", "empty_cache", "mem_get_info", "memory_stats",
+           "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated", "memory_reserved",
+           "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
+           "reset_accumulated_memory_stats", "memory_summary", "gcalloc_stats", "memory_snapshot",
+           "dump_snapshot", "record_memory_history", "set_per_process_memory_fraction",
+           "get_per_process_memory_fraction", "get_device_properties", "can_device_access_peer",
            "host_memory_stats", "host_empty_cache"]
 
 
+# gca_status (include/gcalloc.h)
+GCA_ERR_INVALID, GCA_ERR_OOM, GCA_ERR_CONFIG, GCA_ERR_BACKEND, GCA_ERR_BAD_POINTER = -1, -2, -3, -4, -5
+
+
 class GcallocError(RuntimeError):
-    """A gcalloc call failed; the message is gcalloc's (gca_last_error)."""
+    """A gcalloc call failed; the message is gcalloc's (gca_last_error) and
+    `status` its gca_status (a negative int). A call on a closed allocator
+    raises it too, with status GCA_ERR_INVALID."""
 
     def __init__(self, status, message):
         super().__init__(message)
         self.status = status
+
+
+class OutOfMemoryError(GcallocError, MemoryError):
+    """The device (or pinned host memory) cannot serve an allocation: a
+    RuntimeError as PyTorch's torch.OutOfMemoryError is, and a MemoryError.
+    Once gcalloc.torch is imported, the out-of-memory errors raised are also
+    instances of torch.OutOfMemoryError."""
+
+
+# The class an out-of-memory raises: gcalloc.torch puts a subclass that is
+# also torch.OutOfMemoryError here.
+_oom_error = [OutOfMemoryError]
+
+
+def _error(status, message):
+    return (_oom_error[0] if status == GCA_ERR_OOM else GcallocError)(status, message)
 
 
 def _find_library():
@@ -79,6 +108,38 @@ class _PoolStats(ctypes.Structure):  # gca_pool_stats_t
                 ("backup_bytes", ctypes.c_uint64)]
 
 
+class _Stats(ctypes.Structure):  # gca_stats_t: only gcalloc's own counters are read from it here
+    _fields_ = [(name, _Stat * 3) for name in ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                                               "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                                               "requested_bytes")] + \
+               [("oversize_allocations", _Stat), ("oversize_segments", _Stat)] + \
+               [(name, ctypes.c_int64) for name in ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                                                    "num_device_alloc", "num_device_free", "max_split_size",
+                                                    "num_cross_stream_reuses", "num_device_free_failures",
+                                                    "num_gc_releases", "num_alloc_waits", "num_oom_handler_retries",
+                                                    "num_pages_moved", "num_ipc_requests", "ipc_bytes_received",
+                                                    "num_ipc_timeouts")]
+
+
+_OWN_COUNTERS = ("num_cross_stream_reuses", "num_device_free_failures", "num_gc_releases", "num_alloc_waits",
+                 "num_oom_handler_retries", "num_pages_moved", "num_ipc_requests", "ipc_bytes_received",
+                 "num_ipc_timeouts")
+
+
+class _DeviceProperties(ctypes.Structure):  # gca_device_properties_t
+    _fields_ = [("name", ctypes.c_char * 256), ("major", ctypes.c_int), ("minor", ctypes.c_int),
+                ("multiprocessor_count", ctypes.c_int), ("total_memory", ctypes.c_uint64)]
+
+
+class DeviceProperties(NamedTuple):
+    """A device's properties, with the attribute names of torch.cuda.get_device_properties()."""
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+
+
 class _HostStats(ctypes.Structure):  # gca_host_stats_t
     _fields_ = [("allocation", _Stat), ("segment", _Stat), ("allocated_bytes", _Stat), ("reserved_bytes", _Stat),
                 ("host_alloc_time", _DurationStat), ("host_free_time", _DurationStat),
@@ -117,6 +178,10 @@ _sig("gca_snapshot_take", ctypes.c_int, _P, ctypes.POINTER(_P))
 _sig("gca_snapshot_free", None, _P)
 _sig("gca_snapshot_write", ctypes.c_int, _P, ctypes.c_char_p, ctypes.c_int)
 _sig("gca_get_stats", ctypes.c_int, _P, ctypes.c_int, _P)
+_sig("gca_mem_get_info", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+_sig("gca_get_memory_fraction", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_double))
+_sig("gca_device_properties", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_DeviceProperties))
+_sig("gca_can_access_peer", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 _sig("gca_stats_flatten", ctypes.c_size_t, _P, ctypes.POINTER(_StatItem), ctypes.c_size_t)
 _sig("gca_record_history", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
 _sig("gca_host_malloc", _P, _P, ctypes.c_size_t)
@@ -156,7 +221,7 @@ _STATS_BYTES = 4096
 
 def _check(rc):
     if rc < 0:
-        raise GcallocError(rc, _lib.gca_last_error().decode())
+        raise _error(rc, _lib.gca_last_error().decode())
     return rc
 
 
@@ -199,7 +264,33 @@ def _stream(value):
     return _unsigned(value, "stream", _PTR_MAX)
 
 
+_DEVICE_TEXT = re.compile(r"(cuda|npu|sim|acl)(?::([0-9]+))?\Z")
+
+
+def _current_device():
+    """The calling thread's current device as PyTorch (or torch_npu) sees it
+    where gcalloc is installed in it, else 0."""
+    from . import torch as _torch_glue  # (imports nothing of PyTorch itself)
+
+    return _torch_glue._current_device() if _torch_glue.installed() else 0
+
+
 def _device(value, name="device", allow_all=False):
+    """A device index from an int, "cuda:1" / "npu:1" (the type's current
+    device without an index), a torch.device, or None (the current device)."""
+    if value is None:
+        return _current_device()
+    if isinstance(value, str) or (hasattr(value, "type") and hasattr(value, "index") and not isinstance(value, int)):
+        kind, index = (value.type, value.index) if not isinstance(value, str) else (None, None)
+        if isinstance(value, str):
+            m = _DEVICE_TEXT.match(value)
+            if not m:
+                raise ValueError("%s %r is not a device: give an int, 'cuda:N', 'npu:N', a torch.device or None"
+                                 % (name, value))
+            kind, index = m.group(1), m.group(2)
+        if kind not in ("cuda", "npu", "sim", "acl"):
+            raise ValueError("%s %r is a %s device, not one gcalloc manages" % (name, str(value), kind))
+        return _current_device() if index is None else _device(int(index), name)
     value = _integer(value, name)
     if value < (-1 if allow_all else 0) or value > _INT_MAX:
         if value < _INT_MIN or value > _INT_MAX:
@@ -215,7 +306,10 @@ def _pool(value, name="pool"):
 def _fraction(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError("fraction must be a float, not %s" % type(value).__name__)
-    return float(value)
+    value = float(value)
+    if not 0.0 <= value <= 1.0:  # (what torch.cuda.set_per_process_memory_fraction raises)
+        raise ValueError("invalid fraction %r: it must be within [0, 1]" % value)
+    return value
 
 
 def _text(s, name="text"):
@@ -231,18 +325,18 @@ def _text(s, name="text"):
 
 
 def _allocated(size, call):
-    """Run an allocating call: its address, 0 for size 0; MemoryError when out of memory."""
+    """Run an allocating call: its address, 0 for size 0; OutOfMemoryError when out of memory."""
     size = _size(size)
     p = call(size)
     if not p:
         status = _lib.gca_last_status()
-        if status == -2:  # GCA_ERR_OOM
-            raise MemoryError(_lib.gca_last_error().decode())
-        _check(status)
+        if status < 0:
+            _check(status)
     return p or 0
 
 
-def version():
+def version() -> str:
+    """The library's version, "MAJOR.MINOR.PATCH" (gca_version)."""
     return _lib.gca_version().decode()
 
 
@@ -256,8 +350,8 @@ class Allocator:
 
     Threads may share an Allocator. close() waits for the calls other threads
     have in flight, then closes; a call made after (or while close waits)
-    raises ValueError. The C allocator stays valid for the whole of every
-    call that started before close."""
+    raises GcallocError (status GCA_ERR_INVALID). The C allocator stays
+    valid for the whole of every call that started before close."""
 
     def __init__(self, backend="sim", conf=None, _handle=None):
         self._cond = threading.Condition()
@@ -271,13 +365,13 @@ class Allocator:
         self._a, self._owned = handle, True
 
     def _enter(self, closed_ok=False):
-        """The C allocator, held open until _leave(); ValueError where it is
-        closed (None with closed_ok)."""
+        """The C allocator, held open until _leave(); GcallocError where it
+        is closed (None with closed_ok)."""
         with self._cond:
             if self._closing or not self._a:
                 if closed_ok:
                     return None
-                raise ValueError("gcalloc: the allocator is closed")
+                raise GcallocError(GCA_ERR_INVALID, "gcalloc: the allocator is closed")
             self._in_flight += 1
             return self._a
 
@@ -354,6 +448,9 @@ class Allocator:
             return _allocated(size, lambda n: _lib.gca_malloc(a, n, device, stream))
 
     def free(self, ptr):
+        """Free an address malloc returned; None (or 0) does nothing, as free(NULL)."""
+        if ptr is None:
+            return
         ptr = _address(ptr)
         with self._handle() as a:
             _check(_lib.gca_free(a, ptr))
@@ -484,6 +581,51 @@ class Allocator:
         with self._handle() as a:
             _check(_lib.gca_set_memory_fraction(a, fraction, device))
 
+    def get_per_process_memory_fraction(self, device=0):
+        """The memory fraction in force on the device (1.0 when none was set)."""
+        device = _device(device)
+        out = ctypes.c_double()
+        with self._handle() as a:
+            _check(_lib.gca_get_memory_fraction(a, device, ctypes.byref(out)))
+        return out.value
+
+    def mem_get_info(self, device=0):
+        """(free, total) bytes of the device, as its driver reports them."""
+        device = _device(device)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        with self._handle() as a:
+            _check(_lib.gca_mem_get_info(a, device, ctypes.byref(free), ctypes.byref(total)))
+        return free.value, total.value
+
+    def device_properties(self, device=0):
+        """The device's DeviceProperties."""
+        device = _device(device)
+        p = _DeviceProperties()
+        with self._handle() as a:
+            _check(_lib.gca_device_properties(a, device, ctypes.byref(p)))
+        return DeviceProperties(p.name.decode(errors="replace"), p.major, p.minor, p.multiprocessor_count,
+                                p.total_memory)
+
+    def can_access_peer(self, device, peer):
+        """Whether `device` can reach `peer`'s memory once peer access is enabled (False where the
+        backend has no peers, as the sim)."""
+        device, peer = _device(device), _device(peer, "peer")
+        can = ctypes.c_int(0)
+        with self._handle() as a:
+            rc = _lib.gca_can_access_peer(a, device, peer, ctypes.byref(can))
+        if rc == GCA_ERR_BACKEND and device != peer:
+            return False
+        _check(rc)
+        return bool(can.value)
+
+    def gcalloc_stats(self, device=0):
+        """gcalloc's own counters of the device (gcalloc.gcalloc_stats)."""
+        device = _device(device)
+        st = _Stats()
+        with self._handle() as a:
+            _check(_lib.gca_get_stats(a, device, ctypes.byref(st)))
+        return {name: getattr(st, name) for name in _OWN_COUNTERS}
+
     def reset_peak_memory_stats(self, device=0):
         device = _device(device)
         with self._handle() as a:
@@ -521,6 +663,9 @@ class Allocator:
             return _allocated(size, lambda n: _lib.gca_host_malloc(a, n))
 
     def host_free(self, ptr):
+        """Free an address host_malloc returned; None (or 0) does nothing."""
+        if ptr is None:
+            return
         ptr = _address(ptr)
         with self._handle() as a:
             _check(_lib.gca_host_free(a, ptr))
@@ -595,44 +740,158 @@ class Allocator:
             os.unlink(path)
 
 
-def _process_allocator():
+def _process_allocator() -> "Allocator":
+    """The process-wide allocator (the one PyTorch uses once gcalloc.torch or
+    gcalloc.torch_npu is installed), opened on first use on
+    $GCALLOC_TORCH_BACKEND (default cuda) with the environment's settings."""
     a = _lib.gca_torch_allocator()
     if not a:
-        raise GcallocError(_lib.gca_last_status(), _lib.gca_last_error().decode())
+        raise _error(_lib.gca_last_status(), _lib.gca_last_error().decode())
     return Allocator(_handle=a)
 
 
-def memory_stats(device=0):
-    return _process_allocator().memory_stats(device)
+# ---- module-level functions: torch.cuda's memory and device API, on the
+# process-wide allocator, whatever its backend (sim, cuda, acl). `device` is
+# an int, "cuda:1" / "npu:1", a torch.device, or None (the current device).
+
+Device = Union[int, str, Any, None]
 
 
-def memory_summary(device=0, abbreviated=False):
-    return _process_allocator().memory_summary(device, abbreviated)
+def device_count() -> int:
+    """The devices of the process-wide allocator's backend."""
+    return _process_allocator().device_count
 
 
-def memory_snapshot():
-    return _process_allocator().memory_snapshot()
+def synchronize(device: Device = None) -> None:
+    """Wait for the device's work and complete the frees that waited for it."""
+    _process_allocator().synchronize(_device(device))
 
 
-def dump_snapshot(path):
-    _process_allocator().dump_snapshot(path)
-
-
-def empty_cache():
+def empty_cache() -> None:
+    """Give every unused cached segment of every device back (torch.cuda.empty_cache)."""
     _process_allocator().empty_cache(-1)
 
 
-def set_per_process_memory_fraction(fraction, device=0):
-    _process_allocator().set_per_process_memory_fraction(fraction, device)
+def mem_get_info(device: Device = None) -> Tuple[int, int]:
+    """(free, total) bytes of the device, as the driver reports them (torch.cuda.mem_get_info)."""
+    return _process_allocator().mem_get_info(_device(device))
 
 
-def reset_peak_memory_stats(device=0):
-    _process_allocator().reset_peak_memory_stats(device)
+def memory_stats(device: Device = None) -> Dict[str, int]:
+    """torch.cuda.memory_stats(): the same keys, in the same order."""
+    return _process_allocator().memory_stats(_device(device))
 
 
-def host_memory_stats():
+def memory_stats_as_nested_dict(device: Device = None) -> Dict[str, Any]:
+    """torch.cuda.memory_stats_as_nested_dict(): the flat keys split at their dots."""
+    nested: Dict[str, Any] = {}
+    for key, value in memory_stats(device).items():
+        *path, last = key.split(".")
+        level = nested
+        for part in path:
+            level = level.setdefault(part, {})
+        level[last] = value
+    return nested
+
+
+def memory_allocated(device: Device = None) -> int:
+    """Bytes in allocated blocks now (torch.cuda.memory_allocated)."""
+    return memory_stats(device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device: Device = None) -> int:
+    """The peak of memory_allocated since the start or the last reset."""
+    return memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device: Device = None) -> int:
+    """Bytes the allocator holds from the device now, cached included (torch.cuda.memory_reserved)."""
+    return memory_stats(device).get("reserved_bytes.all.current", 0)
+
+
+def max_memory_reserved(device: Device = None) -> int:
+    """The peak of memory_reserved since the start or the last reset."""
+    return memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+
+def reset_peak_memory_stats(device: Device = None) -> None:
+    """Every peak set to its current value (torch.cuda.reset_peak_memory_stats)."""
+    _process_allocator().reset_peak_memory_stats(_device(device))
+
+
+def reset_max_memory_allocated(device: Device = None) -> None:
+    """As torch.cuda.reset_max_memory_allocated: resets every peak."""
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device: Device = None) -> None:
+    """Every allocated/freed total and num_* counter set to 0."""
+    _process_allocator().reset_accumulated_memory_stats(_device(device))
+
+
+def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
+    """torch.cuda.memory_summary()'s table."""
+    return _process_allocator().memory_summary(_device(device), abbreviated)
+
+
+def gcalloc_stats(device: Device = None) -> Dict[str, int]:
+    """gcalloc's own counters, which torch.cuda.memory_stats() has no keys for: cross-stream reuses,
+    device frees refused, garbage-collection releases, allocations that waited, OOM-handler retries,
+    pages moved by stitching, and the requests to (and bytes from) processes sharing the device."""
+    return _process_allocator().gcalloc_stats(_device(device))
+
+
+def memory_snapshot() -> Dict[str, Any]:
+    """torch.cuda.memory._snapshot(): a dict with segments, device_traces and allocator_settings."""
+    return _process_allocator().memory_snapshot()
+
+
+def dump_snapshot(path: Union[str, "os.PathLike[str]"]) -> None:
+    """torch.cuda.memory._dump_snapshot(path): a pickle memory_viz opens."""
+    _process_allocator().dump_snapshot(path)
+
+
+def record_memory_history(enabled: Optional[str] = "all", context: Optional[str] = "all",
+                          stacks: str = "all", max_entries: int = 100000) -> None:
+    """torch.cuda.memory._record_memory_history on every device of the process-wide allocator:
+    `enabled` None stops, "state" keeps the stacks of live blocks only, "all" also the history of
+    allocations and frees (max_entries of them); `context` None, "state", "alloc" or "all" says which
+    events keep a stack; `stacks` "python" or "all" (native frames are recorded in both)."""
+    if stacks not in ("python", "all"):
+        raise ValueError("stacks must be 'python' or 'all', not %r" % (stacks,))
+    if enabled not in (None, "state", "all"):
+        raise ValueError("enabled must be None, 'state' or 'all', not %r" % (enabled,))
+    allocator = _process_allocator()
+    for device in range(allocator.device_count):
+        allocator.record_history(enabled is not None, context if enabled == "all" else "state",
+                                 max_entries if enabled == "all" else 0)
+
+
+def set_per_process_memory_fraction(fraction: float, device: Device = None) -> None:
+    """Limit what the device may reserve to fraction x its memory (ValueError outside [0, 1])."""
+    _process_allocator().set_per_process_memory_fraction(fraction, _device(device))
+
+
+def get_per_process_memory_fraction(device: Device = None) -> float:
+    """The fraction in force (1.0 when none was set)."""
+    return _process_allocator().get_per_process_memory_fraction(_device(device))
+
+
+def get_device_properties(device: Device = None) -> "DeviceProperties":
+    """The device's name, compute capability, multiprocessor count and total memory."""
+    return _process_allocator().device_properties(_device(device))
+
+
+def can_device_access_peer(device: Device, peer: Device) -> bool:
+    """Whether `device` can reach `peer`'s memory once peer access is enabled (False on the sim)."""
+    return _process_allocator().can_access_peer(_device(device), _device(peer, "peer"))
+
+
+def host_memory_stats() -> Dict[str, int]:
+    """torch.cuda.host_memory_stats() of the pinned host allocator, then gcalloc's own keys."""
     return _process_allocator().host_memory_stats()
 
 
-def host_empty_cache():
+def host_empty_cache() -> None:
+    """Give the pinned host allocator's unused blocks back."""
     _process_allocator().host_empty_cache()

@@ -19,7 +19,10 @@ allocating through gcalloc afterwards.
 import contextlib
 import threading
 
-from . import GcallocError, _device, _lib, _text, library_path
+from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _text, library_path
+
+# The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
+MINIMUM_TORCH = "2.0"
 
 __all__ = ["install", "using", "installed", "last_failure", "pool", "pause", "resume"]
 
@@ -39,6 +42,12 @@ def install(conf=None, backend=None):
     global _installed
     import torch  # only here: the rest of the package works without PyTorch
 
+    memory = getattr(getattr(torch, "cuda", None), "memory", None)
+    if not hasattr(memory, "CUDAPluggableAllocator") or not hasattr(memory, "change_current_allocator"):
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install needs PyTorch %s or newer "
+                           "(torch.cuda.memory.CUDAPluggableAllocator); this is torch %s"
+                           % (MINIMUM_TORCH, getattr(torch, "__version__", "of an unknown version")))
+    _use_torch_oom_error(torch)
     rc = _lib.gca_torch_init(_text(backend), _text(conf))
     if rc < 0:
         raise GcallocError(rc, _lib.gca_last_error().decode())
@@ -48,6 +57,20 @@ def install(conf=None, backend=None):
     torch.cuda.memory.change_current_allocator(allocator)
     _wrap_record_stream(torch)
     _installed = True
+
+
+def _use_torch_oom_error(torch):
+    """From now on gcalloc's out-of-memory errors are torch.OutOfMemoryError
+    too, so that code catching PyTorch's catches gcalloc's."""
+    base = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if not isinstance(base, type) or not issubclass(base, BaseException) or issubclass(_oom_error[0], base):
+        return
+
+    class TorchOutOfMemoryError(OutOfMemoryError, base):
+        """gcalloc.OutOfMemoryError that is also torch.OutOfMemoryError."""
+
+    TorchOutOfMemoryError.__module__ = OutOfMemoryError.__module__
+    _oom_error[0] = TorchOutOfMemoryError
 
 
 def _wrap_record_stream(torch):

@@ -70,8 +70,9 @@ def test_fraction_and_config():
             a.malloc(600 * MiB)
         p = a.malloc(400 * MiB)
         a.free(p)
-        with pytest.raises(gcalloc.GcallocError, match="fraction"):
-            a.set_per_process_memory_fraction(1.5)
+        for bad in (1.5, -0.1, float("nan")):  # (ValueError, as torch raises)
+            with pytest.raises(ValueError, match="fraction"):
+                a.set_per_process_memory_fraction(bad)
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -224,8 +225,10 @@ def test_torch_entry_points(monkeypatch):
     assert [process.pool_of(x) for x in (p, q)] == [kv, kv]
     with pytest.raises(KeyError, match="no pool named 'nothing'"):
         gcalloc.torch.pause("nothing")
-    with pytest.raises(TypeError, match="device must be an int, not str"):
+    with pytest.raises(ValueError, match="device 'x' is not a device"):
         gcalloc.torch.pause("kv", device="x")
+    with pytest.raises(TypeError, match="device must be an int, not float"):
+        gcalloc.torch.pause("kv", device=0.0)
     for name in (0, False, 0.0, None, b"kv"):  # (names are str: 0, False and 0.0 would be one pool)
         with pytest.raises(TypeError, match="a pool's name must be a str"):
             gcalloc.torch.pause(name)

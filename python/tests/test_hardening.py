@@ -92,9 +92,10 @@ def test_close_waits_for_calls_in_flight():
     t.join()
     assert outcome["result"] == "MemoryError"
     assert waited > 0.2  # close waited for the call (its deadline was 0.6 s)
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(gcalloc.GcallocError, match="closed") as closed:
         a.free(held)
-    with pytest.raises(ValueError, match="closed"):
+    assert closed.value.status == gcalloc.GCA_ERR_INVALID
+    with pytest.raises(gcalloc.GcallocError, match="closed"):
         a.memory_stats()
     a.close()  # twice: nothing
 
@@ -111,7 +112,7 @@ def test_close_while_threads_allocate():
                 a.record_stream(p, 3)
                 a.free(p)
                 a.memory_stats()
-            except ValueError as e:
+            except gcalloc.GcallocError as e:
                 closed_seen.append(str(e))
                 return
             except Exception as e:  # noqa: BLE001
