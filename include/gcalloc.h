@@ -185,6 +185,13 @@ typedef struct gca_device_properties {
  * and its capacity. */
 GCA_API int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out);
 
+/* The memory an allocation was carved from (PyTorch's getBaseAllocation,
+ * which IPC and storage sharing use): for `ptr`, the start of a live
+ * allocation, the start and size of its segment; for one in an expandable
+ * segment (an address range reserved for a whole pool), the allocation's
+ * own block. GCA_ERR_BAD_POINTER for any other pointer. `size` may be NULL. */
+GCA_API int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size);
+
 /* Peer access between two devices of the allocator (cuDeviceCanAccessPeer,
  * cuCtxEnablePeerAccess, cuCtxDisablePeerAccess): *can is 1 if `device` can
  * read and write `peer`'s memory once enabled. Enabling twice, or disabling
@@ -865,6 +872,16 @@ GCA_API void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream)
 GCA_API void gca_torch_record_stream(void *ptr, void *stream);
 GCA_API void gca_torch_empty_cache(void);
 GCA_API void gca_torch_set_memory_fraction(double fraction, int device);
+/* The pluggable allocator's optional hooks (gcalloc.torch.install() passes
+ * them where the running PyTorch offers them): set_reset_fn takes
+ * gca_torch_empty_cache, set_memory_fraction_fn gca_torch_set_memory_fraction,
+ * set_record_stream_fn gca_torch_record_stream, set_init_fn
+ * gca_torch_init_devices (PyTorch's device count at its CUDA
+ * initialization: opens the allocator, and warns when the backend has fewer
+ * devices), set_base_alloc_fn gca_torch_base_alloc (gca_base_allocation;
+ * an unknown pointer is logged and stands for itself, *size 0). */
+GCA_API void gca_torch_init_devices(int device_count);
+GCA_API void *gca_torch_base_alloc(void *ptr, size_t *size);
 /* The message of the last failed gca_torch_malloc in the process, from any
  * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
  * failed since the allocator was opened. Returns the message's full length. */

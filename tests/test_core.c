@@ -349,6 +349,40 @@ static void test_zero_size_and_usable_size(void **state) {
   gca_close(a);
 }
 
+/* PyTorch's getBaseAllocation: the segment an allocation was carved from;
+ * in an expandable segment, the allocation itself; refused for anything but
+ * the start of a live allocation. */
+static void test_base_allocation(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:devices=2", NULL);
+  char *p = gca_malloc(a, 1000, 1, 0), *q = gca_malloc(a, 3000, 1, 0); /* one 2 MiB small segment */
+  void *base = NULL;
+  size_t size = 0;
+  assert_int_equal(gca_base_allocation(a, q, &base, &size), GCA_OK);
+  assert_ptr_equal(base, p);
+  assert_int_equal(size, 2 * MiB);
+  assert_int_equal(gca_base_allocation(a, p, &base, NULL), GCA_OK);
+  assert_ptr_equal(base, p);
+  assert_int_equal(gca_base_allocation(a, q + 512, &base, &size), GCA_ERR_BAD_POINTER); /* inside, not a start */
+  assert_non_null(strstr(gca_last_error(), "not the start of a live allocation"));
+  gca_free(a, q);
+  assert_int_equal(gca_base_allocation(a, q, &base, &size), GCA_ERR_BAD_POINTER); /* freed */
+  assert_int_equal(gca_base_allocation(a, NULL, &base, &size), GCA_ERR_INVALID);
+  assert_int_equal(gca_base_allocation(a, p, NULL, &size), GCA_ERR_INVALID);
+  assert_int_equal(gca_base_allocation(NULL, p, &base, &size), GCA_ERR_INVALID);
+  gca_free(a, p);
+  gca_close(a);
+  a = open_sim("sim", "expandable_segments:True");
+  p = gca_malloc(a, 30 * MiB, 0, 0);
+  q = gca_malloc(a, 30 * MiB, 0, 0);
+  assert_int_equal(gca_base_allocation(a, q, &base, &size), GCA_OK);
+  assert_ptr_equal(base, q);
+  assert_int_equal(size, gca_usable_size(a, q));
+  gca_free(a, p);
+  gca_free(a, q);
+  gca_close(a);
+}
+
 static void test_backed_memory_is_usable(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:backed=1,capacity=64MiB", NULL);
@@ -389,6 +423,7 @@ int main(void) {
       cmocka_unit_test(test_empty_cache_only_whole_free_segments),
       cmocka_unit_test(test_devices_are_separate),
       cmocka_unit_test(test_zero_size_and_usable_size),
+      cmocka_unit_test(test_base_allocation),
       cmocka_unit_test(test_backed_memory_is_usable),
       cmocka_unit_test(test_close_with_live_blocks),
   };

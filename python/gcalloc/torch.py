@@ -3,20 +3,24 @@
     import gcalloc.torch
     gcalloc.torch.install("expandable_segments:True")   # before the first CUDA allocation
     ...
-    gcalloc.memory_stats()      # gcalloc's, with torch.cuda.memory_stats()'s keys
+    torch.cuda.memory_stats()   # gcalloc's, with PyTorch's keys and formats
 
 install() opens gcalloc's process-wide allocator (gca_torch_init) and hands
 its C functions gca_torch_malloc / gca_torch_free to
-torch.cuda.memory.CUDAPluggableAllocator, then makes it the current
-allocator. It also wraps torch.Tensor.record_stream so that the use reaches
-gcalloc: PyTorch's pluggable allocator drops record_stream unless a C++ hook
-is set, which Python cannot do, and memory used on a side stream would then
-be reused while that stream still works on it. PyTorch accepts that only before its allocator has been used, and
-offers no way back: the context manager `using(conf)` installs on entry and
-on exit waits for the device and empties gcalloc's cache, but PyTorch keeps
-allocating through gcalloc afterwards.
+torch.cuda.memory.CUDAPluggableAllocator, passes gcalloc's C functions to
+the optional hooks the running PyTorch offers (empty_cache, the memory
+fraction, every record_stream, CUDA's initialization, base allocations),
+makes it the current allocator, and routes PyTorch's memory functions,
+which raise or do nothing under a pluggable allocator, to gcalloc
+(ROUTED). PyTorch accepts that only before its allocator has been used,
+and offers no way back: the context manager `using(conf)` installs on entry
+and on exit waits for the device and empties gcalloc's cache, but PyTorch
+keeps allocating through gcalloc afterwards.
 """
+import collections
 import contextlib
+import ctypes
+import sys
 import threading
 
 from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _text, library_path
@@ -24,15 +28,52 @@ from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _o
 # The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
 MINIMUM_TORCH = "2.0"
 
-__all__ = ["install", "using", "installed", "last_failure", "pool", "pause", "resume"]
+__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "pool", "pause", "resume",
+           "MINIMUM_TORCH", "ROUTED"]
+
+# The pluggable allocator's hooks with C signatures, and gcalloc's function
+# for each (include/gcalloc.h). The graph-pool hooks are left: beginning a
+# pool takes a C++ std::function (which streams belong to the capture),
+# which a C library cannot receive; gcalloc's own capture calls serve.
+HOOKS = (("set_reset_fn", "gca_torch_empty_cache"),
+         ("set_memory_fraction_fn", "gca_torch_set_memory_fraction"),
+         ("set_record_stream_fn", "gca_torch_record_stream"),
+         ("set_init_fn", "gca_torch_init_devices"),
+         ("set_base_alloc_fn", "gca_torch_base_alloc"))
+
+# PyTorch's memory functions that raise (or do nothing) under a pluggable
+# allocator, answered by gcalloc once installed, in torch.cuda and
+# torch.cuda.memory wherever the running PyTorch has them.
+ROUTED = ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+          "memory_reserved", "max_memory_reserved", "memory_cached", "max_memory_cached",
+          "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+          "reset_accumulated_memory_stats", "memory_summary", "memory_snapshot", "mem_get_info",
+          "get_per_process_memory_fraction", "_record_memory_history", "_snapshot", "_dump_snapshot")
+
+# PyTorch keeps its whole history by default (max_entries sys.maxsize);
+# gcalloc's is a ring allocated up front, of this many entries then.
+DEFAULT_HISTORY = 100000
 
 _installed = False
+_hooks = []
+_routed = []
 _named_pools = {}  # (process allocator, name, device) -> pool id
 _named_lock = threading.Lock()
 
 
 def installed():
+    """Whether install() has made gcalloc PyTorch's allocator in this process."""
     return _installed
+
+
+def hooks():
+    """The pluggable allocator's hooks install() set (the running PyTorch's, of HOOKS)."""
+    return list(_hooks)
+
+
+def routed():
+    """The names in torch.cuda and torch.cuda.memory install() routed to gcalloc."""
+    return list(_routed)
 
 
 def install(conf=None, backend=None):
@@ -54,8 +95,18 @@ def install(conf=None, backend=None):
     if _installed:
         return
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
+    native = allocator.allocator() if callable(getattr(allocator, "allocator", None)) else None
+    hooks_set = []
+    for method, symbol in HOOKS:
+        setter = getattr(native, method, None)
+        if callable(setter):
+            setter(ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value)
+            hooks_set.append(method)
     torch.cuda.memory.change_current_allocator(allocator)
-    _wrap_record_stream(torch)
+    _hooks[:] = hooks_set
+    if "set_record_stream_fn" not in hooks_set:
+        _wrap_record_stream(torch)
+    _route_memory_functions(torch)
     _installed = True
 
 
@@ -73,13 +124,85 @@ def _use_torch_oom_error(torch):
     _oom_error[0] = TorchOutOfMemoryError
 
 
-def _wrap_record_stream(torch):
-    """Tensor.record_stream(stream) also tells gcalloc, for the storage's
-    block (what gcalloc handed out: the storage's start, not a view's).
-    Callers in PyTorch's C++ (none on the paths of a single-process program)
-    are not reached."""
-    import ctypes
+def _history_arguments(enabled, context, stacks, max_entries, kwargs):
+    """PyTorch's _record_memory_history arguments, the current ones or the
+    legacy (enabled: bool, trace_alloc_max_entries, ...), as
+    gcalloc.record_memory_history's."""
+    if isinstance(enabled, bool):  # (PyTorch 2.0's signature)
+        entries = kwargs.get("trace_alloc_max_entries", 1)
+        if not enabled:
+            return None, context, stacks, max_entries
+        return ("all" if entries > 1 else "state"), "all", "all", entries
+    if max_entries == sys.maxsize:
+        max_entries = DEFAULT_HISTORY
+    return enabled, context, stacks if stacks in ("python", "all") else "all", max_entries
 
+
+def _route_memory_functions(torch):
+    from . import dump_snapshot, mem_get_info, memory_snapshot, memory_stats, memory_summary
+    from . import get_per_process_memory_fraction, record_memory_history, reset_accumulated_memory_stats
+    from . import reset_peak_memory_stats
+
+    def stats(device=None):
+        return collections.OrderedDict(memory_stats(device))
+
+    def nested(device=None):
+        from . import memory_stats_as_nested_dict
+        return memory_stats_as_nested_dict(device)
+
+    def value(key):
+        def read(device=None):
+            return memory_stats(device).get(key, 0)
+        read.__name__ = key
+        return read
+
+    def history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, **kwargs):
+        record_memory_history(*_history_arguments(enabled, context, stacks, max_entries, kwargs))
+
+    def dump(filename="dump_snapshot.pickle", *args, **kwargs):
+        dump_snapshot(filename)
+
+    answers = {
+        "memory_stats": stats, "memory_stats_as_nested_dict": nested,
+        "memory_allocated": value("allocated_bytes.all.current"),
+        "max_memory_allocated": value("allocated_bytes.all.peak"),
+        "memory_reserved": value("reserved_bytes.all.current"),
+        "max_memory_reserved": value("reserved_bytes.all.peak"),
+        "memory_cached": value("reserved_bytes.all.current"),
+        "max_memory_cached": value("reserved_bytes.all.peak"),
+        "reset_peak_memory_stats": lambda device=None: reset_peak_memory_stats(device),
+        "reset_max_memory_allocated": lambda device=None: reset_peak_memory_stats(device),
+        "reset_max_memory_cached": lambda device=None: reset_peak_memory_stats(device),
+        "reset_accumulated_memory_stats": lambda device=None: reset_accumulated_memory_stats(device),
+        "memory_summary": lambda device=None, abbreviated=False: memory_summary(device, abbreviated),
+        "memory_snapshot": lambda *args, **kwargs: memory_snapshot()["segments"],
+        "mem_get_info": lambda device=None: mem_get_info(device),
+        "get_per_process_memory_fraction": lambda device=None: get_per_process_memory_fraction(device),
+        "_record_memory_history": history,
+        "_snapshot": lambda *args, **kwargs: memory_snapshot(),
+        "_dump_snapshot": dump,
+    }
+    done = []
+    for name in ROUTED:
+        for module in (torch.cuda.memory, torch.cuda):
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "_gcalloc", False):
+                continue
+            answer = answers[name]
+            routed_fn = (lambda f: lambda *a, **k: f(*a, **k))(answer)
+            routed_fn.__name__, routed_fn.__doc__ = name, getattr(original, "__doc__", None)
+            routed_fn._gcalloc = True
+            setattr(module, name, routed_fn)
+            if name not in done:
+                done.append(name)
+    _routed[:] = done
+
+
+def _wrap_record_stream(torch):
+    """Where the running PyTorch has no record-stream hook:
+    Tensor.record_stream(stream) also tells gcalloc, for the storage's block
+    (what gcalloc handed out: the storage's start, not a view's). Callers in
+    PyTorch's C++ (c10d's process groups) are not reached then."""
     original = torch.Tensor.record_stream
     if getattr(original, "_gcalloc", False):
         return
@@ -100,8 +223,6 @@ def last_failure():
     thread ("" if none). PyTorch does not check a pluggable allocator's NULL:
     out of memory then surfaces as "The tensor has a non-zero number of
     elements, but its data is not allocated yet", and this says why."""
-    import ctypes
-
     n = _lib.gca_torch_last_failure(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
     _lib.gca_torch_last_failure(buf, n + 1)

@@ -312,6 +312,29 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
   return 0;
 }
 
+int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size) {
+  if (!a || !ptr || !base)
+    return gca__set_error(GCA_ERR_INVALID, "gca_base_allocation: %s is NULL", !a ? "allocator" : !ptr ? "pointer" : "base");
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    const block_t *b = gca__block_map_find(&d->allocated, addr);
+    if (b) {
+      /* The whole segment, as PyTorch's getBaseAllocation; an expandable
+       * segment is an address range reserved for the whole pool, so there
+       * the allocation's own block. */
+      const segment_t *seg = b->segment;
+      *base = (void *)(seg->expandable ? b->addr : seg->addr);
+      if (size) *size = seg->expandable ? b->size : seg->size;
+    }
+    lock_release(&d->lock);
+    if (b) return GCA_OK;
+  }
+  return gca__set_error(GCA_ERR_BAD_POINTER, "gca_base_allocation: %p is not the start of a live allocation", ptr);
+}
+
 static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
   if (!a || !ptr)
     return gca__set_error(GCA_ERR_INVALID, "gca_record_stream: %s is NULL", a ? "pointer" : "allocator");

@@ -148,6 +148,24 @@ void gca_torch_set_memory_fraction(double fraction, int device) {
                      gca_last_error());
 }
 
+void gca_torch_init_devices(int device_count) {
+  gca_allocator_t *a = gca_torch_allocator();
+  if (a && device_count > gca_device_count(a))
+    gca__log_message(GCA_LOG_WARNING, "PyTorch sees %d devices, gcalloc's %s backend %d: allocations on the others fail",
+                     device_count, gca_backend_name(a), gca_device_count(a));
+}
+
+void *gca_torch_base_alloc(void *ptr, size_t *size) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  void *base = NULL;
+  if (a && gca_base_allocation(a, ptr, &base, size) == GCA_OK) return base;
+  /* (PyTorch's own allocator refuses an unknown pointer; a pluggable hook
+   * has no way to, so the pointer stands for itself, as without the hook.) */
+  gca__log_message(GCA_LOG_ERROR, "base allocation of %p: %s", ptr, a ? gca_last_error() : "no allocator is open");
+  if (size) *size = 0;
+  return ptr;
+}
+
 void gca_torch_shutdown(void) {
   mutex_lock(&torch_lock);
   gca_allocator_t *a = atomic_exchange(&torch_allocator, NULL);

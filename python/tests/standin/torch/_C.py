@@ -1,0 +1,216 @@
+"""The C++ side of the stand-in: the caching allocator PyTorch starts with,
+the pluggable allocator object, and the functions torch.cuda.memory calls."""
+import ctypes
+
+DEVICE_COUNT = 2
+
+
+class _MempoolId(ctypes.Structure):  # c10::cuda::MempoolId_t, a pair of two 64-bit ints
+    _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
+
+
+_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+# set_*_fn: name -> the C signature Module.cpp casts the address to.
+HOOKS = {
+    "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
+    "set_reset_fn": ctypes.CFUNCTYPE(None),
+    "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
+    "set_base_alloc_fn": ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)),
+    "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+    "set_end_allocate_to_pool_fn": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
+    "set_release_pool": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
+}
+
+
+def _unsupported(what):
+    raise RuntimeError("CUDAPluggableAllocator does not yet support %s. If you need it, please file an issue "
+                       "describing your use case." % what)
+
+
+class _NativeAllocator:
+    """PyTorch's own caching allocator, standing in as plain bookkeeping."""
+
+    def __init__(self):
+        self._initialized = False
+        self.live = {}
+        self.next = 0x7F0000000000
+
+    def initialized(self):
+        return self._initialized
+
+    def init(self, device_count):
+        self._initialized = True
+
+    def malloc(self, size, device, stream):
+        self._initialized = True
+        p, self.next = self.next, self.next + ((size + 511) // 512) * 512
+        self.live[p] = size
+        return p
+
+    def raw_delete(self, ptr):
+        del self.live[ptr]
+
+    def recordStream(self, ptr, stream):  # noqa: N802 (PyTorch's name)
+        pass
+
+    def emptyCache(self):  # noqa: N802
+        pass
+
+    def setMemoryFraction(self, fraction, device):  # noqa: N802
+        pass
+
+    def getDeviceStats(self, device):  # noqa: N802
+        allocated = sum(self.live.values())
+        return {"allocated_bytes.all.current": allocated}
+
+    def getBaseAllocation(self, ptr):  # noqa: N802
+        return ptr, self.live.get(ptr, 0)
+
+
+class _CUDAPluggableAllocator:
+    """torch::cuda::CUDAPluggableAllocator: the two functions, the hooks
+    (called only when set), and "does not yet support" for the rest."""
+
+    def __init__(self, malloc_ptr, free_ptr):
+        self._malloc, self._free = _MALLOC(malloc_ptr), _FREE(free_ptr)
+        self._hooks = {}
+        self._metadata = {}
+        self._initialized = False
+        self.calls = []  # (hook, arguments) each time a hook is called, for the tests
+
+    def __getattr__(self, name):
+        if name in HOOKS:
+            def set_hook(func_ptr, _name=name):
+                if not isinstance(func_ptr, int) or not func_ptr:
+                    raise TypeError("%s(): incompatible function arguments (an int address)" % _name)
+                self._hooks[_name] = HOOKS[_name](func_ptr)
+            return set_hook
+        raise AttributeError(name)
+
+    def _hook(self, name, *args):
+        fn = self._hooks.get(name)
+        if fn is None:
+            return None
+        self.calls.append((name, args))
+        return fn(*args)
+
+    def initialized(self):
+        return self._initialized
+
+    def init(self, device_count):
+        self._hook("set_init_fn", device_count)
+        self._initialized = True
+
+    def malloc(self, size, device, stream):
+        r = self._malloc(size, device, stream)
+        self._metadata[r] = (size, device, stream)
+        return r or 0
+
+    def raw_delete(self, ptr):
+        if ptr not in self._metadata:
+            raise RuntimeError("Trying to free a pointer not allocated here")
+        size, device, stream = self._metadata.pop(ptr)
+        self._free(ptr, size, device, stream)
+
+    def recordStream(self, ptr, stream):  # noqa: N802
+        self._hook("set_record_stream_fn", ptr, stream)
+
+    def emptyCache(self):  # noqa: N802
+        self._hook("set_reset_fn")
+
+    def setMemoryFraction(self, fraction, device):  # noqa: N802
+        self._hook("set_memory_fraction_fn", fraction, device)
+
+    def getBaseAllocation(self, ptr):  # noqa: N802
+        if "set_base_alloc_fn" not in self._hooks:
+            return ptr, 0
+        size = ctypes.c_size_t(0)
+        base = self._hook("set_base_alloc_fn", ptr, ctypes.byref(size))
+        return base or 0, size.value
+
+    def releasePool(self, device, first, second):  # noqa: N802
+        self._hook("set_release_pool", device, _MempoolId(first, second))
+
+    def getDeviceStats(self, device):  # noqa: N802
+        _unsupported("getDeviceStats")
+
+    def resetPeakStats(self, device):  # noqa: N802
+        _unsupported("resetPeakStats")
+
+    def resetAccumulatedStats(self, device):  # noqa: N802
+        _unsupported("resetAccumulatedStats")
+
+    def snapshot(self):
+        _unsupported("snapshot")
+
+    def recordHistory(self, *args):  # noqa: N802
+        _unsupported("recordHistory")
+
+    def cacheInfo(self, device):  # noqa: N802
+        _unsupported("cacheInfo")
+
+
+_allocator = [_NativeAllocator()]
+
+
+def _current():
+    return _allocator[0]
+
+
+def _cuda_customAllocator(malloc_ptr, free_ptr):  # noqa: N802
+    a = _CUDAPluggableAllocator(malloc_ptr, free_ptr)
+    a.init(0)  # createCustomAllocator: init(device_count) with the count known so far
+    return a
+
+
+def _cuda_changeCurrentAllocator(allocator):  # noqa: N802
+    if _allocator[0].initialized() and not isinstance(_allocator[0], _CUDAPluggableAllocator):
+        raise RuntimeError("Can't swap an already initialized allocator")
+    _allocator[0] = allocator
+
+
+def _cuda_lazy_init():
+    _current().init(DEVICE_COUNT)
+
+
+def _cuda_memoryStats(device):  # noqa: N802
+    return _current().getDeviceStats(device)
+
+
+def _cuda_resetPeakMemoryStats(device):  # noqa: N802
+    _current().resetPeakStats(device)
+
+
+def _cuda_resetAccumulatedMemoryStats(device):  # noqa: N802
+    _current().resetAccumulatedStats(device)
+
+
+def _cuda_emptyCache():  # noqa: N802
+    _current().emptyCache()
+
+
+def _cuda_setMemoryFraction(fraction, device):  # noqa: N802
+    _current().setMemoryFraction(fraction, device)
+
+
+def _cuda_memorySnapshot(*args):  # noqa: N802
+    return _current().snapshot()
+
+
+def _cuda_record_memory_history(*args):
+    _current().recordHistory(*args)
+
+
+def _cuda_cacheInfo(device):  # noqa: N802 (what cuDNN's benchmark mode asks, from C++)
+    return _current().cacheInfo(device)
+
+
+def _record_stream_from_cpp(ptr, stream):
+    """What c10d's process groups do: recordStream in C++, no Python in between."""
+    _current().recordStream(ptr, stream)
+
+
+def _base_allocation(ptr):
+    """What IPC and storage sharing ask (getBaseAllocation)."""
+    return _current().getBaseAllocation(ptr)

@@ -1,0 +1,173 @@
+"""gcalloc inside PyTorch's pluggable allocator, against the stand-in
+`torch` of python/tests/standin (PyTorch's rules: hooks called only when
+set, native memory functions raising under a pluggable allocator). Each
+test runs in a child process of its own: a process installs once."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import gcalloc
+
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+PRELUDE = """
+import collections, ctypes, os, pickle, sys
+import torch, gcalloc, gcalloc.torch
+MiB = 1 << 20
+native = None
+def install(conf=None):
+    global native
+    gcalloc.torch.install(conf, backend="sim:devices=2,capacity=4GiB")
+    native = torch._C._current()
+"""
+
+
+def run(code):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
+    env = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path,
+               PYTHONPATH=os.pathsep.join([STANDIN, package, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def test_the_standin_is_strict_without_gcalloc():
+    """The control: a pluggable allocator alone loses PyTorch's memory functions, as in PyTorch."""
+    run("""
+        a = torch.cuda.memory.CUDAPluggableAllocator(gcalloc.library_path, "gca_torch_malloc", "gca_torch_free")
+        torch.cuda.memory.change_current_allocator(a)
+        for call in (torch.cuda.memory_stats, torch.cuda.memory_allocated, torch.cuda.max_memory_reserved,
+                     torch.cuda.reset_peak_memory_stats, torch.cuda.memory._snapshot,
+                     torch.cuda.memory._record_memory_history):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "does not yet support" in str(e), e
+            else:
+                raise AssertionError("%s did not raise" % call.__name__)
+        torch.cuda.empty_cache()  # no reset hook: nothing happens
+        assert a.allocator().calls == []
+    """)
+
+
+def test_every_hook_reaches_gcalloc():
+    run("""
+        install()
+        assert gcalloc.torch.hooks() == ["set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn",
+                                         "set_init_fn", "set_base_alloc_fn"], gcalloc.torch.hooks()
+        torch.cuda._lazy_init()  # CUDA's initialization: the init hook with PyTorch's device count
+        assert ("set_init_fn", (2,)) in native.calls
+        # empty_cache: the reset hook gives gcalloc's cache back.
+        t = torch.empty(30 * MiB, device="cuda:1")
+        t.free()
+        assert gcalloc.memory_reserved(1) > 0
+        torch.cuda.empty_cache()
+        assert gcalloc.memory_reserved(1) == 0
+        # The fraction: PyTorch checks it, then the hook sets gcalloc's.
+        torch.cuda.set_per_process_memory_fraction(0.5, 1)
+        assert gcalloc.get_per_process_memory_fraction(1) == 0.5
+        try:
+            torch.cuda.set_per_process_memory_fraction(1.5, 1)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("PyTorch's own check did not refuse 1.5")
+        # record_stream from C++ (c10d's process groups): the block's free waits for the stream.
+        assert not getattr(torch.Tensor.record_stream, "_gcalloc", False)  # (no Python wrapper needed)
+        t = torch.empty(10 * MiB, device="cuda:0")
+        torch._C._record_stream_from_cpp(t.data_ptr(), 7)
+        t.free()
+        s = gcalloc.memory_stats(0)
+        assert (s["allocated_bytes.all.current"], s["active_bytes.all.current"]) == (0, 10 * MiB)
+        torch.empty(MiB).free()  # the next allocation completes the free
+        assert gcalloc.memory_stats(0)["active_bytes.all.current"] == 0
+        t = torch.empty(10 * MiB)
+        t.record_stream(torch.cuda.Stream(9))  # the Python method goes through the same hook
+        assert ("set_record_stream_fn", (t.data_ptr(), 9)) in native.calls
+        t.free()
+        # Base allocations (IPC, storage sharing): the segment a block was carved from.
+        a, b = torch.empty(1000), torch.empty(3000)
+        assert torch._C._base_allocation(b.data_ptr()) == (a.data_ptr(), 2 * MiB)
+        a.free(); b.free()
+    """)
+
+
+def test_init_hook_warns_when_pytorch_sees_more_devices():
+    p = run("""
+        torch._C.DEVICE_COUNT = 3
+        install()
+        torch.cuda._lazy_init()
+        assert ("set_init_fn", (3,)) in native.calls
+    """)
+    assert "PyTorch sees 3 devices, gcalloc's sim backend 2" in p.stderr
+
+
+def test_pytorchs_memory_functions_answer_from_gcalloc():
+    run("""
+        install()
+        assert set(gcalloc.torch.routed()) >= {"memory_stats", "memory_stats_as_nested_dict", "memory_allocated",
+            "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
+            "reset_max_memory_allocated", "reset_accumulated_memory_stats", "memory_summary", "memory_snapshot",
+            "mem_get_info", "_record_memory_history", "_snapshot", "_dump_snapshot"}, gcalloc.torch.routed()
+        t = torch.empty(30 * MiB, device="cuda:1")
+        stats = torch.cuda.memory_stats(1)
+        assert isinstance(stats, collections.OrderedDict) and list(stats) == sorted(stats)
+        assert stats == gcalloc.memory_stats(1) and len(stats) == 122
+        assert torch.cuda.memory.memory_stats(torch.device("cuda", 1)) == stats
+        assert torch.cuda.memory_stats_as_nested_dict(1)["allocated_bytes"]["all"]["current"] == 30 * MiB
+        for device in (1, "cuda:1", torch.device("cuda:1")):
+            assert torch.cuda.memory_allocated(device) == 30 * MiB == torch.cuda.max_memory_allocated(device)
+            assert torch.cuda.memory_reserved(device) == stats["reserved_bytes.all.current"] > 0
+            assert torch.cuda.max_memory_reserved(device) == stats["reserved_bytes.all.peak"]
+        assert torch.cuda.memory_allocated() == 0  # the current device, 0
+        t.free()
+        torch.cuda.reset_peak_memory_stats(1)
+        assert torch.cuda.max_memory_allocated(1) == 0
+        torch.cuda.reset_accumulated_memory_stats(1)
+        assert torch.cuda.memory_stats(1)["allocated_bytes.all.allocated"] == 0
+        assert torch.cuda.mem_get_info(1) == gcalloc.mem_get_info(1) and torch.cuda.mem_get_info(1)[1] == 4 << 30
+        assert torch.cuda.memory_summary(1) == gcalloc.memory_summary(1)
+        # History and snapshots, in PyTorch's forms.
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        t = torch.empty(5 * MiB)
+        snapshot = torch.cuda.memory._snapshot()
+        allocs = [e for e in snapshot["device_traces"][0] if e["action"] == "alloc"]
+        assert [e["size"] for e in allocs] == [5 * MiB], snapshot["device_traces"][0]
+        assert isinstance(torch.cuda.memory_snapshot(), list)
+        assert any(b["size"] == 5 * MiB for s in torch.cuda.memory_snapshot() for b in s["blocks"])
+        path = "snap.pickle"
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            assert "device_traces" in pickle.load(f)
+        os.unlink(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        t.free()
+        torch.empty(MiB).free()
+        actions = [e["action"] for e in torch.cuda.memory._snapshot()["device_traces"][0]]
+        assert actions.count("alloc") == 1 and "free_requested" not in actions, actions  # (stopped: nothing new)
+        torch.cuda.memory._record_memory_history(True, trace_alloc_max_entries=100)  # PyTorch 2.0's form
+        torch.cuda.memory._record_memory_history()  # PyTorch's default: no limit (gcalloc keeps 100,000)
+        torch.cuda.memory._record_memory_history(False)
+        # What no pluggable allocator can route: cuDNN's workspace query, from C++.
+        try:
+            torch._C._cuda_cacheInfo(0)
+        except RuntimeError as e:
+            assert "cacheInfo" in str(e)
+        else:
+            raise AssertionError("cacheInfo answered")
+    """)
+
+
+def test_install_after_pytorch_allocated_is_refused():
+    p = run("""
+        torch.empty(MiB).free()  # PyTorch's own allocator is in use now
+        try:
+            install()
+        except RuntimeError as e:
+            print(e)
+        else:
+            raise AssertionError("installed over a used allocator")
+        assert not gcalloc.torch.installed() and gcalloc.torch.routed() == []
+    """)
+    assert "Can't swap an already initialized allocator" in p.stdout
