@@ -103,6 +103,14 @@ typedef void (*gca_log_fn)(gca_log_level level, const char *message, void *user)
  * per distinct message. */
 GCA_API void gca_set_log_handler(gca_log_fn fn, void *user);
 
+/* A handler for the messages logged on the calling thread only, taking
+ * precedence over the process-wide one (and the default) until it is
+ * removed with NULL: a binding turns the warnings of one call into its
+ * language's warnings this way (the Python package does, around the calls
+ * that apply a configuration). Messages held while a lock is are delivered
+ * on the same thread, so they reach it too. */
+GCA_API void gca_set_thread_log_handler(gca_log_fn fn, void *user);
+
 /* ------------------------------------------------------------------------ */
 /* Opening an allocator                                                      */
 /* ------------------------------------------------------------------------ */

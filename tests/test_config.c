@@ -45,6 +45,37 @@ static void apply_bad(const char *text, const char *frag1, const char *frag2) {
   assert_memory_equal(&c, &before, sizeof c);
 }
 
+/* A thread's own handler takes that thread's messages, before the
+ * process-wide one; another thread's still go to the process-wide one. */
+static log_capture_t thread_logs;
+
+static void *warn_elsewhere(void *arg) {
+  (void)arg;
+  gca_allocator_t *a = open_sim("sim", "no_such_key_other_thread:1");
+  gca_close(a);
+  return NULL;
+}
+
+static void test_thread_log_handler(void **state) {
+  (void)state;
+  memset(&thread_logs, 0, sizeof thread_logs);
+  gca_set_thread_log_handler(capture_log, &thread_logs);
+  gca_allocator_t *a = open_sim("sim", "no_such_key_here:1");
+  assert_int_equal(thread_logs.count, 1);
+  assert_contains(thread_logs.last, "no_such_key_here");
+  assert_int_equal(logs.count, 0);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, warn_elsewhere, NULL), 0);
+  pthread_join(t, NULL);
+  assert_int_equal(thread_logs.count, 1);
+  assert_contains(logs.all, "no_such_key_other_thread");
+  gca_set_thread_log_handler(NULL, NULL);
+  assert_int_equal(gca_set_config(a, "no_such_key_after:1"), GCA_OK);
+  assert_int_equal(thread_logs.count, 1);
+  assert_contains(logs.all, "no_such_key_after");
+  gca_close(a);
+}
+
 static void test_defaults(void **state) {
   (void)state;
   config_t c = apply_ok("");
@@ -314,6 +345,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_cross_stream_reuse_key, setup, teardown),
       cmocka_unit_test_setup_teardown(test_config_round_trip, setup, teardown),
       cmocka_unit_test_setup_teardown(test_default_log_prints_once, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_thread_log_handler, setup, teardown),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,10 +21,12 @@ import json
 import os
 import re
 import tempfile
+import sys
 import threading
+import warnings
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
-__all__ = ["Allocator", "GcallocError", "OutOfMemoryError", "DeviceProperties", "library_path", "version",
+__all__ = ["Allocator", "GcallocError", "OutOfMemoryError", "GcallocWarning", "DeviceProperties", "library_path", "version",
            "device_count", "synchronize", "empty_cache", "mem_get_info", "memory_stats",
            "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated", "memory_reserved",
            "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
@@ -53,6 +55,11 @@ class OutOfMemoryError(GcallocError, MemoryError):
     RuntimeError as PyTorch's torch.OutOfMemoryError is, and a MemoryError.
     Once gcalloc.torch is imported, the out-of-memory errors raised are also
     instances of torch.OutOfMemoryError."""
+
+
+class GcallocWarning(UserWarning):
+    """What gcalloc warns about while applying a configuration (a key it does not know, a feature it does
+    not build, an environment variable hiding another), raised through Python's warnings module."""
 
 
 # The class an out-of-memory raises: gcalloc.torch puts a subclass that is
@@ -214,6 +221,42 @@ _sig("gca_torch_shutdown", None)
 _sig("gca_torch_record_stream", None, _P, _P)
 _sig("gca_torch_last_failure", ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t)
 
+_LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_sig("gca_set_thread_log_handler", None, _LOG_FN, ctypes.c_void_p)
+_LOG_LEVELS = ("off", "error", "warning", "info", "debug", "trace")
+_collecting = threading.local()
+
+
+@_LOG_FN
+def _thread_log(level, message, user):
+    """The calling thread's log during a call that applies a configuration: warnings are kept for
+    Python's warnings module, anything else is written as the library's default handler writes it."""
+    text = message.decode(errors="replace")
+    kept = getattr(_collecting, "messages", None)
+    if level == 2 and kept is not None:
+        kept.append(text)
+    else:
+        sys.stderr.write("gcalloc: %s: %s\n" % (_LOG_LEVELS[level] if 0 <= level < 6 else level, text))
+
+
+@contextlib.contextmanager
+def _python_warnings(stacklevel=3):
+    """Inside, the library's warnings on this thread become GcallocWarning (after the block, so that
+    none is raised from inside a C call)."""
+    if getattr(_collecting, "messages", None) is not None:  # (nested: the outer block raises them)
+        yield
+        return
+    _collecting.messages = []
+    _lib.gca_set_thread_log_handler(_thread_log, None)
+    try:
+        yield
+    finally:
+        _lib.gca_set_thread_log_handler(_LOG_FN(), None)
+        messages, _collecting.messages = _collecting.messages, None
+        for text in messages:
+            warnings.warn(text, GcallocWarning, stacklevel=stacklevel)
+
+
 # gca_stats_t (about 1 KiB) is read as opaque bytes and handed to
 # gca_stats_flatten, which knows its layout: no structure to keep in step.
 _STATS_BYTES = 4096
@@ -361,7 +404,9 @@ class Allocator:
             self._a, self._owned = _handle, False
             return
         handle = _P()
-        _check(_lib.gca_open(_text(backend, "backend"), _text(conf, "conf"), ctypes.byref(handle)))
+        with _python_warnings(stacklevel=4):
+            rc = _lib.gca_open(_text(backend, "backend"), _text(conf, "conf"), ctypes.byref(handle))
+        _check(rc)
         self._a, self._owned = handle, True
 
     def _enter(self, closed_ok=False):
@@ -565,9 +610,12 @@ class Allocator:
         return list(ids[:n])
 
     def set_config(self, conf):
+        """Apply a configuration string on top of the settings in force (gca_set_config); keys gcalloc
+        does not know or does not build raise GcallocWarning."""
         conf = _text(conf, "conf")
-        with self._handle() as a:
-            _check(_lib.gca_set_config(a, conf))
+        with self._handle() as a, _python_warnings(stacklevel=5):
+            rc = _lib.gca_set_config(a, conf)
+        _check(rc)
 
     def get_config(self):
         with self._handle() as a:
@@ -744,7 +792,8 @@ def _process_allocator() -> "Allocator":
     """The process-wide allocator (the one PyTorch uses once gcalloc.torch or
     gcalloc.torch_npu is installed), opened on first use on
     $GCALLOC_TORCH_BACKEND (default cuda) with the environment's settings."""
-    a = _lib.gca_torch_allocator()
+    with _python_warnings(stacklevel=5):
+        a = _lib.gca_torch_allocator()
     if not a:
         raise _error(_lib.gca_last_status(), _lib.gca_last_error().decode())
     return Allocator(_handle=a)

@@ -23,7 +23,7 @@ import ctypes
 import sys
 import threading
 
-from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _text, library_path
+from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _python_warnings, _text, library_path
 
 # The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
 MINIMUM_TORCH = "2.0"
@@ -89,7 +89,8 @@ def install(conf=None, backend=None):
                            "(torch.cuda.memory.CUDAPluggableAllocator); this is torch %s"
                            % (MINIMUM_TORCH, getattr(torch, "__version__", "of an unknown version")))
     _use_torch_oom_error(torch)
-    rc = _lib.gca_torch_init(_text(backend), _text(conf))
+    with _python_warnings():
+        rc = _lib.gca_torch_init(_text(backend), _text(conf))
     if rc < 0:
         raise GcallocError(rc, _lib.gca_last_error().decode())
     if _installed:

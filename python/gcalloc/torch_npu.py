@@ -17,7 +17,7 @@ PYTORCH_NPU_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF, then
 """
 import contextlib
 
-from . import GcallocError, _lib, _text, library_path
+from . import GcallocError, _lib, _python_warnings, _text, library_path
 from .torch import last_failure  # noqa: F401  (the same process-wide allocator)
 
 __all__ = ["install", "using", "installed", "last_failure"]
@@ -37,7 +37,8 @@ def install(conf=None, backend=None):
     global _installed
     import torch_npu  # only here: the rest of the package works without it
 
-    rc = _lib.gca_torch_init(_text(backend or _default_backend(), "backend"), _text(conf, "conf"))
+    with _python_warnings():
+        rc = _lib.gca_torch_init(_text(backend or _default_backend(), "backend"), _text(conf, "conf"))
     if rc < 0:
         raise GcallocError(rc, _lib.gca_last_error().decode())
     if _installed:

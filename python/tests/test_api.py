@@ -193,3 +193,15 @@ def test_out_of_memory_is_torchs_once_installed():
             print("torch's")
         """)
     assert out.strip() == "torch's"
+
+
+def test_configuration_warnings_are_python_warnings(capfd):
+    with pytest.warns(gcalloc.GcallocWarning, match="no_such_key") as caught:
+        a = gcalloc.Allocator("sim", "no_such_key:1")
+    assert caught[0].filename == __file__  # (pointing at the caller's line)
+    with pytest.warns(gcalloc.GcallocWarning, match="another_key"):
+        a.set_config("another_key:2")
+    a.close()
+    assert "no_such_key" not in capfd.readouterr().err  # (raised, not also printed)
+    # Outside those calls the library's own log is as it was: nothing is kept for Python.
+    assert getattr(gcalloc._collecting, "messages", None) is None

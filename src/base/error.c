@@ -187,6 +187,15 @@ gca_log_level gca_set_log_level(gca_log_level level) {
 
 gca_log_level gca_get_log_level(void) { return (gca_log_level)atomic_load(&gca__log_level_now); }
 
+/* The calling thread's own handler (gca_set_thread_log_handler). */
+static _Thread_local gca_log_fn thread_fn;
+static _Thread_local void *thread_user;
+
+void gca_set_thread_log_handler(gca_log_fn fn, void *user) {
+  thread_fn = fn;
+  thread_user = fn ? user : NULL;
+}
+
 void gca_set_log_handler(gca_log_fn fn, void *user) {
   pthread_mutex_lock(&log_lock);
   log_fn = fn;
@@ -262,8 +271,8 @@ void gca__log_message(gca_log_level level, const char *fmt, ...) {
 
 static void deliver(gca_log_level level, const char *msg) {
   pthread_mutex_lock(&log_lock);
-  gca_log_fn fn = log_fn;
-  void *user = log_user;
+  gca_log_fn fn = thread_fn ? thread_fn : log_fn;
+  void *user = thread_fn ? thread_user : log_user;
   /* Warnings repeat (every device, every set_config): print each once. */
   bool print = fn == NULL && (level != GCA_LOG_WARNING || first_sighting(msg));
   FILE *out = log_file ? log_file : stderr;
