@@ -580,6 +580,23 @@ typedef enum gca_context {
  * pays one predictable branch per entry point. */
 GCA_API int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, size_t max_entries);
 
+/* Which frames a recorded stack holds (PyTorch's `stacks` argument). In a
+ * process running Python, a call made from a thread with a Python thread
+ * state also records that thread's Python frames (file, line, function;
+ * found through CPython's own functions, with no link to libpython, taking
+ * the GIL before any gcalloc lock, as PyTorch's allocator does): first,
+ * innermost first, then the native ones. Threads without Python record
+ * native frames only. */
+typedef enum gca_stacks {
+  GCA_STACKS_NATIVE = 0, /* native return addresses only */
+  GCA_STACKS_PYTHON = 1, /* Python frames only, where the caller has them (else native) */
+  GCA_STACKS_ALL = 2     /* Python frames, then native ones (gca_record_history's) */
+} gca_stacks;
+
+/* gca_record_history with the frames to keep. */
+GCA_API int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, gca_stacks stacks,
+                                  size_t max_entries);
+
 /* One frame of a call stack. `filename` is the object file (binary or
  * shared library) the code lies in, `name` the function ("??" when the
  * symbol is not exported), `line` the offset of the return address in that

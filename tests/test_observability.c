@@ -233,6 +233,21 @@ static void test_history_ring_wraps(void **state) {
   assert_int_equal(gca_record_history(a, 1, (gca_context)7, 10), GCA_ERR_INVALID);
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 0), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "max_entries");
+  assert_int_equal(gca_record_history_ex(a, 1, GCA_CONTEXT_ALL, (gca_stacks)3, 10), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "stacks 3");
+  /* No Python in this process: every choice of stacks records the native
+   * frames, and the calls keep their plain entry. */
+  for (int stacks = GCA_STACKS_NATIVE; stacks <= GCA_STACKS_ALL; stacks++) {
+    assert_int_equal(gca_record_history_ex(a, 1, GCA_CONTEXT_ALL, (gca_stacks)stacks, 10), GCA_OK);
+    assert_int_equal(atomic_load(&gca__calls_observed) & GCA_OBSERVED_PYTHON, 0);
+    gca_free(a, gca_malloc(a, 4096, 0, S1));
+    assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
+    assert_int_equal(s->device_traces[0][0].action, GCA_TRACE_ALLOC);
+    assert_true(s->device_traces[0][0].frame_count > 0);
+    for (size_t k = 0; k < s->device_traces[0][0].frame_count; k++)
+      assert_null(strstr(s->device_traces[0][0].frames[k].filename, ".py"));
+    gca_snapshot_free(s);
+  }
   gca_close(a);
 }
 

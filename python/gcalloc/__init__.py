@@ -191,6 +191,7 @@ _sig("gca_device_properties", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_De
 _sig("gca_can_access_peer", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 _sig("gca_stats_flatten", ctypes.c_size_t, _P, ctypes.POINTER(_StatItem), ctypes.c_size_t)
 _sig("gca_record_history", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
+_sig("gca_record_history_ex", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
 _sig("gca_host_malloc", _P, _P, ctypes.c_size_t)
 _sig("gca_host_free", ctypes.c_int, _P, _P)
 _sig("gca_host_record_stream", ctypes.c_int, _P, _P, ctypes.c_int, ctypes.c_size_t)
@@ -754,13 +755,20 @@ class Allocator:
         with self._handle() as a:
             _check(_lib.gca_host_reset_peak_stats(a))
 
-    def record_history(self, enabled=True, context="state", max_entries=100000):
+    def record_history(self, enabled=True, context="state", max_entries=100000, stacks="all"):
+        """Start (or, enabled False, stop) the history of every device: the last `max_entries` events;
+        `context` None, "state" (stacks of live blocks), "alloc" (and of allocations) or "all" (and of
+        frees); `stacks` "all" (the calling Python thread's frames, then native ones), "python" (Python
+        frames only) or "native"."""
         levels = {None: 0, "none": 0, "state": 1, "alloc": 2, "all": 3}
+        frames = {"native": 0, "python": 1, "all": 2}
         if context not in levels:
             raise ValueError("context must be one of None, 'none', 'state', 'alloc', 'all', not %r" % (context,))
+        if stacks not in frames:
+            raise ValueError("stacks must be 'all', 'python' or 'native', not %r" % (stacks,))
         max_entries = _size(max_entries, "max_entries")
         with self._handle() as a:
-            _check(_lib.gca_record_history(a, int(bool(enabled)), levels[context], max_entries))
+            _check(_lib.gca_record_history_ex(a, int(bool(enabled)), levels[context], frames[stacks], max_entries))
 
     def _write_snapshot(self, path, fmt):
         path = _text(os.fspath(path), "path")
@@ -905,7 +913,8 @@ def record_memory_history(enabled: Optional[str] = "all", context: Optional[str]
     """torch.cuda.memory._record_memory_history on every device of the process-wide allocator:
     `enabled` None stops, "state" keeps the stacks of live blocks only, "all" also the history of
     allocations and frees (max_entries of them); `context` None, "state", "alloc" or "all" says which
-    events keep a stack; `stacks` "python" or "all" (native frames are recorded in both)."""
+    events keep a stack; `stacks` "python" (the calling thread's Python frames) or "all" (those, then
+    the native ones)."""
     if stacks not in ("python", "all"):
         raise ValueError("stacks must be 'python' or 'all', not %r" % (stacks,))
     if enabled not in (None, "state", "all"):
@@ -913,7 +922,7 @@ def record_memory_history(enabled: Optional[str] = "all", context: Optional[str]
     allocator = _process_allocator()
     for device in range(allocator.device_count):
         allocator.record_history(enabled is not None, context if enabled == "all" else "state",
-                                 max_entries if enabled == "all" else 0)
+                                 max_entries if enabled == "all" else 1, stacks)
 
 
 def set_per_process_memory_fraction(fraction: float, device: Device = None) -> None:

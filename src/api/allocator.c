@@ -420,7 +420,14 @@ CALLBACK_API(CB_OOM_OBSERVER, gca_oom_observer_fn, gca_add_oom_observer, gca_rem
 CALLBACK_API(CB_OOM_HANDLER, gca_oom_handler_fn, gca_add_oom_handler, gca_remove_oom_handler)
 
 int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, size_t max_entries) {
+  return gca_record_history_ex(a, enabled, context, GCA_STACKS_ALL, max_entries);
+}
+
+int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, gca_stacks stacks,
+                          size_t max_entries) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
+  if (enabled && (stacks < GCA_STACKS_NATIVE || stacks > GCA_STACKS_ALL))
+    return gca__set_error(GCA_ERR_INVALID, "gca_record_history: stacks %d is not NATIVE, PYTHON or ALL", (int)stacks);
   if (enabled && (context < GCA_CONTEXT_NONE || context > GCA_CONTEXT_ALL))
     return gca__set_error(GCA_ERR_INVALID, "gca_record_history: context %d is not NONE, STATE, ALLOC or ALL", (int)context);
   if (enabled && (max_entries == 0 || max_entries > ((size_t)1 << 26)))
@@ -430,7 +437,7 @@ int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, siz
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
     int rc = GCA_OK;
-    if (enabled) rc = gca__history_start(d, (int)context, max_entries);
+    if (enabled) rc = gca__history_start(d, (int)context, (int)stacks, max_entries);
     else gca__history_stop(d);
     lock_release(&d->lock);
     if (rc) return rc;
@@ -455,7 +462,24 @@ static int empty_cache_plain(gca_allocator_t *a, int device) {
 
 static int allocator_id(const gca_allocator_t *a) { return a ? a->id : -1; }
 
+/* Python frames for the history, gathered before any lock is taken (the
+ * GIL comes first): for an allocation on `device`, or (device -1) a free
+ * on whichever device holds the pointer. */
+static void python_gather(gca_allocator_t *a, int device) {
+  if (!(atomic_load_explicit(&gca__calls_observed, memory_order_relaxed) & GCA_OBSERVED_PYTHON) || !a) return;
+  if (device >= 0 && device < a->device_count) {
+    gca__history_python_gather(&a->devices[device], false);
+    return;
+  }
+  for (int i = 0; device < 0 && i < a->device_count; i++)
+    if (atomic_load_explicit(&a->devices[i].obs.python, memory_order_relaxed) & 2) {
+      gca__history_python_gather(&a->devices[i], true);
+      return;
+    }
+}
+
 GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  python_gather(a, device);
   gca__record_lock_calls();
   void *p = malloc_plain(a, size, device, stream);
   gca__record_line("malloc", "%d %d %" PRIxPTR " %zu %" PRIxPTR, allocator_id(a), device, (uintptr_t)stream, size,
@@ -463,10 +487,12 @@ GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int devic
   gca__record_unlock_calls();
   gca__log_message(GCA_LOG_TRACE, "malloc(%zu bytes, device %d, stream %#" PRIxPTR ") = %p", size, device,
                    (uintptr_t)stream, p);
+  gca__history_python_done();
   return p;
 }
 
 GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
+  if (ptr) python_gather(a, -1);
   gca__record_lock_calls();
   (void)gca__record_free_left_pending();
   int rc = free_plain(a, ptr);
@@ -476,6 +502,7 @@ GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
     gca__record_line("free", "%d %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr, rc);
   gca__record_unlock_calls();
   gca__log_message(GCA_LOG_TRACE, "free(%p) = %s", ptr, gca_status_name(rc));
+  gca__history_python_done();
   return rc;
 }
 

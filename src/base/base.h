@@ -71,6 +71,11 @@ void gca__log_init(void);
 /* Whether every call must be observed for a trace file being written
  * (trace recording says; calls_observed follows it and the log level). */
 void gca__log_set_calls_recorded(bool on);
+/* A device's history starts (+1) or stops (-1) wanting Python frames: while
+ * any does, calls take the observed entry, which gathers them before any
+ * lock (GCA_OBSERVED_PYTHON in gca__calls_observed). */
+#define GCA_OBSERVED_PYTHON 4
+void gca__log_python_frames(int delta);
 
 /* ------------------------------------------------------------------------ */
 /* Small helpers (util.c)                                                    */
@@ -104,6 +109,20 @@ uint64_t gca__text_hash(const char *s);
  * with the driver page by page. */
 #define HUGE_PAGE_BYTES ((size_t)2 << 20)
 void *gca__huge_map(size_t bytes);
+/* Python frames of the calling thread (pyframes.c): CPython's functions
+ * found in the running process, no link to libpython. A frame is one word,
+ * tagged with the top bit, that travels among a stack's return addresses.
+ * gca__py_gather writes the calling thread's frames, innermost first, and
+ * returns how many: 0 where the process runs no Python or the thread has no
+ * Python thread state. It takes the GIL: call it with no gcalloc lock held.
+ * gca__py_frame resolves a tagged word (false for a return address), from
+ * any thread, without the GIL. */
+#define GCA_PY_FRAME_TAG ((uintptr_t)1 << 63)
+size_t gca__py_gather(uintptr_t *out, size_t cap);
+/* Whether the process runs Python (its interpreter is initialized). */
+bool gca__py_present(void);
+bool gca__py_frame(uintptr_t tagged, const char **file, const char **name, int *line);
+
 /* A bump allocator for things freed all at once (a snapshot, a parsed
  * pickle). Chunks of `chunk` bytes (64 KiB when 0); with `limit` nonzero,
  * no more than that many bytes in all. A refused allocation sets `failed`,

@@ -136,9 +136,18 @@ static bool first_sighting(const char *msg) {
 /* Set by trace recording (src/observe/record.c) while a file is written. */
 static _Atomic bool calls_recorded;
 
+/* Devices whose history wants Python frames (gca__log_python_frames). */
+static _Atomic int python_devices;
+
 static void update_observed(void) {
   int trace = atomic_load(&gca__log_level_now) >= GCA_LOG_TRACE;
-  atomic_store(&gca__calls_observed, trace | (atomic_load(&calls_recorded) ? 2 : 0));
+  atomic_store(&gca__calls_observed, trace | (atomic_load(&calls_recorded) ? 2 : 0) |
+                                         (atomic_load(&python_devices) > 0 ? GCA_OBSERVED_PYTHON : 0));
+}
+
+void gca__log_python_frames(int delta) {
+  atomic_fetch_add(&python_devices, delta);
+  update_observed();
 }
 
 static void load_log_settings(void) {

@@ -35,7 +35,9 @@ typedef struct block block_t;
 typedef struct segment segment_t;
 
 /* A captured call stack: raw return addresses, innermost first. */
-#define MAX_FRAMES 16
+#define PY_FRAMES 16       /* Python frames first (history.c), */
+#define NATIVE_FRAMES 16   /* then native return addresses */
+#define MAX_FRAMES (PY_FRAMES + NATIVE_FRAMES)
 typedef struct call_stack {
   uint8_t depth;
   uintptr_t ips[MAX_FRAMES];
@@ -260,6 +262,9 @@ struct device {
    * (inspect.h). NULL otherwise: the device-call paths pay one branch. */
   struct {
     bool recording;          /* the history records */
+    /* Python frames wanted (history.c): 1 for allocations, 2 for frees.
+     * Read without the lock, before it is taken, to gather them. */
+    _Atomic uint8_t python;
     struct history *history; /* NULL until recording is first started */
     gca__segment_observer_fn segment_fn;
     void *segment_ctx;

@@ -27,13 +27,35 @@ int64_t gca__history_now_us(void) {
   return (int64_t)t.tv_sec * 1000000 + t.tv_nsec / 1000;
 }
 
-/* The caller's stack, without this function's own frame. */
-static uint8_t capture(uintptr_t *ips) {
-  void *buf[MAX_FRAMES + 1];
-  int n = unw_backtrace(buf, MAX_FRAMES + 1);
-  if (n <= 1) return 0;
-  for (int i = 1; i < n; i++) ips[i - 1] = (uintptr_t)buf[i];
-  return (uint8_t)(n - 1);
+/* The calling thread's Python frames, gathered before the lock for the
+ * call in progress (gca__history_python_gather). */
+static _Thread_local struct {
+  uint8_t depth;
+  uintptr_t frames[PY_FRAMES];
+} python_pending;
+
+void gca__history_python_gather(device_t *d, bool freeing) {
+  uint8_t want = atomic_load_explicit(&d->obs.python, memory_order_relaxed);
+  python_pending.depth = want & (freeing ? 2 : 1) ? (uint8_t)gca__py_gather(python_pending.frames, PY_FRAMES) : 0;
+}
+
+void gca__history_python_done(void) { python_pending.depth = 0; }
+
+/* The caller's stack, without this function's own frame: the Python frames
+ * gathered for this call first (innermost first, what the user's code
+ * did), then the native return addresses; with GCA_STACKS_PYTHON only the
+ * Python ones where there are any. */
+static uint8_t capture(const history_t *h, uintptr_t *ips) {
+  uint8_t n = 0;
+  if (h->stacks != GCA_STACKS_NATIVE && python_pending.depth) {
+    n = python_pending.depth;
+    memcpy(ips, python_pending.frames, n * sizeof ips[0]);
+    if (h->stacks == GCA_STACKS_PYTHON) return n;
+  }
+  void *buf[NATIVE_FRAMES + 1];
+  int got = unw_backtrace(buf, NATIVE_FRAMES + 1);
+  for (int i = 1; i < got; i++) ips[n++] = (uintptr_t)buf[i];
+  return n;
 }
 
 /* The next slot of the ring, overwriting the oldest once it is full. */
@@ -68,13 +90,13 @@ static bool wants_stack(const history_t *h, int action) {
 
 void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream) {
   history_entry_t *e = record(d, action, addr, size, stream);
-  if (wants_stack(d->obs.history, action)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, action)) e->depth = capture(d->obs.history, e->ips);
 }
 
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
   history_entry_t *e = record(d, GCA_TRACE_OOM, 0, size, stream);
   e->device_free = device_free;
-  if (wants_stack(d->obs.history, GCA_TRACE_OOM)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, GCA_TRACE_OOM)) e->depth = capture(d->obs.history, e->ips);
 }
 
 void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
@@ -83,7 +105,7 @@ void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int
   e->ipc_received = received;
   e->ipc_asked = asked;
   e->ipc_silent = silent;
-  if (wants_stack(d->obs.history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(e->ips);
+  if (wants_stack(d->obs.history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(d->obs.history, e->ips);
 }
 
 void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
@@ -96,7 +118,7 @@ void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
   if (h->context < GCA_CONTEXT_STATE) return;
   call_stack_t *stack = malloc(sizeof *stack);
   uintptr_t ips[MAX_FRAMES];
-  uint8_t depth = capture(ips);
+  uint8_t depth = capture(h, ips);
   if (stack) {
     stack->depth = depth;
     memcpy(stack->ips, ips, depth * sizeof ips[0]);
@@ -114,7 +136,20 @@ void gca__history_drop_stack(block_t *b) {
   b->stack = NULL;
 }
 
-int gca__history_start(device_t *d, int context, size_t max_entries) {
+/* What Python frames the settings want: 1 at allocations (their entries
+ * and the block's stack), 2 at frees; none where no Python runs. */
+static uint8_t python_wanted(int context, int stacks) {
+  /* (A process without Python pays nothing for them: calls keep the plain entry.) */
+  if (stacks == GCA_STACKS_NATIVE || !gca__py_present()) return 0;
+  return (uint8_t)((context >= GCA_CONTEXT_STATE ? 1 : 0) | (context >= GCA_CONTEXT_ALL ? 2 : 0));
+}
+
+static void set_python(device_t *d, uint8_t want) {
+  uint8_t was = atomic_exchange_explicit(&d->obs.python, want, memory_order_relaxed);
+  if (!was != !want) gca__log_python_frames(want ? 1 : -1);
+}
+
+int gca__history_start(device_t *d, int context, int stacks, size_t max_entries) {
   history_entry_t *ring = calloc(max_entries, sizeof *ring);
   history_t *h = d->obs.history ? d->obs.history : calloc(1, sizeof *h);
   if (!ring || !h) {
@@ -127,18 +162,24 @@ int gca__history_start(device_t *d, int context, size_t max_entries) {
   h->cap = max_entries;
   h->count = h->next = 0;
   h->context = context;
+  h->stacks = stacks;
   d->obs.history = h;
   d->obs.recording = true;
+  set_python(d, python_wanted(context, stacks));
   return GCA_OK;
 }
 
-void gca__history_stop(device_t *d) { d->obs.recording = false; }
+void gca__history_stop(device_t *d) {
+  d->obs.recording = false;
+  set_python(d, 0);
+}
 
 void gca__history_destroy(device_t *d) {
   if (d->obs.history) free(d->obs.history->ring);
   free(d->obs.history);
   d->obs.history = NULL;
   d->obs.recording = false;
+  set_python(d, 0);
 }
 
 size_t gca__history_copy(const device_t *d, history_entry_t *out) {

@@ -22,6 +22,7 @@ typedef struct history {
   history_entry_t *ring;
   size_t cap, count, next;   /* next: where the next entry goes */
   int context;               /* gca_context */
+  int stacks;                /* gca_stacks */
 } history_t;
 
 int64_t gca__history_now_us(void);
@@ -38,7 +39,13 @@ void gca__history_ipc_release(device_t *d, size_t released, int32_t requester);
 void gca__history_drop_stack(block_t *b);
 /* segment.c: a free completes: record it (if on) and drop the block's stack. */
 void gca__history_free_completed(device_t *d, block_t *b);
-int gca__history_start(device_t *d, int context, size_t max_entries);
+int gca__history_start(device_t *d, int context, int stacks, size_t max_entries);
+/* Without any lock (the GIL is taken first: pyframes.c): gather the
+ * calling thread's Python frames for the entries (and block stacks) the
+ * call about to be made records on `d`, if its history wants them for an
+ * allocation or, `freeing`, a free; _done forgets them after the call. */
+void gca__history_python_gather(device_t *d, bool freeing);
+void gca__history_python_done(void);
 void gca__history_stop(device_t *d);
 void gca__history_destroy(device_t *d);
 /* Copy the ring, oldest first, into out (room for d->obs.history->cap); returns how many. */

@@ -195,7 +195,9 @@ static const gca_frame_t *resolve(snapshot_impl_t *sn, uintptr_t ip) {
   memset(&info, 0, sizeof info);
   const char *file = "??", *name = "??";
   int offset = 0;
-  if (dladdr((void *)ip, &info)) {
+  if (gca__py_frame(ip, &file, &name, &offset)) {
+    /* (a Python frame: its file, function and line) */
+  } else if (dladdr((void *)ip, &info)) {
     if (info.dli_fname) file = info.dli_fname;
     if (info.dli_sname) {
       name = info.dli_sname;
