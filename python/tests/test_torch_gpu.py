@@ -53,3 +53,30 @@ def test_record_stream_reaches_gcalloc():
     assert busy == "True", "the side stream finished too soon for the check to mean anything"
     assert reused == "False"
     assert (first, last) == ("9", "9")
+
+
+# PyTorch's own memory functions under the drop-in, its hooks, and Python
+# frames in its snapshot, on the real thing.
+TOOLS = r"""
+import torch, gcalloc, gcalloc.torch
+gcalloc.torch.install()
+def allocate_in_model():
+    return torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+torch.cuda.memory._record_memory_history(max_entries=1000)
+x = allocate_in_model()
+assert torch.cuda.memory_allocated() == gcalloc.memory_allocated() >= 32 << 20
+assert torch.cuda.max_memory_reserved() == gcalloc.max_memory_reserved() > 0
+assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == gcalloc.memory_allocated()
+assert "set_reset_fn" in gcalloc.torch.hooks() and "memory_stats" in gcalloc.torch.routed()
+names = [f["name"] for e in torch.cuda.memory._snapshot()["device_traces"][0] if e["action"] == "alloc"
+         for f in e["frames"]]
+del x
+torch.cuda.empty_cache()  # the reset hook
+print(gcalloc.memory_reserved() == 0, "allocate_in_model" in names, torch.__version__)
+"""
+
+
+def test_pytorchs_tools_under_the_drop_in():
+    emptied, named, version = run(TOOLS)
+    assert emptied == "True", "torch.cuda.empty_cache() did not reach gcalloc (PyTorch %s)" % version
+    assert named == "True", "no Python frame of the allocating function in the snapshot"
