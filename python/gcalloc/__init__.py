@@ -30,7 +30,7 @@ __all__ = ["Allocator", "GcallocError", "OutOfMemoryError", "GcallocWarning", "D
            "device_count", "synchronize", "empty_cache", "mem_get_info", "memory_stats",
            "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated", "memory_reserved",
            "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
-           "reset_accumulated_memory_stats", "memory_summary", "gcalloc_stats", "memory_snapshot",
+           "reset_accumulated_memory_stats", "memory_summary", "gcalloc_stats", "ipc_peers", "memory_snapshot",
            "dump_snapshot", "record_memory_history", "set_per_process_memory_fraction",
            "get_per_process_memory_fraction", "get_device_properties", "can_device_access_peer",
            "host_memory_stats", "host_empty_cache"]
@@ -147,6 +147,11 @@ class DeviceProperties(NamedTuple):
     total_memory: int
 
 
+class _IpcPeer(ctypes.Structure):  # gca_ipc_peer_t
+    _fields_ = [("pid", ctypes.c_int32), ("reserved_bytes", ctypes.c_uint64), ("allocated_bytes", ctypes.c_uint64),
+                ("cached_bytes", ctypes.c_uint64), ("waiting_bytes", ctypes.c_uint64)]
+
+
 class _HostStats(ctypes.Structure):  # gca_host_stats_t
     _fields_ = [("allocation", _Stat), ("segment", _Stat), ("allocated_bytes", _Stat), ("reserved_bytes", _Stat),
                 ("host_alloc_time", _DurationStat), ("host_free_time", _DurationStat),
@@ -188,6 +193,7 @@ _sig("gca_get_stats", ctypes.c_int, _P, ctypes.c_int, _P)
 _sig("gca_mem_get_info", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
 _sig("gca_get_memory_fraction", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_double))
 _sig("gca_device_properties", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_DeviceProperties))
+_sig("gca_ipc_peers", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_IpcPeer), ctypes.c_size_t)
 _sig("gca_can_access_peer", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 _sig("gca_stats_flatten", ctypes.c_size_t, _P, ctypes.POINTER(_StatItem), ctypes.c_size_t)
 _sig("gca_record_history", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
@@ -667,6 +673,17 @@ class Allocator:
         _check(rc)
         return bool(can.value)
 
+    def ipc_peers(self, device=0):
+        """The processes cooperating on the device (ipc_cooperation:True; this one included), as each last
+        published itself: dicts of pid, reserved_bytes, allocated_bytes, cached_bytes, waiting_bytes.
+        GcallocError where cooperation is off for the device."""
+        device = _device(device)
+        with self._handle() as a:
+            n = _check(_lib.gca_ipc_peers(a, device, None, 0))
+            peers = (_IpcPeer * max(n, 1))()
+            n = min(_check(_lib.gca_ipc_peers(a, device, peers, n)), n)
+        return [{name: getattr(p, name) for name, _ in _IpcPeer._fields_} for p in peers[:n]]
+
     def gcalloc_stats(self, device=0):
         """gcalloc's own counters of the device (gcalloc.gcalloc_stats)."""
         device = _device(device)
@@ -896,6 +913,11 @@ def gcalloc_stats(device: Device = None) -> Dict[str, int]:
     device frees refused, garbage-collection releases, allocations that waited, OOM-handler retries,
     pages moved by stitching, and the requests to (and bytes from) processes sharing the device."""
     return _process_allocator().gcalloc_stats(_device(device))
+
+
+def ipc_peers(device: Device = None) -> list:
+    """The processes cooperating on the device with the process-wide allocator (docs/sharing.md)."""
+    return _process_allocator().ipc_peers(_device(device))
 
 
 def memory_snapshot() -> Dict[str, Any]:

@@ -205,3 +205,21 @@ def test_configuration_warnings_are_python_warnings(capfd):
     assert "no_such_key" not in capfd.readouterr().err  # (raised, not also printed)
     # Outside those calls the library's own log is as it was: nothing is kept for Python.
     assert getattr(gcalloc._collecting, "messages", None) is None
+
+
+def test_peers_sharing_the_device():
+    name = "gcalloc-peers-%d" % os.getpid()
+    with gcalloc.Allocator("sim:shared=%s,capacity=1GiB" % name, "ipc_cooperation:True") as a:
+        p = a.malloc(100 * MiB)
+        import time
+        deadline = time.monotonic() + 10  # (each process publishes its figures from a thread of its own)
+        while True:
+            peers = a.ipc_peers(0)
+            assert [peer["pid"] for peer in peers] == [os.getpid()], peers
+            if peers[0]["allocated_bytes"] == 100 * MiB or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert peers[0]["allocated_bytes"] == 100 * MiB and peers[0]["waiting_bytes"] == 0, peers
+        a.free(p)
+    with gcalloc.Allocator("sim") as a, pytest.raises(gcalloc.GcallocError):
+        a.ipc_peers(0)  # cooperation off
