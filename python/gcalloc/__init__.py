@@ -599,13 +599,16 @@ class Allocator:
             _check(_lib.gca_pool_get_stats(a, pool, ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _PoolStats._fields_}
 
+    def _answer(self, call, kind, *args):
+        """The value a C call writes through its last argument, a pointer to `kind`."""
+        out = kind()
+        with self._handle() as a:
+            _check(call(a, *args, ctypes.byref(out)))
+        return out.value
+
     def pool_of(self, ptr):
         """The pool of a live allocation (0: the default pool)."""
-        ptr = _address(ptr)
-        out = ctypes.c_uint64()
-        with self._handle() as a:
-            _check(_lib.gca_pool_of(a, ptr, ctypes.byref(out)))
-        return out.value
+        return self._answer(_lib.gca_pool_of, ctypes.c_uint64, _address(ptr))
 
     def pools(self, device=0):
         """The ids of the device's private pools, oldest first."""
@@ -638,11 +641,7 @@ class Allocator:
 
     def get_per_process_memory_fraction(self, device=0):
         """The memory fraction in force on the device (1.0 when none was set)."""
-        device = _device(device)
-        out = ctypes.c_double()
-        with self._handle() as a:
-            _check(_lib.gca_get_memory_fraction(a, device, ctypes.byref(out)))
-        return out.value
+        return self._answer(_lib.gca_get_memory_fraction, ctypes.c_double, _device(device))
 
     def mem_get_info(self, device=0):
         """(free, total) bytes of the device, as its driver reports them."""
@@ -746,11 +745,8 @@ class Allocator:
             _check(_lib.gca_host_empty_cache(a))
 
     def host_is_pinned(self, ptr):
-        ptr = _address(ptr)
-        pinned = ctypes.c_int(0)
-        with self._handle() as a:
-            _check(_lib.gca_host_is_pinned(a, ptr, ctypes.byref(pinned)))
-        return bool(pinned.value)
+        """Whether the address lies in pinned host memory this allocator handed out."""
+        return bool(self._answer(_lib.gca_host_is_pinned, ctypes.c_int, _address(ptr)))
 
     def host_memory_stats(self):
         """torch.cuda.host_memory_stats(): its keys ("allocation.current", "host_alloc_time.total",
