@@ -44,10 +44,10 @@ static void expect_all_refused(const char *path, const refusal_t *bad, size_t co
  * parsed; the caller puts the root. */
 static json_object *tool_json(const char *args) {
   char cmd[4096];
-  int n = snprintf(cmd, sizeof cmd, "%s %s --json > /tmp/gcalloc-tool.json", GCALLOC_TOOL_PATH, args);
+  int n = snprintf(cmd, sizeof cmd, "%s %s --json > gcalloc-scratch-tool.json", GCALLOC_TOOL_PATH, args);
   assert_true(n > 0 && (size_t)n < sizeof cmd);
   assert_int_equal(system(cmd), 0);
-  json_object *root = json_object_from_file("/tmp/gcalloc-tool.json");
+  json_object *root = json_object_from_file("gcalloc-scratch-tool.json");
   assert_non_null(root);
   return root;
 }
@@ -70,9 +70,9 @@ static void expect_long_line_refused(const char *path, const char *head, char fi
 /* allocatorSim: "<alloc_op> <free_op> <size>"; live at op 2: a and b. */
 static void test_allocsim_lines(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
+  write_file("gcalloc-scratch-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_OK);
   replay_options_t o = defaults();
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
@@ -105,14 +105,14 @@ static int compare_ref_ends(const void *a, const void *b) {
 
 static void test_allocsim_order(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay.log", "5 100000000000 10\n"   /* line 0 */
+  write_file("gcalloc-scratch-replay.log", "5 100000000000 10\n"   /* line 0 */
                                         "3 5 20\n"               /* 1: freed at 5, before 0's and 3's allocs */
                                         "5 5 30\n"               /* 2: allocated and freed at 5 */
                                         "5 7 40\n"               /* 3 */
                                         "# a comment\n\n"
                                         "1 5 50\n");             /* 4: freed at 5, after 1 (line order) */
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_OK);
   assert_int_equal(t.count, 10);
   const struct {
     trace_action action;
@@ -137,7 +137,7 @@ static void test_allocsim_order(void **state) {
    * with qsort from the rule above. */
   enum { LINES = 3000 };
   static ref_end_t ref[2 * LINES];
-  FILE *f = fopen("/tmp/gcalloc-replay.log", "w");
+  FILE *f = fopen("gcalloc-scratch-replay.log", "w");
   assert_non_null(f);
   uint64_t seed = 29;
   for (uint64_t i = 0; i < LINES; i++) {
@@ -149,7 +149,7 @@ static void test_allocsim_order(void **state) {
   }
   fclose(f);
   qsort(ref, 2 * LINES, sizeof *ref, compare_ref_ends);
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_OK);
   assert_int_equal(t.count, 2 * LINES);
   for (size_t i = 0; i < t.count; i++) {
     assert_int_equal(t.events[i].action, ref[i].kind == 1 ? TA_ALLOC : TA_FREE_COMPLETED);
@@ -159,17 +159,17 @@ static void test_allocsim_order(void **state) {
   }
   trace_free(&t);
 
-  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n4 3 10\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_ERR_INVALID);
-  assert_contains(gca_last_error(), "gcalloc-replay.log:2: expected '<alloc_op> <free_op> <size>'");
-  expect_long_line_refused("/tmp/gcalloc-replay.log", "0 2 3000000\n0 1 ", '0', 300, "7\n",
-                           "gcalloc-replay.log:2: longer than 256 characters");
+  write_file("gcalloc-scratch-replay.log", "0 2 3000000\n4 3 10\n");
+  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "gcalloc-scratch-replay.log:2: expected '<alloc_op> <free_op> <size>'");
+  expect_long_line_refused("gcalloc-scratch-replay.log", "0 2 3000000\n0 1 ", '0', 300, "7\n",
+                           "gcalloc-scratch-replay.log:2: longer than 256 characters");
 }
 
 /* gcalloc's own trace: frees take the device of their allocation. */
 static void test_gcalloc_trace_format(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay.trace", "# gcalloc trace 1\n"
+  write_file("gcalloc-scratch-replay.trace", "# gcalloc trace 1\n"
                                            "1 7 open 0 sim:devices=2 -\n"
                                            "2 7 malloc 0 1 100 4096 200000000000\n"
                                            "3 7 malloc 0 1 100 8192 200000001000\n"
@@ -179,7 +179,7 @@ static void test_gcalloc_trace_format(void **state) {
                                            "7 7 empty_cache 0 1 0\n"
                                            "8 7 close 0\n");
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay.trace", &t), GCA_OK);
   assert_int_equal(t.device_count, 2);
   assert_int_equal(t.count, 4); /* two mallocs, one free, one empty_cache marker */
   assert_int_equal(t.events[2].device, 1);
@@ -220,9 +220,9 @@ static void test_gcalloc_trace_pending_frees(void **state) {
                         "10 7 free_completed 0 deadbeef\n" /* not live: nothing */
                         "11 7 free 0 200000000000 0\n"
                         "12 7 close 0\n";
-  write_file("/tmp/gcalloc-replay-pending.trace", pending);
+  write_file("gcalloc-scratch-replay-pending.trace", pending);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-pending.trace", &t), GCA_OK);
   static const trace_action want[] = {TA_ALLOC, TA_FREE_REQUESTED, TA_ALLOC, TA_FREE_COMPLETED,
                                       TA_FREE_COMPLETED, TA_ALLOC, TA_FREE_COMPLETED};
   static const uint64_t at[] = {0x200000000000, 0x200000000000, 0x200001000000, 0x200001000000,
@@ -240,13 +240,13 @@ static void test_gcalloc_trace_pending_frees(void **state) {
   replay_result_free(&r);
   trace_free(&t);
   /* The same calls as version 1 wrote them. */
-  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 1\n"
+  write_file("gcalloc-scratch-replay-pending.trace", "# gcalloc trace 1\n"
                                                    "2 7 malloc 0 0 100 12582912 200000000000\n"
                                                    "3 7 record_stream 0 200000000000 200 0\n"
                                                    "4 7 free 0 200000000000 0\n"
                                                    "6 7 malloc 0 0 100 12582912 200000000000\n"
                                                    "7 7 free 0 200000000000 0\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-pending.trace", &t), GCA_OK);
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
   assert_int_equal(r.devices[0].peak_reserved, 12 * MiB);
   replay_result_free(&r);
@@ -254,12 +254,12 @@ static void test_gcalloc_trace_pending_frees(void **state) {
   /* A completion kept by another thread may be written before the free
    * it completes (that free's line comes after the completion's): the
    * completion is the release, and the free then frees nothing more. */
-  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n"
+  write_file("gcalloc-scratch-replay-pending.trace", "# gcalloc trace 2\n"
                                                    "2 7 malloc 0 0 100 12582912 200000000000\n"
                                                    "3 8 free_completed 0 200000000000\n"
                                                    "4 7 free 0 200000000000 0 1\n"
                                                    "5 7 malloc 0 0 100 12582912 200000000000\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-pending.trace", &t), GCA_OK);
   assert_int_equal(t.count, 3);
   assert_int_equal(t.events[1].action, TA_FREE_COMPLETED);
   assert_int_equal(t.events[2].action, TA_ALLOC);
@@ -268,13 +268,13 @@ static void test_gcalloc_trace_pending_frees(void **state) {
   replay_result_free(&r);
   trace_free(&t);
   /* A free's flag is 0 or 1; a completion names its pointer. */
-  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free 0 1000 0 2\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
+  write_file("gcalloc-scratch-replay-pending.trace", "# gcalloc trace 2\n1 7 free 0 1000 0 2\n");
+  assert_int_equal(trace_load("gcalloc-scratch-replay-pending.trace", &t), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "line 2: the pending flag (0 or 1) is missing or out of range");
-  write_file("/tmp/gcalloc-replay-pending.trace", "# gcalloc trace 2\n1 7 free_completed 0\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-pending.trace", &t), GCA_ERR_INVALID);
+  write_file("gcalloc-scratch-replay-pending.trace", "# gcalloc trace 2\n1 7 free_completed 0\n");
+  assert_int_equal(trace_load("gcalloc-scratch-replay-pending.trace", &t), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), "line 2: the pointer (at most 16 hex digits) is missing");
-  remove("/tmp/gcalloc-replay-pending.trace");
+  remove("gcalloc-scratch-replay-pending.trace");
 }
 
 /* gcalloc's own trace from a process with two allocators: each may hand
@@ -284,7 +284,7 @@ static void test_gcalloc_trace_pending_frees(void **state) {
  * are forgotten. */
 static void test_gcalloc_trace_allocators(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay-two.trace", "# gcalloc trace 1\n"
+  write_file("gcalloc-scratch-replay-two.trace", "# gcalloc trace 1\n"
                                                "1 7 open 0 sim:devices=4 -\n"
                                                "2 8 open 1 sim -\n"
                                                "3 7 malloc 0 2 0 4096 1000\n"
@@ -296,7 +296,7 @@ static void test_gcalloc_trace_allocators(void **state) {
                                                "9 8 close 1\n"
                                                "10 8 free 1 1000 0\n");
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-two.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-two.trace", &t), GCA_OK);
   assert_int_equal(t.device_count, 4);
   assert_null(t.origins); /* no device number is two allocators': the trace's own numbers */
   assert_int_equal(t.count, 7); /* the free after the close frees nothing replayed */
@@ -313,7 +313,7 @@ static void test_gcalloc_trace_allocators(void **state) {
   /* Two allocators on device 0, one after the other: each replays as an
    * allocator of its own. As one, the second's 20 MiB would have been
    * served from the first's cached segment, which it never had. */
-  write_file("/tmp/gcalloc-replay-shared.trace", "# gcalloc trace 1\n"
+  write_file("gcalloc-scratch-replay-shared.trace", "# gcalloc trace 1\n"
                                                   "1 7 open 1 sim -\n"
                                                   "2 7 open 2 sim -\n"
                                                   "3 7 malloc 1 0 0 20971520 7f0000000000\n"
@@ -324,7 +324,7 @@ static void test_gcalloc_trace_allocators(void **state) {
                                                   "8 7 empty_cache 2 -1 0\n"
                                                   "9 7 empty_cache 1 3 0\n"
                                                   "10 7 free 2 7f0000000000 0\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-shared.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-shared.trace", &t), GCA_OK);
   assert_int_equal(t.device_count, 3);
   assert_non_null(t.origins);
   const trace_origin_t expected[] = {{1, 0}, {2, 0}, {1, 1}}; /* in the order they first allocated */
@@ -354,10 +354,10 @@ static void test_gcalloc_trace_allocators(void **state) {
   trace_free(&t);
   /* The tool names each, text and JSON (allocator 2 replays its empty_cache too: 4 operations). */
   char cmd[512];
-  snprintf(cmd, sizeof cmd, "%s replay /tmp/gcalloc-replay-shared.trace > /tmp/gcalloc-replay-shared.txt",
+  snprintf(cmd, sizeof cmd, "%s replay gcalloc-scratch-replay-shared.trace > gcalloc-scratch-replay-shared.txt",
            GCALLOC_TOOL_PATH);
   assert_int_equal(system(cmd), 0);
-  FILE *f = fopen("/tmp/gcalloc-replay-shared.txt", "r");
+  FILE *f = fopen("gcalloc-scratch-replay-shared.txt", "r");
   assert_non_null(f);
   size_t len;
   unsigned char *text = gca__read_stream(f, "the tool's output", &len);
@@ -365,7 +365,7 @@ static void test_gcalloc_trace_allocators(void **state) {
   assert_non_null(text);
   assert_contains((const char *)text, "\ndevice 1 (allocator 2's device 0): 4 operations replayed");
   free(text);
-  json_object *root = tool_json("replay /tmp/gcalloc-replay-shared.trace"), *list, *v;
+  json_object *root = tool_json("replay gcalloc-scratch-replay-shared.trace"), *list, *v;
   assert_true(json_object_object_get_ex(root, "devices", &list));
   json_object *d2 = json_object_array_get_idx(list, 2);
   assert_true(json_object_object_get_ex(d2, "allocator", &v));
@@ -383,9 +383,9 @@ static void test_gcalloc_trace_allocators(void **state) {
       {"# gcalloc trace 1\n1 7 free 0 fffffffffffffffe 0\n", "line 2: pointer fffffffffffffffe out of range"},
       {"# gcalloc trace 1\n1 7 frees 0 1000 0\n", "line 2: the call (open, close, malloc"},
   };
-  expect_all_refused("/tmp/gcalloc-replay-bad.trace", bad, sizeof bad / sizeof bad[0]);
+  expect_all_refused("gcalloc-scratch-replay-bad.trace", bad, sizeof bad / sizeof bad[0]);
   /* A line longer than any the recorder writes. */
-  expect_long_line_refused("/tmp/gcalloc-replay-bad.trace", "# gcalloc trace 1\n1 7 open 0 sim ", 'x', 2000, "\n",
+  expect_long_line_refused("gcalloc-scratch-replay-bad.trace", "# gcalloc trace 1\n1 7 open 0 sim ", 'x', 2000, "\n",
                            "line 2: longer than 1024 characters");
 }
 
@@ -430,7 +430,7 @@ static void test_own_snapshot_round_trip(void **state) {
   gca_free(a, early[1]);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
   trace_t t;
-  record_as_trace(a, "/tmp/gcalloc-replay.pickle", &t);
+  record_as_trace(a, "gcalloc-scratch-replay.pickle", &t);
   /* The settings in force travel with it (gca_get_config's form). */
   assert_non_null(t.settings);
   assert_contains(t.settings, "max_split_size_mb:64");
@@ -492,7 +492,7 @@ static void test_start_as_recorded(void **state) {
   random_history(a, &rng, live, 48, 2000, 17, 1200);
   int64_t reserved_peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
   trace_t t;
-  record_as_trace(a, "/tmp/gcalloc-replay-start.pickle", &t);
+  record_as_trace(a, "gcalloc-scratch-replay-start.pickle", &t);
   replay_options_t o = defaults();
   replay_result_t r;
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
@@ -531,7 +531,7 @@ static void test_start_as_recorded(void **state) {
   gca_free(a, gca_malloc(a, 64 * MiB, 0, 0));
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_NONE, 1000), GCA_OK);
   void *from_cache = gca_malloc(a, 40 * MiB, 0, 0), *fresh = gca_malloc(a, 40 * MiB, 0, 0);
-  record_as_trace(a, "/tmp/gcalloc-replay-start.pickle", &t);
+  record_as_trace(a, "gcalloc-scratch-replay-start.pickle", &t);
   o = defaults();
   assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
   d = &r.devices[0];
@@ -650,7 +650,7 @@ static void test_start_as_recorded_random(void **state) {
     }
     bool known = !tail_unknown_to_the_record(at_start, &h);
     trace_t t;
-    record_as_trace(a, "/tmp/gcalloc-replay-random.pickle", &t);
+    record_as_trace(a, "gcalloc-scratch-replay-random.pickle", &t);
     replay_options_t o = defaults();
     o.start_snapshot = true;
     replay_result_t r;
@@ -723,7 +723,7 @@ static void test_stream_numbers(void **state) {
 
 static void test_rmm_csv(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay-rmm.csv",
+  write_file("gcalloc-scratch-replay-rmm.csv",
              "Thread,Time,Action,Pointer,Size,Stream\n"
              "140573312345856,23:59:59.500000,allocate,0x7f8a40000000,3000000,0x0\n"
              "140573312345856,23:59:59.750000,allocate,0x7f8a40400000,5000000,0x7f8a38001020\n"
@@ -731,7 +731,7 @@ static void test_rmm_csv(void **state) {
              "140573312345856,00:00:00.500000,allocate failure,nullptr,99999999999999,0x0\n"
              "140573312345856,00:00:01.000000,deallocate,0x7f8a40400000,5000000,0x7f8a38001020\n");
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-rmm.csv", &t), GCA_OK);
   assert_int_equal(t.count, 5);
   assert_int_equal(t.device_count, 1);
   assert_int_equal(t.events[0].action, TA_ALLOC);
@@ -755,9 +755,9 @@ static void test_rmm_csv(void **state) {
   trace_free(&t);
 
   /* Newer RMM: seconds since the epoch. */
-  write_file("/tmp/gcalloc-replay-rmm.csv", "Thread,Time,Action,Pointer,Size,Stream\n"
+  write_file("gcalloc-scratch-replay-rmm.csv", "Thread,Time,Action,Pointer,Size,Stream\n"
                                            "1,1634567890.123456,allocate,0x7f8a40000000,1024,0x0\n");
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-rmm.csv", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-rmm.csv", &t), GCA_OK);
   assert_int_equal(t.events[0].time_us, (int64_t)1634567890123456);
   trace_free(&t);
 
@@ -778,7 +778,7 @@ static void test_rmm_csv(void **state) {
       {"Thread,Time,Action,Pointer,Size,Stream\n1,1.0,allocate,0x1,2,stream\n", ":2: Stream 'stream'"},
       {"Thread,Time,Action,Pointer,Size,Stream\n", "no calls in the RMM log"},
   };
-  expect_all_refused("/tmp/gcalloc-replay-rmm.csv", bad, sizeof bad / sizeof bad[0]);
+  expect_all_refused("gcalloc-scratch-replay-rmm.csv", bad, sizeof bad / sizeof bad[0]);
 }
 
 /* With a timeline: the bytes after every operation, the peak's position and
@@ -786,9 +786,9 @@ static void test_rmm_csv(void **state) {
 static void test_timeline(void **state) {
   (void)state;
   /* op 0: +3 MB, op 1: +5 MB, op 2: free a, op 3: +1000 B ... */
-  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
+  write_file("gcalloc-scratch-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay.log", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_OK);
   replay_options_t o = defaults();
   o.timeline = true;
   replay_result_t r;
@@ -841,12 +841,12 @@ static void count_progress(void *ctx, int device, size_t done, size_t total) {
 /* A long replay reports its progress (the tool shows it on a terminal). */
 static void test_progress(void **state) {
   (void)state;
-  FILE *f = fopen("/tmp/gcalloc-replay-long.log", "w");
+  FILE *f = fopen("gcalloc-scratch-replay-long.log", "w");
   assert_non_null(f);
   for (int i = 0; i < 100000; i++) fprintf(f, "%d %d %d\n", i, i + 3, 4096 + (i % 7) * 512);
   fclose(f);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-long.log", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-long.log", &t), GCA_OK);
   replay_options_t o = defaults();
   progress_seen_t seen = {0, 0, true};
   o.progress = count_progress;
@@ -879,7 +879,7 @@ static void count_device_progress(void *ctx, int device, size_t done, size_t tot
  * message. */
 static void test_devices_in_parallel(void **state) {
   (void)state;
-  FILE *f = fopen("/tmp/gcalloc-replay-devices.trace", "w");
+  FILE *f = fopen("gcalloc-scratch-replay-devices.trace", "w");
   assert_non_null(f);
   fputs("# gcalloc trace 1\n1 7 open 0 sim:devices=4 -\n", f);
   uint64_t rng = 42;
@@ -905,7 +905,7 @@ static void test_devices_in_parallel(void **state) {
   fputs("9999999 7 close 0\n", f);
   fclose(f);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-replay-devices.trace", &t), GCA_OK);
+  assert_int_equal(trace_load("gcalloc-scratch-replay-devices.trace", &t), GCA_OK);
   assert_int_equal(t.device_count, 4);
   const char *confs[] = {"", "expandable_segments:True"};
   for (int c = 0; c < 2; c++) {
@@ -1081,14 +1081,14 @@ static void test_tune(void **state) {
 /* A report that cannot be written fails the command, saying why. */
 static void test_report_unwritable(void **state) {
   (void)state;
-  write_file("/tmp/gcalloc-replay.log", "0 2 3000000\n1 3 5000000\n");
+  write_file("gcalloc-scratch-replay.log", "0 2 3000000\n1 3 5000000\n");
   char cmd[1024];
   snprintf(cmd, sizeof cmd,
-           "%s replay /tmp/gcalloc-replay.log --report /nonexistent-gcalloc-dir/r.html > /dev/null "
-           "2> /tmp/gcalloc-report-error.txt",
+           "%s replay gcalloc-scratch-replay.log --report /nonexistent-gcalloc-dir/r.html > /dev/null "
+           "2> gcalloc-scratch-report-error.txt",
            GCALLOC_TOOL_PATH);
   assert_int_equal(WEXITSTATUS(system(cmd)), 1);
-  FILE *f = fopen("/tmp/gcalloc-report-error.txt", "r");
+  FILE *f = fopen("gcalloc-scratch-report-error.txt", "r");
   assert_non_null(f);
   char text[512] = "";
   assert_non_null(fgets(text, sizeof text, f));
@@ -1428,11 +1428,11 @@ static void test_segment_matching(void **state) {
   free(a);
 }
 
-/* `gcalloc COMMAND ARGS`, its output in /tmp/gcalloc-cli.out and .err:
+/* `gcalloc COMMAND ARGS`, its output in gcalloc-scratch-cli.out and .err:
  * its exit status. */
 static int run_tool(const char *args) {
   char cmd[1024];
-  snprintf(cmd, sizeof cmd, "%s %s > /tmp/gcalloc-cli.out 2> /tmp/gcalloc-cli.err", GCALLOC_TOOL_PATH, args);
+  snprintf(cmd, sizeof cmd, "%s %s > gcalloc-scratch-cli.out 2> gcalloc-scratch-cli.err", GCALLOC_TOOL_PATH, args);
   int status = system(cmd);
   assert_true(WIFEXITED(status));
   return WEXITSTATUS(status);
@@ -1440,7 +1440,7 @@ static int run_tool(const char *args) {
 
 static char *cli_output(const char *which) {
   char path[64];
-  snprintf(path, sizeof path, "/tmp/gcalloc-cli.%s", which);
+  snprintf(path, sizeof path, "gcalloc-scratch-cli.%s", which);
   size_t len;
   char *text = (char *)read_whole(path, &len);
   assert_non_null(text);
@@ -1510,7 +1510,7 @@ static void test_tool_command_line(void **state) {
     assert_contains(out, real_traces_dir() ? "\"trace_events\": 23105" : "\"trace_events\": 11128");
     free(out);
   }
-  snprintf(args, sizeof args, "cat %s/tests/fuzz/text-seeds/gcalloc.trace.xz | %s replay - --json > /tmp/gcalloc-cli.out",
+  snprintf(args, sizeof args, "cat %s/tests/fuzz/text-seeds/gcalloc.trace.xz | %s replay - --json > gcalloc-scratch-cli.out",
            GCALLOC_SOURCE_DIR, GCALLOC_TOOL_PATH);
   assert_int_equal(system(args), 0);
   char *out = cli_output("out");
@@ -1524,37 +1524,37 @@ static void test_tool_command_line(void **state) {
       "device_tracesq\x03]q\x04]q\x05}q\x06(X\x06\x00\x00\x00" "actionq\x07X\x05\x00\x00\x00"
       "allocq\x08X\x04\x00\x00\x00"
       "addrq\x09K\x01X\x04\x00\x00\x00sizeq\x0aM\x00\x02X\x06\x00\x00\x00streamq\x0bK\x00uaau.";
-  FILE *f = fopen("/tmp/gcalloc-cli.pickle", "wb");
+  FILE *f = fopen("gcalloc-scratch-cli.pickle", "wb");
   assert_non_null(f);
   assert_int_equal(fwrite(no_reserved, 1, sizeof no_reserved - 1, f), sizeof no_reserved - 1);
   assert_int_equal(fclose(f), 0);
-  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle"), 0);
+  assert_int_equal(run_tool("replay gcalloc-scratch-cli.pickle"), 0);
   out = cli_output("out");
   assert_contains(out, "PyTorch reserved      0 GiB  (recorded: no segment at the end, none allocated in the record)");
   assert_true(strstr(out, "gcalloc / PyTorch") == NULL);
   free(out);
-  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle --json"), 0);
+  assert_int_equal(run_tool("replay gcalloc-scratch-cli.pickle --json"), 0);
   out = cli_output("out");
   assert_contains(out, "\"recorded_peak_reserved_bytes\": 0,");
   free(out);
   /* Its report draws no PyTorch line (a flat one at zero), and says why. */
-  assert_int_equal(run_tool("replay /tmp/gcalloc-cli.pickle --report /tmp/gcalloc-cli.html"), 0);
+  assert_int_equal(run_tool("replay gcalloc-scratch-cli.pickle --report gcalloc-scratch-cli.html"), 0);
   size_t html_len;
-  char *html = (char *)read_whole("/tmp/gcalloc-cli.html", &html_len);
+  char *html = (char *)read_whole("gcalloc-scratch-cli.html", &html_len);
   assert_non_null(html);
   assert_contains(html, "\"recorded\": null");
   assert_contains(html, "\"recorded_peak_reserved\": 0");
   assert_contains(html, "none (no segment in the record)");
   free(html);
-  remove("/tmp/gcalloc-cli.html");
-  remove("/tmp/gcalloc-cli.pickle");
+  remove("gcalloc-scratch-cli.html");
+  remove("gcalloc-scratch-cli.pickle");
   /* --help wins over what else is given. */
   assert_int_equal(run_tool("replay --bogus --help"), 0);
   char *help = cli_output("out");
   assert_contains(help, "usage: gcalloc replay TRACE");
   free(help);
-  remove("/tmp/gcalloc-cli.out");
-  remove("/tmp/gcalloc-cli.err");
+  remove("gcalloc-scratch-cli.out");
+  remove("gcalloc-scratch-cli.err");
 }
 
 int main(void) {

@@ -333,7 +333,7 @@ static void test_real_traces(void **state) {
 
 static void test_bad_text_trace(void **state) {
   (void)state;
-  char path[] = "/tmp/gcalloc-trace-XXXXXX";
+  char path[] = "gcalloc-scratch-trace-XXXXXX";
   int fd = mkstemp(path);
   assert_true(fd >= 0);
   FILE *f = fdopen(fd, "w");
@@ -577,9 +577,9 @@ static void write_bytes(const char *path, const unsigned char *bytes, size_t len
 
 /* `bytes` are refused, with `message` in the error, from a file. */
 static void expect_packed_refused(const unsigned char *bytes, size_t len, const char *message) {
-  write_bytes("/tmp/gcalloc-trace-packed", bytes, len);
+  write_bytes("gcalloc-scratch-trace-packed", bytes, len);
   trace_t t;
-  assert_int_equal(trace_load("/tmp/gcalloc-trace-packed", &t), GCA_ERR_INVALID);
+  assert_int_equal(trace_load("gcalloc-scratch-trace-packed", &t), GCA_ERR_INVALID);
   assert_contains(gca_last_error(), message);
   assert_null(t.events);
 }
@@ -601,20 +601,20 @@ static void test_piped_traces(void **state) {
       "\xEF\xBB\xBF# gcalloc trace 1\n1 7 malloc 0 0 0 4096 1000\n",
   };
   for (size_t i = 0; i < sizeof marked / sizeof marked[0]; i++) {
-    FILE *f = fopen("/tmp/gcalloc-trace-bom.txt", "wb");
+    FILE *f = fopen("gcalloc-scratch-trace-bom.txt", "wb");
     assert_non_null(f);
     fputs(marked[i], f);
     fclose(f);
     trace_t t;
-    int rc = trace_load("/tmp/gcalloc-trace-bom.txt", &t);
+    int rc = trace_load("gcalloc-scratch-trace-bom.txt", &t);
     if (rc) fprintf(stderr, "%s\n", gca_last_error());
     assert_int_equal(rc, GCA_OK);
     assert_true(t.count >= 1);
     assert_int_equal(t.events[0].action, TA_ALLOC);
     trace_free(&t);
-    expect_same_through_pipe("/tmp/gcalloc-trace-bom.txt");
+    expect_same_through_pipe("gcalloc-scratch-trace-bom.txt");
   }
-  remove("/tmp/gcalloc-trace-bom.txt");
+  remove("gcalloc-scratch-trace-bom.txt");
   /* A compressed trace cut short, or in a compression not read, is named
    * as such, from a file or a pipe. */
   static const struct {
@@ -641,7 +641,7 @@ static void test_piped_traces(void **state) {
     assert_contains(gca_last_error(), packed[i].message);
     close(fds[0]);
   }
-  remove("/tmp/gcalloc-trace-packed");
+  remove("gcalloc-scratch-trace-packed");
   /* An empty pipe is named as such. */
   int fds[2];
   assert_int_equal(pipe(fds), 0);
@@ -1316,14 +1316,14 @@ static void test_compressed_traces(void **state) {
                         bzip2_of(data, len)};
     static const char *const names[] = {"gzip", "gzip", "zstd", "xz", "bzip2"};
     for (size_t k = 0; k < sizeof packs / sizeof packs[0]; k++) {
-      write_bytes("/tmp/gcalloc-trace-packed", packs[k].bytes, packs[k].len);
+      write_bytes("gcalloc-scratch-trace-packed", packs[k].bytes, packs[k].len);
       trace_t t;
-      int rc = trace_load("/tmp/gcalloc-trace-packed", &t);
+      int rc = trace_load("gcalloc-scratch-trace-packed", &t);
       if (rc) fprintf(stderr, "%s, packing %zu: %s\n", files[i], k, gca_last_error());
       assert_int_equal(rc, GCA_OK);
       assert_true(trace_equal(&plain, &t));
       trace_free(&t);
-      expect_same_through_pipe("/tmp/gcalloc-trace-packed");
+      expect_same_through_pipe("gcalloc-scratch-trace-packed");
       /* Cut short anywhere, a gzip member's 8-byte trailer and an xz
        * stream's index and footer included. */
       char cut[64];
@@ -1429,7 +1429,7 @@ static void test_compressed_traces(void **state) {
   free(zeros);
   free(bomb);
   ZSTD_freeCCtx(cc);
-  remove("/tmp/gcalloc-trace-packed");
+  remove("gcalloc-scratch-trace-packed");
 }
 
 /* What trace_load_progress told: its calls, their stage, and whether each
@@ -1492,29 +1492,29 @@ static void test_load_progress(void **state) {
   /* 200,000 lines of each text format: told at lines 65,536, 131,072 and
    * 196,608 (the gcalloc trace's lines counted from its header). */
   const size_t lines = 200000;
-  FILE *f = fopen("/tmp/gcalloc-progress.log", "w");
+  FILE *f = fopen("gcalloc-scratch-progress.log", "w");
   assert_non_null(f);
   for (size_t k = 0; k < lines; k++) fprintf(f, "%zu %zu 512\n", 2 * k, 2 * k + 1);
   fclose(f);
-  expect_progress("/tmp/gcalloc-progress.log", 3, 0);
-  f = fopen("/tmp/gcalloc-progress.csv", "w");
+  expect_progress("gcalloc-scratch-progress.log", 3, 0);
+  f = fopen("gcalloc-scratch-progress.csv", "w");
   assert_non_null(f);
   fprintf(f, "Thread,Time,Action,Pointer,Size,Stream\n");
   for (size_t k = 0; k + 1 < lines; k += 2)
     fprintf(f, "1,00:00:%02zu.%06zu,allocate,0x7f0000000000,512,0x0\n1,00:00:%02zu.%06zu,free,0x7f0000000000,512,0x0\n",
             k / 1000000 % 60, k % 1000000, k / 1000000 % 60, k % 1000000 + 1);
   fclose(f);
-  expect_progress("/tmp/gcalloc-progress.csv", 3, 0);
-  f = fopen("/tmp/gcalloc-progress.trace", "w");
+  expect_progress("gcalloc-scratch-progress.csv", 3, 0);
+  f = fopen("gcalloc-scratch-progress.trace", "w");
   assert_non_null(f);
   fprintf(f, "# gcalloc trace 1\n1 7 open 0 sim -\n");
   for (size_t k = 0; k + 3 < lines; k += 2)
     fprintf(f, "%zu 7 malloc 0 0 0 512 200000000000\n%zu 7 free 0 200000000000 0\n", k + 2, k + 3);
   fclose(f);
-  expect_progress("/tmp/gcalloc-progress.trace", 3, 0);
+  expect_progress("gcalloc-scratch-progress.trace", 3, 0);
   /* Compressed, decompressing then reading what it holds: the log (2.6 MB)
    * in one step, the RMM log (10.4 MB) in two, each way the replay reads. */
-  const char *plain[] = {"/tmp/gcalloc-progress.log", "/tmp/gcalloc-progress.csv"};
+  const char *plain[] = {"gcalloc-scratch-progress.log", "gcalloc-scratch-progress.csv"};
   for (int i = 0; i < 2; i++) {
     size_t len;
     unsigned char *data = read_whole(plain[i], &len);
@@ -1522,18 +1522,18 @@ static void test_load_progress(void **state) {
     packed_t packs[] = {gzip_of(data, len, 1), gzip_of(data, len, 3), zstd_of(data, len), xz_of(data, len),
                         bzip2_of(data, len)};
     for (size_t k = 0; k < sizeof packs / sizeof packs[0]; k++) {
-      write_bytes("/tmp/gcalloc-progress.packed", packs[k].bytes, packs[k].len);
-      expect_progress("/tmp/gcalloc-progress.packed", 3, (size_t)i + 1);
+      write_bytes("gcalloc-scratch-progress.packed", packs[k].bytes, packs[k].len);
+      expect_progress("gcalloc-scratch-progress.packed", 3, (size_t)i + 1);
       free(packs[k].bytes);
     }
     free(data);
   }
   /* A snapshot of 2.6 MB (a real one): at its first dict, then past 1 MiB and 2 MiB. */
   if (real_traces_dir()) expect_progress(real_path("cranberrii__ftcourse/memory_snapshot.pickle"), 3, 0);
-  remove("/tmp/gcalloc-progress.log");
-  remove("/tmp/gcalloc-progress.csv");
-  remove("/tmp/gcalloc-progress.trace");
-  remove("/tmp/gcalloc-progress.packed");
+  remove("gcalloc-scratch-progress.log");
+  remove("gcalloc-scratch-progress.csv");
+  remove("gcalloc-scratch-progress.trace");
+  remove("gcalloc-scratch-progress.packed");
 }
 
 int main(void) {
