@@ -84,6 +84,10 @@ static char soc_name[64] = "Ascend910B3";
  * before memory, stream or event calls; none until then. */
 static __thread int current = -1;
 static unsigned long set_device_calls;
+/* [rt] the first aclrtSetDevice on a device makes its context (and default
+ * stream) in the process: counted, so that tests see which devices a
+ * library touched. */
+static int touched[MAX_DEVICES];
 static item_t items[MAX_ITEMS];
 static fake_event_t *events[MAX_ITEMS];
 static size_t live_events;
@@ -94,6 +98,7 @@ EXPORT void fakeacl_reset(void) {
   pthread_mutex_lock(&lock);
   plumbing_reset();
   memset(peers_enabled, 0, sizeof peers_enabled);
+  memset(touched, 0, sizeof touched);
   hold_events = 0;
   device_count = -1;
   capacity = (size_t)1 << 30;
@@ -135,6 +140,11 @@ EXPORT size_t fakeacl_live(int kind) {
 
 EXPORT size_t fakeacl_live_events(void) { return live_events; }
 EXPORT unsigned long fakeacl_set_device_calls(void) { return set_device_calls; }
+EXPORT int aclrtSetDevice(int32_t id);
+/* Whether a context was made on the device (an aclrtSetDevice named it). */
+EXPORT int fakeacl_touched(int device) { return device >= 0 && device < MAX_DEVICES && touched[device]; }
+/* Make `device` this thread's current one, as a framework would (the runtime's own aclrtSetDevice). */
+EXPORT int fakeacl_set_current(int device) { return aclrtSetDevice(device); }
 
 /* ---- plumbing ----------------------------------------------------------- */
 
@@ -202,6 +212,7 @@ EXPORT int aclrtSetDevice(int32_t id) {
   if (id < 0 || id >= devices()) LEAVE(ACL_ERROR_RT_INVALID_DEVICEID);
   current = id;
   set_device_calls++;
+  touched[id] = 1;
   LEAVE(ACL_SUCCESS);
 }
 
@@ -419,9 +430,11 @@ EXPORT int aclrtDeviceDisablePeerAccess(int32_t peer) {
 
 EXPORT int fakeacl_peer_enabled(int device, int peer) { return peers_enabled[device][peer]; }
 
+/* [rt] host memory needs a current context, as device memory does
+ * (ACL_ERROR_RT_CONTEXT_NULL on a thread that set no device). */
 EXPORT int aclrtMallocHost(void **p, size_t size) {
   ENTER("aclrtMallocHost");
-  if (!initialized) LEAVE(ACL_ERROR_UNINITIALIZE);
+  NEED_DEVICE();
   if (!p || !size) LEAVE(ACL_ERROR_INVALID_PARAM);
   void *mem = NULL;
   if (posix_memalign(&mem, 4096, size)) LEAVE(ACL_ERROR_RT_MEMORY_ALLOCATION);
@@ -435,6 +448,7 @@ EXPORT int aclrtMallocHost(void **p, size_t size) {
 
 EXPORT int aclrtFreeHost(void *p) {
   ENTER("aclrtFreeHost");
+  NEED_DEVICE();
   item_t *it = find(ITEM_HOST, (uintptr_t)p);
   if (!it) LEAVE(ACL_ERROR_INVALID_PARAM);
   free(p);

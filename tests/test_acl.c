@@ -32,6 +32,9 @@ typedef struct fake {
   void (*hold_events)(int on);
   void (*complete_events)(void);
   int (*current_device)(void);
+  int (*touched)(int device);
+  int (*set_current)(int device);
+  int (*init)(const char *config);
   size_t (*used)(int device);
   size_t (*live)(int kind);
   size_t (*live_events)(void);
@@ -55,6 +58,9 @@ static int load_fake(fake_t *f, const char *path) {
   LOAD(hold_events, "fakeacl_hold_events");
   LOAD(complete_events, "fakeacl_complete_events");
   LOAD(current_device, "fakeacl_current_device");
+  LOAD(touched, "fakeacl_touched");
+  LOAD(set_current, "fakeacl_set_current");
+  LOAD(init, "aclInit");
   LOAD(used, "fakeacl_used");
   LOAD(live, "fakeacl_live");
   LOAD(live_events, "fakeacl_live_events");
@@ -265,6 +271,90 @@ static void test_thread_that_never_set_a_device(void **state) {
   assert_non_null(j.p);
   assert_int_equal(j.after, 1);
   assert_int_equal(gca_free(a, j.p), GCA_OK); /* from this thread, whose device differs */
+  gca_close(a);
+  assert_runtime_empty(&full);
+}
+
+/* The devices touched (a context made on each by an aclrtSetDevice), as a bit set. */
+static unsigned touched_set(int devices) {
+  unsigned set = 0;
+  for (int i = 0; i < devices; i++) set |= (unsigned)(full.touched(i) != 0) << i;
+  return set;
+}
+
+/* A framework's thread on device 0 of 8 (torch_npu caches the thread's
+ * device and skips aclrtSetDevice when it thinks it is there): every call
+ * gives the thread its device back, and only the devices used get a
+ * context. */
+static void test_device_discipline(void **state) {
+  (void)state;
+  full.set_devices(8);
+  full.set_capacity((size_t)64 << 20);
+  int init = full.init(NULL); /* the framework's aclInit (100002: an earlier test's already ran) */
+  assert_true(init == 0 || init == 100002);
+  assert_int_equal(full.set_current(0), 0);
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(touched_set(8), 1u); /* opening touched no other device */
+  void *p = gca_malloc(a, 40 * MiB, 1, S1);
+  assert_non_null(p);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  assert_int_equal(gca_free(a, p), GCA_OK); /* an event recorded on device 1 */
+  assert_int_equal(full.current_device(), 0);
+  void *q = gca_malloc(a, 50 * MiB, 1, S1); /* the ladder: the cached 40 MiB released first */
+  assert_non_null(q);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(gca_free(a, q), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(full.current_device(), 0);
+  void *h = gca_host_malloc(a, 4096);
+  assert_non_null(h);
+  assert_int_equal(gca_host_free(a, h), GCA_OK);
+  size_t free_bytes = 0, total = 0;
+  assert_int_equal(gca_mem_get_info(a, 3, &free_bytes, &total), GCA_OK);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(touched_set(8), 0x0Bu); /* devices 0, 1 and 3 */
+  gca_close(a);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(touched_set(8), 0x0Bu);
+  /* Expandable segments probe each device's virtual memory at open; the
+   * thread's device is given back after each probe. */
+  a = open_sim(SPEC, "expandable_segments:True");
+  assert_int_equal(full.current_device(), 0);
+  p = gca_malloc(a, 30 * MiB, 2, S1);
+  assert_non_null(p);
+  assert_int_equal(full.current_device(), 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK); /* unmaps on device 2 */
+  assert_int_equal(full.current_device(), 0);
+  gca_close(a);
+  assert_int_equal(full.current_device(), 0);
+  assert_runtime_empty(&full);
+}
+
+/* Pinned host memory needs a current context: a thread with no device
+ * gets device 0 for the call (and keeps it: AscendCL cannot unset one). */
+static void *host_alloc_on_a_fresh_thread(void *arg) {
+  thread_job_t *j = arg;
+  j->before = full.current_device();
+  j->p = gca_host_malloc(j->a, 4096);
+  j->after = full.current_device();
+  if (j->p) j->device = gca_host_free(j->a, j->p);
+  return NULL;
+}
+
+static void test_host_memory_needs_a_context(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  thread_job_t j = {a, -1, 0, 0, NULL};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, host_alloc_on_a_fresh_thread, &j), 0);
+  pthread_join(t, NULL);
+  assert_int_equal(j.before, -1);
+  assert_non_null(j.p);
+  assert_int_equal(j.after, 0);
+  assert_int_equal(j.device, GCA_OK); /* (the free's status) */
   gca_close(a);
   assert_runtime_empty(&full);
 }
@@ -776,6 +866,8 @@ int main(void) {
       cmocka_unit_test_setup(test_threads, fresh),
       cmocka_unit_test_setup(test_ladder_on_207001, fresh),
       cmocka_unit_test_setup(test_pad_by_soc, fresh),
+      cmocka_unit_test_setup(test_device_discipline, fresh),
+      cmocka_unit_test_setup(test_host_memory_needs_a_context, fresh),
       cmocka_unit_test_setup(test_configuration_precedence, fresh),
       cmocka_unit_test_setup(test_npu_keys, fresh),
       cmocka_unit_test_setup(test_random_sequences, fresh),

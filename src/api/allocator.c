@@ -22,6 +22,7 @@
 
 #include "core/coop.h"
 #include "core/core.h"
+#include "core/expandable.h"
 #include "core/history.h"
 #include "core/mempool.h"
 #include "core/oom.h"
@@ -571,6 +572,7 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
       d->config = next;
       gca__device_resolve_pad(d);
       if (fraction_changed) (void)gca__device_set_fraction_locked(d, next.memory_fraction);
+      if (next.expandable_segments) (void)gca__expandable_available(d); /* (asked now, to warn below) */
       lock_release(&d->lock);
     }
     a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0;

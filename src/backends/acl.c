@@ -12,9 +12,15 @@
  *
  * aclInit is called once; ACL_ERROR_REPEAT_INITIALIZE means a framework
  * initialized first, which is fine. The current device is per thread in
- * AscendCL: every call that works on a device makes it current on the
- * calling thread first (aclrtGetDevice, then aclrtSetDevice when it differs
- * or none is set), as torch_npu's allocator does. Device memory comes from
+ * AscendCL, and a framework keeps its own idea of it (torch_npu caches the
+ * thread's device and skips aclrtSetDevice when it thinks it is there):
+ * every call that works on a device makes it current on the calling thread
+ * (aclrtGetDevice, then aclrtSetDevice when it differs or none is set) and
+ * puts the thread's previous device back before returning, as torch_npu's
+ * device guard does (a thread that had none is left on the call's device:
+ * AscendCL cannot unset one). Opening touches no device: aclrtSetDevice
+ * makes a context on the device it names, so virtual memory is probed on a
+ * device when the core first asks for it there. Device memory comes from
  * aclrtMallocAlign32 (else aclrtMalloc, which pads by 32 bytes) with the
  * HUGE_FIRST policy. Events are created with
  * ACL_EVENT_CAPTURE_STREAM_PROGRESS where the runtime has
@@ -34,9 +40,10 @@
  * the huge-page flag, as torch_npu), aclrtMallocPhysical (HBM, huge pages),
  * aclrtMapMem, aclrtUnmapMem (one mapping each), aclrtFreePhysical,
  * aclrtReleaseMemAddress, at aclrtMemGetAllocationGranularity's minimum. It
- * is probed at open as torch_npu does, by reserving 512 bytes; without the
- * entry points or when the probe fails, expandable_segments:True is served
- * with ordinary segments, with a warning.
+ * is probed as torch_npu does, by reserving 512 bytes, on a device's first
+ * use of expandable segments; without the entry points or when the probe
+ * fails, expandable_segments:True is served with ordinary segments, with a
+ * warning.
  */
 #include <dlfcn.h>
 #include <inttypes.h>
@@ -134,6 +141,7 @@ typedef struct acl_mapping {
 } acl_mapping_t;
 
 typedef struct acl_device {
+  bool probed;               /* virtual memory probed (at the core's first ask, under vm_lock) */
   bool vm;
   size_t granularity;
   pthread_mutex_t event_lock;
@@ -196,14 +204,45 @@ GCA_PRINTF(3, 4) static int acl_error(aclError r, int invalid_status, const char
     if (r_ != ACL_SUCCESS) return acl_error(r_, invalid, __VA_ARGS__); \
   } while (0)
 
-/* Make `device` current on this thread: AscendCL's current device is per
- * thread, and a thread that never set one has none. */
-static int acl_enter(acl_t *a, int device) {
+/* The thread's device before a call (-1: none), and whether the call
+ * switched it. */
+typedef struct acl_guard {
+  int32_t saved;
+  bool switched;
+} acl_guard_t;
+
+/* Make `device` current on this thread (AscendCL's current device is per
+ * thread, and a thread that never set one has none), remembering the
+ * thread's own for acl_leave. */
+static int acl_enter(acl_t *a, int device, acl_guard_t *g) {
   int32_t cur = -1;
-  if (a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS && cur == device) return GCA_OK;
+  g->saved = -1;
+  g->switched = false;
+  if (a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS) {
+    g->saved = cur;
+    if (cur == device) return GCA_OK;
+  }
   ACL_CHECK(a->rt.aclrtSetDevice(device), GCA_ERR_BACKEND, "aclrtSetDevice (device %d)", device);
+  g->switched = true;
   return GCA_OK;
 }
+
+/* Put the thread's device back (the gcalloc error of the call is kept). */
+static void acl_leave(acl_t *a, const acl_guard_t *g) {
+  if (g->switched && g->saved >= 0) (void)a->rt.aclrtSetDevice(g->saved);
+}
+
+/* Run `call` (a gcalloc status) with `device` current, and return its status. */
+#define ON_DEVICE(a, device, call)              \
+  do {                                          \
+    acl_guard_t guard_;                         \
+    int rc_ = acl_enter((a), (device), &guard_); \
+    if (rc_ == GCA_OK) {                        \
+      rc_ = (call);                             \
+      acl_leave((a), &guard_);                  \
+    }                                           \
+    return rc_;                                 \
+  } while (0)
 
 static int acl_missing(const char *entry) {
   return gca__set_error(GCA_ERR_BACKEND, "acl backend: the AscendCL runtime has no %s", entry);
@@ -213,10 +252,7 @@ static int acl_missing(const char *entry) {
 
 static int acl_device_count(void *state) { return ((acl_t *)state)->device_count; }
 
-static int acl_malloc(void *state, int device, size_t size, uintptr_t *addr) {
-  acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+static int acl_malloc_here(acl_t *a, int device, size_t size, uintptr_t *addr) {
   void *p = NULL;
   if (a->rt.aclrtMallocAlign32)
     ACL_CHECK(a->rt.aclrtMallocAlign32(&p, size, ACL_MEM_MALLOC_HUGE_FIRST), GCA_ERR_INVALID,
@@ -228,10 +264,12 @@ static int acl_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   return GCA_OK;
 }
 
-static int acl_free(void *state, int device, uintptr_t addr, size_t size) {
+static int acl_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_malloc_here(a, device, size, addr));
+}
+
+static int acl_free_here(acl_t *a, int device, uintptr_t addr, size_t size) {
   /* Any refusal, invalid parameters too, leaves the memory the runtime's
    * as far as anyone can tell: the core keeps the segment, to offer again. */
   ACL_CHECK(a->rt.aclrtFree((void *)addr), GCA_ERR_BACKEND, "aclrtFree (0x%" PRIxPTR ", %zu bytes, device %d)", addr,
@@ -239,13 +277,20 @@ static int acl_free(void *state, int device, uintptr_t addr, size_t size) {
   return GCA_OK;
 }
 
-static int acl_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
+static int acl_free(void *state, int device, uintptr_t addr, size_t size) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_free_here(a, device, addr, size));
+}
+
+static int acl_mem_get_info_here(acl_t *a, int device, size_t *free_bytes, size_t *total_bytes) {
   ACL_CHECK(a->rt.aclrtGetMemInfo(ACL_HBM_MEM, free_bytes, total_bytes), GCA_ERR_BACKEND,
         "aclrtGetMemInfo (ACL_HBM_MEM, device %d)", device);
   return GCA_OK;
+}
+
+static int acl_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_mem_get_info_here(a, device, free_bytes, total_bytes));
 }
 
 static int acl_create_event(acl_t *a, int device, aclrtEvent *e) {
@@ -270,15 +315,13 @@ static void acl_event_drop(acl_t *a, int device, aclrtEvent e) {
   pthread_mutex_unlock(&d->event_lock);
 }
 
-static int acl_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
-  acl_t *a = state;
+static int acl_event_record_here(acl_t *a, int device, gca_stream_t stream, uintptr_t *event) {
   acl_device_t *d = &a->devices[device];
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
   aclrtEvent e = NULL;
   pthread_mutex_lock(&d->event_lock);
   if (d->event_count) e = d->events[--d->event_count];
   pthread_mutex_unlock(&d->event_lock);
+  int rc;
   if (!e && (rc = acl_create_event(a, device, &e)) != GCA_OK) return rc;
   aclError r = a->rt.aclrtRecordEvent(e, (aclrtStream)stream);
   if (r != ACL_SUCCESS) {
@@ -289,11 +332,13 @@ static int acl_event_record(void *state, int device, gca_stream_t stream, uintpt
   return GCA_OK;
 }
 
-/* The two query forms answer in enums with opposite values. */
-static int acl_event_query(void *state, int device, uintptr_t event) {
+static int acl_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_event_record_here(a, device, stream, event));
+}
+
+/* The two query forms answer in enums with opposite values. */
+static int acl_event_query_here(acl_t *a, int device, uintptr_t event) {
   int status = -1;
   if (a->rt.aclrtQueryEventStatus) {
     ACL_CHECK(a->rt.aclrtQueryEventStatus((aclrtEvent)event, &status), GCA_ERR_INVALID,
@@ -304,12 +349,19 @@ static int acl_event_query(void *state, int device, uintptr_t event) {
   return status == ACL_EVENT_STATUS_COMPLETE ? GCA_OK : BACKEND_NOT_READY;
 }
 
-static int acl_event_synchronize(void *state, int device, uintptr_t event) {
+static int acl_event_query(void *state, int device, uintptr_t event) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_event_query_here(a, device, event));
+}
+
+static int acl_event_synchronize_here(acl_t *a, int device, uintptr_t event) {
   ACL_CHECK(a->rt.aclrtSynchronizeEvent((aclrtEvent)event), GCA_ERR_INVALID, "aclrtSynchronizeEvent (device %d)", device);
   return GCA_OK;
+}
+
+static int acl_event_synchronize(void *state, int device, uintptr_t event) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_event_synchronize_here(a, device, event));
 }
 
 static void acl_event_destroy(void *state, int device, uintptr_t event) {
@@ -319,25 +371,33 @@ static void acl_event_destroy(void *state, int device, uintptr_t event) {
   bool kept = d->event_count < EVENT_CACHE;
   if (kept) d->events[d->event_count++] = (aclrtEvent)event;
   pthread_mutex_unlock(&d->event_lock);
-  if (!kept && acl_enter(a, device) == GCA_OK) acl_event_drop(a, device, (aclrtEvent)event);
+  acl_guard_t g;
+  if (!kept && acl_enter(a, device, &g) == GCA_OK) {
+    acl_event_drop(a, device, (aclrtEvent)event);
+    acl_leave(a, &g);
+  }
 }
 
-static int acl_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
-  acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+static int acl_stream_wait_event_here(acl_t *a, int device, gca_stream_t stream, uintptr_t event) {
   ACL_CHECK(a->rt.aclrtStreamWaitEvent((aclrtStream)stream, (aclrtEvent)event), GCA_ERR_INVALID,
         "aclrtStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
   return GCA_OK;
 }
 
-static int acl_stream_synchronize(void *state, int device, gca_stream_t stream) {
+static int acl_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_stream_wait_event_here(a, device, stream, event));
+}
+
+static int acl_stream_synchronize_here(acl_t *a, int device, gca_stream_t stream) {
   ACL_CHECK(a->rt.aclrtSynchronizeStream((aclrtStream)stream), GCA_ERR_INVALID,
         "aclrtSynchronizeStream (stream 0x%" PRIxPTR ", device %d)", stream, device);
   return GCA_OK;
+}
+
+static int acl_stream_synchronize(void *state, int device, gca_stream_t stream) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_stream_synchronize_here(a, device, stream));
 }
 
 /* ---- virtual memory ----------------------------------------------------- */
@@ -355,18 +415,49 @@ static int acl_no_vm(int device) {
   return gca__set_error(GCA_ERR_BACKEND, "acl backend: device %d has no virtual memory", device);
 }
 
+/* Virtual memory as torch_npu probes it: every entry point, a granularity,
+ * and a 512-byte reservation that succeeds (and is given back); with the
+ * device current, restored after. */
+static void acl_probe_vm(acl_t *a, int device) {
+  acl_device_t *d = &a->devices[device];
+  const runtime_t *rt = &a->rt;
+  if (!rt->aclrtMemGetAllocationGranularity || !rt->aclrtReserveMemAddress || !rt->aclrtReleaseMemAddress ||
+      !rt->aclrtMallocPhysical || !rt->aclrtFreePhysical || !rt->aclrtMapMem || !rt->aclrtUnmapMem)
+    return;
+  aclrtPhysicalMemProp prop = acl_device_memory(device);
+  size_t g = 0;
+  void *probe = NULL;
+  acl_guard_t guard;
+  if (acl_enter(a, device, &guard) != GCA_OK) {
+    gca__clear_error();
+    return;
+  }
+  if (rt->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g) == ACL_SUCCESS && g &&
+      rt->aclrtReserveMemAddress(&probe, 512, 0, NULL, ACL_RESERVE_HUGE_PAGE) == ACL_SUCCESS) {
+    rt->aclrtReleaseMemAddress(probe);
+    d->granularity = g;
+    d->vm = true;
+  }
+  acl_leave(a, &guard);
+}
+
+/* The core asks this first, once per device, before any other virtual
+ * memory call there: the probe runs then, not at open. */
 static int acl_vm_granularity(void *state, int device, size_t *granularity) {
   acl_t *a = state;
-  if (!a->devices[device].vm) return acl_no_vm(device);
-  *granularity = a->devices[device].granularity;
+  acl_device_t *d = &a->devices[device];
+  pthread_mutex_lock(&d->vm_lock);
+  if (!d->probed) {
+    acl_probe_vm(a, device);
+    d->probed = true;
+  }
+  pthread_mutex_unlock(&d->vm_lock);
+  if (!d->vm) return acl_no_vm(device);
+  *granularity = d->granularity;
   return GCA_OK;
 }
 
-static int acl_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
-  acl_t *a = state;
-  if (!a->devices[device].vm) return acl_no_vm(device);
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+static int acl_vm_reserve_here(acl_t *a, int device, size_t size, uintptr_t *addr) {
   void *va = NULL;
   ACL_CHECK(a->rt.aclrtReserveMemAddress(&va, size, 0, NULL, ACL_RESERVE_HUGE_PAGE), GCA_ERR_INVALID,
         "aclrtReserveMemAddress (%zu bytes, device %d)", size, device);
@@ -374,19 +465,24 @@ static int acl_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
   return GCA_OK;
 }
 
-static int acl_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
+static int acl_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  if (!a->devices[device].vm) return acl_no_vm(device);
+  ON_DEVICE(a, device, acl_vm_reserve_here(a, device, size, addr));
+}
+
+static int acl_vm_unreserve_here(acl_t *a, int device, uintptr_t addr, size_t size) {
   ACL_CHECK(a->rt.aclrtReleaseMemAddress((void *)addr), GCA_ERR_INVALID,
         "aclrtReleaseMemAddress (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   return GCA_OK;
 }
 
-static int acl_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
+static int acl_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_vm_unreserve_here(a, device, addr, size));
+}
+
+static int acl_vm_create_here(acl_t *a, int device, size_t size, uintptr_t *handle) {
   aclrtPhysicalMemProp prop = acl_device_memory(device);
   aclrtDrvMemHandle h = NULL;
   ACL_CHECK(a->rt.aclrtMallocPhysical(&h, size, &prop, 0), GCA_ERR_INVALID, "aclrtMallocPhysical (%zu bytes, device %d)",
@@ -395,19 +491,23 @@ static int acl_vm_create(void *state, int device, size_t size, uintptr_t *handle
   return GCA_OK;
 }
 
-static int acl_vm_destroy(void *state, int device, uintptr_t handle) {
+static int acl_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
   acl_t *a = state;
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
+  ON_DEVICE(a, device, acl_vm_create_here(a, device, size, handle));
+}
+
+static int acl_vm_destroy_here(acl_t *a, int device, uintptr_t handle) {
   ACL_CHECK(a->rt.aclrtFreePhysical((aclrtDrvMemHandle)handle), GCA_ERR_INVALID, "aclrtFreePhysical (device %d)", device);
   return GCA_OK;
 }
 
-static int acl_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
+static int acl_vm_destroy(void *state, int device, uintptr_t handle) {
   acl_t *a = state;
+  ON_DEVICE(a, device, acl_vm_destroy_here(a, device, handle));
+}
+
+static int acl_vm_map_here(acl_t *a, int device, uintptr_t addr, size_t size, uintptr_t handle) {
   acl_device_t *d = &a->devices[device];
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
   pthread_mutex_lock(&d->vm_lock);
   if (d->mapping_count == d->mapping_cap) {
     acl_mapping_t *grown = gca__grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
@@ -425,15 +525,17 @@ static int acl_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
   return GCA_OK;
 }
 
+static int acl_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_vm_map_here(a, device, addr, size, handle));
+}
+
 /* [addr, addr + size) is whole mappings, maybe several: aclrtUnmapMem
  * takes one at a time, by its start. All or none: on a refusal the ones
  * unmapped by this call are mapped again, so the caller's pages are as
  * they were. */
-static int acl_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
-  acl_t *a = state;
+static int acl_vm_unmap_here(acl_t *a, int device, uintptr_t addr, size_t size) {
   acl_device_t *d = &a->devices[device];
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
   pthread_mutex_lock(&d->vm_lock);
   acl_mapping_t *undone = malloc((d->mapping_count + 1) * sizeof *undone);
   if (!undone) {
@@ -471,6 +573,11 @@ static int acl_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   return GCA_OK;
 }
 
+static int acl_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_vm_unmap_here(a, device, addr, size));
+}
+
 /* ---- device facts, peers, host memory, sizing -------------------------- */
 
 static int acl_device_properties(void *state, int device, gca_device_properties_t *out) {
@@ -495,12 +602,20 @@ static int acl_can_access_peer(void *state, int device, int peer, int *can) {
 }
 
 /* AscendCL enables access from the current device: made current first. */
+static int acl_enable_peer_access_here(acl_t *a, int device, int peer) {
+  ACL_CHECK(a->rt.aclrtDeviceEnablePeerAccess(peer, 0), GCA_ERR_INVALID, "aclrtDeviceEnablePeerAccess (device %d, peer %d)",
+        device, peer);
+  return GCA_OK;
+}
+
 static int acl_enable_peer_access(void *state, int device, int peer) {
   acl_t *a = state;
   if (!a->rt.aclrtDeviceEnablePeerAccess) return acl_missing("aclrtDeviceEnablePeerAccess");
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
-  ACL_CHECK(a->rt.aclrtDeviceEnablePeerAccess(peer, 0), GCA_ERR_INVALID, "aclrtDeviceEnablePeerAccess (device %d, peer %d)",
+  ON_DEVICE(a, device, acl_enable_peer_access_here(a, device, peer));
+}
+
+static int acl_disable_peer_access_here(acl_t *a, int device, int peer) {
+  ACL_CHECK(a->rt.aclrtDeviceDisablePeerAccess(peer), GCA_ERR_INVALID, "aclrtDeviceDisablePeerAccess (device %d, peer %d)",
         device, peer);
   return GCA_OK;
 }
@@ -508,25 +623,37 @@ static int acl_enable_peer_access(void *state, int device, int peer) {
 static int acl_disable_peer_access(void *state, int device, int peer) {
   acl_t *a = state;
   if (!a->rt.aclrtDeviceDisablePeerAccess) return acl_missing("aclrtDeviceDisablePeerAccess");
-  int rc = acl_enter(a, device);
-  if (rc) return rc;
-  ACL_CHECK(a->rt.aclrtDeviceDisablePeerAccess(peer), GCA_ERR_INVALID, "aclrtDeviceDisablePeerAccess (device %d, peer %d)",
-        device, peer);
+  ON_DEVICE(a, device, acl_disable_peer_access_here(a, device, peer));
+}
+
+/* Pinned host memory needs a current context (CANN's aclrtMallocHost and
+ * aclrtFreeHost fail with ACL_ERROR_RT_CONTEXT_NULL without one): the
+ * thread's device where it has one, else device 0 for the call. */
+static int acl_host_device(acl_t *a) {
+  int32_t cur = -1;
+  return a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS && cur >= 0 ? cur : 0;
+}
+
+static int acl_host_alloc_here(acl_t *a, size_t size, void **ptr) {
+  ACL_CHECK(a->rt.aclrtMallocHost(ptr, size), GCA_ERR_INVALID, "aclrtMallocHost (%zu bytes)", size);
   return GCA_OK;
 }
 
 static int acl_host_alloc(void *state, size_t size, void **ptr) {
   acl_t *a = state;
   if (!a->rt.aclrtMallocHost) return acl_missing("aclrtMallocHost");
-  ACL_CHECK(a->rt.aclrtMallocHost(ptr, size), GCA_ERR_INVALID, "aclrtMallocHost (%zu bytes)", size);
+  ON_DEVICE(a, acl_host_device(a), acl_host_alloc_here(a, size, ptr));
+}
+
+static int acl_host_free_here(acl_t *a, void *ptr) {
+  ACL_CHECK(a->rt.aclrtFreeHost(ptr), GCA_ERR_BAD_POINTER, "aclrtFreeHost (%p)", ptr);
   return GCA_OK;
 }
 
 static int acl_host_free(void *state, void *ptr) {
   acl_t *a = state;
   if (!a->rt.aclrtFreeHost) return acl_missing("aclrtFreeHost");
-  ACL_CHECK(a->rt.aclrtFreeHost(ptr), GCA_ERR_BAD_POINTER, "aclrtFreeHost (%p)", ptr);
-  return GCA_OK;
+  ON_DEVICE(a, acl_host_device(a), acl_host_free_here(a, ptr));
 }
 
 /* torch_npu pads every request by 32 bytes before rounding, but on
@@ -560,10 +687,12 @@ static void acl_destroy(void *state) {
   if (!a) return;
   for (int i = 0; i < a->device_count; i++) {
     acl_device_t *d = &a->devices[i];
-    if ((d->event_count || d->refused_events.count) && acl_enter(a, i) == GCA_OK) {
+    acl_guard_t g;
+    if ((d->event_count || d->refused_events.count) && acl_enter(a, i, &g) == GCA_OK) {
       for (size_t k = 0; k < d->event_count; k++)
         gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)d->events[k], ACL_EVENTS);
       gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
+      acl_leave(a, &g);
     }
     gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, true, ACL_EVENTS);
     pthread_mutex_destroy(&d->event_lock);
@@ -627,27 +756,6 @@ static int acl_load_runtime(const char *path, runtime_t *rt) {
   return GCA_OK;
 }
 
-/* Virtual memory as torch_npu probes it: every entry point, a granularity,
- * and a 512-byte reservation that succeeds (and is given back). */
-static void acl_probe_vm(acl_t *a, int device) {
-  acl_device_t *d = &a->devices[device];
-  const runtime_t *rt = &a->rt;
-  if (!rt->aclrtMemGetAllocationGranularity || !rt->aclrtReserveMemAddress || !rt->aclrtReleaseMemAddress ||
-      !rt->aclrtMallocPhysical || !rt->aclrtFreePhysical || !rt->aclrtMapMem || !rt->aclrtUnmapMem)
-    return;
-  aclrtPhysicalMemProp prop = acl_device_memory(device);
-  size_t g = 0;
-  void *probe = NULL;
-  if (acl_enter(a, device) != GCA_OK ||
-      rt->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g) != ACL_SUCCESS || !g ||
-      rt->aclrtReserveMemAddress(&probe, 512, 0, NULL, ACL_RESERVE_HUGE_PAGE) != ACL_SUCCESS) {
-    gca__clear_error();
-    return;
-  }
-  rt->aclrtReleaseMemAddress(probe);
-  d->granularity = g;
-  d->vm = true;
-}
 
 int gca__acl_backend_create(const char *options, backend_t *out) {
   char path[512];
@@ -691,7 +799,6 @@ int gca__acl_backend_create(const char *options, backend_t *out) {
     pthread_mutex_init(&d->event_lock, NULL);
     pthread_mutex_init(&d->vm_lock, NULL);
     a->device_count = (int)i + 1;
-    acl_probe_vm(a, (int)i);
   }
   out->ops = &acl_ops;
   out->state = a;

@@ -76,7 +76,11 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   atomic_init(&d->span_hi, 0);
   atomic_init(&d->waiters, 0);
   if (cfg->memory_fraction_set) (void)gca__device_set_fraction_locked(d, cfg->memory_fraction);
-  (void)gca__expandable_available(d); /* ask the backend now, so the answer can be logged outside any lock */
+  /* With expandable segments asked for, the backend is asked now, so that
+   * its answer can be logged outside any lock; else at the device's first
+   * use of virtual memory (a backend may have to make the device current
+   * to answer: a device nobody uses is left alone). */
+  if (cfg->expandable_segments) (void)gca__expandable_available(d);
   if (cfg->ipc_cooperation) join_peers(d);
   return GCA_OK;
 }
