@@ -260,15 +260,22 @@ static void *allocate_on_a_fresh_thread(void *arg) {
   return NULL;
 }
 
-static void test_thread_that_never_set_a_device(void **state) {
-  (void)state;
-  gca_allocator_t *a = open_sim(SPEC, NULL);
-  thread_job_t j = {a, 1, 0, 0, NULL};
+/* Run fn on a new thread, which has no current device, and expect it to
+ * have got its block. */
+static thread_job_t on_a_fresh_thread(gca_allocator_t *a, int device, void *(*fn)(void *)) {
+  thread_job_t j = {a, device, 0, 0, NULL};
   pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, allocate_on_a_fresh_thread, &j), 0);
+  assert_int_equal(pthread_create(&t, NULL, fn, &j), 0);
   pthread_join(t, NULL);
   assert_int_equal(j.before, -1);
   assert_non_null(j.p);
+  return j;
+}
+
+static void test_thread_that_never_set_a_device(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  thread_job_t j = on_a_fresh_thread(a, 1, allocate_on_a_fresh_thread);
   assert_int_equal(j.after, 1);
   assert_int_equal(gca_free(a, j.p), GCA_OK); /* from this thread, whose device differs */
   gca_close(a);
@@ -347,12 +354,7 @@ static void *host_alloc_on_a_fresh_thread(void *arg) {
 static void test_host_memory_needs_a_context(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim(SPEC, NULL);
-  thread_job_t j = {a, -1, 0, 0, NULL};
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, host_alloc_on_a_fresh_thread, &j), 0);
-  pthread_join(t, NULL);
-  assert_int_equal(j.before, -1);
-  assert_non_null(j.p);
+  thread_job_t j = on_a_fresh_thread(a, -1, host_alloc_on_a_fresh_thread);
   assert_int_equal(j.after, 0);
   assert_int_equal(j.device, GCA_OK); /* (the free's status) */
   gca_close(a);
