@@ -140,22 +140,13 @@ def _history_arguments(enabled, context, stacks, max_entries, kwargs):
 
 
 def _route_memory_functions(torch):
-    from . import dump_snapshot, mem_get_info, memory_snapshot, memory_stats, memory_summary
-    from . import get_per_process_memory_fraction, record_memory_history, reset_accumulated_memory_stats
-    from . import reset_peak_memory_stats
+    from . import (dump_snapshot, get_per_process_memory_fraction, max_memory_allocated, max_memory_reserved,
+                   mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,
+                   memory_stats_as_nested_dict, memory_summary, record_memory_history,
+                   reset_accumulated_memory_stats, reset_peak_memory_stats)
 
     def stats(device=None):
         return collections.OrderedDict(memory_stats(device))
-
-    def nested(device=None):
-        from . import memory_stats_as_nested_dict
-        return memory_stats_as_nested_dict(device)
-
-    def value(key):
-        def read(device=None):
-            return memory_stats(device).get(key, 0)
-        read.__name__ = key
-        return read
 
     def history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, **kwargs):
         record_memory_history(*_history_arguments(enabled, context, stacks, max_entries, kwargs))
@@ -163,22 +154,18 @@ def _route_memory_functions(torch):
     def dump(filename="dump_snapshot.pickle", *args, **kwargs):
         dump_snapshot(filename)
 
+    # The package's module-level functions take PyTorch's arguments and answer in its forms; only these
+    # few differ in shape. (memory_cached and the like are PyTorch's older names for reserved memory.)
     answers = {
-        "memory_stats": stats, "memory_stats_as_nested_dict": nested,
-        "memory_allocated": value("allocated_bytes.all.current"),
-        "max_memory_allocated": value("allocated_bytes.all.peak"),
-        "memory_reserved": value("reserved_bytes.all.current"),
-        "max_memory_reserved": value("reserved_bytes.all.peak"),
-        "memory_cached": value("reserved_bytes.all.current"),
-        "max_memory_cached": value("reserved_bytes.all.peak"),
-        "reset_peak_memory_stats": lambda device=None: reset_peak_memory_stats(device),
-        "reset_max_memory_allocated": lambda device=None: reset_peak_memory_stats(device),
-        "reset_max_memory_cached": lambda device=None: reset_peak_memory_stats(device),
-        "reset_accumulated_memory_stats": lambda device=None: reset_accumulated_memory_stats(device),
-        "memory_summary": lambda device=None, abbreviated=False: memory_summary(device, abbreviated),
+        "memory_stats": stats, "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+        "memory_allocated": memory_allocated, "max_memory_allocated": max_memory_allocated,
+        "memory_reserved": memory_reserved, "max_memory_reserved": max_memory_reserved,
+        "memory_cached": memory_reserved, "max_memory_cached": max_memory_reserved,
+        "reset_peak_memory_stats": reset_peak_memory_stats, "reset_max_memory_allocated": reset_peak_memory_stats,
+        "reset_max_memory_cached": reset_peak_memory_stats,
+        "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "memory_summary": memory_summary,
         "memory_snapshot": lambda *args, **kwargs: memory_snapshot()["segments"],
-        "mem_get_info": lambda device=None: mem_get_info(device),
-        "get_per_process_memory_fraction": lambda device=None: get_per_process_memory_fraction(device),
+        "mem_get_info": mem_get_info, "get_per_process_memory_fraction": get_per_process_memory_fraction,
         "_record_memory_history": history,
         "_snapshot": lambda *args, **kwargs: memory_snapshot(),
         "_dump_snapshot": dump,
