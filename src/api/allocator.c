@@ -294,21 +294,36 @@ static inline int free_plain(gca_allocator_t *a, void *ptr) {
   return gca__set_error(GCA_ERR_BAD_POINTER, "cannot free %p: it was not allocated by this allocator", ptr);
 }
 
+/* The live allocation starting at addr, read under its device's lock: its
+ * block's address and size, and its segment's start and size. False when
+ * addr starts no live allocation. */
+typedef struct live_block {
+  uintptr_t addr, segment;
+  size_t size, segment_size;
+  bool expandable;
+} live_block_t;
+
+static bool find_live_block(gca_allocator_t *a, uintptr_t addr, live_block_t *out) {
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!in_span(d, addr)) continue;
+    lock_acquire(&d->lock);
+    const block_t *b = gca__block_map_find(&d->allocated, addr);
+    if (b)
+      *out = (live_block_t){b->addr, b->segment->addr, b->size, b->segment->size, b->segment->expandable};
+    lock_release(&d->lock);
+    if (b) return true;
+  }
+  return false;
+}
+
 size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
   if (!a || !ptr) {
     gca__set_error(GCA_ERR_INVALID, "gca_usable_size: %s is NULL", a ? "pointer" : "allocator");
     return 0;
   }
-  uintptr_t addr = (uintptr_t)ptr;
-  for (int i = 0; i < a->device_count; i++) {
-    device_t *d = &a->devices[i];
-    if (!in_span(d, addr)) continue;
-    lock_acquire(&d->lock);
-    block_t *b = gca__block_map_find(&d->allocated, addr);
-    size_t size = b ? b->size : 0;
-    lock_release(&d->lock);
-    if (size) return size;
-  }
+  live_block_t b;
+  if (find_live_block(a, (uintptr_t)ptr, &b)) return b.size;
   gca__set_error(GCA_ERR_BAD_POINTER, "gca_usable_size: %p is not a live allocation", ptr);
   return 0;
 }
@@ -316,24 +331,15 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
 int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size) {
   if (!a || !ptr || !base)
     return gca__set_error(GCA_ERR_INVALID, "gca_base_allocation: %s is NULL", !a ? "allocator" : !ptr ? "pointer" : "base");
-  uintptr_t addr = (uintptr_t)ptr;
-  for (int i = 0; i < a->device_count; i++) {
-    device_t *d = &a->devices[i];
-    if (!in_span(d, addr)) continue;
-    lock_acquire(&d->lock);
-    const block_t *b = gca__block_map_find(&d->allocated, addr);
-    if (b) {
-      /* The whole segment, as PyTorch's getBaseAllocation; an expandable
-       * segment is an address range reserved for the whole pool, so there
-       * the allocation's own block. */
-      const segment_t *seg = b->segment;
-      *base = (void *)(seg->expandable ? b->addr : seg->addr);
-      if (size) *size = seg->expandable ? b->size : seg->size;
-    }
-    lock_release(&d->lock);
-    if (b) return GCA_OK;
-  }
-  return gca__set_error(GCA_ERR_BAD_POINTER, "gca_base_allocation: %p is not the start of a live allocation", ptr);
+  live_block_t b;
+  if (!find_live_block(a, (uintptr_t)ptr, &b))
+    return gca__set_error(GCA_ERR_BAD_POINTER, "gca_base_allocation: %p is not the start of a live allocation", ptr);
+  /* The whole segment, as PyTorch's getBaseAllocation; an expandable
+   * segment is an address range reserved for the whole pool, so there the
+   * allocation's own block. */
+  *base = (void *)(b.expandable ? b.addr : b.segment);
+  if (size) *size = b.expandable ? b.size : b.segment_size;
+  return GCA_OK;
 }
 
 static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
@@ -468,12 +474,12 @@ static int allocator_id(const gca_allocator_t *a) { return a ? a->id : -1; }
  * on whichever device holds the pointer. */
 static void python_gather(gca_allocator_t *a, int device) {
   if (!(atomic_load_explicit(&gca__calls_observed, memory_order_relaxed) & GCA_OBSERVED_PYTHON) || !a) return;
-  if (device >= 0 && device < a->device_count) {
-    gca__history_python_gather(&a->devices[device], false);
+  if (device >= 0) {
+    if (device < a->device_count) gca__history_python_gather(&a->devices[device], false);
     return;
   }
-  for (int i = 0; device < 0 && i < a->device_count; i++)
-    if (atomic_load_explicit(&a->devices[i].obs.python, memory_order_relaxed) & 2) {
+  for (int i = 0; i < a->device_count; i++)
+    if (atomic_load_explicit(&a->devices[i].obs.python, memory_order_relaxed) & PY_AT_FREE) {
       gca__history_python_gather(&a->devices[i], true);
       return;
     }

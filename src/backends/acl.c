@@ -213,15 +213,18 @@ typedef struct acl_guard {
 
 /* Make `device` current on this thread (AscendCL's current device is per
  * thread, and a thread that never set one has none), remembering the
- * thread's own for acl_leave. */
+ * thread's own for acl_leave. ANY_DEVICE: the thread's, else device 0 (for
+ * calls that need some context, as host memory does). */
+#define ANY_DEVICE (-1)
 static int acl_enter(acl_t *a, int device, acl_guard_t *g) {
   int32_t cur = -1;
   g->saved = -1;
   g->switched = false;
   if (a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS) {
     g->saved = cur;
-    if (cur == device) return GCA_OK;
+    if (cur == device || device == ANY_DEVICE) return GCA_OK;
   }
+  if (device == ANY_DEVICE) device = 0;
   ACL_CHECK(a->rt.aclrtSetDevice(device), GCA_ERR_BACKEND, "aclrtSetDevice (device %d)", device);
   g->switched = true;
   return GCA_OK;
@@ -629,11 +632,6 @@ static int acl_disable_peer_access(void *state, int device, int peer) {
 /* Pinned host memory needs a current context (CANN's aclrtMallocHost and
  * aclrtFreeHost fail with ACL_ERROR_RT_CONTEXT_NULL without one): the
  * thread's device where it has one, else device 0 for the call. */
-static int acl_host_device(acl_t *a) {
-  int32_t cur = -1;
-  return a->rt.aclrtGetDevice(&cur) == ACL_SUCCESS && cur >= 0 ? cur : 0;
-}
-
 static int acl_host_alloc_here(acl_t *a, size_t size, void **ptr) {
   ACL_CHECK(a->rt.aclrtMallocHost(ptr, size), GCA_ERR_INVALID, "aclrtMallocHost (%zu bytes)", size);
   return GCA_OK;
@@ -642,7 +640,7 @@ static int acl_host_alloc_here(acl_t *a, size_t size, void **ptr) {
 static int acl_host_alloc(void *state, size_t size, void **ptr) {
   acl_t *a = state;
   if (!a->rt.aclrtMallocHost) return acl_missing("aclrtMallocHost");
-  ON_DEVICE(a, acl_host_device(a), acl_host_alloc_here(a, size, ptr));
+  ON_DEVICE(a, ANY_DEVICE, acl_host_alloc_here(a, size, ptr));
 }
 
 static int acl_host_free_here(acl_t *a, void *ptr) {
@@ -653,7 +651,7 @@ static int acl_host_free_here(acl_t *a, void *ptr) {
 static int acl_host_free(void *state, void *ptr) {
   acl_t *a = state;
   if (!a->rt.aclrtFreeHost) return acl_missing("aclrtFreeHost");
-  ON_DEVICE(a, acl_host_device(a), acl_host_free_here(a, ptr));
+  ON_DEVICE(a, ANY_DEVICE, acl_host_free_here(a, ptr));
 }
 
 /* torch_npu pads every request by 32 bytes before rounding, but on

@@ -38,6 +38,7 @@ typedef struct segment segment_t;
 #define PY_FRAMES 16       /* Python frames first (history.c), */
 #define NATIVE_FRAMES 16   /* then native return addresses */
 #define MAX_FRAMES (PY_FRAMES + NATIVE_FRAMES)
+enum { PY_AT_ALLOC = 1, PY_AT_FREE = 2 }; /* device.obs.python: where Python frames are wanted */
 typedef struct call_stack {
   uint8_t depth;
   uintptr_t ips[MAX_FRAMES];
@@ -262,8 +263,8 @@ struct device {
    * (inspect.h). NULL otherwise: the device-call paths pay one branch. */
   struct {
     bool recording;          /* the history records */
-    /* Python frames wanted (history.c): 1 for allocations, 2 for frees.
-     * Read without the lock, before it is taken, to gather them. */
+    /* Python frames wanted (history.c): PY_AT_ALLOC, PY_AT_FREE. Read
+     * without the lock, before it is taken, to gather them. */
     _Atomic uint8_t python;
     struct history *history; /* NULL until recording is first started */
     gca__segment_observer_fn segment_fn;

@@ -36,7 +36,8 @@ static _Thread_local struct {
 
 void gca__history_python_gather(device_t *d, bool freeing) {
   uint8_t want = atomic_load_explicit(&d->obs.python, memory_order_relaxed);
-  python_pending.depth = want & (freeing ? 2 : 1) ? (uint8_t)gca__py_gather(python_pending.frames, PY_FRAMES) : 0;
+  python_pending.depth =
+      want & (freeing ? PY_AT_FREE : PY_AT_ALLOC) ? (uint8_t)gca__py_gather(python_pending.frames, PY_FRAMES) : 0;
 }
 
 void gca__history_python_done(void) { python_pending.depth = 0; }
@@ -136,12 +137,12 @@ void gca__history_drop_stack(block_t *b) {
   b->stack = NULL;
 }
 
-/* What Python frames the settings want: 1 at allocations (their entries
- * and the block's stack), 2 at frees; none where no Python runs. */
+/* What Python frames the settings want: at allocations (their entries and
+ * the block's stack), at frees; none where no Python runs. */
 static uint8_t python_wanted(int context, int stacks) {
   /* (A process without Python pays nothing for them: calls keep the plain entry.) */
   if (stacks == GCA_STACKS_NATIVE || !gca__py_present()) return 0;
-  return (uint8_t)((context >= GCA_CONTEXT_STATE ? 1 : 0) | (context >= GCA_CONTEXT_ALL ? 2 : 0));
+  return (uint8_t)((context >= GCA_CONTEXT_STATE ? PY_AT_ALLOC : 0) | (context >= GCA_CONTEXT_ALL ? PY_AT_FREE : 0));
 }
 
 static void set_python(device_t *d, uint8_t want) {
