@@ -266,11 +266,35 @@ GCA_API int gca_synchronize(gca_allocator_t *a, int device);
 
 /* 1 if the allocator runs in launch-blocking mode, 0 if not. The mode is read
  * at gca_open from the first set of GCALLOC_LAUNCH_BLOCKING,
- * CUDA_LAUNCH_BLOCKING, ACL_LAUNCH_BLOCKING ("1" on, "0" off): every free and
+ * CUDA_LAUNCH_BLOCKING, ASCEND_LAUNCH_BLOCKING ("1" on, "0" off): every free and
  * every device free then completes before the call returns, waiting for the
  * streams involved, so a misuse shows up where it happens. For debugging: it
  * is slow. */
 GCA_API int gca_launch_blocking(const gca_allocator_t *a);
+
+/* 1 if the allocator caches nothing, 0 if it caches. Read at gca_open from
+ * PYTORCH_NO_CUDA_MEMORY_CACHING (PYTORCH_NO_NPU_MEMORY_CACHING on the acl
+ * backend), as PyTorch and torch_npu read it: set to anything but "0", every
+ * free gives the memory no allocation still uses back to the device at once
+ * (as gca_empty_cache does), so that a memory checker sees each allocation.
+ * For debugging: it is slow. Statistics are kept as usual. */
+GCA_API int gca_no_caching(const gca_allocator_t *a);
+
+/* A framework that queues device work on the host and launches it later from
+ * another thread (torch_npu's task queue, TASK_QUEUE_ENABLE) must have that
+ * queue emptied before the allocator gives memory back to the device: an
+ * event the allocator records completes when the work already launched has,
+ * not the work still in the host queue. `fn(device, user)` empties it: it is
+ * called before the first release of device memory (a cached segment freed,
+ * expandable pages unmapped, a pool paused) after any free since the last
+ * call, from whichever thread releases (gca_empty_cache, the out-of-memory
+ * ladder, garbage collection, a peer's request, gca_pool_pause), with the
+ * device's lock held: it must not allocate or free through this allocator.
+ * The device is then synchronized through the backend before anything goes
+ * back. NULL: none (the default). The torch_npu drop-in connects torch_npu's
+ * own drain, c10_npu::npuSynchronizeDevice (docs/acl.md). */
+typedef void (*gca_queue_drain_fn)(int device, void *user);
+GCA_API int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user);
 
 /* The size the allocation at `ptr` really occupies (its rounded block size),
  * or 0 with the error set if `ptr` is not a live allocation. */

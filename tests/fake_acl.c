@@ -49,6 +49,7 @@ enum { ACL_DDR_MEM = 0, ACL_HBM_MEM = 1, ACL_HBM_MEM_HUGE = 4 };
 enum { ACL_EVENT_RECORDED_STATUS_NOT_READY = 0, ACL_EVENT_RECORDED_STATUS_COMPLETE = 1 };
 enum { ACL_EVENT_STATUS_COMPLETE = 0, ACL_EVENT_STATUS_NOT_READY = 1 };
 enum { ACL_MEM_MALLOC_HUGE1G_ONLY_P2P = 7, ACL_EVENT_FLAGS_KNOWN = 0x1 | 0x2 | 0x4 | 0x8 };
+enum { ACL_EVENT_SYNC = 0x1, ACL_EVENT_CAPTURE_STREAM_PROGRESS = 0x2, ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000 };
 
 typedef struct aclrtPhysicalMemProp {
   int handleType;     /* ACL_MEM_HANDLE_TYPE_NONE = 0 */
@@ -69,13 +70,33 @@ typedef struct item {
   size_t size;    /* what counts against the device's capacity */
   int fd;         /* physical memory */
   uintptr_t handle; /* mapped: the physical handle */
+  uint64_t serial;  /* which item this is, an address reused or not */
 } item_t;
 
 typedef struct fake_event {
   uintptr_t stream;
   int device;
   int pending;
+  uint32_t flags;
+  int waited; /* a stream waits on it: until it completes, no destroy and no record */
 } fake_event_t;
+
+/* [npu] torch_npu's task queue (TASK_QUEUE_ENABLE, on by default): an
+ * operator is queued on the host and launched later by another thread, so
+ * its memory may be freed to the allocator, and by the allocator to the
+ * runtime, before the operator ever runs. A test queues work on device
+ * memory (fakeacl_queue_work) and runs the queue (fakeacl_run_queue): work
+ * whose memory the runtime no longer has is counted (fakeacl_stale_work),
+ * not done. */
+typedef struct queued_work {
+  uintptr_t addr;
+  size_t size;
+  uint64_t serial; /* the device memory or mapping it works on */
+} queued_work_t;
+#define MAX_QUEUED 256
+static queued_work_t queued[MAX_QUEUED];
+static size_t queued_count, stale_work, queue_runs;
+static char init_config[256];
 
 static int initialized, device_count = -1, hold_events, peers_enabled[MAX_DEVICES][MAX_DEVICES];
 static size_t capacity = (size_t)1 << 30, used[MAX_DEVICES];
@@ -100,6 +121,7 @@ EXPORT void fakeacl_reset(void) {
   memset(peers_enabled, 0, sizeof peers_enabled);
   memset(touched, 0, sizeof touched);
   hold_events = 0;
+  queued_count = stale_work = queue_runs = 0;
   device_count = -1;
   capacity = (size_t)1 << 30;
   snprintf(soc_name, sizeof soc_name, "%s", "Ascend910B3");
@@ -146,6 +168,47 @@ EXPORT int fakeacl_touched(int device) { return device >= 0 && device < MAX_DEVI
 /* Make `device` this thread's current one, as a framework would (the runtime's own aclrtSetDevice). */
 EXPORT int fakeacl_set_current(int device) { return aclrtSetDevice(device); }
 
+static item_t *containing(int kind, uintptr_t addr, size_t size);
+
+/* The device memory or mapping holding [addr, addr + size), or NULL. */
+static item_t *memory_at(uintptr_t addr, size_t size) {
+  item_t *it = containing(ITEM_DEVICE, addr, size);
+  return it ? it : containing(ITEM_MAPPED, addr, size);
+}
+
+/* Work on [addr, addr + size): one mapping or one allocation of device memory. */
+EXPORT int fakeacl_queue_work(uintptr_t addr, size_t size) {
+  pthread_mutex_lock(&lock);
+  item_t *it = memory_at(addr, size);
+  int ok = it && queued_count < MAX_QUEUED;
+  if (ok) queued[queued_count++] = (queued_work_t){addr, size, it->serial};
+  pthread_mutex_unlock(&lock);
+  return ok ? 0 : -1;
+}
+
+/* Launch and finish what is queued: it writes its memory, if the runtime
+ * still has the same memory there (not memory freed, nor memory allocated
+ * again at the same address). */
+EXPORT void fakeacl_run_queue(void) {
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < queued_count; i++) {
+    queued_work_t w = queued[i];
+    item_t *it = memory_at(w.addr, w.size);
+    if (it && it->serial == w.serial)
+      memset((void *)w.addr, 0x5a, w.size);
+    else
+      stale_work++;
+  }
+  queued_count = 0;
+  queue_runs++;
+  pthread_mutex_unlock(&lock);
+}
+
+EXPORT size_t fakeacl_stale_work(void) { return stale_work; }
+EXPORT size_t fakeacl_queue_runs(void) { return queue_runs; }
+/* The configuration file of the aclInit that initialized the runtime ("" for none). */
+EXPORT const char *fakeacl_init_config(void) { return init_config; }
+
 /* ---- plumbing ----------------------------------------------------------- */
 
 /* [rt] runtime calls before aclInit fail; [rt] a thread with no current
@@ -164,9 +227,10 @@ static int devices(void) {
 }
 
 static item_t *new_item(int kind, int device, uintptr_t addr, size_t size) {
+  static uint64_t serials;
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (items[i].kind == ITEM_FREE) {
-      items[i] = (item_t){kind, device, addr, size, -1, 0};
+      items[i] = (item_t){kind, device, addr, size, -1, 0, ++serials};
       return &items[i];
     }
   return NULL;
@@ -178,7 +242,7 @@ static item_t *find(int kind, uintptr_t addr) {
   return NULL;
 }
 
-__attribute__((unused)) static item_t *containing(int kind, uintptr_t addr, size_t size) {
+static item_t *containing(int kind, uintptr_t addr, size_t size) {
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (items[i].kind == kind && addr >= items[i].addr && addr + size <= items[i].addr + items[i].size) return &items[i];
   return NULL;
@@ -190,10 +254,19 @@ static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 /* [rt] aclInit once per process; again: ACL_ERROR_REPEAT_INITIALIZE. */
 EXPORT int aclInit(const char *configPath) {
-  (void)configPath;
   ENTER("aclInit");
   if (initialized) LEAVE(ACL_ERROR_REPEAT_INITIALIZE);
   initialized = 1;
+  snprintf(init_config, sizeof init_config, "%s", configPath ? configPath : "");
+  LEAVE(ACL_SUCCESS);
+}
+
+/* [rt] after aclFinalize the runtime may be initialized again. */
+EXPORT int aclFinalize(void) {
+  ENTER("aclFinalize");
+  if (!initialized) LEAVE(ACL_ERROR_UNINITIALIZE);
+  initialized = 0;
+  init_config[0] = 0;
   LEAVE(ACL_SUCCESS);
 }
 
@@ -296,6 +369,7 @@ static int create_event(void **e, uint32_t flags) {
       fake_event_t *ev = calloc(1, sizeof *ev);
       if (!ev) LEAVE(ACL_ERROR_RT_MEMORY_ALLOCATION);
       ev->device = current;
+      ev->flags = flags;
       events[i] = ev;
       live_events++;
       *e = ev;
@@ -304,9 +378,10 @@ static int create_event(void **e, uint32_t flags) {
   LEAVE(ACL_ERROR_RT_MEMORY_ALLOCATION);
 }
 
+/* [rt] a default event may be waited on and queried. */
 EXPORT int aclrtCreateEvent(void **e) {
   ENTER("aclrtCreateEvent");
-  return create_event(e, 0);
+  return create_event(e, ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS);
 }
 
 #ifndef FAKEACL_MINIMAL
@@ -323,11 +398,18 @@ static fake_event_t *event_of(void *e) {
   return NULL;
 }
 
+/* A wait on the event is still pending: it has not completed. */
+static int waited_on(fake_event_t *ev) {
+  if (!ev->pending) ev->waited = 0;
+  return ev->waited;
+}
+
+/* [rt] recording again an event a stream still waits on is refused. */
 EXPORT int aclrtRecordEvent(void *e, void *stream) {
   ENTER("aclrtRecordEvent");
   NEED_DEVICE();
   fake_event_t *ev = event_of(e);
-  if (!ev) LEAVE(ACL_ERROR_INVALID_PARAM);
+  if (!ev || waited_on(ev)) LEAVE(ACL_ERROR_INVALID_PARAM);
   ev->stream = (uintptr_t)stream;
   ev->pending = hold_events;
   LEAVE(ACL_SUCCESS);
@@ -364,10 +446,12 @@ EXPORT int aclrtSynchronizeEvent(void *e) {
   LEAVE(ACL_SUCCESS);
 }
 
+/* [rt] destroying an event a stream still waits on is refused. */
 EXPORT int aclrtDestroyEvent(void *e) {
   ENTER("aclrtDestroyEvent");
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (events[i] && events[i] == e) {
+      if (waited_on(events[i])) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
       free(events[i]);
       events[i] = NULL;
       live_events--;
@@ -376,11 +460,16 @@ EXPORT int aclrtDestroyEvent(void *e) {
   LEAVE(ACL_ERROR_INVALID_PARAM);
 }
 
+/* [rt] only an event created with ACL_EVENT_SYNC may be waited on
+ * (207000 otherwise); the wait stays pending until the event completes. */
 EXPORT int aclrtStreamWaitEvent(void *stream, void *e) {
   (void)stream;
   ENTER("aclrtStreamWaitEvent");
   NEED_DEVICE();
-  if (!event_of(e)) LEAVE(ACL_ERROR_INVALID_PARAM);
+  fake_event_t *ev = event_of(e);
+  if (!ev) LEAVE(ACL_ERROR_INVALID_PARAM);
+  if (!(ev->flags & ACL_EVENT_SYNC)) LEAVE(ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+  if (ev->pending) ev->waited = 1;
   LEAVE(ACL_SUCCESS);
 }
 

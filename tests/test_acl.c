@@ -35,6 +35,11 @@ typedef struct fake {
   int (*touched)(int device);
   int (*set_current)(int device);
   int (*init)(const char *config);
+  int (*finalize)(void);
+  const char *(*init_config)(void);
+  int (*queue_work)(uintptr_t addr, size_t size);
+  void (*run_queue)(void);
+  size_t (*stale_work)(void);
   size_t (*used)(int device);
   size_t (*live)(int kind);
   size_t (*live_events)(void);
@@ -61,6 +66,11 @@ static int load_fake(fake_t *f, const char *path) {
   LOAD(touched, "fakeacl_touched");
   LOAD(set_current, "fakeacl_set_current");
   LOAD(init, "aclInit");
+  LOAD(finalize, "aclFinalize");
+  LOAD(init_config, "fakeacl_init_config");
+  LOAD(queue_work, "fakeacl_queue_work");
+  LOAD(run_queue, "fakeacl_run_queue");
+  LOAD(stale_work, "fakeacl_stale_work");
   LOAD(used, "fakeacl_used");
   LOAD(live, "fakeacl_live");
   LOAD(live_events, "fakeacl_live_events");
@@ -118,15 +128,23 @@ static void test_loading_failures(void **state) {
   assert_contains(gca_last_error(), "aclrtGetDeviceCount (runtime");
   assert_contains(gca_last_error(), "ACL_ERROR_RT_NO_DEVICE (207004)");
   full.set_devices(-1);
-  /* aclInit refused (107002 here, any code but REPEAT_INITIALIZE). */
+  /* aclInit refused (any code but REPEAT_INITIALIZE), on a runtime
+   * finalized since gcalloc initialized it (asked again then). */
+  a = open_sim(SPEC, NULL);
+  gca_close(a);
+  assert_int_equal(full.finalize(), 0);
   full.inject("aclInit", 0, 1, 100001);
   assert_int_equal(gca_open(SPEC, NULL, &a), GCA_ERR_BACKEND);
-  assert_contains(gca_last_error(), "aclInit (runtime");
+  assert_contains(gca_last_error(), "aclInit/aclrtGetDeviceCount (runtime");
   assert_contains(gca_last_error(), "ACL_ERROR_UNINITIALIZE (100001)");
-  /* A framework that initialized first: REPEAT_INITIALIZE is fine. */
+  /* A framework that initialized first: REPEAT_INITIALIZE is fine, and
+   * gcalloc initializes once per process, however many allocators. */
+  assert_int_equal(full.init("framework.json"), 0);
+  unsigned long inits = full.calls("aclInit");
   a = open_sim(SPEC, NULL);
   gca_allocator_t *b = open_sim(SPEC, NULL);
-  assert_true(full.calls("aclInit") >= 2);
+  assert_int_equal(full.calls("aclInit"), inits);
+  assert_string_equal(full.init_config(), "framework.json");
   assert_int_equal(gca_device_count(b), 2);
   assert_string_equal(gca_backend_name(b), "acl");
   gca_close(b);
@@ -340,6 +358,147 @@ static void test_device_discipline(void **state) {
   assert_runtime_empty(&full);
 }
 
+/* A fraction or expandable segments configured: still nothing asked of a
+ * device before it is used (its bytes and its virtual memory are asked
+ * there at its first segment). */
+static void test_device_discipline_configured(void **state) {
+  (void)state;
+  full.set_devices(8);
+  full.set_capacity((size_t)64 << 20);
+  int init = full.init(NULL);
+  assert_true(init == 0 || init == 100002);
+  assert_int_equal(full.set_current(5), 0);
+  unsigned long infos = full.calls("aclrtGetMemInfo");
+  gca_allocator_t *a = open_sim(SPEC, "per_process_memory_fraction:0.5,expandable_segments:True");
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(touched_set(8), 1u << 5);
+  assert_int_equal(full.calls("aclrtGetMemInfo"), infos);
+  assert_int_equal(full.calls("aclrtReserveMemAddress"), 0);
+  void *p = gca_malloc(a, 10 * MiB, 5, S1); /* one 20 MiB page */
+  assert_non_null(p);
+  assert_null(gca_malloc(a, 20 * MiB, 5, S1)); /* two more: 32 MiB allowed of 64 */
+  assert_contains(gca_last_error(), "per_process_memory_fraction");
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(touched_set(8), 1u << 5);
+  gca_close(a);
+  assert_int_equal(touched_set(8), 1u << 5);
+  assert_runtime_empty(&full);
+}
+
+/* ---- the framework's host queue -------------------------------------------
+ * torch_npu launches operators from a host queue after the allocator has
+ * seen their memory freed: without the queue drained before a release, the
+ * runtime takes memory back that queued work will still write. */
+
+static void run_the_queue(int device, void *user) {
+  (void)device;
+  ++*(int *)user;
+  full.run_queue();
+}
+
+/* Free `p` with an operator that writes its first page still queued. */
+static void free_with_queued_work(gca_allocator_t *a, void *p) {
+  assert_int_equal(full.queue_work((uintptr_t)p, 4096), 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+}
+
+static void test_queue_drained_before_release(void **state) {
+  (void)state;
+  full.set_capacity((size_t)64 << 20);
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  /* Without the drain: the ladder gives back memory with work queued on it. */
+  void *p = gca_malloc(a, 40 * MiB, 0, S1);
+  free_with_queued_work(a, p);
+  void *q = gca_malloc(a, 50 * MiB, 0, S1);
+  assert_non_null(q);
+  full.run_queue();
+  assert_int_equal(full.stale_work(), 1);
+  assert_int_equal(gca_free(a, q), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  /* With the drain connected: the ladder, gca_empty_cache, and expandable
+   * pages unmapped each run the queue first, and only when a free happened
+   * since the last time. */
+  int drains = 0;
+  assert_int_equal(gca_set_queue_drain(a, run_the_queue, &drains), GCA_OK);
+  p = gca_malloc(a, 40 * MiB, 0, S1);
+  free_with_queued_work(a, p);
+  q = gca_malloc(a, 50 * MiB, 0, S1);
+  assert_non_null(q);
+  assert_int_equal(drains, 1);
+  free_with_queued_work(a, q);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  assert_int_equal(drains, 2);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK); /* (nothing freed since) */
+  assert_int_equal(drains, 2);
+  full.run_queue();
+  assert_int_equal(full.stale_work(), 1);
+  gca_close(a);
+  a = open_sim(SPEC, "expandable_segments:True");
+  assert_int_equal(gca_set_queue_drain(a, run_the_queue, &drains), GCA_OK);
+  p = gca_malloc(a, 30 * MiB, 0, S1);
+  free_with_queued_work(a, p);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK); /* pages unmapped */
+  assert_int_equal(drains, 3);
+  /* A pool paused: its live blocks' queued work runs first, whatever was freed. */
+  gca_pool_t pool = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool), GCA_OK);
+  assert_int_equal(gca_pool_push(a, pool), GCA_OK);
+  p = gca_malloc(a, 4 * MiB, 0, S1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  int before = drains;
+  assert_int_equal(full.queue_work((uintptr_t)p, 4096), 0);
+  assert_int_equal(gca_pool_pause(a, pool, 0, NULL), GCA_OK);
+  assert_int_equal(drains, before + 1);
+  assert_int_equal(gca_pool_resume(a, pool, 0), GCA_OK);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_pool_release(a, pool), GCA_OK);
+  full.run_queue();
+  assert_int_equal(full.stale_work(), 1);
+  assert_int_equal(gca_set_queue_drain(a, NULL, NULL), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+  assert_runtime_empty(&full);
+}
+
+/* ---- events a stream waits on ---------------------------------------------
+ * The runtime refuses a wait on an event without ACL_EVENT_SYNC, and
+ * destroying or recording again an event while a wait on it is pending:
+ * an event the core lets go then is reused only after it completed. */
+static void test_waited_events(void **state) {
+  (void)state;
+  log_capture_t cap = {0};
+  gca_set_log_handler(capture_log, &cap);
+  full.hold_events(1);
+  gca_allocator_t *a = open_sim(SPEC, "cross_stream_reuse:True");
+  void *p = gca_malloc(a, 30 * MiB, 0, S1);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  void *q = gca_malloc(a, 30 * MiB, 0, S2); /* S2 waits on S1's event */
+  assert_ptr_equal(p, q);
+  assert_int_equal(full.calls("aclrtStreamWaitEvent"), 1);
+  /* More events recorded while the wait is pending: none is the waited one. */
+  for (int i = 0; i < 4; i++) {
+    assert_int_equal(gca_record_stream(a, q, S1), GCA_OK);
+    assert_int_equal(gca_free(a, q), GCA_OK);
+    q = gca_malloc(a, 30 * MiB, 0, S2);
+    assert_non_null(q);
+  }
+  assert_int_equal(gca_free(a, q), GCA_OK);
+  full.complete_events();
+  assert_int_equal(gca_synchronize(a, -1), GCA_OK);
+  assert_string_equal(cap.all, "");
+  gca_stats_t st;
+  assert_int_equal(gca_get_stats(a, 0, &st), GCA_OK);
+  assert_int_equal(st.num_device_free_failures, 0);
+  full.hold_events(0);
+  assert_consistent(a);
+  gca_close(a);
+  gca_set_log_handler(NULL, NULL);
+  assert_runtime_empty(&full);
+}
+
 /* Pinned host memory needs a current context: a thread with no device
  * gets device 0 for the call (and keeps it: AscendCL cannot unset one). */
 static void *host_alloc_on_a_fresh_thread(void *arg) {
@@ -367,10 +526,12 @@ static void test_expandable_segments(void **state) {
   (void)state;
   full.set_capacity((size_t)512 << 20);
   gca_allocator_t *a = open_sim(SPEC, "expandable_segments:True");
-  unsigned long probes = full.calls("aclrtReserveMemAddress"); /* one 512-byte probe per device */
-  assert_int_equal(probes, 2);
+  /* Virtual memory is probed (a 512-byte reservation) on a device's first
+   * use of it, not at open. */
+  assert_int_equal(full.calls("aclrtReserveMemAddress"), 0);
   unsigned char *p = gca_malloc(a, 50 * MiB, 0, S1); /* three 20 MiB pages */
   assert_non_null(p);
+  assert_int_equal(full.calls("aclrtReserveMemAddress"), 2); /* the probe and the segment's range */
   for (size_t i = 0; i < 50 * MiB; i += 4096) p[i] = (unsigned char)(i >> 12);
   for (size_t i = 0; i < 50 * MiB; i += 4096) assert_int_equal(p[i], (unsigned char)(i >> 12));
   assert_int_equal(full.live(LIVE_MAPPED), 3);
@@ -403,11 +564,12 @@ static void test_virtual_memory_probe_failing(void **state) {
   (void)state;
   log_capture_t cap = {0};
   gca_set_log_handler(capture_log, &cap);
-  full.inject("aclrtReserveMemAddress", 0, 2, 207000); /* the probe, on both devices */
+  full.inject("aclrtReserveMemAddress", 0, 1, 207000); /* the probe, at device 0's first segment */
   gca_allocator_t *a = open_sim(SPEC, "expandable_segments:True");
-  assert_contains(cap.all, "expandable_segments:True: backend acl has no virtual memory; ordinary segments");
+  assert_string_equal(cap.all, "");
   void *p = gca_malloc(a, 30 * MiB, 0, S1);
   assert_non_null(p);
+  assert_contains(cap.all, "expandable_segments:True: device 0 of backend acl has no virtual memory; ordinary segments");
   assert_int_equal(full.live(LIVE_MAPPED), 0);
   assert_int_equal(full.live(LIVE_DEVICE), 1);
   assert_int_equal(gca_free(a, p), GCA_OK);
@@ -869,6 +1031,9 @@ int main(void) {
       cmocka_unit_test_setup(test_ladder_on_207001, fresh),
       cmocka_unit_test_setup(test_pad_by_soc, fresh),
       cmocka_unit_test_setup(test_device_discipline, fresh),
+      cmocka_unit_test_setup(test_device_discipline_configured, fresh),
+      cmocka_unit_test_setup(test_queue_drained_before_release, fresh),
+      cmocka_unit_test_setup(test_waited_events, fresh),
       cmocka_unit_test_setup(test_host_memory_needs_a_context, fresh),
       cmocka_unit_test_setup(test_configuration_precedence, fresh),
       cmocka_unit_test_setup(test_npu_keys, fresh),

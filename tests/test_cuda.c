@@ -132,10 +132,83 @@ static void test_open_failures(void **state) {
   fake_set_devices(0);
   assert_error(gca_open(SPEC, NULL, &a), GCA_ERR_BACKEND, "sees no CUDA device", FAKE_CUDA_PATH);
   fake_set_devices(2);
-  /* The second device's context cannot be had: the first one's is released. */
-  fake_fail("cuDevicePrimaryCtxRetain", 1, 1, 101);
-  assert_error(gca_open(SPEC, NULL, &a), GCA_ERR_BACKEND, "cuDevicePrimaryCtxRetain", "CUDA_ERROR_INVALID_DEVICE");
-  assert_null(a);
+  /* A device's primary context is retained at the device's first use, not
+   * at open; when it cannot be had, that use fails and the next tries again. */
+  a = open_sim(SPEC, NULL);
+  assert_int_equal(fake_retained(0) + fake_retained(1), 0);
+  fake_fail("cuDevicePrimaryCtxRetain", 0, 1, 101);
+  assert_null(gca_malloc(a, MiB, 1, S1));
+  assert_error(GCA_ERR_BACKEND, GCA_ERR_BACKEND, "cuDevicePrimaryCtxRetain (device 1)", "CUDA_ERROR_INVALID_DEVICE");
+  void *p = gca_malloc(a, MiB, 1, S1);
+  assert_non_null(p);
+  assert_int_equal(fake_retained(0), 0);
+  assert_int_equal(fake_retained(1), 1);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  gca_close(a);
+  assert_driver_empty();
+}
+
+/* The thread's context is the framework's: every call puts it back, and no
+ * device's context is made before the device is used. */
+typedef struct ctx_job {
+  gca_allocator_t *a;
+  void *before, *after;
+  int rc;
+} ctx_job_t;
+
+static void *allocate_on_a_thread_without_context(void *arg) {
+  ctx_job_t *j = arg;
+  int (*get)(void **) = (int (*)(void **))dlsym(fake, "cuCtxGetCurrent");
+  get(&j->before);
+  void *p = gca_malloc(j->a, MiB, 2, S1);
+  j->rc = p ? gca_free(j->a, p) : GCA_ERR_OOM;
+  get(&j->after);
+  return NULL;
+}
+
+static void test_context_discipline(void **state) {
+  (void)state;
+  int (*retain)(void **, int) = (int (*)(void **, int))dlsym(fake, "cuDevicePrimaryCtxRetain");
+  int (*release)(int) = (int (*)(int))dlsym(fake, "cuDevicePrimaryCtxRelease_v2");
+  int (*get)(void **) = (int (*)(void **))dlsym(fake, "cuCtxGetCurrent");
+  int (*set)(void *) = (int (*)(void *))dlsym(fake, "cuCtxSetCurrent");
+  int (*init)(unsigned) = (int (*)(unsigned))dlsym(fake, "cuInit");
+  fake_set_devices(8);
+  assert_int_equal(init(0), 0);
+  void *mine = NULL, *now = NULL;
+  assert_int_equal(retain(&mine, 0), 0); /* the framework, on device 0 */
+  assert_int_equal(set(mine), 0);
+  gca_allocator_t *a = open_sim(SPEC, "expandable_segments:True,per_process_memory_fraction:0.9");
+  for (int i = 0; i < 8; i++) assert_int_equal(fake_retained(i), i == 0);
+  void *p = gca_malloc(a, 30 * MiB, 1, S1), *small = gca_malloc(a, 4096, 3, S1);
+  assert_non_null(p);
+  assert_non_null(small);
+  get(&now);
+  assert_ptr_equal(now, mine);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_free(a, small), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
+  void *h = gca_host_malloc(a, 4096);
+  assert_non_null(h);
+  assert_int_equal(gca_host_free(a, h), GCA_OK);
+  get(&now);
+  assert_ptr_equal(now, mine);
+  for (int i = 0; i < 8; i++) assert_int_equal(fake_retained(i), i == 0 || i == 1 || i == 3);
+  /* A thread with no context is left with none. */
+  ctx_job_t j = {a, NULL, NULL, -1};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, allocate_on_a_thread_without_context, &j), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(j.rc, GCA_OK);
+  assert_null(j.before);
+  assert_null(j.after);
+  gca_close(a);
+  get(&now);
+  assert_ptr_equal(now, mine);
+  for (int i = 0; i < 8; i++) assert_int_equal(fake_retained(i), i == 0);
+  assert_int_equal(release(0), 0);
+  assert_int_equal(set(NULL), 0);
+  fake_set_devices(2);
   assert_driver_empty();
 }
 
@@ -257,9 +330,9 @@ static void test_expandable_segments(void **state) {
   log_capture_t log = {0};
   gca_set_log_handler(capture_log, &log);
   a = open_sim(SPEC, "expandable_segments:True");
+  x = gca_malloc(a, 30 * MiB, 0, S1); /* (virtual memory is asked at the device's first segment) */
   gca_set_log_handler(NULL, NULL);
-  assert_non_null(strstr(log.all, "expandable"));
-  x = gca_malloc(a, 30 * MiB, 0, S1);
+  assert_non_null(strstr(log.all, "expandable_segments:True: device 0 of backend cuda has no virtual memory"));
   assert_int_equal(stats_of(a, 0).segment[GCA_POOL_ALL].current, 1);
   assert_int_equal(fake_live(LIVE_RESERVED), 0);
   assert_int_equal(gca_free(a, x), GCA_OK);
@@ -728,6 +801,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_no_driver, fresh),
       cmocka_unit_test_setup(test_open_failures, fresh),
+      cmocka_unit_test_setup(test_context_discipline, fresh),
       cmocka_unit_test_setup(test_devices_and_memory, fresh),
       cmocka_unit_test_setup(test_events_pending, fresh),
       cmocka_unit_test_setup(test_expandable_segments, fresh),

@@ -273,12 +273,15 @@ static void test_log_handler_reads_config_during_set_config(void **state) {
   assert_int_equal(gca_set_config(a, "some_unknown_key:1"), GCA_OK);
   assert_true(r.calls >= 1);
   assert_contains(r.seen, "oom_handler_retries");
-  /* The warning for a device without virtual memory (vm=0), logged under
-   * the configuration lock too. */
+  /* The warning for a device without virtual memory (vm=0), logged at the
+   * device's first segment, after its lock is released. */
   gca_allocator_t *b = open_sim("sim:vm=0,capacity=64MiB", NULL);
   r.a = b;
   r.calls = 0;
   assert_int_equal(gca_set_config(b, "expandable_segments:True"), GCA_OK);
+  void *p = gca_malloc(b, MiB, 0, 0);
+  assert_non_null(p);
+  assert_int_equal(gca_free(b, p), GCA_OK);
   assert_true(r.calls >= 1);
   assert_contains(r.seen, "expandable_segments:True");
   gca_set_log_handler(NULL, NULL);

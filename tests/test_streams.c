@@ -329,7 +329,7 @@ static void test_synchronize_drains_everything(void **state) {
 }
 
 static gca_allocator_t *open_with_env(const char *gcalloc, const char *cuda, const char *acl) {
-  const char *names[] = {"GCALLOC_LAUNCH_BLOCKING", "CUDA_LAUNCH_BLOCKING", "ACL_LAUNCH_BLOCKING"};
+  const char *names[] = {"GCALLOC_LAUNCH_BLOCKING", "CUDA_LAUNCH_BLOCKING", "ASCEND_LAUNCH_BLOCKING"};
   const char *values[] = {gcalloc, cuda, acl};
   for (int i = 0; i < 3; i++) {
     if (values[i]) setenv(names[i], values[i], 1);
@@ -345,6 +345,35 @@ static int launch_blocking_of(const char *gcalloc, const char *cuda, const char 
   int on = gca_launch_blocking(a);
   gca_close(a);
   return on;
+}
+
+/* PYTORCH_NO_CUDA_MEMORY_CACHING (PYTORCH_NO_NPU_MEMORY_CACHING on acl, not
+ * read elsewhere): set and not "0", every free gives back what nothing
+ * still uses, after the streams that used it. */
+static void test_no_caching_variables(void **state) {
+  (void)state;
+  const char *values[] = {NULL, "1", "0", "yes"};
+  const int expect[] = {0, 1, 0, 1};
+  for (int i = 0; i < 4; i++) {
+    if (values[i]) setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", values[i], 1);
+    setenv("PYTORCH_NO_NPU_MEMORY_CACHING", "1", 1); /* (an NPU's variable: not read on the sim) */
+    gca_allocator_t *a = open_sim("sim", NULL);
+    unsetenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+    unsetenv("PYTORCH_NO_NPU_MEMORY_CACHING");
+    assert_int_equal(gca_no_caching(a), expect[i]);
+    void *p = gca_malloc(a, 3 * MiB, 0, S1), *q = gca_malloc(a, 1000, 0, S1);
+    assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+    assert_int_equal(gca_free(a, p), GCA_OK);
+    gca_stats_t st;
+    assert_int_equal(gca_get_stats(a, 0, &st), GCA_OK);
+    /* Off: both segments cached. On: only q's, which q still uses. */
+    assert_int_equal(st.reserved_bytes[GCA_POOL_ALL].current, expect[i] ? 2 * MiB : 22 * MiB);
+    assert_int_equal(gca_free(a, q), GCA_OK);
+    assert_int_equal(gca_get_stats(a, 0, &st), GCA_OK);
+    assert_int_equal(st.reserved_bytes[GCA_POOL_ALL].current, expect[i] ? 0 : 22 * MiB);
+    assert_int_equal(gca_no_caching(NULL), GCA_ERR_INVALID);
+    close_clean(a);
+  }
 }
 
 static void test_launch_blocking_variables(void **state) {
@@ -681,6 +710,7 @@ int main(void) {
       cmocka_unit_test(test_event_processing_order),
       cmocka_unit_test(test_synchronize_drains_everything),
       cmocka_unit_test(test_launch_blocking_variables),
+      cmocka_unit_test(test_no_caching_variables),
       cmocka_unit_test(test_launch_blocking_frees_complete_at_once),
       cmocka_unit_test(test_device_free_waits_for_the_stream),
       cmocka_unit_test(test_release_without_waiting),

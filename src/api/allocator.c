@@ -11,7 +11,7 @@
  * variable, as PyTorch refuses to start on one.
  *
  * Launch-blocking mode, for debugging, is read at open from the first set
- * of GCALLOC_LAUNCH_BLOCKING, CUDA_LAUNCH_BLOCKING, ACL_LAUNCH_BLOCKING:
+ * of GCALLOC_LAUNCH_BLOCKING, CUDA_LAUNCH_BLOCKING, ASCEND_LAUNCH_BLOCKING:
  * then every free completes before gca_free returns, waiting for the streams
  * that used the block, and so does every device free.
  */
@@ -80,7 +80,7 @@ static int apply_environment(config_t *cfg, const char *backend) {
 }
 
 static const char *const launch_blocking_variables[] = {"GCALLOC_LAUNCH_BLOCKING", "CUDA_LAUNCH_BLOCKING",
-                                                        "ACL_LAUNCH_BLOCKING"};
+                                                        "ASCEND_LAUNCH_BLOCKING"};
 
 static bool launch_blocking_from_environment(void) {
   for (size_t i = 0; i < sizeof launch_blocking_variables / sizeof launch_blocking_variables[0]; i++) {
@@ -96,13 +96,11 @@ static bool launch_blocking_from_environment(void) {
   return false;
 }
 
-/* expandable_segments:True on a backend without virtual memory is served
- * with ordinary segments; say so (outside any device lock). */
-static void warn_if_no_virtual_memory(gca_allocator_t *a, const config_t *cfg) {
-  if (cfg->expandable_segments && a->device_count > 0 && a->devices[0].vm.state < 0)
-    gca__log_message(GCA_LOG_WARNING,
-                     "expandable_segments:True: backend %s has no virtual memory; ordinary segments are used instead",
-                     a->backend.ops->name);
+
+/* PyTorch's and torch_npu's switch: set to anything but "0", nothing is cached. */
+static bool no_caching_from_environment(const char *backend) {
+  const char *v = getenv(backend_is(backend, "acl") ? "PYTORCH_NO_NPU_MEMORY_CACHING" : "PYTORCH_NO_CUDA_MEMORY_CACHING");
+  return v && strcmp(v, "0") != 0;
 }
 
 static void close_unregistered(gca_allocator_t *a);
@@ -127,6 +125,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   }
   a->config = cfg;
   a->launch_blocking = launch_blocking_from_environment();
+  a->no_caching = no_caching_from_environment(backend);
   a->device_count = a->backend.ops->device_count(a->backend.state);
   a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
   bool config_lock = a->devices && pthread_mutex_init(&a->config_lock, NULL) == 0;
@@ -166,7 +165,6 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   }
   gca__log_message(GCA_LOG_INFO, "allocator %d opened on %s with %d device%s", a->id, a->backend.ops->name,
                    a->device_count, a->device_count == 1 ? "" : "s");
-  warn_if_no_virtual_memory(a, &cfg);
   *out = a;
   return GCA_OK;
 }
@@ -452,6 +450,24 @@ int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, 
   return GCA_OK;
 }
 
+int gca_no_caching(const gca_allocator_t *a) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_no_caching: allocator is NULL");
+  return a->no_caching ? 1 : 0;
+}
+
+int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_queue_drain: allocator is NULL");
+  for (int i = 0; i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    lock_acquire(&d->lock);
+    d->drain.fn = fn;
+    d->drain.user = user;
+    d->drain.owed = fn != NULL; /* (what was freed before is owed a drain too) */
+    lock_release(&d->lock);
+  }
+  return GCA_OK;
+}
+
 int gca_launch_blocking(const gca_allocator_t *a) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_launch_blocking: allocator is NULL");
   return a->launch_blocking ? 1 : 0;
@@ -578,11 +594,9 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
       d->config = next;
       gca__device_resolve_pad(d);
       if (fraction_changed) (void)gca__device_set_fraction_locked(d, next.memory_fraction);
-      if (next.expandable_segments) (void)gca__expandable_available(d); /* (asked now, to warn below) */
       lock_release(&d->lock);
     }
     a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0;
-    if (next.expandable_segments) warn_if_no_virtual_memory(a, &next);
   }
   mutex_unlock(&a->config_lock);
   gca__log_release();

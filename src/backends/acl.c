@@ -66,6 +66,7 @@ typedef void *aclrtDrvMemHandle;
 enum {
   ACL_SUCCESS = 0,
   ACL_ERROR_INVALID_PARAM = 100000,
+  ACL_ERROR_UNINITIALIZE = 100001,
   ACL_ERROR_REPEAT_INITIALIZE = 100002,
   ACL_ERROR_RT_PARAM_INVALID = 107000,
   ACL_ERROR_RT_MEMORY_ALLOCATION = 207001,
@@ -73,6 +74,7 @@ enum {
   ACL_HBM_MEM = 1,
   ACL_HBM_MEM_HUGE = 4,
   ACL_MEM_MALLOC_HUGE_FIRST = 0,
+  ACL_EVENT_SYNC = 0x1,
   ACL_EVENT_CAPTURE_STREAM_PROGRESS = 0x2,
   ACL_EVENT_RECORDED_STATUS_COMPLETE = 1, /* aclrtEventRecordedStatus (aclrtQueryEventStatus) */
   ACL_EVENT_STATUS_COMPLETE = 0,          /* aclrtEventStatus (aclrtQueryEvent) */
@@ -111,6 +113,7 @@ typedef struct aclrtPhysicalMemProp {
   X(aclrtDestroyEvent, 1, (aclrtEvent e))                                                                      \
   X(aclrtStreamWaitEvent, 1, (aclrtStream s, aclrtEvent e))                                                    \
   X(aclrtSynchronizeStream, 1, (aclrtStream s))                                                                \
+  X(aclrtSynchronizeDevice, 1, (void))                                                                         \
   X(aclrtDeviceCanAccessPeer, 0, (int32_t * can, int32_t device, int32_t peer))                                \
   X(aclrtDeviceEnablePeerAccess, 0, (int32_t peer, uint32_t flags))                                            \
   X(aclrtDeviceDisablePeerAccess, 0, (int32_t peer))                                                           \
@@ -148,6 +151,15 @@ typedef struct acl_device {
   aclrtEvent events[EVENT_CACHE];
   size_t event_count;
   kept_handles_t refused_events; /* events aclrtDestroyEvent refused: offered again */
+  /* Events a stream was made to wait on. The runtime forbids destroying or
+   * recording again an event while a wait on it is pending (until it
+   * completes), so one the core lets go before then (`released`) is reused
+   * only once a query finds it complete. */
+  struct waited_event {
+    aclrtEvent event;
+    bool released;
+  } *waited;
+  size_t waited_count, waited_cap;
   /* The mappings made (aclrtUnmapMem takes one at a time, by its start). */
   pthread_mutex_t vm_lock;
   acl_mapping_t *mappings;
@@ -296,10 +308,16 @@ static int acl_mem_get_info(void *state, int device, size_t *free_bytes, size_t 
   ON_DEVICE(a, device, acl_mem_get_info_here(a, device, free_bytes, total_bytes));
 }
 
+/* An event the core may query and may make another stream wait on: the
+ * runtime refuses aclrtStreamWaitEvent on an event without ACL_EVENT_SYNC
+ * (207000), and queries need ACL_EVENT_CAPTURE_STREAM_PROGRESS, the flag
+ * torch_npu's allocator gives its events. (aclrtCreateEvent's events have
+ * both.) */
+#define EVENT_FLAGS (ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS)
 static int acl_create_event(acl_t *a, int device, aclrtEvent *e) {
   if (a->rt.aclrtCreateEventWithFlag)
-    ACL_CHECK(a->rt.aclrtCreateEventWithFlag(e, ACL_EVENT_CAPTURE_STREAM_PROGRESS), GCA_ERR_BACKEND,
-          "aclrtCreateEventWithFlag (device %d)", device);
+    ACL_CHECK(a->rt.aclrtCreateEventWithFlag(e, EVENT_FLAGS), GCA_ERR_BACKEND,
+          "aclrtCreateEventWithFlag (ACL_EVENT_SYNC | ACL_EVENT_CAPTURE_STREAM_PROGRESS, device %d)", device);
   else
     ACL_CHECK(a->rt.aclrtCreateEvent(e), GCA_ERR_BACKEND, "aclrtCreateEvent (device %d)", device);
   return GCA_OK;
@@ -318,10 +336,32 @@ static void acl_event_drop(acl_t *a, int device, aclrtEvent e) {
   pthread_mutex_unlock(&d->event_lock);
 }
 
+static bool acl_event_complete(acl_t *a, aclrtEvent e);
+
+/* Put an event the core let go into the free list (or destroy it when the
+ * list is full). With event_lock held and the device current. */
+static void acl_event_recycle(acl_t *a, acl_device_t *d, aclrtEvent e) {
+  if (d->event_count < EVENT_CACHE) d->events[d->event_count++] = e;
+  else gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)e, ACL_EVENTS);
+}
+
+/* Recycle the waited events let go whose waits are over. With event_lock
+ * held and the device current. */
+static void acl_events_sweep(acl_t *a, acl_device_t *d) {
+  size_t kept = 0;
+  for (size_t i = 0; i < d->waited_count; i++) {
+    struct waited_event w = d->waited[i];
+    if (w.released && acl_event_complete(a, w.event)) acl_event_recycle(a, d, w.event);
+    else d->waited[kept++] = w;
+  }
+  d->waited_count = kept;
+}
+
 static int acl_event_record_here(acl_t *a, int device, gca_stream_t stream, uintptr_t *event) {
   acl_device_t *d = &a->devices[device];
   aclrtEvent e = NULL;
   pthread_mutex_lock(&d->event_lock);
+  if (d->waited_count) acl_events_sweep(a, d);
   if (d->event_count) e = d->events[--d->event_count];
   pthread_mutex_unlock(&d->event_lock);
   int rc;
@@ -352,6 +392,12 @@ static int acl_event_query_here(acl_t *a, int device, uintptr_t event) {
   return status == ACL_EVENT_STATUS_COMPLETE ? GCA_OK : BACKEND_NOT_READY;
 }
 
+static bool acl_event_complete(acl_t *a, aclrtEvent e) {
+  int rc = acl_event_query_here(a, -1, (uintptr_t)e);
+  if (rc < 0) gca__clear_error();
+  return rc == GCA_OK;
+}
+
 static int acl_event_query(void *state, int device, uintptr_t event) {
   acl_t *a = state;
   ON_DEVICE(a, device, acl_event_query_here(a, device, event));
@@ -367,24 +413,63 @@ static int acl_event_synchronize(void *state, int device, uintptr_t event) {
   ON_DEVICE(a, device, acl_event_synchronize_here(a, device, event));
 }
 
+/* The waited entry of e, or NULL. With event_lock held. */
+static struct waited_event *acl_waited(acl_device_t *d, aclrtEvent e) {
+  for (size_t i = 0; i < d->waited_count; i++)
+    if (d->waited[i].event == e) return &d->waited[i];
+  return NULL;
+}
+
 static void acl_event_destroy(void *state, int device, uintptr_t event) {
   acl_t *a = state;
   acl_device_t *d = &a->devices[device];
+  aclrtEvent e = (aclrtEvent)event;
   pthread_mutex_lock(&d->event_lock);
-  bool kept = d->event_count < EVENT_CACHE;
-  if (kept) d->events[d->event_count++] = (aclrtEvent)event;
+  struct waited_event *w = d->waited_count ? acl_waited(d, e) : NULL;
+  bool easy = !w && d->event_count < EVENT_CACHE;
+  if (easy) d->events[d->event_count++] = e;
   pthread_mutex_unlock(&d->event_lock);
   acl_guard_t g;
-  if (!kept && acl_enter(a, device, &g) == GCA_OK) {
-    acl_event_drop(a, device, (aclrtEvent)event);
-    acl_leave(a, &g);
+  if (easy || acl_enter(a, device, &g) != GCA_OK) return;
+  pthread_mutex_lock(&d->event_lock);
+  if (w) {
+    w->released = true; /* (recycled by the sweep once its waits are over) */
+    acl_events_sweep(a, d);
+  } else {
+    acl_event_recycle(a, d, e);
   }
+  pthread_mutex_unlock(&d->event_lock);
+  acl_leave(a, &g);
 }
 
 static int acl_stream_wait_event_here(acl_t *a, int device, gca_stream_t stream, uintptr_t event) {
-  ACL_CHECK(a->rt.aclrtStreamWaitEvent((aclrtStream)stream, (aclrtEvent)event), GCA_ERR_INVALID,
-        "aclrtStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  acl_device_t *d = &a->devices[device];
+  pthread_mutex_lock(&d->event_lock);
+  bool known = acl_waited(d, (aclrtEvent)event) != NULL;
+  if (!known && d->waited_count == d->waited_cap) {
+    struct waited_event *grown = gca__grow_array(d->waited, &d->waited_cap, sizeof *grown, 16);
+    if (!grown) {
+      pthread_mutex_unlock(&d->event_lock);
+      return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory recording a stream wait");
+    }
+    d->waited = grown;
+  }
+  aclError r = a->rt.aclrtStreamWaitEvent((aclrtStream)stream, (aclrtEvent)event);
+  if (r == ACL_SUCCESS && !known) d->waited[d->waited_count++] = (struct waited_event){(aclrtEvent)event, false};
+  pthread_mutex_unlock(&d->event_lock);
+  if (r != ACL_SUCCESS)
+    return acl_error(r, GCA_ERR_INVALID, "aclrtStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
   return GCA_OK;
+}
+
+static int acl_device_synchronize_here(acl_t *a, int device) {
+  ACL_CHECK(a->rt.aclrtSynchronizeDevice(), GCA_ERR_BACKEND, "aclrtSynchronizeDevice (device %d)", device);
+  return GCA_OK;
+}
+
+static int acl_device_synchronize(void *state, int device) {
+  acl_t *a = state;
+  ON_DEVICE(a, device, acl_device_synchronize_here(a, device));
 }
 
 static int acl_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
@@ -686,7 +771,13 @@ static void acl_destroy(void *state) {
   for (int i = 0; i < a->device_count; i++) {
     acl_device_t *d = &a->devices[i];
     acl_guard_t g;
-    if ((d->event_count || d->refused_events.count) && acl_enter(a, i, &g) == GCA_OK) {
+    if ((d->event_count || d->refused_events.count || d->waited_count) && acl_enter(a, i, &g) == GCA_OK) {
+      for (size_t k = 0; k < d->waited_count; k++) /* (a wait still pending ends first) */
+        if (d->waited[k].released) {
+          (void)a->rt.aclrtSynchronizeEvent(d->waited[k].event);
+          gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)d->waited[k].event,
+                                    ACL_EVENTS);
+        }
       for (size_t k = 0; k < d->event_count; k++)
         gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)d->events[k], ACL_EVENTS);
       gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, false, ACL_EVENTS);
@@ -696,6 +787,7 @@ static void acl_destroy(void *state) {
     pthread_mutex_destroy(&d->event_lock);
     pthread_mutex_destroy(&d->vm_lock);
     free(d->mappings);
+    free(d->waited);
   }
   /* Neither aclFinalize nor aclrtResetDevice: the framework beside us may
    * still use the runtime. */
@@ -715,6 +807,7 @@ static const backend_ops_t acl_ops = {
     .event_destroy = acl_event_destroy,
     .stream_wait_event = acl_stream_wait_event,
     .stream_synchronize = acl_stream_synchronize,
+    .device_synchronize = acl_device_synchronize,
     .vm_granularity = acl_vm_granularity,
     .vm_reserve = acl_vm_reserve,
     .vm_unreserve = acl_vm_unreserve,
@@ -755,6 +848,25 @@ static int acl_load_runtime(const char *path, runtime_t *rt) {
 }
 
 
+/* aclInit once per process: a framework that initializes after us gets
+ * ACL_ERROR_REPEAT_INITIALIZE and its configuration file is not read, so
+ * the drop-in opens gcalloc at the first allocation, after torch_npu's own
+ * aclInit (docs/acl.md). REPEAT_INITIALIZE here means a framework was first. */
+static pthread_mutex_t acl_init_lock = PTHREAD_MUTEX_INITIALIZER;
+static void *acl_initialized; /* the runtime's handle once initialized */
+
+static aclError acl_init_once(const runtime_t *rt) {
+  pthread_mutex_lock(&acl_init_lock);
+  aclError r = ACL_SUCCESS;
+  if (acl_initialized != rt->handle) {
+    r = rt->aclInit(NULL);
+    if (r == ACL_ERROR_REPEAT_INITIALIZE) r = ACL_SUCCESS;
+    if (r == ACL_SUCCESS) acl_initialized = rt->handle;
+  }
+  pthread_mutex_unlock(&acl_init_lock);
+  return r;
+}
+
 int gca__acl_backend_create(const char *options, backend_t *out) {
   char path[512];
   int rc = gca__backend_library_path("acl", options, "library", "GCALLOC_ACL_LIBRARY", "libascendcl.so", path,
@@ -768,17 +880,17 @@ int gca__acl_backend_create(const char *options, backend_t *out) {
     if (rt.handle) dlclose(rt.handle);
     return rc;
   }
-  aclError r = rt.aclInit(NULL);
+  aclError r = acl_init_once(&rt);
   uint32_t count = 0;
-  if (r == ACL_ERROR_REPEAT_INITIALIZE) r = ACL_SUCCESS; /* a framework initialized it first */
-  if (r != ACL_SUCCESS) {
-    rc = acl_error(r, GCA_ERR_BACKEND, "aclInit (runtime %s)", path);
-  } else if ((r = rt.aclrtGetDeviceCount(&count)) != ACL_SUCCESS) {
-    rc = acl_error(r, GCA_ERR_BACKEND, "aclrtGetDeviceCount (runtime %s)", path);
-  } else if (count == 0 || count > 1024) {
+  if (r == ACL_SUCCESS && (r = rt.aclrtGetDeviceCount(&count)) == ACL_ERROR_UNINITIALIZE) {
+    /* (the runtime was unloaded and loaded again since it was initialized) */
+    if ((r = rt.aclInit(NULL)) == ACL_SUCCESS) r = rt.aclrtGetDeviceCount(&count);
+  }
+  if (r != ACL_SUCCESS)
+    rc = acl_error(r, GCA_ERR_BACKEND, "aclInit/aclrtGetDeviceCount (runtime %s)", path);
+  else if (count == 0 || count > 1024)
     rc = gca__set_error(GCA_ERR_BACKEND, "acl backend: the runtime %s sees %s", path,
                         count ? "more than 1024 devices" : "no NPU");
-  }
   if (rc) {
     dlclose(rt.handle);
     return rc;

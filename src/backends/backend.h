@@ -63,6 +63,9 @@ typedef struct backend_ops {
   int (*stream_wait_event)(void *state, int device, gca_stream_t stream, uintptr_t event);
   /* Block the host until all work queued on `stream` has completed. */
   int (*stream_synchronize)(void *state, int device, gca_stream_t stream);
+  /* Block the host until all work queued on the device, on any stream, has
+   * completed (may be NULL: the core then relies on its events alone). */
+  int (*device_synchronize)(void *state, int device);
   /* Copies between device memory and (pinned) host memory, queued on
    * `stream` after its earlier work; they are done when the stream is
    * (stream_synchronize). NULL: not offered (pausing a pool with a host

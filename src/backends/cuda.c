@@ -115,6 +115,7 @@ typedef struct CUmemAccessDesc {
   X(cuEventDestroy, "cuEventDestroy_v2", 1, (CUevent event))                                                \
   X(cuStreamWaitEvent, "cuStreamWaitEvent", 1, (CUstream stream, CUevent event, unsigned flags))            \
   X(cuStreamSynchronize, "cuStreamSynchronize", 1, (CUstream stream))                                       \
+  X(cuCtxSynchronize, "cuCtxSynchronize", 1, (void))                                                         \
   X(cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", 0, (int *mode))                 \
   X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0, (void *dst, CUdeviceptr src, size_t bytes, CUstream stream)) \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \
@@ -163,7 +164,11 @@ typedef struct vm_mapping {
 
 typedef struct cuda_device {
   CUdevice dev;
-  CUcontext ctx;
+  /* The primary context, retained at the device's first use (retaining it
+   * makes it, with its memory on the device: a device nobody uses is left
+   * alone), under ctx_lock. */
+  CUcontext _Atomic ctx;
+  pthread_mutex_t ctx_lock;
   bool retained;
   bool vm;                   /* virtual memory offered */
   size_t granularity;
@@ -216,14 +221,67 @@ GCA_PRINTF(4, 5) static int driver_error(const cuda_t *c, CUresult r, int invali
     if (r_ != CUDA_SUCCESS) return driver_error(c, r_, invalid, __VA_ARGS__); \
   } while (0)
 
-/* Make the device's primary context current on this thread. */
-static int enter(cuda_t *c, int device) {
-  CUcontext cur = NULL;
+/* The device's primary context, retained at its first use. */
+static int primary_context(cuda_t *c, int device, CUcontext *out) {
   cuda_device_t *d = &c->devices[device];
-  if (c->drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == d->ctx) return GCA_OK;
-  CHECK(c, c->drv.cuCtxSetCurrent(d->ctx), GCA_ERR_BACKEND, "cuCtxSetCurrent (device %d)", device);
+  CUcontext ctx = atomic_load_explicit(&d->ctx, memory_order_acquire);
+  if (!ctx) {
+    pthread_mutex_lock(&d->ctx_lock);
+    ctx = atomic_load_explicit(&d->ctx, memory_order_relaxed);
+    CUresult r = CUDA_SUCCESS;
+    if (!ctx && (r = c->drv.cuDevicePrimaryCtxRetain(&ctx, d->dev)) == CUDA_SUCCESS) {
+      d->retained = true;
+      atomic_store_explicit(&d->ctx, ctx, memory_order_release);
+    }
+    pthread_mutex_unlock(&d->ctx_lock);
+    if (r != CUDA_SUCCESS) return driver_error(c, r, GCA_ERR_BACKEND, "cuDevicePrimaryCtxRetain (device %d)", device);
+  }
+  *out = ctx;
   return GCA_OK;
 }
+
+/* The calling thread's context before a call, given back after it, as
+ * PyTorch's device guard does: a framework keeps its own idea of the
+ * thread's device, and the thread's context is its to choose. */
+typedef struct guard {
+  cuda_t *c;
+  CUcontext saved;
+  bool switched;
+} guard_t;
+
+/* ANY_CONTEXT: the thread's context, whichever device it is on (portable
+ * host memory needs one), else device 0's primary context. */
+#define ANY_CONTEXT (-1)
+static int enter(guard_t *g, int device) {
+  cuda_t *c = g->c;
+  CUcontext cur = NULL, ctx = NULL;
+  if (c->drv.cuCtxGetCurrent(&cur) != CUDA_SUCCESS) cur = NULL;
+  g->saved = cur;
+  if (device == ANY_CONTEXT) {
+    if (cur) return GCA_OK;
+    device = 0;
+  }
+  int rc = primary_context(c, device, &ctx);
+  if (rc || cur == ctx) return rc;
+  CHECK(c, c->drv.cuCtxSetCurrent(ctx), GCA_ERR_BACKEND, "cuCtxSetCurrent (device %d)", device);
+  g->switched = true;
+  return GCA_OK;
+}
+
+static void leave(guard_t *g) {
+  if (g->switched) (void)g->c->drv.cuCtxSetCurrent(g->saved);
+  g->switched = false;
+}
+
+/* Make `device`'s primary context current for the rest of the calling
+ * function, and put the thread's own back however the function returns
+ * (the cleanup attribute, gcc and clang); return the failure if it cannot. */
+#define IN_CONTEXT(c, device)                                            \
+  guard_t guard_ __attribute__((cleanup(leave))) = {(c), NULL, false}; \
+  do {                                                                  \
+    int rc_ = enter(&guard_, (device));                                 \
+    if (rc_) return rc_;                                                \
+  } while (0)
 
 /* ---- the backend operations -------------------------------------------- */
 
@@ -247,8 +305,7 @@ static void unrelax(cuda_t *c, int mode) {
 
 static int cuda_malloc(void *state, int device, size_t size, uintptr_t *addr) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CUdeviceptr p = 0;
   int mode = relax(c);
   CUresult r = c->drv.cuMemAlloc(&p, size);
@@ -260,8 +317,7 @@ static int cuda_malloc(void *state, int device, size_t size, uintptr_t *addr) {
 
 static int cuda_free(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   /* Any refusal, an invalid value too, leaves the memory the driver's as far
    * as anyone can tell: the core keeps the segment, to offer again. */
   CHECK(c, c->drv.cuMemFree((CUdeviceptr)addr), GCA_ERR_BACKEND, "cuMemFree_v2 (0x%" PRIxPTR ", %zu bytes, device %d)",
@@ -271,8 +327,7 @@ static int cuda_free(void *state, int device, uintptr_t addr, size_t size) {
 
 static int cuda_mem_get_info(void *state, int device, size_t *free_bytes, size_t *total_bytes) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuMemGetInfo(free_bytes, total_bytes), GCA_ERR_BACKEND, "cuMemGetInfo_v2 (device %d)", device);
   return GCA_OK;
 }
@@ -293,8 +348,7 @@ static void event_drop(cuda_t *c, int device, CUevent e) {
 static int cuda_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CUevent e = NULL;
   pthread_mutex_lock(&d->event_lock);
   if (d->event_count) e = d->events[--d->event_count];
@@ -311,8 +365,7 @@ static int cuda_event_record(void *state, int device, gca_stream_t stream, uintp
 
 static int cuda_event_query(void *state, int device, uintptr_t event) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CUresult r = c->drv.cuEventQuery((CUevent)event);
   if (r == CUDA_ERROR_NOT_READY) return BACKEND_NOT_READY;
   if (r != CUDA_SUCCESS) return driver_error(c, r, GCA_ERR_INVALID, "cuEventQuery (device %d)", device);
@@ -321,8 +374,7 @@ static int cuda_event_query(void *state, int device, uintptr_t event) {
 
 static int cuda_event_synchronize(void *state, int device, uintptr_t event) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuEventSynchronize((CUevent)event), GCA_ERR_INVALID, "cuEventSynchronize (device %d)", device);
   return GCA_OK;
 }
@@ -335,13 +387,15 @@ static void cuda_event_destroy(void *state, int device, uintptr_t event) {
   if (kept) d->events[d->event_count++] = (CUevent)event;
   pthread_mutex_unlock(&d->event_lock);
   /* A recorded event may be destroyed before it completes: the driver frees it then. */
-  if (!kept && enter(c, device) == GCA_OK) event_drop(c, device, (CUevent)event);
+  if (kept) return;
+  guard_t g = {c, NULL, false};
+  if (enter(&g, device) == GCA_OK) event_drop(c, device, (CUevent)event);
+  leave(&g);
 }
 
 static int cuda_stream_wait_event(void *state, int device, gca_stream_t stream, uintptr_t event) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0), GCA_ERR_INVALID,
         "cuStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
   return GCA_OK;
@@ -349,18 +403,23 @@ static int cuda_stream_wait_event(void *state, int device, gca_stream_t stream, 
 
 static int cuda_stream_synchronize(void *state, int device, gca_stream_t stream) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuStreamSynchronize((CUstream)stream), GCA_ERR_INVALID,
         "cuStreamSynchronize (stream 0x%" PRIxPTR ", device %d)", stream, device);
+  return GCA_OK;
+}
+
+static int cuda_device_synchronize(void *state, int device) {
+  cuda_t *c = state;
+  IN_CONTEXT(c, device);
+  CHECK(c, c->drv.cuCtxSynchronize(), GCA_ERR_BACKEND, "cuCtxSynchronize (device %d)", device);
   return GCA_OK;
 }
 
 static int cuda_copy_to_host(void *state, int device, gca_stream_t stream, void *dst, uintptr_t src, size_t size) {
   cuda_t *c = state;
   if (!c->drv.cuMemcpyDtoHAsync) return gca__set_error(GCA_ERR_BACKEND, "cuda backend: the driver has no cuMemcpyDtoHAsync_v2");
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuMemcpyDtoHAsync(dst, (CUdeviceptr)src, size, (CUstream)stream), GCA_ERR_BACKEND,
         "cuMemcpyDtoHAsync (%zu bytes from 0x%" PRIxPTR ", device %d)", size, src, device);
   return GCA_OK;
@@ -370,8 +429,7 @@ static int cuda_copy_to_device(void *state, int device, gca_stream_t stream, uin
                                size_t size) {
   cuda_t *c = state;
   if (!c->drv.cuMemcpyHtoDAsync) return gca__set_error(GCA_ERR_BACKEND, "cuda backend: the driver has no cuMemcpyHtoDAsync_v2");
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuMemcpyHtoDAsync((CUdeviceptr)dst, src, size, (CUstream)stream), GCA_ERR_BACKEND,
         "cuMemcpyHtoDAsync (%zu bytes to 0x%" PRIxPTR ", device %d)", size, dst, device);
   return GCA_OK;
@@ -402,8 +460,7 @@ static int cuda_vm_granularity(void *state, int device, size_t *granularity) {
 static int cuda_vm_reserve(void *state, int device, size_t size, uintptr_t *addr) {
   cuda_t *c = state;
   if (!c->devices[device].vm) return no_virtual_memory(device);
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CUdeviceptr p = 0;
   int mode = relax(c);
   CUresult r = c->drv.cuMemAddressReserve(&p, size, 0, 0, 0);
@@ -415,8 +472,7 @@ static int cuda_vm_reserve(void *state, int device, size_t size, uintptr_t *addr
 
 static int cuda_vm_unreserve(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuMemAddressFree((CUdeviceptr)addr, size), GCA_ERR_INVALID,
         "cuMemAddressFree (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   return GCA_OK;
@@ -424,8 +480,7 @@ static int cuda_vm_unreserve(void *state, int device, uintptr_t addr, size_t siz
 
 static int cuda_vm_create(void *state, int device, size_t size, uintptr_t *handle) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CUmemAllocationProp prop = device_memory(device);
   CUmemGenericAllocationHandle h = 0;
   int mode = relax(c);
@@ -438,8 +493,7 @@ static int cuda_vm_create(void *state, int device, size_t size, uintptr_t *handl
 
 static int cuda_vm_destroy(void *state, int device, uintptr_t handle) {
   cuda_t *c = state;
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuMemRelease((CUmemGenericAllocationHandle)handle), GCA_ERR_INVALID, "cuMemRelease (device %d)",
         device);
   return GCA_OK;
@@ -459,8 +513,7 @@ static size_t access_list(const cuda_t *c, int device, CUmemAccessDesc *out) {
 static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uintptr_t handle) {
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   pthread_mutex_lock(&d->vm_lock);
   if (d->mapping_count == d->mapping_cap) {
     vm_mapping_t *grown = gca__grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
@@ -495,8 +548,7 @@ static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uin
 static int cuda_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   pthread_mutex_lock(&d->vm_lock);
   CUresult r = c->drv.cuMemUnmap((CUdeviceptr)addr, size);
   if (r == CUDA_SUCCESS) {
@@ -582,9 +634,11 @@ static int cuda_enable_peer_access(void *state, int device, int peer) {
   if (!c->drv.cuCtxEnablePeerAccess) return missing("cuCtxEnablePeerAccess");
   if (device >= MAX_PEERS)
     return gca__set_error(GCA_ERR_INVALID, "cuda backend: peer access for device %d: at most %d devices", device, MAX_PEERS);
-  int rc = enter(c, device);
+  CUcontext peer_ctx = NULL;
+  int rc = primary_context(c, peer, &peer_ctx);
   if (rc) return rc;
-  CHECK(c, c->drv.cuCtxEnablePeerAccess(c->devices[peer].ctx, 0), GCA_ERR_INVALID,
+  IN_CONTEXT(c, device);
+  CHECK(c, c->drv.cuCtxEnablePeerAccess(peer_ctx, 0), GCA_ERR_INVALID,
         "cuCtxEnablePeerAccess (device %d, peer %d)", device, peer);
   cuda_device_t *p = &c->devices[peer];
   char why[512];
@@ -599,16 +653,18 @@ static int cuda_enable_peer_access(void *state, int device, int peer) {
   }
   pthread_mutex_unlock(&p->vm_lock);
   if (rc == GCA_OK) return GCA_OK;
-  if (enter(c, device) == GCA_OK) c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx);
+  c->drv.cuCtxDisablePeerAccess(peer_ctx); /* (the device's context is still current) */
   return gca__set_error(rc, "%s; peer access not enabled", why);
 }
 
 static int cuda_disable_peer_access(void *state, int device, int peer) {
   cuda_t *c = state;
   if (!c->drv.cuCtxDisablePeerAccess) return missing("cuCtxDisablePeerAccess");
-  int rc = enter(c, device);
+  CUcontext peer_ctx = NULL;
+  int rc = primary_context(c, peer, &peer_ctx);
   if (rc) return rc;
-  CHECK(c, c->drv.cuCtxDisablePeerAccess(c->devices[peer].ctx), GCA_ERR_INVALID,
+  IN_CONTEXT(c, device);
+  CHECK(c, c->drv.cuCtxDisablePeerAccess(peer_ctx), GCA_ERR_INVALID,
         "cuCtxDisablePeerAccess (device %d, peer %d)", device, peer);
   cuda_device_t *p = &c->devices[peer];
   pthread_mutex_lock(&p->vm_lock);
@@ -621,8 +677,7 @@ static int cuda_disable_peer_access(void *state, int device, int peer) {
 static int cuda_stream_priority_range(void *state, int device, int *least, int *greatest) {
   cuda_t *c = state;
   if (!c->drv.cuCtxGetStreamPriorityRange) return missing("cuCtxGetStreamPriorityRange");
-  int rc = enter(c, device);
-  if (rc) return rc;
+  IN_CONTEXT(c, device);
   CHECK(c, c->drv.cuCtxGetStreamPriorityRange(least, greatest), GCA_ERR_BACKEND,
         "cuCtxGetStreamPriorityRange (device %d)", device);
   return GCA_OK;
@@ -633,8 +688,7 @@ static int cuda_stream_priority_range(void *state, int device, int *least, int *
 static int cuda_host_alloc(void *state, size_t size, void **ptr) {
   cuda_t *c = state;
   if (!c->drv.cuMemHostAlloc) return missing("cuMemHostAlloc");
-  int rc = enter(c, 0);
-  if (rc) return rc;
+  IN_CONTEXT(c, ANY_CONTEXT);
   CHECK(c, c->drv.cuMemHostAlloc(ptr, size, CU_MEMHOSTALLOC_PORTABLE), GCA_ERR_INVALID, "cuMemHostAlloc (%zu bytes)",
         size);
   return GCA_OK;
@@ -643,8 +697,7 @@ static int cuda_host_alloc(void *state, size_t size, void **ptr) {
 static int cuda_host_free(void *state, void *ptr) {
   cuda_t *c = state;
   if (!c->drv.cuMemFreeHost) return missing("cuMemFreeHost");
-  int rc = enter(c, 0);
-  if (rc) return rc;
+  IN_CONTEXT(c, ANY_CONTEXT);
   CHECK(c, c->drv.cuMemFreeHost(ptr), GCA_ERR_BAD_POINTER, "cuMemFreeHost (%p)", ptr);
   return GCA_OK;
 }
@@ -654,8 +707,7 @@ static int cuda_host_free(void *state, void *ptr) {
 static int cuda_host_register(void *state, void *ptr, size_t size) {
   cuda_t *c = state;
   if (!c->drv.cuMemHostRegister) return missing("cuMemHostRegister_v2");
-  int rc = enter(c, 0);
-  if (rc) return rc;
+  IN_CONTEXT(c, ANY_CONTEXT);
   CHECK(c, c->drv.cuMemHostRegister(ptr, size, CU_MEMHOSTREGISTER_PORTABLE), GCA_ERR_INVALID,
         "cuMemHostRegister (%p, %zu bytes)", ptr, size);
   return GCA_OK;
@@ -664,8 +716,7 @@ static int cuda_host_register(void *state, void *ptr, size_t size) {
 static int cuda_host_unregister(void *state, void *ptr) {
   cuda_t *c = state;
   if (!c->drv.cuMemHostUnregister) return missing("cuMemHostUnregister");
-  int rc = enter(c, 0);
-  if (rc) return rc;
+  IN_CONTEXT(c, ANY_CONTEXT);
   CHECK(c, c->drv.cuMemHostUnregister(ptr), GCA_ERR_BAD_POINTER, "cuMemHostUnregister (%p)", ptr);
   return GCA_OK;
 }
@@ -675,8 +726,7 @@ static int cuda_host_is_pinned(void *state, const void *ptr, int *pinned) {
   cuda_t *c = state;
   *pinned = 0;
   if (!c->drv.cuPointerGetAttribute) return missing("cuPointerGetAttribute");
-  int rc = enter(c, 0);
-  if (rc) return rc;
+  IN_CONTEXT(c, ANY_CONTEXT);
   unsigned type = 0;
   CUresult r = c->drv.cuPointerGetAttribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)ptr);
   /* Memory the driver never saw is an invalid value to it: not pinned. */
@@ -693,14 +743,17 @@ static void cuda_destroy(void *state) {
   if (!c) return;
   for (int i = 0; i < c->device_count; i++) {
     cuda_device_t *d = &c->devices[i];
-    if ((d->event_count || d->refused_events.count) && enter(c, i) == GCA_OK) {
+    guard_t g = {c, NULL, false};
+    if ((d->event_count || d->refused_events.count) && enter(&g, i) == GCA_OK) {
       for (size_t k = 0; k < d->event_count; k++)
         gca__kept_handles_destroy(&d->refused_events, destroy_one_event, c, (uintptr_t)d->events[k], CUDA_EVENTS);
       gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, false, CUDA_EVENTS);
     }
+    leave(&g);
     gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, true, CUDA_EVENTS);
     pthread_mutex_destroy(&d->event_lock);
     pthread_mutex_destroy(&d->vm_lock);
+    pthread_mutex_destroy(&d->ctx_lock);
     free(d->mappings);
     if (d->retained) c->drv.cuDevicePrimaryCtxRelease(d->dev);
   }
@@ -720,6 +773,7 @@ static const backend_ops_t cuda_ops = {
     .event_destroy = cuda_event_destroy,
     .stream_wait_event = cuda_stream_wait_event,
     .stream_synchronize = cuda_stream_synchronize,
+    .device_synchronize = cuda_device_synchronize,
     .copy_to_host = cuda_copy_to_host,
     .copy_to_device = cuda_copy_to_device,
     .vm_granularity = cuda_vm_granularity,
@@ -815,15 +869,15 @@ int gca__cuda_backend_create(const char *options, backend_t *out) {
     cuda_device_t *d = &c->devices[i];
     pthread_mutex_init(&d->event_lock, NULL);
     pthread_mutex_init(&d->vm_lock, NULL);
+    pthread_mutex_init(&d->ctx_lock, NULL);
+    atomic_init(&d->ctx, NULL);
     c->device_count = i + 1;
-    if ((r = drv.cuDeviceGet(&d->dev, i)) != CUDA_SUCCESS ||
-        (r = drv.cuDevicePrimaryCtxRetain(&d->ctx, d->dev)) != CUDA_SUCCESS) {
-      rc = driver_error(c, r, GCA_ERR_BACKEND, "cuDeviceGet/cuDevicePrimaryCtxRetain (device %d)", i);
+    if ((r = drv.cuDeviceGet(&d->dev, i)) != CUDA_SUCCESS) {
+      rc = driver_error(c, r, GCA_ERR_BACKEND, "cuDeviceGet (device %d)", i);
       cuda_destroy(c);
       return rc;
     }
-    d->retained = true;
-    probe_virtual_memory(c, i);
+    probe_virtual_memory(c, i); /* (attributes: no context is made) */
   }
   out->ops = &cuda_ops;
   out->state = c;

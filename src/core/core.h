@@ -258,6 +258,14 @@ struct device {
     char absorbed_message[256]; /* the backend's message for the last of them (note_absorbed) */
   } ev;
   bool launch_blocking;      /* every free completes before gca_free returns */
+  bool no_caching;           /* every free releases the cache (gca_no_caching) */
+  /* The framework's host queue (gca_set_queue_drain): emptied before a
+   * release when `owed`, i.e. a block was freed since it last was. */
+  struct {
+    gca_queue_drain_fn fn;
+    void *user;
+    bool owed;
+  } drain;
   /* Observers: the history (history.c), and the replay's segment observer,
    * told of every segment the device gives (alloc true) or takes back
    * (inspect.h). NULL otherwise: the device-call paths pay one branch. */
@@ -273,6 +281,7 @@ struct device {
   /* Virtual memory of the backend (expandable.c): asked once. */
   struct {
     int state;               /* 0 not asked, 1 available, -1 not (expandable segments fall back) */
+    bool unwarned;           /* found unavailable with expandable segments asked for: not said yet */
     size_t granularity;
     uint64_t pages_mapped;   /* expandable pages mapped so far (moves included) */
     uint64_t pages_unmapped; /* ... and unmapped */
@@ -280,6 +289,7 @@ struct device {
   /* The per-process memory fraction: reserved bytes may not pass `allowed`. */
   struct {
     bool set;
+    bool pending;            /* set at open: `allowed` asked of the device at its first use */
     double fraction;
     size_t allowed;
   } limit;
@@ -324,6 +334,18 @@ void gca__device_process_events(device_t *d);
 /* With the lock held: limit what the device may reserve to fraction x its
  * total memory (PyTorch's set_per_process_memory_fraction). */
 int gca__device_set_fraction_locked(device_t *d, double fraction);
+/* Whether a fraction limits the device, its `allowed` asked of the device
+ * first if it was set at open (a device nobody uses is never asked). */
+void gca__device_limit_resolve(device_t *d);
+static inline bool limit_on(device_t *d) {
+  if (!d->limit.set) return false;
+  if (unlikely(d->limit.pending)) gca__device_limit_resolve(d);
+  return true;
+}
+/* With the lock held: empty the framework's queue before device memory goes
+ * back (`always`: even if nothing was freed since, for a pause, whose live
+ * blocks may have queued work). */
+void gca__device_drain(device_t *d, bool always);
 int gca__device_check_locked(device_t *d);
 
 /* segment.c: with the lock held. */
@@ -471,7 +493,8 @@ struct gca_allocator {
   device_t *devices;
   pthread_mutex_t config_lock; /* serializes gca_set_config */
   config_t config;             /* the master copy; devices hold copies */
-  bool launch_blocking;        /* GCALLOC_/CUDA_/ACL_LAUNCH_BLOCKING at open */
+  bool launch_blocking;        /* GCALLOC_/CUDA_/ASCEND_LAUNCH_BLOCKING at open */
+  bool no_caching;             /* PYTORCH_NO_CUDA/NPU_MEMORY_CACHING at open */
   int id;                      /* the allocator's number in the trace file */
   pthread_mutex_t callbacks_lock;
   callback_list_t callbacks[CB_KINDS];

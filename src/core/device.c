@@ -75,12 +75,16 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   atomic_init(&d->span_lo, UINTPTR_MAX);
   atomic_init(&d->span_hi, 0);
   atomic_init(&d->waiters, 0);
-  if (cfg->memory_fraction_set) (void)gca__device_set_fraction_locked(d, cfg->memory_fraction);
-  /* With expandable segments asked for, the backend is asked now, so that
-   * its answer can be logged outside any lock; else at the device's first
-   * use of virtual memory (a backend may have to make the device current
-   * to answer: a device nobody uses is left alone). */
-  if (cfg->expandable_segments) (void)gca__expandable_available(d);
+  d->no_caching = owner->no_caching;
+  /* Nothing here asks the device anything: a backend may have to make the
+   * device current to answer, and a framework's rank on one device must not
+   * find contexts made on all of them (docs/acl.md). The fraction's bytes
+   * and virtual memory are asked at the device's first use of them. */
+  if (cfg->memory_fraction_set) {
+    d->limit.set = d->limit.pending = true;
+    d->limit.fraction = cfg->memory_fraction;
+    d->limit.allowed = SIZE_MAX;
+  }
   if (cfg->ipc_cooperation) join_peers(d);
   return GCA_OK;
 }
@@ -102,9 +106,32 @@ int gca__device_set_fraction_locked(device_t *d, double fraction) {
   int rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
   if (rc) return rc;
   d->limit.set = true;
+  d->limit.pending = false;
   d->limit.fraction = fraction;
   d->limit.allowed = (size_t)(fraction * (double)total);
   return GCA_OK;
+}
+
+void gca__device_limit_resolve(device_t *d) {
+  size_t free_bytes = 0, total = 0;
+  /* A device that cannot say: no limit this time, asked again next time. */
+  if (d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) != GCA_OK) {
+    gca__clear_error();
+    return;
+  }
+  d->limit.pending = false;
+  d->limit.allowed = (size_t)(d->limit.fraction * (double)total);
+}
+
+void gca__device_drain(device_t *d, bool always) {
+  if (!d->drain.fn || (!always && !d->drain.owed)) return;
+  d->drain.owed = false;
+  d->drain.fn(d->index, d->drain.user);
+  /* The queue is empty: now every piece of work is on a stream, and once
+   * the device is synchronized none of it still uses what goes back. */
+  const backend_ops_t *ops = d->backend->ops;
+  if (ops->device_synchronize && ops->device_synchronize(d->backend->state, d->index) != GCA_OK)
+    gca__note_absorbed(d);
 }
 
 void gca__device_destroy(device_t *d) {
@@ -344,6 +371,13 @@ GCA_COLD static void report_absorbed(device_t *d, const absorbed_t *a) {
                      "see num_device_free_failures); the last: %s", d->index, a->fresh, a->last);
 }
 
+/* expandable_segments:True where the device turned out to have no virtual
+ * memory (found at its first segment): said once per device. */
+GCA_COLD static void warn_no_virtual_memory(device_t *d) {
+  gca__log_message(GCA_LOG_WARNING, "expandable_segments:True: device %d of backend %s has no virtual memory; ordinary "
+                   "segments are used instead", d->index, d->backend->ops->name);
+}
+
 /* The miss path, with the lock held; returns the address (0 on failure,
  * with the error set) with the lock released. */
 GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
@@ -360,10 +394,13 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
   if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
   absorbed_t absorbed = take_absorbed(d);
+  bool no_vm = d->vm.unwarned;
+  d->vm.unwarned = false;
   if (b || rc != GCA_ERR_OOM) {
     uintptr_t addr = b ? b->addr : 0;
     lock_release(&d->lock);
     report_absorbed(d, &absorbed);
+    if (unlikely(no_vm)) warn_no_virtual_memory(d);
     return addr;
   }
   d->stats.num_ooms++;
@@ -372,6 +409,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   if (d->obs.recording) gca__history_oom(d, report.size, stream, report.free_bytes);
   lock_release(&d->lock);
   report_absorbed(d, &absorbed);
+  if (unlikely(no_vm)) warn_no_virtual_memory(d);
   gca__oom_notify(d, &report);
   return 0;
 }
@@ -423,9 +461,11 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
   }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   /* One branch for the rare cases: stream uses, a stack, history on. */
+  d->drain.owed = true; /* (work queued on it may wait in the framework's host queue) */
   if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->obs.recording | d->priv.paused) != 0))
     free_slow(d, b);
   else gca__block_give_back(d, b);
+  if (unlikely(d->no_caching) && !d->capture.count) release_cached_blocks(d);
   return GCA_OK;
 }
 

@@ -139,6 +139,7 @@ bool gca__expandable_available(device_t *d) {
               granularity >= MIN_BLOCK_SIZE && (granularity & (granularity - 1)) == 0;
     d->vm.granularity = granularity;
     d->vm.state = ok ? 1 : -1;
+    d->vm.unwarned = !ok && d->config.expandable_segments; /* (said once, outside the lock: malloc_on_miss) */
     if (!ok) gca__clear_error();
   }
   return d->vm.state > 0;
@@ -290,6 +291,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   }
   /* Work queued on the stream may still use these pages through the block
    * freed to the cache; an unmap is not ordered behind it. */
+  gca__device_drain(d, false);
   int rc = gca__events_wait_stream(d, seg->stream);
   if (rc == GCA_OK) rc = VM(d, vm_unmap, at, bytes);
   if (rc == GCA_ERR_CORRUPT) {
@@ -472,7 +474,7 @@ int gca__expandable_resume(device_t *d, segment_t *seg) {
       seg->paused_pages[i++] = 0; /* (not marked, or still mapped: nothing to do) */
       continue;
     }
-    if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->limit.allowed)
+    if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->limit.allowed)
       return gca__set_error(GCA_ERR_OOM, "device %d: %zu more bytes would pass the %zu the process may reserve "
                             "(per_process_memory_fraction %g)", d->index, n * page, d->limit.allowed, d->limit.fraction);
     uintptr_t *handles = malloc(n * sizeof *handles);
@@ -553,7 +555,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   if (d->config.stitching && !d->capture.count && (donors = malloc(n * sizeof *donors)))
     movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
   size_t fresh = n - movable;
-  if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->limit.allowed) {
+  if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->limit.allowed) {
     free(donors);
     return gca__set_error(GCA_ERR_OOM,
                           "device %d: %zu more bytes would pass the %zu the process may reserve "

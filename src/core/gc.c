@@ -21,7 +21,7 @@ static bool whole(const block_t *b) { return !b->prev && !b->next && !b->expanda
 static uint64_t age_of(const pool_t *pool, const block_t *b) { return pool->lookups - b->gc_base; }
 
 void gca__gc_collect(device_t *d) {
-  if (!d->limit.set || d->config.gc_threshold <= 0) return;
+  if (!limit_on(d) || d->config.gc_threshold <= 0) return;
   double threshold = d->config.gc_threshold * (double)d->limit.allowed;
   double reserved = (double)family_current(&d->stats, FAM_RESERVED_BYTES);
   if (reserved <= threshold) return;

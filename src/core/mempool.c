@@ -416,6 +416,7 @@ static int stream_set_add(stream_set_t *set, gca_stream_t s) {
 int gca__mempool_quiesce(device_t *d, mempool_t *mp) {
   stream_set_t set = {0};
   int rc = GCA_OK;
+  gca__device_drain(d, true); /* (live blocks: work on them may still wait in the framework's queue) */
   for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next) {
     if (seg->pool->owner != mp) continue;
     rc = stream_set_add(&set, seg->stream);

@@ -111,7 +111,7 @@ static size_t device_total(device_t *d, size_t *free_bytes) {
 
 bool gca__oom_worth_waiting(device_t *d, size_t rounded) {
   size_t need = gca__segment_size_for(rounded);
-  size_t limit = d->limit.set ? d->limit.allowed : device_total(d, NULL);
+  size_t limit = limit_on(d) ? d->limit.allowed : device_total(d, NULL);
   if (need > limit) return false; /* can never fit: fail now */
   return family_current(&d->stats, FAM_ALLOCATED_BYTES) > 0 || d->ev.pending_blocks > 0 || d->ev.releasing;
 }
@@ -202,7 +202,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   int64_t reserved = family_current(&d->stats, FAM_RESERVED_BYTES);
   int64_t pending = family_current(&d->stats, FAM_PENDING_BYTES);
   report->size = want;
-  report->limit = d->limit.set ? d->limit.allowed : total;
+  report->limit = limit_on(d) ? d->limit.allowed : total;
   report->free_bytes = free_bytes;
 
   char msg[2048];
@@ -210,7 +210,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   /* PyTorch's message, word for word but for the names. */
   gca__text_put(&o, "out of memory. Tried to allocate %s. Device %d has a total capacity of %s of which %s is free. ",
                 bytes(want, b1), d->index, bytes(total, b2), bytes(free_bytes, b3));
-  if (d->limit.set) gca__text_put(&o, "%s allowed; ", bytes(d->limit.allowed, b1));
+  if (limit_on(d)) gca__text_put(&o, "%s allowed; ", bytes(d->limit.allowed, b1));
   gca__text_put(&o, "Of the allocated memory %s is allocated by gcalloc, and %s is reserved by gcalloc but unallocated.",
                 bytes((uint64_t)allocated, b1), bytes((uint64_t)(reserved - allocated), b2));
 
@@ -239,7 +239,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
                   gca__coop_last(d->coop)[0] ? gca__coop_last(d->coop) : "none caches anything");
 
   /* The setting that would help, the likeliest first. */
-  if (d->limit.set && free_bytes >= want && (size_t)reserved + want > d->limit.allowed)
+  if (limit_on(d) && free_bytes >= want && (size_t)reserved + want > d->limit.allowed)
     gca__text_put(&o,
                   " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "
                   "free; raise the fraction.",

@@ -128,7 +128,7 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
     *status = gca__set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
     return NULL;
   }
-  if (d->limit.set && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->limit.allowed) {
+  if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->limit.allowed) {
     /* PyTorch's alloc_block: refused without asking the device. */
     *status = gca__set_error(GCA_ERR_OOM,
                              "device %d: %zu more bytes would pass the %zu the process may reserve "
@@ -165,6 +165,7 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
 
 bool gca__segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
+  gca__device_drain(d, false); /* (before the stream's event is recorded: after the queued work) */
   gca__pool_remove(b->pool, b);
   /* Blocks freed on their own stream came back to the pool at once, while
    * work queued on that stream may still use them (reuse on the stream is
