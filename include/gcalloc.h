@@ -23,6 +23,7 @@
 #ifndef GCALLOC_H
 #define GCALLOC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -254,6 +255,14 @@ GCA_API int gca_free(gca_allocator_t *a, void *ptr);
  * GCA_ERR_BAD_POINTER if `ptr` is not a live allocation, GCA_ERR_NOMEM if the
  * use cannot be recorded (then nothing changed). */
 GCA_API int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream);
+
+/* Forget a use gca_record_stream recorded: the allocation's free no longer
+ * waits for `stream` (torch_npu's eraseStream, which its process groups call
+ * once they have ordered the stream themselves). A stream never recorded:
+ * nothing changes. GCA_ERR_BAD_POINTER for a pointer that is not a live
+ * allocation. A trace file (GCALLOC_TRACE_FILE) has no line for it: when
+ * the free completes, which it changes, is written. */
+GCA_API int gca_erase_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream);
 
 /* Complete the deferred frees whose events have completed, per stream in
  * order (every gca_malloc does this too). device = -1: every device. */
@@ -951,6 +960,32 @@ GCA_API void gca_torch_shutdown(void);
  * for gca_torch_last_failure, as gca_torch_malloc's. */
 GCA_API void *gca_npu_malloc(size_t size, int device, void *stream);
 GCA_API void gca_npu_free(void *ptr, size_t size, int device, void *stream);
+/* Keep `backend` and `config` for the process-wide allocator's open at the
+ * first allocation or hook call, instead of opening now: torch_npu calls
+ * aclInit with its configuration at its lazy initialization, before its
+ * first allocation, and a runtime gcalloc initialized first would refuse it
+ * (ACL_ERROR_REPEAT_INITIALIZE) and skip the configuration file. The
+ * configuration is checked now (GCA_ERR_INVALID names what is wrong). If
+ * the allocator is open already, as gca_torch_init. */
+GCA_API int gca_torch_defer(const char *backend, const char *config);
+/* NPUPluggableAllocator's optional hooks with the C signatures torch_npu's
+ * Module.cpp casts them to (gcalloc.torch_npu.install() passes those the
+ * running torch_npu offers): set_init_fn gca_npu_init (opens the allocator,
+ * warns when the backend has fewer devices), set_reset_fn
+ * gca_npu_empty_cache (torch.npu.empty_cache), set_memory_fraction_fn
+ * gca_torch_set_memory_fraction, set_base_alloc_fn gca_torch_base_alloc,
+ * set_record_stream_fn gca_torch_record_stream (every record_stream, HCCL's
+ * from C++ too), set_erase_stream_fn gca_npu_erase_stream (gca_erase_stream). */
+GCA_API void gca_npu_init(int device_count);
+GCA_API void gca_npu_empty_cache(bool check_error);
+GCA_API void gca_npu_erase_stream(void *ptr, void *stream);
+/* Connect torch_npu's drain of its task queue: the address of
+ * `bool c10_npu::npuSynchronizeDevice(bool check_error)` in libtorch_npu.so
+ * (symbol _ZN7c10_npu20npuSynchronizeDeviceEb), called with false as the
+ * process-wide allocator's gca_set_queue_drain, now or at its open. It takes
+ * no Python lock, so gcalloc's device lock and the GIL cannot deadlock
+ * through it. NULL disconnects it. */
+GCA_API int gca_npu_set_queue_drain(void *npu_synchronize_device);
 
 #ifdef __cplusplus
 }

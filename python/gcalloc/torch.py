@@ -96,19 +96,26 @@ def install(conf=None, backend=None):
     if _installed:
         return
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
-    native = allocator.allocator() if callable(getattr(allocator, "allocator", None)) else None
-    hooks_set = []
-    for method, symbol in HOOKS:
-        setter = getattr(native, method, None)
-        if callable(setter):
-            setter(ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value)
-            hooks_set.append(method)
+    hooks_set = _set_hooks(allocator, HOOKS)
     torch.cuda.memory.change_current_allocator(allocator)
     _hooks[:] = hooks_set
     if "set_record_stream_fn" not in hooks_set:
-        _wrap_record_stream(torch)
-    _route_memory_functions(torch)
+        _wrap_record_stream(torch, lambda t: t.is_cuda, lambda stream: stream.cuda_stream)
+    _routed[:] = _route_memory_functions((torch.cuda.memory, torch.cuda), ROUTED)
     _installed = True
+
+
+def _set_hooks(allocator, hooks):
+    """Pass gcalloc's C function for each of `hooks` ((setter, symbol)) the
+    pluggable allocator's native object has; the setters called."""
+    native = allocator.allocator() if callable(getattr(allocator, "allocator", None)) else None
+    done = []
+    for method, symbol in hooks:
+        setter = getattr(native, method, None)
+        if callable(setter):
+            setter(ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value)
+            done.append(method)
+    return done
 
 
 def _use_torch_oom_error(torch):
@@ -139,7 +146,8 @@ def _history_arguments(enabled, context, stacks, max_entries, kwargs):
     return enabled, context, stacks if stacks in ("python", "all") else "all", max_entries
 
 
-def _route_memory_functions(torch):
+def _route_memory_functions(modules, names):
+    """Answer each of `names` the modules have from gcalloc; the names routed."""
     from . import (dump_snapshot, get_per_process_memory_fraction, max_memory_allocated, max_memory_reserved,
                    mem_get_info, memory_allocated, memory_reserved, memory_snapshot, memory_stats,
                    memory_stats_as_nested_dict, memory_summary, record_memory_history,
@@ -171,8 +179,8 @@ def _route_memory_functions(torch):
         "_dump_snapshot": dump,
     }
     done = []
-    for name in ROUTED:
-        for module in (torch.cuda.memory, torch.cuda):
+    for name in names:
+        for module in modules:
             original = getattr(module, name, None)
             if original is None or getattr(original, "_gcalloc", False):
                 continue
@@ -183,14 +191,15 @@ def _route_memory_functions(torch):
             setattr(module, name, routed_fn)
             if name not in done:
                 done.append(name)
-    _routed[:] = done
+    return done
 
 
-def _wrap_record_stream(torch):
-    """Where the running PyTorch has no record-stream hook:
+def _wrap_record_stream(torch, on_device, handle):
+    """Where the running framework has no record-stream hook:
     Tensor.record_stream(stream) also tells gcalloc, for the storage's block
-    (what gcalloc handed out: the storage's start, not a view's). Callers in
-    PyTorch's C++ (c10d's process groups) are not reached then."""
+    (what gcalloc handed out: the storage's start, not a view's), when
+    on_device(tensor); handle(stream) is the driver's stream. Callers in the
+    framework's C++ (c10d's process groups) are not reached then."""
     original = torch.Tensor.record_stream
     if getattr(original, "_gcalloc", False):
         return
@@ -198,8 +207,8 @@ def _wrap_record_stream(torch):
     def record_stream(self, stream):
         original(self, stream)
         ptr = self.untyped_storage().data_ptr()
-        if self.is_cuda and ptr:
-            _lib.gca_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(stream.cuda_stream))
+        if on_device(self) and ptr:
+            _lib.gca_torch_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(handle(stream)))
 
     record_stream._gcalloc = True
     record_stream.__doc__ = original.__doc__

@@ -3,30 +3,93 @@
     import gcalloc.torch_npu
     gcalloc.torch_npu.install("expandable_segments:True")   # before the first NPU allocation
     ...
-    gcalloc.memory_stats()      # gcalloc's, with torch.npu.memory_stats()'s keys
+    torch.npu.memory_stats()    # gcalloc's, with torch_npu's keys
 
-install() opens gcalloc's process-wide allocator on the "acl" backend
-(gca_torch_init; $GCALLOC_TORCH_BACKEND or `backend` name another) and hands
-its C functions gca_npu_malloc / gca_npu_free, which have the signatures
-torch_npu loads, to torch_npu.npu.memory.NPUPluggableAllocator, then makes
-it the current allocator. torch_npu accepts that only before its allocator
-has been used, and offers no way back. The configuration is read from the
-first set of GCALLOC_ALLOC_CONF, MINDTORCH_NPU_ALLOC_CONF,
-PYTORCH_NPU_ALLOC_CONF, PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF, then
-`conf` on top (docs/acl.md).
+install() hands gcalloc's C functions gca_npu_malloc / gca_npu_free, which
+have the signatures torch_npu loads, to
+torch_npu.npu.memory.NPUPluggableAllocator, passes gcalloc's C function for
+each optional hook the running torch_npu offers (HOOKS: its initialization,
+empty_cache, the memory fraction, base allocations, record_stream and
+erase_stream from Python and from C++, HCCL's included), makes it the
+current allocator, and routes torch_npu's memory functions, which warn and
+answer nothing (memory_stats is undefined behaviour) under a pluggable
+allocator, to gcalloc (ROUTED). torch_npu accepts that only before its
+allocator has been used, and offers no way back.
+
+Three rules of torch_npu's own allocator are kept (docs/acl.md):
+- The allocator opens at the first allocation (or torch_npu's
+  initialization hook), not at install(): torch_npu calls aclInit with its
+  configuration file at its lazy initialization, which a runtime initialized
+  before refuses. The configuration is checked at install().
+- torch_npu's task queue (TASK_QUEUE_ENABLE, on by default) launches
+  operators after their memory was freed: its drain,
+  c10_npu::npuSynchronizeDevice, found in torch_npu's libtorch_npu.so, runs
+  before gcalloc gives memory back. Without it, install() refuses while the
+  queue is on.
+- The configuration is read from the first set of GCALLOC_ALLOC_CONF,
+  MINDTORCH_NPU_ALLOC_CONF, PYTORCH_NPU_ALLOC_CONF, PYTORCH_ALLOC_CONF,
+  PYTORCH_CUDA_ALLOC_CONF, then `conf` on top.
+
+An allocation that fails reaches torch_npu as a NULL pointer: the pluggable
+path has no way to raise torch_npu's OutOfMemoryError. gcalloc logs its
+out-of-memory message as an error and keeps it for last_failure().
 """
 import contextlib
+import ctypes
+import os
 
-from . import GcallocError, _lib, _python_warnings, _text, library_path
+from . import GCA_ERR_INVALID, GcallocError, _lib, _python_warnings, _text, library_path
+from .torch import _route_memory_functions, _set_hooks, _wrap_record_stream
 from .torch import last_failure  # noqa: F401  (the same process-wide allocator)
 
-__all__ = ["install", "using", "installed", "last_failure"]
+__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "queue_drain", "HOOKS", "ROUTED"]
+
+# NPUPluggableAllocator's hooks (torch_npu's Module.cpp casts each address
+# to a C signature) and gcalloc's function for each (include/gcalloc.h).
+HOOKS = (("set_init_fn", "gca_npu_init"),
+         ("set_reset_fn", "gca_npu_empty_cache"),
+         ("set_memory_fraction_fn", "gca_torch_set_memory_fraction"),
+         ("set_base_alloc_fn", "gca_torch_base_alloc"),
+         ("set_record_stream_fn", "gca_torch_record_stream"),
+         ("set_erase_stream_fn", "gca_npu_erase_stream"))
+
+# torch_npu's memory functions that warn "does not yet support" (or are
+# undefined behaviour) under a pluggable allocator, answered by gcalloc, in
+# torch_npu.npu and torch_npu.npu.memory wherever the running torch_npu
+# has them.
+ROUTED = ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+          "memory_reserved", "max_memory_reserved", "memory_cached", "max_memory_cached",
+          "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
+          "reset_accumulated_memory_stats", "memory_summary", "memory_snapshot",
+          "_record_memory_history", "_snapshot", "_dump_snapshot")
+
+# bool c10_npu::npuSynchronizeDevice(bool check_error): empties every stream's
+# task queue, then synchronizes the thread's device (NPUStream.cpp).
+DRAIN_SYMBOL = "_ZN7c10_npu20npuSynchronizeDeviceEb"
 
 _installed = False
+_hooks = []
+_routed = []
+_drain = [None]  # where the drain was found
 
 
 def installed():
     return _installed
+
+
+def hooks():
+    """The pluggable allocator's hooks install() set (the running torch_npu's, of HOOKS)."""
+    return list(_hooks)
+
+
+def routed():
+    """The names in torch_npu.npu and torch_npu.npu.memory install() routed to gcalloc."""
+    return list(_routed)
+
+
+def queue_drain():
+    """The library whose npuSynchronizeDevice install() connected, or None."""
+    return _drain[0]
 
 
 def install(conf=None, backend=None):
@@ -38,20 +101,66 @@ def install(conf=None, backend=None):
     import torch_npu  # only here: the rest of the package works without it
 
     with _python_warnings():
-        rc = _lib.gca_torch_init(_text(backend or _default_backend(), "backend"), _text(conf, "conf"))
+        rc = _lib.gca_torch_defer(_text(backend or _default_backend(), "backend"), _text(conf, "conf"))
     if rc < 0:
         raise GcallocError(rc, _lib.gca_last_error().decode())
     if _installed:
         return
+    drain, where = _find_drain(torch_npu)
+    if drain is None and _task_queue_on():
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch_npu.install: torch_npu's task queue is on "
+                           "(TASK_QUEUE_ENABLE=%s) and its drain, c10_npu::npuSynchronizeDevice, is not in %s: "
+                           "memory could go back to the NPU while queued operators still use it. Set "
+                           "TASK_QUEUE_ENABLE=0 before torch_npu starts, or use a torch_npu that exports it"
+                           % (os.environ.get("TASK_QUEUE_ENABLE", "1 (the default)"), where))
     allocator = torch_npu.npu.memory.NPUPluggableAllocator(library_path, "gca_npu_malloc", "gca_npu_free")
+    hooks_set = _set_hooks(allocator, HOOKS)
     torch_npu.npu.memory.change_current_allocator(allocator)
+    if drain is not None:
+        _lib.gca_npu_set_queue_drain(ctypes.c_void_p(drain))
+        _drain[0] = where
+    _hooks[:] = hooks_set
+    torch = _torch_of(torch_npu)
+    if "set_record_stream_fn" not in hooks_set and torch is not None:
+        _wrap_record_stream(torch, lambda t: getattr(t, "is_npu", False), _npu_stream_handle)
+    modules = [torch_npu.npu.memory, torch_npu.npu]
+    npu = getattr(torch, "npu", None) if torch is not None else None
+    if npu is not None and npu is not torch_npu.npu:
+        modules.append(npu)
+    _routed[:] = _route_memory_functions(modules, ROUTED)
     _installed = True
 
 
 def _default_backend():
-    import os
-
     return os.environ.get("GCALLOC_TORCH_BACKEND") or "acl"
+
+
+def _task_queue_on():
+    return os.environ.get("TASK_QUEUE_ENABLE", "1").strip() not in ("0", "")
+
+
+def _find_drain(torch_npu):
+    """npuSynchronizeDevice's address in torch_npu's libtorch_npu.so, and where it was looked for."""
+    path = os.path.join(os.path.dirname(os.path.abspath(torch_npu.__file__)), "lib", "libtorch_npu.so")
+    try:
+        lib = ctypes.CDLL(path)
+        return ctypes.cast(getattr(lib, DRAIN_SYMBOL), ctypes.c_void_p).value, path
+    except (OSError, AttributeError):
+        return None, path
+
+
+def _torch_of(torch_npu):
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _npu_stream_handle(stream):
+    for name in ("npu_stream", "stream_handle"):
+        handle = getattr(stream, name, None)
+        if handle is not None:
+            return handle
+    raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch_npu: cannot find the aclrtStream of %r" % (stream,))
 
 
 @contextlib.contextmanager

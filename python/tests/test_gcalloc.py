@@ -237,63 +237,6 @@ def test_torch_entry_points(monkeypatch):
     lib.gca_torch_shutdown()
 
 
-def test_torch_npu_entry_points(monkeypatch):
-    """torch_npu's NPUPluggableAllocator on gca_npu_malloc / gca_npu_free, on
-    the acl backend over the AscendCL stand-in (GCALLOC_TEST_FAKE_ACL)."""
-    fake_acl = os.environ.get("GCALLOC_TEST_FAKE_ACL")
-    if not fake_acl:
-        pytest.skip("GCALLOC_TEST_FAKE_ACL is not set (CTest sets it)")
-    lib = ctypes.CDLL(gcalloc.library_path)
-    calls = {}
-
-    class NPUPluggableAllocator:
-        def __init__(self, path, alloc_name, free_name):
-            so = ctypes.CDLL(path)
-            calls["alloc"], calls["free"] = getattr(so, alloc_name), getattr(so, free_name)
-            calls["names"] = (alloc_name, free_name)
-
-    def change_current_allocator(allocator):
-        calls["installed"] = allocator
-
-    memory = types.SimpleNamespace(NPUPluggableAllocator=NPUPluggableAllocator,
-                                   change_current_allocator=change_current_allocator)
-    fake_torch_npu = types.SimpleNamespace(npu=types.SimpleNamespace(memory=memory, synchronize=lambda: None))
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu)
-    monkeypatch.setenv("GCALLOC_ACL_LIBRARY", fake_acl)
-    for name in ("GCALLOC_TORCH_BACKEND", "GCALLOC_ALLOC_CONF", "MINDTORCH_NPU_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "max_split_size_mb:64")  # an NPU variable, read on acl
-    gcalloc.torch_npu.install("garbage_collection_threshold:0.9")
-    assert calls["names"] == ("gca_npu_malloc", "gca_npu_free")
-    assert gcalloc.torch_npu.installed()
-    alloc, free = calls["alloc"], calls["free"]
-    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    p = alloc(100 * MiB, 1, None)
-    assert p
-    ctypes.memset(p, 1, 100 * MiB)  # the stand-in's memory is real
-    s = gcalloc.memory_stats(1)
-    assert s["requested_bytes.all.current"] == 100 * MiB
-    # Oversize (max_split_size_mb:64 from PYTORCH_NPU_ALLOC_CONF): the whole
-    # segment, 100 MiB and torch_npu's 32-byte pad rounded up to 2 MiB.
-    assert s["oversize_allocations.current"] == 1
-    assert s["allocated_bytes.all.current"] == 102 * MiB
-    settings = gcalloc.memory_snapshot()["allocator_settings"]["PYTORCH_CUDA_ALLOC_CONF"]
-    assert "garbage_collection_threshold:0.9" in settings
-    free(p, 100 * MiB, 1, None)
-    assert gcalloc.memory_stats(1)["allocated_bytes.all.current"] == 0
-    assert not alloc(1 << 40, 0, None)  # out of memory: NULL, and why kept for any thread
-    assert "out of memory" in gcalloc.torch_npu.last_failure()
-    with gcalloc.torch_npu.using():
-        free(alloc(MiB, 0, None), MiB, 0, None)
-    assert gcalloc.memory_stats(0)["reserved_bytes.all.current"] == 0
-    with gcalloc.Allocator("acl") as a:  # an Allocator of its own on the NPU
-        assert a.backend == "acl" and a.device_count == 2
-        q = a.malloc(4096, device=1)
-        a.free(q)
-    lib.gca_torch_shutdown()
-
-
 def test_private_pools():
     """Pools from Python: routing by thread (nested) and by stream, reuse inside, release refused then done,
     statistics, a capture."""

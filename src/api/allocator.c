@@ -340,21 +340,22 @@ int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size
   return GCA_OK;
 }
 
-static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream, bool erase) {
+  const char *what = erase ? "erase a stream use of" : "record a stream use of";
   if (!a || !ptr)
-    return gca__set_error(GCA_ERR_INVALID, "gca_record_stream: %s is NULL", a ? "pointer" : "allocator");
+    return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", erase ? "gca_erase_stream" : "gca_record_stream",
+                          a ? "pointer" : "allocator");
   uintptr_t addr = (uintptr_t)ptr;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
     lock_acquire(&d->lock);
-    int rc = gca__device_record_stream_locked(d, addr, stream);
-    bool explained = rc == GCA_ERR_BAD_POINTER && gca__device_explain_bad_pointer(d, addr, "record a stream use of");
+    int rc = gca__device_record_stream_locked(d, addr, stream, erase);
+    bool explained = rc == GCA_ERR_BAD_POINTER && gca__device_explain_bad_pointer(d, addr, what);
     lock_release(&d->lock);
     if (rc != GCA_ERR_BAD_POINTER || explained) return rc;
   }
-  return gca__set_error(GCA_ERR_BAD_POINTER, "cannot record a stream use of %p: it was not allocated by this allocator",
-                        ptr);
+  return gca__set_error(GCA_ERR_BAD_POINTER, "cannot %s %p: it was not allocated by this allocator", what, ptr);
 }
 
 /* Run `fn` on one device, or on every device for -1. */
@@ -546,13 +547,19 @@ GCA_FLATTEN int gca_free(gca_allocator_t *a, void *ptr) {
 
 int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
   gca__record_lock_calls();
-  int rc = record_stream_plain(a, ptr, stream);
+  int rc = record_stream_plain(a, ptr, stream, false);
   gca__record_line("record_stream", "%d %" PRIxPTR " %" PRIxPTR " %d", allocator_id(a), (uintptr_t)ptr,
                    (uintptr_t)stream, rc);
   gca__record_unlock_calls();
   gca__log_message(GCA_LOG_TRACE, "record_stream(%p, stream %#" PRIxPTR ") = %s", ptr, (uintptr_t)stream,
                    gca_status_name(rc));
   if (rc) log_failure("gca_record_stream");
+  return rc;
+}
+
+int gca_erase_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream) {
+  int rc = record_stream_plain(a, ptr, stream, true);
+  if (rc) log_failure("gca_erase_stream");
   return rc;
 }
 

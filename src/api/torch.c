@@ -24,6 +24,17 @@
 
 static pthread_mutex_t torch_lock = PTHREAD_MUTEX_INITIALIZER;
 static gca_allocator_t *_Atomic torch_allocator;
+/* Settings kept for the first allocation's open (gca_torch_defer), under
+ * torch_lock. */
+static struct {
+  bool set;
+  char backend[512];
+  char config[4096];
+} deferred;
+/* torch_npu's drain of its task queue, c10_npu::npuSynchronizeDevice(bool),
+ * connected at open (gca_npu_set_queue_drain), under torch_lock. */
+typedef bool (*npu_synchronize_fn)(bool check_error);
+static npu_synchronize_fn npu_drain;
 /* The last failed allocation's message, for whichever thread asks: PyTorch
  * allocates on autograd's threads too, where gca_last_error() stays. */
 static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -43,6 +54,14 @@ size_t gca_torch_last_failure(char *buf, size_t cap) {
   return len;
 }
 
+/* Empty torch_npu's task queue and wait for the thread's device. Its
+ * errors are not thrown (check_error false): a C++ exception cannot cross
+ * gcalloc's frames. The device is synchronized by gcalloc next. */
+static void drain_npu_queue(int device, void *user) {
+  (void)device, (void)user;
+  (void)npu_drain(false);
+}
+
 /* Open (or configure) the process-wide allocator; `fallback` is the
  * backend when neither `backend` nor GCALLOC_TORCH_BACKEND names one. */
 static int torch_init(const char *backend, const char *config, const char *fallback) {
@@ -58,11 +77,16 @@ static int torch_init(const char *backend, const char *config, const char *fallb
     else if (config && *config)
       rc = gca_set_config(a, config);
   } else {
+    if (!backend && !config && deferred.set) {
+      backend = deferred.backend;
+      config = deferred.config;
+    }
     const char *env = getenv("GCALLOC_TORCH_BACKEND");
     const char *spec = backend && *backend ? backend : env && *env ? env : fallback;
     rc = gca_open(spec, config, &a);
     if (rc == GCA_OK) {
       keep_failure("");
+      if (npu_drain) (void)gca_set_queue_drain(a, drain_npu_queue, NULL);
       atomic_store(&torch_allocator, a);
     }
   }
@@ -72,6 +96,34 @@ static int torch_init(const char *backend, const char *config, const char *fallb
 }
 
 int gca_torch_init(const char *backend, const char *config) { return torch_init(backend, config, "cuda"); }
+
+int gca_torch_defer(const char *backend, const char *config) {
+  if ((backend && strlen(backend) >= sizeof deferred.backend) || (config && strlen(config) >= sizeof deferred.config))
+    return gca__set_error(GCA_ERR_INVALID, "gca_torch_defer: the backend or configuration is too long");
+  config_t check;
+  gca__config_defaults(&check);
+  int rc = gca__config_apply(&check, config, NULL); /* (refused now, not at the first allocation) */
+  if (rc) return rc;
+  mutex_lock(&torch_lock);
+  if (atomic_load(&torch_allocator)) {
+    mutex_unlock(&torch_lock);
+    return torch_init(backend, config, "acl"); /* (open already: as gca_torch_init) */
+  }
+  deferred.set = true;
+  snprintf(deferred.backend, sizeof deferred.backend, "%s", backend ? backend : "");
+  snprintf(deferred.config, sizeof deferred.config, "%s", config ? config : "");
+  mutex_unlock(&torch_lock);
+  return GCA_OK;
+}
+
+int gca_npu_set_queue_drain(void *npu_synchronize_device) {
+  mutex_lock(&torch_lock);
+  *(void **)&npu_drain = npu_synchronize_device;
+  gca_allocator_t *a = atomic_load(&torch_allocator);
+  int rc = a ? gca_set_queue_drain(a, npu_drain ? drain_npu_queue : NULL, NULL) : GCA_OK;
+  mutex_unlock(&torch_lock);
+  return rc;
+}
 
 static gca_allocator_t *process_allocator(const char *fallback) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
@@ -139,6 +191,24 @@ void gca_torch_record_stream(void *ptr, void *stream) {
 void gca_torch_empty_cache(void) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
   if (a) (void)gca_empty_cache(a, -1);
+}
+
+void gca_npu_empty_cache(bool check_error) {
+  (void)check_error; /* (gcalloc's cache release reports through the log, never throws) */
+  gca_torch_empty_cache();
+}
+
+void gca_npu_erase_stream(void *ptr, void *stream) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (a && gca_erase_stream(a, ptr, (gca_stream_t)stream) != GCA_OK)
+    gca__log_message(GCA_LOG_ERROR, "erase_stream of %p failed: %s", ptr, gca_last_error());
+}
+
+void gca_npu_init(int device_count) {
+  gca_allocator_t *a = process_allocator("acl");
+  if (a && device_count > gca_device_count(a))
+    gca__log_message(GCA_LOG_WARNING, "torch_npu sees %d devices, gcalloc's %s backend %d: allocations on the others fail",
+                     device_count, gca_backend_name(a), gca_device_count(a));
 }
 
 void gca_torch_set_memory_fraction(double fraction, int device) {

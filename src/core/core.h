@@ -327,8 +327,9 @@ void gca__device_empty_cache(device_t *d);
  * gca_empty_cache does (coop.c's thread); the bytes released. */
 size_t gca__device_release_for_peer(device_t *d, int32_t requester);
 
-/* With the lock held: record a use of the allocation at addr by `stream`. */
-int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream);
+/* With the lock held: record a use of the allocation at addr by `stream`
+ * (`erase`: forget it). */
+int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream, bool erase);
 void gca__device_synchronize(device_t *d);
 void gca__device_process_events(device_t *d);
 /* With the lock held: limit what the device may reserve to fraction x its

@@ -469,9 +469,12 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
   return GCA_OK;
 }
 
-int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream) {
+int gca__device_record_stream_locked(device_t *d, uintptr_t addr, gca_stream_t stream, bool erase) {
   block_t *b = gca__block_map_find(&d->allocated, addr);
-  return b ? gca__stream_uses_add(b, stream) : GCA_ERR_BAD_POINTER;
+  if (!b) return GCA_ERR_BAD_POINTER;
+  if (!erase) return gca__stream_uses_add(b, stream);
+  gca__stream_uses_remove(b, stream);
+  return GCA_OK;
 }
 
 void gca__device_process_events(device_t *d) {

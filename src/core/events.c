@@ -87,6 +87,19 @@ int gca__stream_uses_add(block_t *b, gca_stream_t stream) {
   return GCA_OK;
 }
 
+void gca__stream_uses_remove(block_t *b, gca_stream_t stream) {
+  stream_uses_t *uses = b->uses;
+  for (uint32_t i = 0; uses && i < uses->count; i++)
+    if (uses->streams[i] == stream) {
+      uses->streams[i] = uses->streams[--uses->count];
+      break;
+    }
+  if (uses && !uses->count) { /* (no uses: the free takes the fast path again) */
+    free(uses);
+    b->uses = NULL;
+  }
+}
+
 /* ---- pending frees ------------------------------------------------------ */
 
 /* The last event of a pending block completed: its free completes. */

@@ -38,6 +38,8 @@ bool gca__events_stream_is_idle(device_t *d, gca_stream_t stream);
 bool gca__events_ready_to_free(device_t *d, gca_stream_t stream, uintptr_t *event);
 /* Add `stream` to a block's stream uses; GCA_ERR_NOMEM if the set cannot grow. */
 int gca__stream_uses_add(block_t *b, gca_stream_t stream);
+/* Forget a use recorded by gca__stream_uses_add (none: nothing changes). */
+void gca__stream_uses_remove(block_t *b, gca_stream_t stream);
 /* At device destruction: wait for every stream the device's memory may be
  * used on, and forget the pending frees. */
 void gca__events_shutdown(device_t *d);

@@ -1,0 +1,188 @@
+"""The C++ side of the stand-in, as torch_npu/csrc/npu/NPUPluggableAllocator.cpp,
+Module.cpp and NpuSysCtrl have it: the caching allocator torch_npu starts
+with, the pluggable allocator object (hooks called only when set, the rest
+warning "does not yet support"), the lazy initialization (aclInit with
+torch_npu's configuration file, the thread's device set, the allocator's
+init), and the task queue (an operator queued on the host, launched when
+the queue is emptied)."""
+import ctypes
+import os
+import warnings
+
+DEVICE_COUNT = 2
+ACL_CONFIG = "torch_npu_acl.json"  # what torch_npu's aclInit reads
+
+_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+# set_*_fn: name -> the C signature Module.cpp casts the address to.
+HOOKS = {
+    "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
+    "set_reset_fn": ctypes.CFUNCTYPE(None, ctypes.c_bool),
+    "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
+    "set_base_alloc_fn": ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)),
+    "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+    "set_erase_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+}
+
+
+def _acl():
+    return ctypes.CDLL(os.environ["GCALLOC_ACL_LIBRARY"])
+
+
+def _torch_npu_lib():
+    return ctypes.CDLL(os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libtorch_npu.so"))
+
+
+def _unsupported(what):
+    warnings.warn("NPUPluggableAllocator does not yet support %s. If you need it, please file an issue describing "
+                  "your use case." % what)
+
+
+class _NativeAllocator:
+    """torch_npu's own caching allocator, standing in as plain bookkeeping."""
+
+    def __init__(self):
+        self._initialized = False
+        self.live, self.next = {}, 0x7F0000000000
+
+    def initialized(self):
+        return self._initialized
+
+    def init(self, device_count):
+        self._initialized = True
+
+    def malloc(self, size, device, stream):
+        p, self.next = self.next, self.next + ((size + 511) // 512) * 512
+        self.live[p] = size
+        return p
+
+    def raw_delete(self, ptr):
+        del self.live[ptr]
+
+
+class _NPUPluggableAllocator:
+    def __init__(self, malloc_ptr, free_ptr):
+        self._malloc, self._free = _MALLOC(malloc_ptr), _FREE(free_ptr)
+        self._hooks, self._metadata = {}, {}
+        self._initialized = False
+        self.calls = []  # (hook, arguments) each time a hook is called, for the tests
+
+    def __getattr__(self, name):
+        if name in HOOKS:
+            def set_hook(func_ptr, _name=name):
+                if not isinstance(func_ptr, int) or not func_ptr:
+                    raise TypeError("%s(): incompatible function arguments (an int address)" % _name)
+                self._hooks[_name] = HOOKS[_name](func_ptr)
+            return set_hook
+        raise AttributeError(name)
+
+    def _hook(self, name, *args):
+        fn = self._hooks.get(name)
+        if fn is None:
+            return None
+        self.calls.append((name, args))
+        return fn(*args)
+
+    def initialized(self):
+        return self._initialized
+
+    def init(self, device_count):
+        self._hook("set_init_fn", device_count)
+        self._initialized = True
+
+    def malloc(self, size, device, stream):
+        r = self._malloc(size, device, stream) or 0
+        self._metadata[r] = (size, device, stream)  # (a NULL too: torch_npu does not check it)
+        return r
+
+    def raw_delete(self, ptr):
+        if ptr not in self._metadata:
+            raise RuntimeError("Trying to free a pointer not allocated here")
+        size, device, stream = self._metadata.pop(ptr)
+        self._free(ptr, size, device, stream)
+
+    def emptyCache(self, check_error=True):  # noqa: N802 (torch_npu's names)
+        self._hook("set_reset_fn", check_error)
+
+    def setMemoryFraction(self, fraction, device):  # noqa: N802
+        self._hook("set_memory_fraction_fn", fraction, device)
+
+    def recordStream(self, ptr, stream):  # noqa: N802
+        self._hook("set_record_stream_fn", ptr, stream)
+
+    def eraseStream(self, ptr, stream):  # noqa: N802
+        self._hook("set_erase_stream_fn", ptr, stream)
+
+    def getBaseAllocation(self, ptr):  # noqa: N802
+        if "set_base_alloc_fn" not in self._hooks:
+            return ptr, 0
+        size = ctypes.c_size_t(0)
+        return self._hook("set_base_alloc_fn", ptr, ctypes.byref(size)) or 0, size.value
+
+    def getDeviceStats(self, device):  # noqa: N802
+        # torch_npu warns, then falls off the end of a function returning DeviceStats: undefined behaviour.
+        _unsupported("getDeviceStats")
+        raise RuntimeError("undefined behaviour: NPUPluggableAllocator::getDeviceStats returned nothing")
+
+    def resetPeakStats(self, device):  # noqa: N802
+        _unsupported("resetPeakStats")
+
+    def resetAccumulatedStats(self, device):  # noqa: N802
+        _unsupported("resetAccumulatedStats")
+
+
+_current = _NativeAllocator()
+_initialized = False
+_queue = []  # operators queued on the host: (address, bytes)
+
+
+def _current_allocator():
+    return _current
+
+
+def _npu_customAllocator(malloc_ptr, free_ptr):  # noqa: N802
+    allocator = _NPUPluggableAllocator(malloc_ptr, free_ptr)
+    allocator.init(DEVICE_COUNT)  # createCustomAllocator calls init before any hook can be set
+    return allocator
+
+
+def _npu_changeCurrentAllocator(allocator):  # noqa: N802
+    global _current
+    if _current.initialized():
+        raise RuntimeError("Can't swap an already initialized allocator")
+    _current = allocator
+
+
+def _lazy_init():
+    """NpuSysCtrl::Initialize: aclInit with torch_npu's configuration, the
+    thread's device, the caching allocator's init."""
+    global _initialized
+    if _initialized:
+        return
+    acl = _acl()
+    rc = acl.aclInit(ACL_CONFIG.encode())
+    if rc not in (0, 100002):
+        raise RuntimeError("aclInit failed: %d" % rc)
+    if acl.aclrtSetDevice(0) != 0:
+        raise RuntimeError("aclrtSetDevice failed")
+    _initialized = True
+    _current.init(DEVICE_COUNT)
+
+
+def _malloc(size, device, stream):
+    _lazy_init()
+    return _current.malloc(size, device, stream)
+
+
+def _enqueue(ptr, size):
+    """An operator writing [ptr, ptr + size) queued on the host (TASK_QUEUE_ENABLE), launched later."""
+    acl = _acl()
+    acl.fakeacl_queue_work.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if acl.fakeacl_queue_work(ptr, size) != 0:
+        raise RuntimeError("the stand-in's queue refused the operator")
+
+
+def _npu_synchronize():
+    drain = _torch_npu_lib()._ZN7c10_npu20npuSynchronizeDeviceEb
+    drain.restype, drain.argtypes = ctypes.c_bool, [ctypes.c_bool]
+    drain(True)
