@@ -36,6 +36,7 @@ enum {
   ACL_ERROR_INVALID_PARAM = 100000,
   ACL_ERROR_UNINITIALIZE = 100001,
   ACL_ERROR_REPEAT_INITIALIZE = 100002,
+  ACL_ERROR_INVALID_FILE = 100003,
   ACL_ERROR_RT_PARAM_INVALID = 107000,
   ACL_ERROR_RT_INVALID_DEVICEID = 107001,
   ACL_ERROR_RT_CONTEXT_NULL = 107002,
@@ -101,6 +102,7 @@ static char init_config[256];
 static int initialized, device_count = -1, hold_events, peers_enabled[MAX_DEVICES][MAX_DEVICES];
 static size_t capacity = (size_t)1 << 30, used[MAX_DEVICES];
 static char soc_name[64] = "Ascend910B3";
+static char cann_version[128] = "8.3.RC1";
 /* [rt] the current device is per thread: aclrtSetDevice on each thread
  * before memory, stream or event calls; none until then. */
 static __thread int current = -1;
@@ -125,6 +127,7 @@ EXPORT void fakeacl_reset(void) {
   device_count = -1;
   capacity = (size_t)1 << 30;
   snprintf(soc_name, sizeof soc_name, "%s", "Ascend910B3");
+  snprintf(cann_version, sizeof cann_version, "%s", "8.3.RC1");
   pthread_mutex_unlock(&lock);
 }
 
@@ -138,6 +141,8 @@ EXPORT unsigned long fakeacl_calls(const char *entry) { return plumbing_calls(en
 EXPORT void fakeacl_set_capacity(size_t bytes) { capacity = bytes; }
 EXPORT void fakeacl_set_devices(int n) { device_count = n; }
 EXPORT void fakeacl_set_soc(const char *name) { snprintf(soc_name, sizeof soc_name, "%s", name); }
+/* What aclsysGetCANNVersion answers for the CANN package ("": it fails). */
+EXPORT void fakeacl_set_cann_version(const char *v) { snprintf(cann_version, sizeof cann_version, "%s", v); }
 EXPORT void fakeacl_hold_events(int on) { hold_events = on; }
 /* This thread's current device (-1: none set), as the runtime keeps it. */
 EXPORT int fakeacl_current_device(void) { return current; }
@@ -298,6 +303,20 @@ EXPORT int aclrtGetDevice(int32_t *id) {
 
 #ifndef FAKEACL_MINIMAL
 EXPORT const char *aclrtGetSocName(void) { return soc_name; }
+
+/* [rt] acl.h's aclCANNPackageVersion: version[128], then four parts of 64, reserved[128]. */
+typedef struct cann_package_version {
+  char version[128], major[64], minor[64], release[64], patch[64], reserved[128];
+} cann_package_version_t;
+
+EXPORT int aclsysGetCANNVersion(int name, cann_package_version_t *v) {
+  ENTER("aclsysGetCANNVersion");
+  if (!v || name < 0 || name > 7) LEAVE(ACL_ERROR_INVALID_PARAM);
+  if (!cann_version[0]) LEAVE(ACL_ERROR_INVALID_FILE);
+  memset(v, 0, sizeof *v);
+  snprintf(v->version, sizeof v->version, "%s", cann_version);
+  LEAVE(ACL_SUCCESS);
+}
 #endif
 
 /* ---- device memory ------------------------------------------------------ */

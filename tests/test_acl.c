@@ -29,6 +29,7 @@ typedef struct fake {
   void (*set_capacity)(size_t bytes);
   void (*set_devices)(int n);
   void (*set_soc)(const char *name);
+  void (*set_cann_version)(const char *version);
   void (*hold_events)(int on);
   void (*complete_events)(void);
   int (*current_device)(void);
@@ -60,6 +61,7 @@ static int load_fake(fake_t *f, const char *path) {
   LOAD(set_capacity, "fakeacl_set_capacity");
   LOAD(set_devices, "fakeacl_set_devices");
   LOAD(set_soc, "fakeacl_set_soc");
+  LOAD(set_cann_version, "fakeacl_set_cann_version");
   LOAD(hold_events, "fakeacl_hold_events");
   LOAD(complete_events, "fakeacl_complete_events");
   LOAD(current_device, "fakeacl_current_device");
@@ -881,8 +883,20 @@ static void test_pad_by_soc(void **state) {
   assert_int_equal(stats_of(a, 0).requested_bytes[GCA_POOL_ALL].current, 512);
   assert_int_equal(gca_free(a, p), GCA_OK);
   gca_close(a);
-  /* Ascend950 and later: no pad. */
+  /* Ascend950 and later, with CANN 9.1.0 and later: no pad. CANN's
+   * version as torch_npu compares it: a pre-release comes before its
+   * release; a version it cannot read, or none, counts as older. */
   full.set_soc("Ascend950PR_9589");
+  const char *versions[] = {"9.1.0", "9.1.0-beta", "8.5.0", "10.0.0", "9.1.1.rc2", "9.2.0-rc", "", "9.1", "x.y.z"};
+  const size_t pads[] = {0, 32, 32, 0, 0, 0, 32, 32, 32};
+  for (int i = 0; i < 9; i++) {
+    full.set_cann_version(versions[i]);
+    a = open_sim(SPEC, NULL);
+    if (gca_round_size(a, 512) != 512 + (pads[i] ? 512 : 0)) fprintf(stderr, "CANN %s\n", versions[i]);
+    assert_int_equal(gca_round_size(a, 512), 512 + (pads[i] ? 512 : 0));
+    gca_close(a);
+  }
+  full.set_cann_version("9.1.0");
   a = open_sim(SPEC, NULL);
   assert_int_equal(gca_round_size(a, 1000), 1024);
   assert_int_equal(gca_round_size(a, 512), 512);
@@ -958,7 +972,8 @@ static void test_npu_keys(void **state) {
                                      "pin_memory_expandable_segments:True,segment_size_mb:64"),
                    GCA_OK);
   assert_contains(cap.all, "'page_size:1g' is accepted but its feature is not built yet");
-  assert_contains(cap.all, "'base_addr_aligned_kb' is accepted but its feature is not built yet");
+  assert_true(gca_get_config(a, conf, sizeof conf) > 0);
+  assert_contains(conf, "base_addr_aligned_kb:4");
   assert_contains(cap.all, "'throw_on_npumalloc_oom' is accepted");
   assert_contains(cap.all, "'pin_memory_expandable_segments' is accepted");
   assert_contains(cap.all, "'segment_size_mb' is accepted");
@@ -967,6 +982,40 @@ static void test_npu_keys(void **state) {
   assert_int_equal(gca_set_config(a, "base_addr_aligned_kb:17"), GCA_ERR_CONFIG);
   gca_set_log_handler(NULL, NULL);
   gca_close(a);
+  assert_runtime_empty(&full);
+}
+
+/* torch_npu's base_addr_aligned_kb (16 on acl unless set): with expandable
+ * segments a request of 2 MiB or more starts at a multiple of it, the bytes
+ * below it a free block of their own; 0 turns it off. */
+static void test_base_addr_aligned(void **state) {
+  (void)state;
+  full.set_capacity((size_t)512 << 20);
+  const char *confs[] = {"expandable_segments:True", "expandable_segments:True,base_addr_aligned_kb:4",
+                         "expandable_segments:True,base_addr_aligned_kb:0", "base_addr_aligned_kb:16"};
+  const size_t align[] = {16384, 4096, 0, 0};
+  for (int i = 0; i < 4; i++) {
+    gca_allocator_t *a = open_sim(SPEC, confs[i]);
+    char *first = gca_malloc(a, 1536 * KiB, 0, S1); /* (1.5 MiB, the pad, rounded: 1.5 MiB + 512) */
+    char *second = gca_malloc(a, 4 * MiB, 0, S1);
+    char *small = gca_malloc(a, 1 * MiB, 0, S1); /* under 2 MiB: never aligned */
+    assert_non_null(first);
+    assert_non_null(second);
+    assert_non_null(small);
+    size_t end = (size_t)(gca_usable_size(a, first));
+    if (align[i]) {
+      assert_int_equal((uintptr_t)second % align[i], 0);
+      assert_true(second > first + end && second < first + end + align[i]);
+    } else {
+      assert_ptr_equal(second, first + end);
+    }
+    assert_consistent(a);
+    assert_int_equal(gca_free(a, second), GCA_OK); /* the piece below merges back */
+    assert_int_equal(gca_free(a, first), GCA_OK);
+    assert_int_equal(gca_free(a, small), GCA_OK);
+    assert_consistent(a);
+    gca_close(a);
+  }
   assert_runtime_empty(&full);
 }
 
@@ -1037,6 +1086,7 @@ int main(void) {
       cmocka_unit_test_setup(test_host_memory_needs_a_context, fresh),
       cmocka_unit_test_setup(test_configuration_precedence, fresh),
       cmocka_unit_test_setup(test_npu_keys, fresh),
+      cmocka_unit_test_setup(test_base_addr_aligned, fresh),
       cmocka_unit_test_setup(test_random_sequences, fresh),
   };
   return cmocka_run_group_tests(tests, setup, teardown);

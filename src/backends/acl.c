@@ -83,6 +83,17 @@ enum {
   ACL_RESERVE_HUGE_PAGE = 1 /* torch_npu's flags for aclrtReserveMemAddress */
 };
 
+/* aclsysGetCANNVersion's answer (acl.h). */
+enum { ACL_PKG_NAME_CANN = 0, ACL_PKG_VERSION_MAX_SIZE = 128, ACL_PKG_VERSION_PARTS_MAX_SIZE = 64 };
+typedef struct aclCANNPackageVersion {
+  char version[ACL_PKG_VERSION_MAX_SIZE];
+  char majorVersion[ACL_PKG_VERSION_PARTS_MAX_SIZE];
+  char minorVersion[ACL_PKG_VERSION_PARTS_MAX_SIZE];
+  char releaseVersion[ACL_PKG_VERSION_PARTS_MAX_SIZE];
+  char patchVersion[ACL_PKG_VERSION_PARTS_MAX_SIZE];
+  char reserved[ACL_PKG_VERSION_MAX_SIZE];
+} aclCANNPackageVersion;
+
 typedef struct aclrtPhysicalMemProp {
   int handleType;
   int allocationType;
@@ -125,7 +136,8 @@ typedef struct aclrtPhysicalMemProp {
   X(aclrtMallocPhysical, 0, (aclrtDrvMemHandle * h, size_t size, const aclrtPhysicalMemProp *prop, uint64_t f)) \
   X(aclrtFreePhysical, 0, (aclrtDrvMemHandle h))                                                               \
   X(aclrtMapMem, 0, (void *va, size_t size, size_t offset, aclrtDrvMemHandle h, uint64_t flags))               \
-  X(aclrtUnmapMem, 0, (void *va))
+  X(aclrtUnmapMem, 0, (void *va))                                                                              \
+  X(aclsysGetCANNVersion, 0, (int name, aclCANNPackageVersion *version))
 
 typedef struct runtime {
   void *handle;
@@ -170,6 +182,7 @@ typedef struct acl {
   runtime_t rt;
   char path[512];
   char soc[64];
+  char cann[ACL_PKG_VERSION_MAX_SIZE]; /* the CANN package's version, "" where the runtime cannot say */
   int device_count;
   acl_device_t devices[];
 } acl_t;
@@ -739,9 +752,49 @@ static int acl_host_free(void *state, void *ptr) {
   ON_DEVICE(a, ANY_DEVICE, acl_host_free_here(a, ptr));
 }
 
+/* Whether a CANN version reads as 9.1.0 or later, as torch_npu compares
+ * versions of 9 and up (GetCANNInfo.cpp: MAJOR.MINOR.PATCH, then an
+ * optional alpha, beta or rc, numbered or not, which comes before the
+ * release). A version torch_npu cannot read, or one before 9, is not. */
+static bool cann_at_least_9_1(const char *version) {
+  char copy[ACL_PKG_VERSION_MAX_SIZE];
+  snprintf(copy, sizeof copy, "%s", version);
+  char *tok[6], *save = NULL;
+  int n = 0;
+  for (char *t = strtok_r(copy, ".-", &save); t && n < 6; t = strtok_r(NULL, ".-", &save)) tok[n++] = t;
+  if (n < 3 || n > 5) return false;
+  long part[3];
+  for (int i = 0; i < 3; i++) {
+    char *end = NULL;
+    part[i] = strtol(tok[i], &end, 10);
+    if (end == tok[i] || *end || part[i] < 0) return false;
+  }
+  if (part[0] < 9) return false;
+  long weight = 0, pre = 0;
+  if (n >= 4) {
+    static const struct { const char *name; long weight; } kinds[] = {{"alpha", 300}, {"beta", 200}, {"rc", 100}};
+    size_t k = 0, len = 0;
+    for (; k < 3; k++)
+      if (strncmp(tok[3], kinds[k].name, len = strlen(kinds[k].name)) == 0) break;
+    if (k == 3) return false;
+    weight = kinds[k].weight;
+    const char *num = n == 5 ? tok[4] : tok[3] + len;
+    if (n == 5 && tok[3][len]) return false;
+    if (*num) {
+      char *end = NULL;
+      pre = strtol(num, &end, 10);
+      if (*end || pre < 0) return false;
+    }
+  }
+  long long v = part[0] * 10000000LL + part[1] * 100000LL + part[2] * 1000LL - weight + pre;
+  return v >= 9 * 10000000LL + 1 * 100000LL;
+}
+
 /* torch_npu pads every request by 32 bytes before rounding, but on
- * Ascend950 and later SoCs: decided here from the SoC name (a name without
- * a number, or no name at all, is taken as an earlier SoC). */
+ * Ascend950 and later SoCs with CANN 9.1.0 or later (AddPadSize in
+ * NPUCachingAllocator.cpp): decided here from the SoC name (a name without
+ * a number, or no name at all, is taken as an earlier SoC) and the CANN
+ * package's version (aclsysGetCANNVersion; none: an earlier CANN). */
 static int acl_size_pad(void *state, int device, size_t *pad) {
   (void)device;
   acl_t *a = state;
@@ -749,7 +802,7 @@ static int acl_size_pad(void *state, int device, size_t *pad) {
   if (strncmp(a->soc, "Ascend", 6) == 0) {
     char *end = NULL;
     long model = strtol(a->soc + 6, &end, 10);
-    if (end != a->soc + 6 && model >= 950) *pad = 0;
+    if (end != a->soc + 6 && model >= 950 && cann_at_least_9_1(a->cann)) *pad = 0;
   }
   return GCA_OK;
 }
@@ -824,6 +877,7 @@ static const backend_ops_t acl_ops = {
     .size_pad = acl_size_pad,
     .device_identity = acl_device_identity,
     .destroy = acl_destroy,
+    .base_align = 16384, /* torch_npu's kAlignRoundLarge */
 };
 
 static int acl_load_runtime(const char *path, runtime_t *rt) {
@@ -904,6 +958,10 @@ int gca__acl_backend_create(const char *options, backend_t *out) {
   snprintf(a->path, sizeof a->path, "%s", path);
   const char *soc = rt.aclrtGetSocName ? rt.aclrtGetSocName() : NULL;
   snprintf(a->soc, sizeof a->soc, "%s", soc ? soc : "");
+  aclCANNPackageVersion cann;
+  memset(&cann, 0, sizeof cann);
+  if (rt.aclsysGetCANNVersion && rt.aclsysGetCANNVersion(ACL_PKG_NAME_CANN, &cann) == ACL_SUCCESS)
+    snprintf(a->cann, sizeof a->cann, "%.*s", (int)sizeof cann.version, cann.version);
   for (uint32_t i = 0; i < count; i++) {
     acl_device_t *d = &a->devices[i];
     pthread_mutex_init(&d->event_lock, NULL);

@@ -131,6 +131,10 @@ typedef struct backend_ops {
    * not give it back a segment and a page at a time. A real device's
    * memory outlives the backend's state, so the CUDA backend says no. */
   bool destroy_releases_memory;
+  /* Where blocks of 2 MiB and more start in expandable segments unless
+   * base_addr_aligned_kb says otherwise: torch_npu aligns them to 16 KiB;
+   * 0 (PyTorch) leaves them where the best fit puts them. */
+  size_t base_align;
 } backend_ops_t;
 
 typedef struct backend {

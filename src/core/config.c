@@ -29,6 +29,7 @@ void gca__config_defaults(config_t *cfg) {
   cfg->oom_handler_retries = 3;
   cfg->pinned_num_register_threads = 1;
   cfg->ipc_release_timeout_ms = 1000;
+  cfg->base_addr_aligned_kb = -1;
 }
 
 /* ---- tokens ------------------------------------------------------------- */
@@ -305,7 +306,7 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
   if (strcmp(key, "base_addr_aligned_kb") == 0) {
     uint64_t kb;
     rc = read_uint_upto(p, key, 16, "must be an integer from 0 to 16 (KiB)", &kb);
-    if (rc == GCA_OK && kb != 16) warn_not_built(p, key); /* (16 is torch_npu's default) */
+    if (rc == GCA_OK) c->base_addr_aligned_kb = (int)kb;
     return rc;
   }
   if (strcmp(key, "segment_size_mb") == 0 || strcmp(key, "large_segment_size_mb") == 0) {
@@ -463,6 +464,7 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   if (c->pinned_reserve_segment_mb) gca__text_put(&o, ",pinned_reserve_segment_size_mb:%zu", c->pinned_reserve_segment_mb);
   gca__text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
   if (c->pad_32_mode != PAD_AUTO) gca__text_put(&o, ",pad_32_bytes:%s", c->pad_32_mode == PAD_ON ? "True" : "False");
+  if (c->base_addr_aligned_kb >= 0) gca__text_put(&o, ",base_addr_aligned_kb:%d", c->base_addr_aligned_kb);
   if (c->ipc_cooperation)
     gca__text_put(&o, ",ipc_cooperation:True,ipc_release_timeout_ms:%" PRIu64 "%s", c->ipc_release_timeout_ms,
                   c->ipc_group_access ? ",ipc_group_access:True" : "");

@@ -36,6 +36,11 @@ typedef struct config {
    * the backend (backend_ops_t.size_pad), PAD_ON and PAD_OFF decide. */
   int pad_32_mode;
   size_t size_pad;                /* bytes added before rounding, resolved per device */
+  /* torch_npu's base_addr_aligned_kb: -1 the backend's default
+   * (backend_ops_t.base_align), else KiB; base_align its bytes, resolved
+   * per device (0: no alignment). */
+  int base_addr_aligned_kb;
+  size_t base_align;
   /* gcalloc's own: cooperation between processes on a device (coop.c). */
   bool ipc_cooperation;
   bool ipc_group_access;

@@ -96,6 +96,8 @@ void gca__device_resolve_pad(device_t *d) {
            d->backend->ops->size_pad(d->backend->state, d->index, &pad) != GCA_OK)
     pad = 0;
   d->config.size_pad = pad;
+  int kb = d->config.base_addr_aligned_kb;
+  d->config.base_align = kb >= 0 ? (size_t)kb * 1024 : d->backend->ops->base_align;
 }
 
 int gca__device_set_fraction_locked(device_t *d, double fraction) {

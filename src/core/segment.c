@@ -299,9 +299,44 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   if (unlikely(d->ev.pending_blocks | (size_t)d->obs.recording)) note_taken(d, b, requested);
 }
 
+/* torch_npu's base_addr_aligned_kb: with expandable segments, a request of
+ * 2 MiB or more starts at a multiple of the alignment where the block has
+ * room for it; the bytes below stay a free block of their own (merged back
+ * when the request is freed). Blocks of ordinary segments are left as they
+ * are (torch_npu aligns them too, and its inactive-split statistics then
+ * drift). Returns b, out of the index when it moved. */
+GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, block_t **pred, size_t rounded) {
+  size_t align = d->config.base_align, off = b->addr % align;
+  size_t below = off ? align - off : 0;
+  if (!below || below + rounded > b->size) return b;
+  block_t *low = gca__block_new(d);
+  if (!low) return b; /* (no host memory for a descriptor: unaligned rather than failing) */
+  if (*in_index) gca__pool_remove(b->pool, b);
+  *in_index = false;
+  *pred = NULL;
+  low->addr = b->addr;
+  low->size = below;
+  low->stream = b->stream;
+  low->segment = b->segment;
+  low->pool = b->pool;
+  low->expandable = true;
+  low->gc_base = b->gc_base;
+  low->prev = b->prev;
+  low->next = b;
+  if (low->prev) low->prev->next = low;
+  else b->segment->head = low;
+  b->prev = low;
+  b->addr += below;
+  b->size -= below;
+  gca__pool_insert(low->pool, low);
+  return b;
+}
+
 block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
   /* Only a free block large enough is handed out, in whole 512-byte units. */
   GCA_ASSERT(b->state == BLOCK_FREE && b->size >= rounded && rounded % MIN_BLOCK_SIZE == 0);
+  if (unlikely(d->config.base_align != 0) && b->expandable && rounded >= ROUND_LARGE && d->config.expandable_segments)
+    b = align_base(d, b, &in_index, &pred, rounded);
   kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   bool already_split = !unsplit(b);
