@@ -462,6 +462,10 @@ typedef struct gca_stats {
   int64_t num_ipc_requests;         /* other processes asked to release their cache */
   int64_t ipc_bytes_received;       /* bytes they released in answer */
   int64_t num_ipc_timeouts;         /* asked processes that did not answer in time */
+  /* Requests refused outright by per_process_memory_fraction under
+   * throw_on_cudamalloc_oom / throw_on_npumalloc_oom (PyTorch's and
+   * torch_npu's num_oom_rejections, flattened as theirs). */
+  int64_t num_oom_rejections;
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */
@@ -487,7 +491,7 @@ typedef struct gca_stat_item {
 } gca_stat_item_t;
 
 /* Number of entries gca_stats_flatten produces. */
-#define GCA_STATS_FLAT_COUNT 122
+#define GCA_STATS_FLAT_COUNT 123
 
 /* Write the statistics as (name, value) pairs with exactly the keys of
  * torch.cuda.memory_stats(), in its (sorted) order, into items[0..cap).

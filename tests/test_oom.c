@@ -33,6 +33,49 @@ static double elapsed_ms(const struct timespec *since) {
   return (double)(now.tv_sec - since->tv_sec) * 1e3 + (double)(now.tv_nsec - since->tv_nsec) / 1e6;
 }
 
+/* throw_on_cudamalloc_oom (torch_npu's throw_on_npumalloc_oom): a request
+ * the fraction refuses fails at once, the cache left as it was, counted in
+ * num_oom_rejections; without it the ladder releases the cache and the
+ * request succeeds. */
+static void test_fraction_rejects_outright(void **state) {
+  (void)state;
+  const char *confs[] = {"per_process_memory_fraction:0.5", "per_process_memory_fraction:0.5,throw_on_cudamalloc_oom:True",
+                         "per_process_memory_fraction:0.5,throw_on_npumalloc_oom:True"};
+  for (int i = 0; i < 3; i++) {
+    gca_allocator_t *a = open_sim("sim:capacity=128MiB", confs[i]);
+    void *p = gca_malloc(a, 40 * MiB, 0, S1);
+    assert_non_null(p);
+    assert_int_equal(gca_free(a, p), GCA_OK); /* 40 MiB cached of the 64 allowed, for S1 */
+    void *q = gca_malloc(a, 30 * MiB, 0, S2);
+    gca_stats_t s = stats_of(a, 0);
+    if (i == 0) {
+      assert_non_null(q);
+      assert_int_equal(s.num_oom_rejections, 0);
+      assert_int_equal(s.num_device_free, 1);
+    } else {
+      assert_null(q);
+      assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+      assert_contains(gca_last_error(), "rejected at once, the cache left alone");
+      assert_int_equal(s.num_oom_rejections, 1);
+      assert_int_equal(s.num_ooms, 1);
+      assert_int_equal(s.num_device_free + s.num_alloc_retries + s.num_sync_all_streams, 0);
+      assert_int_equal(s.reserved_bytes[GCA_POOL_ALL].current, 40 * MiB);
+      gca_stat_item_t items[GCA_STATS_FLAT_COUNT];
+      assert_int_equal(gca_stats_flatten(&s, items, GCA_STATS_FLAT_COUNT), GCA_STATS_FLAT_COUNT);
+      bool found = false;
+      for (size_t k = 0; k < GCA_STATS_FLAT_COUNT; k++)
+        if (!strcmp(items[k].name, "num_oom_rejections")) found = items[k].value == 1;
+      assert_true(found);
+      char conf[1024];
+      assert_true(gca_get_config(a, conf, sizeof conf) > 0);
+      assert_contains(conf, "throw_on_cudamalloc_oom:True");
+      assert_int_equal(gca_reset_accumulated_stats(a, 0), GCA_OK);
+      assert_int_equal(stats_of(a, 0).num_oom_rejections, 0);
+    }
+    close_empty(a, &q, 1);
+  }
+}
+
 /* ---- the ladder, rung by rung ------------------------------------------ */
 
 static void test_ladder_rungs(void **state) {
@@ -555,6 +598,7 @@ int main(void) {
       cmocka_unit_test(test_message),
       cmocka_unit_test(test_transient_failures),
       cmocka_unit_test(test_transient_failures_without_waiting),
+      cmocka_unit_test(test_fraction_rejects_outright),
       cmocka_unit_test(test_failure_during_release),
       cmocka_unit_test(test_failure_on_the_last_retry),
       cmocka_unit_test(test_random_pressure),

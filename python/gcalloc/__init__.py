@@ -89,7 +89,6 @@ library_path = _find_library()
 _lib = ctypes.CDLL(library_path)
 
 _P = ctypes.c_void_p
-_STATS_FLAT_COUNT = 122  # GCA_STATS_FLAT_COUNT
 
 
 class _StatItem(ctypes.Structure):
@@ -125,7 +124,7 @@ class _Stats(ctypes.Structure):  # gca_stats_t: only gcalloc's own counters are 
                                                     "num_cross_stream_reuses", "num_device_free_failures",
                                                     "num_gc_releases", "num_alloc_waits", "num_oom_handler_retries",
                                                     "num_pages_moved", "num_ipc_requests", "ipc_bytes_received",
-                                                    "num_ipc_timeouts")]
+                                                    "num_ipc_timeouts", "num_oom_rejections")]
 
 
 _OWN_COUNTERS = ("num_cross_stream_reuses", "num_device_free_failures", "num_gc_releases", "num_alloc_waits",
@@ -196,6 +195,7 @@ _sig("gca_device_properties", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_De
 _sig("gca_ipc_peers", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(_IpcPeer), ctypes.c_size_t)
 _sig("gca_can_access_peer", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int))
 _sig("gca_stats_flatten", ctypes.c_size_t, _P, ctypes.POINTER(_StatItem), ctypes.c_size_t)
+_STATS_FLAT_COUNT = _lib.gca_stats_flatten(None, None, 0)  # GCA_STATS_FLAT_COUNT, as the library was built
 _sig("gca_record_history", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
 _sig("gca_record_history_ex", ctypes.c_int, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_size_t)
 _sig("gca_host_malloc", _P, _P, ctypes.c_size_t)

@@ -113,7 +113,7 @@ def test_pytorchs_memory_functions_answer_from_gcalloc():
         t = torch.empty(30 * MiB, device="cuda:1")
         stats = torch.cuda.memory_stats(1)
         assert isinstance(stats, collections.OrderedDict) and list(stats) == sorted(stats)
-        assert stats == gcalloc.memory_stats(1) and len(stats) == 122
+        assert stats == gcalloc.memory_stats(1) and len(stats) == 123
         assert torch.cuda.memory.memory_stats(torch.device("cuda", 1)) == stats
         assert torch.cuda.memory_stats_as_nested_dict(1)["allocated_bytes"]["all"]["current"] == 30 * MiB
         for device in (1, "cuda:1", torch.device("cuda:1")):

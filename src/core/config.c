@@ -296,8 +296,10 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
   /* torch_npu's keys (PYTORCH_NPU_ALLOC_CONF): its names for keys gcalloc
    * has, then those whose feature is not built, checked and warned of. */
   if (strcmp(key, "pinned_mem_register") == 0) return read_bool(p, key, &c->pinned_use_host_register);
-  if (strcmp(key, "multi_stream_lazy_reclaim") == 0 || strcmp(key, "throw_on_npumalloc_oom") == 0 ||
-      strcmp(key, "pin_memory_expandable_segments") == 0) {
+  if (strcmp(key, "throw_on_cudamalloc_oom") == 0 || strcmp(key, "throw_on_npumalloc_oom") == 0 ||
+      strcmp(key, "throw_on_hipmalloc_oom") == 0)
+    return read_bool(p, key, &c->throw_on_malloc_oom);
+  if (strcmp(key, "multi_stream_lazy_reclaim") == 0 || strcmp(key, "pin_memory_expandable_segments") == 0) {
     bool on;
     rc = read_bool(p, key, &on);
     if (rc == GCA_OK && on) warn_not_built(p, key);
@@ -465,6 +467,7 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   gca__text_put(&o, ",backend:%s", c->backend_async ? "cudaMallocAsync" : "native");
   if (c->pad_32_mode != PAD_AUTO) gca__text_put(&o, ",pad_32_bytes:%s", c->pad_32_mode == PAD_ON ? "True" : "False");
   if (c->base_addr_aligned_kb >= 0) gca__text_put(&o, ",base_addr_aligned_kb:%d", c->base_addr_aligned_kb);
+  if (c->throw_on_malloc_oom) gca__text_put(&o, ",throw_on_cudamalloc_oom:True");
   if (c->ipc_cooperation)
     gca__text_put(&o, ",ipc_cooperation:True,ipc_release_timeout_ms:%" PRIu64 "%s", c->ipc_release_timeout_ms,
                   c->ipc_group_access ? ",ipc_group_access:True" : "");

@@ -41,6 +41,9 @@ typedef struct config {
    * per device (0: no alignment). */
   int base_addr_aligned_kb;
   size_t base_align;
+  /* throw_on_cudamalloc_oom / throw_on_npumalloc_oom: a request the
+   * fraction would refuse fails at once, the cache left alone. */
+  bool throw_on_malloc_oom;
   /* gcalloc's own: cooperation between processes on a device (coop.c). */
   bool ipc_cooperation;
   bool ipc_group_access;

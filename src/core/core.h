@@ -259,6 +259,7 @@ struct device {
   } ev;
   bool launch_blocking;      /* every free completes before gca_free returns */
   bool no_caching;           /* every free releases the cache (gca_no_caching) */
+  bool rejected;             /* this miss was rejected by the fraction (throw_on_*malloc_oom): no ladder */
   /* The framework's host queue (gca_set_queue_drain): emptied before a
    * release when `owed`, i.e. a block was freed since it last was. */
   struct {
@@ -338,6 +339,11 @@ int gca__device_set_fraction_locked(device_t *d, double fraction);
 /* Whether a fraction limits the device, its `allowed` asked of the device
  * first if it was set at open (a device nobody uses is never asked). */
 void gca__device_limit_resolve(device_t *d);
+/* With the lock held: whether `bytes` more reserved would pass the
+ * fraction's limit; if so the error is set (GCA_ERR_OOM) and, under
+ * throw_on_cudamalloc_oom / throw_on_npumalloc_oom, the request is rejected
+ * outright: no cache released, no retry (num_oom_rejections). */
+bool gca__device_limit_refuses(device_t *d, size_t bytes);
 static inline bool limit_on(device_t *d) {
   if (!d->limit.set) return false;
   if (unlikely(d->limit.pending)) gca__device_limit_resolve(d);

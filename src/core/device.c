@@ -125,6 +125,17 @@ void gca__device_limit_resolve(device_t *d) {
   d->limit.allowed = (size_t)(d->limit.fraction * (double)total);
 }
 
+bool gca__device_limit_refuses(device_t *d, size_t bytes) {
+  if (!limit_on(d) || (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + bytes <= d->limit.allowed) return false;
+  if (d->config.throw_on_malloc_oom) {
+    d->stats.num_oom_rejections++;
+    d->rejected = true;
+  }
+  gca__set_error(GCA_ERR_OOM, "device %d: %zu more bytes would pass the %zu the process may reserve "
+                 "(per_process_memory_fraction %g)", d->index, bytes, d->limit.allowed, d->limit.fraction);
+  return true;
+}
+
 void gca__device_drain(device_t *d, bool always) {
   if (!d->drain.fn || (!always && !d->drain.owed)) return;
   d->drain.owed = false;
@@ -258,8 +269,9 @@ static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream,
   if (!d->capture.count) gca__gc_collect(d);
   block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
   if (b || *rc != GCA_ERR_OOM) return b;
-  /* During a graph capture nothing goes back to the device: a new segment or nothing. */
-  if (d->capture.count) return NULL;
+  /* During a graph capture nothing goes back to the device: a new segment
+   * or nothing. Rejected by the fraction (throw_on_*malloc_oom): nothing. */
+  if (d->capture.count || d->rejected) return NULL;
 
   if (gca__segment_release_available(d, pool, stream, rounded)) {
     gca__events_finish_releases(d, true);
@@ -386,6 +398,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
                                          size_t requested) {
   block_t *b = NULL;
   int rc = GCA_ERR_OOM;
+  d->rejected = false;
   /* PyTorch's free-memory callbacks, then the cache again. */
   if (atomic_load_explicit(&d->owner->callbacks[CB_FREE_MEMORY].count, memory_order_relaxed)) {
     lock_release(&d->lock);
@@ -394,7 +407,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
     if (freed) b = take_cached(d, pool, stream, rounded, requested);
   }
   if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
-  if (!b && rc == GCA_ERR_OOM) b = recover(d, pool, stream, rounded, requested, &rc);
+  if (!b && rc == GCA_ERR_OOM && !d->rejected) b = recover(d, pool, stream, rounded, requested, &rc);
   absorbed_t absorbed = take_absorbed(d);
   bool no_vm = d->vm.unwarned;
   d->vm.unwarned = false;

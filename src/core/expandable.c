@@ -474,9 +474,7 @@ int gca__expandable_resume(device_t *d, segment_t *seg) {
       seg->paused_pages[i++] = 0; /* (not marked, or still mapped: nothing to do) */
       continue;
     }
-    if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + n * page > d->limit.allowed)
-      return gca__set_error(GCA_ERR_OOM, "device %d: %zu more bytes would pass the %zu the process may reserve "
-                            "(per_process_memory_fraction %g)", d->index, n * page, d->limit.allowed, d->limit.fraction);
+    if (gca__device_limit_refuses(d, n * page)) return GCA_ERR_OOM;
     uintptr_t *handles = malloc(n * sizeof *handles);
     if (!handles) return gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
     size_t made = 0;
@@ -555,12 +553,9 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   if (d->config.stitching && !d->capture.count && (donors = malloc(n * sizeof *donors)))
     movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
   size_t fresh = n - movable;
-  if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + fresh * page > d->limit.allowed) {
+  if (gca__device_limit_refuses(d, fresh * page)) {
     free(donors);
-    return gca__set_error(GCA_ERR_OOM,
-                          "device %d: %zu more bytes would pass the %zu the process may reserve "
-                          "(per_process_memory_fraction %g)",
-                          d->index, fresh * page, d->limit.allowed, d->limit.fraction);
+    return GCA_ERR_OOM;
   }
   /* Create first: it is the step that can run out of memory, and nothing
    * has moved yet if it does. */

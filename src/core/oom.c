@@ -239,6 +239,9 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
                   gca__coop_last(d->coop)[0] ? gca__coop_last(d->coop) : "none caches anything");
 
   /* The setting that would help, the likeliest first. */
+  if (d->rejected)
+    gca__text_put(&o, " The request was rejected at once, the cache left alone, because it would pass "
+                  "per_process_memory_fraction's limit (throw_on_cudamalloc_oom:True).");
   if (limit_on(d) && free_bytes >= want && (size_t)reserved + want > d->limit.allowed)
     gca__text_put(&o,
                   " To help: the process is limited to %s by per_process_memory_fraction:%g while the device has %s "

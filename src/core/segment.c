@@ -128,12 +128,8 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
     *status = gca__set_error(GCA_ERR_INVALID, "a segment for %zu bytes would overflow the address space", rounded);
     return NULL;
   }
-  if (limit_on(d) && (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + size > d->limit.allowed) {
-    /* PyTorch's alloc_block: refused without asking the device. */
-    *status = gca__set_error(GCA_ERR_OOM,
-                             "device %d: %zu more bytes would pass the %zu the process may reserve "
-                             "(per_process_memory_fraction %g)",
-                             d->index, size, d->limit.allowed, d->limit.fraction);
+  if (gca__device_limit_refuses(d, size)) { /* PyTorch's alloc_block: refused without asking the device */
+    *status = GCA_ERR_OOM;
     return NULL;
   }
   segment_t *seg;

@@ -158,6 +158,7 @@ static void build_flat_keys(void) {
       {"num_sync_all_streams", offsetof(gca_stats_t, num_sync_all_streams)},
       {"num_device_alloc", offsetof(gca_stats_t, num_device_alloc)},
       {"num_device_free", offsetof(gca_stats_t, num_device_free)},
+      {"num_oom_rejections", offsetof(gca_stats_t, num_oom_rejections)},
       {"max_split_size", offsetof(gca_stats_t, max_split_size)},
   };
   size_t n = 0;
