@@ -258,9 +258,10 @@ GCA_API int gca_record_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream
 
 /* Forget a use gca_record_stream recorded: the allocation's free no longer
  * waits for `stream` (torch_npu's eraseStream, which its process groups call
- * once they have ordered the stream themselves). A stream never recorded:
- * nothing changes. GCA_ERR_BAD_POINTER for a pointer that is not a live
- * allocation. A trace file (GCALLOC_TRACE_FILE) has no line for it: when
+ * once they have ordered the stream themselves). A stream never recorded,
+ * or an allocation freed already whose free waits for its streams: nothing
+ * changes (the free completes when the events recorded at it do).
+ * GCA_ERR_BAD_POINTER for a pointer that is neither. A trace file (GCALLOC_TRACE_FILE) has no line for it: when
  * the free completes, which it changes, is written. */
 GCA_API int gca_erase_stream(gca_allocator_t *a, void *ptr, gca_stream_t stream);
 

@@ -12,17 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build} out=${2:-gpu-check-out}
 mkdir -p "$out"
-failed=()
-step() { # name, command...
-  local name=$1
-  shift
-  echo "=== $name ==="
-  local t0=$SECONDS
-  "$@" 2>&1 | tee "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "--- $name: exit $rc, $((SECONDS - t0)) s"
-  [ "$rc" -eq 0 ] || failed+=("$name")
-}
+. scripts/check-steps.sh
 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step test_cuda_driver env GCALLOC_REQUIRE_GPU=1 CMOCKA_MESSAGE_OUTPUT=stdout "$build/tests/test_cuda_driver"
 step bench_cuda "$build/gcalloc" bench-cuda
@@ -40,9 +30,4 @@ step pytorch_pinned env PYTHONUNBUFFERED=1 python3 bench/pytorch_pinned.py --jso
 step python_package env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider python/tests
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
   --out "$out/pytorch" --json "$out/pytorch.json"
-if [ ${#failed[@]} -eq 0 ]; then
-  echo "=== gpu-check: all passed ==="
-else
-  echo "=== gpu-check: FAILED: ${failed[*]} ==="
-  exit 1
-fi
+finish gpu-check

@@ -363,6 +363,41 @@ EXPORT int aclrtFree(void *p) {
   LEAVE(ACL_SUCCESS);
 }
 
+/* [rt] synchronous fills and copies (aclrtMemset, aclrtMemcpy): device
+ * memory must be the runtime's (allocated, or mapped) and whole. */
+enum { ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE };
+
+static int device_range(const void *p, size_t n) {
+  uintptr_t at = (uintptr_t)p, end = at + n;
+  if (containing(ITEM_DEVICE, at, n)) return 1;
+  while (at < end) { /* (mappings side by side in a reservation are one range to the device) */
+    item_t *m = containing(ITEM_MAPPED, at, 1);
+    if (!m) return 0;
+    at = m->addr + m->size;
+  }
+  return 1;
+}
+
+EXPORT int aclrtMemset(void *dev, size_t max, int32_t value, size_t count) {
+  ENTER("aclrtMemset");
+  NEED_DEVICE();
+  if (!dev || count > max || !device_range(dev, count)) LEAVE(ACL_ERROR_INVALID_PARAM);
+  memset(dev, value, count);
+  LEAVE(ACL_SUCCESS);
+}
+
+EXPORT int aclrtMemcpy(void *dst, size_t max, const void *src, size_t count, int kind) {
+  ENTER("aclrtMemcpy");
+  NEED_DEVICE();
+  int dst_dev = kind == ACL_MEMCPY_HOST_TO_DEVICE || kind == ACL_MEMCPY_DEVICE_TO_DEVICE;
+  int src_dev = kind == ACL_MEMCPY_DEVICE_TO_HOST || kind == ACL_MEMCPY_DEVICE_TO_DEVICE;
+  if (!dst || !src || count > max || kind < 0 || kind > ACL_MEMCPY_DEVICE_TO_DEVICE ||
+      (dst_dev && !device_range(dst, count)) || (src_dev && !device_range(src, count)))
+    LEAVE(ACL_ERROR_INVALID_PARAM);
+  memmove(dst, src, count);
+  LEAVE(ACL_SUCCESS);
+}
+
 /* [rt] device memory is ACL_HBM_MEM on an NPU with HBM. */
 EXPORT int aclrtGetMemInfo(int attr, size_t *free_bytes, size_t *total) {
   ENTER("aclrtGetMemInfo");

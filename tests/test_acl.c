@@ -384,8 +384,24 @@ static void test_device_discipline_configured(void **state) {
   assert_int_equal(gca_empty_cache(a, -1), GCA_OK);
   assert_int_equal(full.current_device(), 5);
   assert_int_equal(touched_set(8), 1u << 5);
+  /* A pool paused and resumed on device 6: that device gets a context, and the thread stays on 5. */
+  gca_pool_t pool = 0;
+  assert_int_equal(gca_pool_create_ex(a, 6, GCA_POOL_PAUSABLE, &pool), GCA_OK);
+  assert_int_equal(gca_pool_push(a, pool), GCA_OK);
+  p = gca_malloc(a, 4 * MiB, 6, S1);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_non_null(p);
+  assert_int_equal(gca_pool_pause(a, pool, 0, NULL), GCA_OK);
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(gca_pool_resume(a, pool, 0), GCA_OK);
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_pool_release(a, pool), GCA_OK);
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(touched_set(8), 1u << 5 | 1u << 6);
   gca_close(a);
-  assert_int_equal(touched_set(8), 1u << 5);
+  assert_int_equal(full.current_device(), 5);
+  assert_int_equal(touched_set(8), 1u << 5 | 1u << 6);
   assert_runtime_empty(&full);
 }
 
@@ -498,6 +514,36 @@ static void test_waited_events(void **state) {
   assert_consistent(a);
   gca_close(a);
   gca_set_log_handler(NULL, NULL);
+  assert_runtime_empty(&full);
+}
+
+/* torch_npu's eraseStream: a use recorded and erased is not waited for; an
+ * erase after the free leaves the free waiting for what was recorded. */
+static void test_erase_stream(void **state) {
+  (void)state;
+  full.hold_events(1);
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  void *p = gca_malloc(a, MiB, 0, S1);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  assert_int_equal(gca_erase_stream(a, p, S2), GCA_OK);
+  assert_int_equal(gca_erase_stream(a, p, S2), GCA_OK); /* (not recorded: nothing) */
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 0);
+  p = gca_malloc(a, MiB, 0, S1);
+  assert_int_equal(gca_record_stream(a, p, S2), GCA_OK);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 1); /* waits for S2 */
+  assert_int_equal(gca_erase_stream(a, p, S2), GCA_OK);
+  assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 1);
+  assert_int_equal(gca_erase_stream(a, (char *)p + 512, S2), GCA_ERR_BAD_POINTER);
+  assert_int_equal(gca_erase_stream(a, (void *)0x1000, S2), GCA_ERR_BAD_POINTER);
+  assert_contains(gca_last_error(), "cannot erase a stream use of 0x1000");
+  full.complete_events();
+  assert_int_equal(gca_synchronize(a, -1), GCA_OK);
+  assert_int_equal(stats_of(a, 0).active[GCA_POOL_ALL].current, 0);
+  full.hold_events(0);
+  assert_consistent(a);
+  gca_close(a);
   assert_runtime_empty(&full);
 }
 
@@ -1083,6 +1129,7 @@ int main(void) {
       cmocka_unit_test_setup(test_device_discipline_configured, fresh),
       cmocka_unit_test_setup(test_queue_drained_before_release, fresh),
       cmocka_unit_test_setup(test_waited_events, fresh),
+      cmocka_unit_test_setup(test_erase_stream, fresh),
       cmocka_unit_test_setup(test_host_memory_needs_a_context, fresh),
       cmocka_unit_test_setup(test_configuration_precedence, fresh),
       cmocka_unit_test_setup(test_npu_keys, fresh),
