@@ -15,7 +15,8 @@ import pytest
 
 import gcalloc
 
-STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin", "torch_npu")
+STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standin")
+STANDIN = os.path.join(STANDINS, "torch_npu")
 PRELUDE = """
 import ctypes, os, warnings
 import torch_npu, gcalloc, gcalloc.torch_npu
@@ -53,7 +54,7 @@ def run(tmp_path):
 
     def run_code(code, **env):
         full = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, GCALLOC_ACL_LIBRARY=fake_acl,
-                    PYTHONPATH=os.pathsep.join([str(tmp_path), gcalloc_dir, os.environ.get("PYTHONPATH", "")]))
+                    PYTHONPATH=os.pathsep.join([str(tmp_path), STANDINS, gcalloc_dir, os.environ.get("PYTHONPATH", "")]))
         for name in ("GCALLOC_TORCH_BACKEND", "GCALLOC_ALLOC_CONF", "MINDTORCH_NPU_ALLOC_CONF",
                      "PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE", "FAKEACL_DEVICES"):
             full.pop(name, None)

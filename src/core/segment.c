@@ -295,6 +295,22 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   if (unlikely(d->ev.pending_blocks | (size_t)d->obs.recording)) note_taken(d, b, requested);
 }
 
+/* Make `low` the first `size` bytes of b, linked before it; b keeps the rest. */
+static void carve_below(block_t *b, block_t *low, size_t size) {
+  low->addr = b->addr;
+  low->size = size;
+  low->stream = b->stream;
+  low->segment = b->segment;
+  low->pool = b->pool;
+  low->prev = b->prev;
+  low->next = b;
+  if (low->prev) low->prev->next = low;
+  else b->segment->head = low;
+  b->prev = low;
+  b->addr += size;
+  b->size -= size;
+}
+
 /* torch_npu's base_addr_aligned_kb: with expandable segments, a request of
  * 2 MiB or more starts at a multiple of the alignment where the block has
  * room for it; the bytes below stay a free block of their own (merged back
@@ -310,20 +326,9 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   if (*in_index) gca__pool_remove(b->pool, b);
   *in_index = false;
   *pred = NULL;
-  low->addr = b->addr;
-  low->size = below;
-  low->stream = b->stream;
-  low->segment = b->segment;
-  low->pool = b->pool;
+  carve_below(b, low, below);
   low->expandable = true;
   low->gc_base = b->gc_base;
-  low->prev = b->prev;
-  low->next = b;
-  if (low->prev) low->prev->next = low;
-  else b->segment->head = low;
-  b->prev = low;
-  b->addr += below;
-  b->size -= below;
   gca__pool_insert(low->pool, low);
   return b;
 }
@@ -342,18 +347,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
     /* The request takes the low end as a new block; `b` stays the free
      * remainder. Its key only shrinks, so it usually keeps its place in the
      * index and the tree is not touched. */
-    piece->addr = b->addr;
-    piece->size = rounded;
-    piece->stream = b->stream;
-    piece->segment = b->segment;
-    piece->pool = b->pool;
-    piece->prev = b->prev;
-    piece->next = b;
-    if (piece->prev) piece->prev->next = piece;
-    else b->segment->head = piece;
-    b->prev = piece;
-    b->addr += rounded;
-    b->size -= rounded;
+    carve_below(b, piece, rounded);
     b->gc_base = b->pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
     if (in_index) gca__pool_key_decreased(b->pool, b, pred);
     else gca__pool_insert(b->pool, b);

@@ -2,6 +2,8 @@
 the pluggable allocator object, and the functions torch.cuda.memory calls."""
 import ctypes
 
+from _pluggable import Pluggable
+
 DEVICE_COUNT = 2
 
 
@@ -9,8 +11,6 @@ class _MempoolId(ctypes.Structure):  # c10::cuda::MempoolId_t, a pair of two 64-
     _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
 
 
-_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 # set_*_fn: name -> the C signature Module.cpp casts the address to.
 HOOKS = {
     "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
@@ -68,50 +68,11 @@ class _NativeAllocator:
         return ptr, self.live.get(ptr, 0)
 
 
-class _CUDAPluggableAllocator:
+class _CUDAPluggableAllocator(Pluggable):
     """torch::cuda::CUDAPluggableAllocator: the two functions, the hooks
     (called only when set), and "does not yet support" for the rest."""
 
-    def __init__(self, malloc_ptr, free_ptr):
-        self._malloc, self._free = _MALLOC(malloc_ptr), _FREE(free_ptr)
-        self._hooks = {}
-        self._metadata = {}
-        self._initialized = False
-        self.calls = []  # (hook, arguments) each time a hook is called, for the tests
-
-    def __getattr__(self, name):
-        if name in HOOKS:
-            def set_hook(func_ptr, _name=name):
-                if not isinstance(func_ptr, int) or not func_ptr:
-                    raise TypeError("%s(): incompatible function arguments (an int address)" % _name)
-                self._hooks[_name] = HOOKS[_name](func_ptr)
-            return set_hook
-        raise AttributeError(name)
-
-    def _hook(self, name, *args):
-        fn = self._hooks.get(name)
-        if fn is None:
-            return None
-        self.calls.append((name, args))
-        return fn(*args)
-
-    def initialized(self):
-        return self._initialized
-
-    def init(self, device_count):
-        self._hook("set_init_fn", device_count)
-        self._initialized = True
-
-    def malloc(self, size, device, stream):
-        r = self._malloc(size, device, stream)
-        self._metadata[r] = (size, device, stream)
-        return r or 0
-
-    def raw_delete(self, ptr):
-        if ptr not in self._metadata:
-            raise RuntimeError("Trying to free a pointer not allocated here")
-        size, device, stream = self._metadata.pop(ptr)
-        self._free(ptr, size, device, stream)
+    HOOKS = HOOKS
 
     def recordStream(self, ptr, stream):  # noqa: N802
         self._hook("set_record_stream_fn", ptr, stream)
@@ -121,13 +82,6 @@ class _CUDAPluggableAllocator:
 
     def setMemoryFraction(self, fraction, device):  # noqa: N802
         self._hook("set_memory_fraction_fn", fraction, device)
-
-    def getBaseAllocation(self, ptr):  # noqa: N802
-        if "set_base_alloc_fn" not in self._hooks:
-            return ptr, 0
-        size = ctypes.c_size_t(0)
-        base = self._hook("set_base_alloc_fn", ptr, ctypes.byref(size))
-        return base or 0, size.value
 
     def releasePool(self, device, first, second):  # noqa: N802
         self._hook("set_release_pool", device, _MempoolId(first, second))

@@ -9,11 +9,11 @@ import ctypes
 import os
 import warnings
 
+from _pluggable import Pluggable
+
 DEVICE_COUNT = 2
 ACL_CONFIG = "torch_npu_acl.json"  # what torch_npu's aclInit reads
 
-_MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
-_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 # set_*_fn: name -> the C signature Module.cpp casts the address to.
 HOOKS = {
     "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
@@ -60,46 +60,8 @@ class _NativeAllocator:
         del self.live[ptr]
 
 
-class _NPUPluggableAllocator:
-    def __init__(self, malloc_ptr, free_ptr):
-        self._malloc, self._free = _MALLOC(malloc_ptr), _FREE(free_ptr)
-        self._hooks, self._metadata = {}, {}
-        self._initialized = False
-        self.calls = []  # (hook, arguments) each time a hook is called, for the tests
-
-    def __getattr__(self, name):
-        if name in HOOKS:
-            def set_hook(func_ptr, _name=name):
-                if not isinstance(func_ptr, int) or not func_ptr:
-                    raise TypeError("%s(): incompatible function arguments (an int address)" % _name)
-                self._hooks[_name] = HOOKS[_name](func_ptr)
-            return set_hook
-        raise AttributeError(name)
-
-    def _hook(self, name, *args):
-        fn = self._hooks.get(name)
-        if fn is None:
-            return None
-        self.calls.append((name, args))
-        return fn(*args)
-
-    def initialized(self):
-        return self._initialized
-
-    def init(self, device_count):
-        self._hook("set_init_fn", device_count)
-        self._initialized = True
-
-    def malloc(self, size, device, stream):
-        r = self._malloc(size, device, stream) or 0
-        self._metadata[r] = (size, device, stream)  # (a NULL too: torch_npu does not check it)
-        return r
-
-    def raw_delete(self, ptr):
-        if ptr not in self._metadata:
-            raise RuntimeError("Trying to free a pointer not allocated here")
-        size, device, stream = self._metadata.pop(ptr)
-        self._free(ptr, size, device, stream)
+class _NPUPluggableAllocator(Pluggable):
+    HOOKS = HOOKS
 
     def emptyCache(self, check_error=True):  # noqa: N802 (torch_npu's names)
         self._hook("set_reset_fn", check_error)
@@ -112,12 +74,6 @@ class _NPUPluggableAllocator:
 
     def eraseStream(self, ptr, stream):  # noqa: N802
         self._hook("set_erase_stream_fn", ptr, stream)
-
-    def getBaseAllocation(self, ptr):  # noqa: N802
-        if "set_base_alloc_fn" not in self._hooks:
-            return ptr, 0
-        size = ctypes.c_size_t(0)
-        return self._hook("set_base_alloc_fn", ptr, ctypes.byref(size)) or 0, size.value
 
     def getDeviceStats(self, device):  # noqa: N802
         # torch_npu warns, then falls off the end of a function returning DeviceStats: undefined behaviour.
