@@ -517,6 +517,31 @@ static void test_waited_events(void **state) {
   assert_runtime_empty(&full);
 }
 
+/* torch_npu's switches, read at open on acl: PYTORCH_NO_NPU_MEMORY_CACHING
+ * (not PyTorch's CUDA one) and ASCEND_LAUNCH_BLOCKING. */
+static void test_torch_npu_switches(void **state) {
+  (void)state;
+  setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1", 1);
+  gca_allocator_t *a = open_sim(SPEC, NULL);
+  assert_int_equal(gca_no_caching(a), 0);
+  gca_close(a);
+  unsetenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+  setenv("PYTORCH_NO_NPU_MEMORY_CACHING", "1", 1);
+  setenv("ASCEND_LAUNCH_BLOCKING", "1", 1);
+  a = open_sim(SPEC, NULL);
+  unsetenv("PYTORCH_NO_NPU_MEMORY_CACHING");
+  unsetenv("ASCEND_LAUNCH_BLOCKING");
+  assert_int_equal(gca_no_caching(a), 1);
+  assert_int_equal(gca_launch_blocking(a), 1);
+  void *p = gca_malloc(a, 3 * MiB, 0, S1);
+  assert_non_null(p);
+  assert_int_equal(full.live(LIVE_DEVICE), 1);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(full.live(LIVE_DEVICE), 0); /* given back at the free */
+  gca_close(a);
+  assert_runtime_empty(&full);
+}
+
 /* torch_npu's eraseStream: a use recorded and erased is not waited for; an
  * erase after the free leaves the free waiting for what was recorded. */
 static void test_erase_stream(void **state) {
@@ -1130,6 +1155,7 @@ int main(void) {
       cmocka_unit_test_setup(test_queue_drained_before_release, fresh),
       cmocka_unit_test_setup(test_waited_events, fresh),
       cmocka_unit_test_setup(test_erase_stream, fresh),
+      cmocka_unit_test_setup(test_torch_npu_switches, fresh),
       cmocka_unit_test_setup(test_host_memory_needs_a_context, fresh),
       cmocka_unit_test_setup(test_configuration_precedence, fresh),
       cmocka_unit_test_setup(test_npu_keys, fresh),
