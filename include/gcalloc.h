@@ -400,7 +400,10 @@ GCA_API int gca_remove_oom_handler(gca_allocator_t *a, gca_oom_handler_fn fn, vo
  * feature is not built yet is accepted and logged as a warning; an unknown key
  * is logged and ignored. A malformed or out-of-range value fails with
  * GCA_ERR_CONFIG naming the key, the value and the rule, and then no key of
- * the string takes effect. Applies to every device of the allocator. */
+ * the string takes effect. Applies to every device of the allocator.
+ * ipc_cooperation and ipc_group_access are read at gca_open only: a string
+ * that changes either fails with GCA_ERR_CONFIG saying so (one that repeats
+ * the value in force is fine). */
 GCA_API int gca_set_config(gca_allocator_t *a, const char *config);
 
 /* Write the settings in force as a configuration string that gca_set_config

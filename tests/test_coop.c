@@ -406,6 +406,27 @@ static void test_several_peers(void **state) {
   gca_close(a);
 }
 
+/* ipc_cooperation and ipc_group_access are read at open only: a change
+ * later is refused, not reported by gca_get_config and ignored. */
+static void test_cooperation_read_at_open(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_int_equal(gca_set_config(a, "ipc_cooperation:False"), GCA_ERR_CONFIG);
+  assert_contains(gca_last_error(), "ipc_cooperation is read at gca_open only (the allocator is open with it)");
+  assert_int_equal(gca_set_config(a, "ipc_group_access:True"), GCA_ERR_CONFIG);
+  assert_int_equal(gca_set_config(a, "ipc_cooperation:True,ipc_release_timeout_ms:300"), GCA_OK);
+  char conf[1024];
+  assert_true(gca_get_config(a, conf, sizeof conf) > 0);
+  assert_contains(conf, "ipc_cooperation:True,ipc_release_timeout_ms:300");
+  gca_close(a);
+  a = open_sim(spec, NULL);
+  assert_int_equal(gca_set_config(a, "ipc_cooperation:True"), GCA_ERR_CONFIG);
+  assert_contains(gca_last_error(), "ipc_cooperation is read at gca_open only (the allocator is open without it)");
+  assert_true(gca_get_config(a, conf, sizeof conf) > 0);
+  assert_null(strstr(conf, "ipc_cooperation"));
+  gca_close(a);
+}
+
 static void test_stopped_peer_times_out(void **state) {
   (void)state;
   peer_t peer = start_peer(60);
@@ -821,6 +842,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_history_records_cooperation, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_paused_pool_frees_memory_for_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_dying_while_asked, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_whose_thread_starts_late, fresh_name, remove_regions),

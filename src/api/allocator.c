@@ -589,6 +589,15 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
   mutex_lock(&a->config_lock);
   config_t next = a->config;
   int rc = gca__config_apply(&next, config, NULL);
+  /* Cooperation is set up at gca_open (the rendezvous joined, its thread
+   * started): a change afterwards would be reported by gca_get_config and do
+   * nothing, so it is refused. */
+  if (rc == GCA_OK && (next.ipc_cooperation != a->config.ipc_cooperation ||
+                       next.ipc_group_access != a->config.ipc_group_access))
+    rc = gca__set_error(GCA_ERR_CONFIG, "gca_set_config: %s is read at gca_open only (the allocator is open %s it); "
+                        "give it in gca_open's configuration or GCALLOC_ALLOC_CONF",
+                        next.ipc_cooperation != a->config.ipc_cooperation ? "ipc_cooperation" : "ipc_group_access",
+                        a->config.ipc_cooperation ? "with" : "without");
   if (rc == GCA_OK) {
     /* The fraction key, when it changes, sets every device's fraction;
      * gca_set_memory_fraction's per-device settings stay otherwise. */
