@@ -463,13 +463,14 @@ typedef struct gca_stats {
   int64_t num_oom_handler_retries;  /* tries made again because an OOM handler asked */
   int64_t num_pages_moved;          /* stitching: free pages of expandable segments mapped elsewhere */
   /* Cooperation between processes (ipc_cooperation:True, docs/sharing.md): */
-  int64_t num_ipc_requests;         /* other processes asked to release their cache */
+  int64_t num_ipc_requests;         /* requests made to the other processes (one per out-of-memory that asked any) */
   int64_t ipc_bytes_received;       /* bytes they released in answer */
   int64_t num_ipc_timeouts;         /* asked processes that did not answer in time */
   /* Requests refused outright by per_process_memory_fraction under
    * throw_on_cudamalloc_oom / throw_on_npumalloc_oom (PyTorch's and
    * torch_npu's num_oom_rejections, flattened as theirs). */
   int64_t num_oom_rejections;
+  int64_t num_ipc_peers_asked;      /* other processes asked, over all requests (ipc_cooperation:True) */
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

@@ -296,6 +296,7 @@ static void test_a_peer_releases_its_cache(void **state) {
   assert_non_null(p);
   gca_stats_t s = stats_of(a, 0);
   assert_int_equal(s.num_ipc_requests, 1);
+  assert_int_equal(s.num_ipc_peers_asked, 1);
   assert_int_equal(s.ipc_bytes_received, 60 * MiB); /* what the peer's statistics said it cached */
   assert_int_equal(s.num_ipc_timeouts, 0);
   assert_int_equal(gca_free(a, p), GCA_OK);
@@ -399,7 +400,8 @@ static void test_several_peers(void **state) {
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
   gca_stats_t s = stats_of(a, 0);
-  assert_true(s.num_ipc_requests >= 3); /* the 10 MiB free and 30 + 30 cached are short of 80: all three */
+  assert_int_equal(s.num_ipc_requests, 1); /* one request... */
+  assert_true(s.num_ipc_peers_asked >= 3); /* ...to all three: the 10 MiB free and 30 + 30 cached are short of 80 */
   assert_true(s.ipc_bytes_received >= (int64_t)(70 * MiB));
   assert_int_equal(gca_free(a, p), GCA_OK);
   for (int i = 0; i < 3; i++) stop_peer(peers[i]);

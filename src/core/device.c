@@ -322,7 +322,8 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
     gca__coop_ask(d->coop, need, &got);
     relock(d);
     atomic_store(&d->coop_waiting, 0);
-    d->stats.num_ipc_requests += got.asked;
+    d->stats.num_ipc_requests += got.asked > 0;
+    d->stats.num_ipc_peers_asked += got.asked;
     d->stats.ipc_bytes_received += (int64_t)got.received;
     d->stats.num_ipc_timeouts += got.timeouts;
     if (d->obs.recording) gca__history_ipc_request(d, need, stream, (int)got.asked, (int)got.timeouts, got.received);
