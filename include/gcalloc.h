@@ -794,7 +794,9 @@ GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, 
 /* Resume a paused pool: new memory mapped at the same addresses, the host
  * copies written back (ordered on each block's stream, waited for), then
  * given back to the pinned host allocator unless GCA_RESUME_KEEP_BACKUP
- * (kept until the next pause, resume or the pool's end). Out of memory:
+ * (kept until the next pause, resume or the pool's end). Room is made as
+ * for an allocation: the process's own cache given back, then (with
+ * ipc_cooperation:True) the other processes asked. Out of memory:
  * GCA_ERR_OOM naming the pool's need, and the pages mapped before it ran
  * out given back: the pool is paused exactly as before (call again, free
  * into it, or release it). Resuming a running pool is refused and changes

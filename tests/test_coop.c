@@ -390,6 +390,29 @@ static void test_paused_pool_frees_memory_for_others(void **state) {
   gca_close(a);
 }
 
+/* A resume makes room as an allocation does: with its own cache not
+ * enough, the peers are asked for the pool's need. */
+static void test_resume_asks_the_peers(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_pool_t pool = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool), GCA_OK);
+  assert_int_equal(gca_pool_push(a, pool), GCA_OK);
+  void *x = gca_malloc(a, 40 * MiB, 0, 0);
+  assert_non_null(x);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_pause(a, pool, 0, NULL), GCA_OK);
+  peer_t peer = start_peer(80); /* takes what the pause gave back, and caches it */
+  assert_int_equal(gca_pool_resume(a, pool, 0), GCA_OK);
+  gca_stats_t s = stats_of(a, 0);
+  assert_int_equal(s.num_ipc_requests, 1);
+  assert_true(s.ipc_bytes_received >= (int64_t)(40 * MiB));
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_int_equal(gca_pool_release(a, pool), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 static void test_several_peers(void **state) {
   (void)state;
   peer_t peers[3];
@@ -843,6 +866,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_history_records_cooperation, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_paused_pool_frees_memory_for_others, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_resume_asks_the_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),

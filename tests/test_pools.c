@@ -647,6 +647,41 @@ static void test_release_while_paused(void **state) {
  * memory, and the invariants hold; every 100 cycles, with the workload
  * freed and the pool paused, the device holds nothing at all (no page, no
  * allocation, no event left behind). */
+/* A resume makes room as an allocation does: this process's own cache is
+ * given back when the device is short (the peers are asked too, test_coop). */
+static void test_resume_releases_own_cache(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=64MiB", NULL);
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *x = gca_malloc(a, 40 * MiB, 0, S1);
+  assert_non_null(x);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_pause(a, p, 0, NULL), GCA_OK);
+  void *y = gca_malloc(a, 40 * MiB, 0, S1); /* the default pool takes what the pause gave back */
+  assert_non_null(y);
+  assert_int_equal(gca_free(a, y), GCA_OK); /* ... and caches it */
+  assert_int_equal(stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].current, 40 * MiB);
+  int64_t frees = stats_of(a, 0).num_device_free;
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(pool_stats(a, p).reserved_bytes, 40 * MiB);
+  assert_int_equal(stats_of(a, 0).num_device_free, frees + 1); /* the cached segment */
+  /* Short even with the cache given back: the pool's need in the message, and it stays paused. */
+  assert_int_equal(gca_pool_pause(a, p, 0, NULL), GCA_OK);
+  y = gca_malloc(a, 40 * MiB, 0, S1);
+  assert_non_null(y);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_ERR_OOM);
+  assert_contains(gca_last_error(), "needs 40.00 MiB mapped back and stays paused");
+  assert_true(pool_stats(a, p).paused);
+  assert_int_equal(gca_free(a, y), GCA_OK);
+  assert_int_equal(gca_pool_resume(a, p, 0), GCA_OK);
+  assert_int_equal(gca_free(a, x), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+}
+
 static void test_pause_resume_cycles(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim:capacity=512MiB", NULL);
@@ -927,6 +962,7 @@ int main(void) {
       cmocka_unit_test(test_pause_refusals),
       cmocka_unit_test(test_pause_gives_memory_back),
       cmocka_unit_test(test_release_while_paused),
+      cmocka_unit_test(test_resume_releases_own_cache),
       cmocka_unit_test(test_pause_resume_cycles),
       cmocka_unit_test(test_pause_resume_faults),
       cmocka_unit_test(test_pause_resume_on_cuda_stand_in),

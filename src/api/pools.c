@@ -13,12 +13,42 @@
 #include <inttypes.h>
 #include <stdlib.h>
 
+#include "core/coop.h"
 #include "core/core.h"
 #include "core/events.h"
 #include "core/mempool.h"
 #include "core/oom.h"
 
 static void drop_backup(gca_allocator_t *a, void *host) { (void)gca_host_free(a, host); }
+
+/* remap_making_room's answer when another thread resumed the pool while the
+ * peers were asked (not a gca_status). */
+#define GCA_RESUMED_ELSEWHERE 1
+
+/* Map a paused pool back, making room as an allocation does: out of
+ * memory, this process's own cache is given back (the ladder's last step)
+ * and the mapping tried again; then, with ipc_cooperation:True, the other
+ * processes on the device are asked for `need` bytes, without the device's
+ * lock, and the pool is looked up again by its id (*mp NULL: it was
+ * released meanwhile, the error set, nothing locked). With the lock held. */
+static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp, size_t need) {
+  device_t *d = (*mp)->device;
+  int rc = gca__mempool_remap(d, *mp);
+  if (rc != GCA_ERR_OOM) return rc;
+  gca__device_release_cache_locked(d);
+  rc = gca__mempool_remap(d, *mp);
+  if (rc != GCA_ERR_OOM || !d->coop) return rc;
+  atomic_store(&d->coop_waiting, (int64_t)need);
+  lock_release(&d->lock);
+  coop_outcome_t got;
+  gca__coop_ask(d->coop, need, &got);
+  *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
+  atomic_store(&d->coop_waiting, 0);
+  if (!*mp) return gca__prefix_error("gca_pool_resume: while the other processes were asked for memory");
+  gca__device_peers_answered(d, need, 0, &got);
+  if (!(*mp)->paused) return GCA_RESUMED_ELSEWHERE;
+  return gca__mempool_remap(d, *mp);
+}
 
 
 /* Copy every live block of the pool to pinned host memory and wait for the
@@ -117,7 +147,14 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_resume: device %d has a stream captured into a graph", d->index);
   if (rc == GCA_OK) {
     size_t need = gca__mempool_paused_bytes(d, mp);
-    if ((rc = gca__mempool_remap(d, mp)) != GCA_OK) {
+    rc = remap_making_room(a, pool, &mp, need);
+    if (!mp) return rc; /* (released by another thread while the peers were asked) */
+    d = mp->device;
+    if (rc == GCA_RESUMED_ELSEWHERE) {
+      lock_release(&d->lock);
+      return GCA_OK;
+    }
+    if (rc != GCA_OK) {
       char text[32];
       gca__format_bytes(need, text, sizeof text);
       gca__prefix_error("gca_pool_resume: pool %" PRIu64 " needs %s mapped back and stays paused", pool, text);

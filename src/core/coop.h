@@ -20,6 +20,9 @@ void gca__coop_leave(coop_t *c);
  * to ipc_release_timeout_ms; returns the bytes released. Without the
  * device lock. */
 size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
+/* With the device's lock held again: count what a request to the peers did
+ * (num_ipc_requests and the rest; the history's ipc_request entry). */
+void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got);
 /* What the last request got, by peer, for the out-of-memory message. */
 const char *gca__coop_last(const coop_t *c);
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);

@@ -353,6 +353,10 @@ static inline bool limit_on(device_t *d) {
  * back (`always`: even if nothing was freed since, for a pause, whose live
  * blocks may have queued work). */
 void gca__device_drain(device_t *d, bool always);
+/* With the lock held: PyTorch's release_cached_blocks (every pending free
+ * waited for, every whole cached segment given back), as the ladder's last
+ * step and gca_empty_cache do. */
+void gca__device_release_cache_locked(device_t *d);
 int gca__device_check_locked(device_t *d);
 
 /* segment.c: with the lock held. */

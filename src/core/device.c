@@ -125,6 +125,14 @@ void gca__device_limit_resolve(device_t *d) {
   d->limit.allowed = (size_t)(d->limit.fraction * (double)total);
 }
 
+void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got) {
+  d->stats.num_ipc_requests += got->asked > 0;
+  d->stats.num_ipc_peers_asked += got->asked;
+  d->stats.ipc_bytes_received += (int64_t)got->received;
+  d->stats.num_ipc_timeouts += got->timeouts;
+  if (d->obs.recording) gca__history_ipc_request(d, need, stream, got->asked, got->timeouts, got->received);
+}
+
 bool gca__device_limit_refuses(device_t *d, size_t bytes) {
   if (!limit_on(d) || (size_t)family_current(&d->stats, FAM_RESERVED_BYTES) + bytes <= d->limit.allowed) return false;
   if (d->config.throw_on_malloc_oom) {
@@ -198,6 +206,8 @@ static void release_cached_blocks(device_t *d) {
   gca__segment_release_all_cached(d);
   gca__events_finish_releases(d, true);
 }
+
+void gca__device_release_cache_locked(device_t *d) { release_cached_blocks(d); }
 
 /* The smallest whole cached segment of another stream that fits `rounded`
  * under the oversize rules and the configured size ratio, preferring
@@ -322,11 +332,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
     gca__coop_ask(d->coop, need, &got);
     relock(d);
     atomic_store(&d->coop_waiting, 0);
-    d->stats.num_ipc_requests += got.asked > 0;
-    d->stats.num_ipc_peers_asked += got.asked;
-    d->stats.ipc_bytes_received += (int64_t)got.received;
-    d->stats.num_ipc_timeouts += got.timeouts;
-    if (d->obs.recording) gca__history_ipc_request(d, need, stream, (int)got.asked, (int)got.timeouts, got.received);
+    gca__device_peers_answered(d, need, stream, &got);
     if (got.asked) b = take_again(d, pool, stream, rounded, requested, rc);
   }
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
