@@ -91,9 +91,24 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
     for (;;) pause();
   }
   void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+  const char *later = getenv("GCALLOC_TEST_PEER_FREE_AFTER_MS");
+  if (later) { /* live at first, freed into the cache this much later */
+    if (!p || write(ready, "r", 1) != 1) return 4;
+    usleep((useconds_t)atoi(later) * 1000);
+    if (gca_free(a, p) != GCA_OK) return 3;
+    for (;;) pause();
+  }
   if (!p || gca_free(a, p) != GCA_OK) return 3;
   if (write(ready, "r", 1) != 1) return 4;
   if (history && report_release(a, ready) != 0) return 5;
+  const char *regrow = getenv("GCALLOC_TEST_PEER_REGROW_MS");
+  while (regrow) { /* each time its cache is released, it grows it again this much later */
+    while (gca_reserved_bytes(a, 0) != 0) usleep(1000);
+    usleep((useconds_t)atoi(regrow) * 1000);
+    p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
+    if (p && gca_free(a, p) != GCA_OK) return 3;
+    if (!p) usleep(1000);
+  }
   for (;;) pause();
 }
 
@@ -431,6 +446,78 @@ static void test_several_peers(void **state) {
   gca_close(a);
 }
 
+/* A stopped peer with the most cache does not block a request another
+ * peer can serve: when it has not answered within a quarter of the
+ * timeout (at most 100 ms), the others are asked too. */
+static void test_stopped_peer_does_not_block_the_others(void **state) {
+  (void)state;
+  peer_t big = start_peer(60), small = start_peer(30);
+  usleep(250000); /* both have published: 60 MiB cached covers the need alone */
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:2000");
+  kill(big.pid, SIGSTOP);
+  wait_stopped(big.pid);
+  double t0 = now_ms();
+  void *p = gca_malloc(a, 30 * MiB, 0, 0); /* 10 MiB free: the small one's 30 serve it */
+  double took = now_ms() - t0;
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  assert_true(took < 1000); /* well before the 2 s timeout */
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.num_ipc_requests, 1);
+  assert_int_equal(st.num_ipc_peers_asked, 2);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  kill(big.pid, SIGCONT);
+  stop_peer(big);
+  stop_peer(small);
+  gca_close(a);
+}
+
+/* What a peer released is used before it grows its cache again: the
+ * request does not wait for a stopped peer once the answers cover it. */
+static void test_released_memory_is_used_at_once(void **state) {
+  (void)state;
+  peer_t big = start_peer(60);
+  setenv("GCALLOC_TEST_PEER_REGROW_MS", "200", 1);
+  peer_t small = start_peer(30);
+  unsetenv("GCALLOC_TEST_PEER_REGROW_MS");
+  usleep(250000);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:1000");
+  kill(big.pid, SIGSTOP);
+  wait_stopped(big.pid);
+  for (int i = 0; i < 3; i++) {
+    void *p = gca_malloc(a, 30 * MiB, 0, 0);
+    if (!p) fprintf(stderr, "round %d: %s\n", i, gca_last_error());
+    assert_non_null(p);
+    assert_int_equal(gca_free(a, p), GCA_OK);
+    assert_int_equal(gca_empty_cache(a, 0), GCA_OK); /* (the small peer grows again 200 ms later) */
+    usleep(400000);
+  }
+  kill(big.pid, SIGCONT);
+  stop_peer(big);
+  stop_peer(small);
+  gca_close(a);
+}
+
+/* An allocation waiting for memory (oom_retry_timeout_ms) asks the peers
+ * again: memory a peer frees into its cache while it waits serves it. */
+static void test_waiting_asks_the_peers_again(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_PEER_FREE_AFTER_MS", "300", 1);
+  peer_t peer = start_peer(70); /* 70 MiB live, freed into its cache 300 ms later */
+  unsetenv("GCALLOC_TEST_PEER_FREE_AFTER_MS");
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,oom_retry_timeout_ms:5000");
+  double t0 = now_ms();
+  void *p = gca_malloc(a, 50 * MiB, 0, 0); /* 30 MiB free until the peer's free */
+  double took = now_ms() - t0;
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  assert_true(took < 4000); /* well before the 5 s wait runs out */
+  assert_true(stats_of(a, 0).num_ipc_requests >= 2);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 /* ipc_cooperation and ipc_group_access are read at open only: a change
  * later is refused, not reported by gca_get_config and ignored. */
 static void test_cooperation_read_at_open(void **state) {
@@ -590,6 +677,7 @@ static void test_processes_taking_turns(void **state) {
     /* (a deadline no load on a shared test machine reaches) */
     turns_t together = take_turns(procs, 5, "ipc_cooperation:True,ipc_release_timeout_ms:10000");
     assert_int_equal(together.ooms, 0);
+    if (together.requests < procs * 5 - 1) fprintf(stderr, "%d processes: %lld requests, %lld bytes received\n", procs, together.requests, together.bytes_received);
     assert_true(together.requests >= procs * 5 - 1);
     assert_int_equal(together.bytes_received, (long long)(procs * 5 - 1) * 60 * (long long)MiB);
   }
@@ -870,6 +958,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_stopped_peer_does_not_block_the_others, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_waiting_asks_the_peers_again, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_released_memory_is_used_at_once, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_dying_while_asked, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_whose_thread_starts_late, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),

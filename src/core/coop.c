@@ -14,8 +14,11 @@
  *
  * A process whose request would fail after its own ladder released its
  * cache asks the peers that cache most (reserved less allocated) to
- * release, wakes them, and waits for their answers up to
- * ipc_release_timeout_ms; then the request is tried again. A peer answers
+ * release, wakes them, and waits for their answers: the request is tried
+ * again as soon as they cover the need (the others' requests withdrawn),
+ * every other peer is asked when the first have not covered it within a
+ * quarter of ipc_release_timeout_ms (at most 100 ms), and the wait ends at
+ * ipc_release_timeout_ms (gca__coop_ask). A peer answers
  * on a thread of its own (so a peer idle in Python still answers): it
  * empties its cache as gca_empty_cache does (after its streams' work, so
  * never memory they may still use), and reports what it released. A peer
@@ -44,7 +47,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 2u
+#define COOP_VERSION 3u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
@@ -57,6 +60,7 @@ typedef struct coop_slot {
   _Atomic uint32_t answer_seq;  /* futex: set to request_seq by the answer */
   _Atomic uint64_t released;    /* bytes released by the last answer */
   _Atomic int32_t asked_by;     /* the pid of the latest requester (for the history) */
+  _Atomic uint32_t withdrawn_seq; /* a request its requester no longer waits for: nothing released */
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -185,8 +189,11 @@ static void *answer_main(void *arg) {
     uint32_t seq = atomic_load(&s->request_seq);
     if (seq == seen || atomic_load(&c->stop)) continue;
     seen = seq;
-    /* Release what the cache holds, in stream order (as gca_empty_cache). */
-    atomic_store(&s->released, (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by)));
+    /* Release what the cache holds, in stream order (as gca_empty_cache),
+     * unless the requester got what it needed from others meanwhile: a
+     * cache grown since would go back for nothing. */
+    bool withdrawn = atomic_load(&s->withdrawn_seq) == seq;
+    atomic_store(&s->released, withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by)));
     coop_publish(c);
     atomic_store(&s->answer_seq, seq);
     coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
@@ -259,12 +266,15 @@ void gca__coop_leave(coop_t *c) {
 
 /* ---- asking ------------------------------------------------------------------ */
 
+typedef enum { PENDING, ANSWERED, GONE, SILENT } answer_t;
+
 typedef struct asked {
   int slot;
   int32_t pid;
   uint64_t start_time;
   uint32_t seq;
   uint64_t cached, reserved;
+  answer_t state;
 } asked_t;
 
 /* Most cached first, then most reserved. */
@@ -274,34 +284,60 @@ static int by_cached(const void *x, const void *y) {
   return a->reserved < b->reserved ? 1 : a->reserved > b->reserved ? -1 : 0;
 }
 
-typedef enum { ANSWERED, GONE, SILENT } answer_t;
-
-/* Until the peer answers `a`, exits or leaves (its memory goes back to the
- * device: waiting on longer is pointless), or the deadline passes. The
- * answer word is watched in slices so a death is seen within one. */
-static answer_t wait_for_answer(coop_slot_t *s, const asked_t *a, uint64_t deadline) {
-  const uint64_t slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
-  uint64_t check_at = coop_now_ns() + slice; /* (reading /proc at once would slow every round trip) */
-  for (;;) {
-    uint32_t answer = atomic_load(&s->answer_seq);
-    bool same = atomic_load(&s->pid) == a->pid;
-    if (same && (int32_t)(answer - a->seq) >= 0) return ANSWERED;
-    uint64_t now = coop_now_ns();
-    if (!same) return GONE;
-    if (now >= check_at) {
-      if (!gca__process_alive(a->pid, a->start_time)) return GONE;
-      check_at = now + slice;
+/* Ask peers[from, to): bump each one's request word (its slot still the
+ * same process's) and wake it. With the region's lock taken here. */
+static void send_requests(coop_region_t *r, asked_t *peers, int from, int to) {
+  coop_lock(r);
+  for (int k = from; k < to; k++) {
+    coop_slot_t *s = &r->slots[peers[k].slot];
+    if (atomic_load(&s->pid) != peers[k].pid) {
+      peers[k].state = GONE;
+      continue;
     }
-    if (now >= deadline) return SILENT;
-    uint64_t until = deadline < check_at ? deadline : check_at;
-    coop_wait_word(&s->answer_seq, answer, until - now);
+    atomic_store(&s->asked_by, (int32_t)getpid());
+    peers[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
   }
+  coop_unlock(r);
+  for (int k = from; k < to; k++)
+    if (peers[k].state == PENDING) coop_futex(&r->slots[peers[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
+/* Look at every peer still pending: answered, or gone (its slot taken by
+ * another process, or, when `check_alive`, dead). The bytes answered are
+ * added to *received. Returns how many are still pending. */
+static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_alive, size_t *received) {
+  int pending = 0;
+  for (int k = 0; k < m; k++) {
+    asked_t *a = &peers[k];
+    if (a->state != PENDING) continue;
+    coop_slot_t *s = &r->slots[a->slot];
+    bool same = atomic_load(&s->pid) == a->pid;
+    if (same && (int32_t)(atomic_load(&s->answer_seq) - a->seq) >= 0) {
+      a->state = ANSWERED;
+      a->cached = atomic_load(&s->released); /* (now: what it released) */
+      *received += a->cached;
+    } else if (!same || (check_alive && !gca__process_alive(a->pid, a->start_time))) {
+      a->state = GONE;
+    } else {
+      pending++;
+    }
+  }
+  return pending;
+}
+
+/* The request protocol: ask the peers that cache most, until what they
+ * published covers the need (all of them when it does not: what they
+ * published may be 100 ms old). Return as soon as the answers cover the
+ * need, so that the requester takes the memory before a peer grows its cache
+ * again; ask every other peer too when the first ones have not covered it
+ * within a quarter of the timeout (at most 100 ms: a stopped peer with the
+ * most cache must not block a request another could serve), or when they
+ * all answered short; stop at ipc_release_timeout_ms. A peer that dies or
+ * leaves while asked is not waited for. */
 size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   memset(out, 0, sizeof *out);
   coop_region_t *r = c->r;
-  asked_t asked[COOP_SLOTS];
+  asked_t peers[COOP_SLOTS];
   int n = 0;
   coop_lock(r);
   coop_reclaim_dead(r);
@@ -310,51 +346,76 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     int32_t pid = atomic_load(&s->pid);
     uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
     if (i == c->slot || !pid) continue;
-    asked[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved};
-  }
-  qsort(asked, (size_t)n, sizeof asked[0], by_cached);
-  /* The peers that cache most, until what they cache covers the need. What
-   * they published may be 100 ms old: when it does not cover the need,
-   * every peer is asked (any may have cached since). */
-  uint64_t covered = 0;
-  int m = 0;
-  while (m < n && covered < need) covered += asked[m++].cached;
-  if (covered < need) m = n;
-  for (int k = 0; k < m; k++) {
-    coop_slot_t *s = &r->slots[asked[k].slot];
-    atomic_store(&s->asked_by, (int32_t)getpid());
-    asked[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
+    peers[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved, PENDING};
   }
   coop_unlock(r);
-  for (int k = 0; k < m; k++) coop_futex(&r->slots[asked[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
-  out->asked = m;
-  uint64_t deadline = coop_now_ns() + c->d->config.ipc_release_timeout_ms * 1000000u;
+  qsort(peers, (size_t)n, sizeof peers[0], by_cached);
+  uint64_t covered = 0;
+  int m = 0;
+  while (m < n && covered < need) covered += peers[m++].cached;
+  if (covered < need) m = n;
+  uint64_t published[COOP_SLOTS]; /* (for the message: what each peer cached as published) */
+  for (int k = 0; k < n; k++) published[k] = peers[k].cached;
+  send_requests(r, peers, 0, m);
+
+  const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
+  uint64_t now = coop_now_ns(), deadline = now + timeout;
+  uint64_t escalate_at = now + (timeout / 4 < slice ? timeout / 4 : slice), check_at = now + slice;
   size_t received = 0;
+  for (;;) {
+    bool check_alive = now >= check_at; /* (reading /proc at once would slow every round trip) */
+    if (check_alive) check_at = now + slice;
+    int pending = collect_answers(r, peers, m, check_alive, &received);
+    if (received >= need) break;
+    if (m < n && (pending == 0 || now >= escalate_at)) { /* short, or slow: ask the others too */
+      send_requests(r, peers, m, n);
+      m = n;
+      continue;
+    }
+    if (pending == 0 || now >= deadline) break;
+    /* Wait on one pending peer's answer word: alone, until it answers;
+     * with others, in 2 ms steps, looking at all of them after each. */
+    int first = 0;
+    while (peers[first].state != PENDING) first++;
+    uint64_t until = deadline < check_at ? deadline : check_at;
+    if (m < n && escalate_at < until) until = escalate_at;
+    if (pending > 1 && now + 2000000u < until) until = now + 2000000u;
+    coop_slot_t *s = &r->slots[peers[first].slot];
+    uint32_t answer = atomic_load(&s->answer_seq);
+    if ((int32_t)(answer - peers[first].seq) < 0 && until > now) coop_wait_word(&s->answer_seq, answer, until - now);
+    now = coop_now_ns();
+  }
+
   text_t t = {c->last, sizeof c->last, 0};
   c->last[0] = 0;
   for (int k = 0; k < m; k++) {
-    coop_slot_t *s = &r->slots[asked[k].slot];
     const char *comma = t.len ? ", " : "";
     char b[32];
-    switch (wait_for_answer(s, &asked[k], deadline)) {
-    case ANSWERED: {
-      size_t got = (size_t)atomic_load(&s->released);
-      received += got;
-      gca__format_bytes(got, b, sizeof b);
-      gca__text_put(&t, "%spid %d released %s", comma, (int)asked[k].pid, b);
+    switch (peers[k].state) {
+    case ANSWERED:
+      gca__format_bytes(peers[k].cached, b, sizeof b);
+      gca__text_put(&t, "%spid %d released %s", comma, (int)peers[k].pid, b);
       break;
-    }
     case GONE:
-      gca__text_put(&t, "%spid %d left the device", comma, (int)asked[k].pid);
+      gca__text_put(&t, "%spid %d left the device", comma, (int)peers[k].pid);
+      break;
+    case PENDING:
+      if (received >= need) { /* not waited for: enough came back, so withdrawn */
+        coop_slot_t *s = &r->slots[peers[k].slot];
+        if (atomic_load(&s->pid) == peers[k].pid) atomic_store(&s->withdrawn_seq, peers[k].seq);
+        break;
+      }
+      peers[k].state = SILENT;
+      out->timeouts++;
+      gca__format_bytes(published[k], b, sizeof b);
+      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)peers[k].pid, b,
+                    c->d->config.ipc_release_timeout_ms);
       break;
     case SILENT:
-      out->timeouts++;
-      gca__format_bytes(asked[k].cached, b, sizeof b);
-      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)asked[k].pid, b,
-                    c->d->config.ipc_release_timeout_ms);
       break;
     }
   }
+  out->asked = m;
   out->received = received;
   return received;
 }

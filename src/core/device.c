@@ -322,32 +322,42 @@ static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_
  * (oom_retry_timeout_ms), then let the OOM handlers free some (bounded by
  * oom_handler_retries), trying again after each. The lock is held on entry
  * and on return, released while waiting and while handlers run. */
+/* The other processes on the device release their cache, and the request
+ * is tried again (with the lock held; released while they are asked). */
+static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
+  size_t need = gca__segment_size_for(rounded);
+  atomic_store(&d->coop_waiting, (int64_t)need);
+  lock_release(&d->lock);
+  coop_outcome_t got;
+  gca__coop_ask(d->coop, need, &got);
+  relock(d);
+  atomic_store(&d->coop_waiting, 0);
+  gca__device_peers_answered(d, need, stream, &got);
+  return got.asked ? take_again(d, pool, stream, rounded, requested, rc) : NULL;
+}
+
+#define ASK_PEERS_EVERY_NS 100000000u /* while an allocation waits (oom_retry_timeout_ms) */
+
 static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
-  block_t *b = NULL;
-  if (d->coop) { /* the other processes on the device release their cache, and the request is tried again */
-    size_t need = gca__segment_size_for(rounded);
-    atomic_store(&d->coop_waiting, (int64_t)need);
-    lock_release(&d->lock);
-    coop_outcome_t got;
-    gca__coop_ask(d->coop, need, &got);
-    relock(d);
-    atomic_store(&d->coop_waiting, 0);
-    gca__device_peers_answered(d, need, stream, &got);
-    if (got.asked) b = take_again(d, pool, stream, rounded, requested, rc);
-  }
+  block_t *b = d->coop ? ask_peers(d, pool, stream, rounded, requested, rc) : NULL;
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
-  if (timeout_ns && gca__oom_worth_waiting(d, rounded)) {
+  if (!b && timeout_ns && gca__oom_worth_waiting(d, rounded)) {
     d->stats.num_alloc_waits++;
     atomic_fetch_add(&d->waiters, 1);
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
-    uint64_t backoff = 1000000, waited = 0; /* 1 ms, doubling to 128 ms */
+    uint64_t backoff = 1000000, waited = 0, asked_at = 0; /* 1 ms, doubling to 128 ms */
     while (!b && *rc == GCA_ERR_OOM && waited < timeout_ns) {
       uint64_t generation = gca__oom_generation(d);
       uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
       gca__oom_wait(d, generation, step);
       if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
       b = take_again(d, pool, stream, rounded, requested, rc);
+      /* The peers' live memory may have come back to their caches meanwhile: asked again. */
+      if (!b && *rc == GCA_ERR_OOM && d->coop && waited >= asked_at + ASK_PEERS_EVERY_NS) {
+        asked_at = waited;
+        b = ask_peers(d, pool, stream, rounded, requested, rc);
+      }
       clock_gettime(CLOCK_MONOTONIC, &now);
       waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
       if (backoff < 128000000) backoff *= 2;

@@ -113,7 +113,8 @@ bool gca__oom_worth_waiting(device_t *d, size_t rounded) {
   size_t need = gca__segment_size_for(rounded);
   size_t limit = limit_on(d) ? d->limit.allowed : device_total(d, NULL);
   if (need > limit) return false; /* can never fit: fail now */
-  return family_current(&d->stats, FAM_ALLOCATED_BYTES) > 0 || d->ev.pending_blocks > 0 || d->ev.releasing;
+  /* (With cooperation, the peers' live memory may come back to their caches.) */
+  return family_current(&d->stats, FAM_ALLOCATED_BYTES) > 0 || d->ev.pending_blocks > 0 || d->ev.releasing || d->coop;
 }
 
 uint64_t gca__oom_generation(device_t *d) {
