@@ -872,9 +872,10 @@ GCA_API int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_
 typedef struct gca_ipc_peer {
   int32_t pid;
   uint64_t reserved_bytes;  /* obtained from the device */
-  uint64_t allocated_bytes; /* handed out */
+  uint64_t allocated_bytes; /* handed out, with device memory under it */
   uint64_t cached_bytes;    /* reserved and not allocated: what it could release */
   uint64_t waiting_bytes;   /* what an allocation of it waits for, or 0 */
+  uint64_t paused_bytes;    /* handed out in paused pools: no device memory under it (docs/pools.md) */
 } gca_ipc_peer_t;
 
 /* The processes cooperating on `device` (this one included): up to `cap`

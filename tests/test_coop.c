@@ -87,6 +87,9 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
     if (gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool) != GCA_OK || gca_pool_push(a, pool) != GCA_OK) return 3;
     void *held = gca_malloc(a, (size_t)mib * MiB, 0, 0);
     if (!held || gca_pool_pop(a) != GCA_OK || gca_pool_pause(a, pool, 0, NULL) != GCA_OK) return 3;
+    const char *cache = getenv("GCALLOC_TEST_PEER_CACHE_MIB"); /* and this much cached beside it */
+    void *cached = cache ? gca_malloc(a, (size_t)atoi(cache) * MiB, 0, 0) : NULL;
+    if (cache && (!cached || gca_free(a, cached) != GCA_OK)) return 3;
     if (write(ready, "r", 1) != 1) return 4;
     for (;;) pause();
   }
@@ -396,7 +399,8 @@ static void test_paused_pool_frees_memory_for_others(void **state) {
   for (int tries = 0; tries < 100 && !seen; tries++) { /* (the peer publishes every 100 ms) */
     int n = gca_ipc_peers(a, 0, peers, 8);
     for (int i = 0; i < n && i < 8; i++)
-      seen |= peers[i].pid == peer.pid && peers[i].allocated_bytes == 60 * MiB && peers[i].reserved_bytes == 0;
+      seen |= peers[i].pid == peer.pid && peers[i].paused_bytes == 60 * MiB && peers[i].allocated_bytes == 0 &&
+              peers[i].reserved_bytes == 0 && peers[i].cached_bytes == 0;
     if (!seen) usleep(10000);
   }
   assert_true(seen);
@@ -424,6 +428,34 @@ static void test_resume_asks_the_peers(void **state) {
   assert_true(s.ipc_bytes_received >= (int64_t)(40 * MiB));
   assert_int_equal(gca_free(a, x), GCA_OK);
   assert_int_equal(gca_pool_release(a, pool), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+/* A peer's paused pool is not counted against its cache: 30 MiB cached
+ * beside 60 MiB paused is published as 30 MiB cached, and served. */
+static void test_paused_pool_leaves_the_cache_whole(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_PEER_PAUSE", "1", 1);
+  setenv("GCALLOC_TEST_PEER_CACHE_MIB", "30", 1);
+  peer_t peer = start_peer(60);
+  unsetenv("GCALLOC_TEST_PEER_PAUSE");
+  unsetenv("GCALLOC_TEST_PEER_CACHE_MIB");
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_ipc_peer_t peers[8];
+  bool seen = false;
+  for (int tries = 0; tries < 100 && !seen; tries++) { /* (the peer publishes every 100 ms) */
+    int n = gca_ipc_peers(a, 0, peers, 8);
+    for (int i = 0; i < n && i < 8; i++)
+      seen |= peers[i].pid == peer.pid && peers[i].cached_bytes == 30 * MiB && peers[i].paused_bytes == 60 * MiB &&
+              peers[i].allocated_bytes == 0 && peers[i].reserved_bytes == 30 * MiB;
+    if (!seen) usleep(10000);
+  }
+  assert_true(seen);
+  void *p = gca_malloc(a, 90 * MiB, 0, 0); /* 70 free, and the peer's 30 */
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  assert_int_equal(gca_free(a, p), GCA_OK);
   stop_peer(peer);
   gca_close(a);
 }
@@ -955,6 +987,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_history_records_cooperation, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_paused_pool_frees_memory_for_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_resume_asks_the_peers, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_paused_pool_leaves_the_cache_whole, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),

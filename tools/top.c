@@ -26,8 +26,9 @@ static void print_json(const gca_ipc_device_t *d, int n) {
     for (int k = 0; k < d[i].peer_count; k++) {
       const gca_ipc_peer_t *p = &d[i].peers[k];
       printf("%s{\"pid\": %d, \"reserved_bytes\": %" PRIu64 ", \"allocated_bytes\": %" PRIu64
-             ", \"cached_bytes\": %" PRIu64 ", \"waiting_bytes\": %" PRIu64 "}",
-             k ? ", " : "", (int)p->pid, p->reserved_bytes, p->allocated_bytes, p->cached_bytes, p->waiting_bytes);
+             ", \"cached_bytes\": %" PRIu64 ", \"waiting_bytes\": %" PRIu64 ", \"paused_bytes\": %" PRIu64 "}",
+             k ? ", " : "", (int)p->pid, p->reserved_bytes, p->allocated_bytes, p->cached_bytes, p->waiting_bytes,
+             p->paused_bytes);
     }
     printf("]}");
   }
@@ -38,11 +39,12 @@ static void print_table(const gca_ipc_device_t *d, int n) {
   if (n == 0) printf("no process cooperates on a device (ipc_cooperation:True) on this host\n");
   for (int i = 0; i < n; i++) {
     printf("%s%s\n", i ? "\n" : "", d[i].identity);
-    printf("  %8s %14s %14s %14s %14s\n", "pid", "reserved MiB", "allocated MiB", "cached MiB", "waiting MiB");
+    printf("  %8s %14s %14s %14s %14s %14s\n", "pid", "reserved MiB", "allocated MiB", "cached MiB", "waiting MiB",
+           "paused MiB");
     for (int k = 0; k < d[i].peer_count; k++) {
       const gca_ipc_peer_t *p = &d[i].peers[k];
-      printf("  %8d %14.1f %14.1f %14.1f %14.1f\n", (int)p->pid, mib(p->reserved_bytes), mib(p->allocated_bytes),
-             mib(p->cached_bytes), mib(p->waiting_bytes));
+      printf("  %8d %14.1f %14.1f %14.1f %14.1f %14.1f\n", (int)p->pid, mib(p->reserved_bytes),
+             mib(p->allocated_bytes), mib(p->cached_bytes), mib(p->waiting_bytes), mib(p->paused_bytes));
     }
   }
 }

@@ -124,6 +124,7 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
     size_t trimmed = gca__mempool_trim(d, mp);
     mp->paused = true;
     d->priv.paused++;
+    atomic_fetch_add(&d->paused_now, (int64_t)gca__mempool_live_bytes(d, mp));
     rc = gca__mempool_unmap(d, mp, &bytes);
     bytes += trimmed;
   }
@@ -163,6 +164,7 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
   if (rc == GCA_OK) {
     mp->paused = false;
     d->priv.paused--;
+    atomic_fetch_sub(&d->paused_now, (int64_t)gca__mempool_live_bytes(d, mp));
     rc = restore_backups(d, mp);
     if (rc != GCA_OK) gca__prefix_error("gca_pool_resume: pool %" PRIu64 " runs, but its data was not restored", pool);
     else if (!(flags & GCA_RESUME_KEEP_BACKUP)) gca__mempool_drop_backups(d, mp);

@@ -56,6 +56,7 @@ typedef struct coop_slot {
   _Atomic int32_t pid; /* 0: free */
   uint64_t start_time;
   _Atomic uint64_t reserved, allocated, waiting;
+  _Atomic uint64_t paused; /* allocated in paused pools (not in `allocated`: no device memory under it) */
   _Atomic uint32_t request_seq; /* futex: bumped by a requester */
   _Atomic uint32_t answer_seq;  /* futex: set to request_seq by the answer */
   _Atomic uint64_t released;    /* bytes released by the last answer */
@@ -165,8 +166,10 @@ static coop_region_t *coop_open_region(const char *identity, bool group, char *p
 static void coop_publish(coop_t *c) {
   coop_slot_t *s = &c->r->slots[c->slot];
   device_t *d = c->d;
+  int64_t allocated = atomic_load(&d->allocated_now), paused = atomic_load(&d->paused_now);
   atomic_store(&s->reserved, (uint64_t)atomic_load(&d->reserved_now));
-  atomic_store(&s->allocated, (uint64_t)atomic_load(&d->allocated_now));
+  atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
+  atomic_store(&s->paused, (uint64_t)(paused > 0 ? paused : 0));
   atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
 }
 
@@ -434,7 +437,7 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
     if (n < cap) {
       uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
       out[n] = (gca_ipc_peer_t){pid, reserved, allocated, reserved > allocated ? reserved - allocated : 0,
-                                atomic_load(&s->waiting)};
+                                atomic_load(&s->waiting), atomic_load(&s->paused)};
     }
     n++;
   }
@@ -467,7 +470,7 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
       uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
       out->peers[out->peer_count++] = (gca_ipc_peer_t){pid, reserved, allocated,
                                                        reserved > allocated ? reserved - allocated : 0,
-                                                       atomic_load(&s->waiting)};
+                                                       atomic_load(&s->waiting), atomic_load(&s->paused)};
     }
   }
   munmap((void *)r, sizeof *r);

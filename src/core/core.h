@@ -303,6 +303,8 @@ struct device {
   /* Lock-free mirrors of the allocated and reserved bytes of both pools. */
   _Atomic int64_t allocated_now;
   _Atomic int64_t reserved_now;
+  /* Allocated bytes in paused pools: live, with no device memory under them. */
+  _Atomic int64_t paused_now;
   /* Cooperation between processes (coop.c): NULL when off. */
   struct coop *coop;
   _Atomic int64_t coop_waiting; /* bytes an allocation waits for, published to the peers */

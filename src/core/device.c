@@ -72,6 +72,7 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
   }
   atomic_init(&d->allocated_now, 0);
   atomic_init(&d->reserved_now, 0);
+  atomic_init(&d->paused_now, 0);
   atomic_init(&d->span_lo, UINTPTR_MAX);
   atomic_init(&d->span_hi, 0);
   atomic_init(&d->waiters, 0);
@@ -471,7 +472,10 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
 
 GCA_COLD static void free_slow(device_t *d, block_t *b) {
   /* Freed while its pool is paused: its host copy is not restored. */
-  if (d->priv.paused && b->pool->owner && b->pool->owner->paused) gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
+  if (d->priv.paused && b->pool->owner && b->pool->owner->paused) {
+    gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
+    atomic_fetch_sub(&d->paused_now, (int64_t)b->size);
+  }
   if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
   if (b->uses) {
     gca__events_defer_free(d, b);

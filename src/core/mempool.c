@@ -459,6 +459,14 @@ int gca__mempool_remap(device_t *d, mempool_t *mp) {
   return rc;
 }
 
+size_t gca__mempool_live_bytes(const device_t *d, const mempool_t *mp) {
+  size_t bytes = 0;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->pool->owner == mp)
+      for (const block_t *b = seg->head; b; b = b->next) bytes += b->state == BLOCK_ALLOCATED ? b->size : 0;
+  return bytes;
+}
+
 size_t gca__mempool_paused_bytes(const device_t *d, const mempool_t *mp) {
   size_t bytes = 0;
   for (const segment_t *seg = d->segments; seg; seg = seg->next)

@@ -44,6 +44,8 @@ typedef struct stream_route {
  * set, when that pool is paused. */
 pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback);
 mempool_t *gca__mempool_find(device_t *d, uint64_t id);
+/* The bytes of the pool's live allocations. */
+size_t gca__mempool_live_bytes(const device_t *d, const mempool_t *mp);
 /* The pool `id` with its device locked; NULL (nothing locked) with the
  * error set. */
 mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what);
