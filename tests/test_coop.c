@@ -550,6 +550,55 @@ static void test_waiting_asks_the_peers_again(void **state) {
   gca_close(a);
 }
 
+/* A process stopped while it holds the rendezvous's lock (SIGSTOP: Ctrl-Z,
+ * a suspended job) is not dead, and a robust mutex waits for it for ever:
+ * every wait on the lock has a deadline. Opening then works alone, saying
+ * who holds the lock; a member's request names it; closing does not hang.
+ * (The peer holds the lock nearly all the time; a stop that catches it
+ * outside is tried again.) */
+static void test_stopped_lock_holder(void **state) {
+  (void)state;
+  setenv("GCALLOC_TEST_COOP_HOLD_US", "1000000", 1);
+  peer_t peer = start_peer(10);
+  unsetenv("GCALLOC_TEST_COOP_HOLD_US");
+  char holder[64];
+  snprintf(holder, sizeof holder, "held by pid %d", (int)peer.pid);
+  bool alone = false, named = false;
+  for (int tries = 0; tries < 5 && !(alone && named); tries++) {
+    gca_allocator_t *member = open_sim(spec, "ipc_cooperation:True"); /* (may join between holds, or not) */
+    usleep(100000); /* (the peer has the lock again: the member's join took it as the peer let it go) */
+    log_capture_t cap = {0};
+    gca_set_log_handler(capture_log, &cap);
+    kill(peer.pid, SIGSTOP);
+    wait_stopped(peer.pid);
+    double t0 = now_ms();
+    gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+    assert_true(now_ms() - t0 < 5000);
+    gca_ipc_peer_t peers[4];
+    if (gca_ipc_peers(a, 0, peers, 4) == GCA_ERR_INVALID) {
+      alone = true;
+      assert_contains(cap.all, "works alone");
+      assert_contains(cap.all, holder);
+    }
+    gca_set_log_handler(NULL, NULL);
+    if (gca_ipc_peers(member, 0, peers, 4) >= 0 || strstr(gca_last_error(), holder)) {
+      t0 = now_ms();
+      assert_null(gca_malloc(member, 200 * MiB, 0, 0)); /* (more than the device: the peers are asked) */
+      assert_true(now_ms() - t0 < 5000);
+      if (strstr(gca_last_error(), holder)) named = true;
+    }
+    t0 = now_ms();
+    gca_close(a);
+    gca_close(member);
+    assert_true(now_ms() - t0 < 5000);
+    kill(peer.pid, SIGCONT);
+    usleep(50000);
+  }
+  assert_true(alone);
+  assert_true(named);
+  stop_peer(peer);
+}
+
 /* ipc_cooperation and ipc_group_access are read at open only: a change
  * later is refused, not reported by gca_get_config and ignored. */
 static void test_cooperation_read_at_open(void **state) {
@@ -990,6 +1039,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_paused_pool_leaves_the_cache_whole, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_does_not_block_the_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_waiting_asks_the_peers_again, fresh_name, remove_regions),

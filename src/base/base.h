@@ -215,6 +215,10 @@ bool gca__process_alive(int pid, uint64_t start_time);
  * consistent (the caller repairs what the dead owner held). */
 int gca__shared_mutex_init(pthread_mutex_t *m);
 void gca__shared_mutex_lock(pthread_mutex_t *m);
+/* The same, giving up after `ns` nanoseconds (false: not locked): a
+ * process stopped while it holds the lock (SIGSTOP, a suspended job) is not
+ * dead, and a robust mutex waits for it for ever. */
+bool gca__shared_mutex_lock_within(pthread_mutex_t *m, uint64_t ns);
 /* The POSIX shared-memory object `path` of exactly `size` bytes, mapped:
  * created (zeroed, with `mode`) when it does not exist, *created then
  * true. NULL with the error set (GCA_ERR_BACKEND naming it) when it cannot

@@ -68,6 +68,17 @@ void gca__shared_mutex_lock(pthread_mutex_t *m) {
   if (pthread_mutex_lock(m) == EOWNERDEAD) pthread_mutex_consistent(m);
 }
 
+bool gca__shared_mutex_lock_within(pthread_mutex_t *m, uint64_t ns) {
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until); /* (pthread_mutex_timedlock's clock) */
+  uint64_t nsec = (uint64_t)until.tv_nsec + ns;
+  until.tv_sec += (time_t)(nsec / 1000000000u);
+  until.tv_nsec = (long)(nsec % 1000000000u);
+  int rc = pthread_mutex_timedlock(m, &until);
+  if (rc == EOWNERDEAD) pthread_mutex_consistent(m);
+  return rc == 0 || rc == EOWNERDEAD;
+}
+
 void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created) {
   *created = true;
   int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, (mode_t)mode);

@@ -69,6 +69,7 @@ typedef struct coop_region {
   uint32_t version, size;
   char identity[COOP_IDENTITY];
   pthread_mutex_t lock;
+  _Atomic int32_t holder; /* the pid holding the lock, for the message when it does not let go */
   coop_slot_t slots[COOP_SLOTS];
 } coop_region_t;
 
@@ -93,9 +94,27 @@ struct coop {
 
 static bool coop_slot_alive(const coop_slot_t *s) { return gca__process_alive(atomic_load(&s->pid), s->start_time); }
 
-static void coop_lock(coop_region_t *r) { gca__shared_mutex_lock(&r->lock); }
+/* Every wait for the region's lock has a deadline: a process stopped
+ * while it holds it (SIGSTOP, Ctrl-Z, a suspended job, docker pause) is not
+ * dead, so the robust mutex would wait for it for ever. Who holds it is
+ * kept in the region for the message. */
+#define LOCK_WAIT_NS 1000000000u
+static bool coop_lock(coop_region_t *r) {
+  if (!gca__shared_mutex_lock_within(&r->lock, LOCK_WAIT_NS)) return false;
+  atomic_store(&r->holder, (int32_t)getpid());
+  return true;
+}
 
-static void coop_unlock(coop_region_t *r) { pthread_mutex_unlock(&r->lock); }
+/* The error for a lock not had within its deadline. */
+static int coop_lock_stuck(const coop_region_t *r, const char *path) {
+  return gca__set_error(GCA_ERR_BACKEND, "%s: the rendezvous's lock is held by pid %d, which has not let it go "
+                        "for %u ms (stopped?)", path, (int)atomic_load(&r->holder), LOCK_WAIT_NS / 1000000u);
+}
+
+static void coop_unlock(coop_region_t *r) {
+  atomic_store(&r->holder, 0);
+  pthread_mutex_unlock(&r->lock);
+}
 
 static void coop_reclaim_dead(coop_region_t *r) {
   for (int i = 0; i < COOP_SLOTS; i++)
@@ -182,8 +201,7 @@ static void *answer_main(void *arg) {
   uint32_t seen = c->seen;
   while (!atomic_load(&c->stop)) {
     coop_publish(c);
-    if (c->hold_us) {
-      coop_lock(c->r);
+    if (c->hold_us && coop_lock(c->r)) {
       struct timespec t = {c->hold_us / 1000000, (c->hold_us % 1000000) * 1000};
       nanosleep(&t, NULL);
       coop_unlock(c->r);
@@ -224,7 +242,12 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
     return gca_last_status();
   }
   coop_region_t *r = c->r;
-  coop_lock(r);
+  if (!coop_lock(r)) {
+    int rc = coop_lock_stuck(r, c->path);
+    munmap(r, sizeof *r);
+    free(c);
+    return rc;
+  }
   coop_reclaim_dead(r);
   c->slot = -1;
   for (int i = 0; i < COOP_SLOTS && c->slot < 0; i++)
@@ -254,15 +277,21 @@ void gca__coop_leave(coop_t *c) {
   atomic_store(&c->stop, true);
   coop_futex(&c->r->slots[c->slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
   pthread_join(c->thread, NULL);
-  coop_lock(c->r);
-  memset(&c->r->slots[c->slot], 0, sizeof c->r->slots[c->slot]);
+  bool locked = coop_lock(c->r);
+  /* (Without the lock: the slot is freed all the same, its pid last, and
+   * whoever holds the lock is left to remove the region.) */
+  coop_slot_t *s = &c->r->slots[c->slot];
+  atomic_store(&s->pid, 0);
   /* (a peer waiting for this process's answer learns it left) */
-  coop_futex(&c->r->slots[c->slot].answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
-  coop_reclaim_dead(c->r);
-  bool alone = true;
-  for (int i = 0; i < COOP_SLOTS; i++) alone &= atomic_load(&c->r->slots[i].pid) == 0;
-  if (alone) shm_unlink(c->path);
-  coop_unlock(c->r);
+  coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
+  if (locked) {
+    memset(s, 0, sizeof *s);
+    coop_reclaim_dead(c->r);
+    bool alone = true;
+    for (int i = 0; i < COOP_SLOTS; i++) alone &= atomic_load(&c->r->slots[i].pid) == 0;
+    if (alone) shm_unlink(c->path);
+    coop_unlock(c->r);
+  }
   munmap(c->r, sizeof *c->r);
   free(c);
 }
@@ -290,7 +319,7 @@ static int by_cached(const void *x, const void *y) {
 /* Ask peers[from, to): bump each one's request word (its slot still the
  * same process's) and wake it. With the region's lock taken here. */
 static void send_requests(coop_region_t *r, asked_t *peers, int from, int to) {
-  coop_lock(r);
+  bool locked = coop_lock(r); /* (without it, a slot taken meanwhile by another process is told apart by its pid) */
   for (int k = from; k < to; k++) {
     coop_slot_t *s = &r->slots[peers[k].slot];
     if (atomic_load(&s->pid) != peers[k].pid) {
@@ -300,7 +329,7 @@ static void send_requests(coop_region_t *r, asked_t *peers, int from, int to) {
     atomic_store(&s->asked_by, (int32_t)getpid());
     peers[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
   }
-  coop_unlock(r);
+  if (locked) coop_unlock(r);
   for (int k = from; k < to; k++)
     if (peers[k].state == PENDING) coop_futex(&r->slots[peers[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
 }
@@ -342,7 +371,14 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   coop_region_t *r = c->r;
   asked_t peers[COOP_SLOTS];
   int n = 0;
-  coop_lock(r);
+  if (!coop_lock(r)) { /* nobody asked: the message says why */
+    char path[64];
+    snprintf(path, sizeof path, "%s", c->path);
+    (void)coop_lock_stuck(r, path);
+    snprintf(c->last, sizeof c->last, "none: %s", gca_last_error());
+    gca__clear_error();
+    return 0;
+  }
   coop_reclaim_dead(r);
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
@@ -428,7 +464,7 @@ const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
   coop_region_t *r = c->r;
   size_t n = 0;
-  coop_lock(r);
+  if (!coop_lock(r)) return coop_lock_stuck(r, c->path);
   coop_reclaim_dead(r);
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
