@@ -111,6 +111,21 @@ void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool
       close(fd);
       return NULL;
     }
+    /* Another user's region (one that someone made open to all, say) could
+     * be held or rewritten by that user: only this user's, or with group
+     * access asked for, this group's, with no more access than gcalloc
+     * gives. */
+    bool owner = st.st_uid == geteuid() || ((mode & 0070) && st.st_gid == getegid());
+    if (!owner || (st.st_mode & 0777 & ~(mode_t)mode)) {
+      if (!owner)
+        gca__set_error(GCA_ERR_BACKEND, "%s belongs to uid %u, not to this user (uid %u)%s; remove it or use another "
+                       "name", path, (unsigned)st.st_uid, (unsigned)geteuid(), mode & 0070 ? " nor to this group" : "");
+      else
+        gca__set_error(GCA_ERR_BACKEND, "%s has mode %03o, more than the %03o gcalloc gives it; remove it", path,
+                       (unsigned)(st.st_mode & 0777), mode);
+      close(fd);
+      return NULL;
+    }
   }
   void *r = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
