@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <dirent.h>
 #include <fcntl.h>
 
 #include "helpers.h"
@@ -550,6 +551,31 @@ static void test_waiting_asks_the_peers_again(void **state) {
   gca_close(a);
 }
 
+/* Cooperation on a private sim device, which only this process uses: it
+ * works alone, saying why, and leaves no rendezvous behind (a killed
+ * process's would be litter nobody reuses). */
+static int count_regions(void) {
+  DIR *dir = opendir("/dev/shm");
+  int n = 0;
+  for (struct dirent *e; dir && (e = readdir(dir));) n += strncmp(e->d_name, "gcalloc-coop-", 13) == 0;
+  if (dir) closedir(dir);
+  return n;
+}
+
+static void test_private_sim_works_alone(void **state) {
+  (void)state;
+  int before = count_regions();
+  log_capture_t cap = {0};
+  gca_set_log_handler(capture_log, &cap);
+  gca_allocator_t *a = open_sim("sim", "ipc_cooperation:True");
+  gca_set_log_handler(NULL, NULL);
+  assert_contains(cap.all, "ipc_cooperation:True: device 0 works alone: sim device 0 is this process's alone");
+  assert_int_equal(count_regions(), before);
+  gca_ipc_peer_t peers[2];
+  assert_int_equal(gca_ipc_peers(a, 0, peers, 2), GCA_ERR_INVALID);
+  gca_close(a);
+}
+
 /* A process stopped while it holds the rendezvous's lock (SIGSTOP: Ctrl-Z,
  * a suspended job) is not dead, and a robust mutex waits for it for ever:
  * every wait on the lock has a deadline. Opening then works alone, saying
@@ -827,6 +853,7 @@ static void test_bad_magic_and_truncated_region(void **state) {
     gca_set_log_handler(NULL, NULL);
     assert_contains(cap.all, "device 0 works alone");
     assert_contains(cap.all, kind == 0 ? "its magic is wrong" : "not a gcalloc region");
+    if (kind == 0) assert_contains(cap.all, file); /* (the file to remove, named) */
     void *p = gca_malloc(a, MiB, 0, 0);
     assert_non_null(p);
     assert_int_equal(gca_free(a, p), GCA_OK);
@@ -1045,6 +1072,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_private_sim_works_alone, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_does_not_block_the_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_waiting_asks_the_peers_again, fresh_name, remove_regions),

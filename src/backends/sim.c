@@ -1388,10 +1388,15 @@ static int sim_device_properties(void *state, int device, gca_device_properties_
 
 /* A shared device is named by its region; another sim device is this
  * process's alone. */
+/* A private sim device is this process's alone: nothing to share, and a
+ * rendezvous named after it would be left behind by a killed process for
+ * nobody to reuse. */
 static int sim_device_identity(void *state, int device, char *out, size_t cap) {
   sim_t *s = state;
-  if (s->shared) snprintf(out, cap, "sim:%s:%d", gca__sim_shared_name(s->shared), device);
-  else snprintf(out, cap, "sim:%d:%p:%d", (int)getpid(), state, device);
+  if (!s->shared)
+    return gca__set_error(GCA_ERR_BACKEND, "sim device %d is this process's alone (a shared one is "
+                          "sim:shared=NAME): there is nothing to share", device);
+  snprintf(out, cap, "sim:%s:%d", gca__sim_shared_name(s->shared), device);
   return GCA_OK;
 }
 

@@ -172,7 +172,8 @@ static coop_region_t *coop_open_region(const char *identity, bool group, char *p
                     : strncmp(r->identity, identity, sizeof r->identity) != 0 ? "it is another device's"
                                                                             : NULL;
   if (why) {
-    gca__set_error(GCA_ERR_BACKEND, "%s is not this device's gcalloc cooperation region: %s", path, why);
+    gca__set_error(GCA_ERR_BACKEND, "%s is not this device's gcalloc cooperation region: %s (remove /dev/shm%s "
+                   "when no gcalloc process uses it)", path, why, path);
     munmap(r, sizeof *r);
     return NULL;
   }
