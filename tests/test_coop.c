@@ -551,6 +551,41 @@ static void test_waiting_asks_the_peers_again(void **state) {
   gca_close(a);
 }
 
+/* An observer (gcalloc top, gca_ipc_scan) survives a region truncated and
+ * restored under it (a same-user process rewriting it): it copies the
+ * region rather than mapping it, so a short read skips it where a mapping
+ * would die of SIGBUS. (Members map the region: a process of the same user
+ * that truncates or scribbles into it can still kill them; docs/sharing.md.) */
+static void test_scan_survives_a_rewritten_region(void **state) {
+  (void)state;
+  peer_t peer = start_peer(10);
+  char path[64], file[96];
+  coop_path(path, sizeof path);
+  snprintf(file, sizeof file, "/dev/shm%s", path);
+  struct stat st;
+  assert_int_equal(stat(file, &st), 0);
+  pid_t cutter = fork_child();
+  if (cutter == 0) {
+    int fd = open(file, O_RDWR);
+    for (int i = 0; fd >= 0 && i < 10000; i++)
+      if (ftruncate(fd, st.st_size / 2) != 0 || ftruncate(fd, st.st_size) != 0) _exit(2);
+    _exit(fd >= 0 ? 0 : 3);
+  }
+  pid_t reader = fork_child();
+  if (reader == 0) {
+    gca_ipc_device_t devices[16];
+    for (int i = 0; i < 10000; i++) (void)gca_ipc_scan(devices, 16);
+    _exit(0);
+  }
+  int ws = 0;
+  assert_int_equal(waitpid(reader, &ws, 0), reader);
+  if (WIFSIGNALED(ws)) fprintf(stderr, "the reader died of signal %d\n", WTERMSIG(ws));
+  assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  assert_int_equal(waitpid(cutter, &ws, 0), cutter);
+  assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  stop_peer(peer); /* (it may have died of the truncation itself) */
+}
+
 /* Cooperation on a private sim device, which only this process uses: it
  * works alone, saying why, and leaves no rendezvous behind (a killed
  * process's would be litter nobody reuses). */
@@ -1073,6 +1108,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_private_sim_works_alone, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_scan_survives_a_rewritten_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_times_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_peer_does_not_block_the_others, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_waiting_asks_the_peers_again, fresh_name, remove_regions),

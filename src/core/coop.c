@@ -484,18 +484,19 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
 
 /* ---- looking from outside (gcalloc top) ------------------------------------ */
 
-/* One region, mapped read-only and checked; its live slots into *out. */
+/* One region, copied (not mapped: a region truncated meanwhile would kill
+ * the reader with SIGBUS; a short read is only a region skipped) and
+ * checked; its live slots into *out. A region with no live process (one
+ * whose processes were all killed) is litter, not a device: skipped. */
 static bool scan_region(const char *file, gca_ipc_device_t *out) {
   char path[300];
   snprintf(path, sizeof path, "/%s", file);
   int fd = shm_open(path, O_RDONLY, 0);
   if (fd < 0) return false;
-  struct stat st;
-  const coop_region_t *r = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && (size_t)st.st_size == sizeof *r) r = mmap(NULL, sizeof *r, PROT_READ, MAP_SHARED, fd, 0);
+  coop_region_t *r = malloc(sizeof *r);
+  bool ok = r && pread(fd, r, sizeof *r, 0) == (ssize_t)sizeof *r;
   close(fd);
-  if (r == MAP_FAILED) return false;
-  bool ok = atomic_load(&r->magic) == COOP_MAGIC && r->version == COOP_VERSION && r->size == sizeof *r;
+  ok = ok && atomic_load(&r->magic) == COOP_MAGIC && r->version == COOP_VERSION && r->size == sizeof *r;
   if (ok) {
     memset(out, 0, sizeof *out);
     memcpy(out->identity, r->identity, sizeof out->identity);
@@ -509,8 +510,9 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
                                                        reserved > allocated ? reserved - allocated : 0,
                                                        atomic_load(&s->waiting), atomic_load(&s->paused)};
     }
+    ok = out->peer_count > 0;
   }
-  munmap((void *)r, sizeof *r);
+  free(r);
   return ok;
 }
 
