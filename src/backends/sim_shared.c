@@ -29,13 +29,14 @@
 #include "backends/sim_shared.h"
 
 #define SHARED_MAGIC 0x4843534d49534347ull /* "GCSIMSCH" */
-#define SHARED_VERSION 1u
+#define SHARED_VERSION 2u
 #define SHARED_SLOTS 64
 #define SHARED_DEVICES 64
 
 typedef struct shared_slot {
   int32_t pid; /* 0: free */
   uint64_t start_time;
+  uint64_t pidns; /* the pid namespace the pid is in */
   uint64_t used[SHARED_DEVICES];
 } shared_slot_t;
 
@@ -54,7 +55,7 @@ struct sim_shared {
   char name[96]; /* the region's path, for shm_unlink */
 };
 
-static bool slot_alive(const shared_slot_t *s) { return gca__process_alive(s->pid, s->start_time); }
+static bool slot_alive(const shared_slot_t *s) { return gca__slot_process_alive(s->pid, s->start_time, s->pidns); }
 
 static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock); }
 
@@ -149,6 +150,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
       memset(&r->slots[slot], 0, sizeof r->slots[slot]);
       r->slots[slot].pid = (int32_t)getpid();
       r->slots[slot].start_time = gca__process_start_time((int)getpid());
+      r->slots[slot].pidns = gca__pid_namespace();
     }
     region_unlock(r);
     if (slot < 0) rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %d processes use it already", name,

@@ -211,6 +211,14 @@ void gca__format_bytes(uint64_t bytes, char *buf, size_t cap);
  * (/proc/PID/stat: a reused pid has another). */
 uint64_t gca__process_start_time(int pid);
 bool gca__process_alive(int pid, uint64_t start_time);
+/* This process's pid namespace (the inode of /proc/self/ns/pid; 0 when it
+ * cannot be read). A process in another one (a container sharing /dev/shm
+ * with --ipc=host) has pids this one's /proc does not show. */
+uint64_t gca__pid_namespace(void);
+/* gca__process_alive for a process recorded with its pid namespace: one of
+ * another namespace counts as alive (its pid cannot be checked from here;
+ * the processes of its own namespace reclaim its slot). */
+bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns);
 /* A process-shared robust mutex; locking one whose owner died makes it
  * consistent (the caller repairs what the dead owner held). */
 int gca__shared_mutex_init(pthread_mutex_t *m);

@@ -44,6 +44,20 @@ uint64_t gca__process_start_time(int pid) {
   return read_stat(pid, &state, &start_time) ? start_time : 0;
 }
 
+uint64_t gca__pid_namespace(void) {
+  static _Atomic uint64_t cached; /* (0: not read yet, or unreadable) */
+  uint64_t ns = atomic_load_explicit(&cached, memory_order_relaxed);
+  struct stat st;
+  if (!ns && stat("/proc/self/ns/pid", &st) == 0) atomic_store(&cached, ns = (uint64_t)st.st_ino);
+  return ns;
+}
+
+bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns) {
+  uint64_t mine = gca__pid_namespace();
+  if (pidns && mine && pidns != mine) return true; /* its pid means nothing here: its own namespace judges */
+  return gca__process_alive(pid, start_time);
+}
+
 bool gca__process_alive(int pid, uint64_t start_time) {
   if (pid <= 0) return false;
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;

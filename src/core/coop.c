@@ -47,7 +47,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 3u
+#define COOP_VERSION 4u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
@@ -55,6 +55,7 @@
 typedef struct coop_slot {
   _Atomic int32_t pid; /* 0: free */
   uint64_t start_time;
+  uint64_t pidns;      /* the pid namespace the pid is in (gca__pid_namespace) */
   _Atomic uint64_t reserved, allocated, waiting;
   _Atomic uint64_t paused; /* allocated in paused pools (not in `allocated`: no device memory under it) */
   _Atomic uint32_t request_seq; /* futex: bumped by a requester */
@@ -92,7 +93,9 @@ struct coop {
 
 /* ---- the region ------------------------------------------------------------ */
 
-static bool coop_slot_alive(const coop_slot_t *s) { return gca__process_alive(atomic_load(&s->pid), s->start_time); }
+static bool coop_slot_alive(const coop_slot_t *s) {
+  return gca__slot_process_alive(atomic_load(&s->pid), s->start_time, s->pidns);
+}
 
 /* Every wait for the region's lock has a deadline: a process stopped
  * while it holds it (SIGSTOP, Ctrl-Z, a suspended job, docker pause) is not
@@ -257,6 +260,7 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
     coop_slot_t *s = &r->slots[c->slot];
     memset(s, 0, sizeof *s);
     s->start_time = gca__process_start_time((int)getpid());
+    s->pidns = gca__pid_namespace();
     atomic_store(&s->pid, (int32_t)getpid());
     c->seen = atomic_load(&s->request_seq);
   }
@@ -349,7 +353,7 @@ static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_a
       a->state = ANSWERED;
       a->cached = atomic_load(&s->released); /* (now: what it released) */
       *received += a->cached;
-    } else if (!same || (check_alive && !gca__process_alive(a->pid, a->start_time))) {
+    } else if (!same || (check_alive && !coop_slot_alive(s))) {
       a->state = GONE;
     } else {
       pending++;
