@@ -438,13 +438,14 @@ static void acl_event_destroy(void *state, int device, uintptr_t event) {
   acl_device_t *d = &a->devices[device];
   aclrtEvent e = (aclrtEvent)event;
   pthread_mutex_lock(&d->event_lock);
-  struct waited_event *w = d->waited_count ? acl_waited(d, e) : NULL;
-  bool easy = !w && d->event_count < EVENT_CACHE;
+  bool easy = !(d->waited_count && acl_waited(d, e)) && d->event_count < EVENT_CACHE;
   if (easy) d->events[d->event_count++] = e;
   pthread_mutex_unlock(&d->event_lock);
   acl_guard_t g;
   if (easy || acl_enter(a, device, &g) != GCA_OK) return;
   pthread_mutex_lock(&d->event_lock);
+  /* (looked up again: the list may have moved while the lock was not held) */
+  struct waited_event *w = d->waited_count ? acl_waited(d, e) : NULL;
   if (w) {
     w->released = true; /* (recycled by the sweep once its waits are over) */
     acl_events_sweep(a, d);
