@@ -303,15 +303,16 @@ void gca__coop_leave(coop_t *c) {
 
 /* ---- asking ------------------------------------------------------------------ */
 
-typedef enum { PENDING, ANSWERED, GONE, SILENT } answer_t;
+typedef enum { PENDING, ANSWERED, GONE } answer_t;
 
 typedef struct asked {
   int slot;
   int32_t pid;
   uint64_t start_time;
   uint32_t seq;
-  uint64_t cached, reserved;
+  uint64_t cached, reserved; /* as it published them */
   answer_t state;
+  uint64_t released;         /* its answer's */
 } asked_t;
 
 /* Most cached first, then most reserved. */
@@ -351,8 +352,8 @@ static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_a
     bool same = atomic_load(&s->pid) == a->pid;
     if (same && (int32_t)(atomic_load(&s->answer_seq) - a->seq) >= 0) {
       a->state = ANSWERED;
-      a->cached = atomic_load(&s->released); /* (now: what it released) */
-      *received += a->cached;
+      a->released = atomic_load(&s->released);
+      *received += a->released;
     } else if (!same || (check_alive && !coop_slot_alive(s))) {
       a->state = GONE;
     } else {
@@ -377,9 +378,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   asked_t peers[COOP_SLOTS];
   int n = 0;
   if (!coop_lock(r)) { /* nobody asked: the message says why */
-    char path[64];
-    snprintf(path, sizeof path, "%s", c->path);
-    (void)coop_lock_stuck(r, path);
+    (void)coop_lock_stuck(r, c->path);
     snprintf(c->last, sizeof c->last, "none: %s", gca_last_error());
     gca__clear_error();
     return 0;
@@ -390,7 +389,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     int32_t pid = atomic_load(&s->pid);
     uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
     if (i == c->slot || !pid) continue;
-    peers[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved, PENDING};
+    peers[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved, PENDING, 0};
   }
   coop_unlock(r);
   qsort(peers, (size_t)n, sizeof peers[0], by_cached);
@@ -398,8 +397,6 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   int m = 0;
   while (m < n && covered < need) covered += peers[m++].cached;
   if (covered < need) m = n;
-  uint64_t published[COOP_SLOTS]; /* (for the message: what each peer cached as published) */
-  for (int k = 0; k < n; k++) published[k] = peers[k].cached;
   send_requests(r, peers, 0, m);
 
   const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
@@ -437,7 +434,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     char b[32];
     switch (peers[k].state) {
     case ANSWERED:
-      gca__format_bytes(peers[k].cached, b, sizeof b);
+      gca__format_bytes(peers[k].released, b, sizeof b);
       gca__text_put(&t, "%spid %d released %s", comma, (int)peers[k].pid, b);
       break;
     case GONE:
@@ -449,13 +446,10 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
         if (atomic_load(&s->pid) == peers[k].pid) atomic_store(&s->withdrawn_seq, peers[k].seq);
         break;
       }
-      peers[k].state = SILENT;
-      out->timeouts++;
-      gca__format_bytes(published[k], b, sizeof b);
+      out->timeouts++; /* (silent) */
+      gca__format_bytes(peers[k].cached, b, sizeof b);
       gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)peers[k].pid, b,
                     c->d->config.ipc_release_timeout_ms);
-      break;
-    case SILENT:
       break;
     }
   }

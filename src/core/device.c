@@ -319,10 +319,6 @@ static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_
   return b ? b : attempt(d, pool, stream, rounded, requested, rc);
 }
 
-/* After the ladder failed for want of memory: wait for memory to come back
- * (oom_retry_timeout_ms), then let the OOM handlers free some (bounded by
- * oom_handler_retries), trying again after each. The lock is held on entry
- * and on return, released while waiting and while handlers run. */
 /* The other processes on the device release their cache, and the request
  * is tried again (with the lock held; released while they are asked). */
 static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
@@ -339,6 +335,12 @@ static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t
 
 #define ASK_PEERS_EVERY_NS 100000000u /* while an allocation waits (oom_retry_timeout_ms) */
 
+/* After the ladder failed for want of memory: ask the other processes
+ * (ipc_cooperation:True), wait for memory to come back
+ * (oom_retry_timeout_ms; the processes asked again every 100 ms of it),
+ * then let the OOM handlers free some (bounded by oom_handler_retries),
+ * trying again after each. The lock is held on entry and on return,
+ * released while asking, waiting and while handlers run. */
 static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
   block_t *b = d->coop ? ask_peers(d, pool, stream, rounded, requested, rc) : NULL;
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
