@@ -12,6 +12,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -242,6 +243,39 @@ static void stop_peer(peer_t p) {
   close(p.fd);
 }
 
+/* A peer started with the test variables NAME, VALUE, ... (NULL-ended) set
+ * for it alone. */
+static peer_t start_peer_with(int mib, ...) {
+  const char *names[4];
+  int n = 0;
+  va_list ap;
+  va_start(ap, mib);
+  for (const char *variable; n < 4 && (variable = va_arg(ap, const char *)); n++) {
+    names[n] = variable;
+    setenv(variable, va_arg(ap, const char *), 1);
+  }
+  va_end(ap);
+  peer_t peer = start_peer(mib);
+  for (int i = 0; i < n; i++) unsetenv(names[i]);
+  return peer;
+}
+
+/* Whether `a` sees the peer `want.pid` publish these reserved, allocated,
+ * cached and paused bytes within a second (peers publish every 100 ms). */
+static bool peer_publishes(gca_allocator_t *a, gca_ipc_peer_t want) {
+  gca_ipc_peer_t peers[8];
+  for (int tries = 0; tries < 100; tries++) {
+    int n = gca_ipc_peers(a, 0, peers, 8);
+    for (int i = 0; i < n && i < 8; i++)
+      if (peers[i].pid == want.pid && peers[i].reserved_bytes == want.reserved_bytes &&
+          peers[i].allocated_bytes == want.allocated_bytes && peers[i].cached_bytes == want.cached_bytes &&
+          peers[i].paused_bytes == want.paused_bytes)
+        return true;
+    usleep(10000);
+  }
+  return false;
+}
+
 /* Until the kernel shows the process stopped (state T): a signal is
  * delivered when the process next runs. */
 static void wait_stopped(pid_t pid) {
@@ -332,9 +366,7 @@ static void test_a_peer_releases_its_cache(void **state) {
  * (what it released, who asked) after its segment_free. */
 static void test_history_records_cooperation(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_PEER_HISTORY", "1", 1);
-  peer_t peer = start_peer(60);
-  unsetenv("GCALLOC_TEST_PEER_HISTORY");
+  peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_HISTORY", "1", NULL);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000), GCA_OK);
   void *p = gca_malloc(a, 60 * MiB, 0, 0);
@@ -390,23 +422,12 @@ static void test_history_records_cooperation(void **state) {
  * its live block with nothing reserved under it. */
 static void test_paused_pool_frees_memory_for_others(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_PEER_PAUSE", "1", 1);
-  peer_t peer = start_peer(60);
-  unsetenv("GCALLOC_TEST_PEER_PAUSE");
+  peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_PAUSE", "1", NULL);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
   void *p = gca_malloc(a, 80 * MiB, 0, 0);
   assert_non_null(p);
   assert_int_equal(stats_of(a, 0).num_ipc_requests, 0);
-  gca_ipc_peer_t peers[8];
-  bool seen = false;
-  for (int tries = 0; tries < 100 && !seen; tries++) { /* (the peer publishes every 100 ms) */
-    int n = gca_ipc_peers(a, 0, peers, 8);
-    for (int i = 0; i < n && i < 8; i++)
-      seen |= peers[i].pid == peer.pid && peers[i].paused_bytes == 60 * MiB && peers[i].allocated_bytes == 0 &&
-              peers[i].reserved_bytes == 0 && peers[i].cached_bytes == 0;
-    if (!seen) usleep(10000);
-  }
-  assert_true(seen);
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .paused_bytes = 60 * MiB}));
   assert_int_equal(gca_free(a, p), GCA_OK);
   stop_peer(peer);
   gca_close(a);
@@ -439,22 +460,10 @@ static void test_resume_asks_the_peers(void **state) {
  * beside 60 MiB paused is published as 30 MiB cached, and served. */
 static void test_paused_pool_leaves_the_cache_whole(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_PEER_PAUSE", "1", 1);
-  setenv("GCALLOC_TEST_PEER_CACHE_MIB", "30", 1);
-  peer_t peer = start_peer(60);
-  unsetenv("GCALLOC_TEST_PEER_PAUSE");
-  unsetenv("GCALLOC_TEST_PEER_CACHE_MIB");
+  peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_PAUSE", "1", "GCALLOC_TEST_PEER_CACHE_MIB", "30", NULL);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
-  gca_ipc_peer_t peers[8];
-  bool seen = false;
-  for (int tries = 0; tries < 100 && !seen; tries++) { /* (the peer publishes every 100 ms) */
-    int n = gca_ipc_peers(a, 0, peers, 8);
-    for (int i = 0; i < n && i < 8; i++)
-      seen |= peers[i].pid == peer.pid && peers[i].cached_bytes == 30 * MiB && peers[i].paused_bytes == 60 * MiB &&
-              peers[i].allocated_bytes == 0 && peers[i].reserved_bytes == 30 * MiB;
-    if (!seen) usleep(10000);
-  }
-  assert_true(seen);
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB,
+                                                 .paused_bytes = 60 * MiB}));
   void *p = gca_malloc(a, 90 * MiB, 0, 0); /* 70 free, and the peer's 30 */
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
@@ -512,9 +521,7 @@ static void test_stopped_peer_does_not_block_the_others(void **state) {
 static void test_released_memory_is_used_at_once(void **state) {
   (void)state;
   peer_t big = start_peer(60);
-  setenv("GCALLOC_TEST_PEER_REGROW_MS", "200", 1);
-  peer_t small = start_peer(30);
-  unsetenv("GCALLOC_TEST_PEER_REGROW_MS");
+  peer_t small = start_peer_with(30, "GCALLOC_TEST_PEER_REGROW_MS", "200", NULL);
   usleep(250000);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:1000");
   kill(big.pid, SIGSTOP);
@@ -537,9 +544,8 @@ static void test_released_memory_is_used_at_once(void **state) {
  * again: memory a peer frees into its cache while it waits serves it. */
 static void test_waiting_asks_the_peers_again(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_PEER_FREE_AFTER_MS", "300", 1);
-  peer_t peer = start_peer(70); /* 70 MiB live, freed into its cache 300 ms later */
-  unsetenv("GCALLOC_TEST_PEER_FREE_AFTER_MS");
+  /* 70 MiB live, freed into its cache 300 ms later */
+  peer_t peer = start_peer_with(70, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "300", NULL);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,oom_retry_timeout_ms:5000");
   double t0 = now_ms();
   void *p = gca_malloc(a, 50 * MiB, 0, 0); /* 30 MiB free until the peer's free */
@@ -685,9 +691,7 @@ static void test_private_sim_works_alone(void **state) {
  * outside is tried again.) */
 static void test_stopped_lock_holder(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_COOP_HOLD_US", "1000000", 1);
-  peer_t peer = start_peer(10);
-  unsetenv("GCALLOC_TEST_COOP_HOLD_US");
+  peer_t peer = start_peer_with(10, "GCALLOC_TEST_COOP_HOLD_US", "1000000", NULL);
   char holder[64];
   snprintf(holder, sizeof holder, "held by pid %d", (int)peer.pid);
   bool alone = false, named = false;
@@ -804,9 +808,8 @@ static void test_peer_dying_while_asked(void **state) {
  * the thread runs, not missed. */
 static void test_peer_whose_thread_starts_late(void **state) {
   (void)state;
-  setenv("GCALLOC_TEST_COOP_LATE_US", "300000", 1);
-  peer_t peer = start_peer(60); /* (ready: it caches 60 MiB; its thread has not run yet) */
-  unsetenv("GCALLOC_TEST_COOP_LATE_US");
+  /* (ready: it caches 60 MiB; its thread has not run yet) */
+  peer_t peer = start_peer_with(60, "GCALLOC_TEST_COOP_LATE_US", "300000", NULL);
   gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
   void *p = gca_malloc(a, 60 * MiB, 0, 0);
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
