@@ -924,12 +924,14 @@ GCA_API size_t gca_segment_size(size_t rounded_size);
  *       "libgcalloc.so", "gca_torch_malloc", "gca_torch_free"))
  *
  * or `gcalloc.torch.install()` from the Python package, which does that.
- * PyTorch cannot be told why an allocation failed: gca_torch_malloc logs
- * gcalloc's message (PyTorch's out-of-memory text) as an error, keeps it for
- * gca_torch_last_failure, and returns NULL. (PyTorch 2.11 does not check for
- * NULL: the failure surfaces later as "The tensor has a non-zero number of
- * elements, but its data is not allocated yet", often on autograd's thread,
- * where a thread-local gca_last_error() cannot be read.) */
+ * A refused allocation's message (PyTorch's out-of-memory text) is kept for
+ * gca_torch_last_failure. With gca_torch_set_raise connected (the Python
+ * package does it), it is thrown into PyTorch as a c10::Error, which Python
+ * sees as RuntimeError("gcalloc: CUDA out of memory. Tried to allocate ...").
+ * Without, it is logged as an error and NULL returned: PyTorch 2.11 does not
+ * check for NULL, so the tensor gets no memory, and the first kernel that
+ * writes it is an illegal memory access that ends the process's CUDA
+ * context. */
 
 /* Open the process-wide allocator on `backend` (NULL: GCALLOC_TORCH_BACKEND,
  * else "cuda") with `config` on top of the environment's. If it is already
@@ -956,6 +958,13 @@ GCA_API void *gca_torch_base_alloc(void *ptr, size_t *size);
  * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
  * failed since the allocator was opened. Returns the message's full length. */
 GCA_API size_t gca_torch_last_failure(char *buf, size_t cap);
+/* Connect the framework's way to refuse an allocation: the address of
+ * `void c10::detail::torchCheckFail(const char *func, const char *file,
+ * uint32_t line, const char *msg)` in its libc10.so (symbol
+ * _ZN3c106detail14torchCheckFailEPKcS2_jS2_), which throws c10::Error.
+ * gca_torch_malloc and gca_npu_malloc then call it, holding no lock, instead
+ * of returning NULL. NULL disconnects it. Returns GCA_OK. */
+GCA_API int gca_torch_set_raise(void *torch_check_fail);
 /* Close the process-wide allocator (every pointer it gave becomes invalid). */
 GCA_API void gca_torch_shutdown(void);
 

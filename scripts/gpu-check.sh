@@ -2,12 +2,13 @@
 # What CI cannot check, for a machine with an NVIDIA GPU and PyTorch: the
 # cuda backend on the real driver, the driver-level benchmark (and PyTorch's
 # pinned host allocator on the same pinned workloads), the replay's speed on
-# that machine's processors, the Python package, and gcalloc plugged into
-# PyTorch beside PyTorch's own allocators.
+# that machine's processors, the Python package, pausable pools and processes
+# sharing the GPU under PyTorch, the allocator's own cost beside PyTorch's in
+# one process, and gcalloc plugged into PyTorch beside PyTorch's own allocators.
 # usage: scripts/gpu-check.sh [BUILD_DIR [OUT_DIR]]   (defaults: build, gpu-check-out)
 # BUILD_DIR is a configured and built tree (cmake -S . -B build && cmake --build build).
 # Every step runs even when one before it failed; the exit status says
-# whether all passed. Logs go to OUT_DIR.
+# whether all passed. Logs go to OUT_DIR. ONLY="step ..." runs just those.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build} out=${2:-gpu-check-out}
@@ -15,6 +16,10 @@ mkdir -p "$out"
 . scripts/check-steps.sh
 step gpu nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 step test_cuda_driver env GCALLOC_REQUIRE_GPU=1 CMOCKA_MESSAGE_OUTPUT=stdout "$build/tests/test_cuda_driver"
+step pytorch_sharing env PYTHONUNBUFFERED=1 python3 bench/pytorch_sharing.py --lib "$build/libgcalloc.so" \
+  --json "$out/pytorch_sharing.json"
+step pytorch_cost env PYTHONUNBUFFERED=1 python3 bench/pytorch_cost.py --lib "$build/libgcalloc.so" \
+  --build-dir /tmp/gcalloc-cost-ext --json "$out/pytorch_cost.json"
 step bench_cuda "$build/gcalloc" bench-cuda
 # The replay's speed on the device machine's processors (a regression
 # check, docs/benchmarks.md), back to back and once after 4 s idle: the traces

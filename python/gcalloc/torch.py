@@ -20,6 +20,7 @@ keeps allocating through gcalloc afterwards.
 import collections
 import contextlib
 import ctypes
+import os
 import sys
 import threading
 
@@ -28,8 +29,12 @@ from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _o
 # The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
 MINIMUM_TORCH = "2.0"
 
-__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "pool", "pause", "resume",
-           "MINIMUM_TORCH", "ROUTED"]
+__all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_failure", "pool", "pause",
+           "resume", "MINIMUM_TORCH", "ROUTED"]
+
+# void c10::detail::torchCheckFail(const char *func, const char *file, uint32_t line, const char *msg)
+# in PyTorch's libc10.so: it throws c10::Error, which Python sees as RuntimeError.
+RAISE_SYMBOL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
 
 # The pluggable allocator's hooks with C signatures, and gcalloc's function
 # for each (include/gcalloc.h). The graph-pool hooks are left: beginning a
@@ -56,6 +61,7 @@ DEFAULT_HISTORY = 100000
 
 _installed = False
 _hooks = []
+_raise = [None]  # the libc10 whose torchCheckFail refuses allocations
 _routed = []
 _named_pools = {}  # (process allocator, name, device) -> pool id
 _named_lock = threading.Lock()
@@ -74,6 +80,26 @@ def hooks():
 def routed():
     """The names in torch.cuda and torch.cuda.memory install() routed to gcalloc."""
     return list(_routed)
+
+
+def raises():
+    """The libc10.so through which an allocation gcalloc refuses raises RuntimeError("gcalloc: CUDA out of
+    memory. ...") in PyTorch (install() connects it); None where it was not found: PyTorch then gets NULL,
+    which it does not check (the tensor's first kernel is an illegal memory access)."""
+    return _raise[0]
+
+
+def _connect_raise(torch):
+    """Hand c10::detail::torchCheckFail of the running PyTorch's libc10 to gcalloc (gca_torch_set_raise)."""
+    if torch is None or not getattr(torch, "__file__", None):
+        return
+    path = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib", "libc10.so")
+    try:  # (already loaded by PyTorch: the same copy)
+        address = ctypes.cast(getattr(ctypes.CDLL(path), RAISE_SYMBOL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return
+    _lib.gca_torch_set_raise(ctypes.c_void_p(address))
+    _raise[0] = path
 
 
 def install(conf=None, backend=None):
@@ -98,6 +124,7 @@ def install(conf=None, backend=None):
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
     hooks_set = _set_hooks(allocator, HOOKS)
     torch.cuda.memory.change_current_allocator(allocator)
+    _connect_raise(torch)
     _hooks[:] = hooks_set
     if "set_record_stream_fn" not in hooks_set:
         _wrap_record_stream(torch, lambda t: t.is_cuda, lambda stream: stream.cuda_stream)

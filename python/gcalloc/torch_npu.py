@@ -39,10 +39,11 @@ import ctypes
 import os
 
 from . import GCA_ERR_INVALID, GcallocError, _lib, _python_warnings, _text, library_path
-from .torch import _route_memory_functions, _set_hooks, _wrap_record_stream
+from .torch import _connect_raise, _route_memory_functions, _set_hooks, _wrap_record_stream
+from .torch import raises  # noqa: F401  (the same process-wide allocator)
 from .torch import last_failure  # noqa: F401  (the same process-wide allocator)
 
-__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "queue_drain", "HOOKS", "ROUTED"]
+__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "raises", "queue_drain", "HOOKS", "ROUTED"]
 
 # NPUPluggableAllocator's hooks (torch_npu's Module.cpp casts each address
 # to a C signature) and gcalloc's function for each (include/gcalloc.h).
@@ -121,6 +122,7 @@ def install(conf=None, backend=None):
         _drain[0] = where
     _hooks[:] = hooks_set
     torch = _torch_of(torch_npu)
+    _connect_raise(torch)
     if "set_record_stream_fn" not in hooks_set and torch is not None:
         _wrap_record_stream(torch, lambda t: getattr(t, "is_npu", False), _npu_stream_handle)
     modules = [torch_npu.npu.memory, torch_npu.npu]

@@ -3,9 +3,12 @@
 set, native memory functions raising under a pluggable allocator). Each
 test runs in a child process of its own: a process installs once."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import gcalloc
 
@@ -22,10 +25,10 @@ def install(conf=None):
 """
 
 
-def run(code):
+def run(code, first=()):
     package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
     env = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path,
-               PYTHONPATH=os.pathsep.join([STANDIN, package, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([*first, STANDIN, package, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -171,3 +174,50 @@ def test_install_after_pytorch_allocated_is_refused():
         assert not gcalloc.torch.installed() and gcalloc.torch.routed() == []
     """)
     assert "Can't swap an already initialized allocator" in p.stdout
+
+
+OOM = """
+    install()
+    kept = torch.empty(1 << 30)
+    big = None
+    try:
+        big = torch.empty(8 << 30)  # the sim device has 4 GiB
+    except RuntimeError as e:
+        print("raised:", e)
+"""
+
+
+def test_without_the_raiser_pytorch_gets_null():
+    """The rule the raiser is for: PyTorch does not check a pluggable allocator's NULL, and the first
+    kernel writing the tensor ends the process's CUDA context."""
+    p = run(OOM + """
+    assert gcalloc.torch.raises() is None
+    assert big is not None and big.data_ptr() == 0
+    try:
+        big.fill_(1)
+    except torch.AcceleratorError as e:
+        assert "illegal memory access" in str(e)
+    else:
+        raise AssertionError("no illegal memory access")
+    """)
+    assert "raised:" not in p.stdout
+
+
+def test_a_refused_allocation_raises_through_libc10(tmp_path):
+    """With PyTorch's libc10 beside it, a refused allocation is a RuntimeError with gcalloc's message,
+    and the process goes on allocating."""
+    fake = os.environ.get("GCALLOC_TEST_FAKE_C10")
+    if not fake:
+        pytest.skip("GCALLOC_TEST_FAKE_C10 is not set (CTest sets it)")
+    shutil.copytree(os.path.join(STANDIN, "torch"), tmp_path / "torch")
+    (tmp_path / "torch" / "lib").mkdir()
+    os.symlink(os.path.abspath(fake), tmp_path / "torch" / "lib" / "libc10.so")
+    p = run(OOM + """
+    assert gcalloc.torch.raises() == os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    assert big is None
+    again = torch.empty(1 << 30)
+    again.fill_(1)
+    assert gcalloc.memory_stats(0)["allocated_bytes.all.current"] == 2 << 30
+    assert gcalloc.torch.last_failure().startswith("out of memory. Tried to allocate 8.00 GiB")
+    """, first=[str(tmp_path)])
+    assert "raised: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout

@@ -39,6 +39,16 @@ static npu_synchronize_fn npu_drain;
  * allocates on autograd's threads too, where gca_last_error() stays. */
 static pthread_mutex_t failure_lock = PTHREAD_MUTEX_INITIALIZER;
 static char last_failure[4096];
+/* c10::detail::torchCheckFail(const char *func, const char *file, uint32_t
+ * line, const char *msg) of the framework's libc10 (gca_torch_set_raise):
+ * it throws c10::Error and never returns. Neither pluggable allocator checks
+ * for NULL: a NULL becomes the tensor's data, and the first kernel that
+ * writes it is an illegal memory access that ends the process's CUDA
+ * context. Throwing is the one way to refuse; this file is compiled with
+ * -fexceptions so that the exception unwinds through its frames, which
+ * hold no lock when it is thrown. */
+typedef void (*c10_check_fail_fn)(const char *func, const char *file, uint32_t line, const char *msg);
+static c10_check_fail_fn _Atomic c10_raise;
 
 static void keep_failure(const char *message) {
   mutex_lock(&failure_lock);
@@ -133,20 +143,45 @@ static gca_allocator_t *process_allocator(const char *fallback) {
 
 gca_allocator_t *gca_torch_allocator(void) { return process_allocator("cuda"); }
 
+int gca_torch_set_raise(void *torch_check_fail) {
+  atomic_store(&c10_raise, (c10_check_fail_fn)torch_check_fail);
+  return GCA_OK;
+}
+
+/* A refused allocation: thrown into the framework as c10::Error where the
+ * raiser is connected (the message says "CUDA out of memory." or "NPU out
+ * of memory." as the frameworks' own do, for code that looks for it), else
+ * logged where the user will see it, PyTorch getting NULL. The message is
+ * kept for gca_torch_last_failure either way. */
+static void raise_failure(int device) {
+  const char *why = gca_last_error();
+  c10_check_fail_fn raise = atomic_load(&c10_raise);
+  if (!raise) {
+    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, why);
+    return;
+  }
+  gca_allocator_t *a = atomic_load(&torch_allocator);
+  const char *kind = a && !strcmp(gca_backend_name(a), "acl") ? "NPU" : "CUDA";
+  char message[4200];
+  if (gca_last_status() == GCA_ERR_OOM)
+    snprintf(message, sizeof message, "gcalloc: %s %s", kind, why);
+  else
+    snprintf(message, sizeof message, "gcalloc: %s allocation on device %d failed: %s", kind, device, why);
+  raise(__func__, __FILE__, __LINE__, message); /* does not return */
+  abort();
+}
+
 /* An allocation for PyTorch (CUDA or NPU) on the process-wide allocator. */
 static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void *stream) {
   if (!a) {
-    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation of %zu bytes on device %d: no allocator: %s", size, device,
-                     gca_last_error());
     keep_failure(gca_last_error());
+    raise_failure(device);
     return NULL;
   }
   void *p = gca_malloc(a, size, device, (gca_stream_t)stream);
-  /* PyTorch has no way to hear why: say it where the user will see it, and
-   * keep it for gca_torch_last_failure. */
   if (!p && size) {
-    gca__log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, gca_last_error());
     keep_failure(gca_last_error());
+    raise_failure(device);
   }
   return p;
 }

@@ -41,8 +41,19 @@ class Pluggable:
         self._hook("set_init_fn", device_count)
         self._initialized = True
 
+    c10 = None  # the framework's libc10 (ctypes), when its lib/ has one
+
     def malloc(self, size, device, stream):
-        r = self._malloc(size, device, stream) or 0
+        if self.c10 is not None and hasattr(self.c10, "fake_c10_call_malloc"):
+            # The alloc function may throw c10::Error (through torchCheckFail): the frameworks let it
+            # pass, and Python sees RuntimeError with its message.
+            out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(8192)
+            if self.c10.fake_c10_call_malloc(ctypes.cast(self._malloc, ctypes.c_void_p), ctypes.c_size_t(size),
+                                             device, ctypes.c_void_p(stream), ctypes.byref(out), msg, 8192):
+                raise RuntimeError(msg.value.decode())
+            r = out.value or 0
+        else:
+            r = self._malloc(size, device, stream) or 0
         self._metadata[r] = (size, device, stream)  # (a NULL too: neither framework checks it)
         return r
 

@@ -1,8 +1,14 @@
 """The C++ side of the stand-in: the caching allocator PyTorch starts with,
 the pluggable allocator object, and the functions torch.cuda.memory calls."""
 import ctypes
+import os
 
 from _pluggable import Pluggable
+
+# libc10, loaded with the package as PyTorch's C++ libraries are (where the tests put one in lib/).
+_LIBC10 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libc10.so")
+if os.path.exists(_LIBC10):
+    Pluggable.c10 = ctypes.CDLL(_LIBC10)
 
 DEVICE_COUNT = 2
 

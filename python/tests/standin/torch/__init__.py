@@ -19,15 +19,30 @@ class device:  # noqa: N801 (PyTorch's name)
         self.type, self.index = kind, index
 
 
+class AcceleratorError(RuntimeError):
+    pass
+
+
+_context_lost = []  # an illegal memory access ends the process's CUDA context: every later call fails
+
+
 class Tensor:
-    """A block of device memory from the current allocator, freed when the tensor is."""
+    """A block of device memory from the current allocator, freed when the tensor is. As in PyTorch,
+    the pluggable allocator's NULL is not checked: the tensor is made, and the first kernel that
+    writes it is an illegal memory access."""
 
     def __init__(self, nbytes, device_index, stream):
+        _check_context()
         self.nbytes = nbytes
         self.ptr = _C._current().malloc(nbytes, device_index, stream)
-        if nbytes and not self.ptr:
-            raise RuntimeError("The tensor has a non-zero number of elements, but its data is not allocated yet.")
         self.is_cuda = True
+
+    def fill_(self, value):
+        _check_context()
+        if self.nbytes and not self.ptr:
+            _context_lost.append(True)
+            _check_context()
+        return self
 
     def data_ptr(self):
         return self.ptr
@@ -43,6 +58,11 @@ class Tensor:
         if self.ptr:
             _C._current().raw_delete(self.ptr)
             self.ptr = 0
+
+
+def _check_context():
+    if _context_lost:
+        raise AcceleratorError("CUDA error: an illegal memory access was encountered")
 
 
 def empty(nbytes, device="cuda"):
