@@ -471,6 +471,12 @@ typedef struct gca_stats {
    * torch_npu's num_oom_rejections, flattened as theirs). */
   int64_t num_oom_rejections;
   int64_t num_ipc_peers_asked;      /* other processes asked, over all requests (ipc_cooperation:True) */
+  /* Out-of-memory errors raised while the live (allocated) bytes of all the
+   * cooperating processes, as they last published them (at most 100 ms
+   * old), plus the request fit the device, and the request fit this
+   * process's memory fraction: memory that was only cache, somewhere, was
+   * not had in time (ipc_cooperation:True; docs/sharing.md). */
+  int64_t num_avoidable_ooms;
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

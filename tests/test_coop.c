@@ -767,6 +767,8 @@ static void test_stopped_peer_times_out(void **state) {
   assert_contains(gca_last_error(), expect);
   assert_true(took >= 250 && took < 3000);
   assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 1);
+  /* The peer's 60 MiB were only cache: an avoidable out-of-memory. */
+  assert_int_equal(stats_of(a, 0).num_avoidable_ooms, 1);
   kill(peer.pid, SIGCONT);
   stop_peer(peer);
   gca_close(a);
@@ -902,6 +904,7 @@ static void test_request_no_release_can_meet(void **state) {
   assert_null(gca_malloc(a, 150 * MiB, 0, 0)); /* more than the device */
   assert_int_equal(gca_last_status(), GCA_ERR_OOM);
   assert_contains(gca_last_error(), "out of memory. Tried to allocate 150.00 MiB");
+  assert_int_equal(stats_of(a, 0).num_avoidable_ooms, 0); /* (it never fits: not avoidable) */
   stop_peer(peer); /* (first: the last process out removes the region) */
   gca_close(a);
 }
@@ -1035,6 +1038,174 @@ static void test_peers_killed_at_random_points(void **state) {
   unsetenv("GCALLOC_TEST_COOP_HOLD_US");
 }
 
+/* ---- a seeded random workload whose live memory always fits ---------------- */
+
+/* What the workload's processes and the test share (a memfd each child
+ * maps): the process that may hold much live memory now, the handing over
+ * of that right, and each process's results. */
+#define WORK_PROCS 4
+#define WORK_BLOCK (30 * MiB)
+#define WORK_SMALL 3  /* blocks a process may hold live: 90 MiB */
+#define WORK_BIG 20   /* the holder: 600 MiB; 600 + 3 x 90 < 1 GiB */
+typedef struct {
+  _Atomic int holder, moving, shrunk, stop;
+  _Atomic int generation[WORK_PROCS]; /* bumped when the test starts a process anew */
+  _Atomic long steps[WORK_PROCS], ooms[WORK_PROCS];
+  char first_oom[512];
+  _Atomic int oom_said;
+} work_board_t;
+
+static work_board_t *map_board(int fd) {
+  void *m = mmap(NULL, sizeof(work_board_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  return m == MAP_FAILED ? NULL : m;
+}
+
+/* One process of the workload: random allocations and frees of one block
+ * size, never holding more live than its right (WORK_BIG blocks while it is
+ * the holder, else WORK_SMALL), so the live memory of all of them always fits
+ * the device: every out-of-memory would be avoidable. */
+static int work_main(const char *work_spec, const char *conf, int me, uint64_t seed, int board_fd) {
+  work_board_t *board = map_board(board_fd);
+  gca_allocator_t *a = NULL;
+  if (!board || gca_open(work_spec, conf, &a) != GCA_OK) {
+    fprintf(stderr, "work %d: %s\n", me, gca_last_error());
+    return 2;
+  }
+  void *held[WORK_BIG];
+  int live = 0;
+  while (!atomic_load(&board->stop)) {
+    bool holder = atomic_load(&board->holder) == me;
+    int cap = holder && !atomic_load(&board->moving) ? WORK_BIG : WORK_SMALL;
+    while (live > cap) { /* (a random one) */
+      int k = (int)(next_random(&seed) % (uint64_t)live);
+      if (gca_free(a, held[k]) != GCA_OK) return 3;
+      held[k] = held[--live];
+    }
+    if (holder && atomic_load(&board->moving)) atomic_store(&board->shrunk, 1);
+    if (next_random(&seed) % 3 < 2 && live < cap) {
+      void *p = gca_malloc(a, WORK_BLOCK, 0, 0);
+      if (p) {
+        held[live++] = p;
+      } else {
+        atomic_fetch_add(&board->ooms[me], 1);
+        if (!atomic_exchange(&board->oom_said, 1))
+          snprintf(board->first_oom, sizeof board->first_oom, "%s", gca_last_error());
+      }
+    } else if (live) {
+      int k = (int)(next_random(&seed) % (uint64_t)live);
+      if (gca_free(a, held[k]) != GCA_OK) return 3;
+      held[k] = held[--live];
+    }
+    atomic_fetch_add(&board->steps[me], 1);
+    usleep((useconds_t)(50 + next_random(&seed) % 400));
+  }
+  while (live) gca_free(a, held[--live]);
+  gca_close(a);
+  return 0;
+}
+
+static pid_t start_worker(const char *work_spec, const char *conf, int me, uint64_t seed, int board_fd) {
+  pid_t pid = fork_child();
+  if (pid == 0) {
+    char me_text[16], seed_text[32], fd_text[16];
+    snprintf(me_text, sizeof me_text, "%d", me);
+    snprintf(seed_text, sizeof seed_text, "%llu", (unsigned long long)seed);
+    snprintf(fd_text, sizeof fd_text, "%d", board_fd);
+    execl("/proc/self/exe", "test_coop", "--work", work_spec, conf, me_text, seed_text, fd_text, (char *)NULL);
+    _exit(127);
+  }
+  return pid;
+}
+
+/* Hand the right to hold much to another process: the holder shrinks
+ * first (unless it is gone). */
+static void move_holder(work_board_t *board, int to, bool holder_alive) {
+  atomic_store(&board->shrunk, 0);
+  atomic_store(&board->moving, 1);
+  for (int tries = 0; holder_alive && !atomic_load(&board->shrunk) && tries < 20000; tries++) usleep(500);
+  assert_true(!holder_alive || atomic_load(&board->shrunk));
+  atomic_store(&board->holder, to);
+  atomic_store(&board->moving, 0);
+}
+
+/* WORK_PROCS processes for `seconds`, the right to hold much moved at
+ * random, processes stopped (SIGSTOP, up to 300 ms) at random, and with
+ * `kills`, killed (SIGKILL) at random and started anew: no out-of-memory at
+ * all, since the live memory always fits and no stop outlasts the bounded
+ * wait; afterwards the device is whole again and nobody is left in the
+ * rendezvous. */
+static void random_workload(double seconds, bool kills) {
+  char work_spec[160];
+  snprintf(work_spec, sizeof work_spec, "sim:shared=%s,capacity=1GiB", name);
+  /* (deadlines a loaded test machine does not reach: what is measured is
+   * whether memory that was only cache was had at all) */
+  const char *conf = "ipc_cooperation:True,ipc_release_timeout_ms:5000";
+  int fd = memfd_create("work-board", 0);
+  assert_true(fd >= 0);
+  assert_int_equal(ftruncate(fd, sizeof(work_board_t)), 0);
+  work_board_t *board = map_board(fd);
+  assert_non_null(board);
+  uint64_t seed = kills ? 0x9e3779b97f4a7c15ull : 0xd1b54a32d192ed03ull;
+  pid_t pids[WORK_PROCS];
+  for (int i = 0; i < WORK_PROCS; i++) pids[i] = start_worker(work_spec, conf, i, next_random(&seed), fd);
+  int stops = 0, moves = 0, killed = 0;
+  double until = now_ms() + seconds * 1000;
+  while (now_ms() < until) {
+    usleep((useconds_t)(20000 + next_random(&seed) % 60000));
+    int who = (int)(next_random(&seed) % WORK_PROCS), action = (int)(next_random(&seed) % 4);
+    if (action < 2) {
+      move_holder(board, (atomic_load(&board->holder) + 1 + who % (WORK_PROCS - 1)) % WORK_PROCS, true);
+      moves++;
+    } else if (action == 2 || !kills) {
+      kill(pids[who], SIGSTOP);
+      usleep((useconds_t)(10000 + next_random(&seed) % 290000));
+      kill(pids[who], SIGCONT);
+      stops++;
+    } else {
+      kill(pids[who], SIGKILL);
+      assert_int_equal(waitpid(pids[who], NULL, 0), pids[who]);
+      if (atomic_load(&board->holder) == who) move_holder(board, (who + 1) % WORK_PROCS, false);
+      pids[who] = start_worker(work_spec, conf, who, next_random(&seed), fd);
+      killed++;
+    }
+  }
+  atomic_store(&board->stop, 1);
+  long steps = 0, ooms = 0;
+  for (int i = 0; i < WORK_PROCS; i++) {
+    int ws = 0;
+    assert_int_equal(waitpid(pids[i], &ws, 0), pids[i]);
+    assert_true(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+    steps += atomic_load(&board->steps[i]);
+    ooms += atomic_load(&board->ooms[i]);
+  }
+  fprintf(stderr, "[ workload ] %ld steps, %d moves, %d stops, %d kills: %ld out of memory%s%s\n", steps, moves, stops,
+          killed, ooms, ooms ? "; the first: " : "", ooms ? board->first_oom : "");
+  assert_true(steps >= 2000);
+  assert_int_equal(ooms, 0);
+  /* Nothing leaked: the whole device for one process, which is alone. */
+  gca_allocator_t *a = open_sim(work_spec, "ipc_cooperation:True");
+  void *all = gca_malloc(a, 1000 * MiB, 0, 0);
+  if (!all) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(all);
+  gca_ipc_peer_t peers[8];
+  assert_int_equal(gca_ipc_peers(a, 0, peers, 8), 1);
+  assert_int_equal(peers[0].pid, getpid());
+  assert_int_equal(gca_free(a, all), GCA_OK);
+  gca_close(a);
+  munmap(board, sizeof *board);
+  close(fd);
+}
+
+static void test_random_workload_with_stopped_peers(void **state) {
+  (void)state;
+  random_workload(4, false);
+}
+
+static void test_random_workload_with_killed_peers(void **state) {
+  (void)state;
+  random_workload(4, true);
+}
+
 /* A rendezvous another user made (mode 0600) cannot be joined: the process
  * works alone and says why. */
 /* Another user's rendezvous is not joined: closed to this user (0600), or
@@ -1166,6 +1337,8 @@ int main(int argc, char **argv) {
   if (argc == 7 && !strcmp(argv[1], "--phases"))
     return phases_main(argv[2], argv[3], atoi(argv[4]), atoi(argv[5]), atoi(argv[6]));
   if (argc == 3 && !strcmp(argv[1], "--hot-path")) return hot_path_main(argv[2]);
+  if (argc == 7 && !strcmp(argv[1], "--work"))
+    return work_main(argv[2], argv[3], atoi(argv[4]), strtoull(argv[5], NULL, 10), atoi(argv[6]));
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_without_cooperation_one_runs_out, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_its_cache, fresh_name, remove_regions),
@@ -1191,6 +1364,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_random_workload_with_stopped_peers, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_random_workload_with_killed_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cuda_identity, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_acl_identity_and_request, fresh_name, remove_regions),

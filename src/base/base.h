@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 #include <stdio.h>
 
 #include "gcalloc.h"
@@ -63,6 +64,13 @@ void gca__log_hold(void);
 void gca__log_release(void);
 extern _Atomic int gca__log_level_now;
 extern _Atomic int gca__calls_observed;
+/* CLOCK_MONOTONIC in nanoseconds. */
+static inline uint64_t gca__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static inline bool log_on(int level) {
   return unlikely(level <= atomic_load_explicit(&gca__log_level_now, memory_order_relaxed));
 }

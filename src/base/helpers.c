@@ -83,12 +83,6 @@ void gca__spin_pause(void) {
 #endif
 }
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Under the lock. */
 static void push_job(job_queue_t *q, helper_job_t *job) {
   job->next = NULL;
@@ -157,13 +151,13 @@ static void *helper_main(void *arg) {
     helper_looking += look;
     pthread_mutex_unlock(&helpers_lock);
     if (look) {
-      uint64_t start = now_ns(), give_up = start + HELPER_LOOK_NS, chore_at = start + HELPER_CHORE_DELAY_NS;
+      uint64_t start = gca__now_ns(), give_up = start + HELPER_LOOK_NS, chore_at = start + HELPER_CHORE_DELAY_NS;
       /* Till a job comes, or a chore has waited, or others started enough
        * jobs to fill the processors (helper_busy read without the lock: a
        * hint). */
       for (;;) {
         if (queued(&waited_jobs) || atomic_load_explicit(&helpers_closing, memory_order_relaxed)) break;
-        uint64_t now = now_ns();
+        uint64_t now = gca__now_ns();
         if (now >= give_up || (queued(&chore_jobs) && now >= chore_at)) break;
         if (atomic_load_explicit(&helper_busy, memory_order_relaxed) + 1 > look_limit()) break;
         gca__spin_pause();
@@ -285,8 +279,8 @@ bool gca__helper_submit(helper_job_t *job) {
 bool gca__helper_wait(helper_job_t *job) {
   /* A short wait is looked for, not slept through: waking a sleeper costs
    * what the helper saved. */
-  uint64_t give_up = now_ns() + HELPER_LOOK_NS;
-  while (atomic_load_explicit(&job->state, memory_order_acquire) == JOB_RUNNING && now_ns() < give_up)
+  uint64_t give_up = gca__now_ns() + HELPER_LOOK_NS;
+  while (atomic_load_explicit(&job->state, memory_order_acquire) == JOB_RUNNING && gca__now_ns() < give_up)
     gca__spin_pause();
   pthread_mutex_lock(&helpers_lock);
   bool ran = true;
@@ -318,8 +312,8 @@ __attribute__((destructor)) static void helpers_close(void) {
   pthread_mutex_lock(&helpers_lock);
   atomic_store(&helpers_closing, true);
   pthread_cond_broadcast(&helpers_wake);
-  uint64_t give_up = now_ns() + 100000000u;
-  while (helper_count > helper_busy && now_ns() < give_up) {
+  uint64_t give_up = gca__now_ns() + 100000000u;
+  while (helper_count > helper_busy && gca__now_ns() < give_up) {
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_nsec += 10000000;

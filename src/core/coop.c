@@ -134,12 +134,6 @@ static void coop_wait_word(_Atomic uint32_t *word, uint32_t seen, uint64_t ns) {
   (void)coop_futex(word, FUTEX_WAIT, seen, &t);
 }
 
-static uint64_t coop_now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
 /* FNV-1a of the identity: the region's name. */
 static uint64_t identity_hash(const char *s) {
   uint64_t h = 1469598103934665603ull;
@@ -400,7 +394,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   send_requests(r, peers, 0, m);
 
   const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
-  uint64_t now = coop_now_ns(), deadline = now + timeout;
+  uint64_t now = gca__now_ns(), deadline = now + timeout;
   uint64_t escalate_at = now + (timeout / 4 < slice ? timeout / 4 : slice), check_at = now + slice;
   size_t received = 0;
   for (;;) {
@@ -424,7 +418,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     coop_slot_t *s = &r->slots[peers[first].slot];
     uint32_t answer = atomic_load(&s->answer_seq);
     if ((int32_t)(answer - peers[first].seq) < 0 && until > now) coop_wait_word(&s->answer_seq, answer, until - now);
-    now = coop_now_ns();
+    now = gca__now_ns();
   }
 
   text_t t = {c->last, sizeof c->last, 0};
@@ -438,6 +432,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
       gca__text_put(&t, "%spid %d released %s", comma, (int)peers[k].pid, b);
       break;
     case GONE:
+      out->gone++;
       gca__text_put(&t, "%spid %d left the device", comma, (int)peers[k].pid);
       break;
     case PENDING:
@@ -459,6 +454,15 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
 }
 
 const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }
+
+size_t gca__coop_peers_live(const coop_t *c) {
+  size_t live = 0;
+  for (int i = 0; i < COOP_SLOTS; i++) {
+    const coop_slot_t *s = &c->r->slots[i];
+    if (i != c->slot && atomic_load(&s->pid)) live += (size_t)atomic_load(&s->allocated);
+  }
+  return live;
+}
 
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
   coop_region_t *r = c->r;

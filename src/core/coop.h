@@ -10,6 +10,7 @@
 typedef struct coop coop_t;
 typedef struct coop_outcome {
   int asked, timeouts;
+  int gone; /* peers that left or died while asked (their memory on its way back) */
   size_t received;
 } coop_outcome_t;
 /* Join the device's rendezvous (its identity names it); a thread answers
@@ -25,6 +26,9 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
 void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got);
 /* What the last request got, by peer, for the out-of-memory message. */
 const char *gca__coop_last(const coop_t *c);
+/* The live bytes the peers last published (allocated, paused pools apart),
+ * summed over the live slots; without any lock. */
+size_t gca__coop_peers_live(const coop_t *c);
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);
 
 #endif /* GCALLOC_CORE_COOP_H */

@@ -320,17 +320,31 @@ static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_
 }
 
 /* The other processes on the device release their cache, and the request
- * is tried again (with the lock held; released while they are asked). */
+ * is tried again (with the lock held; released while they are asked). What
+ * they released goes back to the device, where any process may take it
+ * first (a peer's next allocation, a third process's): while peers still
+ * release something, or leave (a closing process leaves the rendezvous
+ * before its memory is back), they are asked again, within
+ * ipc_release_timeout_ms of the first request. */
 static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
   size_t need = gca__segment_size_for(rounded);
-  atomic_store(&d->coop_waiting, (int64_t)need);
-  lock_release(&d->lock);
-  coop_outcome_t got;
-  gca__coop_ask(d->coop, need, &got);
-  relock(d);
-  atomic_store(&d->coop_waiting, 0);
-  gca__device_peers_answered(d, need, stream, &got);
-  return got.asked ? take_again(d, pool, stream, rounded, requested, rc) : NULL;
+  uint64_t deadline = gca__now_ns() + d->config.ipc_release_timeout_ms * 1000000u;
+  bool left = false;
+  for (;;) {
+    atomic_store(&d->coop_waiting, (int64_t)need);
+    lock_release(&d->lock);
+    coop_outcome_t got;
+    gca__coop_ask(d->coop, need, &got);
+    if (left || (got.gone && !got.received)) { /* give a leaving peer's memory a moment to come back */
+      left = true;
+      nanosleep(&(struct timespec){0, 2000000}, NULL);
+    }
+    relock(d);
+    atomic_store(&d->coop_waiting, 0);
+    gca__device_peers_answered(d, need, stream, &got);
+    block_t *b = got.asked || left ? take_again(d, pool, stream, rounded, requested, rc) : NULL;
+    if (b || *rc != GCA_ERR_OOM || !(got.received || got.gone) || gca__now_ns() >= deadline) return b;
+  }
 }
 
 #define ASK_PEERS_EVERY_NS 100000000u /* while an allocation waits (oom_retry_timeout_ms) */
@@ -412,6 +426,17 @@ GCA_COLD static void warn_no_virtual_memory(device_t *d) {
                    "segments are used instead", d->index, d->backend->ops->name);
 }
 
+/* An out-of-memory error with cooperation on: avoidable when the live
+ * bytes of every cooperating process (the peers' as published) and the
+ * request fit the device, and this process's live bytes and the request fit
+ * its fraction. */
+GCA_COLD static void count_if_avoidable(device_t *d, size_t rounded, const oom_report_t *report) {
+  int64_t own = family_current(&d->stats, FAM_ALLOCATED_BYTES) - atomic_load(&d->paused_now);
+  size_t mine = (size_t)(own > 0 ? own : 0) + rounded;
+  if (mine + gca__coop_peers_live(d->coop) <= report->total && (!limit_on(d) || mine <= d->limit.allowed))
+    d->stats.num_avoidable_ooms++;
+}
+
 /* The miss path, with the lock held; returns the address (0 on failure,
  * with the error set) with the lock released. */
 GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded,
@@ -441,6 +466,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
   d->stats.num_ooms++;
   oom_report_t report;
   gca__oom_explain(d, stream, rounded, &report);
+  if (d->coop) count_if_avoidable(d, rounded, &report);
   if (d->obs.recording) gca__history_oom(d, report.size, stream, report.free_bytes);
   lock_release(&d->lock);
   report_absorbed(d, &absorbed);

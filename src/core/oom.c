@@ -205,6 +205,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   report->size = want;
   report->limit = limit_on(d) ? d->limit.allowed : total;
   report->free_bytes = free_bytes;
+  report->total = total;
 
   char msg[2048];
   text_t o = {msg, sizeof msg, 0};
