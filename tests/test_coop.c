@@ -97,6 +97,20 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
     if (write(ready, "r", 1) != 1) return 4;
     for (;;) pause();
   }
+  const char *segments = getenv("GCALLOC_TEST_PEER_SEGMENTS"); /* "12,20,40": a cached segment of each (MiB) */
+  if (segments) {
+    void *held[8];
+    int n = 0;
+    for (const char *s = segments; *s && n < 8; s += strspn(s, ",")) {
+      char *end;
+      held[n] = gca_malloc(a, (size_t)strtol(s, &end, 10) * MiB, 0, 0);
+      if (!held[n++] || end == s) return 3;
+      s = end;
+    }
+    while (n) if (gca_free(a, held[--n]) != GCA_OK) return 3;
+    if (write(ready, "r", 1) != 1) return 4;
+    for (;;) pause();
+  }
   void *p = gca_malloc(a, (size_t)mib * MiB, 0, 0);
   const char *later = getenv("GCALLOC_TEST_PEER_FREE_AFTER_MS");
   if (later) { /* live at first, freed into the cache this much later */
@@ -1038,6 +1052,22 @@ static void test_peers_killed_at_random_points(void **state) {
   unsetenv("GCALLOC_TEST_COOP_HOLD_US");
 }
 
+/* A peer asked for 40 MiB gives back its largest cached segment, 40 MiB,
+ * and keeps the 12 and 20 MiB ones: only what is needed is released. */
+static void test_a_peer_releases_only_what_is_needed(void **state) {
+  (void)state;
+  peer_t peer = start_peer_with(0, "GCALLOC_TEST_PEER_SEGMENTS", "12,20,40", NULL);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 72 * MiB, .cached_bytes = 72 * MiB}));
+  void *p = gca_malloc(a, 40 * MiB, 0, 0); /* 28 MiB are free */
+  assert_non_null(p);
+  assert_int_equal(stats_of(a, 0).ipc_bytes_received, 40 * MiB);
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 32 * MiB, .cached_bytes = 32 * MiB}));
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 /* ---- a seeded random workload whose live memory always fits ---------------- */
 
 /* What the workload's processes and the test share (a memfd each child
@@ -1364,6 +1394,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_a_peer_releases_only_what_is_needed, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_stopped_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_killed_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),

@@ -20,7 +20,8 @@
  * quarter of ipc_release_timeout_ms (at most 100 ms), and the wait ends at
  * ipc_release_timeout_ms (gca__coop_ask). A peer answers
  * on a thread of its own (so a peer idle in Python still answers): it
- * empties its cache as gca_empty_cache does (after its streams' work, so
+ * gives back its largest cached segments until the request's need (written
+ * in its slot) is covered, after its streams' work as gca_empty_cache (so
  * never memory they may still use), and reports what it released. A peer
  * that is stopped or wedged does not answer; the requester says which in
  * its out-of-memory message. One that dies or leaves while asked is not
@@ -47,7 +48,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 4u
+#define COOP_VERSION 5u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
@@ -63,6 +64,7 @@ typedef struct coop_slot {
   _Atomic uint64_t released;    /* bytes released by the last answer */
   _Atomic int32_t asked_by;     /* the pid of the latest requester (for the history) */
   _Atomic uint32_t withdrawn_seq; /* a request its requester no longer waits for: nothing released */
+  _Atomic uint64_t need;        /* the most any pending request needs (0: release everything) */
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -208,11 +210,13 @@ static void *answer_main(void *arg) {
     uint32_t seq = atomic_load(&s->request_seq);
     if (seq == seen || atomic_load(&c->stop)) continue;
     seen = seq;
-    /* Release what the cache holds, in stream order (as gca_empty_cache),
-     * unless the requester got what it needed from others meanwhile: a
-     * cache grown since would go back for nothing. */
+    /* Release cached segments, largest first, until the largest need of
+     * the requests answered is covered, in stream order (as
+     * gca_empty_cache), unless the requester got what it needed from
+     * others meanwhile: a cache grown since would go back for nothing. */
     bool withdrawn = atomic_load(&s->withdrawn_seq) == seq;
-    atomic_store(&s->released, withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by)));
+    uint64_t need = atomic_exchange(&s->need, 0);
+    atomic_store(&s->released, withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by), need));
     coop_publish(c);
     atomic_store(&s->answer_seq, seq);
     coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
@@ -318,7 +322,7 @@ static int by_cached(const void *x, const void *y) {
 
 /* Ask peers[from, to): bump each one's request word (its slot still the
  * same process's) and wake it. With the region's lock taken here. */
-static void send_requests(coop_region_t *r, asked_t *peers, int from, int to) {
+static void send_requests(coop_region_t *r, asked_t *peers, int from, int to, uint64_t need) {
   bool locked = coop_lock(r); /* (without it, a slot taken meanwhile by another process is told apart by its pid) */
   for (int k = from; k < to; k++) {
     coop_slot_t *s = &r->slots[peers[k].slot];
@@ -327,6 +331,8 @@ static void send_requests(coop_region_t *r, asked_t *peers, int from, int to) {
       continue;
     }
     atomic_store(&s->asked_by, (int32_t)getpid());
+    uint64_t was = atomic_load(&s->need); /* (the largest of the requests it has not answered yet) */
+    while (was < need && !atomic_compare_exchange_weak(&s->need, &was, need)) {}
     peers[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
   }
   if (locked) coop_unlock(r);
@@ -391,7 +397,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
   int m = 0;
   while (m < n && covered < need) covered += peers[m++].cached;
   if (covered < need) m = n;
-  send_requests(r, peers, 0, m);
+  send_requests(r, peers, 0, m, need);
 
   const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
   uint64_t now = gca__now_ns(), deadline = now + timeout;
@@ -403,7 +409,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
     int pending = collect_answers(r, peers, m, check_alive, &received);
     if (received >= need) break;
     if (m < n && (pending == 0 || now >= escalate_at)) { /* short, or slow: ask the others too */
-      send_requests(r, peers, m, n);
+      send_requests(r, peers, m, n, need);
       m = n;
       continue;
     }

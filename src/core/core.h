@@ -328,7 +328,7 @@ bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *ac
 void gca__device_empty_cache(device_t *d);
 /* A peer asked (`requester`, for the history): release the cache as
  * gca_empty_cache does (coop.c's thread); the bytes released. */
-size_t gca__device_release_for_peer(device_t *d, int32_t requester);
+size_t gca__device_release_for_peer(device_t *d, int32_t requester, size_t need);
 
 /* With the lock held: record a use of the allocation at addr by `stream`
  * (`erase`: forget it). */
@@ -413,6 +413,10 @@ bool gca__segment_release_available(device_t *d, pool_t *pool, gca_stream_t stre
 /* Release every unsplit free block of both default pools (private pools
  * keep theirs: it is their graphs' memory). */
 void gca__segment_release_all_cached(device_t *d);
+/* Whole cached segments of the default pools, largest first, until `need`
+ * bytes went back (then the expandable segments' cache too, when short);
+ * the bytes of the ordinary segments released. */
+size_t gca__segment_release_cached_upto(device_t *d, size_t need);
 /* Release every unsplit free block of one pool. */
 void gca__segment_release_pool(device_t *d, pool_t *pool);
 /* Hand out free block `b` (in its pool's index if in_index, else a fresh

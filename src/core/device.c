@@ -607,16 +607,24 @@ GCA_COLD bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const
   return false;
 }
 
-/* Release the cache (for a peer when `requester` is not 0); the bytes
- * released. */
-static size_t empty_cache(device_t *d, int32_t requester) {
+/* Release the cache (for a peer when `requester` is not 0: its largest
+ * whole segments first, until `need` bytes went back; 0: all of it); the
+ * bytes released. */
+static size_t empty_cache(device_t *d, int32_t requester, size_t need) {
   lock_acquire(&d->lock);
   if (d->capture.count) { /* (a peer's request during a graph capture: nothing may go back now) */
     lock_release(&d->lock);
     return 0;
   }
   int64_t before = atomic_load(&d->reserved_now);
-  release_cached_blocks(d);
+  if (need) {
+    d->stats.num_sync_all_streams++;
+    gca__events_synchronize(d);
+    gca__segment_release_cached_upto(d, need);
+    gca__events_finish_releases(d, true);
+  } else {
+    release_cached_blocks(d);
+  }
   int64_t after = atomic_load(&d->reserved_now);
   size_t released = before > after ? (size_t)(before - after) : 0;
   if (requester && d->obs.recording) gca__history_ipc_release(d, released, requester);
@@ -627,6 +635,8 @@ static size_t empty_cache(device_t *d, int32_t requester) {
   return released;
 }
 
-size_t gca__device_release_for_peer(device_t *d, int32_t requester) { return empty_cache(d, requester); }
+size_t gca__device_release_for_peer(device_t *d, int32_t requester, size_t need) {
+  return empty_cache(d, requester, need);
+}
 
-void gca__device_empty_cache(device_t *d) { (void)empty_cache(d, 0); }
+void gca__device_empty_cache(device_t *d) { (void)empty_cache(d, 0, 0); }

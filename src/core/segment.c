@@ -257,6 +257,41 @@ void gca__segment_release_pool(device_t *d, pool_t *pool) {
   }
 }
 
+static int by_size_down(const void *x, const void *y) {
+  size_t a = (*(block_t *const *)x)->size, b = (*(block_t *const *)y)->size;
+  return (a < b) - (a > b);
+}
+
+/* The whole cached segments of `pool`, largest first, given back until
+ * *released reaches `need`. */
+static void release_largest(device_t *d, pool_t *pool, size_t need, size_t *released) {
+  size_t n = 0, cap = 0;
+  block_t **all = NULL;
+  for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) {
+    if (!unsplit(b)) continue;
+    if (n == cap) {
+      block_t **grown = realloc(all, (cap = cap ? 2 * cap : 16) * sizeof *all);
+      if (!grown) break; /* (out of host memory: what was gathered is released) */
+      all = grown;
+    }
+    all[n++] = b;
+  }
+  if (n) qsort(all, n, sizeof *all, by_size_down);
+  for (size_t i = 0; i < n && *released < need; i++) {
+    size_t size = all[i]->size;
+    if (gca__segment_release(d, all[i])) *released += size;
+  }
+  free(all);
+}
+
+size_t gca__segment_release_cached_upto(device_t *d, size_t need) {
+  size_t released = 0;
+  release_largest(d, &d->large_pool, need, &released);
+  if (released < need) release_largest(d, &d->small_pool, need, &released);
+  if (released < need) gca__expandable_release_all(d);
+  return released;
+}
+
 void gca__segment_release_all_cached(device_t *d) {
   gca__segment_release_pool(d, &d->large_pool);
   gca__segment_release_pool(d, &d->small_pool);
