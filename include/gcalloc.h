@@ -882,6 +882,12 @@ typedef struct gca_ipc_peer {
   uint64_t cached_bytes;    /* reserved and not allocated: what it could release */
   uint64_t waiting_bytes;   /* what an allocation of it waits for, or 0 */
   uint64_t paused_bytes;    /* handed out in paused pools: no device memory under it (docs/pools.md) */
+  /* Its cooperation so far (gca_stats_t's counters, published): */
+  uint64_t requests;        /* requests it made (num_ipc_requests) */
+  uint64_t bytes_received;  /* what the others released for them (ipc_bytes_received) */
+  uint64_t bytes_released;  /* what it released for the others' requests */
+  uint64_t timeouts;        /* peers that did not answer its requests in time (num_ipc_timeouts) */
+  uint64_t avoidable_ooms;  /* num_avoidable_ooms */
 } gca_ipc_peer_t;
 
 /* The processes cooperating on `device` (this one included): up to `cap`
@@ -896,6 +902,12 @@ typedef struct gca_ipc_device {
   char identity[96];
   int peer_count;
   gca_ipc_peer_t peers[64];
+  /* The device's memory as its driver reported it to the member that asked
+   * last (members holding device memory ask every 100 ms); 0 and 0 when
+   * none has. other_bytes: in use but not reserved by any member (held by
+   * processes that do not cooperate, or by the driver), total - free - the
+   * members' reserved bytes, 0 if negative. */
+  uint64_t total_bytes, free_bytes, other_bytes;
 } gca_ipc_device_t;
 
 /* Every rendezvous this user can read (no allocator needed): up to `cap`

@@ -1068,6 +1068,66 @@ static void test_a_peer_releases_only_what_is_needed(void **state) {
   gca_close(a);
 }
 
+/* A process that does not cooperate, holding 20 MiB of the device. */
+static pid_t start_outsider(void) {
+  int fds[2];
+  assert_int_equal(pipe(fds), 0);
+  pid_t pid = fork_child();
+  if (pid == 0) {
+    gca_allocator_t *a = NULL;
+    if (gca_open(spec, NULL, &a) != GCA_OK || !gca_malloc(a, 20 * MiB, 0, 0) || write(fds[1], "r", 1) != 1) _exit(3);
+    for (;;) pause();
+  }
+  char c;
+  assert_int_equal(read(fds[0], &c, 1), 1);
+  close(fds[0]), close(fds[1]);
+  return pid;
+}
+
+/* gcalloc top's view: the device's total and free memory, what a process
+ * that does not cooperate holds, and each member's requests so far. */
+static void test_scan_shows_the_device_and_the_requests(void **state) {
+  (void)state;
+  pid_t outsider = start_outsider();
+  peer_t peer = start_peer(30);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB}));
+  void *p = gca_malloc(a, 60 * MiB, 0, 0); /* 50 MiB free: the peer's 30 are asked for */
+  assert_non_null(p);
+  static gca_ipc_device_t devices[16];
+  const gca_ipc_device_t *dev = NULL;
+  const gca_ipc_peer_t *me = NULL, *lender = NULL;
+  for (int tries = 0; tries < 100 && !(dev && dev->free_bytes == 20 * MiB && me && me->requests == 1 && lender &&
+                                       lender->bytes_released == 30 * MiB); tries++) {
+    usleep(20000);
+    int found = gca_ipc_scan(devices, 16);
+    dev = NULL;
+    me = lender = NULL;
+    for (int i = 0; i < found && i < 16; i++)
+      if (strstr(devices[i].identity, name)) dev = &devices[i];
+    for (int k = 0; dev && k < dev->peer_count; k++) {
+      if (dev->peers[k].pid == getpid()) me = &dev->peers[k];
+      if (dev->peers[k].pid == peer.pid) lender = &dev->peers[k];
+    }
+  }
+  assert_non_null(dev);
+  assert_int_equal(dev->total_bytes, 100 * MiB);
+  assert_int_equal(dev->free_bytes, 20 * MiB);
+  assert_int_equal(dev->other_bytes, 20 * MiB); /* the outsider's */
+  assert_non_null(me);
+  assert_int_equal(me->requests, 1);
+  assert_int_equal(me->bytes_received, 30 * MiB);
+  assert_int_equal(me->avoidable_ooms, 0);
+  assert_non_null(lender);
+  assert_int_equal(lender->bytes_released, 30 * MiB);
+  assert_int_equal(lender->requests, 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  kill(outsider, SIGKILL);
+  waitpid(outsider, NULL, 0);
+  gca_close(a);
+}
+
 /* ---- a seeded random workload whose live memory always fits ---------------- */
 
 /* What the workload's processes and the test share (a memfd each child
@@ -1395,6 +1455,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_only_what_is_needed, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_scan_shows_the_device_and_the_requests, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_stopped_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_killed_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),

@@ -150,7 +150,9 @@ class DeviceProperties(NamedTuple):
 class _IpcPeer(ctypes.Structure):  # gca_ipc_peer_t
     _fields_ = [("pid", ctypes.c_int32), ("reserved_bytes", ctypes.c_uint64), ("allocated_bytes", ctypes.c_uint64),
                 ("cached_bytes", ctypes.c_uint64), ("waiting_bytes", ctypes.c_uint64),
-                ("paused_bytes", ctypes.c_uint64)]
+                ("paused_bytes", ctypes.c_uint64), ("requests", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
+                ("bytes_released", ctypes.c_uint64), ("timeouts", ctypes.c_uint64),
+                ("avoidable_ooms", ctypes.c_uint64)]
 
 
 class _HostStats(ctypes.Structure):  # gca_host_stats_t
@@ -680,8 +682,9 @@ class Allocator:
     def ipc_peers(self, device=0):
         """The processes cooperating on the device (ipc_cooperation:True; this one included), as each last
         published itself: dicts of pid, reserved_bytes, allocated_bytes (with device memory under it),
-        cached_bytes, waiting_bytes, paused_bytes (allocated in paused pools: no device memory under it).
-        GcallocError where cooperation is off for the device."""
+        cached_bytes, waiting_bytes, paused_bytes (allocated in paused pools: no device memory under it),
+        and its cooperation so far: requests, bytes_received, bytes_released (for the others' requests),
+        timeouts, avoidable_ooms. GcallocError where cooperation is off for the device."""
         device = _device(device)
         with self._handle() as a:
             n = _check(_lib.gca_ipc_peers(a, device, None, 0))

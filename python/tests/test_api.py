@@ -220,6 +220,13 @@ def test_peers_sharing_the_device():
                 break
             time.sleep(0.01)
         assert peers[0]["allocated_bytes"] == 100 * MiB and peers[0]["waiting_bytes"] == 0, peers
+        assert {k: peers[0][k] for k in ("requests", "bytes_received", "bytes_released", "timeouts",
+                                         "avoidable_ooms")} == dict.fromkeys(("requests", "bytes_received",
+                                                                              "bytes_released", "timeouts",
+                                                                              "avoidable_ooms"), 0), peers
+        free, total = a.mem_get_info(0)
+        assert total == 1 << 30 and free <= total - 100 * MiB
+        assert a.gcalloc_stats(0)["num_avoidable_ooms"] == 0
         a.free(p)
     with gcalloc.Allocator("sim") as a, pytest.raises(gcalloc.GcallocError):
         a.ipc_peers(0)  # cooperation off

@@ -65,6 +65,11 @@ typedef struct coop_slot {
   _Atomic int32_t asked_by;     /* the pid of the latest requester (for the history) */
   _Atomic uint32_t withdrawn_seq; /* a request its requester no longer waits for: nothing released */
   _Atomic uint64_t need;        /* the most any pending request needs (0: release everything) */
+  /* Its cooperation so far, for gcalloc top. */
+  _Atomic uint64_t requests, received, released_sum, timeouts, avoidable;
+  /* The device's memory, as the driver told this process at info_ns
+   * (CLOCK_MONOTONIC; 0: never asked). */
+  _Atomic uint64_t total, free_bytes, info_ns;
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -91,6 +96,7 @@ struct coop {
    * late, as a thread of a loaded machine may. */
   long hold_us, late_us;
   uint32_t seen; /* the slot's request sequence when it was taken */
+  bool touched;  /* the process has held device memory (the cooperation thread's) */
 };
 
 /* ---- the region ------------------------------------------------------------ */
@@ -190,6 +196,27 @@ static void coop_publish(coop_t *c) {
   atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
   atomic_store(&s->paused, (uint64_t)(paused > 0 ? paused : 0));
   atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
+  /* The device's memory, asked of the driver only by a process that has
+   * held some (its context exists: asking would not make one). */
+  size_t free_bytes = 0, total = 0;
+  c->touched = c->touched || atomic_load(&d->reserved_now) > 0;
+  if (c->touched &&
+      d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) == GCA_OK) {
+    atomic_store(&s->total, (uint64_t)total);
+    atomic_store(&s->free_bytes, (uint64_t)free_bytes);
+    atomic_store(&s->info_ns, gca__now_ns());
+  }
+  gca__clear_error();
+}
+
+void gca__coop_count(coop_t *c, const coop_outcome_t *got, bool avoidable) {
+  coop_slot_t *s = &c->r->slots[c->slot];
+  if (got) {
+    atomic_fetch_add(&s->requests, got->asked > 0);
+    atomic_fetch_add(&s->received, (uint64_t)got->received);
+    atomic_fetch_add(&s->timeouts, (uint64_t)got->timeouts);
+  }
+  if (avoidable) atomic_fetch_add(&s->avoidable, 1);
 }
 
 static void *answer_main(void *arg) {
@@ -216,7 +243,9 @@ static void *answer_main(void *arg) {
      * others meanwhile: a cache grown since would go back for nothing. */
     bool withdrawn = atomic_load(&s->withdrawn_seq) == seq;
     uint64_t need = atomic_exchange(&s->need, 0);
-    atomic_store(&s->released, withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by), need));
+    uint64_t released = withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by), need);
+    atomic_store(&s->released, released);
+    atomic_fetch_add(&s->released_sum, released);
     coop_publish(c);
     atomic_store(&s->answer_seq, seq);
     coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
@@ -470,6 +499,22 @@ size_t gca__coop_peers_live(const coop_t *c) {
   return live;
 }
 
+/* A slot as gca_ipc_peer_t. */
+static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
+  uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+  return (gca_ipc_peer_t){pid,
+                          reserved,
+                          allocated,
+                          reserved > allocated ? reserved - allocated : 0,
+                          atomic_load(&s->waiting),
+                          atomic_load(&s->paused),
+                          atomic_load(&s->requests),
+                          atomic_load(&s->received),
+                          atomic_load(&s->released_sum),
+                          atomic_load(&s->timeouts),
+                          atomic_load(&s->avoidable)};
+}
+
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
   coop_region_t *r = c->r;
   size_t n = 0;
@@ -480,9 +525,7 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
     int32_t pid = atomic_load(&s->pid);
     if (!pid) continue;
     if (n < cap) {
-      uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
-      out[n] = (gca_ipc_peer_t){pid, reserved, allocated, reserved > allocated ? reserved - allocated : 0,
-                                atomic_load(&s->waiting), atomic_load(&s->paused)};
+      out[n] = published(s, pid);
     }
     n++;
   }
@@ -509,15 +552,22 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
     memset(out, 0, sizeof *out);
     memcpy(out->identity, r->identity, sizeof out->identity);
     out->identity[sizeof out->identity - 1] = 0;
+    uint64_t reserved = 0, newest = 0;
     for (int i = 0; i < COOP_SLOTS; i++) {
       const coop_slot_t *s = &r->slots[i];
       int32_t pid = atomic_load(&s->pid);
       if (!pid || !coop_slot_alive(s)) continue;
-      uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
-      out->peers[out->peer_count++] = (gca_ipc_peer_t){pid, reserved, allocated,
-                                                       reserved > allocated ? reserved - allocated : 0,
-                                                       atomic_load(&s->waiting), atomic_load(&s->paused)};
+      out->peers[out->peer_count++] = published(s, pid);
+      reserved += atomic_load(&s->reserved);
+      uint64_t at = atomic_load(&s->info_ns);
+      if (at > newest) {
+        newest = at;
+        out->total_bytes = atomic_load(&s->total);
+        out->free_bytes = atomic_load(&s->free_bytes);
+      }
     }
+    uint64_t used = out->total_bytes - out->free_bytes;
+    out->other_bytes = out->total_bytes >= out->free_bytes && used > reserved ? used - reserved : 0;
     ok = out->peer_count > 0;
   }
   free(r);

@@ -29,6 +29,9 @@ const char *gca__coop_last(const coop_t *c);
 /* The live bytes the peers last published (allocated, paused pools apart),
  * summed over the live slots; without any lock. */
 size_t gca__coop_peers_live(const coop_t *c);
+/* Add a request's outcome (when `got`), and an avoidable out-of-memory, to
+ * the counters the process publishes. */
+void gca__coop_count(coop_t *c, const coop_outcome_t *got, bool avoidable);
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap);
 
 #endif /* GCALLOC_CORE_COOP_H */

@@ -131,6 +131,7 @@ void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, c
   d->stats.num_ipc_peers_asked += got->asked;
   d->stats.ipc_bytes_received += (int64_t)got->received;
   d->stats.num_ipc_timeouts += got->timeouts;
+  gca__coop_count(d->coop, got, false);
   if (d->obs.recording) gca__history_ipc_request(d, need, stream, got->asked, got->timeouts, got->received);
 }
 
@@ -433,8 +434,10 @@ GCA_COLD static void warn_no_virtual_memory(device_t *d) {
 GCA_COLD static void count_if_avoidable(device_t *d, size_t rounded, const oom_report_t *report) {
   int64_t own = family_current(&d->stats, FAM_ALLOCATED_BYTES) - atomic_load(&d->paused_now);
   size_t mine = (size_t)(own > 0 ? own : 0) + rounded;
-  if (mine + gca__coop_peers_live(d->coop) <= report->total && (!limit_on(d) || mine <= d->limit.allowed))
+  if (mine + gca__coop_peers_live(d->coop) <= report->total && (!limit_on(d) || mine <= d->limit.allowed)) {
     d->stats.num_avoidable_ooms++;
+    gca__coop_count(d->coop, NULL, true);
+  }
 }
 
 /* The miss path, with the lock held; returns the address (0 on failure,
