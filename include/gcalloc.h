@@ -799,8 +799,10 @@ enum { GCA_PAUSE_BACKUP = 1 };
 GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *released);
 /* Resume a paused pool: new memory mapped at the same addresses, the host
  * copies written back (ordered on each block's stream, waited for), then
- * given back to the pinned host allocator unless GCA_RESUME_KEEP_BACKUP
- * (kept until the next pause, resume or the pool's end). Room is made as
+ * given back to the system (not cached by the pinned host allocator) unless
+ * GCA_RESUME_KEEP_BACKUP: then kept until the pool's next pause, which
+ * copies into them again where a block kept its address and size (no new
+ * pinning), or its end. Room is made as
  * for an allocation: the process's own cache given back, then (with
  * ipc_cooperation:True) the other processes asked. Out of memory:
  * GCA_ERR_OOM naming the pool's need, and the pages mapped before it ran
@@ -809,6 +811,22 @@ GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, 
  * nothing. */
 enum { GCA_RESUME_KEEP_BACKUP = 1 };
 GCA_API int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags);
+/* Pause every pausable pool of `device` (-1: of every device) that runs, as
+ * gca_pool_pause with `flags` each (a sleep mode's "everything"); *released
+ * (may be NULL) the sum. Every pool is tried: the first failure is returned
+ * (its message names the pool), the others are paused. */
+GCA_API int gca_pool_pause_all(gca_allocator_t *a, int device, unsigned flags, size_t *released);
+/* Resume every paused pool of `device` (-1: of every device), as
+ * gca_pool_resume with `flags` each; every pool is tried, the first failure
+ * returned. */
+GCA_API int gca_pool_resume_all(gca_allocator_t *a, int device, unsigned flags);
+/* Read access to a paused block's host copy (GCA_PAUSE_BACKUP; or kept at
+ * resume by GCA_RESUME_KEEP_BACKUP, then as it was at the pause): for
+ * `ptr` inside a block that has one, *host points at the copy of ptr's byte
+ * and *size says how many bytes of the copy follow. Valid until the pool
+ * resumes without GCA_RESUME_KEEP_BACKUP, pauses again, or the block is
+ * freed. GCA_ERR_BAD_POINTER when ptr has no copy. */
+GCA_API int gca_pool_backup(gca_allocator_t *a, const void *ptr, const void **host, size_t *size);
 /* One more reference (a second graph sharing the pool's memory). */
 GCA_API int gca_pool_retain(gca_allocator_t *a, gca_pool_t pool);
 /* Drop a reference. Dropping the last one ends the pool: it first waits

@@ -831,6 +831,82 @@ static void test_pause_resume_on_backed_sim(void **state) {
   gca_close(a);
 }
 
+/* A block with a pattern of its own, in pool p. */
+static unsigned char *patterned(gca_allocator_t *a, gca_pool_t p, int device, size_t size, unsigned char seed) {
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  unsigned char *b = gca_malloc(a, size, device, 0);
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_non_null(b);
+  for (size_t i = 0; i < size; i++) b[i] = (unsigned char)(seed + i * 7);
+  return b;
+}
+
+static void assert_pattern(const unsigned char *b, size_t size, unsigned char seed) {
+  for (size_t i = 0; i < size; i++)
+    if (b[i] != (unsigned char)(seed + i * 7)) fail_msg("byte %zu differs", i);
+}
+
+/* Every pool of every device (or of one) paused and resumed in one call;
+ * a paused block's copy read in place; the copies given back to the system
+ * at resume, or kept and pinned again for nothing at the next pause. */
+static void test_pause_all_and_read_copies(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:backed=1,devices=2,capacity=256MiB", NULL);
+  gca_pool_t p0, p0b, p1, plain;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p0), GCA_OK);
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &p0b), GCA_OK);
+  assert_int_equal(gca_pool_create_ex(a, 1, GCA_POOL_PAUSABLE, &p1), GCA_OK);
+  assert_int_equal(gca_pool_create(a, 0, &plain), GCA_OK); /* (cannot pause: left alone) */
+  const size_t size = 3 * MiB;
+  unsigned char *b0 = patterned(a, p0, 0, size, 1), *b0b = patterned(a, p0b, 0, size, 2);
+  unsigned char *b1 = patterned(a, p1, 1, size, 3), *bp = patterned(a, plain, 0, size, 4);
+  int64_t pinned_before = host_stats(a).reserved_bytes.current;
+
+  size_t released = 0;
+  assert_int_equal(gca_pool_pause_all(a, -1, GCA_PAUSE_BACKUP, &released), GCA_OK);
+  assert_true(pool_stats(a, p0).paused && pool_stats(a, p0b).paused && pool_stats(a, p1).paused);
+  assert_false(pool_stats(a, plain).paused);
+  assert_true(released >= 3 * size);
+  const void *copy = NULL;
+  size_t left = 0;
+  assert_int_equal(gca_pool_backup(a, b1 + 100, &copy, &left), GCA_OK);
+  assert_int_equal(left, size - 100);
+  assert_int_equal(memcmp(copy, (unsigned char[]){(unsigned char)(3 + 700), (unsigned char)(3 + 707)}, 2), 0);
+  assert_int_equal(gca_pool_backup(a, bp, &copy, &left), GCA_ERR_BAD_POINTER); /* a running pool */
+  assert_contains(gca_last_error(), "has no host copy");
+  assert_null(copy);
+  assert_int_equal(gca_pool_pause_all(a, -1, 0, NULL), GCA_OK); /* (nothing runs: nothing to do) */
+  assert_int_equal(gca_pool_resume_all(a, -1, 0), GCA_OK);
+  assert_pattern(b0, size, 1), assert_pattern(b0b, size, 2), assert_pattern(b1, size, 3);
+  /* The copies went back to the system, not to the pinned cache. */
+  assert_int_equal(host_stats(a).reserved_bytes.current, pinned_before);
+  assert_int_equal(gca_pool_backup(a, b0, &copy, &left), GCA_ERR_BAD_POINTER);
+
+  /* One device; the copies kept at resume serve the next pause. */
+  assert_int_equal(gca_pool_pause_all(a, 0, GCA_PAUSE_BACKUP, NULL), GCA_OK);
+  assert_false(pool_stats(a, p1).paused);
+  assert_int_equal(gca_pool_resume_all(a, 0, GCA_RESUME_KEEP_BACKUP), GCA_OK);
+  assert_int_equal(gca_pool_backup(a, b0b, &copy, &left), GCA_OK); /* (as at the pause) */
+  assert_pattern(copy, size, 2);
+  int64_t pinnings = host_stats(a).num_host_alloc;
+  b0[0] ^= 0xFF; /* (written since: the next copy must be taken again) */
+  assert_int_equal(gca_pool_pause_all(a, 0, GCA_PAUSE_BACKUP, NULL), GCA_OK);
+  assert_int_equal(host_stats(a).num_host_alloc, pinnings);
+  assert_int_equal(gca_pool_backup(a, b0, &copy, &left), GCA_OK);
+  assert_int_equal(((const unsigned char *)copy)[0], (unsigned char)(1 ^ 0xFF));
+  assert_int_equal(gca_pool_resume_all(a, -1, 0), GCA_OK);
+  assert_int_equal(b0[0], (unsigned char)(1 ^ 0xFF));
+  assert_int_equal(host_stats(a).reserved_bytes.current, pinned_before);
+
+  assert_int_equal(gca_pool_pause_all(a, 7, 0, NULL), GCA_ERR_INVALID); /* no device 7 */
+  assert_int_equal(gca_free(a, b0), GCA_OK);
+  assert_int_equal(gca_free(a, b0b), GCA_OK);
+  assert_int_equal(gca_free(a, b1), GCA_OK);
+  assert_int_equal(gca_free(a, bp), GCA_OK);
+  assert_consistent(a);
+  gca_close(a);
+}
+
 /* Faults: a resume without memory fails, the pool paused and consistent,
  * the pages it mapped before running out given back, and completes once memory is
  * back; a pause whose copies find no pinned memory changes nothing. */
@@ -967,6 +1043,7 @@ int main(void) {
       cmocka_unit_test(test_pause_resume_faults),
       cmocka_unit_test(test_pause_resume_on_cuda_stand_in),
       cmocka_unit_test(test_pause_resume_on_backed_sim),
+      cmocka_unit_test(test_pause_all_and_read_copies),
       cmocka_unit_test(test_capture_on_cuda_stand_in),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

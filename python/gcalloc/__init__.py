@@ -214,6 +214,9 @@ _sig("gca_pool_create", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_
 _sig("gca_pool_create_ex", ctypes.c_int, _P, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint64))
 _sig("gca_pool_pause", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint, ctypes.POINTER(ctypes.c_size_t))
 _sig("gca_pool_resume", ctypes.c_int, _P, ctypes.c_uint64, ctypes.c_uint)
+_sig("gca_pool_pause_all", ctypes.c_int, _P, ctypes.c_int, ctypes.c_uint, ctypes.POINTER(ctypes.c_size_t))
+_sig("gca_pool_resume_all", ctypes.c_int, _P, ctypes.c_int, ctypes.c_uint)
+_sig("gca_pool_backup", ctypes.c_int, _P, _P, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
 _sig("gca_pool_retain", ctypes.c_int, _P, ctypes.c_uint64)
 _sig("gca_pool_release", ctypes.c_int, _P, ctypes.c_uint64)
 _sig("gca_pool_push", ctypes.c_int, _P, ctypes.c_uint64)
@@ -554,6 +557,31 @@ class Allocator:
         pool = _pool(pool)
         with self._handle() as a:
             _check(_lib.gca_pool_resume(a, pool, 1 if keep_backup else 0))
+
+    def pause_pools(self, device=None, backup=False):
+        """pause_pool for every pausable pool that runs on `device` (None: every device); the bytes given
+        back. Every pool is tried; the first failure raises, the others are paused."""
+        device = -1 if device is None else _device(device)
+        released = ctypes.c_size_t()
+        with self._handle() as a:
+            _check(_lib.gca_pool_pause_all(a, device, 1 if backup else 0, ctypes.byref(released)))
+        return released.value
+
+    def resume_pools(self, device=None, keep_backup=False):
+        """resume_pool for every paused pool on `device` (None: every device)."""
+        device = -1 if device is None else _device(device)
+        with self._handle() as a:
+            _check(_lib.gca_pool_resume_all(a, device, 1 if keep_backup else 0))
+
+    def pool_backup(self, ptr):
+        """The host copy of a paused block (pause_pool with backup, or kept by resume_pool with
+        keep_backup), from `ptr` to the end of its block, as a read-only memoryview: valid until the pool
+        resumes without keep_backup, pauses again, or the block is freed. GcallocError where `ptr` has
+        none."""
+        host, size = ctypes.c_void_p(), ctypes.c_size_t()
+        with self._handle() as a:
+            _check(_lib.gca_pool_backup(a, _address(ptr), ctypes.byref(host), ctypes.byref(size)))
+        return memoryview((ctypes.c_char * size.value).from_address(host.value)).toreadonly()
 
     def retain_pool(self, pool):
         pool = _pool(pool)

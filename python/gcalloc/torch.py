@@ -30,7 +30,7 @@ from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _o
 MINIMUM_TORCH = "2.0"
 
 __all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_failure", "pool", "pause",
-           "resume", "MINIMUM_TORCH", "ROUTED"]
+           "resume", "cpu_backup", "MINIMUM_TORCH", "ROUTED"]
 
 # void c10::detail::torchCheckFail(const char *func, const char *file, uint32_t line, const char *msg)
 # in PyTorch's libc10.so: it throws c10::Error, which Python sees as RuntimeError.
@@ -310,16 +310,71 @@ def _named(name, device, create):
     return allocator, pool_id
 
 
-def pause(name, backup=True, device=None):
+def _pools_named(name, device):
+    """The process allocator and the ids of the pools `name` on `device` (None: every device it is on)."""
+    from . import _process_allocator
+
+    if device is not None:
+        allocator, pool_id = _named(name, device, create=False)
+        return allocator, [pool_id]
+    if not isinstance(name, str):
+        raise TypeError("gcalloc: a pool's name must be a str, not %s" % type(name).__name__)
+    allocator = _process_allocator()
+    with _named_lock:
+        ids = [pool_id for (a, n, _), pool_id in sorted(_named_pools.items()) if a == allocator._a and n == name]
+    if not ids:
+        raise KeyError("gcalloc: no pool named %r" % name)
+    return allocator, ids
+
+
+def pause(name=None, backup=True, device=None):
     """Give the memory of pool `name` back to the device, keeping its addresses: PyTorch's tensors in it
     stay valid, to be used after resume(name). With backup, their contents are kept in pinned host memory
-    and written back at resume; without, they are lost (for caches to be refilled). Returns the bytes
-    given back. Synchronizes only the pool's own streams."""
-    allocator, pool_id = _named(name, device, create=False)
-    return allocator.pause_pool(pool_id, backup=backup)
+    and written back at resume (cpu_backup(tensor) reads them meanwhile); without, they are lost (for
+    caches to be refilled). `device` None: the name on every device it is on; `name` None: every pool that
+    can pause and runs, on `device` (None: every device). Returns the bytes given back. Synchronizes only
+    the pools' own streams."""
+    from . import _process_allocator
+
+    if name is None:
+        return _process_allocator().pause_pools(device, backup=backup)
+    allocator, ids = _pools_named(name, device)
+    return sum(allocator.pause_pool(pool_id, backup=backup) for pool_id in ids
+               if len(ids) == 1 or not allocator.pool_stats(pool_id)["paused"])
 
 
-def resume(name, device=None):
-    """Map memory again under pool `name`'s addresses and restore what pause(name, backup=True) kept."""
-    allocator, pool_id = _named(name, device, create=False)
-    allocator.resume_pool(pool_id)
+def resume(name=None, device=None, keep_backup=False):
+    """Map memory again under pool `name`'s addresses and restore what pause(name, backup=True) kept; the
+    host copies then go back to the system, unless keep_backup (the next pause copies into them again).
+    `device` and `name` None as for pause()."""
+    from . import _process_allocator
+
+    if name is None:
+        _process_allocator().resume_pools(device, keep_backup=keep_backup)
+        return
+    allocator, ids = _pools_named(name, device)
+    for pool_id in ids:
+        if len(ids) == 1 or allocator.pool_stats(pool_id)["paused"]:
+            allocator.resume_pool(pool_id, keep_backup=keep_backup)
+
+
+def cpu_backup(tensor):
+    """The host copy of a tensor in a pool paused with backup, as a CPU tensor of its dtype and shape
+    sharing the copy's memory (read it, do not keep it past the resume): torch_memory_saver's
+    get_cpu_backup. The tensor must be contiguous."""
+    import torch
+
+    from . import _process_allocator
+
+    if not tensor.is_contiguous():
+        raise ValueError("gcalloc.torch.cpu_backup: the tensor is not contiguous")
+    view = _process_allocator().pool_backup(tensor.data_ptr())
+    nbytes = tensor.numel() * tensor.element_size()
+    if len(view) < nbytes:
+        raise ValueError("gcalloc.torch.cpu_backup: the copy holds %d bytes, the tensor %d" % (len(view), nbytes))
+    import warnings
+
+    with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is read-only)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view[:nbytes], dtype=tensor.dtype) if nbytes else torch.empty(0, dtype=tensor.dtype)
+    return flat.view(tensor.shape)

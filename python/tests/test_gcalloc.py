@@ -229,7 +229,16 @@ def test_torch_entry_points(monkeypatch):
         gcalloc.torch.pause("kv", device="x")
     with pytest.raises(TypeError, match="device must be an int, not float"):
         gcalloc.torch.pause("kv", device=0.0)
-    for name in (0, False, 0.0, None, b"kv"):  # (names are str: 0, False and 0.0 would be one pool)
+    # Every pool at once (name None), and a name on every device it is on (device None).
+    released = gcalloc.torch.pause()
+    assert released > 0 and process.pool_stats(kv)["paused"] == 1
+    assert gcalloc.torch.pause() == 0  # (nothing runs)
+    gcalloc.torch.resume()
+    assert process.pool_stats(kv)["paused"] == 0
+    gcalloc.torch.pause("kv", device=None)
+    gcalloc.torch.resume("kv", device=None, keep_backup=True)
+    assert gcalloc.memory_stats()["reserved_bytes.all.current"] == reserved
+    for name in (0, False, 0.0, b"kv"):  # (names are str: 0, False and 0.0 would be one pool)
         with pytest.raises(TypeError, match="a pool's name must be a str"):
             gcalloc.torch.pause(name)
     for x in (p, q, r):
@@ -294,3 +303,35 @@ def test_private_pools():
         assert a.pool_of(p) == sleepy and a.pool_stats(sleepy)["paused"] == 0
         a.free(p)
         a.release_pool(sleepy)
+
+
+def test_pause_every_pool_and_read_copies():
+    """pause_pools / resume_pools over devices, and a paused block's copy read in place."""
+    import ctypes
+
+    with gcalloc.Allocator("sim:backed=1,devices=2,capacity=256MiB") as a:
+        p0, p1, plain = a.create_pool(0, pausable=True), a.create_pool(1, pausable=True), a.create_pool(0)
+        with a.pool(p0):
+            x = a.malloc(MiB, 0)
+        with a.pool(p1):
+            y = a.malloc(MiB, 1)
+        ctypes.memset(x, 0x5A, MiB)
+        ctypes.memset(y, 0x3C, MiB)
+        released = a.pause_pools(backup=True)
+        assert released >= 2 * MiB and a.pool_stats(p0)["paused"] and a.pool_stats(p1)["paused"]
+        assert not a.pool_stats(plain)["paused"]
+        view = a.pool_backup(x + 10)
+        assert len(view) == MiB - 10 and view.readonly and bytes(view[:4]) == b"\x5a" * 4
+        assert bytes(a.pool_backup(y)[-2:]) == b"\x3c" * 2
+        with pytest.raises(gcalloc.GcallocError, match="has no host copy"):
+            a.pool_backup(x + MiB + 4096)
+        a.resume_pools(device=1)
+        assert a.pool_stats(p0)["paused"] and not a.pool_stats(p1)["paused"]
+        a.resume_pools()
+        assert ctypes.string_at(x, 4) == b"\x5a" * 4 and ctypes.string_at(y, 4) == b"\x3c" * 4
+        with pytest.raises(gcalloc.GcallocError, match="has no host copy"):
+            a.pool_backup(x)  # (given back at resume)
+        a.free(x)
+        a.free(y)
+        for p in (p0, p1, plain):
+            a.release_pool(p)

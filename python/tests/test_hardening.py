@@ -203,7 +203,8 @@ _METHODS = ["malloc", "free", "record_stream", "empty_cache", "synchronize", "cr
             "pool_of", "pools", "set_config", "get_config", "set_per_process_memory_fraction",
             "reset_peak_memory_stats", "reset_accumulated_memory_stats", "memory_stats", "memory_summary",
             "host_malloc", "host_free", "host_record_stream", "host_empty_cache", "host_is_pinned",
-            "host_memory_stats", "host_reset_peak_memory_stats", "record_history", "memory_snapshot", "pool"]
+            "host_memory_stats", "host_reset_peak_memory_stats", "record_history", "memory_snapshot", "pool",
+            "pause_pools", "resume_pools", "pool_backup"]
 _ALLOWED = (TypeError, ValueError, OverflowError, KeyError, MemoryError, gcalloc.GcallocError)
 
 

@@ -18,8 +18,25 @@
 #include "core/events.h"
 #include "core/mempool.h"
 #include "core/oom.h"
+#include "host/host.h"
 
-static void drop_backup(gca_allocator_t *a, void *host) { (void)gca_host_free(a, host); }
+/* A copy no longer wanted goes back to the system, not to the pinned
+ * allocator's cache: it is as large as what was paused, and would stay
+ * resident until gca_host_empty_cache. */
+static void drop_backup(gca_allocator_t *a, void *host) { (void)gca__host_free_uncached(a, host); }
+
+/* A copy kept from the last resume (GCA_RESUME_KEEP_BACKUP) for the block
+ * at `addr` of `size` bytes, taken out of `kept`; NULL if none. */
+static void *take_kept(pool_backup_t *kept, size_t count, uintptr_t addr, size_t size) {
+  for (size_t i = 0; i < count; i++) {
+    if (kept[i].host && kept[i].addr == addr && kept[i].size == size) {
+      void *host = kept[i].host;
+      kept[i].host = NULL;
+      return host;
+    }
+  }
+  return NULL;
+}
 
 /* remap_making_room's answer when another thread resumed the pool while the
  * peers were asked (not a gca_status). */
@@ -52,12 +69,20 @@ static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp
 
 
 /* Copy every live block of the pool to pinned host memory and wait for the
- * copies; on failure nothing is kept. */
+ * copies; on failure nothing is kept. Copies kept from the last resume
+ * serve again the blocks still at their address and size (no new pinning:
+ * a pool paused and resumed often keeps them); the others go back. */
 static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
   const backend_ops_t *ops = d->backend->ops;
-  if (!ops->copy_to_host || !ops->copy_to_device)
+  if (!ops->copy_to_host || !ops->copy_to_device) {
+    gca__mempool_drop_backups(d, mp);
     return gca__set_error(GCA_ERR_BACKEND, "gca_pool_pause: the %s backend cannot copy to host memory", ops->name);
+  }
   mp->drop_backup = drop_backup;
+  pool_backup_t *kept = mp->backups;
+  size_t kept_count = mp->backup_count;
+  mp->backups = NULL;
+  mp->backup_count = mp->backup_cap = mp->backup_bytes = 0;
   int rc = GCA_OK;
   for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next) {
     if (seg->pool->owner != mp) continue;
@@ -72,7 +97,8 @@ static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
         mp->backups = grown;
       }
       size_t size = b->requested ? b->requested : b->size;
-      void *host = gca_host_malloc(a, size);
+      void *host = take_kept(kept, kept_count, b->addr, size);
+      if (!host) host = gca_host_malloc(a, size);
       if (!host) {
         rc = gca_last_status() ? gca_last_status() : GCA_ERR_NOMEM;
         gca__prefix_error("gca_pool_pause: no pinned host memory for the copy of %zu bytes at %#" PRIxPTR, size, b->addr);
@@ -84,6 +110,9 @@ static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
     }
   }
   for (size_t i = 0; rc == GCA_OK && i < mp->backup_count; i++) rc = gca__events_wait_stream(d, mp->backups[i].stream);
+  for (size_t i = 0; i < kept_count; i++)
+    if (kept[i].host) drop_backup(a, kept[i].host);
+  free(kept);
   if (rc != GCA_OK) gca__mempool_drop_backups(d, mp);
   return rc;
 }
@@ -116,8 +145,9 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
   else if (d->capture.count)
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: device %d has a stream captured into a graph", d->index);
   if (rc == GCA_OK) rc = gca__mempool_quiesce(d, mp);
-  if (rc == GCA_OK) gca__mempool_drop_backups(d, mp); /* (copies kept from a resume are out of date) */
+  /* (copies kept from a resume are out of date: taken again, or dropped) */
   if (rc == GCA_OK && (flags & GCA_PAUSE_BACKUP)) rc = take_backups(a, d, mp);
+  else if (rc == GCA_OK) gca__mempool_drop_backups(d, mp);
   size_t bytes = 0;
   if (rc == GCA_OK) {
     /* The free cache goes back for good: the resume maps only what is live. */
@@ -171,4 +201,96 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
   }
   lock_release(&d->lock);
   return rc;
+}
+
+/* The pausable pools of `device` (-1: every device) that are paused (or
+ * not, per `paused`), into a malloc'ed array; -1 with the error set. */
+static int pausable_pools(gca_allocator_t *a, int device, bool paused, gca_pool_t **out, const char *what) {
+  *out = NULL;
+  int first = device, last = device;
+  if (device == -1) first = 0, last = gca_device_count(a) - 1;
+  else if (!gca__device_of(a, device, what)) return -1;
+  size_t n = 0, cap = 0;
+  for (int i = first; i <= last; i++) {
+    device_t *d = gca__device_of(a, i, what);
+    if (!d) continue;
+    lock_acquire(&d->lock);
+    for (mempool_t *mp = d->priv.list; mp; mp = mp->next) {
+      if (!mp->pausable || mp->paused != paused) continue;
+      if (n == cap) {
+        gca_pool_t *grown = gca__grow_array(*out, &cap, sizeof *grown, 8);
+        if (!grown) {
+          lock_release(&d->lock);
+          free(*out);
+          *out = NULL;
+          gca__set_error(GCA_ERR_NOMEM, "%s: out of host memory listing the pools", what);
+          return -1;
+        }
+        *out = grown;
+      }
+      (*out)[n++] = mp->id;
+    }
+    lock_release(&d->lock);
+  }
+  return (int)n;
+}
+
+int gca_pool_pause_all(gca_allocator_t *a, int device, unsigned flags, size_t *released) {
+  if (released) *released = 0;
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pause_all: allocator is NULL");
+  gca_pool_t *ids;
+  int n = pausable_pools(a, device, false, &ids, "gca_pool_pause_all");
+  if (n < 0) return gca_last_status();
+  int rc = GCA_OK;
+  char first[1024];
+  for (int i = 0; i < n; i++) {
+    size_t bytes = 0;
+    int one = gca_pool_pause(a, ids[i], flags, &bytes);
+    if (released) *released += bytes;
+    if (one != GCA_OK && rc == GCA_OK) rc = one, snprintf(first, sizeof first, "%s", gca_last_error());
+  }
+  free(ids);
+  if (rc != GCA_OK) gca__set_error(rc, "gca_pool_pause_all: %s", first);
+  return rc;
+}
+
+int gca_pool_resume_all(gca_allocator_t *a, int device, unsigned flags) {
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_resume_all: allocator is NULL");
+  gca_pool_t *ids;
+  int n = pausable_pools(a, device, true, &ids, "gca_pool_resume_all");
+  if (n < 0) return gca_last_status();
+  int rc = GCA_OK;
+  char first[1024];
+  for (int i = 0; i < n; i++) {
+    int one = gca_pool_resume(a, ids[i], flags);
+    if (one != GCA_OK && rc == GCA_OK) rc = one, snprintf(first, sizeof first, "%s", gca_last_error());
+  }
+  free(ids);
+  if (rc != GCA_OK) gca__set_error(rc, "gca_pool_resume_all: %s", first);
+  return rc;
+}
+
+int gca_pool_backup(gca_allocator_t *a, const void *ptr, const void **host, size_t *size) {
+  if (host) *host = NULL;
+  if (size) *size = 0;
+  if (!a || !host || !size) return gca__set_error(GCA_ERR_INVALID, "gca_pool_backup: a, host or size is NULL");
+  uintptr_t addr = (uintptr_t)ptr;
+  for (int i = 0; i < gca_device_count(a); i++) {
+    device_t *d = gca__device_of(a, i, "gca_pool_backup");
+    if (!d) continue;
+    lock_acquire(&d->lock);
+    for (mempool_t *mp = d->priv.list; mp; mp = mp->next)
+      for (size_t k = 0; k < mp->backup_count; k++) {
+        const pool_backup_t *c = &mp->backups[k];
+        if (addr - c->addr < c->size) {
+          *host = (const char *)c->host + (addr - c->addr);
+          *size = c->size - (addr - c->addr);
+          lock_release(&d->lock);
+          return GCA_OK;
+        }
+      }
+    lock_release(&d->lock);
+  }
+  return gca__set_error(GCA_ERR_BAD_POINTER, "gca_pool_backup: %p has no host copy (not in a block of a pool paused "
+                        "with GCA_PAUSE_BACKUP, or resumed with GCA_RESUME_KEEP_BACKUP)", ptr);
 }

@@ -758,6 +758,32 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
   return rc;
 }
 
+int gca__host_free_uncached(gca_allocator_t *a, void *ptr) {
+  int rc = gca_host_free(a, ptr);
+  if (rc != GCA_OK || !ptr) return rc;
+  host_cache_t *h = a->host;
+  mutex_lock(&h->lock);
+  host_block_t *b = host_block_at(h, (uintptr_t)ptr), *taken = NULL;
+  if (b && b->state == HOST_CACHED && !b->carved) { /* (not taken again meanwhile, nor waiting for a stream) */
+    host_block_t **at = &h->free_lists[host_bucket_of(b->size)];
+    while (*at && *at != b) at = &(*at)->next_free;
+    if (*at) {
+      *at = b->next_free;
+      b->next_free = NULL;
+      b->state = HOST_RELEASING;
+      h->stats.cached_bytes -= (int64_t)b->size;
+      size_t i = (size_t)host_last_at_or_below(h, b->addr);
+      memmove(&h->blocks[i], &h->blocks[i + 1], (h->count - i - 1) * sizeof *h->blocks);
+      h->count--;
+      taken = b;
+    }
+  }
+  mutex_unlock(&h->lock);
+  if (taken) (void)host_release(h, taken, &rc);
+  gca__clear_error();
+  return GCA_OK;
+}
+
 int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream_t stream) {
   host_cache_t *h = host_of(a, "gca_host_record_stream");
   if (!h) return GCA_ERR_INVALID;

@@ -12,5 +12,9 @@
 int gca__host_cache_create(gca_allocator_t *a);
 void gca__host_cache_destroy(gca_allocator_t *a);
 int gca__host_cache_check(gca_allocator_t *a);
+/* gca_host_free, then the block given back to the system at once instead of
+ * cached (unless a stream still uses it, or it is carved from the reserve
+ * segment): a paused pool's copy, not wanted again soon. */
+int gca__host_free_uncached(gca_allocator_t *a, void *ptr);
 
 #endif /* GCALLOC_HOST_H */
