@@ -14,7 +14,8 @@ pause   A model's weights and a KV-cache-like buffer in two named pools
         both: resume must make room by releasing that cache. Checked every
         cycle: every tensor at its data_ptr(); the cache's contents
         bit-identical (a checksum, and the whole buffer against a host copy
-        in the first and last cycles); the weights, refilled as a reload
+        in the first and last cycles); with --keep-backup the cache resumes
+        keeping its pinned copies, which the next pause fills again; the weights, refilled as a reload
         would, identical too; the driver's free memory (cuMemGetInfo) risen
         by what pause reported; no growth of reserved or free memory over
         the cycles. Pause and resume are timed per GiB.
@@ -105,7 +106,7 @@ def pause_child(args):
         torch.cuda.synchronize()
         filler = t = None
         t3 = time.perf_counter()
-        gcalloc.torch.resume("kv")
+        gcalloc.torch.resume("kv", keep_backup=args.keep_backup)
         t4 = time.perf_counter()
         gcalloc.torch.resume("weights")
         t5 = time.perf_counter()
@@ -244,6 +245,8 @@ def main():
     ap.add_argument("--weights-gib", type=int, default=4)
     ap.add_argument("--cache-gib", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--keep-backup", action="store_true",
+                    help="resume the cache with keep_backup: the next pause copies into the same pinned memory")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     os.environ["GCALLOC_LIBRARY"] = os.path.abspath(args.lib)
@@ -257,6 +260,7 @@ def main():
 
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--lib", args.lib, "--cycles",
                str(args.cycles), "--weights-gib", str(args.weights_gib), "--cache-gib", str(args.cache_gib)]
+        cmd += ["--keep-backup"] if args.keep_backup else []
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         sys.stderr.write(r.stderr[-4000:])
         if r.returncode != 0 or not r.stdout.strip():

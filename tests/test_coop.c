@@ -1128,6 +1128,23 @@ static void test_scan_shows_the_device_and_the_requests(void **state) {
   gca_close(a);
 }
 
+/* Requests that keep coming release twice as much each time: a process
+ * growing block by block costs a few round trips, not one per block. */
+static void test_requests_in_a_row_release_more(void **state) {
+  (void)state;
+  peer_t peer = start_peer_with(0, "GCALLOC_TEST_PEER_SEGMENTS", "12,12,12,12,12,12", NULL);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 72 * MiB, .cached_bytes = 72 * MiB}));
+  void *held[4];
+  for (int i = 0; i < 4; i++) assert_non_null(held[i] = gca_malloc(a, 12 * MiB, 0, 0)); /* 28 MiB free */
+  gca_stats_t s = stats_of(a, 0);
+  assert_int_equal(s.num_ipc_requests, 2);
+  assert_int_equal(s.ipc_bytes_received, 12 * MiB + 24 * MiB); /* the second released twice the first */
+  for (int i = 0; i < 4; i++) assert_int_equal(gca_free(a, held[i]), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 /* ---- a seeded random workload whose live memory always fits ---------------- */
 
 /* What the workload's processes and the test share (a memfd each child
@@ -1456,6 +1473,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_peers_killed_at_random_points, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_a_peer_releases_only_what_is_needed, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_scan_shows_the_device_and_the_requests, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_requests_in_a_row_release_more, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_stopped_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_random_workload_with_killed_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_region_of_another_user, fresh_name, remove_regions),

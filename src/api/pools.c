@@ -58,7 +58,7 @@ static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp
   atomic_store(&d->coop_waiting, (int64_t)need);
   lock_release(&d->lock);
   coop_outcome_t got;
-  gca__coop_ask(d->coop, need, &got);
+  gca__coop_ask(d->coop, need, 0, &got);
   *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
   atomic_store(&d->coop_waiting, 0);
   if (!*mp) return gca__prefix_error("gca_pool_resume: while the other processes were asked for memory");

@@ -97,7 +97,17 @@ struct coop {
   long hold_us, late_us;
   uint32_t seen; /* the slot's request sequence when it was taken */
   bool touched;  /* the process has held device memory (the cooperation thread's) */
+  /* Requests answered in a row, each within STREAK_NS of the last (the
+   * cooperation thread's): each releases twice what the one before did. */
+  uint32_t streak;
+  uint64_t answered_ns;
 };
+
+/* A requester that grows by many blocks asks once per block; doubling what
+ * is released while the requests keep coming makes that a few round trips
+ * (a driver's release and allocation cost milliseconds each), while a lone
+ * request still releases only what it needs. */
+#define STREAK_NS 250000000u
 
 /* ---- the region ------------------------------------------------------------ */
 
@@ -238,11 +248,15 @@ static void *answer_main(void *arg) {
     if (seq == seen || atomic_load(&c->stop)) continue;
     seen = seq;
     /* Release cached segments, largest first, until the largest need of
-     * the requests answered is covered, in stream order (as
-     * gca_empty_cache), unless the requester got what it needed from
-     * others meanwhile: a cache grown since would go back for nothing. */
+     * the requests answered is covered (doubled for each request in a
+     * streak), in stream order (as gca_empty_cache), unless the requester
+     * got what it needed from others meanwhile: a cache grown since would
+     * go back for nothing. */
     bool withdrawn = atomic_load(&s->withdrawn_seq) == seq;
-    uint64_t need = atomic_exchange(&s->need, 0);
+    uint64_t need = atomic_exchange(&s->need, 0), now = gca__now_ns();
+    c->streak = c->answered_ns && now - c->answered_ns < STREAK_NS ? c->streak + 1 : 0;
+    c->answered_ns = now;
+    if (need) need = c->streak >= 20 || need > (UINT64_MAX >> c->streak) ? UINT64_MAX : need << c->streak;
     uint64_t released = withdrawn ? 0 : (uint64_t)gca__device_release_for_peer(c->d, atomic_load(&s->asked_by), need);
     atomic_store(&s->released, released);
     atomic_fetch_add(&s->released_sum, released);
@@ -401,7 +415,7 @@ static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_a
  * most cache must not block a request another could serve), or when they
  * all answered short; stop at ipc_release_timeout_ms. A peer that dies or
  * leaves while asked is not waited for. */
-size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
+size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_t *out) {
   memset(out, 0, sizeof *out);
   coop_region_t *r = c->r;
   asked_t peers[COOP_SLOTS];
@@ -430,6 +444,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out) {
 
   const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
   uint64_t now = gca__now_ns(), deadline = now + timeout;
+  if (deadline_ns && deadline_ns < deadline) deadline = deadline_ns > now ? deadline_ns : now;
   uint64_t escalate_at = now + (timeout / 4 < slice ? timeout / 4 : slice), check_at = now + slice;
   size_t received = 0;
   for (;;) {

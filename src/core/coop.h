@@ -18,9 +18,10 @@ typedef struct coop_outcome {
 int gca__coop_join(device_t *d, const char *identity, coop_t **out);
 void gca__coop_leave(coop_t *c);
 /* Ask the peers that cache most to release, for `need` bytes, and wait up
- * to ipc_release_timeout_ms; returns the bytes released. Without the
- * device lock. */
-size_t gca__coop_ask(coop_t *c, size_t need, coop_outcome_t *out);
+ * to ipc_release_timeout_ms, or until `deadline_ns` (CLOCK_MONOTONIC) when
+ * that is sooner (0: no such limit); returns the bytes released. Without
+ * the device lock. */
+size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_t *out);
 /* With the device's lock held again: count what a request to the peers did
  * (num_ipc_requests and the rest; the history's ipc_request entry). */
 void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got);

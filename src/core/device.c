@@ -335,7 +335,7 @@ static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t
     atomic_store(&d->coop_waiting, (int64_t)need);
     lock_release(&d->lock);
     coop_outcome_t got;
-    gca__coop_ask(d->coop, need, &got);
+    gca__coop_ask(d->coop, need, deadline, &got);
     if (left || (got.gone && !got.received)) { /* give a leaving peer's memory a moment to come back */
       left = true;
       nanosleep(&(struct timespec){0, 2000000}, NULL);
