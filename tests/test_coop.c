@@ -1097,8 +1097,10 @@ static void test_scan_shows_the_device_and_the_requests(void **state) {
   static gca_ipc_device_t devices[16];
   const gca_ipc_device_t *dev = NULL;
   const gca_ipc_peer_t *me = NULL, *lender = NULL;
-  for (int tries = 0; tries < 100 && !(dev && dev->free_bytes == 20 * MiB && me && me->requests == 1 && lender &&
-                                       lender->bytes_released == 30 * MiB); tries++) {
+  /* (until a publication after the request: each process publishes every 100 ms) */
+  for (int tries = 0; tries < 100 && !(dev && dev->free_bytes == 20 * MiB && me && me->requests == 1 &&
+                                       me->reserved_bytes == 60 * MiB && lender && lender->bytes_released == 30 * MiB);
+       tries++) {
     usleep(20000);
     int found = gca_ipc_scan(devices, 16);
     dev = NULL;

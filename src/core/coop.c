@@ -201,22 +201,23 @@ static coop_region_t *coop_open_region(const char *identity, bool group, char *p
 static void coop_publish(coop_t *c) {
   coop_slot_t *s = &c->r->slots[c->slot];
   device_t *d = c->d;
-  int64_t allocated = atomic_load(&d->allocated_now), paused = atomic_load(&d->paused_now);
-  atomic_store(&s->reserved, (uint64_t)atomic_load(&d->reserved_now));
-  atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
-  atomic_store(&s->paused, (uint64_t)(paused > 0 ? paused : 0));
-  atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
-  /* The device's memory, asked of the driver only by a process that has
-   * held some (its context exists: asking would not make one). */
+  /* The device's memory first, asked of the driver only by a process that
+   * has held some (its context exists: asking would not make one); the
+   * process's own figures after it, so that one taken between the two
+   * reads makes a reader count less in use outside the members, not more. */
   size_t free_bytes = 0, total = 0;
   c->touched = c->touched || atomic_load(&d->reserved_now) > 0;
-  if (c->touched &&
-      d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) == GCA_OK) {
+  if (c->touched && d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) == GCA_OK) {
     atomic_store(&s->total, (uint64_t)total);
     atomic_store(&s->free_bytes, (uint64_t)free_bytes);
     atomic_store(&s->info_ns, gca__now_ns());
   }
   gca__clear_error();
+  int64_t allocated = atomic_load(&d->allocated_now), paused = atomic_load(&d->paused_now);
+  atomic_store(&s->reserved, (uint64_t)atomic_load(&d->reserved_now));
+  atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
+  atomic_store(&s->paused, (uint64_t)(paused > 0 ? paused : 0));
+  atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
 }
 
 void gca__coop_count(coop_t *c, const coop_outcome_t *got, bool avoidable) {
