@@ -1078,6 +1078,90 @@ static void test_tune(void **state) {
   assert_int_equal(WEXITSTATUS(system(cmd)), 3);
 }
 
+/* A job that fragments (allocatorSim lines: alloc index, free index,
+ * size): 100 MiB freed, five 4 MiB blocks carved from its segment, four of
+ * them freed, then 90 MiB. By default the live 4 MiB block pins the 100 MiB
+ * segment and 90 MiB needs another (190 MiB); with max_split_size_mb at 32
+ * or 64 the 100 MiB block is not split, the 4 MiB blocks get a segment of
+ * their own, and 90 MiB reuses the big one (110 MiB at most). */
+static const char *fragmenting_trace(void) {
+  write_file("gcalloc-scratch-fragmenting.log", "0 1 104857600\n2 10 4194304\n3 10 4194304\n4 10 4194304\n"
+                                                 "5 10 4194304\n6 30 4194304\n20 30 94371840\n");
+  return "gcalloc-scratch-fragmenting.log";
+}
+
+static json_object *member(json_object *o, const char *key) {
+  json_object *v = NULL;
+  if (!json_object_object_get_ex(o, key, &v)) fail_msg("no \"%s\" in the JSON", key);
+  return v;
+}
+
+/* tune under a capacity: a setting that does not fit never beats one that
+ * does, nor the defaults; among those that do not, the furthest ranks
+ * first; the answer takes the fewest keys; when nothing fits it says so,
+ * names no answer and says by how much the capacity falls short. */
+static void test_tune_under_a_capacity(void **state) {
+  (void)state;
+  char args[512];
+  snprintf(args, sizeof args, "tune %s --capacity 110MiB", fragmenting_trace());
+  json_object *root = tool_json(args), *ranked = member(root, "ranked");
+  assert_false(json_object_get_boolean(member(root, "nothing_fits")));
+  assert_false(json_object_get_boolean(member(member(root, "defaults"), "fits")));
+  json_object *best = member(root, "best"), *torch_best = member(root, "best_pytorch");
+  assert_true(json_object_get_boolean(member(best, "fits")));
+  assert_string_equal(json_object_get_string(member(best, "conf")), "max_split_size_mb:32"); /* (one key) */
+  assert_non_null(torch_best);
+  assert_string_equal(json_object_get_string(member(torch_best, "conf")), "max_split_size_mb:32");
+  bool failing_seen = false;
+  int64_t last_replayed = INT64_MAX;
+  for (size_t i = 0; i < json_object_array_length(ranked); i++) {
+    json_object *c = json_object_array_get_idx(ranked, i);
+    bool fits = json_object_get_boolean(member(c, "fits"));
+    assert_true(!fits || !failing_seen); /* every fitting one before every failing one */
+    if (fits) continue;
+    failing_seen = true;
+    int64_t replayed = json_object_get_int64(member(c, "operations_replayed"));
+    assert_true(replayed <= last_replayed); /* the furthest first */
+    last_replayed = replayed;
+  }
+  assert_true(failing_seen);
+  json_object_put(root);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%s %s > gcalloc-scratch-tune.txt", GCALLOC_TOOL_PATH, args);
+  assert_int_equal(system(cmd), 0);
+  size_t len;
+  char *text = (char *)read_whole("gcalloc-scratch-tune.txt", &len);
+  assert_non_null(text);
+  assert_contains(text, "(the defaults do not fit), with keys PyTorch's allocator reads too; paste:\n"
+                        "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:32");
+  assert_null(strstr(text, "below the defaults")); /* (a peak of a run that stopped compares with nothing) */
+  free(text);
+
+  /* 40 MiB: the job's 94 MiB live never fit. */
+  snprintf(cmd, sizeof cmd, "%s tune %s --capacity 40MiB --json > gcalloc-scratch-tool.json", GCALLOC_TOOL_PATH,
+           fragmenting_trace());
+  assert_int_equal(WEXITSTATUS(system(cmd)), 3);
+  root = json_object_from_file("gcalloc-scratch-tool.json");
+  assert_non_null(root);
+  assert_true(json_object_get_boolean(member(root, "nothing_fits")));
+  assert_false(json_object_get_boolean(member(member(root, "best"), "beats_defaults")));
+  assert_null(member(root, "best_pytorch"));
+  json_object *furthest = member(root, "furthest");
+  assert_true(json_object_get_int64(member(furthest, "operations_replayed")) <
+              json_object_get_int64(member(furthest, "operations")));
+  assert_true(json_object_get_int64(member(furthest, "shortfall_bytes")) > 0);
+  json_object_put(root);
+  snprintf(cmd, sizeof cmd, "%s tune %s --capacity 40MiB > gcalloc-scratch-tune.txt", GCALLOC_TOOL_PATH,
+           fragmenting_trace());
+  assert_int_equal(WEXITSTATUS(system(cmd)), 3);
+  text = (char *)read_whole("gcalloc-scratch-tune.txt", &len);
+  assert_non_null(text);
+  assert_contains(text, "nothing searched fits in 0.039 GiB: the furthest, ");
+  assert_contains(text, "the capacity is ");
+  assert_null(strstr(text, "paste"));
+  free(text);
+}
+
 /* A report that cannot be written fails the command, saying why. */
 static void test_report_unwritable(void **state) {
   (void)state;
@@ -1569,6 +1653,7 @@ int main(void) {
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
+      cmocka_unit_test(test_tune_under_a_capacity),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };

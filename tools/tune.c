@@ -13,9 +13,14 @@
  * and ranks them by peak reserved bytes (summed over the trace's devices),
  * then by device allocations (each a cudaMalloc), then by the shortest
  * configuration string. With --capacity, a configuration under which the job
- * does not fit ranks below every one under which it does. The trace is
- * planned once (replay_plan), and the settings are replayed on every
- * processor at once (evaluate_all).
+ * does not fit ranks below every one under which it does, and among those
+ * that do not, the one that got furthest (operations replayed before the
+ * out-of-memory) ranks first: the peak of a replay that stopped says
+ * nothing of what the job needs. The answers (one for gcalloc, one of
+ * PyTorch's keys alone) are never worse than the defaults, and take the
+ * setting with the fewest keys among those within 0.5% of the best. The
+ * trace is planned once (replay_plan), and the settings are replayed on
+ * every processor at once (evaluate_all).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -37,12 +42,19 @@ typedef struct candidate {
   uint64_t peak_reserved;  /* summed over devices */
   uint64_t peak_requested;
   uint64_t device_allocs;
+  uint64_t replayed;       /* operations replayed, over devices: up to the out-of-memory where one stopped */
   bool fits;
 } candidate_t;
+
+/* Within this fraction of the best peak, fewer keys win (a shorter
+ * configuration is easier to keep, and a gain this small is noise between
+ * jobs). */
+#define FEWER_KEYS_WITHIN 0.005
 
 static int rank(const void *x, const void *y) {
   const candidate_t *a = x, *b = y;
   if (a->fits != b->fits) return a->fits ? -1 : 1;
+  if (!a->fits && a->replayed != b->replayed) return a->replayed > b->replayed ? -1 : 1;
   if (a->peak_reserved != b->peak_reserved) return a->peak_reserved < b->peak_reserved ? -1 : 1;
   if (a->device_allocs != b->device_allocs) return a->device_allocs < b->device_allocs ? -1 : 1;
   size_t la = strlen(a->conf), lb = strlen(b->conf);
@@ -61,6 +73,7 @@ static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t 
     c->peak_reserved += r.devices[i].peak_reserved;
     c->peak_requested += r.devices[i].peak_requested;
     c->device_allocs += r.devices[i].device_allocs;
+    c->replayed += r.devices[i].oom ? r.devices[i].oom_event : r.devices[i].events;
     c->fits &= !r.devices[i].oom;
   }
   replay_result_free(&r);
@@ -158,10 +171,35 @@ static bool pytorch_keys_only(const char *conf) {
          !strstr(conf, "per_process_memory_fraction");
 }
 
-/* Better than the defaults: fits where they do not, or reserves less. */
+/* Better than the defaults: fits where they do not, or fits as they do
+ * and reserves less. A setting under which the job does not fit beats
+ * nothing, whatever it reserved before it stopped. */
 static bool beats(const candidate_t *c, const candidate_t *defaults) {
-  if (c->fits != defaults->fits) return c->fits;
-  return c->peak_reserved < defaults->peak_reserved;
+  if (!c->fits) return false;
+  return !defaults->fits || c->peak_reserved < defaults->peak_reserved;
+}
+
+static int keys_of(const char *conf) {
+  int n = *conf != 0;
+  for (const char *p = conf; *p; p++) n += *p == ',';
+  return n;
+}
+
+/* The answer among the ranked candidates `c` (those of PyTorch's keys
+ * alone, with `torch_only`): the best one that fits, or with the fewest keys
+ * among those within FEWER_KEYS_WITHIN of its peak; NULL when none fits or
+ * it does not beat the defaults. */
+static const candidate_t *answer(const candidate_t *c, size_t n, bool torch_only, const candidate_t *defaults) {
+  const candidate_t *best = NULL;
+  for (size_t i = 0; i < n && !best; i++)
+    if (c[i].fits && (!torch_only || pytorch_keys_only(c[i].conf))) best = &c[i];
+  if (!best) return NULL;
+  const candidate_t *pick = best;
+  double within = (double)best->peak_reserved * (1.0 + FEWER_KEYS_WITHIN);
+  for (size_t i = 0; i < n && (double)c[i].peak_reserved <= within; i++)
+    if (c[i].fits && (!torch_only || pytorch_keys_only(c[i].conf)) && keys_of(c[i].conf) < keys_of(pick->conf))
+      pick = &c[i];
+  return beats(pick, defaults) ? pick : NULL;
 }
 
 static double below(const candidate_t *c, const candidate_t *defaults) {
@@ -172,23 +210,47 @@ static double below(const candidate_t *c, const candidate_t *defaults) {
  * (GCALLOC_ALLOC_CONF when it has gcalloc's own keys), and the best of
  * PyTorch's keys alone for PyTorch's own allocator, replayed as it is. */
 static void advise(const candidate_t *best, const candidate_t *torch_best, const candidate_t *defaults) {
-  if (!beats(best, defaults)) {
-    printf("\nbest: the defaults; no setting searched reserves less, so there is nothing to set\n");
+  if (!best) {
+    printf("\nbest: the defaults; no setting searched reserves less by more than %.1f%% with fewer keys, so there "
+           "is nothing to set\n", 100 * FEWER_KEYS_WITHIN);
     return;
+  }
+  /* (where the defaults do not fit, their peak is that of a replay that
+   * stopped: nothing to compare with) */
+  char b1[64], b2[64];
+  if (defaults->fits) {
+    snprintf(b1, sizeof b1, ", %.1f%% below the defaults", below(best, defaults));
+    snprintf(b2, sizeof b2, ", %.1f%% below the defaults", torch_best ? below(torch_best, defaults) : 0.0);
+  } else {
+    snprintf(b1, sizeof b1, " (the defaults do not fit)");
+    snprintf(b2, sizeof b2, " (the defaults do not fit)");
   }
   if (pytorch_keys_only(best->conf)) {
-    printf("\nbest: %.3f GiB reserved, %.1f%% below the defaults, with keys PyTorch's allocator reads too; paste:\n"
-           "PYTORCH_CUDA_ALLOC_CONF=%s\n", gib(best->peak_reserved), below(best, defaults), best->conf);
+    printf("\nbest: %.3f GiB reserved%s, with keys PyTorch's allocator reads too; paste:\nPYTORCH_CUDA_ALLOC_CONF=%s\n",
+           gib(best->peak_reserved), b1, best->conf);
     return;
   }
-  printf("\nbest with gcalloc: %.3f GiB reserved, %.1f%% below the defaults; paste:\nGCALLOC_ALLOC_CONF=%s\n",
-         gib(best->peak_reserved), below(best, defaults), best->conf);
+  printf("\nbest with gcalloc: %.3f GiB reserved%s; paste:\nGCALLOC_ALLOC_CONF=%s\n", gib(best->peak_reserved), b1,
+         best->conf);
   if (torch_best)
-    printf("\nbest with PyTorch's own allocator (its keys only, replayed alone): %.3f GiB reserved, %.1f%% below "
-           "the defaults; paste:\nPYTORCH_CUDA_ALLOC_CONF=%s\n",
-           gib(torch_best->peak_reserved), below(torch_best, defaults), torch_best->conf);
+    printf("\nbest with PyTorch's own allocator (its keys only, replayed alone): %.3f GiB reserved%s; paste:\n"
+           "PYTORCH_CUDA_ALLOC_CONF=%s\n", gib(torch_best->peak_reserved), b2, torch_best->conf);
   else
     printf("\nwith PyTorch's own allocator: no setting of its keys searched beats the defaults; keep them\n");
+}
+
+/* Nothing searched fits: how far the furthest got, and what it needs
+ * without a limit (`unlimited`, replayed so; 0: unknown). */
+static void say_nothing_fits(const candidate_t *furthest, const candidate_t *defaults, const candidate_t *unlimited,
+                             uint64_t capacity) {
+  printf("\nnothing searched fits in %.3f GiB: the furthest, %s, stops after %" PRIu64 " operations", gib(capacity),
+         furthest->conf[0] ? furthest->conf : "the defaults", furthest->replayed);
+  if (unlimited) printf(" of %" PRIu64, unlimited->replayed);
+  printf(" (the defaults after %" PRIu64 ")\n", defaults->replayed);
+  if (unlimited && unlimited->peak_reserved > capacity)
+    printf("without a limit it reserves %.3f GiB at its peak: the capacity is %.3f GiB short of that (it may fit in "
+           "somewhat less, where the allocator gives its cache back and tries again)\n",
+           gib(unlimited->peak_reserved), gib(unlimited->peak_reserved - capacity));
 }
 
 const tool_command_t tune_command = {
@@ -303,23 +365,32 @@ int tune_main(int argc, char **argv) {
   }
   candidate_t defaults = c[0];
   qsort(c, n, sizeof *c, rank);
-  const candidate_t *best = &c[0];
-  /* The best made only of keys PyTorch's own parser takes, for
-   * PYTORCH_CUDA_ALLOC_CONF; shown only where it beats the defaults. */
-  const candidate_t *torch_best = NULL;
-  for (size_t i = 0; i < n && !torch_best; i++)
-    if (pytorch_keys_only(c[i].conf)) torch_best = &c[i];
-  if (torch_best && !beats(torch_best, &defaults)) torch_best = NULL;
+  bool nothing_fits = base.capacity && !c[0].fits;
+  /* The answers: the best for gcalloc, and the best of PyTorch's keys
+   * alone for PYTORCH_CUDA_ALLOC_CONF; NULL where none beats the defaults. */
+  const candidate_t *best = answer(c, n, false, &defaults), *torch_best = answer(c, n, true, &defaults);
+  /* Nothing fits: the furthest setting replayed without a limit says what
+   * it would need. */
+  candidate_t unlimited = {0};
+  bool have_unlimited = false;
+  if (nothing_fits) {
+    replay_options_t free_run = base;
+    free_run.capacity = 0;
+    snprintf(unlimited.conf, sizeof unlimited.conf, "%s", c[0].conf);
+    have_unlimited = evaluate(&t, &free_run, &unlimited) == GCA_OK;
+  }
   if (json) {
     printf("{\"trace\": ");
     json_put_string(stdout, path);
-    printf(", \"capacity_bytes\": %" PRIu64 ", \"configurations\": %zu, \"seconds\": %.3f, \"best\": {\"conf\": ",
-           base.capacity, n, secs);
-    json_put_string(stdout, best->conf);
+    printf(", \"capacity_bytes\": %" PRIu64 ", \"configurations\": %zu, \"seconds\": %.3f, \"nothing_fits\": %s",
+           base.capacity, n, secs, nothing_fits ? "true" : "false");
+    const candidate_t *shown = best ? best : &defaults;
+    printf(", \"best\": {\"conf\": ");
+    json_put_string(stdout, shown->conf);
     printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s"
-           ", \"pytorch_keys_only\": %s}, \"best_pytorch\": ",
-           best->peak_reserved, best->device_allocs, best->fits ? "true" : "false",
-           pytorch_keys_only(best->conf) ? "true" : "false");
+           ", \"pytorch_keys_only\": %s, \"beats_defaults\": %s}, \"best_pytorch\": ",
+           shown->peak_reserved, shown->device_allocs, shown->fits ? "true" : "false",
+           pytorch_keys_only(shown->conf) ? "true" : "false", best ? "true" : "false");
     if (torch_best) {
       printf("{\"conf\": ");
       json_put_string(stdout, torch_best->conf);
@@ -328,13 +399,24 @@ int tune_main(int argc, char **argv) {
     } else {
       printf("null");
     }
-    printf(", \"defaults\": {\"peak_reserved_bytes\": %" PRIu64 ", \"fits\": %s}, \"ranked\": [",
-           defaults.peak_reserved, defaults.fits ? "true" : "false");
+    if (nothing_fits) {
+      printf(", \"furthest\": {\"conf\": ");
+      json_put_string(stdout, c[0].conf);
+      printf(", \"operations_replayed\": %" PRIu64, c[0].replayed);
+      if (have_unlimited)
+        printf(", \"operations\": %" PRIu64 ", \"unlimited_peak_reserved_bytes\": %" PRIu64
+               ", \"shortfall_bytes\": %" PRIu64, unlimited.replayed, unlimited.peak_reserved,
+               unlimited.peak_reserved > base.capacity ? unlimited.peak_reserved - base.capacity : 0);
+      printf("}");
+    }
+    printf(", \"defaults\": {\"peak_reserved_bytes\": %" PRIu64 ", \"fits\": %s, \"operations_replayed\": %" PRIu64
+           "}, \"ranked\": [", defaults.peak_reserved, defaults.fits ? "true" : "false", defaults.replayed);
     for (size_t i = 0; i < n; i++) {
       printf("%s\n  {\"conf\": ", i ? "," : "");
       json_put_string(stdout, c[i].conf);
-      printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}", c[i].peak_reserved,
-             c[i].device_allocs, c[i].fits ? "true" : "false");
+      printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s"
+             ", \"operations_replayed\": %" PRIu64 "}", c[i].peak_reserved, c[i].device_allocs,
+             c[i].fits ? "true" : "false", c[i].replayed);
     }
     printf("\n]}\n");
   } else {
@@ -352,10 +434,10 @@ int tune_main(int argc, char **argv) {
     if (have_recorded)
       printf("recorded settings: %9.3f GiB  (%s)%s\n", gib(recorded.peak_reserved), recorded.conf,
              base.capacity ? (recorded.fits ? ", fits" : ", does not fit") : "");
-    if (base.capacity && !best->fits) printf("\nno configuration searched fits in the capacity\n");
+    if (nothing_fits) say_nothing_fits(&c[0], &defaults, have_unlimited ? &unlimited : NULL, base.capacity);
     else advise(best, torch_best, &defaults);
   }
-  int exit_code = base.capacity && !best->fits ? 3 : 0;
+  int exit_code = nothing_fits ? 3 : 0;
   free(c);
   replay_plans_free(plans);
   trace_free(&t);
