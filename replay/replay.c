@@ -703,6 +703,19 @@ static int seed_as_recorded(gca_allocator_t *a, const device_plan_t *p, void **p
   return rc;
 }
 
+/* Keep an out-of-memory message, naming the trace's device: each device is
+ * replayed as device 0 of an allocator of its own, and gcalloc's message
+ * says "Device 0 has a total capacity". */
+static void name_device(replay_device_t *r, const char *message) {
+  const char *own = "Device 0 has a total capacity", *at = strstr(message, own);
+  if (!at || r->device == 0) {
+    snprintf(r->oom_message, sizeof r->oom_message, "%s", message);
+    return;
+  }
+  snprintf(r->oom_message, sizeof r->oom_message, "%.*sDevice %d has a total capacity%s", (int)(at - message), message,
+           r->device, at + strlen(own));
+}
+
 /* Run the plan on a fresh device, up to operation `stop_at` (SIZE_MAX: all
  * of it). With `log`, gcalloc's segment events after the seeds go there;
  * with `peak`, the state after operation stop_at: a snapshot (with
@@ -787,7 +800,7 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
         r->oom = true;
         r->oom_event = i;
         r->oom_size = op->size;
-        snprintf(r->oom_message, sizeof r->oom_message, "%s", gca_last_error());
+        name_device(r, gca_last_error());
         break;
       }
     } else if (op->kind == OP_FREE) {
@@ -907,6 +920,8 @@ static int replay_device(const trace_t *t, int d, event_span_t span, const repla
     r->segment_events_recorded = p->recorded_count;
     seg_log_t log = {0};
     rc = run_plan(p, spec, conf, o, SIZE_MAX, o->match_segments ? &log : NULL, r, NULL);
+    /* Stopped by an out-of-memory: only what ran before it was replayed. */
+    if (rc == GCA_OK && r->oom) r->events = r->oom_event > p->seeded ? r->oom_event - p->seeded : 0;
     if (rc == GCA_OK && log.failed) rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory replaying");
     if (rc == GCA_OK && o->match_segments) {
       r->segment_events_replayed = log.count;

@@ -43,7 +43,7 @@ typedef struct replay_device {
    * the allocator id and its device number this device replays; else -1 and
    * `device`. */
   int allocator, recorded_device;
-  size_t events;                  /* alloc and free operations replayed */
+  size_t events;                  /* alloc and free operations replayed (before the out-of-memory, with oom) */
   size_t seeded;                  /* allocations live when recording began, made first */
   size_t start_segments;          /* of PyTorch's segments at that time, those made as recorded (0: none) */
   uint64_t peak_requested, peak_allocated, peak_reserved;

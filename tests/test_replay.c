@@ -1162,6 +1162,45 @@ static void test_tune_under_a_capacity(void **state) {
   free(text);
 }
 
+/* The text of `gcalloc ARGS`, which must exit with `status`. */
+static char *tool_text(const char *args, int status) {
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%s %s > gcalloc-scratch-tool.txt 2>&1", GCALLOC_TOOL_PATH, args);
+  assert_int_equal(WEXITSTATUS(system(cmd)), status);
+  size_t len;
+  char *text = (char *)read_whole("gcalloc-scratch-tool.txt", &len);
+  assert_non_null(text);
+  return text;
+}
+
+/* replay says what happened: where the job fits, that it does and with
+ * how much to spare; where it does not, after how many operations, naming
+ * the trace's device; a device with nothing on it in one line. */
+static void test_replay_says_what_happened(void **state) {
+  (void)state;
+  char args[512];
+  snprintf(args, sizeof args, "replay %s --capacity 110MiB", fragmenting_trace());
+  char *text = tool_text(args, 3);
+  assert_contains(text, "device 0: 11 operations replayed"); /* (of 14: the twelfth fails) */
+  assert_contains(text, "DOES NOT FIT: after 11 operations, the next (94371840 bytes) fails: out of memory.");
+  free(text);
+  snprintf(args, sizeof args, "replay %s --capacity 110MiB --conf max_split_size_mb:64", fragmenting_trace());
+  text = tool_text(args, 0);
+  assert_contains(text, "device 0: 14 operations replayed");
+  assert_contains(text, "fits in 0.107 GiB: 0.000 GiB to spare at the peak reserved");
+  free(text);
+  write_file("gcalloc-scratch-two-devices.trace", "# gcalloc trace 1\n"
+                                                  "1 7 open 0 sim:devices=2 -\n"
+                                                  "2 7 malloc 0 1 0 209715200 1000\n"
+                                                  "3 7 free 0 1000 0\n");
+  text = tool_text("replay gcalloc-scratch-two-devices.trace --capacity 100MiB", 3);
+  assert_contains(text, "\ndevice 0: nothing recorded on it\n");
+  assert_contains(text, "\ndevice 1: 0 operations replayed");
+  assert_contains(text, "DOES NOT FIT: after 0 operations, the next (209715200 bytes) fails: out of memory. Tried to "
+                        "allocate 200.00 MiB. Device 1 has a total capacity of 100.00 MiB");
+  free(text);
+}
+
 /* A report that cannot be written fails the command, saying why. */
 static void test_report_unwritable(void **state) {
   (void)state;
@@ -1653,7 +1692,7 @@ int main(void) {
       cmocka_unit_test(test_progress),               cmocka_unit_test(test_segment_matching),
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
-      cmocka_unit_test(test_tune_under_a_capacity),
+      cmocka_unit_test(test_tune_under_a_capacity),      cmocka_unit_test(test_replay_says_what_happened),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };

@@ -51,7 +51,8 @@ const tool_command_t replay_command = {
     "arguments; 3 the job did not fit --capacity.\n",
     replay_main};
 
-static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
+static void print_text(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s,
+                       uint64_t capacity) {
   printf("trace %s: %zu events, %d device%s, loaded in %.1f ms; end to end %.1f ms, %.2f M events/s\n", path,
          t->count, t->device_count, t->device_count == 1 ? "" : "s", load_s * 1e3, total_s * 1e3,
          total_s > 0 ? (double)t->count / total_s / 1e6 : 0);
@@ -60,6 +61,10 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     const replay_device_t *d = &r->devices[i];
     char name[64];
     replay_device_name(d, name, sizeof name);
+    if (replay_device_empty(d)) { /* (a device the record lists with nothing on it) */
+      printf("\n%s: nothing recorded on it\n", name);
+      continue;
+    }
     printf("\n%s: %zu operations replayed (%zu allocations live at the start, seeded first) in %.2f ms, "
            "%.1f M operations/s\n",
            name, d->events, d->seeded, d->seconds * 1e3, d->seconds > 0 ? (double)d->events / d->seconds / 1e6 : 0);
@@ -93,10 +98,20 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
              c->mapped_pages, gib(c->mapped_bytes), c->free_pages, c->unmapped_pages, c->ranges,
              c->ranges == 1 ? "" : "s", gib(c->unmapped_bytes));
     }
-    if (d->oom)
-      printf("  DOES NOT FIT: operation %zu (%" PRIu64 " bytes) fails: %s\n", d->oom_event, d->oom_size,
+    if (d->oom && d->oom_event < d->seeded)
+      printf("  DOES NOT FIT: the allocations live at the start do not: seeding %zu of %zu (%" PRIu64
+             " bytes) fails: %s\n", d->oom_event + 1, d->seeded, d->oom_size, d->oom_message);
+    else if (d->oom)
+      printf("  DOES NOT FIT: after %zu operations, the next (%" PRIu64 " bytes) fails: %s\n", d->events, d->oom_size,
              d->oom_message);
+    else if (capacity)
+      printf("  fits in %.3f GiB: %.3f GiB to spare at the peak reserved\n", gib(capacity),
+             gib(capacity > d->peak_reserved ? capacity - d->peak_reserved : 0));
   }
+}
+
+bool replay_device_empty(const replay_device_t *d) {
+  return d->events == 0 && d->seeded == 0 && d->recorded_peak_reserved <= 0 && !d->oom && d->peak_reserved == 0;
 }
 
 void replay_device_name(const replay_device_t *d, char *out, size_t size) {
@@ -272,7 +287,7 @@ int replay_main(int argc, char **argv) {
   double total_s = tool_seconds() - t0;
   tool_progress_done(&progress);
   if (json) print_json(path, &t, &r, load_s, total_s);
-  else print_text(path, &t, &r, load_s, total_s);
+  else print_text(path, &t, &r, load_s, total_s, o.capacity);
   int rc = 0;
   if (report) {
     rc = report_write(report, path, &r);

@@ -17,6 +17,9 @@ void pages_json_put(FILE *f, const struct replay_device *d);
  * (trace_t.origins) which allocator's device it replays:
  * "device 1 (allocator 2's device 0)". */
 void replay_device_name(const struct replay_device *d, char *out, size_t size);
+/* A device the record lists with nothing on it (no operation, nothing
+ * live at the start, no segment): shown as one line. */
+bool replay_device_empty(const struct replay_device *d);
 /* The same as JSON fields: , "allocator": ID or null, "recorded_device": N */
 void device_origin_json_put(FILE *f, const struct replay_device *d);
 /* The command line, parsed alike by every command (common.c). */

@@ -73,7 +73,7 @@ static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t 
     c->peak_reserved += r.devices[i].peak_reserved;
     c->peak_requested += r.devices[i].peak_requested;
     c->device_allocs += r.devices[i].device_allocs;
-    c->replayed += r.devices[i].oom ? r.devices[i].oom_event : r.devices[i].events;
+    c->replayed += r.devices[i].events;
     c->fits &= !r.devices[i].oom;
   }
   replay_result_free(&r);
