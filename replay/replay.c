@@ -905,6 +905,35 @@ struct replay_plans {
   device_plan_t *plans;   /* device first + k's is plans[k] */
 };
 
+/* The least any allocator could reserve for the plan's sequence on a
+ * device that maps memory in pages of SMALL_BUFFER (2 MiB, CUDA's and
+ * AscendCL's granularity) and keeps PyTorch's two pools apart (requests of
+ * at most 1 MiB in one, larger ones in the other: no page serves both): at
+ * every point each pool holds at least its live bytes rounded up to whole
+ * pages, so no allocator reserves less than the largest such sum. An
+ * allocator may pack blocks within pages any way it likes and move them
+ * between pages for free: the bound asks nothing else of it. 0 without
+ * host memory for the slots. */
+static uint64_t lower_bound(const device_plan_t *p) {
+  uint64_t *sizes = calloc(p->count + 1, sizeof *sizes);
+  if (!sizes) return 0;
+  uint64_t live[2] = {0, 0}, best = 0;
+  for (size_t i = 0; i < p->count; i++) {
+    const op_t *op = &p->ops[i];
+    if (op->kind == OP_ALLOC) {
+      sizes[op->slot] = op->size;
+      live[op->size > SMALL_SIZE] += op->size;
+    } else if (op->kind == OP_FREE) {
+      live[sizes[op->slot] > SMALL_SIZE] -= sizes[op->slot];
+      sizes[op->slot] = 0;
+    }
+    uint64_t pages = (live[0] + SMALL_BUFFER - 1) / SMALL_BUFFER + (live[1] + SMALL_BUFFER - 1) / SMALL_BUFFER;
+    if (pages * SMALL_BUFFER > best) best = pages * SMALL_BUFFER;
+  }
+  free(sizes);
+  return best;
+}
+
 /* Steps 1 to 3 for device d, into r: step 1 planned here, or taken from
  * o->plans. */
 static int replay_device(const trace_t *t, int d, event_span_t span, const replay_options_t *o, const char *spec,
@@ -916,6 +945,7 @@ static int replay_device(const trace_t *t, int d, event_span_t span, const repla
   if (rc == GCA_OK) {
     r->seeded = p->seeded;
     r->events = p->count - p->seeded;
+    r->bound_reserved = lower_bound(p);
     r->recorded_peak_reserved = p->recorded_peak;
     r->segment_events_recorded = p->recorded_count;
     seg_log_t log = {0};

@@ -47,6 +47,11 @@ typedef struct replay_device {
   size_t seeded;                  /* allocations live when recording began, made first */
   size_t start_segments;          /* of PyTorch's segments at that time, those made as recorded (0: none) */
   uint64_t peak_requested, peak_allocated, peak_reserved;
+  /* The least any allocator could reserve at its peak for this sequence, in
+   * 2 MiB pages with PyTorch's two pools kept apart (the whole sequence,
+   * whether or not the replay fitted): how far peak_reserved is from the
+   * best possible. */
+  uint64_t bound_reserved;
   int64_t recorded_peak_reserved; /* PyTorch's, from the trace's segment events; -1 unknown */
   uint64_t device_allocs, device_frees;
   size_t segment_events_recorded; /* in the trace, after the start */

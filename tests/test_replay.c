@@ -1162,6 +1162,48 @@ static void test_tune_under_a_capacity(void **state) {
   free(text);
 }
 
+/* The lower bound: 3 MiB and 512 KiB live together need at least 4 MiB of
+ * large pages and 2 MiB of small ones; and on random sequences no setting
+ * reserves less than the bound at its peak. */
+static void test_lower_bound(void **state) {
+  (void)state;
+  write_file("gcalloc-scratch-bound.log", "0 3 3145728\n1 2 524288\n");
+  trace_t t;
+  assert_int_equal(trace_load("gcalloc-scratch-bound.log", &t), GCA_OK);
+  replay_options_t o = defaults();
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  assert_int_equal(r.devices[0].bound_reserved, 6 * MiB);
+  replay_result_free(&r);
+  trace_free(&t);
+  static const char *const confs[] = {"", "expandable_segments:True", "expandable_segments:True,stitching:True",
+                                      "max_split_size_mb:32", "roundup_power2_divisions:4",
+                                      "max_split_size_mb:64,expandable_segments:True"};
+  uint64_t seed = 20261128;
+  for (int round = 0; round < 20; round++) {
+    static char text[64 * 1024];
+    size_t n = 0;
+    for (int i = 0; i < 300; i++) {
+      uint64_t r1 = next_random(&seed), size = (r1 & 1) ? 1 + (r1 >> 8) % (2 * MiB) : 1 + (r1 >> 8) % (96 * MiB);
+      int life = 1 + (int)(next_random(&seed) % 60);
+      n += (size_t)snprintf(text + n, sizeof text - n, "%d %d %" PRIu64 "\n", i, i + life, size);
+    }
+    write_file("gcalloc-scratch-bound.log", text);
+    assert_int_equal(trace_load("gcalloc-scratch-bound.log", &t), GCA_OK);
+    for (size_t k = 0; k < sizeof confs / sizeof confs[0]; k++) {
+      o = defaults();
+      o.conf = confs[k];
+      assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+      const replay_device_t *d = &r.devices[0];
+      if (d->bound_reserved > d->peak_reserved || d->bound_reserved < d->peak_requested)
+        fail_msg("round %d, %s: bound %" PRIu64 ", peak reserved %" PRIu64 ", requested %" PRIu64, round, confs[k],
+                 d->bound_reserved, d->peak_reserved, d->peak_requested);
+      replay_result_free(&r);
+    }
+    trace_free(&t);
+  }
+}
+
 /* The text of `gcalloc ARGS`, which must exit with `status`. */
 static char *tool_text(const char *args, int status) {
   char cmd[1024];
@@ -1693,6 +1735,7 @@ int main(void) {
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
       cmocka_unit_test(test_tune_under_a_capacity),      cmocka_unit_test(test_replay_says_what_happened),
+      cmocka_unit_test(test_lower_bound),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };

@@ -75,6 +75,13 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     printf("  peak allocated   %10.3f GiB\n", gib(d->peak_allocated));
     printf("  peak reserved    %10.3f GiB  (%.3f x peak requested)\n", gib(d->peak_reserved),
            d->peak_requested ? (double)d->peak_reserved / (double)d->peak_requested : 0);
+    if (d->bound_reserved && !d->oom)
+      printf("  lower bound      %10.3f GiB  (peak reserved %.2f%% above it: the least any allocator could reserve,"
+             " in 2 MiB pages with PyTorch's two pools)\n", gib(d->bound_reserved),
+             100.0 * ((double)d->peak_reserved / (double)d->bound_reserved - 1.0));
+    else if (d->bound_reserved)
+      printf("  lower bound      %10.3f GiB  (the whole sequence's, in 2 MiB pages with PyTorch's two pools)\n",
+             gib(d->bound_reserved));
     /* A record whose segments and segment events add up to nothing
      * reserved (its segment events left out) has no ratio to show. */
     if (d->recorded_peak_reserved > 0)
@@ -152,9 +159,10 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
     const replay_device_t *d = &r->devices[i];
     printf("%s\n  {\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"start_segments\": %zu, "
            "\"peak_requested_bytes\": %" PRIu64 ", \"peak_allocated_bytes\": %" PRIu64
-           ", \"peak_reserved_bytes\": %" PRIu64 ", \"recorded_peak_reserved_bytes\": ",
+           ", \"peak_reserved_bytes\": %" PRIu64 ", \"bound_reserved_bytes\": %" PRIu64 ", \"empty\": %s"
+           ", \"recorded_peak_reserved_bytes\": ",
            i ? "," : "", d->device, d->events, d->seeded, d->start_segments, d->peak_requested, d->peak_allocated,
-           d->peak_reserved);
+           d->peak_reserved, d->bound_reserved, replay_device_empty(d) ? "true" : "false");
     if (d->recorded_peak_reserved >= 0) printf("%" PRId64, d->recorded_peak_reserved);
     else printf("null");
     device_origin_json_put(stdout, d);

@@ -229,12 +229,15 @@ static const char page_script[] =
     "  const summary = document.getElementById('summary');\n"
     "  const paged = REPORT.devices.some(d => d.pages);\n"
     "  row(summary, ['device', 'operations', 'seeded', 'peak requested', 'peak allocated', 'peak reserved',\n"
-    "                'PyTorch reserved (recorded)', 'gcalloc / PyTorch', 'segment events reproduced', 'fits']\n"
+    "                'lower bound (above it)', 'PyTorch reserved (recorded)', 'gcalloc / PyTorch',\n"
+    "                'segment events reproduced', 'fits']\n"
     "                .concat(paged ? ['pages mapped at peak', 'pages unmapped below the top'] : []), true);\n"
     "  for (const d of REPORT.devices) {\n"
     "    row(summary, [d.name.replace(/^device /, ''), d.events,\n"
     "                  d.seeded + (d.start_segments ? ' (in ' + d.start_segments + ' segments as recorded)' : ''),\n"
     "                  fmt(d.peak_requested), fmt(d.peak_allocated), fmt(d.peak_reserved),\n"
+    "                  d.bound_reserved ? fmt(d.bound_reserved) + (d.oom ? '' : ' (+' +\n"
+    "                    (100 * (d.peak_reserved / d.bound_reserved - 1)).toFixed(2) + '%)') : '',\n"
     "                  d.recorded_peak_reserved === null ? 'unknown'\n"
     "                  : d.recorded_peak_reserved === 0 ? 'none (no segment in the record)' : fmt(d.recorded_peak_reserved),\n"
     "                  d.recorded_peak_reserved ? (d.peak_reserved / d.recorded_peak_reserved).toFixed(3) : '',\n"
@@ -295,9 +298,10 @@ int report_write(const char *out_path, const char *trace_path, const struct repl
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
     fprintf(f, "%s\n{\"device\": %d, \"events\": %zu, \"seeded\": %zu, \"start_segments\": %zu, "
-               "\"peak_requested\": %" PRIu64 ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
+               "\"peak_requested\": %" PRIu64 ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64
+               ", \"bound_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
             i ? "," : "", d->device, d->events, d->seeded, d->start_segments, d->peak_requested, d->peak_allocated,
-            d->peak_reserved);
+            d->peak_reserved, d->bound_reserved);
     if (d->recorded_peak_reserved >= 0) fprintf(f, "%" PRId64, d->recorded_peak_reserved);
     else fprintf(f, "null");
     char name[64];
