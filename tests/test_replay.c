@@ -1215,6 +1215,44 @@ static char *tool_text(const char *args, int status) {
   return text;
 }
 
+/* tune --min-capacity: the smallest device for the defaults and each
+ * answer, to 2 MiB: the job fits on it and not on 2 MiB less. */
+static void test_smallest_device(void **state) {
+  (void)state;
+  char args[512];
+  snprintf(args, sizeof args, "tune %s --min-capacity", fragmenting_trace());
+  json_object *root = tool_json(args), *m = member(root, "min_capacity"), *smallest = member(m, "smallest");
+  assert_int_equal(json_object_get_int64(member(m, "bound_reserved_bytes")), 100 * MiB);
+  assert_int_equal(json_object_array_length(smallest), 3);
+  uint64_t expect[3] = {190 * MiB, 110 * MiB, 110 * MiB}; /* the defaults, PyTorch's best, gcalloc's */
+  trace_t t;
+  assert_int_equal(trace_load(fragmenting_trace(), &t), GCA_OK);
+  for (size_t i = 0; i < 3; i++) {
+    json_object *s = json_object_array_get_idx(smallest, i);
+    uint64_t capacity = (uint64_t)json_object_get_int64(member(s, "capacity_bytes"));
+    assert_int_equal(capacity, expect[i]);
+    assert_true(json_object_get_boolean(member(s, "monotone")));
+    for (int less = 0; less < 2; less++) { /* fits on it, not on 2 MiB less */
+      replay_options_t o = defaults();
+      o.conf = json_object_get_string(member(s, "conf"));
+      o.capacity = capacity - (uint64_t)less * 2 * MiB;
+      replay_result_t r;
+      assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+      assert_int_equal(r.devices[0].oom, less);
+      replay_result_free(&r);
+    }
+  }
+  trace_free(&t);
+  json_object_put(root);
+  snprintf(args, sizeof args, "tune %s --min-capacity", fragmenting_trace());
+  char *text = tool_text(args, 0);
+  assert_contains(text, "the smallest device gcalloc-scratch-fragmenting.log fits on (to 2 MiB");
+  assert_contains(text, "  defaults             0.186 GiB  (0.186 GiB without a limit)  (defaults)");
+  free(text);
+  snprintf(args, sizeof args, "tune %s --min-capacity --capacity 1GiB", fragmenting_trace());
+  free(tool_text(args, 2));
+}
+
 /* replay says what happened: where the job fits, that it does and with
  * how much to spare; where it does not, after how many operations, naming
  * the trace's device; a device with nothing on it in one line. */
@@ -1735,7 +1773,7 @@ int main(void) {
       cmocka_unit_test(test_plan_matches_walk_back),     cmocka_unit_test(test_page_census_on_the_way),
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
       cmocka_unit_test(test_tune_under_a_capacity),      cmocka_unit_test(test_replay_says_what_happened),
-      cmocka_unit_test(test_lower_bound),
+      cmocka_unit_test(test_lower_bound),                cmocka_unit_test(test_smallest_device),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),
   };

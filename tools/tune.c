@@ -253,8 +253,129 @@ static void say_nothing_fits(const candidate_t *furthest, const candidate_t *def
            gib(unlimited->peak_reserved), gib(unlimited->peak_reserved - capacity));
 }
 
+/* ---- the smallest device (--min-capacity) ------------------------------ */
+
+#define CAPACITY_STEP ((uint64_t)2 << 20) /* the device's granularity */
+#define MONOTONE_CHECKS 8
+
+typedef struct smallest {
+  const char *what;
+  char conf[256];
+  uint64_t capacity;      /* the least on which it fits (0: it fits on none searched) */
+  uint64_t unlimited;     /* its peak reserved without a limit */
+  bool monotone;          /* fits on every capacity checked above it */
+  uint64_t broken_at;     /* else where it did not */
+} smallest_t;
+
+static bool fits_on(const trace_t *t, const replay_options_t *base, const char *conf, uint64_t capacity) {
+  replay_options_t o = *base;
+  o.capacity = capacity;
+  candidate_t c = {0};
+  snprintf(c.conf, sizeof c.conf, "%s", conf);
+  return evaluate(t, &o, &c) == GCA_OK && c.fits;
+}
+
+/* The least capacity, a multiple of CAPACITY_STEP, on which the job fits
+ * under s->conf: bisection between the lower bound (nothing fits below it)
+ * and the setting's unlimited peak (where it fits: a replay that never
+ * reaches the capacity does what it does without one). The bisection
+ * relies on "fits on c" growing with c; that is checked on the step below
+ * the answer (by the bisection) and on MONOTONE_CHECKS capacities spread
+ * between the answer and the unlimited peak. (It can fail: a smaller device
+ * makes the allocator give its cache back sooner, which can leave it less
+ * fragmented later.) */
+/* The largest of the devices' peaks reserved without a limit under
+ * `conf`, and of their lower bounds: a capacity is every device's. */
+static int largest_device(const trace_t *t, const replay_options_t *base, const char *conf, uint64_t *peak,
+                          uint64_t *bound) {
+  replay_options_t o = *base;
+  o.capacity = 0;
+  o.conf = conf;
+  replay_result_t r;
+  int rc = replay_trace(t, &o, &r);
+  if (rc != GCA_OK) return rc;
+  *peak = *bound = 0;
+  for (int i = 0; i < r.device_count; i++) {
+    if (r.devices[i].peak_reserved > *peak) *peak = r.devices[i].peak_reserved;
+    if (r.devices[i].bound_reserved > *bound) *bound = r.devices[i].bound_reserved;
+  }
+  replay_result_free(&r);
+  return GCA_OK;
+}
+
+static int find_smallest(const trace_t *t, const replay_options_t *base, uint64_t bound, smallest_t *s) {
+  uint64_t ignored;
+  int rc = largest_device(t, base, s->conf, &s->unlimited, &ignored);
+  if (rc != GCA_OK) return rc;
+  uint64_t hi = (s->unlimited + CAPACITY_STEP - 1) / CAPACITY_STEP * CAPACITY_STEP;
+  uint64_t lo = bound / CAPACITY_STEP * CAPACITY_STEP; /* (below the bound nothing fits) */
+  if (lo) lo -= CAPACITY_STEP;
+  if (!fits_on(t, base, s->conf, hi)) return gca__set_error(GCA_ERR_INVALID, "%s does not fit on its own peak, %" PRIu64
+                                                           " bytes", s->conf[0] ? s->conf : "the defaults", hi);
+  while (hi - lo > CAPACITY_STEP) {
+    uint64_t mid = lo + (hi - lo) / 2 / CAPACITY_STEP * CAPACITY_STEP;
+    if (fits_on(t, base, s->conf, mid)) hi = mid;
+    else lo = mid;
+  }
+  s->capacity = hi;
+  s->monotone = true;
+  for (int k = 1; k <= MONOTONE_CHECKS && s->monotone; k++) {
+    uint64_t at = hi + (s->unlimited > hi ? (s->unlimited - hi) * (uint64_t)k / MONOTONE_CHECKS : 0);
+    at = (at + CAPACITY_STEP - 1) / CAPACITY_STEP * CAPACITY_STEP;
+    if (!fits_on(t, base, s->conf, at)) s->monotone = false, s->broken_at = at;
+  }
+  return GCA_OK;
+}
+
+/* The smallest device for the defaults and the two answers. */
+static int print_smallest(const trace_t *t, const replay_options_t *base, const char *path,
+                          const candidate_t *best, const candidate_t *torch_best, bool json) {
+  smallest_t s[3] = {{.what = "defaults"}, {.what = "PyTorch's best"}, {.what = "gcalloc's best"}};
+  snprintf(s[1].conf, sizeof s[1].conf, "%s", torch_best ? torch_best->conf : "");
+  snprintf(s[2].conf, sizeof s[2].conf, "%s", best ? best->conf : s[1].conf);
+  uint64_t bound = 0, peak;
+  if (largest_device(t, base, "", &peak, &bound) != GCA_OK) {
+    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+    return 1;
+  }
+  for (int i = 0; i < 3; i++) {
+    int rc = find_smallest(t, base, bound, &s[i]);
+    if (rc != GCA_OK) {
+      fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+      return 1;
+    }
+  }
+  if (json) { /* (inside tune's JSON object) */
+    printf(", \"min_capacity\": {\"bound_reserved_bytes\": %" PRIu64 ", \"step_bytes\": %" PRIu64 ", \"smallest\": [",
+           bound, CAPACITY_STEP);
+    for (int i = 0; i < 3; i++) {
+      printf("%s\n  {\"what\": \"%s\", \"conf\": ", i ? "," : "", s[i].what);
+      json_put_string(stdout, s[i].conf);
+      printf(", \"capacity_bytes\": %" PRIu64 ", \"unlimited_peak_reserved_bytes\": %" PRIu64 ", \"monotone\": %s",
+             s[i].capacity, s[i].unlimited, s[i].monotone ? "true" : "false");
+      if (!s[i].monotone) printf(", \"does_not_fit_at_bytes\": %" PRIu64, s[i].broken_at);
+      printf("}");
+    }
+    printf("\n]}");
+  } else {
+    printf("the smallest device %s fits on (to %" PRIu64 " MiB; bisection between the lower bound and each "
+           "setting's peak without a limit%s):\n", path, CAPACITY_STEP >> 20,
+           t->device_count > 1 ? "; each device of the trace gets that much" : "");
+    for (int i = 0; i < 3; i++) {
+      printf("  %-15s %10.3f GiB  (%.3f GiB without a limit)  %s\n", s[i].what, gib(s[i].capacity),
+             gib(s[i].unlimited), s[i].conf[0] ? s[i].conf : "(defaults)");
+      if (!s[i].monotone)
+        printf("    but it does not fit on %.3f GiB, above that: fitting does not grow with the capacity here, so "
+               "read this as one capacity it fits on, not the least\n", gib(s[i].broken_at));
+    }
+    printf("  %-15s %10.3f GiB  (no allocator in 2 MiB pages with PyTorch's two pools reserves less%s)\n",
+           "lower bound", gib(bound), t->device_count > 1 ? " on the largest device" : "");
+  }
+  return 0;
+}
+
 const tool_command_t tune_command = {
-    "tune", "TRACE", "TRACE [--capacity SIZE] [--device N] [--json]",
+    "tune", "TRACE", "TRACE [--capacity SIZE | --min-capacity] [--device N] [--json]",
     "search the settings under which the trace reserves the least",
     "\n"
     "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
@@ -268,6 +389,8 @@ const tool_command_t tune_command = {
     "\n"
     "  --capacity SIZE  the device's memory, like 80GiB: settings under which the job does not fit rank\n"
     "                   below every one under which it does\n"
+    "  --min-capacity   also find the smallest device the job fits on with the defaults and with each\n"
+    "                   answer (bisection to 2 MiB)\n"
     "  --device N       tune for device N of the trace only\n"
     "  --json           the ranking as JSON\n"
     "  -h, --help       this help\n"
@@ -279,16 +402,21 @@ const tool_command_t tune_command = {
 int tune_main(int argc, char **argv) {
   const char *path = NULL;
   replay_options_t base = {.device = -1, .infer_empty_cache = true};
-  bool json = false;
+  bool json = false, min_capacity = false;
   long device = -1;
   const tool_option_t options[] = {
       {"--capacity", OPTION_SIZE, &base.capacity, 0, (long)SIM_MAX_CAPACITY, "SIZE"},
+      {"--min-capacity", OPTION_FLAG, &min_capacity, 0, 0, NULL},
       {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&tune_command, options, argc, argv, &path);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  if (min_capacity && base.capacity) {
+    fprintf(stderr, "gcalloc tune: --min-capacity finds the capacity: give it without --capacity\n");
+    return 2;
+  }
   base.device = (int)device;
   tool_progress_t progress;
   tool_progress_start(&progress);
@@ -373,6 +501,7 @@ int tune_main(int argc, char **argv) {
    * it would need. */
   candidate_t unlimited = {0};
   bool have_unlimited = false;
+  int exit_code = nothing_fits ? 3 : 0;
   if (nothing_fits) {
     replay_options_t free_run = base;
     free_run.capacity = 0;
@@ -418,7 +547,9 @@ int tune_main(int argc, char **argv) {
              ", \"operations_replayed\": %" PRIu64 "}", c[i].peak_reserved, c[i].device_allocs,
              c[i].fits ? "true" : "false", c[i].replayed);
     }
-    printf("\n]}\n");
+    printf("\n]");
+    if (min_capacity && print_smallest(&t, &base, path, best, torch_best, true)) exit_code = 1;
+    printf("}\n");
   } else {
     printf("tuned %s: %zu configurations replayed in %.2f s%s\n", path, n, secs,
            base.capacity ? "" : " (garbage_collection_threshold needs --capacity; not searched)");
@@ -437,7 +568,10 @@ int tune_main(int argc, char **argv) {
     if (nothing_fits) say_nothing_fits(&c[0], &defaults, have_unlimited ? &unlimited : NULL, base.capacity);
     else advise(best, torch_best, &defaults);
   }
-  int exit_code = nothing_fits ? 3 : 0;
+  if (min_capacity && !json) {
+    printf("\n");
+    if (print_smallest(&t, &base, path, best, torch_best, false)) exit_code = 1;
+  }
   free(c);
   replay_plans_free(plans);
   trace_free(&t);
