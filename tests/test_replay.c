@@ -67,22 +67,27 @@ static void expect_long_line_refused(const char *path, const char *head, char fi
   assert_contains(gca_last_error(), message);
 }
 
+/* The trace `text`, written to `path`, replayed with the defaults into *r. */
+static void replay_text(const char *path, const char *text, replay_result_t *r) {
+  write_file(path, text);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  replay_options_t o = defaults();
+  assert_int_equal(replay_trace(&t, &o, r), GCA_OK);
+  trace_free(&t);
+}
+
 /* allocatorSim: "<alloc_op> <free_op> <size>"; live at op 2: a and b. */
 static void test_allocsim_lines(void **state) {
   (void)state;
-  write_file("gcalloc-scratch-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n");
-  trace_t t;
-  assert_int_equal(trace_load("gcalloc-scratch-replay.log", &t), GCA_OK);
-  replay_options_t o = defaults();
   replay_result_t r;
-  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  replay_text("gcalloc-scratch-replay.log", "0 2 3000000\n1 3 5000000\n2 4 1000\n", &r);
   assert_int_equal(r.device_count, 1);
   assert_int_equal(r.devices[0].events, 6);
   assert_int_equal(r.devices[0].peak_requested, 8000000); /* 3 MB + 5 MB */
   assert_int_equal(r.devices[0].recorded_peak_reserved, -1);
   assert_false(r.devices[0].oom);
   replay_result_free(&r);
-  trace_free(&t);
 }
 
 /* allocatorSim's order: by op index, frees before allocations there, each
@@ -1167,15 +1172,12 @@ static void test_tune_under_a_capacity(void **state) {
  * reserves less than the bound at its peak. */
 static void test_lower_bound(void **state) {
   (void)state;
-  write_file("gcalloc-scratch-bound.log", "0 3 3145728\n1 2 524288\n");
-  trace_t t;
-  assert_int_equal(trace_load("gcalloc-scratch-bound.log", &t), GCA_OK);
-  replay_options_t o = defaults();
   replay_result_t r;
-  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  replay_text("gcalloc-scratch-bound.log", "0 3 3145728\n1 2 524288\n", &r);
   assert_int_equal(r.devices[0].bound_reserved, 6 * MiB);
   replay_result_free(&r);
-  trace_free(&t);
+  trace_t t;
+  replay_options_t o;
   static const char *const confs[] = {"", "expandable_segments:True", "expandable_segments:True,stitching:True",
                                       "max_split_size_mb:32", "roundup_power2_divisions:4",
                                       "max_split_size_mb:64,expandable_segments:True"};

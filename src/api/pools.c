@@ -235,39 +235,46 @@ static int pausable_pools(gca_allocator_t *a, int device, bool paused, gca_pool_
   return (int)n;
 }
 
-int gca_pool_pause_all(gca_allocator_t *a, int device, unsigned flags, size_t *released) {
-  if (released) *released = 0;
-  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pause_all: allocator is NULL");
+typedef int (*pool_action_t)(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *bytes);
+
+static int pause_one(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *bytes) {
+  return gca_pool_pause(a, pool, flags, bytes);
+}
+
+static int resume_one(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *bytes) {
+  *bytes = 0;
+  return gca_pool_resume(a, pool, flags);
+}
+
+/* `act` on every pausable pool of `device` (-1: every device) that is
+ * paused (or not, per `paused`): every one is tried, the first failure
+ * returned with its message; *sum (may be NULL) adds up what each gave. */
+static int every_pool(gca_allocator_t *a, int device, bool paused, pool_action_t act, unsigned flags, size_t *sum,
+                      const char *what) {
+  if (sum) *sum = 0;
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
   gca_pool_t *ids;
-  int n = pausable_pools(a, device, false, &ids, "gca_pool_pause_all");
+  int n = pausable_pools(a, device, paused, &ids, what);
   if (n < 0) return gca_last_status();
   int rc = GCA_OK;
-  char first[1024];
+  char first[1024] = "";
   for (int i = 0; i < n; i++) {
     size_t bytes = 0;
-    int one = gca_pool_pause(a, ids[i], flags, &bytes);
-    if (released) *released += bytes;
+    int one = act(a, ids[i], flags, &bytes);
+    if (sum) *sum += bytes;
     if (one != GCA_OK && rc == GCA_OK) rc = one, snprintf(first, sizeof first, "%s", gca_last_error());
   }
   free(ids);
-  if (rc != GCA_OK) gca__set_error(rc, "gca_pool_pause_all: %s", first);
+  if (rc != GCA_OK) gca__set_error(rc, "%s: %s", what, first);
   return rc;
 }
 
+int gca_pool_pause_all(gca_allocator_t *a, int device, unsigned flags, size_t *released) {
+  return every_pool(a, device, false, pause_one, flags, released, "gca_pool_pause_all");
+}
+
 int gca_pool_resume_all(gca_allocator_t *a, int device, unsigned flags) {
-  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_resume_all: allocator is NULL");
-  gca_pool_t *ids;
-  int n = pausable_pools(a, device, true, &ids, "gca_pool_resume_all");
-  if (n < 0) return gca_last_status();
-  int rc = GCA_OK;
-  char first[1024];
-  for (int i = 0; i < n; i++) {
-    int one = gca_pool_resume(a, ids[i], flags);
-    if (one != GCA_OK && rc == GCA_OK) rc = one, snprintf(first, sizeof first, "%s", gca_last_error());
-  }
-  free(ids);
-  if (rc != GCA_OK) gca__set_error(rc, "gca_pool_resume_all: %s", first);
-  return rc;
+  return every_pool(a, device, true, resume_one, flags, NULL, "gca_pool_resume_all");
 }
 
 int gca_pool_backup(gca_allocator_t *a, const void *ptr, const void **host, size_t *size) {
