@@ -244,9 +244,9 @@ def _wrap_record_stream(torch, on_device, handle):
 
 def last_failure():
     """gcalloc's message for the last allocation it refused PyTorch, from any
-    thread ("" if none). PyTorch does not check a pluggable allocator's NULL:
-    out of memory then surfaces as "The tensor has a non-zero number of
-    elements, but its data is not allocated yet", and this says why."""
+    thread ("" if none): the text of the RuntimeError raised through PyTorch's
+    libc10 (raises()), kept for the threads that did not see it; without the
+    raiser, PyTorch got NULL, and this says why."""
     n = _lib.gca_torch_last_failure(None, 0)
     buf = ctypes.create_string_buffer(n + 1)
     _lib.gca_torch_last_failure(buf, n + 1)
