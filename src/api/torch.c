@@ -45,7 +45,7 @@ static char last_failure[4096];
  * for NULL: a NULL becomes the tensor's data, and the first kernel that
  * writes it is an illegal memory access that ends the process's CUDA
  * context. Throwing is the one way to refuse; this file is compiled with
- * -fexceptions so that the exception unwinds through its frames, which
+ * unwind tables so that the exception unwinds through its frames, which
  * hold no lock when it is thrown. */
 typedef void (*c10_check_fail_fn)(const char *func, const char *file, uint32_t line, const char *msg);
 static c10_check_fail_fn _Atomic c10_raise;
