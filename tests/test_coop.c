@@ -1157,7 +1157,11 @@ static void test_requests_in_a_row_release_more(void **state) {
 #define WORK_SMALL 3  /* blocks a process may hold live: 90 MiB */
 #define WORK_BIG 20   /* the holder: 600 MiB; 600 + 3 x 90 < 1 GiB */
 typedef struct {
-  _Atomic int holder, moving, shrunk, stop;
+  /* The holder and whether its right is being handed over, in one word
+   * (holder * 2 + moving), read at once: read apart, an old holder could
+   * see itself holder and the handing over done, and grow beside the new. */
+  _Atomic int right;
+  _Atomic int shrunk, stop;
   _Atomic int generation[WORK_PROCS]; /* bumped when the test starts a process anew */
   _Atomic long steps[WORK_PROCS], ooms[WORK_PROCS];
   char first_oom[512];
@@ -1183,14 +1187,15 @@ static int work_main(const char *work_spec, const char *conf, int me, uint64_t s
   void *held[WORK_BIG];
   int live = 0;
   while (!atomic_load(&board->stop)) {
-    bool holder = atomic_load(&board->holder) == me;
-    int cap = holder && !atomic_load(&board->moving) ? WORK_BIG : WORK_SMALL;
+    int right = atomic_load(&board->right);
+    bool holder = right / 2 == me, moving = right & 1;
+    int cap = holder && !moving ? WORK_BIG : WORK_SMALL;
     while (live > cap) { /* (a random one) */
       int k = (int)(next_random(&seed) % (uint64_t)live);
       if (gca_free(a, held[k]) != GCA_OK) return 3;
       held[k] = held[--live];
     }
-    if (holder && atomic_load(&board->moving)) atomic_store(&board->shrunk, 1);
+    if (holder && moving) atomic_store(&board->shrunk, 1);
     if (next_random(&seed) % 3 < 2 && live < cap) {
       void *p = gca_malloc(a, WORK_BLOCK, 0, 0);
       if (p) {
@@ -1230,11 +1235,10 @@ static pid_t start_worker(const char *work_spec, const char *conf, int me, uint6
  * first (unless it is gone). */
 static void move_holder(work_board_t *board, int to, bool holder_alive) {
   atomic_store(&board->shrunk, 0);
-  atomic_store(&board->moving, 1);
+  atomic_store(&board->right, atomic_load(&board->right) / 2 * 2 + 1);
   for (int tries = 0; holder_alive && !atomic_load(&board->shrunk) && tries < 20000; tries++) usleep(500);
   assert_true(!holder_alive || atomic_load(&board->shrunk));
-  atomic_store(&board->holder, to);
-  atomic_store(&board->moving, 0);
+  atomic_store(&board->right, to * 2);
 }
 
 /* WORK_PROCS processes for `seconds`, the right to hold much moved at
@@ -1263,7 +1267,7 @@ static void random_workload(double seconds, bool kills) {
     usleep((useconds_t)(20000 + next_random(&seed) % 60000));
     int who = (int)(next_random(&seed) % WORK_PROCS), action = (int)(next_random(&seed) % 4);
     if (action < 2) {
-      move_holder(board, (atomic_load(&board->holder) + 1 + who % (WORK_PROCS - 1)) % WORK_PROCS, true);
+      move_holder(board, (atomic_load(&board->right) / 2 + 1 + who % (WORK_PROCS - 1)) % WORK_PROCS, true);
       moves++;
     } else if (action == 2 || !kills) {
       kill(pids[who], SIGSTOP);
@@ -1273,7 +1277,7 @@ static void random_workload(double seconds, bool kills) {
     } else {
       kill(pids[who], SIGKILL);
       assert_int_equal(waitpid(pids[who], NULL, 0), pids[who]);
-      if (atomic_load(&board->holder) == who) move_holder(board, (who + 1) % WORK_PROCS, false);
+      if (atomic_load(&board->right) / 2 == who) move_holder(board, (who + 1) % WORK_PROCS, false);
       pids[who] = start_worker(work_spec, conf, who, next_random(&seed), fd);
       killed++;
     }
