@@ -43,6 +43,7 @@ typedef struct candidate {
   uint64_t peak_requested;
   uint64_t device_allocs;
   uint64_t replayed;       /* operations replayed, over devices: up to the out-of-memory where one stopped */
+  uint64_t largest_peak, largest_bound; /* the largest device's peak reserved and lower bound */
   bool fits;
 } candidate_t;
 
@@ -75,6 +76,8 @@ static int evaluate(const trace_t *t, const replay_options_t *base, candidate_t 
     c->device_allocs += r.devices[i].device_allocs;
     c->replayed += r.devices[i].events;
     c->fits &= !r.devices[i].oom;
+    if (r.devices[i].peak_reserved > c->largest_peak) c->largest_peak = r.devices[i].peak_reserved;
+    if (r.devices[i].bound_reserved > c->largest_bound) c->largest_bound = r.devices[i].bound_reserved;
   }
   replay_result_free(&r);
   return GCA_OK;
@@ -276,37 +279,19 @@ static bool fits_on(const trace_t *t, const replay_options_t *base, const char *
 }
 
 /* The least capacity, a multiple of CAPACITY_STEP, on which the job fits
- * under s->conf: bisection between the lower bound (nothing fits below it)
- * and the setting's unlimited peak (where it fits: a replay that never
- * reaches the capacity does what it does without one). The bisection
- * relies on "fits on c" growing with c; that is checked on the step below
- * the answer (by the bisection) and on MONOTONE_CHECKS capacities spread
- * between the answer and the unlimited peak. (It can fail: a smaller device
- * makes the allocator give its cache back sooner, which can leave it less
- * fragmented later.) */
-/* The largest of the devices' peaks reserved without a limit under
- * `conf`, and of their lower bounds: a capacity is every device's. */
-static int largest_device(const trace_t *t, const replay_options_t *base, const char *conf, uint64_t *peak,
-                          uint64_t *bound) {
-  replay_options_t o = *base;
-  o.capacity = 0;
-  o.conf = conf;
-  replay_result_t r;
-  int rc = replay_trace(t, &o, &r);
-  if (rc != GCA_OK) return rc;
-  *peak = *bound = 0;
-  for (int i = 0; i < r.device_count; i++) {
-    if (r.devices[i].peak_reserved > *peak) *peak = r.devices[i].peak_reserved;
-    if (r.devices[i].bound_reserved > *bound) *bound = r.devices[i].bound_reserved;
-  }
-  replay_result_free(&r);
-  return GCA_OK;
-}
-
-static int find_smallest(const trace_t *t, const replay_options_t *base, uint64_t bound, smallest_t *s) {
-  uint64_t ignored;
-  int rc = largest_device(t, base, s->conf, &s->unlimited, &ignored);
-  if (rc != GCA_OK) return rc;
+ * under candidate c (replayed without a limit; a capacity is every
+ * device's, so its largest device counts): bisection between the lower
+ * bound (nothing fits below it) and c's largest peak (where it fits: a
+ * replay that never reaches the capacity does what it does without one).
+ * The bisection relies on "fits on capacity" growing with the capacity;
+ * that is checked on the step below the answer (by the bisection) and on
+ * MONOTONE_CHECKS capacities spread between the answer and the unlimited
+ * peak. (It can fail: a smaller device makes the allocator give its cache
+ * back sooner, which can leave it less fragmented later.) */
+static int find_smallest(const trace_t *t, const replay_options_t *base, const candidate_t *c, uint64_t bound,
+                         smallest_t *s) {
+  snprintf(s->conf, sizeof s->conf, "%s", c->conf);
+  s->unlimited = c->largest_peak;
   uint64_t hi = (s->unlimited + CAPACITY_STEP - 1) / CAPACITY_STEP * CAPACITY_STEP;
   uint64_t lo = bound / CAPACITY_STEP * CAPACITY_STEP; /* (below the bound nothing fits) */
   if (lo) lo -= CAPACITY_STEP;
@@ -329,17 +314,14 @@ static int find_smallest(const trace_t *t, const replay_options_t *base, uint64_
 
 /* The smallest device for the defaults and the two answers. */
 static int print_smallest(const trace_t *t, const replay_options_t *base, const char *path,
-                          const candidate_t *best, const candidate_t *torch_best, bool json) {
+                          const candidate_t *defaults, const candidate_t *best, const candidate_t *torch_best,
+                          bool json) {
   smallest_t s[3] = {{.what = "defaults"}, {.what = "PyTorch's best"}, {.what = "gcalloc's best"}};
-  snprintf(s[1].conf, sizeof s[1].conf, "%s", torch_best ? torch_best->conf : "");
-  snprintf(s[2].conf, sizeof s[2].conf, "%s", best ? best->conf : s[1].conf);
-  uint64_t bound = 0, peak;
-  if (largest_device(t, base, "", &peak, &bound) != GCA_OK) {
-    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
-    return 1;
-  }
+  if (!torch_best) torch_best = defaults;
+  const candidate_t *which[3] = {defaults, torch_best, best ? best : torch_best};
+  uint64_t bound = defaults->largest_bound; /* (the same for every setting) */
   for (int i = 0; i < 3; i++) {
-    int rc = find_smallest(t, base, bound, &s[i]);
+    int rc = find_smallest(t, base, which[i], bound, &s[i]);
     if (rc != GCA_OK) {
       fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
       return 1;
@@ -548,7 +530,7 @@ int tune_main(int argc, char **argv) {
              c[i].fits ? "true" : "false", c[i].replayed);
     }
     printf("\n]");
-    if (min_capacity && print_smallest(&t, &base, path, best, torch_best, true)) exit_code = 1;
+    if (min_capacity && print_smallest(&t, &base, path, &defaults, best, torch_best, true)) exit_code = 1;
     printf("}\n");
   } else {
     printf("tuned %s: %zu configurations replayed in %.2f s%s\n", path, n, secs,
@@ -570,7 +552,7 @@ int tune_main(int argc, char **argv) {
   }
   if (min_capacity && !json) {
     printf("\n");
-    if (print_smallest(&t, &base, path, best, torch_best, false)) exit_code = 1;
+    if (print_smallest(&t, &base, path, &defaults, best, torch_best, false)) exit_code = 1;
   }
   free(c);
   replay_plans_free(plans);

@@ -23,6 +23,7 @@ import ctypes
 import os
 import sys
 import threading
+import warnings
 
 from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _python_warnings, _text, library_path
 
@@ -372,8 +373,6 @@ def cpu_backup(tensor):
     nbytes = tensor.numel() * tensor.element_size()
     if len(view) < nbytes:
         raise ValueError("gcalloc.torch.cpu_backup: the copy holds %d bytes, the tensor %d" % (len(view), nbytes))
-    import warnings
-
     with warnings.catch_warnings():  # (torch warns that the buffer is not writable: it is read-only)
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(view[:nbytes], dtype=tensor.dtype) if nbytes else torch.empty(0, dtype=tensor.dtype)

@@ -343,6 +343,22 @@ void gca__coop_leave(coop_t *c) {
   free(c);
 }
 
+/* A slot as gca_ipc_peer_t. */
+static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
+  uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+  return (gca_ipc_peer_t){pid,
+                          reserved,
+                          allocated,
+                          reserved > allocated ? reserved - allocated : 0,
+                          atomic_load(&s->waiting),
+                          atomic_load(&s->paused),
+                          atomic_load(&s->requests),
+                          atomic_load(&s->received),
+                          atomic_load(&s->released_sum),
+                          atomic_load(&s->timeouts),
+                          atomic_load(&s->avoidable)};
+}
+
 /* ---- asking ------------------------------------------------------------------ */
 
 typedef enum { PENDING, ANSWERED, GONE } answer_t;
@@ -431,9 +447,9 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
-    uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
     if (i == c->slot || !pid) continue;
-    peers[n++] = (asked_t){i, pid, s->start_time, 0, reserved > allocated ? reserved - allocated : 0, reserved, PENDING, 0};
+    gca_ipc_peer_t p = published(s, pid);
+    peers[n++] = (asked_t){i, pid, s->start_time, 0, p.cached_bytes, p.reserved_bytes, PENDING, 0};
   }
   coop_unlock(r);
   qsort(peers, (size_t)n, sizeof peers[0], by_cached);
@@ -513,22 +529,6 @@ size_t gca__coop_peers_live(const coop_t *c) {
     if (i != c->slot && atomic_load(&s->pid)) live += (size_t)atomic_load(&s->allocated);
   }
   return live;
-}
-
-/* A slot as gca_ipc_peer_t. */
-static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
-  uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
-  return (gca_ipc_peer_t){pid,
-                          reserved,
-                          allocated,
-                          reserved > allocated ? reserved - allocated : 0,
-                          atomic_load(&s->waiting),
-                          atomic_load(&s->paused),
-                          atomic_load(&s->requests),
-                          atomic_load(&s->received),
-                          atomic_load(&s->released_sum),
-                          atomic_load(&s->timeouts),
-                          atomic_load(&s->avoidable)};
 }
 
 int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {

@@ -326,8 +326,9 @@ int gca__device_free_locked(device_t *d, uintptr_t addr);
  * error "cannot ACTION ADDR: why it is not a live allocation" and return true. */
 bool gca__device_explain_bad_pointer(device_t *d, uintptr_t addr, const char *action);
 void gca__device_empty_cache(device_t *d);
-/* A peer asked (`requester`, for the history): release the cache as
- * gca_empty_cache does (coop.c's thread); the bytes released. */
+/* A peer asked (`requester`, for the history): release cached segments as
+ * gca_empty_cache does, the largest first until `need` bytes went back
+ * (0: all of them) (coop.c's thread); the bytes released. */
 size_t gca__device_release_for_peer(device_t *d, int32_t requester, size_t need);
 
 /* With the lock held: record a use of the allocation at addr by `stream`

@@ -201,13 +201,17 @@ void gca__device_destroy(device_t *d) {
 }
 
 /* PyTorch's release_cached_blocks: wait for every pending free, then give
- * every whole cached segment back, and wait until the device has them. */
-static void release_cached_blocks(device_t *d) {
+ * every whole cached segment back (with `need`, the largest first until
+ * that much went back), and wait until the device has them. */
+static void release_cached(device_t *d, size_t need) {
   d->stats.num_sync_all_streams++;
   gca__events_synchronize(d);
-  gca__segment_release_all_cached(d);
+  if (need) gca__segment_release_cached_upto(d, need);
+  else gca__segment_release_all_cached(d);
   gca__events_finish_releases(d, true);
 }
+
+static void release_cached_blocks(device_t *d) { release_cached(d, 0); }
 
 void gca__device_release_cache_locked(device_t *d) { release_cached_blocks(d); }
 
@@ -620,14 +624,7 @@ static size_t empty_cache(device_t *d, int32_t requester, size_t need) {
     return 0;
   }
   int64_t before = atomic_load(&d->reserved_now);
-  if (need) {
-    d->stats.num_sync_all_streams++;
-    gca__events_synchronize(d);
-    gca__segment_release_cached_upto(d, need);
-    gca__events_finish_releases(d, true);
-  } else {
-    release_cached_blocks(d);
-  }
+  release_cached(d, need);
   int64_t after = atomic_load(&d->reserved_now);
   size_t released = before > after ? (size_t)(before - after) : 0;
   if (requester && d->obs.recording) gca__history_ipc_release(d, released, requester);
