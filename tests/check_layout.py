@@ -49,11 +49,17 @@ TOOLKIT_ONLY = {
     "gca__helper_detach": "the helper threads' job nobody waits for, which needs their queue",
 }
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+# Headers the build generates (in the build folder), each as the source it
+# is made from: they belong to that source's folder.
+GENERATED = {"report_page.h": "tools/report_page.js"}
 
 
 def resolve(src, here, name):
     """The include's path relative to src, as the compiler finds it (the
-    file's own folder first, then src/, the project root, include/)."""
+    file's own folder first, then src/, the project root, include/; a
+    generated header, its source)."""
+    if name in GENERATED and os.path.isfile(os.path.join(src, GENERATED[name])):
+        return GENERATED[name]
     for base in (here, os.path.join(src, "src"), src, os.path.join(src, "include")):
         path = os.path.normpath(os.path.join(base, name))
         if os.path.isfile(path):

@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
 """The replay's HTML report, rendered by headless Chromium (Debian's
-`chromium`): the page must draw its timeline. Checked two ways:
+`chromium`): the page must draw what its data holds. Checked two ways:
 
 1. the DOM after the page's script ran (chromium --dump-dom): one polyline per
-   series, each with as many points as the data has;
+   series, each with as many points as the data has; a settings table with
+   one row per key and the keys set apart from their defaults marked; axes
+   with ticks (bytes in a unit, operations); the lower bound drawn; the
+   memory live when recording began as the first point, not a ramp from zero;
+   the segment map one row per group of identical segments (no two rows
+   alike), with a legend, a scale and a tooltip on every block; devices with
+   nothing recorded on them one line, not a section;
 2. the pixels (chromium --screenshot): the timeline's series colours are
    painted, in more pixels than the legend alone has.
 
@@ -12,10 +18,14 @@ unmapped holes), the segment map must also draw each expandable range (one
 row each) and each hole in the unmapped colour: one rect per unmapped run of
 the data, and enough pixels of that colour.
 
+With --tune the page is `gcalloc tune TRACE --report`'s: its table of answers
+must have a row each, and each answer other than the run shown a line over
+the timeline of each device.
+
 As a control, the same page with its drawing call removed must fail check 2:
 so the check can tell a drawn plot from a blank one.
 
-usage: check_report.py GCALLOC_TOOL TRACE WORKDIR [--expect-unmapped] [REPLAY OPTIONS...]
+usage: check_report.py GCALLOC_TOOL TRACE WORKDIR [--expect-unmapped] [--tune] [OPTIONS...]
 Exit 77 (CTest's skip) when Chromium is not installed, unless
 GCALLOC_REQUIRE_CHROMIUM=1 (CI sets it, so there it fails instead).
 """
@@ -52,7 +62,7 @@ def chromium():
 
 def run_chromium(browser, args, url):
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-           "--window-size=1000,1600", "--virtual-time-budget=5000"] + args + [url]
+           "--window-size=1000,3200", "--virtual-time-budget=5000"] + args + [url]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -117,6 +127,98 @@ def colour_counts(png, colours):
     return counts
 
 
+def parse_settings(text):
+    """'k:v,k:[a,b]' as a dict (commas inside brackets belong to the value)."""
+    out, depth, start = {}, 0, 0
+    for i, ch in enumerate(text + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            item = text[start:i].strip()
+            start = i + 1
+            if item:
+                key, _, value = item.partition(":")
+                out[key] = value
+    return out
+
+
+def check_page(report, dom, tune):
+    """What the page must show beyond its series (module docstring, check 1)."""
+    # The settings: a row per key, the ones set apart from their defaults marked.
+    in_force, defaults = parse_settings(report["settings"]), parse_settings(report["defaults"])
+    if not defaults:
+        fail("the report carries no default settings to compare with")
+    keys = set(in_force) | set(defaults)
+    differ = sum(1 for k in keys if in_force.get(k, "unset") != defaults.get(k, "unset"))
+    table = re.search(r'<table class="settings">(.*?)</table>', dom, re.S)
+    if not table:
+        fail("no settings table")
+    rows = re.findall(r"<tr[ >]", table.group(1))
+    marked = len(re.findall(r'<tr class="set">', table.group(1)))
+    print("settings: %d keys, %d set apart from the defaults, %d rows, %d marked" % (len(keys), differ, len(rows) - 1,
+                                                                                  marked))
+    if len(rows) - 1 != len(keys) or marked != differ:
+        fail("the settings table has %d rows (%d marked) for %d keys (%d set)" % (len(rows) - 1, marked, len(keys), differ))
+    if "capacity" not in dom or not re.search(r'id="capacity">[^<]+<', dom):
+        fail("the capacity is not named")
+
+    shown = [d for d in report["devices"] if not d["empty"]]
+    empty = [d for d in report["devices"] if d["empty"]]
+    sections = re.findall(r"<section>(.*?)</section>", dom, re.S)
+    if len(sections) != len(shown):
+        fail("%d device sections for %d devices with something recorded" % (len(sections), len(shown)))
+    for d in empty:
+        name = d["name"].replace("device", "Device", 1)
+        if not re.search(r'class="empty">[^<]*%s[^<]*nothing recorded on' % re.escape(name), dom):
+            fail("%s, with nothing recorded on it, is not one line" % name)
+    for d, sec in zip(shown, sections):
+        # Axes: ticks in a unit of bytes, and in operations.
+        yt = re.findall(r'class="ytick">([^<]*)<', sec)
+        xt = re.findall(r'class="xtick">([^<]*)<', sec)
+        if len(yt) < 3 or not all(re.fullmatch(r"[0-9.]+ (B|KiB|MiB|GiB|TiB)", v) for v in yt):
+            fail("%s: the byte axis has ticks %s" % (d["name"], yt))
+        if len(xt) < 3 or not all(re.fullmatch(r"[0-9.,]+[kM]?", v) for v in xt):
+            fail("%s: the operations axis has ticks %s" % (d["name"], xt))
+        if d["bound_reserved"] and 'class="bound"' not in sec:
+            fail("%s: the lower bound is not drawn" % d["name"])
+        # Memory live when recording began: the first point, and said so.
+        if d["seeded"]:
+            if not d["requested"][0] or 'class="start-note"' not in sec:
+                fail("%s: the %d allocations live at the start are not the timeline's first point"
+                     % (d["name"], d["seeded"]))
+        # The segment map: a row per group, identical segments on one row, a tooltip on every block.
+        drawn_rows = len(re.findall(r'<g class="row">', sec))
+        if drawn_rows != len(d["segments"]):
+            fail("%s: %d rows drawn for %d in the data" % (d["name"], drawn_rows, len(d["segments"])))
+        ordinary = [g for g in d["segments"] if not g["range"]]
+        key = lambda g: (g["size"], g["pool"], g["stream"], [b[:2] for b in g["blocks"]])
+        for a, b in zip(ordinary, ordinary[1:]):
+            if a["blocks"] and key(a) == key(b):
+                fail("%s: two rows alike (%d bytes, %d blocks): identical segments not grouped"
+                     % (d["name"], a["size"], len(a["blocks"])))
+        for g in ordinary:
+            if g["count"] > 1 and "%d \u00d7 " % g["count"] not in sec and "%d × " % g["count"] not in sec:
+                fail("%s: a row of %d identical segments does not say so" % (d["name"], g["count"]))
+        blocks = len(re.findall(r'<rect [^>]*class="(block|unmapped)"[^>]*><title>[^<]+</title>', sec))
+        if d["segments"] and not blocks:
+            fail("%s: the segment map's blocks have no tooltips" % d["name"])
+        if d["segments"] and not re.search(r'class="scale">[0-9.]+ (B|KiB|MiB|GiB|TiB)<', sec):
+            fail("%s: the segment map has no scale" % d["name"])
+    if tune:
+        answers = report.get("answers") or []
+        table = re.search(r'<table class="answers">(.*?)</table>', dom, re.S)
+        if not answers or not table:
+            fail("tune's report has no answers")
+        rows = len(re.findall(r"<tr[ >]", table.group(1))) - 1
+        drawn = len(re.findall(r'class="series-answer"', dom))
+        expected = sum(1 for a in answers if a["conf"] != report["conf"]) * len(shown)
+        print("answers: %d, rows %d, lines drawn %d (expected %d)" % (len(answers), rows, drawn, expected))
+        if rows != len(answers) or drawn != expected:
+            fail("tune's answers: %d rows and %d lines for %d answers" % (rows, drawn, len(answers)))
+
+
 def main():
     if len(sys.argv) < 4:
         print(__doc__)
@@ -124,7 +226,8 @@ def main():
     tool, trace, work = sys.argv[1:4]
     extra = sys.argv[4:]
     expect_unmapped = "--expect-unmapped" in extra
-    extra = [a for a in extra if a != "--expect-unmapped"]
+    tune = "--tune" in extra
+    extra = [a for a in extra if a not in ("--expect-unmapped", "--tune")]
     colours = dict(SERIES, unmapped=UNMAPPED) if expect_unmapped else SERIES
     minimum = {name: MIN_PIXELS for name in SERIES}
     minimum["unmapped"] = MIN_UNMAPPED_PIXELS
@@ -136,9 +239,10 @@ def main():
         sys.exit(77)
     os.makedirs(work, exist_ok=True)
     page = os.path.join(work, "report.html")
-    out = subprocess.run([tool, "replay", trace, "--report", page] + extra, capture_output=True, text=True)
+    command = "tune" if tune else "replay"
+    out = subprocess.run([tool, command, trace, "--report", page] + extra, capture_output=True, text=True)
     if out.returncode != 0:
-        fail("gcalloc replay --report exited %d: %s" % (out.returncode, out.stderr))
+        fail("gcalloc %s --report exited %d: %s" % (command, out.returncode, out.stderr))
     html = open(page, encoding="utf-8").read()
     # Self-contained: nothing fetched (the SVG namespace URI is a name, not a fetch).
     if re.search(r"<script[^>]+src=|<link[^>]+href=|<img|url\(|@import|fetch\(|XMLHttpRequest", html):
@@ -148,7 +252,7 @@ def main():
     dom = run_chromium(browser, ["--dump-dom"], "file://" + os.path.abspath(page))
     if dom.returncode != 0:
         fail("chromium --dump-dom exited %d: %s" % (dom.returncode, dom.stderr[-2000:]))
-    if 'data-drawn="1"' not in dom.stdout:
+    if not re.search(r'data-drawn="[0-9]+"', dom.stdout):
         fail("the page's script did not finish drawing (no data-drawn on <body>)")
     data = re.search(r'"reserved": \[([0-9,]*)\]', html)
     expected_points = len(data.group(1).split(",")) if data and data.group(1) else 0
@@ -166,11 +270,12 @@ def main():
         if d["start_segments"] and "(in %d segments as recorded)" % d["start_segments"] not in dom.stdout:
             fail("the summary does not say device %d's start was made in %d segments as recorded"
                  % (d["device"], d["start_segments"]))
+    check_page(report, dom.stdout, tune)
 
     if expect_unmapped:
         data = report
         ranges = [g for d in data["devices"] for g in d["segments"] if g["range"]]
-        holes = sum(1 for g in ranges for size, state in g["blocks"] if state == 3)
+        holes = sum(1 for g in ranges for b in g["blocks"] if b[1] == 3)
         pages = [d["pages"] for d in data["devices"] if d["pages"]]
         if not ranges or not holes or not pages or not sum(p["at_peak"]["unmapped_pages"] for p in pages):
             fail("the replay has no unmapped pages at its peak to draw (%d ranges, %d holes)" % (len(ranges), holes))

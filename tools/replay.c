@@ -298,7 +298,8 @@ int replay_main(int argc, char **argv) {
   else print_text(path, &t, &r, load_s, total_s, o.capacity);
   int rc = 0;
   if (report) {
-    rc = report_write(report, path, &r);
+    report_input_t in = {.command = "replay", .trace_path = path, .r = &r, .capacity = o.capacity};
+    rc = report_write(report, &in);
     if (!rc && !json) printf("\nreport written to %s\n", report);
   }
   bool oom = false;

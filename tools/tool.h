@@ -7,8 +7,28 @@
 #include <stdio.h>
 struct replay_result;
 struct replay_options;
-/* The replay's HTML report (report.c); 0, or 1 with a message on stderr. */
-int report_write(const char *out_path, const char *trace_path, const struct replay_result *r);
+/* The replay's HTML report (report.c). A run of tune's shown beside the
+ * replay: its label ("gcalloc's best"), its result (replayed with a
+ * timeline) and the variable its configuration is for. */
+typedef struct report_run {
+  const char *label;
+  const struct replay_result *r;
+  const char *env; /* "PYTORCH_CUDA_ALLOC_CONF"; NULL: GCALLOC_ALLOC_CONF */
+} report_run_t;
+/* The run as the report embeds it (malloc'd; NULL: the host out of
+ * memory), so that its replay can be freed before the next one. */
+char *report_answer_json(const report_run_t *a);
+typedef struct report_input {
+  const char *command;            /* "replay": names the command in messages */
+  const char *trace_path;
+  const struct replay_result *r;  /* the run shown, replayed with a timeline */
+  uint64_t capacity;              /* the device's, 0: none given */
+  char *const *answers;           /* tune's (report_answer_json), drawn over r's timeline; NULL, 0: none */
+  size_t answer_count;
+  const char *answers_note;       /* a line under the answers (NULL: none) */
+} report_input_t;
+/* Writes the report to out_path: 0, or 1 with a message on stderr. */
+int report_write(const char *out_path, const report_input_t *in);
 /* The pages of a device's expandable segments as `gcalloc replay --json`
  * writes them (replay.c), or null without them; the report embeds the same. */
 struct replay_device;

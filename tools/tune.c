@@ -356,8 +356,61 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
   return 0;
 }
 
+/* ---- the report (--report) ---------------------------------------------- */
+
+/* The run as recorded (the trace's settings, else the defaults), with the
+ * defaults and the answers drawn beside it; each answer is replayed again
+ * with a timeline, one at a time, and kept only as the report embeds it. */
+static int write_report(const trace_t *t, const replay_options_t *base, const char *path, const char *out,
+                        const candidate_t *best, const candidate_t *torch_best, const candidate_t *furthest) {
+  typedef struct {
+    const char *label, *conf, *env;
+  } shown_run_t;
+  shown_run_t runs[4];
+  size_t n = 0;
+  runs[n++] = (shown_run_t){"defaults", "", NULL};
+  if (furthest) {
+    runs[n++] = (shown_run_t){"furthest (nothing searched fits)", furthest->conf, NULL};
+  } else {
+    if (torch_best)
+      runs[n++] = (shown_run_t){"best with PyTorch's own allocator", torch_best->conf, "PYTORCH_CUDA_ALLOC_CONF"};
+    if (best && (!torch_best || strcmp(best->conf, torch_best->conf)))
+      runs[n++] = (shown_run_t){"best with gcalloc", best->conf,
+                                    pytorch_keys_only(best->conf) ? "PYTORCH_CUDA_ALLOC_CONF" : NULL};
+  }
+  char *json[4] = {0};
+  int rc = GCA_OK;
+  replay_options_t o = *base;
+  o.timeline = true;
+  for (size_t i = 0; i < n && rc == GCA_OK; i++) {
+    o.conf = runs[i].conf;
+    replay_result_t r;
+    if ((rc = replay_trace(t, &o, &r)) != GCA_OK) break;
+    report_run_t run = {runs[i].label, &r, runs[i].env};
+    if (!(json[i] = report_answer_json(&run))) rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory");
+    replay_result_free(&r);
+  }
+  replay_result_t shown;
+  o.conf = NULL; /* (the trace's settings, else the defaults: what `gcalloc replay` replays) */
+  o.page_census = true;
+  if (rc == GCA_OK) rc = replay_trace(t, &o, &shown);
+  int status = 1;
+  if (rc == GCA_OK) {
+    const char *note = !best && !furthest ? "No setting searched beats the defaults by more than 0.5% with fewer keys: "
+                                            "nothing to set." : NULL;
+    report_input_t in = {.command = "tune", .trace_path = path, .r = &shown, .capacity = base->capacity,
+                         .answers = json, .answer_count = n, .answers_note = note};
+    status = report_write(out, &in);
+    replay_result_free(&shown);
+  } else {
+    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+  }
+  for (size_t i = 0; i < n; i++) free(json[i]);
+  return status;
+}
+
 const tool_command_t tune_command = {
-    "tune", "TRACE", "TRACE [--capacity SIZE | --min-capacity] [--device N] [--json]",
+    "tune", "TRACE", "TRACE [--capacity SIZE | --min-capacity] [--device N] [--json] [--report FILE.html]",
     "search the settings under which the trace reserves the least",
     "\n"
     "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
@@ -375,22 +428,26 @@ const tool_command_t tune_command = {
     "                   answer (bisection to 2 MiB)\n"
     "  --device N       tune for device N of the trace only\n"
     "  --json           the ranking as JSON\n"
+    "  --report FILE.html  also write `gcalloc replay --report`'s page of the run as recorded, with the\n"
+    "                   answers beside it: a table, and each one's reserved memory over the same timeline\n"
     "  -h, --help       this help\n"
     "\n"
-    "Exit status: 0 done; 1 the trace could not be read or replayed; 2 bad arguments; 3 nothing fits\n"
-    "--capacity.\n",
+    "Exit status: 0 done; 1 the trace could not be read or replayed, or the report written; 2 bad\n"
+    "arguments; 3 nothing fits --capacity.\n",
     tune_main};
 
 int tune_main(int argc, char **argv) {
   const char *path = NULL;
   replay_options_t base = {.device = -1, .infer_empty_cache = true};
   bool json = false, min_capacity = false;
+  const char *report = NULL;
   long device = -1;
   const tool_option_t options[] = {
       {"--capacity", OPTION_SIZE, &base.capacity, 0, (long)SIM_MAX_CAPACITY, "SIZE"},
       {"--min-capacity", OPTION_FLAG, &min_capacity, 0, 0, NULL},
       {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--report", OPTION_TEXT, &report, 0, 0, "FILE.html"},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&tune_command, options, argc, argv, &path);
@@ -553,6 +610,10 @@ int tune_main(int argc, char **argv) {
   if (min_capacity && !json) {
     printf("\n");
     if (print_smallest(&t, &base, path, &defaults, best, torch_best, false)) exit_code = 1;
+  }
+  if (report) {
+    if (write_report(&t, &base, path, report, best, torch_best, nothing_fits ? &c[0] : NULL)) exit_code = 1;
+    else if (!json) printf("\nreport written to %s\n", report);
   }
   free(c);
   replay_plans_free(plans);
