@@ -477,6 +477,10 @@ typedef struct gca_stats {
    * process's memory fraction: memory that was only cache, somewhere, was
    * not had in time (ipc_cooperation:True; docs/sharing.md). */
   int64_t num_avoidable_ooms;
+  /* Stitching: waits for a stream's queued work before moving pages (one
+   * per miss served with moved pages): each a stall of the host on a real
+   * device. */
+  int64_t num_stitch_waits;
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

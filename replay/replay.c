@@ -847,6 +847,7 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     r->pages_mapped = books.pages_mapped;
     r->pages_unmapped = books.pages_unmapped;
     r->pages_moved = (uint64_t)s.num_pages_moved;
+    r->stitch_waits = (uint64_t)s.num_stitch_waits;
     r->expandable = books.pages_mapped > 0;
     if (!r->expandable) gca__page_census_free(&r->peak_pages); /* (a range reserved, never mapped: none, as documented) */
   }

@@ -69,6 +69,7 @@ typedef struct replay_device {
    * (with timeline, with each range's map). */
   bool expandable;
   uint64_t pages_mapped, pages_unmapped, pages_moved;
+  uint64_t stitch_waits; /* stitching's waits for the stream before moving pages */
   page_census_t peak_pages;
   /* With options.timeline: the bytes after each operation (seeds included),
    * PyTorch's reserved where the trace records it (else NULL), and the

@@ -389,8 +389,9 @@ static void test_oom_ladder_with_pages(void **state) {
   assert_consistent(a);
   gca_close(a);
 
-  /* With stitching the same request moves the two free pages: no retry,
-   * no cache released, nothing new asked of the device. */
+  /* With stitching the same request moves the two free blocks' pages
+   * (2 MiB pages with stitching: 20 of them): no retry, no cache released,
+   * nothing new asked of the device. */
   a = open_sim("sim:capacity=100MiB", "expandable_segments:True,stitching:True");
   for (int i = 0; i < 5; i++) assert_non_null(p[i] = gca_malloc(a, 20 * MiB, 0, S1));
   assert_int_equal(gca_free(a, p[1]), GCA_OK);
@@ -401,7 +402,8 @@ static void test_oom_ladder_with_pages(void **state) {
   st = stats_of(a, 0);
   assert_int_equal(st.num_alloc_retries, 0);
   assert_int_equal(st.num_sync_all_streams, 0);
-  assert_int_equal(st.num_pages_moved, 2);
+  assert_int_equal(st.num_pages_moved, 20);
+  assert_int_equal(st.num_stitch_waits, 1); /* one wait for the stream covers both donors */
   assert_int_equal(sim_counters(a, 0).mallocs, mallocs);
   assert_int_equal(st.reserved_bytes[GCA_POOL_ALL].current, 100 * MiB);
   assert_consistent(a);
@@ -706,6 +708,53 @@ static void run(const char *conf, uint64_t seed, int ops) {
   gca_close(a);
 }
 
+/* One job of `ops` allocations and frees on one stream, with no memory
+ * limit: its peak reserved. Kind 0: mostly 1-200 MiB with small ones;
+ * kind 1: half under 64 KiB, half 1-31 MiB (both pools in play). */
+static int64_t job_peak(const char *conf, uint64_t seed, int kind, int ops) {
+  rng = seed;
+  gca_allocator_t *a = open_sim("sim:capacity=1TiB", conf);
+  void *live[256] = {0};
+  for (int op = 0; op < ops; op++) {
+    void **p = &live[below(256)];
+    if (*p) {
+      assert_int_equal(gca_free(a, *p), GCA_OK);
+      *p = NULL;
+      continue;
+    }
+    bool small = kind == 0 ? below(4) == 0 : below(2) == 0;
+    size_t size = kind == 0 ? (small ? 1 + below(MiB) : MiB + below(200 * MiB))
+                            : (small ? 1 + below(64 * KiB) : MiB + below(30 * MiB));
+    assert_non_null(*p = gca_malloc(a, size, 0, S1));
+  }
+  int64_t peak = stats_of(a, 0).reserved_bytes[GCA_POOL_ALL].peak;
+  assert_consistent(a);
+  gca_close(a);
+  return peak;
+}
+
+/* Stitching never reserves more than expandable segments alone: on 1,000
+ * random jobs (two kinds, 500 seeds each) its peak is at most the other's,
+ * and lower in most. */
+static void test_stitching_never_above_expandable(void **state) {
+  (void)state;
+  int lower = 0, jobs = 0;
+  double saved = 0;
+  for (int kind = 0; kind < 2; kind++)
+    for (uint64_t seed = 1; seed <= 500; seed++) {
+      int64_t alone = job_peak("expandable_segments:True", seed, kind, 1500);
+      int64_t stitched = job_peak("expandable_segments:True,stitching:True", seed, kind, 1500);
+      if (stitched > alone)
+        fail_msg("kind %d seed %" PRIu64 ": stitching reserves %" PRId64 " MiB at its peak, expandable segments "
+                 "alone %" PRId64, kind, seed, stitched / (int64_t)MiB, alone / (int64_t)MiB);
+      lower += stitched < alone;
+      saved += 1.0 - (double)stitched / (double)alone;
+      jobs++;
+    }
+  printf("%d jobs: stitching lower in %d, by %.2f%% on average, never higher\n", jobs, lower, 100 * saved / jobs);
+  assert_true(lower > jobs / 2); /* (a stitching that changed nothing would pass the rest) */
+}
+
 static void test_random_every_option(void **state) {
   (void)state;
   static const char *const extras[] = {
@@ -744,6 +793,7 @@ int main(void) {
       cmocka_unit_test(test_history_and_snapshot),
       cmocka_unit_test(test_page_census),
       cmocka_unit_test(test_random_every_option),
+      cmocka_unit_test(test_stitching_never_above_expandable),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -99,7 +99,8 @@ static void print_text(const char *path, const trace_t *t, const replay_result_t
     if (d->expandable) {
       const page_census_t *c = &d->peak_pages;
       printf("  pages of expandable segments: %" PRIu64 " mapped, %" PRIu64 " unmapped over the replay"
-             " (%" PRIu64 " of each moved by stitching)\n", d->pages_mapped, d->pages_unmapped, d->pages_moved);
+             " (%" PRIu64 " of each moved by stitching, after %" PRIu64 " waits for the stream)\n", d->pages_mapped,
+             d->pages_unmapped, d->pages_moved, d->stitch_waits);
       printf("  at peak reserved: %" PRIu64 " pages mapped (%.3f GiB, %" PRIu64 " of them free), %" PRIu64
              " unmapped below the top of %zu range%s (%.3f GiB)\n",
              c->mapped_pages, gib(c->mapped_bytes), c->free_pages, c->unmapped_pages, c->ranges,
@@ -140,11 +141,11 @@ void pages_json_put(FILE *f, const replay_device_t *d) {
     return;
   }
   const page_census_t *c = &d->peak_pages;
-  fprintf(f, "{\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64
+  fprintf(f, "{\"mapped\": %" PRIu64 ", \"unmapped\": %" PRIu64 ", \"moved\": %" PRIu64 ", \"stitch_waits\": %" PRIu64
          ", \"at_peak\": {\"ranges\": %zu, \"reserved_address_bytes\": %" PRIu64 ", \"mapped_pages\": %" PRIu64
          ", \"mapped_bytes\": %" PRIu64 ", \"free_pages\": %" PRIu64 ", \"free_bytes\": %" PRIu64
          ", \"unmapped_pages\": %" PRIu64 ", \"unmapped_bytes\": %" PRIu64 "}}",
-         d->pages_mapped, d->pages_unmapped, d->pages_moved, c->ranges, c->reserved_bytes, c->mapped_pages,
+         d->pages_mapped, d->pages_unmapped, d->pages_moved, d->stitch_waits, c->ranges, c->reserved_bytes, c->mapped_pages,
          c->mapped_bytes, c->free_pages, c->free_bytes, c->unmapped_pages, c->unmapped_bytes);
 }
 
