@@ -31,11 +31,12 @@ function fmt(b) {
 function count(n) { return Number(n).toLocaleString('en-US'); }
 function pct(x) { return (x >= 0 ? '+' : '') + (100 * x).toFixed(2) + '%'; }
 
-// An axis: ticks at 1, 2 or 5 times a power of ten of `unit`, about `want` of them up to `max`.
-function ticks(max, want, unit) {
+// An axis: ticks at 1, 2 or 5 times a power of ten of `unit`, about `want` of them up to `max`
+// (whole numbers of the unit at least, with `whole`: operations).
+function ticks(max, want, unit, whole) {
   const raw = Math.max(max / unit, 1e-9) / want;
   const p = Math.pow(10, Math.floor(Math.log10(raw)));
-  const step = (raw / p <= 1 ? 1 : raw / p <= 2 ? 2 : raw / p <= 5 ? 5 : 10) * p * unit;
+  const step = Math.max(whole ? unit : 0, (raw / p <= 1 ? 1 : raw / p <= 2 ? 2 : raw / p <= 5 ? 5 : 10) * p * unit);
   const out = [];
   for (let v = 0; v <= max * (1 + 1e-9) + step * 1e-9; v += step) out.push(v);
   if (out[out.length - 1] < max) out.push(out[out.length - 1] + step);
@@ -123,7 +124,7 @@ function timeline(dev, host, answers) {
   const cap = REPORT.capacity, capShown = cap > 0 && cap <= 1.25 * top;
   if (capShown) top = Math.max(top, cap);
   const unit = byteUnit(top), yt = ticks(top, 5, unit[0]), ymax = yt[yt.length - 1];
-  const xt = ticks(ops, 8, 1), xmax = xt[xt.length - 1];
+  const xt = ticks(ops, 8, 1, true), xmax = xt[xt.length - 1];
   const x = op => L + op / xmax * (W - L - R);
   const y = v => T + (1 - v / ymax) * (H - T - B);
   el('rect', {x: L, y: T, width: W - L - R, height: H - T - B, fill: '#fafafa', stroke: '#bbb'}, svg);
@@ -155,16 +156,18 @@ function timeline(dev, host, answers) {
     el('polyline', {points: pts, fill: 'none', stroke: l.color, 'stroke-width': l.width, 'stroke-dasharray': l.dash,
                     'stroke-linejoin': 'round', class: l.cls}, svg);
   }
-  if (dev.seeded) {
+  if (dev.seeded && !dev.oom_seeding) {
     el('circle', {cx: x(0), cy: y(dev.reserved[0]), r: 4, fill: '#333'}, svg);
     el('text', {x: L + 8, y: T + 30, 'font-size': 11, fill: '#333', class: 'start-note'}, svg).textContent =
         count(dev.seeded) + ' allocations (' + fmt(dev.requested[0]) + ') were live when recording began';
   }
   if (dev.oom) {
-    const at = x(dev.operations);
+    const at = x(dev.operations), left = at - L < 260;
     el('line', {x1: at, x2: at, y1: T, y2: H - B, stroke: '#d62728', 'stroke-dasharray': '4 2'}, svg);
-    el('text', {x: at - 4, y: T + 28, 'text-anchor': 'end', 'font-size': 11, fill: '#d62728'}, svg).textContent =
-        'out of memory at operation ' + count(dev.operations + 1);
+    el('text', {x: left ? at + 4 : at - 4, y: H - B - 8, 'text-anchor': left ? 'start' : 'end', 'font-size': 11,
+                fill: '#d62728', class: 'oom-mark'}, svg).textContent = dev.oom_seeding
+        ? 'out of memory making the ' + count(dev.seeded) + ' allocations live when recording began'
+        : 'out of memory at operation ' + count(dev.operations + 1);
   }
   const cursor = el('line', {y1: T, y2: H - B, stroke: '#888', visibility: 'hidden'}, svg);
   const readout = html('div', '', host, 'readout');
