@@ -47,7 +47,8 @@ What to try next:
   open build/replay-report.html                          the run, drawn (a browser)
   build/gcalloc replay $trace --capacity 30GiB
                                                          will it fit on a 30 GiB device?
-  build/gcalloc tune $trace                              which settings reserve least
+  build/gcalloc tune $trace --report build/tune-report.html
+                                                         which settings reserve least, drawn
   scripts/run.sh data/snapshots/inference/memory.pickle  another sample (data/README.md)
   scripts/run.sh YOUR_SNAPSHOT.pickle                    your own job (torch.cuda.memory._dump_snapshot)
   build/gcalloc --help                                   every command
