@@ -247,13 +247,16 @@ static void *answer_main(void *arg) {
     coop_wait_word(&s->request_seq, seen, (uint64_t)(c->hold_us ? 1 : PUBLISH_EVERY_MS) * 1000000u);
     uint32_t seq = atomic_load(&s->request_seq);
     if (seq == seen || atomic_load(&c->stop)) continue;
+    uint32_t requests = seq - seen;
     seen = seq;
     /* Release cached segments, largest first, until the largest need of
      * the requests answered is covered (doubled for each request in a
      * streak), in stream order (as gca_empty_cache), unless the requester
      * got what it needed from others meanwhile: a cache grown since would
-     * go back for nothing. */
-    bool withdrawn = atomic_load(&s->withdrawn_seq) == seq;
+     * go back for nothing. A withdrawal counts only when its request is
+     * the one answered: one answer serves every request made since the
+     * last, and another requester's may still wait for it. */
+    bool withdrawn = requests == 1 && atomic_load(&s->withdrawn_seq) == seq;
     uint64_t need = atomic_exchange(&s->need, 0), now = gca__now_ns();
     c->streak = c->answered_ns && now - c->answered_ns < STREAK_NS ? c->streak + 1 : 0;
     c->answered_ns = now;
