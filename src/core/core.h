@@ -100,7 +100,6 @@ struct segment {
    * address range, tiled by blocks of which the UNMAPPED ones have no
    * memory; pages[i] is the physical memory mapped at page i (0: none). */
   bool expandable;
-  bool range_kept;           /* empty, and the device would not release its range: offered again at releases */
   size_t page_size;
   uintptr_t *pages;          /* page_cap entries; pages past it are unmapped */
   size_t page_cap;

@@ -195,7 +195,6 @@ static void release_segment(device_t *d, segment_t *seg) {
     /* Kept: an empty range costs no memory, may serve later, and is offered
      * again at the pool's next release while it stays empty. */
     gca__note_refused_free(d);
-    seg->range_kept = true;
     return;
   }
   gca__pool_unmapped_remove(seg->pool, b);
@@ -364,11 +363,11 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   return n;
 }
 
-static void release_kept_ranges(device_t *d, pool_t *pool);
+static void release_empty_ranges(device_t *d, pool_t *pool);
 
 void gca__expandable_release_pool(device_t *d, pool_t *pool) {
   if (!pool->expandable_segments) return;
-  release_kept_ranges(d, pool); /* (first: a range refused now waits for the next release) */
+  release_empty_ranges(d, pool); /* (first: a range refused now waits for the next release) */
   /* Gather first: unmapping changes the index under a walk. Unmapping one
    * free block never touches another free block's descriptor. */
   size_t count = 0;
@@ -384,23 +383,16 @@ void gca__expandable_release_pool(device_t *d, pool_t *pool) {
     if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
   }
   free(list);
-  /* Ranges stitching emptied (every page moved out: no free block left in
-   * them to find above). */
-  for (segment_t *seg = d->segments, *next; seg; seg = next) {
-    next = seg->next;
-    if (seg->pool == pool && seg->expandable && !seg->range_kept && seg->head->state == BLOCK_UNMAPPED &&
-        !seg->head->next && !seg->paused_pages)
-      release_segment(d, seg);
-  }
 }
 
-/* The pool's empty ranges the device would not release before, offered
- * again (a range that served since holds pages, or was released then). */
-static void release_kept_ranges(device_t *d, pool_t *pool) {
+/* The pool's ranges with nothing mapped, given back: those the device
+ * would not release before (offered again; one that served since holds
+ * pages, or was released then) and those stitching emptied (every page
+ * moved out: no free block left in them for the walk over the index). */
+static void release_empty_ranges(device_t *d, pool_t *pool) {
   for (segment_t *seg = d->segments, *next; seg; seg = next) {
     next = seg->next;
-    if (seg->pool != pool || !seg->range_kept) continue;
-    seg->range_kept = false;
+    if (seg->pool != pool || !seg->expandable) continue;
     if (seg->head->state == BLOCK_UNMAPPED && !seg->head->next && !seg->paused_pages) release_segment(d, seg);
   }
 }
