@@ -961,7 +961,7 @@ static int replay_device(const trace_t *t, int d, event_span_t span, const repla
     free(log.events);
     /* The segment map at the peak: the same replay again, stopped there
      * (the page census alone was counted on the way: run_plan). */
-    if (rc == GCA_OK && o->timeline && r->peak_reserved) {
+    if (rc == GCA_OK && o->timeline && !o->series_only && r->peak_reserved) {
       replay_device_t again = {.device = d};
       rc = run_plan(p, spec, conf, o, r->peak_op, NULL, &again, r);
     }

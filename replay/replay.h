@@ -25,6 +25,7 @@ typedef struct replay_options {
   bool infer_empty_cache;  /* a run of recorded segment frees gcalloc did not cause is an empty_cache() */
   bool match_segments;     /* compare gcalloc's segment events with the recorded ones */
   bool timeline;           /* keep the memory after every operation, and the segments at the peak */
+  bool series_only;        /* with timeline: the memory only, not the segments at the peak (no second run) */
   bool page_census;        /* with expandable segments: count their pages at the peak (maps: with timeline) */
   int threads;              /* devices replayed at once; 0: one per processor usable (results do not depend on it) */
   bool start_snapshot;      /* tests: each device's state after the seeding, in start_snapshot */

@@ -321,6 +321,16 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
   const candidate_t *which[3] = {defaults, torch_best, best ? best : torch_best};
   uint64_t bound = defaults->largest_bound; /* (the same for every setting) */
   for (int i = 0; i < 3; i++) {
+    /* (an answer that is the defaults, or the other answer, has its bisection already) */
+    int same = -1;
+    for (int j = 0; j < i && same < 0; j++)
+      if (which[j] == which[i]) same = j;
+    if (same >= 0) {
+      const char *what = s[i].what;
+      s[i] = s[same];
+      s[i].what = what;
+      continue;
+    }
     int rc = find_smallest(t, base, which[i], bound, &s[i]);
     if (rc != GCA_OK) {
       fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
@@ -360,7 +370,9 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
 
 /* The run as recorded (the trace's settings, else the defaults), with the
  * defaults and the answers drawn beside it; each answer is replayed again
- * with a timeline, one at a time, and kept only as the report embeds it. */
+ * for its memory over time (the series only), one at a time, and kept only
+ * as the report embeds it. Where the trace records no settings, the run
+ * shown is the defaults' and serves as theirs. */
 static int write_report(const trace_t *t, const replay_options_t *base, const char *path, const char *out,
                         const candidate_t *best, const candidate_t *torch_best, const candidate_t *furthest) {
   typedef struct {
@@ -376,24 +388,32 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
       runs[n++] = (shown_run_t){"best with PyTorch's own allocator", torch_best->conf, "PYTORCH_CUDA_ALLOC_CONF"};
     if (best && (!torch_best || strcmp(best->conf, torch_best->conf)))
       runs[n++] = (shown_run_t){"best with gcalloc", best->conf,
-                                    pytorch_keys_only(best->conf) ? "PYTORCH_CUDA_ALLOC_CONF" : NULL};
+                                pytorch_keys_only(best->conf) ? "PYTORCH_CUDA_ALLOC_CONF" : NULL};
   }
-  char *json[4] = {0};
-  int rc = GCA_OK;
   replay_options_t o = *base;
   o.timeline = true;
-  for (size_t i = 0; i < n && rc == GCA_OK; i++) {
-    o.conf = runs[i].conf;
-    replay_result_t r;
-    if ((rc = replay_trace(t, &o, &r)) != GCA_OK) break;
-    report_run_t run = {runs[i].label, &r, runs[i].env};
-    if (!(json[i] = report_answer_json(&run))) rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory");
-    replay_result_free(&r);
-  }
-  replay_result_t shown;
-  o.conf = NULL; /* (the trace's settings, else the defaults: what `gcalloc replay` replays) */
   o.page_census = true;
-  if (rc == GCA_OK) rc = replay_trace(t, &o, &shown);
+  o.conf = NULL; /* (the trace's settings, else the defaults: what `gcalloc replay` replays) */
+  replay_result_t shown;
+  int rc = replay_trace(t, &o, &shown);
+  if (rc != GCA_OK) {
+    fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
+    return 1;
+  }
+  char *json[4] = {0};
+  o.series_only = true;
+  for (size_t i = 0; i < n && rc == GCA_OK; i++) {
+    replay_result_t r;
+    const replay_result_t *of = &shown;
+    if (strcmp(runs[i].conf, shown.conf)) {
+      o.conf = runs[i].conf;
+      if ((rc = replay_trace(t, &o, &r)) != GCA_OK) break;
+      of = &r;
+    }
+    report_run_t run = {runs[i].label, of, runs[i].env};
+    if (!(json[i] = report_answer_json(&run))) rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory");
+    if (of == &r) replay_result_free(&r);
+  }
   int status = 1;
   if (rc == GCA_OK) {
     const char *note = !best && !furthest ? "No setting searched beats the defaults by more than 0.5% with fewer keys: "
@@ -401,10 +421,10 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
     report_input_t in = {.command = "tune", .trace_path = path, .r = &shown, .capacity = base->capacity,
                          .answers = json, .answer_count = n, .answers_note = note};
     status = report_write(out, &in);
-    replay_result_free(&shown);
   } else {
     fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
   }
+  replay_result_free(&shown);
   for (size_t i = 0; i < n; i++) free(json[i]);
   return status;
 }
