@@ -48,10 +48,11 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 5u
+#define COOP_VERSION 6u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
+#define WITHDRAWN_KEPT 8
 
 typedef struct coop_slot {
   _Atomic int32_t pid; /* 0: free */
@@ -63,7 +64,9 @@ typedef struct coop_slot {
   _Atomic uint32_t answer_seq;  /* futex: set to request_seq by the answer */
   _Atomic uint64_t released;    /* bytes released by the last answer */
   _Atomic int32_t asked_by;     /* the pid of the latest requester (for the history) */
-  _Atomic uint32_t withdrawn_seq; /* a request its requester no longer waits for: nothing released */
+  /* The requests their requesters no longer wait for, each kept at
+   * withdrawn[seq % WITHDRAWN_KEPT] (a sequence number names one request). */
+  _Atomic uint32_t withdrawn[WITHDRAWN_KEPT];
   _Atomic uint64_t need;        /* the most any pending request needs (0: release everything) */
   /* Its cooperation so far, for gcalloc top. */
   _Atomic uint64_t requests, received, released_sum, timeouts, avoidable;
@@ -253,10 +256,12 @@ static void *answer_main(void *arg) {
      * the requests answered is covered (doubled for each request in a
      * streak), in stream order (as gca_empty_cache), unless the requester
      * got what it needed from others meanwhile: a cache grown since would
-     * go back for nothing. A withdrawal counts only when its request is
-     * the one answered: one answer serves every request made since the
-     * last, and another requester's may still wait for it. */
-    bool withdrawn = requests == 1 && atomic_load(&s->withdrawn_seq) == seq;
+     * go back for nothing. One answer serves every request made since the
+     * last: it releases nothing only when every one of them was withdrawn
+     * (another requester's may still wait for it). */
+    bool withdrawn = requests <= WITHDRAWN_KEPT;
+    for (uint32_t k = seq - requests + 1; withdrawn && k != seq + 1; k++)
+      withdrawn = atomic_load(&s->withdrawn[k % WITHDRAWN_KEPT]) == k;
     uint64_t need = atomic_exchange(&s->need, 0), now = gca__now_ns();
     c->streak = c->answered_ns && now - c->answered_ns < STREAK_NS ? c->streak + 1 : 0;
     c->answered_ns = now;
@@ -508,7 +513,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_
     case PENDING:
       if (received >= need) { /* not waited for: enough came back, so withdrawn */
         coop_slot_t *s = &r->slots[peers[k].slot];
-        if (atomic_load(&s->pid) == peers[k].pid) atomic_store(&s->withdrawn_seq, peers[k].seq);
+        if (atomic_load(&s->pid) == peers[k].pid) atomic_store(&s->withdrawn[peers[k].seq % WITHDRAWN_KEPT], peers[k].seq);
         break;
       }
       out->timeouts++; /* (silent) */
