@@ -199,6 +199,50 @@ static void test_snapshot_contents(void **state) {
 
 /* ---- history ------------------------------------------------------------ */
 
+/* The wall clock's microseconds now. */
+static int64_t wall_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  return (int64_t)t.tv_sec * 1000000 + t.tv_nsec / 1000;
+}
+
+/* Entries carry the wall-clock time they were recorded at (a steady counter
+ * read per entry, put on the clock's line when the snapshot is taken):
+ * each lies within the clock readings around it, to a millisecond, across
+ * pauses of 20 ms, in the counter's mode and in the clock's
+ * (GCALLOC_TEST_TICKS_CLOCK=1: test_observability_clock). */
+static void test_history_times_are_the_wall_clock(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim", NULL);
+  assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_NONE, 100), GCA_OK);
+  enum { PAIRS = 6 };
+  int64_t before[PAIRS], after[PAIRS];
+  for (int i = 0; i < PAIRS; i++) {
+    usleep(20000);
+    before[i] = wall_us();
+    void *p = gca_malloc(a, 4096, 0, 0);
+    assert_non_null(p);
+    assert_int_equal(gca_free(a, p), GCA_OK);
+    after[i] = wall_us();
+  }
+  gca_snapshot_t *s;
+  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
+  const gca_trace_entry_t *e = s->device_traces[0];
+  int pair = -1;
+  for (size_t k = 0; k < s->trace_counts[0]; k++) {
+    if (e[k].action == GCA_TRACE_SNAPSHOT) continue;
+    if (e[k].action == GCA_TRACE_ALLOC) pair++;
+    int at = pair < 0 ? 0 : pair; /* (the first pair's segment comes before its block) */
+    assert_in_range(at, 0, PAIRS - 1);
+    if (e[k].time_us < before[at] - 1000 || e[k].time_us > after[at] + 1000)
+      fail_msg("entry %zu (pair %d) at %lld us, recorded between %lld and %lld", k, at, (long long)e[k].time_us,
+               (long long)before[at], (long long)after[at]);
+  }
+  assert_int_equal(pair, PAIRS - 1);
+  gca_snapshot_free(s);
+  gca_close(a);
+}
+
 static void test_history_ring_wraps(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim", NULL);
@@ -674,6 +718,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_export_long_memo),
       cmocka_unit_test(test_cxx_names_demangled),
       cmocka_unit_test(test_history_ring_wraps),
+      cmocka_unit_test(test_history_times_are_the_wall_clock),
       cmocka_unit_test(test_history_context_levels),
       cmocka_unit_test(test_history_records_oom_and_segments),
       cmocka_unit_test(test_export_pickle_and_json),
@@ -682,5 +727,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_trace_recording),
       cmocka_unit_test(test_trace_pending_frees_replayed),
   };
+  /* CTest runs the history's times apart too, on the clock instead of the
+   * counter (tests/CMakeLists.txt: test_observability_clock). */
+  if (getenv("GCALLOC_TEST_ONLY")) cmocka_set_test_filter(getenv("GCALLOC_TEST_ONLY"));
   return cmocka_run_group_tests(tests, NULL, cleanup);
 }

@@ -71,6 +71,36 @@ static inline uint64_t gca__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* A count that grows at a steady rate, for timestamps taken on the hot
+ * path (the history): the time-stamp counter on x86-64 where it is
+ * invariant (constant rate, runs in every power state, as cpuid says), the
+ * virtual counter on AArch64, else CLOCK_MONOTONIC's nanoseconds. A few ns
+ * where clock_gettime costs 20-30 (a virtual machine's clock source).
+ * Ticks become time through two readings of both (gca__ticks_pair,
+ * gca__ticks_to_us). gca__ticks_init first, once (it is idempotent). */
+extern _Atomic bool gca__ticks_counter;
+void gca__ticks_init(void);
+static inline uint64_t gca__ticks(void) {
+#if defined(__x86_64__)
+  if (likely(atomic_load_explicit(&gca__ticks_counter, memory_order_relaxed))) return __builtin_ia32_rdtsc();
+#elif defined(__aarch64__)
+  uint64_t v;
+  __asm__ __volatile__("mrs %0, cntvct_el0" : "=r"(v));
+  return v;
+#endif
+  return gca__now_ns();
+}
+/* Ticks and the wall clock (CLOCK_REALTIME, microseconds) read together. */
+typedef struct ticks_pair {
+  uint64_t ticks;
+  int64_t us;
+} ticks_pair_t;
+ticks_pair_t gca__ticks_pair(void);
+/* The wall-clock time of `ticks`, on the line through two pairs (exact at
+ * both; the counter's rate is steady, so exact within its precision
+ * between them, and extended past them). */
+int64_t gca__ticks_to_us(uint64_t ticks, ticks_pair_t from, ticks_pair_t to);
+
 static inline bool log_on(int level) {
   return unlikely(level <= atomic_load_explicit(&gca__log_level_now, memory_order_relaxed));
 }

@@ -67,6 +67,13 @@ static history_entry_t *next_slot(history_t *h) {
   return e;
 }
 
+/* Stacks on entries: allocation-like actions from ALLOC, frees from ALL. */
+static bool wants_stack(const history_t *h, int action) {
+  bool freeing = action == GCA_TRACE_FREE_REQUESTED || action == GCA_TRACE_FREE_COMPLETED ||
+                 action == GCA_TRACE_SEGMENT_FREE || action == GCA_TRACE_SEGMENT_UNMAP;
+  return h->context >= (freeing ? GCA_CONTEXT_ALL : GCA_CONTEXT_ALLOC);
+}
+
 static history_entry_t *record(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream) {
   history_t *h = d->obs.history;
   history_entry_t *e = next_slot(h);
@@ -75,38 +82,36 @@ static history_entry_t *record(device_t *d, int action, uintptr_t addr, size_t s
   e->addr = addr;
   e->size = size;
   e->stream = stream;
-  e->device_free = 0;
-  e->ipc_received = 0;
-  e->ipc_asked = e->ipc_silent = e->ipc_requester = 0;
-  e->time_us = gca__history_now_us();
+  e->when.ticks = gca__ticks();
+  /* (the unions are written by the actions they belong to, and read only for them) */
   return e;
 }
 
-/* Stacks on entries: allocation-like actions from ALLOC, frees from ALL. */
-static bool wants_stack(const history_t *h, int action) {
-  bool freeing = action == GCA_TRACE_FREE_REQUESTED || action == GCA_TRACE_FREE_COMPLETED ||
-                 action == GCA_TRACE_SEGMENT_FREE || action == GCA_TRACE_SEGMENT_UNMAP;
-  return h->context >= (freeing ? GCA_CONTEXT_ALL : GCA_CONTEXT_ALLOC);
+/* The stack row of entry e (the history keeps them: context ALLOC and up). */
+static uintptr_t *frames_of(history_t *h, const history_entry_t *e) { return h->frames[e - h->ring]; }
+
+/* Entry e's stack, when the settings want one for its action. */
+static void maybe_capture(history_t *h, history_entry_t *e) {
+  if (wants_stack(h, e->action)) e->depth = capture(h, frames_of(h, e));
 }
 
 void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream) {
-  history_entry_t *e = record(d, action, addr, size, stream);
-  if (wants_stack(d->obs.history, action)) e->depth = capture(d->obs.history, e->ips);
+  maybe_capture(d->obs.history, record(d, action, addr, size, stream));
 }
 
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
   history_entry_t *e = record(d, GCA_TRACE_OOM, 0, size, stream);
   e->device_free = device_free;
-  if (wants_stack(d->obs.history, GCA_TRACE_OOM)) e->depth = capture(d->obs.history, e->ips);
+  maybe_capture(d->obs.history, e);
 }
 
 void gca__history_ipc_request(device_t *d, size_t need, gca_stream_t stream, int asked, int silent,
                               size_t received) {
   history_entry_t *e = record(d, GCA_TRACE_IPC_REQUEST, 0, need, stream);
-  e->ipc_received = received;
+  e->ipc.received = received;
   e->ipc_asked = asked;
-  e->ipc_silent = silent;
-  if (wants_stack(d->obs.history, GCA_TRACE_IPC_REQUEST)) e->depth = capture(d->obs.history, e->ips);
+  e->ipc.silent = silent;
+  maybe_capture(d->obs.history, e);
 }
 
 void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
@@ -128,7 +133,7 @@ void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
   }
   if (wants_stack(h, GCA_TRACE_ALLOC)) {
     e->depth = depth;
-    memcpy(e->ips, ips, depth * sizeof ips[0]);
+    memcpy(frames_of(h, e), ips, depth * sizeof ips[0]);
   }
 }
 
@@ -152,18 +157,25 @@ static void set_python(device_t *d, uint8_t want) {
 
 int gca__history_start(device_t *d, int context, int stacks, size_t max_entries) {
   history_entry_t *ring = calloc(max_entries, sizeof *ring);
+  /* (entries get stacks from context ALLOC on: wants_stack) */
+  uintptr_t(*frames)[MAX_FRAMES] = context >= GCA_CONTEXT_ALLOC ? calloc(max_entries, sizeof *frames) : NULL;
   history_t *h = d->obs.history ? d->obs.history : calloc(1, sizeof *h);
-  if (!ring || !h) {
+  if (!ring || !h || (context >= GCA_CONTEXT_ALLOC && !frames)) {
     free(ring);
+    free(frames);
     if (!d->obs.history) free(h);
     return gca__set_error(GCA_ERR_NOMEM, "out of host memory for a history of %zu entries", max_entries);
   }
   free(h->ring);
+  free(h->frames);
   h->ring = ring;
+  h->frames = frames;
   h->cap = max_entries;
   h->count = h->next = 0;
   h->context = context;
   h->stacks = stacks;
+  gca__ticks_init();
+  h->start = gca__ticks_pair();
   d->obs.history = h;
   d->obs.recording = true;
   set_python(d, python_wanted(context, stacks));
@@ -176,17 +188,26 @@ void gca__history_stop(device_t *d) {
 }
 
 void gca__history_destroy(device_t *d) {
-  if (d->obs.history) free(d->obs.history->ring);
+  if (d->obs.history) {
+    free(d->obs.history->ring);
+    free(d->obs.history->frames);
+  }
   free(d->obs.history);
   d->obs.history = NULL;
   d->obs.recording = false;
   set_python(d, 0);
 }
 
-size_t gca__history_copy(const device_t *d, history_entry_t *out) {
+size_t gca__history_copy(const device_t *d, history_entry_t *out, uintptr_t (*frames)[MAX_FRAMES]) {
   const history_t *h = d->obs.history;
   if (!h) return 0;
   size_t first = h->count < h->cap ? 0 : h->next; /* the oldest */
-  for (size_t i = 0; i < h->count; i++) out[i] = h->ring[(first + i) % h->cap];
+  ticks_pair_t now = gca__ticks_pair();
+  for (size_t i = 0; i < h->count; i++) {
+    size_t at = (first + i) % h->cap;
+    out[i] = h->ring[at];
+    out[i].when.time_us = gca__ticks_to_us(out[i].when.ticks, h->start, now);
+    if (h->frames && frames) memcpy(frames[i], h->frames[at], out[i].depth * sizeof frames[i][0]);
+  }
   return h->count;
 }

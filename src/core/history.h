@@ -6,23 +6,40 @@
 
 #include "core/core.h"
 
+/* An entry: 56 bytes, the call stack apart (history_t.frames). A cached
+ * alloc+free pair writes three, under the device lock: their stores must
+ * land in the processor's caches and the lock's release waits for them, so
+ * the ring is kept dense. */
 typedef struct history_entry {
-  uint8_t action;            /* gca_trace_action */
-  uint8_t depth;             /* frames in ips */
+  uint8_t action; /* gca_trace_action */
+  uint8_t depth;  /* frames kept for it in history_t.frames (0 when there are none) */
+  union {
+    int32_t ipc_asked;     /* ipc_request: peers asked */
+    int32_t ipc_requester; /* ipc_release: the pid asking */
+  };
   gca_stream_t stream;
-  uint64_t addr, size, device_free;
-  int64_t time_us;
-  uint64_t ipc_received;               /* ipc_request */
-  int32_t ipc_asked, ipc_silent;       /* ipc_request */
-  int32_t ipc_requester;               /* ipc_release */
-  uintptr_t ips[MAX_FRAMES];
+  uint64_t addr, size;
+  union {
+    uint64_t ticks;  /* in the ring: gca__ticks when it was recorded */
+    int64_t time_us; /* in a copy (gca__history_copy): the wall clock's microseconds */
+  } when;
+  union {
+    uint64_t device_free; /* oom */
+    struct {
+      uint64_t received;  /* ipc_request */
+      int32_t silent;
+    } ipc;
+  };
 } history_entry_t;
+_Static_assert(sizeof(history_entry_t) == 56, "a history entry is 56 bytes");
 
 typedef struct history {
   history_entry_t *ring;
+  uintptr_t (*frames)[MAX_FRAMES]; /* entry i's stack at frames[i]; NULL when entries get none (context < ALLOC) */
   size_t cap, count, next;   /* next: where the next entry goes */
   int context;               /* gca_context */
   int stacks;                /* gca_stacks */
+  ticks_pair_t start;        /* the counter and the wall clock when recording started */
 } history_t;
 
 int64_t gca__history_now_us(void);
@@ -48,7 +65,10 @@ void gca__history_python_gather(device_t *d, bool freeing);
 void gca__history_python_done(void);
 void gca__history_stop(device_t *d);
 void gca__history_destroy(device_t *d);
-/* Copy the ring, oldest first, into out (room for d->obs.history->cap); returns how many. */
-size_t gca__history_copy(const device_t *d, history_entry_t *out);
+/* Copy the ring, oldest first, into out (room for d->obs.history->cap), each
+ * entry's time on the wall clock, and their stacks into frames (as many
+ * rows) when the history keeps any (d->obs.history->frames); returns how
+ * many. */
+size_t gca__history_copy(const device_t *d, history_entry_t *out, uintptr_t (*frames)[MAX_FRAMES]);
 
 #endif /* GCALLOC_CORE_HISTORY_H */

@@ -121,23 +121,26 @@ static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **o
   *out = NULL;
   *count = 0;
   if (!d->obs.history || !d->obs.history->count) return;
-  history_entry_t *raw = gca__arena_alloc(&sn->arena, d->obs.history->count * sizeof *raw);
-  gca_trace_entry_t *entries = gca__arena_zalloc(&sn->arena, d->obs.history->count * sizeof *entries);
-  if (!raw || !entries) return;
-  size_t n = gca__history_copy(d, raw);
+  size_t kept = d->obs.history->count;
+  history_entry_t *raw = gca__arena_alloc(&sn->arena, kept * sizeof *raw);
+  uintptr_t(*stacks)[MAX_FRAMES] = d->obs.history->frames ? gca__arena_alloc(&sn->arena, kept * sizeof *stacks) : NULL;
+  gca_trace_entry_t *entries = gca__arena_zalloc(&sn->arena, kept * sizeof *entries);
+  if (!raw || !entries || (d->obs.history->frames && !stacks)) return;
+  size_t n = gca__history_copy(d, raw, stacks);
   for (size_t i = 0; i < n; i++) {
     gca_trace_entry_t *e = &entries[i];
     e->action = raw[i].action;
     e->addr = raw[i].addr;
     e->size = raw[i].size;
     e->stream = raw[i].stream;
-    e->time_us = raw[i].time_us;
-    e->device_free = raw[i].device_free;
-    e->ipc_bytes_received = raw[i].ipc_received;
-    e->ipc_peers_asked = raw[i].ipc_asked;
-    e->ipc_peers_silent = raw[i].ipc_silent;
-    e->ipc_requester = raw[i].ipc_requester;
-    remember_stack(sn, raw[i].ips, raw[i].depth, &e->frames, &e->frame_count);
+    e->time_us = raw[i].when.time_us;
+    /* (the unions: each field only for its action) */
+    e->device_free = raw[i].action == GCA_TRACE_OOM ? raw[i].device_free : 0;
+    e->ipc_bytes_received = raw[i].action == GCA_TRACE_IPC_REQUEST ? raw[i].ipc.received : 0;
+    e->ipc_peers_asked = raw[i].action == GCA_TRACE_IPC_REQUEST ? raw[i].ipc_asked : 0;
+    e->ipc_peers_silent = raw[i].action == GCA_TRACE_IPC_REQUEST ? raw[i].ipc.silent : 0;
+    e->ipc_requester = raw[i].action == GCA_TRACE_IPC_RELEASE ? raw[i].ipc_requester : 0;
+    remember_stack(sn, stacks ? stacks[i] : NULL, stacks ? raw[i].depth : 0, &e->frames, &e->frame_count);
   }
   *out = entries;
   *count = n;
