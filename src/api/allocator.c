@@ -127,7 +127,10 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   a->launch_blocking = launch_blocking_from_environment();
   a->no_caching = no_caching_from_environment(backend);
   a->device_count = a->backend.ops->device_count(a->backend.state);
-  a->devices = calloc((size_t)a->device_count, sizeof *a->devices);
+  /* (64-byte aligned: no two devices share a cache line, core.h) */
+  size_t devices_bytes = (size_t)(a->device_count > 0 ? a->device_count : 1) * sizeof *a->devices;
+  a->devices = aligned_alloc(_Alignof(device_t), devices_bytes);
+  if (a->devices) memset(a->devices, 0, devices_bytes);
   bool config_lock = a->devices && pthread_mutex_init(&a->config_lock, NULL) == 0;
   if (!config_lock || pthread_mutex_init(&a->callbacks_lock, NULL) != 0) {
     if (config_lock) pthread_mutex_destroy(&a->config_lock);

@@ -198,7 +198,15 @@ typedef struct event_queue {
 } event_queue_t;
 
 struct device {
-  lock_t lock;
+  /* Lowest and highest address of any segment ever held: lets gca_free find
+   * the owning device of a pointer without taking every device's lock. In
+   * a cache line of their own, written only when a segment widens them: a
+   * free on another device reads them, and must not share a line this
+   * device's allocations write (its lock, its mirrors). Devices are 64-byte
+   * aligned for the same reason (gca_open allocates them so). */
+  _Alignas(64) _Atomic uintptr_t span_lo;
+  _Atomic uintptr_t span_hi;
+  _Alignas(64) lock_t lock;
   /* Allocations waiting for memory to come back (oom.c), beside the lock so
    * that a free's look at it (after unlocking) touches no other line. */
   _Atomic int waiters;
@@ -307,10 +315,6 @@ struct device {
   /* Cooperation between processes (coop.c): NULL when off. */
   struct coop *coop;
   _Atomic int64_t coop_waiting; /* bytes an allocation waits for, published to the peers */
-  /* Lowest and highest address of any segment ever held: lets gca_free find
-   * the owning device of a pointer without taking every device's lock. */
-  _Atomic uintptr_t span_lo;
-  _Atomic uintptr_t span_hi;
 };
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg);
