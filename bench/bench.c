@@ -6,6 +6,10 @@
  *                     that free one of them and allocate its replacement
  *                     (ns per pair), and the host memory each held block
  *                     costs gcalloc;
+ *   threads_T_*       T threads (1 to 8) let go together, each looping
+ *                     4 KiB pairs on device 0, on a device each, or through
+ *                     the pinned host allocator: the wall time over all
+ *                     their pairs;
  *   pinned 4 KiB      the 4 KiB loop through the pinned host allocator
  *                     (gca_host_malloc + gca_host_free, cached), against
  *                     the same host allocators: no target, the cost shown;
@@ -30,10 +34,13 @@
  *
  * Targets (TARGET_*): the 4 KiB loop at most mimalloc's time; the most
  * blocks held at most 3x the time at the fewest; at most 96 bytes of host
- * memory per held block; the history on (no stacks) at most 1.5x off. A
- * missed target is printed; with --check it makes the exit status 1.
+ * memory per held block; 2-8 threads on one device (or the pinned
+ * allocator) at least one thread's pairs a second, on a device each 0.8 x
+ * min(T, processors) times them; the history on (no stacks) at most 1.5x
+ * off. A missed target is printed; with --check it makes the exit status 1.
  */
 #include <dirent.h>
+#include <pthread.h>
 #include <dlfcn.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -46,6 +53,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/base.h"
 #include "gcalloc.h"
 #include "replay/trace.h"
 #include "tools/tool.h"
@@ -58,7 +66,12 @@ typedef struct host_alloc {
 
 enum { HOST_GLIBC, HOST_MIMALLOC, HOST_JEMALLOC, HOSTS };
 
-typedef enum workload_kind { KIND_LOOP, KIND_TRACE, KIND_SWEEP } workload_kind;
+typedef enum workload_kind { KIND_LOOP, KIND_TRACE, KIND_SWEEP, KIND_THREADS } workload_kind;
+
+/* The thread workloads' families: every thread on one device, a device
+ * each, the pinned host allocator. */
+enum { ON_ONE_DEVICE, ON_OWN_DEVICE, ON_PINNED, FAMILIES };
+static const char *const family_names[FAMILIES] = {"one_device", "own_device", "pinned"};
 
 typedef struct result {
   char name[96];
@@ -68,6 +81,7 @@ typedef struct result {
   size_t gcalloc_failures;
   int kind;                /* workload_kind */
   size_t live;             /* KIND_SWEEP: the blocks held */
+  int threads, family;     /* KIND_THREADS: how many, and ON_* */
   double bytes_per_block;  /* KIND_SWEEP: gcalloc's host memory (resident) per block held */
 } result_t;
 
@@ -228,6 +242,108 @@ static int run_sweep(const host_alloc_t *hosts, int reps, size_t live, long n, r
     free(slots[h]);
   }
   free(slots[HOSTS]); /* (gca_close frees the blocks) */
+  gca_close(a);
+  return 0;
+}
+
+/* ---- threads ------------------------------------------------------------ */
+
+/* T threads, each looping n 4 KiB pairs from one start (a barrier): the
+ * time of the whole over the pairs of all, so that a figure below the one
+ * thread's means more pairs a second in total. */
+typedef struct threads_run {
+  const host_alloc_t *host; /* NULL: gcalloc */
+  gca_allocator_t *a;
+  int family;
+  long n;
+  pthread_barrier_t start;
+  _Atomic size_t failures;
+} threads_run_t;
+
+typedef struct thread_arg {
+  threads_run_t *run;
+  int index;
+} thread_arg_t;
+
+static void *thread_loop(void *p) {
+  thread_arg_t *t = p;
+  threads_run_t *r = t->run;
+  int device = r->family == ON_OWN_DEVICE ? t->index : 0;
+  size_t failures = 0;
+  uintptr_t seen = 0; /* (the shared sink written once: per pair, its line would bounce between threads) */
+  pthread_barrier_wait(&r->start);
+  for (long i = 0; i < r->n; i++) {
+    void *q = r->host                       ? r->host->alloc(4096)
+              : r->family == ON_PINNED ? gca_host_malloc(r->a, 4096)
+                                       : gca_malloc(r->a, 4096, device, 0);
+    seen += (uintptr_t)q;
+    failures += !q;
+    if (!q) continue;
+    if (r->host) r->host->release(q);
+    else if (r->family == ON_PINNED) gca_host_free(r->a, q);
+    else gca_free(r->a, q);
+  }
+  atomic_fetch_add(&r->failures, failures);
+  sink += seen;
+  return NULL;
+}
+
+/* ns per pair of the whole, or a negative number when a thread could not
+ * be started. */
+static double threads_once(threads_run_t *r, int threads) {
+  pthread_t ids[8];
+  thread_arg_t args[8];
+  if (pthread_barrier_init(&r->start, NULL, (unsigned)threads + 1) != 0) return -1;
+  int started = 0;
+  for (; started < threads; started++) {
+    args[started] = (thread_arg_t){r, started};
+    if (pthread_create(&ids[started], NULL, thread_loop, &args[started]) != 0) break;
+  }
+  if (started < threads) { /* (the started ones wait at the barrier for ever: give up the process) */
+    fprintf(stderr, "gcalloc bench: cannot start %d threads\n", threads);
+    _exit(1);
+  }
+  /* (the clock read before the barrier lets them go: read after, it could
+   * miss the threads' work while this one waits for a processor) */
+  double t0 = now_ns();
+  pthread_barrier_wait(&r->start);
+  for (int i = 0; i < threads; i++) pthread_join(ids[i], NULL);
+  double ns = (now_ns() - t0) / ((double)r->n * threads);
+  pthread_barrier_destroy(&r->start);
+  return ns;
+}
+
+static int run_threads(const host_alloc_t *hosts, int reps, int threads, int family, long n, result_t *r) {
+  gca_allocator_t *a;
+  char spec[32];
+  snprintf(spec, sizeof spec, "sim:devices=%d", threads);
+  if (gca_open(spec, NULL, &a) != GCA_OK) {
+    fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
+    return 1;
+  }
+  snprintf(r->name, sizeof r->name, "threads_%d_%s", threads, family_names[family]);
+  r->kind = KIND_THREADS;
+  r->threads = threads;
+  r->family = family;
+  r->ops = (size_t)n * (size_t)threads;
+  threads_run_t runs[HOSTS + 1];
+  for (int h = 0; h <= HOSTS; h++) {
+    memset(&runs[h], 0, sizeof runs[h]);
+    runs[h].host = h < HOSTS ? &hosts[h] : NULL;
+    runs[h].a = a;
+    runs[h].family = family;
+    runs[h].n = n / 10;
+  }
+  for (int h = 0; h <= HOSTS; h++) threads_once(&runs[h], threads); /* (warm-up) */
+  double samples[HOSTS + 1][32];
+  for (int rep = 0; rep < reps; rep++)
+    for (int h = 0; h <= HOSTS; h++) {
+      runs[h].n = n;
+      if ((samples[h][rep] = threads_once(&runs[h], threads)) < 0) return 1;
+    }
+  r->gcalloc_ns = median(samples[HOSTS], reps);
+  for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
+  r->gcalloc_failures = atomic_load(&runs[HOSTS].failures);
   gca_close(a);
   return 0;
 }
@@ -429,6 +545,17 @@ static int loop_job(void *p, result_t *r) {
   return run_loop(a->hosts, a->reps, a->n, a->pinned, r);
 }
 
+typedef struct threads_args {
+  const host_alloc_t *hosts;
+  int reps, threads, family;
+  long n;
+} threads_args_t;
+
+static int threads_job(void *p, result_t *r) {
+  threads_args_t *a = p;
+  return run_threads(a->hosts, a->reps, a->threads, a->family, a->n, r);
+}
+
 typedef struct sweep_args {
   const host_alloc_t *hosts;
   int reps;
@@ -498,6 +625,7 @@ static double best_host(const result_t *r) {
 #define TARGET_SWEEP_GROWTH 3.0
 #define TARGET_BYTES_PER_BLOCK 96.0
 #define TARGET_HISTORY_ON 1.5
+#define TARGET_OWN_DEVICE_SCALING 0.8
 
 /* The sweep's rows: its largest against its smallest (gcalloc's figures). */
 typedef struct sweep_span {
@@ -514,10 +642,32 @@ static sweep_span_t sweep_span(const result_t *results, int count) {
   return s;
 }
 
+/* The one-thread row the thread workload r is judged against: its family's
+ * (one device's for a device each), or NULL. */
+static const result_t *one_thread(const result_t *results, int count, const result_t *r) {
+  int family = r->family == ON_OWN_DEVICE ? ON_ONE_DEVICE : r->family;
+  for (int i = 0; i < count; i++)
+    if (results[i].kind == KIND_THREADS && results[i].threads == 1 && results[i].family == family) return &results[i];
+  return NULL;
+}
+
 /* Whether r has a target, and then whether it is met, its text in *target. */
-static bool target_of(const result_t *r, sweep_span_t span, char *target, size_t cap, bool *met) {
+static bool target_of(const result_t *r, const result_t *results, int count, sweep_span_t span, char *target,
+                      size_t cap, bool *met) {
   *met = r->gcalloc_failures == 0;
+  const result_t *one = r->kind == KIND_THREADS && r->threads > 1 ? one_thread(results, count, r) : NULL;
   switch (r->kind) {
+  case KIND_THREADS: {
+    if (!one) break;
+    /* The total with T threads, against one thread's: at least as much on
+     * one device; with a device each, growing with the processors (80% of
+     * min(T, processors) times). */
+    int cores = gca__processors_usable();
+    double want = r->family == ON_OWN_DEVICE ? TARGET_OWN_DEVICE_SCALING * (r->threads < cores ? r->threads : cores) : 1.0;
+    snprintf(target, cap, ">= %.1fx 1 thread's pairs/s", want);
+    *met = *met && one->gcalloc_failures == 0 && r->gcalloc_ns * want <= one->gcalloc_ns;
+    return true;
+  }
   case KIND_LOOP:
     snprintf(target, cap, "<= %.1fx mimalloc", TARGET_LOOP_VS_MIMALLOC);
     *met = *met && r->gcalloc_ns <= TARGET_LOOP_VS_MIMALLOC * r->host_ns[HOST_MIMALLOC];
@@ -554,13 +704,13 @@ static void reexec_with_tls_surplus(int argc, char **argv) {
 
 const tool_command_t bench_command = {
     "bench", NULL, "[--json] [--traces DIR] [--quick] [--check]",
-    "compare gcalloc with glibc, mimalloc and jemalloc (4 KiB loops, live blocks, traces)",
+    "compare gcalloc with glibc, mimalloc and jemalloc (loops, blocks held, threads, traces)",
     "\n"
     "Times gcalloc (on the simulated device) against glibc malloc, mimalloc and jemalloc in the same run:\n"
     "a 4 KiB malloc+free loop, 4 KiB blocks replaced among 10^3 to 10^6 held (and the host memory each\n"
-    "held block costs gcalloc), the history's cost, the pinned host allocator's loop, and the alloc/free\n"
-    "sequence of every trace in the traces folder; prints ns per operation, the ratios and the targets\n"
-    "(docs/benchmarks.md).\n"
+    "held block costs gcalloc), 1 to 8 threads on one device, on a device each and on the pinned host\n"
+    "allocator, the history's cost, the pinned host allocator's loop, and the alloc/free sequence of every\n"
+    "trace in the traces folder; prints ns per operation, the ratios and the targets (docs/benchmarks.md).\n"
     "\n"
     "  --json        the figures as JSON\n"
     "  --traces DIR  the folder of traces, one folder each (default: the sample snapshots, data/snapshots;\n"
@@ -602,7 +752,7 @@ int bench_main(int argc, char **argv) {
     return 1;
 
   int reps = quick ? 3 : 9;
-  result_t results[40];
+  result_t results[64];
   memset(results, 0, sizeof results);
   int count = 0;
   loop_args_t loop = {hosts, reps, quick ? 200000 : 3000000, false};
@@ -613,6 +763,11 @@ int bench_main(int argc, char **argv) {
     sweep_args_t sweep = {hosts, quick ? 3 : 5, live, quick ? 100000 : 1000000};
     if (isolated(sweep_job, &sweep, &results[count++])) return 1;
   }
+  for (int family = 0; family < FAMILIES; family++)
+    for (int threads = family == ON_OWN_DEVICE ? 2 : 1; threads <= 8; threads *= 2) {
+      threads_args_t args = {hosts, quick ? 3 : 5, threads, family, quick ? 20000 : 500000};
+      if (isolated(threads_job, &args, &results[count++])) return 1;
+    }
   trace_ctx_t ctx = {hosts, reps, results + count, 0};
   if (traces && for_each_trace(traces, trace_visit, &ctx) < 0) return 1;
   count += ctx.count;
@@ -641,7 +796,7 @@ int bench_main(int argc, char **argv) {
     const result_t *r = &results[i];
     char target[96];
     bool met;
-    bool has = target_of(r, span, target, sizeof target, &met);
+    bool has = target_of(r, results, count, span, target, sizeof target, &met);
     if (has) all_met &= met;
     double vs_mi = r->gcalloc_ns / r->host_ns[HOST_MIMALLOC];
     double vs_best = r->gcalloc_ns / best_host(r);
@@ -649,10 +804,12 @@ int bench_main(int argc, char **argv) {
       printf("    {\"name\": \"%s\", \"kind\": \"%s\", \"ops\": %zu, \"gcalloc_ns\": %.2f, \"glibc_ns\": %.2f, "
              "\"mimalloc_ns\": %.2f, \"jemalloc_ns\": %.2f, \"ratio_vs_mimalloc\": %.3f, \"ratio_vs_best_host\": %.3f, "
              "\"gcalloc_failures\": %zu, ",
-             r->name, r->kind == KIND_LOOP ? "loop" : r->kind == KIND_SWEEP ? "live_blocks" : "trace", r->ops,
+             r->name, (const char *[]){"loop", "trace", "live_blocks", "threads"}[r->kind], r->ops,
              r->gcalloc_ns, r->host_ns[0], r->host_ns[1], r->host_ns[2], vs_mi, vs_best, r->gcalloc_failures);
       if (r->kind == KIND_SWEEP)
         printf("\"live_blocks\": %zu, \"bytes_per_live_block\": %.1f, ", r->live, r->bytes_per_block);
+      if (r->kind == KIND_THREADS)
+        printf("\"threads\": %d, \"on\": \"%s\", ", r->threads, family_names[r->family]);
       printf("\"target\": \"%s\", \"target_met\": %s}%s\n", target, has ? (met ? "true" : "false") : "null",
              i + 1 < count ? "," : "");
     } else {
