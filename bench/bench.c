@@ -85,6 +85,18 @@ typedef struct result {
   double bytes_per_block;  /* KIND_SWEEP: gcalloc's host memory (resident) per block held */
 } result_t;
 
+/* One measured workload, run in a child of its own (isolated): `run` with
+ * the fields it reads. */
+typedef struct job {
+  int (*run)(const host_alloc_t *hosts, const struct job *j, result_t *r);
+  const host_alloc_t *hosts;
+  int reps;
+  long n;
+  bool pinned;     /* the loop: through the pinned host allocator */
+  size_t live;     /* blocks held */
+  int threads, family;
+} job_t;
+
 static double now_ns(void) { return tool_seconds() * 1e9; }
 
 static double median(double *v, int n) {
@@ -111,6 +123,14 @@ static bool load_host(host_alloc_t *h, const char *lib, const char *alloc_sym, c
 /* ---- the 4 KiB loop ----------------------------------------------------- */
 
 static volatile uintptr_t sink;
+
+/* A sim allocator with no configuration, or NULL (the error printed). */
+static gca_allocator_t *bench_open(const char *spec) {
+  gca_allocator_t *a = NULL;
+  if (gca_open(spec, NULL, &a) == GCA_OK) return a;
+  fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
+  return NULL;
+}
 
 static double loop_host(const host_alloc_t *h, long n) {
   double t0 = now_ns();
@@ -140,12 +160,12 @@ static double loop_gcalloc(gca_allocator_t *a, long n, bool pinned) {
   return (now_ns() - t0) / (double)n;
 }
 
-static int run_loop(const host_alloc_t *hosts, int reps, long n, bool pinned, result_t *r) {
-  gca_allocator_t *a;
-  if (gca_open("sim", NULL, &a) != GCA_OK) {
-    fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
-    return 1;
-  }
+static int run_loop(const host_alloc_t *hosts, const job_t *j, result_t *r) {
+  int reps = j->reps;
+  long n = j->n;
+  bool pinned = j->pinned;
+  gca_allocator_t *a = bench_open("sim");
+  if (!a) return 1;
   snprintf(r->name, sizeof r->name, pinned ? "pinned_alloc_free_4KiB" : "alloc_free_4KiB");
   r->ops = (size_t)n;
   double samples[HOSTS + 1][32];
@@ -202,12 +222,12 @@ static size_t resident_bytes(void) {
   return got == 2 ? (size_t)resident * (size_t)sysconf(_SC_PAGESIZE) : 0;
 }
 
-static int run_sweep(const host_alloc_t *hosts, int reps, size_t live, long n, result_t *r) {
-  gca_allocator_t *a;
-  if (gca_open("sim", NULL, &a) != GCA_OK) {
-    fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
-    return 1;
-  }
+static int run_sweep(const host_alloc_t *hosts, const job_t *j, result_t *r) {
+  int reps = j->reps;
+  size_t live = j->live;
+  long n = j->n;
+  gca_allocator_t *a = bench_open("sim");
+  if (!a) return 1;
   snprintf(r->name, sizeof r->name, "live_blocks_%zu", live);
   r->kind = KIND_SWEEP;
   r->live = live;
@@ -313,14 +333,13 @@ static double threads_once(threads_run_t *r, int threads) {
   return ns;
 }
 
-static int run_threads(const host_alloc_t *hosts, int reps, int threads, int family, long n, result_t *r) {
-  gca_allocator_t *a;
+static int run_threads(const host_alloc_t *hosts, const job_t *j, result_t *r) {
+  int reps = j->reps, threads = j->threads, family = j->family;
+  long n = j->n;
   char spec[32];
   snprintf(spec, sizeof spec, "sim:devices=%d", threads);
-  if (gca_open(spec, NULL, &a) != GCA_OK) {
-    fprintf(stderr, "gcalloc bench: %s\n", gca_last_error());
-    return 1;
-  }
+  gca_allocator_t *a = bench_open(spec);
+  if (!a) return 1;
   snprintf(r->name, sizeof r->name, "threads_%d_%s", threads, family_names[family]);
   r->kind = KIND_THREADS;
   r->threads = threads;
@@ -533,39 +552,9 @@ static int isolated(int (*fn)(void *arg, result_t *r), void *arg, result_t *r) {
   return (got == (ssize_t)sizeof *r && WIFEXITED(status) && WEXITSTATUS(status) == 0) ? 0 : 1;
 }
 
-typedef struct loop_args {
-  const host_alloc_t *hosts;
-  int reps;
-  long n;
-  bool pinned;
-} loop_args_t;
-
-static int loop_job(void *p, result_t *r) {
-  loop_args_t *a = p;
-  return run_loop(a->hosts, a->reps, a->n, a->pinned, r);
-}
-
-typedef struct threads_args {
-  const host_alloc_t *hosts;
-  int reps, threads, family;
-  long n;
-} threads_args_t;
-
-static int threads_job(void *p, result_t *r) {
-  threads_args_t *a = p;
-  return run_threads(a->hosts, a->reps, a->threads, a->family, a->n, r);
-}
-
-typedef struct sweep_args {
-  const host_alloc_t *hosts;
-  int reps;
-  size_t live;
-  long n;
-} sweep_args_t;
-
-static int sweep_job(void *p, result_t *r) {
-  sweep_args_t *a = p;
-  return run_sweep(a->hosts, a->reps, a->live, a->n, r);
+static int job_main(void *p, result_t *r) {
+  const job_t *j = p;
+  return j->run(j->hosts, j, r);
 }
 
 typedef struct history_args {
@@ -755,18 +744,19 @@ int bench_main(int argc, char **argv) {
   result_t results[64];
   memset(results, 0, sizeof results);
   int count = 0;
-  loop_args_t loop = {hosts, reps, quick ? 200000 : 3000000, false};
-  if (isolated(loop_job, &loop, &results[count++])) return 1;
+  job_t loop = {.run = run_loop, .hosts = hosts, .reps = reps, .n = quick ? 200000 : 3000000};
+  if (isolated(job_main, &loop, &results[count++])) return 1;
   /* (10^6 blocks of 4 KiB are 4 GiB of host memory for each host allocator
    * that touches them: not in a smoke test) */
   for (size_t live = 1000; live <= (quick ? 100000u : 1000000u); live *= 10) {
-    sweep_args_t sweep = {hosts, quick ? 3 : 5, live, quick ? 100000 : 1000000};
-    if (isolated(sweep_job, &sweep, &results[count++])) return 1;
+    job_t sweep = {.run = run_sweep, .hosts = hosts, .reps = quick ? 3 : 5, .n = quick ? 100000 : 1000000, .live = live};
+    if (isolated(job_main, &sweep, &results[count++])) return 1;
   }
   for (int family = 0; family < FAMILIES; family++)
     for (int threads = family == ON_OWN_DEVICE ? 2 : 1; threads <= 8; threads *= 2) {
-      threads_args_t args = {hosts, quick ? 3 : 5, threads, family, quick ? 20000 : 500000};
-      if (isolated(threads_job, &args, &results[count++])) return 1;
+      job_t job = {.run = run_threads, .hosts = hosts, .reps = quick ? 3 : 5, .n = quick ? 20000 : 500000,
+                   .threads = threads, .family = family};
+      if (isolated(job_main, &job, &results[count++])) return 1;
     }
   trace_ctx_t ctx = {hosts, reps, results + count, 0};
   if (traces && for_each_trace(traces, trace_visit, &ctx) < 0) return 1;
@@ -778,7 +768,7 @@ int bench_main(int argc, char **argv) {
   result_t pinned;
   memset(&pinned, 0, sizeof pinned);
   loop.pinned = true;
-  if (isolated(loop_job, &loop, &pinned)) return 1;
+  if (isolated(job_main, &loop, &pinned)) return 1;
 
   sweep_span_t span = sweep_span(results, count);
   const result_t *most = span.most;
