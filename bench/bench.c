@@ -40,8 +40,8 @@
  * off. A missed target is printed; with --check it makes the exit status 1.
  */
 #include <dirent.h>
-#include <pthread.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -88,13 +88,14 @@ typedef struct result {
 /* One measured workload, run in a child of its own (isolated): `run` with
  * the fields it reads. */
 typedef struct job {
-  int (*run)(const host_alloc_t *hosts, const struct job *j, result_t *r);
+  int (*run)(const struct job *j, result_t *r);
   const host_alloc_t *hosts;
   int reps;
   long n;
-  bool pinned;     /* the loop: through the pinned host allocator */
-  size_t live;     /* blocks held */
-  int threads, family;
+  bool pinned;              /* the loop: through the pinned host allocator */
+  size_t live;              /* blocks held */
+  int threads, family;      /* threads: how many, and ON_* */
+  const char *path, *label; /* a trace */
 } job_t;
 
 static double now_ns(void) { return tool_seconds() * 1e9; }
@@ -160,7 +161,8 @@ static double loop_gcalloc(gca_allocator_t *a, long n, bool pinned) {
   return (now_ns() - t0) / (double)n;
 }
 
-static int run_loop(const host_alloc_t *hosts, const job_t *j, result_t *r) {
+static int run_loop(const job_t *j, result_t *r) {
+  const host_alloc_t *hosts = j->hosts;
   int reps = j->reps;
   long n = j->n;
   bool pinned = j->pinned;
@@ -222,16 +224,15 @@ static size_t resident_bytes(void) {
   return got == 2 ? (size_t)resident * (size_t)sysconf(_SC_PAGESIZE) : 0;
 }
 
-static int run_sweep(const host_alloc_t *hosts, const job_t *j, result_t *r) {
-  int reps = j->reps;
+static int run_sweep(const job_t *j, result_t *r) {
+  const host_alloc_t *hosts = j->hosts;
   size_t live = j->live;
-  long n = j->n;
   gca_allocator_t *a = bench_open("sim");
   if (!a) return 1;
   snprintf(r->name, sizeof r->name, "live_blocks_%zu", live);
   r->kind = KIND_SWEEP;
   r->live = live;
-  r->ops = (size_t)n;
+  r->ops = (size_t)j->n;
   void **slots[HOSTS + 1];
   for (int h = 0; h <= HOSTS; h++)
     if (!(slots[h] = calloc(live, sizeof **slots))) {
@@ -248,15 +249,15 @@ static int run_sweep(const host_alloc_t *hosts, const job_t *j, result_t *r) {
   r->bytes_per_block = after > before ? (double)(after - before) / (double)live : 0;
   for (int h = 0; h < HOSTS; h++)
     for (size_t i = 0; i < live; i++) slots[h][i] = hosts[h].alloc(4096);
-  sweep_gcalloc(a, slots[HOSTS], live, n / 10, &r->gcalloc_failures);
-  for (int h = 0; h < HOSTS; h++) sweep_host(&hosts[h], slots[h], live, n / 10);
+  sweep_gcalloc(a, slots[HOSTS], live, j->n / 10, &r->gcalloc_failures);
+  for (int h = 0; h < HOSTS; h++) sweep_host(&hosts[h], slots[h], live, j->n / 10);
   double samples[HOSTS + 1][32];
-  for (int rep = 0; rep < reps; rep++) {
-    samples[HOSTS][rep] = sweep_gcalloc(a, slots[HOSTS], live, n, &r->gcalloc_failures);
-    for (int h = 0; h < HOSTS; h++) samples[h][rep] = sweep_host(&hosts[h], slots[h], live, n);
+  for (int rep = 0; rep < j->reps; rep++) {
+    samples[HOSTS][rep] = sweep_gcalloc(a, slots[HOSTS], live, j->n, &r->gcalloc_failures);
+    for (int h = 0; h < HOSTS; h++) samples[h][rep] = sweep_host(&hosts[h], slots[h], live, j->n);
   }
-  r->gcalloc_ns = median(samples[HOSTS], reps);
-  for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
+  r->gcalloc_ns = median(samples[HOSTS], j->reps);
+  for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], j->reps);
   for (int h = 0; h < HOSTS; h++) {
     for (size_t i = 0; i < live; i++) hosts[h].release(slots[h][i]);
     free(slots[h]);
@@ -333,7 +334,8 @@ static double threads_once(threads_run_t *r, int threads) {
   return ns;
 }
 
-static int run_threads(const host_alloc_t *hosts, const job_t *j, result_t *r) {
+static int run_threads(const job_t *j, result_t *r) {
+  const host_alloc_t *hosts = j->hosts;
   int reps = j->reps, threads = j->threads, family = j->family;
   long n = j->n;
   char spec[32];
@@ -372,11 +374,9 @@ static int run_threads(const host_alloc_t *hosts, const job_t *j, result_t *r) {
 /* The 4 KiB loop with history off, on without stacks, and on with stacks
  * (context ALL), measured interleaved in one process: what recording costs
  * on the cached path. */
-typedef struct history_cost {
-  double off_ns, on_ns, stacks_ns;
-} history_cost_t;
-
-static int run_history_cost(int reps, long n, history_cost_t *out) {
+static int run_history_cost(const job_t *j, result_t *r) {
+  int reps = j->reps;
+  long n = j->n;
   gca_allocator_t *a[3];
   const gca_context contexts[3] = {GCA_CONTEXT_NONE, GCA_CONTEXT_NONE, GCA_CONTEXT_ALL};
   for (int i = 0; i < 3; i++) {
@@ -390,9 +390,12 @@ static int run_history_cost(int reps, long n, history_cost_t *out) {
   double samples[3][32];
   for (int rep = 0; rep < reps; rep++)
     for (int i = 0; i < 3; i++) samples[i][rep] = loop_gcalloc(a[i], i == 2 ? n / 10 : n, false);
-  out->off_ns = median(samples[0], reps);
-  out->on_ns = median(samples[1], reps);
-  out->stacks_ns = median(samples[2], reps);
+  /* (the figures travel back in a result_t: gcalloc_ns = off, the first
+   * two host slots = on, with stacks) */
+  snprintf(r->name, sizeof r->name, "history");
+  r->gcalloc_ns = median(samples[0], reps);
+  r->host_ns[0] = median(samples[1], reps);
+  r->host_ns[1] = median(samples[2], reps);
   for (int i = 0; i < 3; i++) gca_close(a[i]);
   return 0;
 }
@@ -442,7 +445,10 @@ static size_t live_at_end(const trace_ops_t *o) {
   return live;
 }
 
-static int run_trace(const host_alloc_t *hosts, const char *path, const char *label, int reps, result_t *r) {
+static int run_trace(const job_t *j, result_t *r) {
+  const host_alloc_t *hosts = j->hosts;
+  const char *path = j->path, *label = j->label;
+  int reps = j->reps;
   trace_t t;
   trace_ops_t o;
   if (trace_load(path, &t) != GCA_OK || trace_to_ops(&t, &o) != GCA_OK) {
@@ -554,36 +560,7 @@ static int isolated(int (*fn)(void *arg, result_t *r), void *arg, result_t *r) {
 
 static int job_main(void *p, result_t *r) {
   const job_t *j = p;
-  return j->run(j->hosts, j, r);
-}
-
-typedef struct history_args {
-  int reps;
-  long n;
-} history_args_t;
-
-/* The history figures travel back in a result_t: gcalloc_ns = off, the
- * first two host slots = on, with stacks. */
-static int history_job(void *p, result_t *r) {
-  history_args_t *a = p;
-  history_cost_t c;
-  if (run_history_cost(a->reps, a->n, &c)) return 1;
-  snprintf(r->name, sizeof r->name, "history");
-  r->gcalloc_ns = c.off_ns;
-  r->host_ns[0] = c.on_ns;
-  r->host_ns[1] = c.stacks_ns;
-  return 0;
-}
-
-typedef struct trace_args {
-  const host_alloc_t *hosts;
-  const char *path, *label;
-  int reps;
-} trace_args_t;
-
-static int trace_job(void *p, result_t *r) {
-  trace_args_t *a = p;
-  return run_trace(a->hosts, a->path, a->label, a->reps, r);
+  return j->run(j, r);
 }
 
 typedef struct trace_ctx {
@@ -596,8 +573,8 @@ typedef struct trace_ctx {
 static int trace_visit(const char *path, const char *label, void *p) {
   trace_ctx_t *c = p;
   if (c->count >= 30) return 0;
-  trace_args_t args = {c->hosts, path, label, c->reps};
-  return isolated(trace_job, &args, &c->results[c->count++]);
+  job_t job = {.run = run_trace, .hosts = c->hosts, .reps = c->reps, .path = path, .label = label};
+  return isolated(job_main, &job, &c->results[c->count++]);
 }
 
 /* ---- output ------------------------------------------------------------- */
@@ -763,8 +740,8 @@ int bench_main(int argc, char **argv) {
   count += ctx.count;
   result_t hist;
   memset(&hist, 0, sizeof hist);
-  history_args_t hargs = {reps, quick ? 200000 : 3000000};
-  if (isolated(history_job, &hargs, &hist)) return 1;
+  job_t history = {.run = run_history_cost, .reps = reps, .n = quick ? 200000 : 3000000};
+  if (isolated(job_main, &history, &hist)) return 1;
   result_t pinned;
   memset(&pinned, 0, sizeof pinned);
   loop.pinned = true;
