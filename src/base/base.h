@@ -90,7 +90,10 @@ static inline uint64_t gca__ticks(void) {
 #endif
   return gca__now_ns();
 }
-/* Ticks and the wall clock (CLOCK_REALTIME, microseconds) read together. */
+/* The wall clock (CLOCK_REALTIME) in microseconds since the epoch: the
+ * history's and the trace file's timestamps. */
+int64_t gca__wall_us(void);
+/* Ticks and the wall clock (gca__wall_us) read together. */
 typedef struct ticks_pair {
   uint64_t ticks;
   int64_t us;

@@ -34,14 +34,19 @@ static void ticks_decide(void) {
 
 void gca__ticks_init(void) { pthread_once(&ticks_once, ticks_decide); }
 
-ticks_pair_t gca__ticks_pair(void) {
+int64_t gca__wall_us(void) {
   struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  return (int64_t)t.tv_sec * 1000000 + t.tv_nsec / 1000;
+}
+
+ticks_pair_t gca__ticks_pair(void) {
   /* (the counter read on both sides of the clock, their middle taken: the
    * pair then lies within one clock read of the truth) */
   uint64_t before = gca__ticks();
-  clock_gettime(CLOCK_REALTIME, &t);
+  int64_t us = gca__wall_us();
   uint64_t after = gca__ticks();
-  return (ticks_pair_t){before + (after - before) / 2, (int64_t)t.tv_sec * 1000000 + t.tv_nsec / 1000};
+  return (ticks_pair_t){before + (after - before) / 2, us};
 }
 
 int64_t gca__ticks_to_us(uint64_t ticks, ticks_pair_t from, ticks_pair_t to) {

@@ -16,16 +16,9 @@
 #include <libunwind.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/core.h"
 #include "core/history.h"
-
-int64_t gca__history_now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_REALTIME, &t);
-  return (int64_t)t.tv_sec * 1000000 + t.tv_nsec / 1000;
-}
 
 /* The calling thread's Python frames, gathered before the lock for the
  * call in progress (gca__history_python_gather). */

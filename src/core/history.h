@@ -42,7 +42,6 @@ typedef struct history {
   ticks_pair_t start;        /* the counter and the wall clock when recording started */
 } history_t;
 
-int64_t gca__history_now_us(void);
 /* Entries; called only while d->obs.recording. */
 void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gca_stream_t stream);
 void gca__history_alloc(device_t *d, block_t *b, size_t requested);

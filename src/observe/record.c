@@ -49,7 +49,6 @@
 #include <unistd.h>
 
 #include "observe/observe.h"
-#include "core/history.h"
 
 static pthread_mutex_t record_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t record_once = PTHREAD_ONCE_INIT;
@@ -158,7 +157,7 @@ static completion_t *completions;
 static size_t completion_count, completion_cap, completions_lost;
 
 void gca__record_free_completed(int allocator, uintptr_t ptr) {
-  completion_t c = {gca__history_now_us(), (long)syscall(SYS_gettid), allocator, ptr};
+  completion_t c = {gca__wall_us(), (long)syscall(SYS_gettid), allocator, ptr};
   pthread_mutex_lock(&completions_lock);
   if (completion_count == completion_cap) {
     completion_t *grown = gca__grow_array(completions, &completion_cap, sizeof *grown, 64);
@@ -190,7 +189,7 @@ void gca__record_line(const char *call, const char *fmt, ...) {
   FILE *f = atomic_load(&record_file);
   if (!f) return;
   write_completions(f);
-  fprintf(f, "%" PRId64 " %ld %s ", gca__history_now_us(), (long)syscall(SYS_gettid), call);
+  fprintf(f, "%" PRId64 " %ld %s ", gca__wall_us(), (long)syscall(SYS_gettid), call);
   va_list ap;
   va_start(ap, fmt);
   vfprintf(f, fmt, ap);
