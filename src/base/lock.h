@@ -7,8 +7,9 @@
  * three-state futex mutex (0 free, 1 held, 2 held with waiters; Drepper,
  * "Futexes Are Tricky"): a short spin, then the thread sleeps in the kernel,
  * so a thread waiting behind a slow device call does not burn a core.
- * Acquire/release atomics give ThreadSanitizer the happens-before edges it
- * needs. Elsewhere than Linux it falls back to pthread_mutex_t.
+ * On Linux it is also biased to the thread that uses it (below). Acquire/
+ * release atomics give ThreadSanitizer the happens-before edges it needs.
+ * Elsewhere than Linux it falls back to pthread_mutex_t.
  */
 #ifndef GCALLOC_LOCK_H
 #define GCALLOC_LOCK_H
@@ -46,50 +47,92 @@ static inline void mutex_unlock(pthread_mutex_t *m) {
 #include <sys/syscall.h>
 #include <unistd.h>
 
+/* Biased to one thread. A device is mostly used by one thread at a time
+ * (the training loop, then the autograd thread), and even uncontended, the
+ * futex word's two locked instructions were 40% of a cached alloc+free.
+ * So after a run of acquisitions by one thread (`bias_after`, adapted), the
+ * lock is biased to it: `owner` points to that thread's ticket, and the
+ * thread enters and leaves with plain loads and stores (an asymmetric
+ * Dekker protocol): it sets its ticket's `inside`, then checks that `owner`
+ * still points to the ticket. Any other thread takes the futex word, clears
+ * `owner`, makes every thread of the process execute a full memory barrier
+ * (membarrier(2), lock.c) and waits for the ticket's `inside` to clear:
+ * after the barrier, either the owner's store to `inside` is visible, or
+ * the owner's second load sees `owner` cleared and it turns to the futex
+ * word. Each thread writes only its own ticket (one per thread and lock,
+ * kept until the lock goes), so a late store of a revoked owner cannot
+ * clear the flag of the next one. tests/test_lock_model.c checks the
+ * protocol exhaustively under x86's memory model. Without membarrier
+ * (before Linux 4.14, or refused by a seccomp filter) no lock is biased. */
+typedef struct lock_ticket {
+  _Alignas(64) _Atomic uint32_t inside; /* written by its thread alone: in a biased hold */
+  uint32_t holds;                       /* biased holds since the bias was given */
+  void *thread;                         /* its thread (thread pointer) */
+  struct lock_ticket *next;             /* the lock's tickets */
+} lock_ticket_t;
+
 typedef struct lock {
-  _Atomic uint32_t state;
+  _Atomic uint32_t state;   /* the futex word */
+  uint32_t streak;          /* (under the futex word:) acquisitions in a row by `last` */
+  _Atomic(lock_ticket_t *) owner; /* the ticket of the thread it is biased to; NULL: none */
+  lock_ticket_t *held;      /* the ticket of the biased hold in progress (written by holders) */
+  void *last;               /* (under the futex word:) the thread that took it last */
+  lock_ticket_t *tickets;   /* (under the futex word:) one per thread that had the bias */
+  uint32_t bias_after;      /* (under the futex word:) the run that biases it */
 } lock_t;
+
+void gca__lock_init_bias(lock_t *l);
+void gca__lock_acquire_slow(lock_t *l, void *self);
+void gca__lock_destroy(lock_t *l);
 
 static inline int lock_init(lock_t *l) {
   atomic_init(&l->state, 0);
+  atomic_init(&l->owner, NULL);
+  l->held = NULL;
+  l->last = NULL;
+  l->tickets = NULL;
+  l->streak = 0;
+  gca__lock_init_bias(l);
   return 0;
 }
 
-static inline void lock_destroy(lock_t *l) { (void)l; }
+static inline void lock_destroy(lock_t *l) { gca__lock_destroy(l); }
+
+/* A token of the calling thread, unique among the live threads. */
+static inline void *lock_self(void) { return __builtin_thread_pointer(); }
 
 static inline void lock_futex(lock_t *l, int op, uint32_t value) {
   syscall(SYS_futex, (uint32_t *)&l->state, op | FUTEX_PRIVATE_FLAG, value, NULL, NULL, 0);
 }
 
-__attribute__((noinline, unused)) static void lock_acquire_slow(lock_t *l) {
-  for (int spin = 0; spin < 100; spin++) {
-    uint32_t expected = 0;
-    if (atomic_load_explicit(&l->state, memory_order_relaxed) == 0 &&
-        atomic_compare_exchange_weak_explicit(&l->state, &expected, 1, memory_order_acquire,
-                                              memory_order_relaxed))
-      return;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-  /* Mark the lock contended, and sleep until it is released. */
-  while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0) lock_futex(l, FUTEX_WAIT, 2);
-}
-
 static inline void lock_acquire(lock_t *l) {
-  uint32_t expected = 0;
-  if (__builtin_expect(atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire,
-                                                               memory_order_relaxed),
-                       1)) {
-    LOCKS_HELD_ADD(1);
-    return;
+  void *self = lock_self();
+  lock_ticket_t *t = atomic_load_explicit(&l->owner, memory_order_acquire);
+  if (__builtin_expect(t && t->thread == self, 1)) {
+    atomic_store_explicit(&t->inside, 1, memory_order_relaxed);
+    /* The store stays before the load in program order; the processor's
+     * order comes from the revoking thread's membarrier. */
+    atomic_signal_fence(memory_order_seq_cst);
+    if (__builtin_expect(atomic_load_explicit(&l->owner, memory_order_acquire) == t, 1)) {
+      t->holds++;
+      l->held = t;
+      LOCKS_HELD_ADD(1);
+      return;
+    }
+    atomic_store_explicit(&t->inside, 0, memory_order_release); /* revoked: take the futex word */
   }
-  lock_acquire_slow(l);
+  gca__lock_acquire_slow(l, self);
   LOCKS_HELD_ADD(1);
 }
 
 static inline void lock_release(lock_t *l) {
   LOCKS_HELD_ADD(-1);
+  lock_ticket_t *t = l->held; /* (only a biased hold sets it, and clears it on leaving) */
+  if (__builtin_expect(t != NULL, 1)) {
+    l->held = NULL;
+    atomic_store_explicit(&t->inside, 0, memory_order_release);
+    return;
+  }
   if (__builtin_expect(atomic_exchange_explicit(&l->state, 0, memory_order_release) == 2, 0))
     lock_futex(l, FUTEX_WAKE, 1);
 }

@@ -1,0 +1,148 @@
+/* The device lock's slow path (lock.h): the futex word, taking a bias away
+ * from the thread that holds it, and deciding when to give one.
+ *
+ * Revoking costs a membarrier(2) system call (interrupts to the processors
+ * running the process's threads: microseconds), a biased hold saves two
+ * locked instructions (about 10 ns each). So a lock is biased after a run of
+ * `bias_after` acquisitions by one thread, and the run grows (doubling, up
+ * to BIAS_AFTER_MAX) each time a bias is revoked before it saved what
+ * revoking costs, and shrinks back when one pays: threads that alternate
+ * closely never bias it, a training loop that hands the device from its
+ * thread to the autograd thread and back biases it once per phase.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/base.h"
+
+#if defined(__linux__)
+#include <linux/membarrier.h>
+#include <sched.h>
+#include <time.h>
+
+enum {
+  BIAS_AFTER_MIN = 256,     /* acquisitions in a row before the first bias */
+  BIAS_AFTER_MAX = 1 << 24, /* never more (a bias revoked at every run) */
+  BIAS_PAYS = 1024          /* biased holds that pay for a revocation */
+};
+
+static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
+static bool barrier_ready; /* membarrier registered: locks may be biased */
+
+static long membarrier(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
+
+static void barrier_register(void) {
+  const char *off = getenv("GCALLOC_LOCK_BIAS");
+  if (off && strcmp(off, "0") == 0) return;
+  long cmds = membarrier(MEMBARRIER_CMD_QUERY);
+  barrier_ready = cmds > 0 && (cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED) &&
+                  membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
+}
+
+void gca__lock_init_bias(lock_t *l) {
+  pthread_once(&barrier_once, barrier_register);
+  l->bias_after = barrier_ready ? BIAS_AFTER_MIN : UINT32_MAX;
+}
+
+/* Every thread of the process executes a full memory barrier before this
+ * returns. A process made by fork keeps the registration; should the kernel
+ * refuse anyway, register again once. No lock is biased unless the
+ * registration succeeded, so a refusal here leaves no safe way on. */
+static void barrier_all_threads(void) {
+  if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;
+  if (errno == EPERM && membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 &&
+      membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0)
+    return;
+  fprintf(stderr, "gcalloc: membarrier failed (%s) after it was registered: cannot revoke a biased lock\n",
+          strerror(errno));
+  abort();
+}
+
+/* Wait for the owner to leave a biased hold: as long as that hold (a device
+ * call may be in it), spinning briefly, then yielding, then sleeping. */
+static void wait_owner_out(const lock_ticket_t *t) {
+  for (unsigned i = 0; atomic_load_explicit(&t->inside, memory_order_acquire); i++) {
+    if (i < 200) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    } else if (i < 400) {
+      sched_yield();
+    } else {
+      nanosleep(&(struct timespec){0, 50000}, NULL);
+    }
+  }
+}
+
+static void futex_acquire(lock_t *l) {
+  uint32_t expected = 0;
+  if (atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire, memory_order_relaxed))
+    return;
+  for (int spin = 0; spin < 100; spin++) {
+    expected = 0;
+    if (atomic_load_explicit(&l->state, memory_order_relaxed) == 0 &&
+        atomic_compare_exchange_weak_explicit(&l->state, &expected, 1, memory_order_acquire,
+                                              memory_order_relaxed))
+      return;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  /* Mark the lock contended, and sleep until it is released. */
+  while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0) lock_futex(l, FUTEX_WAIT, 2);
+}
+
+/* This thread's ticket, made the first time it gets the bias. NULL: out
+ * of memory (then the lock stays unbiased). */
+static lock_ticket_t *ticket_of(lock_t *l, void *self) {
+  for (lock_ticket_t *t = l->tickets; t; t = t->next)
+    if (t->thread == self) return t; /* (a thread that ended left it to the next with its thread pointer) */
+  lock_ticket_t *t = aligned_alloc(64, sizeof *t);
+  if (!t) return NULL;
+  memset(t, 0, sizeof *t);
+  atomic_init(&t->inside, 0);
+  t->thread = self;
+  t->next = l->tickets;
+  l->tickets = t;
+  return t;
+}
+
+void gca__lock_acquire_slow(lock_t *l, void *self) {
+  futex_acquire(l);
+  /* Biased to another thread (never to this one: only this thread biases
+   * it to itself, and then takes the biased way until revoked). */
+  lock_ticket_t *owner = atomic_load_explicit(&l->owner, memory_order_relaxed);
+  if (owner) {
+    atomic_store_explicit(&l->owner, NULL, memory_order_relaxed);
+    barrier_all_threads();
+    wait_owner_out(owner);
+    uint32_t after = l->bias_after;
+    if (owner->holds < BIAS_PAYS) l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
+    else if (after > BIAS_AFTER_MIN) l->bias_after = after / 2;
+  }
+  if (l->last != self) {
+    l->last = self;
+    l->streak = 1;
+  } else if (++l->streak >= l->bias_after && barrier_ready) {
+    /* Biased from the next acquisition on; this hold ends on the futex
+     * word (`held` is not set). */
+    lock_ticket_t *t = ticket_of(l, self);
+    l->streak = 0;
+    if (t) {
+      t->holds = 0;
+      atomic_store_explicit(&l->owner, t, memory_order_release);
+    }
+  }
+}
+
+void gca__lock_destroy(lock_t *l) {
+  for (lock_ticket_t *t = l->tickets, *next; t; t = next) {
+    next = t->next;
+    free(t);
+  }
+  l->tickets = NULL;
+}
+
+#endif
