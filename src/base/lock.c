@@ -1,14 +1,19 @@
 /* The device lock's slow path (lock.h): the futex word, taking a bias away
  * from the thread that holds it, and deciding when to give one.
  *
- * Revoking costs a membarrier(2) system call (interrupts to the processors
- * running the process's threads: microseconds), a biased hold saves two
- * locked instructions (about 10 ns each). So a lock is biased after a run of
- * `bias_after` acquisitions by one thread, and the run grows (doubling, up
- * to BIAS_AFTER_MAX) each time a bias is revoked before it saved what
- * revoking costs, and shrinks back when one pays: threads that alternate
- * closely never bias it, a training loop that hands the device from its
- * thread to the autograd thread and back biases it once per phase.
+ * Revoking costs a membarrier(2) system call: interrupts to the processors
+ * running the process's threads, 1-2 us on a quiet machine, 34 us on a
+ * virtual machine whose other processor was busy. A biased hold saves two
+ * locked instructions. So a lock is biased after a run of `bias_after`
+ * acquisitions by one thread; the run doubles (up to BIAS_AFTER_MAX) each
+ * time a bias is revoked before its holds saved what revoking it took, and
+ * halves back when one did: threads that alternate closely keep the futex
+ * word, a loop that hands the device from its thread to the autograd thread
+ * and back biases it once per phase. And a bias, once given, runs for a
+ * slice (at least 50 us, and 8 times what the last revocation took, at most
+ * 500 us) before another thread revokes it: threads that all keep asking
+ * then take turns a slice each, not an acquisition each. That slice is the
+ * longest a thread waits for a lock that nobody holds.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -25,8 +30,17 @@
 enum {
   BIAS_AFTER_MIN = 256,     /* acquisitions in a row before the first bias */
   BIAS_AFTER_MAX = 1 << 24, /* never more (a bias revoked at every run) */
-  BIAS_PAYS = 1024          /* biased holds that pay for a revocation */
+  HOLD_SAVES_NS = 8,        /* what a biased hold saves (two locked instructions, some of them) */
+  SLICE_MIN_NS = 50000,     /* a bias runs at least this long before another thread revokes it, */
+  SLICE_REVOKES = 8,        /* and at least this many times what the last revocation took, */
+  SLICE_MAX_NS = 500000     /* but never longer */
 };
+
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
 static bool barrier_ready; /* membarrier registered: locks may be biased */
@@ -115,11 +129,22 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
    * it to itself, and then takes the biased way until revoked). */
   lock_ticket_t *owner = atomic_load_explicit(&l->owner, memory_order_relaxed);
   if (owner) {
+    /* A bias younger than its slice runs out first (this thread sleeps,
+     * holding the futex word): revoked at once, threads that all keep
+     * asking took turns at almost every acquisition, each turn a futex
+     * wake or a revocation. */
+    int64_t slice = l->revoke_ns * SLICE_REVOKES;
+    slice = slice < SLICE_MIN_NS ? SLICE_MIN_NS : slice > SLICE_MAX_NS ? SLICE_MAX_NS : slice;
+    int64_t left = l->biased_at + slice - now_ns();
+    if (left > 0) nanosleep(&(struct timespec){0, (long)left}, NULL);
+    int64_t start = now_ns();
     atomic_store_explicit(&l->owner, NULL, memory_order_relaxed);
     barrier_all_threads();
     wait_owner_out(owner);
     uint32_t after = l->bias_after;
-    if (owner->holds < BIAS_PAYS) l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
+    l->revoke_ns = now_ns() - start;
+    if ((int64_t)owner->holds * HOLD_SAVES_NS < l->revoke_ns)
+      l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
     else if (after > BIAS_AFTER_MIN) l->bias_after = after / 2;
   }
   if (l->last != self) {
@@ -132,6 +157,7 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
     l->streak = 0;
     if (t) {
       t->holds = 0;
+      l->biased_at = now_ns();
       atomic_store_explicit(&l->owner, t, memory_order_release);
     }
   }

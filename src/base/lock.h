@@ -79,6 +79,8 @@ typedef struct lock {
   void *last;               /* (under the futex word:) the thread that took it last */
   lock_ticket_t *tickets;   /* (under the futex word:) one per thread that had the bias */
   uint32_t bias_after;      /* (under the futex word:) the run that biases it */
+  int64_t biased_at;        /* (under the futex word:) when the bias was given (ns, monotonic) */
+  int64_t revoke_ns;        /* (under the futex word:) what the last revocation took */
 } lock_t;
 
 void gca__lock_init_bias(lock_t *l);
@@ -92,6 +94,7 @@ static inline int lock_init(lock_t *l) {
   l->last = NULL;
   l->tickets = NULL;
   l->streak = 0;
+  l->biased_at = l->revoke_ns = 0;
   gca__lock_init_bias(l);
   return 0;
 }
