@@ -90,7 +90,7 @@ typedef struct host_event {
 } host_event_t;
 
 struct host_cache {
-  pthread_mutex_t lock;
+  lock_t lock; /* lock.h: biased to the thread that uses it */
   gca_allocator_t *owner;
   host_block_t **blocks; /* every block, by address */
   size_t count, cap;
@@ -415,9 +415,9 @@ static int host_pin(host_cache_t *h, size_t size, uintptr_t *addr, bool *registe
     rc = ops->host_alloc(host_state_of(h), size, &p);
   }
   int64_t took = now_us() - start;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_duration_add(&h->stats.host_alloc_time, took);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   if (rc == GCA_OK) *addr = (uintptr_t)p;
   return rc;
 }
@@ -435,9 +435,9 @@ static int host_unpin(host_cache_t *h, const host_block_t *b) {
     rc = ops->host_free(host_state_of(h), (void *)b->addr);
   }
   int64_t took = now_us() - start;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_duration_add(&h->stats.host_free_time, took);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return rc;
 }
 
@@ -490,7 +490,7 @@ static size_t host_release(host_cache_t *h, host_block_t *taken, int *status) {
     else if (*status == GCA_OK) *status = rc;
     if (rc) b->state = HOST_CACHED; /* refused: still pinned, still ours */
   }
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   size_t lost = 0;
   for (host_block_t *b = taken, *next; b; b = next) {
     next = b->next_free;
@@ -509,7 +509,7 @@ static size_t host_release(host_cache_t *h, host_block_t *taken, int *status) {
     stat_decrease(&h->stats.reserved_bytes, (int64_t)b->size);
     host_drop_block(b);
   }
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   if (lost)
     gca__log_message(GCA_LOG_ERROR, "pinned host allocator: out of host memory: %zu block%s the backend refused to unpin "
                      "left pinned and untracked", lost, lost == 1 ? "" : "s");
@@ -536,7 +536,7 @@ static size_t reserve_take(size_t size) { return (size + 4095) & ~(size_t)4095; 
  * pins the block alone). Called without the lock. */
 static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
   size_t take = reserve_take(size);
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   if (!h->reserve.tried) {
     gca_allocator_t *a = h->owner;
     mutex_lock(&a->config_lock);
@@ -545,14 +545,14 @@ static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
     if (mb) {
       /* Pinned without the lock; a miss meanwhile pins its block alone. */
       h->reserve.tried = true;
-      mutex_unlock(&h->lock);
+      lock_release(&h->lock);
       uintptr_t start = 0;
       bool registered = false;
       int rc = host_pin(h, mb << 20, &start, &registered);
       if (rc != GCA_OK)
         gca__log_message(GCA_LOG_WARNING, "pinned host allocator: the reserve segment (%zu MiB) could not be pinned, "
                          "blocks are pinned one by one: %s", mb, gca_last_error());
-      mutex_lock(&h->lock);
+      lock_acquire(&h->lock);
       if (rc == GCA_OK) {
         h->reserve.start = start;
         h->reserve.size = mb << 20;
@@ -565,7 +565,7 @@ static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
     *addr = h->reserve.start + h->reserve.used;
     h->reserve.used += take;
   }
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return carved;
 }
 
@@ -580,17 +580,17 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   int rc = carved ? GCA_OK : host_pin(h, size, &addr, &registered);
   if (rc == GCA_ERR_OOM) {
     /* Give the cache back and try once more. */
-    mutex_lock(&h->lock);
+    lock_acquire(&h->lock);
     host_process_events(h);
     host_block_t *taken = host_take_cached(h);
     int64_t cached = 0;
     for (host_block_t *b = taken; b; b = b->next_free) cached += (int64_t)b->size;
-    mutex_unlock(&h->lock);
+    lock_release(&h->lock);
     int refused;
     if (taken && host_release(h, taken, &refused) > 0) {
-      mutex_lock(&h->lock);
+      lock_acquire(&h->lock);
       h->stats.num_alloc_retries++;
-      mutex_unlock(&h->lock);
+      lock_release(&h->lock);
       rc = host_pin(h, size, &addr, &registered);
     }
     if (rc == GCA_ERR_OOM) {
@@ -607,7 +607,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     return NULL;
   }
   host_block_t *b = calloc(1, sizeof *b);
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   if (b) {
     b->addr = addr;
     b->size = size;
@@ -619,7 +619,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
     /* A carved block goes back to the reserve if it was the last carved. */
     size_t take = reserve_take(size);
     if (carved && addr + take == h->reserve.start + h->reserve.used) h->reserve.used -= take;
-    mutex_unlock(&h->lock);
+    lock_release(&h->lock);
     free(b);
     host_block_t tmp = {.addr = addr, .size = size, .registered = registered};
     if (!carved) (void)host_unpin(h, &tmp);
@@ -631,7 +631,7 @@ GCA_COLD static void *host_malloc_miss(host_cache_t *h, size_t size, size_t aske
   stat_increase(&h->stats.allocation, 1);
   stat_increase(&h->stats.allocated_bytes, (int64_t)size);
   absorbed_t absorbed = host_take_absorbed(h);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   host_report_absorbed(&absorbed);
   gca__clear_error();
   return (void *)addr;
@@ -649,7 +649,7 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
     return NULL;
   }
   size_t rounded = (size_t)1 << (size == 1 ? 0 : 64 - __builtin_clzll((unsigned long long)(size - 1)));
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_process_events(h);
   host_block_t *b = host_pop_free(h, host_bucket_of(rounded));
   if (!b && h->queued) {
@@ -658,12 +658,12 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
   }
   if (b) {
     absorbed_t absorbed = host_take_absorbed(h);
-    mutex_unlock(&h->lock);
+    lock_release(&h->lock);
     host_report_absorbed(&absorbed);
     gca__clear_error();
     return (void *)b->addr;
   }
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return host_malloc_miss(h, rounded, size);
 }
 
@@ -672,10 +672,10 @@ void *gca_host_malloc(gca_allocator_t *a, size_t size) {
 static void *host_collector_main(void *arg) {
   host_cache_t *h = arg;
   while (!atomic_load_explicit(&h->collector_stop, memory_order_relaxed)) {
-    mutex_lock(&h->lock);
+    lock_acquire(&h->lock);
     host_process_events(h);
     absorbed_t absorbed = host_take_absorbed(h);
-    mutex_unlock(&h->lock);
+    lock_release(&h->lock);
     host_report_absorbed(&absorbed);
     struct timespec pause = {0, HOST_COLLECT_EVERY_NS};
     nanosleep(&pause, NULL);
@@ -736,7 +736,7 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
   if (!h) return GCA_ERR_INVALID;
   if (!ptr) return GCA_OK;
   gca__log_hold(); /* starting the collector may log, under the lock */
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_block_t *b = host_block_containing(h, (uintptr_t)ptr);
   int rc = GCA_OK;
   if (!b) {
@@ -752,7 +752,7 @@ int gca_host_free(gca_allocator_t *a, void *ptr) {
     host_defer_reuse(h, b);
   }
   absorbed_t absorbed = host_take_absorbed(h);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   gca__log_release();
   host_report_absorbed(&absorbed);
   return rc;
@@ -762,7 +762,7 @@ int gca__host_free_uncached(gca_allocator_t *a, void *ptr) {
   int rc = gca_host_free(a, ptr);
   if (rc != GCA_OK || !ptr) return rc;
   host_cache_t *h = a->host;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_block_t *b = host_block_at(h, (uintptr_t)ptr), *taken = NULL;
   if (b && b->state == HOST_CACHED && !b->carved) { /* (not taken again meanwhile, nor waiting for a stream) */
     host_block_t **at = &h->free_lists[host_bucket_of(b->size)];
@@ -778,7 +778,7 @@ int gca__host_free_uncached(gca_allocator_t *a, void *ptr) {
       taken = b;
     }
   }
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   if (taken) (void)host_release(h, taken, &rc);
   gca__clear_error();
   return GCA_OK;
@@ -788,7 +788,7 @@ int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream
   host_cache_t *h = host_of(a, "gca_host_record_stream");
   if (!h) return GCA_ERR_INVALID;
   if (!gca__device_of(a, device, "gca_host_record_stream")) return gca_last_status();
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_block_t *b = host_block_containing(h, (uintptr_t)ptr);
   int rc = GCA_OK;
   if (!b || b->state != HOST_IN_USE) {
@@ -806,18 +806,18 @@ int gca_host_record_stream(gca_allocator_t *a, void *ptr, int device, gca_stream
     }
     if (!known && rc == GCA_OK) b->uses[b->use_count++] = (host_use_t){device, stream};
   }
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return rc;
 }
 
 int gca_host_empty_cache(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_empty_cache");
   if (!h) return GCA_ERR_INVALID;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_process_events(h);
   host_block_t *taken = host_take_cached(h);
   absorbed_t absorbed = host_take_absorbed(h);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   host_report_absorbed(&absorbed);
   int rc = GCA_OK;
   if (taken) {
@@ -831,11 +831,11 @@ int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned) {
   host_cache_t *h = host_of(a, "gca_host_is_pinned");
   if (!h) return GCA_ERR_INVALID;
   if (!pinned) return gca__set_error(GCA_ERR_INVALID, "gca_host_is_pinned: pinned is NULL");
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   uintptr_t at = (uintptr_t)ptr;
   *pinned = host_block_containing(h, at) != NULL ||
             (h->reserve.start && at >= h->reserve.start && at - h->reserve.start < h->reserve.size);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   if (*pinned || !ptr || !host_ops_of(h)->host_is_pinned) return GCA_OK;
   return host_ops_of(h)->host_is_pinned(host_state_of(h), ptr, pinned);
 }
@@ -843,10 +843,10 @@ int gca_host_is_pinned(gca_allocator_t *a, const void *ptr, int *pinned) {
 size_t gca_host_usable_size(gca_allocator_t *a, void *ptr) {
   host_cache_t *h = host_of(a, "gca_host_usable_size");
   if (!h) return 0;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   host_block_t *b = host_block_at(h, (uintptr_t)ptr);
   size_t size = b && b->state == HOST_IN_USE ? b->size : 0;
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   if (!size) gca__set_error(GCA_ERR_BAD_POINTER, "gca_host_usable_size: %p is not a live pinned block", ptr);
   return size;
 }
@@ -855,9 +855,9 @@ int gca_host_stats(gca_allocator_t *a, gca_host_stats_t *out) {
   host_cache_t *h = host_of(a, "gca_host_stats");
   if (!h) return GCA_ERR_INVALID;
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_host_stats: out is NULL");
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   *out = h->stats;
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   /* As PyTorch derives them: the slow path's counts. */
   out->num_host_alloc = out->segment.allocated;
   out->num_host_free = out->segment.freed;
@@ -867,20 +867,20 @@ int gca_host_stats(gca_allocator_t *a, gca_host_stats_t *out) {
 int gca_host_reset_peak_stats(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_reset_peak_stats");
   if (!h) return GCA_ERR_INVALID;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   gca_stat_t *stats[] = {&h->stats.allocation, &h->stats.segment, &h->stats.allocated_bytes,
                          &h->stats.reserved_bytes};
   for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++) stats[i]->peak = stats[i]->current;
   h->stats.host_alloc_time.max = h->stats.host_alloc_time.min = 0;
   h->stats.host_free_time.max = h->stats.host_free_time.min = 0;
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return GCA_OK;
 }
 
 int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "gca_host_reset_accumulated_stats");
   if (!h) return GCA_ERR_INVALID;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   gca_stat_t *stats[] = {&h->stats.allocation, &h->stats.segment, &h->stats.allocated_bytes,
                          &h->stats.reserved_bytes};
   for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++) stats[i]->allocated = stats[i]->freed = 0;
@@ -888,7 +888,7 @@ int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
   h->stats.host_free_time = (gca_duration_stat_t){0, 0, 0, 0};
   h->stats.num_alloc_retries = 0;
   h->stats.num_event_errors = 0;
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return GCA_OK;
 }
 
@@ -906,11 +906,11 @@ static pthread_once_t host_atfork_once = PTHREAD_ONCE_INIT;
 
 static void host_before_fork(void) {
   pthread_mutex_lock(&host_caches_lock);
-  for (host_cache_t *h = host_caches; h; h = h->next_cache) mutex_lock(&h->lock);
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_acquire(&h->lock);
 }
 
 static void host_after_fork_parent(void) {
-  for (host_cache_t *h = host_caches; h; h = h->next_cache) mutex_unlock(&h->lock);
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_release(&h->lock);
   pthread_mutex_unlock(&host_caches_lock);
 }
 
@@ -918,7 +918,7 @@ static void host_after_fork_child(void) {
   for (host_cache_t *h = host_caches; h; h = h->next_cache) {
     h->collector_started = false;
     atomic_store(&h->collector_stop, false);
-    mutex_unlock(&h->lock);
+    lock_release(&h->lock);
   }
   pthread_mutex_unlock(&host_caches_lock);
 }
@@ -946,7 +946,7 @@ static void host_caches_remove(host_cache_t *h) {
 int gca__host_cache_create(gca_allocator_t *a) {
   host_cache_t *h = calloc(1, sizeof *h);
   if (!h) return gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the pinned host allocator");
-  if (pthread_mutex_init(&h->lock, NULL) != 0) {
+  if (lock_init(&h->lock) != 0) {
     free(h);
     return gca__set_error(GCA_ERR_NOMEM, "cannot create the pinned host allocator's lock");
   }
@@ -1001,7 +1001,7 @@ void gca__host_cache_destroy(gca_allocator_t *a) {
                      "be shown done with them, or the backend refused)", kept, kept == 1 ? "" : "s");
   free(h->blocks);
   free(h->events);
-  pthread_mutex_destroy(&h->lock);
+  lock_destroy(&h->lock);
   free(h);
   a->host = NULL;
 }
@@ -1012,7 +1012,7 @@ void gca__host_cache_destroy(gca_allocator_t *a) {
 int gca__host_cache_check(gca_allocator_t *a) {
   host_cache_t *h = host_of(a, "host_cache_check");
   if (!h) return GCA_ERR_INVALID;
-  mutex_lock(&h->lock);
+  lock_acquire(&h->lock);
   int rc = GCA_OK;
   int64_t in_lists = 0, reserved = 0, allocated = 0, allocations = 0, pending = 0, quarantined = 0;
   size_t listed = 0;
@@ -1059,6 +1059,6 @@ int gca__host_cache_check(gca_allocator_t *a) {
                         "/%" PRId64 ", events %" PRIu64 "/%" PRIu64 ")",
                         s->reserved_bytes.current, reserved, s->allocated_bytes.current, allocated, s->cached_bytes,
                         in_lists, s->pending_blocks, pending, in_queue, events);
-  mutex_unlock(&h->lock);
+  lock_release(&h->lock);
   return rc;
 }
