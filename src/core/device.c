@@ -511,12 +511,13 @@ GCA_COLD static void free_slow(device_t *d, block_t *b) {
     gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
     atomic_fetch_sub(&d->paused_now, (int64_t)b->size);
   }
-  if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
   if (b->uses) {
+    if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
     gca__events_defer_free(d, b);
     return;
   }
-  gca__history_free_completed(d, b);
+  if (d->obs.recording) gca__history_freed_at_once(d, b);
+  gca__history_drop_stack(b);
   gca__block_give_back(d, b);
 }
 

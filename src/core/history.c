@@ -92,6 +92,17 @@ void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gc
   maybe_capture(d->obs.history, record(d, action, addr, size, stream));
 }
 
+void gca__history_freed_at_once(device_t *d, const block_t *b) {
+  history_t *h = d->obs.history;
+  history_entry_t *requested = record(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+  maybe_capture(h, requested);
+  history_entry_t *completed = next_slot(h);
+  *completed = *requested;
+  completed->action = GCA_TRACE_FREE_COMPLETED;
+  if (!wants_stack(h, GCA_TRACE_FREE_COMPLETED)) completed->depth = 0;
+  else if (completed->depth) memcpy(frames_of(h, completed), frames_of(h, requested), completed->depth * sizeof(uintptr_t));
+}
+
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
   history_entry_t *e = record(d, GCA_TRACE_OOM, 0, size, stream);
   e->device_free = device_free;

@@ -55,6 +55,10 @@ void gca__history_ipc_release(device_t *d, size_t released, int32_t requester);
 void gca__history_drop_stack(block_t *b);
 /* segment.c: a free completes: record it (if on) and drop the block's stack. */
 void gca__history_free_completed(device_t *d, block_t *b);
+/* A free that completes at once (no other stream used the block): its
+ * free_requested and free_completed entries, one clock reading and one
+ * stack for both. Recording on. */
+void gca__history_freed_at_once(device_t *d, const block_t *b);
 int gca__history_start(device_t *d, int context, int stacks, size_t max_entries);
 /* Without any lock (the GIL is taken first: pyframes.c): gather the
  * calling thread's Python frames for the entries (and block stacks) the
