@@ -66,12 +66,14 @@ typedef struct stream_uses {
 struct block {
   /* What a search down the free index reads comes first, in one cache line:
    * the tree links, then the key (stream, size, address). */
-  RB_ENTRY(block) link;      /* free index node (free blocks only) */
+  union {
+    RB_ENTRY(block) link;    /* free or unmapped index node (free and unmapped blocks) */
+    block_t *hash_next;      /* allocation map chain (allocated blocks); the capture's held list (pending) */
+  };
   gca_stream_t stream;       /* the stream the block's segment belongs to */
   size_t size;               /* rounded size this block covers */
   uintptr_t addr;
   block_t *prev, *next;      /* address neighbours inside the segment */
-  block_t *hash_next;        /* chain of the allocation map */
   segment_t *segment;
   pool_t *pool;
   size_t requested;          /* what the caller asked for (allocated and pending blocks) */
@@ -85,6 +87,10 @@ struct block {
   bool traced_pending;       /* its free went into the trace file as pending: its completion goes too */
   uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
 };
+
+#if UINTPTR_MAX == UINT64_MAX
+_Static_assert(sizeof(block_t) == 128, "a block descriptor is two cache lines");
+#endif
 
 struct segment {
   uintptr_t addr;
