@@ -45,14 +45,14 @@ static int64_t now_ns(void) {
 static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
 static bool barrier_ready; /* membarrier registered: locks may be biased */
 
-static long membarrier(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
+static long membarrier_call(int cmd) { return syscall(SYS_membarrier, cmd, 0, 0); }
 
 static void barrier_register(void) {
   const char *off = getenv("GCALLOC_LOCK_BIAS");
   if (off && strcmp(off, "0") == 0) return;
-  long cmds = membarrier(MEMBARRIER_CMD_QUERY);
+  long cmds = membarrier_call(MEMBARRIER_CMD_QUERY);
   barrier_ready = cmds > 0 && (cmds & MEMBARRIER_CMD_PRIVATE_EXPEDITED) &&
-                  membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
+                  membarrier_call(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0;
 }
 
 void gca__lock_init_bias(lock_t *l) {
@@ -65,9 +65,9 @@ void gca__lock_init_bias(lock_t *l) {
  * refuse anyway, register again once. No lock is biased unless the
  * registration succeeded, so a refusal here leaves no safe way on. */
 static void barrier_all_threads(void) {
-  if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;
-  if (errno == EPERM && membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 &&
-      membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0)
+  if (membarrier_call(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;
+  if (errno == EPERM && membarrier_call(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED) == 0 &&
+      membarrier_call(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0)
     return;
   fprintf(stderr, "gcalloc: membarrier failed (%s) after it was registered: cannot revoke a biased lock\n",
           strerror(errno));
