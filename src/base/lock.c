@@ -36,10 +36,13 @@ enum {
   SLICE_MAX_NS = 500000     /* but never longer */
 };
 
-static int64_t now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+static int64_t now_ns(void) { return (int64_t)gca__now_ns(); }
+
+/* One spin-wait hint, where the processor has one. */
+static inline void spin_hint(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
 }
 
 static pthread_once_t barrier_once = PTHREAD_ONCE_INIT;
@@ -79,9 +82,7 @@ static void barrier_all_threads(void) {
 static void wait_owner_out(const lock_ticket_t *t) {
   for (unsigned i = 0; atomic_load_explicit(&t->inside, memory_order_acquire); i++) {
     if (i < 200) {
-#if defined(__x86_64__) || defined(__i386__)
-      __builtin_ia32_pause();
-#endif
+      spin_hint();
     } else if (i < 400) {
       sched_yield();
     } else {
@@ -100,9 +101,7 @@ static void futex_acquire(lock_t *l) {
         atomic_compare_exchange_weak_explicit(&l->state, &expected, 1, memory_order_acquire,
                                               memory_order_relaxed))
       return;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+    spin_hint();
   }
   /* Mark the lock contended, and sleep until it is released. */
   while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0) lock_futex(l, FUTEX_WAIT, 2);

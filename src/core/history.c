@@ -99,8 +99,8 @@ void gca__history_freed_at_once(device_t *d, const block_t *b) {
   history_entry_t *completed = next_slot(h);
   *completed = *requested;
   completed->action = GCA_TRACE_FREE_COMPLETED;
-  if (!wants_stack(h, GCA_TRACE_FREE_COMPLETED)) completed->depth = 0;
-  else if (completed->depth) memcpy(frames_of(h, completed), frames_of(h, requested), completed->depth * sizeof(uintptr_t));
+  /* (both are frees: a stack for one is wanted for the other) */
+  if (completed->depth) memcpy(frames_of(h, completed), frames_of(h, requested), completed->depth * sizeof(uintptr_t));
 }
 
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
