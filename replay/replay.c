@@ -77,6 +77,7 @@ typedef struct device_plan {
   seg_event_t *recorded;
   size_t recorded_count;
   int64_t recorded_peak;
+  uint32_t *slot_stacks; /* slot -> its alloc's stack (trace_t.event_stacks; 0 for seeds); NULL: the trace has none */
 } device_plan_t;
 
 static bool is_release(trace_action a) { return a == TA_FREE_COMPLETED || a == TA_FREE_REQUESTED; }
@@ -352,6 +353,7 @@ static void plan_free(device_plan_t *p) {
   free(p->seeds);
   free(p->starts);
   free(p->places);
+  free(p->slot_stacks);
   memset(p, 0, sizeof *p);
 }
 
@@ -448,6 +450,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
      * reader's memo left, already faulted in, instead of dozens of pages
      * of its own (a tenth of a new process's replay). */
     ok = (p->ops = gca__big_alloc(p->cap * sizeof *p->ops)) != NULL;
+    if (ok && t->event_stacks) ok = (p->slot_stacks = calloc(p->cap, sizeof *p->slot_stacks)) != NULL;
   }
   uint32_t slots = 0;
   for (size_t i = 0; ok && i < ns; i++) {
@@ -484,6 +487,7 @@ static int plan_device(const trace_t *t, int d, event_span_t span, const replay_
     if (e->action == TA_ALLOC) {
       in_free_run = false;
       as.states[s].live_slot = ++slots;
+      if (p->slot_stacks) p->slot_stacks[slots - 1] = t->event_stacks[k];
       p->allocs++;
       p->ops[p->count++] = (op_t){OP_ALLOC, slots - 1, e->size, (gca_stream_t)trace_event_stream(t, e), reserved};
     } else if (e->action == TA_FREE_COMPLETED) {
@@ -716,6 +720,35 @@ static void name_device(replay_device_t *r, const char *message) {
            r->device, at + strlen(own));
 }
 
+static int origin_order(const void *x, const void *y) {
+  const replay_origin_t *a = x, *b = y;
+  return (a->addr > b->addr) - (a->addr < b->addr);
+}
+
+/* The blocks live at the peak (ptrs, by slot) that the report says more
+ * of: those live since before recording, and those whose allocation's
+ * stack the trace has; into r->peak_origins, by address. */
+static int peak_origins(const device_plan_t *p, void *const *ptrs, replay_device_t *r) {
+  size_t slots = p->seeded + p->allocs, n = 0;
+  for (size_t k = 0; k < slots; k++) n += ptrs[k] && (k < p->seeded || (p->slot_stacks && p->slot_stacks[k]));
+  if (!n) return GCA_OK;
+  if (!(r->peak_origins = malloc(n * sizeof *r->peak_origins)))
+    return gca__set_error(GCA_ERR_NOMEM, "out of host memory replaying");
+  for (size_t k = 0; k < slots; k++) {
+    uint32_t stack = k < p->seeded ? REPLAY_BEFORE_RECORDING : p->slot_stacks ? p->slot_stacks[k] : 0;
+    if (ptrs[k] && stack) r->peak_origins[r->peak_origin_count++] = (replay_origin_t){(uintptr_t)ptrs[k], stack};
+  }
+  qsort(r->peak_origins, n, sizeof *r->peak_origins, origin_order);
+  return GCA_OK;
+}
+
+const replay_origin_t *replay_origin_at(const replay_device_t *d, uint64_t addr) {
+  replay_origin_t key = {.addr = addr};
+  return d->peak_origin_count
+             ? bsearch(&key, d->peak_origins, d->peak_origin_count, sizeof key, origin_order)
+             : NULL;
+}
+
 /* Run the plan on a fresh device, up to operation `stop_at` (SIZE_MAX: all
  * of it). With `log`, gcalloc's segment events after the seeds go there;
  * with `peak`, the state after operation stop_at: a snapshot (with
@@ -852,6 +885,7 @@ static int run_plan(const device_plan_t *p, const char *spec, const char *conf, 
     if (!r->expandable) gca__page_census_free(&r->peak_pages); /* (a range reserved, never mapped: none, as documented) */
   }
   if (peak && rc == GCA_OK && o->timeline) rc = gca_snapshot_take(a, &peak->peak_snapshot);
+  if (peak && rc == GCA_OK && o->timeline) rc = peak_origins(p, ptrs, peak);
   if (peak && rc == GCA_OK) rc = gca__inspect_census(a, 0, o->timeline, &peak->peak_pages);
   free(ptrs);
   gca_close(a);
@@ -1150,6 +1184,7 @@ void replay_result_free(replay_result_t *r) {
     free(d->reserved_at);
     free(d->recorded_reserved_at);
     gca_snapshot_free(d->peak_snapshot);
+    free(d->peak_origins);
     gca_snapshot_free(d->start_snapshot);
     gca__page_census_free(&d->peak_pages);
   }

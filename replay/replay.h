@@ -38,6 +38,15 @@ typedef struct replay_options {
   const replay_plans_t *plans;
 } replay_options_t;
 
+/* A block live at gcalloc's peak that the report says more of: where its
+ * allocation was made (an index into trace_t.stacks), or that it was live
+ * when recording began (REPLAY_BEFORE_RECORDING). */
+typedef struct replay_origin {
+  uint64_t addr;
+  uint32_t stack;
+} replay_origin_t;
+#define REPLAY_BEFORE_RECORDING UINT32_MAX
+
 typedef struct replay_device {
   int device;
   /* A gcalloc trace whose allocators shared a device number (trace_t.origins):
@@ -80,6 +89,10 @@ typedef struct replay_device {
   int64_t *recorded_reserved_at;
   size_t peak_op;
   gca_snapshot_t *peak_snapshot;
+  /* With options.timeline, the blocks of peak_snapshot with an origin, by
+   * address (replay_origin_at). */
+  replay_origin_t *peak_origins;
+  size_t peak_origin_count;
   gca_snapshot_t *start_snapshot; /* with options.start_snapshot */
 } replay_device_t;
 
@@ -106,5 +119,7 @@ typedef struct seg_event {
  * subsequence by (action, size). In the header for the tests. */
 size_t replay_segment_lcs(const seg_event_t *x, size_t n, const seg_event_t *y, size_t m);
 void replay_result_free(replay_result_t *r);
+/* The origin of the block at addr in d's peak_snapshot, or NULL: none known. */
+const replay_origin_t *replay_origin_at(const replay_device_t *d, uint64_t addr);
 
 #endif

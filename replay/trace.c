@@ -3,6 +3,7 @@
  * the entry's position named, never half-loaded.
  */
 #include <errno.h>
+#include <inttypes.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -172,6 +173,11 @@ typedef struct entry_sink {
   trace_streams_t *streams; /* the trace's: the events' streams numbered as they are taken */
   trace_block_t *blocks; /* device and stream 0: a segment's, filled in from it */
   size_t block_count, block_cap;
+  /* Reading stacks (trace_load_options): each record's frames list (NULL:
+   * none), in step with events. */
+  bool stacks;
+  const pv_seq_t **frames;
+  size_t frames_cap;
 } entry_sink_t;
 
 /* One final block's fields from its pairs (key, value, ...), the last of
@@ -237,6 +243,7 @@ static int load_final_state(const char *path, const pv_t *segments, const entry_
 typedef struct entry_read {
   trace_event_t event;
   uint64_t stream;
+  const pv_seq_t *frames; /* its frames list, NULL if none (pruned: an empty one) */
 } entry_read_t;
 
 /* One device_traces entry's fields from its pairs (key, value, key, value
@@ -244,7 +251,8 @@ typedef struct entry_read {
  * name would scan them six times. Returns NULL, or what is wrong with it. */
 static const char *entry_fields(const pv_t *pairs, size_t count, entry_read_t *read) {
   trace_event_t *e = &read->event;
-  const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL;
+  const pv_t *action = NULL, *addr = NULL, *device_free = NULL, *size = NULL, *stream = NULL, *time_us = NULL,
+             *frames = NULL;
   for (size_t k = 0; k + 1 < count; k += 2) {
     const pv_t *key = &pairs[k], *value = &pairs[k + 1];
     if (key->kind != PV_STR) continue;
@@ -256,6 +264,7 @@ static const char *entry_fields(const pv_t *pairs, size_t count, entry_read_t *r
       case 6:
         if (!memcmp(key->u.data, "action", 6)) action = value;
         else if (!memcmp(key->u.data, "stream", 6)) stream = value;
+        else if (!memcmp(key->u.data, "frames", 6)) frames = value;
         break;
       case 7:
         if (!memcmp(key->u.data, "time_us", 7)) time_us = value;
@@ -268,6 +277,7 @@ static const char *entry_fields(const pv_t *pairs, size_t count, entry_read_t *r
     }
   }
   *e = (trace_event_t){.time_us = -1};
+  read->frames = frames && frames->kind == PV_LIST ? frames->u.seq : NULL;
   if (!action || action->kind != PV_STR) return "has no action";
   e->action = (uint8_t)action_of(action);
   /* An oom entry carries the device's free bytes where others have addr. */
@@ -279,13 +289,15 @@ static const char *entry_fields(const pv_t *pairs, size_t count, entry_read_t *r
   return NULL;
 }
 
-static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap) {
+static int read_entry(const char *path, const pv_t *entry, size_t d, size_t i, trace_t *t, size_t *cap,
+                      const pv_seq_t **frames) {
   if (!entry || entry->kind != PV_DICT)
     return gca__set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu is not a dict", path, d, i);
   entry_read_t e;
   const char *wrong = entry_fields(entry->u.seq->items, entry->u.seq->count, &e);
   if (wrong) return gca__set_error(GCA_ERR_INVALID, "%s: device %zu trace entry %zu %s", path, d, i, wrong);
   e.event.device = (uint8_t)d; /* (d < 256: snapshot_to_trace) */
+  *frames = e.frames;
   return push_event(t, cap, &e.event, e.stream);
 }
 
@@ -314,9 +326,17 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
     sink->events = grown;
     sink->cap = cap;
   }
+  if (sink->stacks && sink->count == sink->frames_cap) {
+    size_t cap = sink->frames_cap ? sink->frames_cap * 2 : 1024;
+    const pv_seq_t **grown = realloc(sink->frames, cap * sizeof *grown);
+    if (!grown) return false;
+    sink->frames = grown;
+    sink->frames_cap = cap;
+  }
   trace_event_t *to = &sink->events[sink->count];
   *to = e->event;
   if (trace_stream_number(sink->streams, e->stream, &to->stream) != GCA_OK) return false;
+  if (sink->stacks) sink->frames[sink->count] = e->frames;
   *id = (int64_t)sink->count++;
   return true;
 }
@@ -362,6 +382,169 @@ static bool records_in_order(const pv_t *traces, const entry_sink_t *sink) {
   return next == sink->count;
 }
 
+/* ---- call stacks (trace_load_options.stacks) ---------------------------
+ * A frame is left out where PyTorch's memory viewer leaves it out: the
+ * frames that capture the stack, the dispatcher's and the interpreter's
+ * own, which are in every stack and tell nothing of the job. */
+static bool frame_omitted(const pv_t *name, const pv_t *file) {
+  static const char *const names[] = {"unwind::unwind", "CapturedTraceback::gather", "gather_with_cpp", "_start",
+                                      "__libc_start_main", "PyEval_", "PyObject_", "PyFunction_"};
+  static const char *const files[] = {"core/boxing", "/Register", "/Redispatch", "pythonrun.c", "Modules/main.c",
+                                      "Objects/call.c", "Objects/methodobject.c", "pycore_ceval.h", "ceval.c",
+                                      "cpython/abstract.h"};
+  for (size_t i = 0; name && i < sizeof names / sizeof *names; i++)
+    if (memmem(name->u.data, name->len, names[i], strlen(names[i]))) return true;
+  for (size_t i = 0; file && i < sizeof files / sizeof *files; i++)
+    if (memmem(file->u.data, file->len, files[i], strlen(files[i]))) return true;
+  return false;
+}
+
+static const pv_t *frame_str(const pv_t *frame, const char *key) {
+  const pv_t *v = pv_get(frame, key);
+  return v && v->kind == PV_STR ? v : NULL;
+}
+
+static bool python_file(const pv_t *file) {
+  return file && file->len >= 3 && !memcmp(file->u.data + file->len - 3, ".py", 3);
+}
+
+/* A frames list as a stack's text (trace_t.stacks), in *out (malloc'd);
+ * NULL in *out when no frame is left. A stack with Python frames is told by
+ * them alone: they say where the job allocated, and the native frames
+ * between them (the interpreter's, the dispatcher's: 190 of 198 frames of
+ * a stack of one real snapshot) would push them out of the shown ones.
+ * False: the host out of memory. */
+static bool stack_text(const pv_seq_t *frames, char **out) {
+  char *text = NULL;
+  size_t len = 0, shown = 0, more = 0;
+  bool python = false;
+  for (size_t i = 0; i < frames->count && !python; i++) python = python_file(frame_str(&frames->items[i], "filename"));
+  FILE *f = open_memstream(&text, &len);
+  if (!f) return false;
+  for (size_t i = 0; i < frames->count; i++) {
+    const pv_t *frame = &frames->items[i];
+    const pv_t *name = frame_str(frame, "name"), *file = frame_str(frame, "filename"), *line = pv_get(frame, "line");
+    if ((!name && !file) || (python && !python_file(file)) || frame_omitted(name, file)) continue;
+    if (shown == TRACE_STACK_FRAMES) {
+      more++;
+      continue;
+    }
+    size_t from = 0; /* the file's last path component, of a POSIX or a Windows path */
+    for (size_t k = 0; file && k < file->len; k++)
+      if (file->u.data[k] == '/' || file->u.data[k] == '\\') from = k + 1;
+    fprintf(f, "%s%.*s:%" PRId64 ":%.*s", shown++ ? "\n" : "", file ? (int)(file->len - from) : 2,
+            file ? file->u.data + from : "??", line && line->kind == PV_INT ? line->u.i : 0, name ? (int)name->len : 2,
+            name ? name->u.data : "??");
+  }
+  if (more) fprintf(f, "\n... %zu more frames", more);
+  bool failed = ferror(f);
+  if (fclose(f) != 0 || failed) {
+    free(text);
+    return false;
+  }
+  if (!shown) {
+    free(text);
+    text = NULL;
+  }
+  *out = text;
+  return true;
+}
+
+/* t's alloc events' stacks from their frames lists (frames[i] for event i,
+ * NULL none), while the document that holds them is still there. Frame
+ * dicts are shared through the memo, so two lists of the same frames hold
+ * the same items: a list is looked up by its items (a hash, then a compare
+ * with the first list seen with that hash) and formatted only when new,
+ * and equal texts are one stack. */
+typedef struct seen_list {
+  const pv_seq_t *list;
+  uint32_t stack;
+} seen_list_t;
+
+static uint64_t fnv1a(const void *data, size_t len) {
+  const unsigned char *c = data;
+  uint64_t hash = 14695981039346656037ull;
+  for (size_t i = 0; i < len; i++) hash = (hash ^ c[i]) * 1099511628211ull;
+  return hash >> 1; /* (the maps' keys stop short of their markers) */
+}
+
+static bool same_items(const pv_seq_t *a, const pv_seq_t *b) {
+  return a->count == b->count && !memcmp(a->items, b->items, a->count * sizeof *a->items);
+}
+
+static int intern_stacks(const char *path, const pv_seq_t *const *frames, trace_t *t) {
+  addr_map_t by_items = {0}, by_text = {0};
+  seen_list_t *seen = NULL;
+  size_t cap = 0, seen_count = 0, seen_cap = 0;
+  int rc = GCA_OK;
+  if (!gca__addr_map_init(&by_items) || !gca__addr_map_init(&by_text) ||
+      !(t->event_stacks = calloc(t->count ? t->count : 1, sizeof *t->event_stacks)))
+    rc = GCA_ERR_NOMEM;
+  for (size_t i = 0; rc == GCA_OK && i < t->count; i++) {
+    const pv_seq_t *list = frames[i];
+    if (!list || !list->count || t->events[i].action != TA_ALLOC) continue;
+    uint64_t items_hash = fnv1a(list->items, list->count * sizeof *list->items);
+    const uint64_t *known = gca__addr_map_get(&by_items, items_hash);
+    if (known && same_items(seen[*known].list, list)) {
+      t->event_stacks[i] = seen[*known].stack;
+      continue;
+    }
+    char *text;
+    if (!stack_text(list, &text)) {
+      rc = GCA_ERR_NOMEM;
+      break;
+    }
+    uint32_t id = 0;
+    if (text) {
+      uint64_t hash = fnv1a(text, strlen(text));
+      const uint64_t *same = gca__addr_map_get(&by_text, hash);
+      if (same && !strcmp(t->stacks[*same], text)) {
+        id = (uint32_t)*same;
+        free(text);
+      } else {
+        if (t->stack_count + 1 >= cap) {
+          size_t n = cap ? 2 * cap : 64;
+          char **grown = n < UINT32_MAX ? realloc(t->stacks, n * sizeof *grown) : NULL;
+          if (!grown) {
+            free(text);
+            rc = GCA_ERR_NOMEM;
+            break;
+          }
+          t->stacks = grown;
+          cap = n;
+        }
+        if (!t->stack_count) t->stacks[t->stack_count++] = NULL; /* (0: none) */
+        id = (uint32_t)t->stack_count;
+        t->stacks[t->stack_count++] = text;
+        if (!same && !gca__addr_map_put(&by_text, hash, id)) rc = GCA_ERR_NOMEM;
+      }
+    }
+    t->event_stacks[i] = id;
+    if (rc != GCA_OK || known) continue; /* (a hash seen with other items: looked up by text each time) */
+    if (seen_count == seen_cap) {
+      size_t n = seen_cap ? 2 * seen_cap : 64;
+      seen_list_t *grown = realloc(seen, n * sizeof *grown);
+      if (!grown) {
+        rc = GCA_ERR_NOMEM;
+        break;
+      }
+      seen = grown;
+      seen_cap = n;
+    }
+    seen[seen_count] = (seen_list_t){list, id};
+    if (!gca__addr_map_put(&by_items, items_hash, seen_count++)) rc = GCA_ERR_NOMEM;
+  }
+  gca__addr_map_free(&by_items);
+  gca__addr_map_free(&by_text);
+  free(seen);
+  if (rc != GCA_OK) return gca__set_error(GCA_ERR_NOMEM, "out of host memory reading the call stacks of %s", path);
+  if (!t->stack_count) { /* (no frames anywhere: nothing kept) */
+    free(t->event_stacks);
+    t->event_stacks = NULL;
+  }
+  return GCA_OK;
+}
+
 /* The snapshot's parsed document (taken over) into t; `path` names it in errors. */
 static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *sink, trace_t *t) {
   const pv_t *segments = pv_get(pickle_root(doc), "segments");
@@ -398,12 +581,15 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
     sink->events = NULL;
     for (size_t d = 0; d < pv_len(traces); d++)
       for (size_t i = 0; i < pv_len(pv_at(traces, d)); i++) t->events[t->count++].device = (uint8_t)d;
+    rc = sink->stacks ? intern_stacks(path, sink->frames, t) : GCA_OK;
     pickle_free(doc);
-    return GCA_OK;
+    return rc;
   }
   size_t total = 0;
   for (size_t d = 0; d < pv_len(traces); d++) total += pv_len(pv_at(traces, d));
-  if (total && !(t->events = malloc(total * sizeof *t->events)))
+  const pv_seq_t **frames = NULL;
+  if (total && (!(t->events = malloc(total * sizeof *t->events)) ||
+                (sink->stacks && !(frames = calloc(total, sizeof *frames)))))
     rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
   cap = total;
   for (size_t d = 0; d < pv_len(traces) && rc == GCA_OK; d++) {
@@ -411,15 +597,21 @@ static int snapshot_to_trace(const char *path, pickle_doc_t *doc, entry_sink_t *
     for (size_t i = 0; i < pv_len(list) && rc == GCA_OK; i++) {
       pv_t held;
       const pv_t *entry = pv_item(list, i, &held);
+      const pv_seq_t *stack = NULL;
+      size_t at = t->count;
       if (entry && entry->kind == PV_RECORD && (uint64_t)entry->u.i < sink->count) {
         trace_event_t e = sink->events[entry->u.i];
         e.device = (uint8_t)d;
+        if (sink->stacks) stack = sink->frames[entry->u.i];
         rc = push_event(t, &cap, &e, trace_event_stream(t, &e)); /* (numbered in t already) */
       } else {
-        rc = read_entry(path, entry, d, i, t, &cap);
+        rc = read_entry(path, entry, d, i, t, &cap, &stack);
       }
+      if (frames && at < total) frames[at] = stack;
     }
   }
+  if (rc == GCA_OK && frames) rc = intern_stacks(path, frames, t);
+  free(frames);
   pickle_free(doc);
   return rc;
 }
@@ -494,6 +686,7 @@ typedef struct reading {
   FILE *f;
   uint64_t total;
   size_t memory_limit; /* what the reader may hold (a compressed trace's; 0: its own per-byte bounds) */
+  bool stacks;         /* trace_load_options.stacks */
 } reading_t;
 
 static void text_progress(const reading_t *r, size_t lineno) {
@@ -871,9 +1064,13 @@ static void snapshot_progress(void *ctx, size_t done, size_t total) {
  * names it in the messages. */
 static int read_snapshot(const char *name, const char *path, unsigned char *owned, const void *data, size_t len,
                          bool machine_only, size_t split, const reading_t *reading, trace_t *t) {
-  entry_sink_t sink = {.streams = &t->streams};
-  /* Frames (call stacks) are most of a snapshot and a replay reads none. */
-  pickle_options_t options = {.pruned_key = "frames", .machine_only = machine_only, .split = split,
+  bool stacks = reading && reading->stacks;
+  entry_sink_t sink = {.streams = &t->streams, .stacks = stacks};
+  /* Frames (call stacks) are most of a snapshot and a replay reads none:
+   * they are kept only when asked for, and then read by one reader (the
+   * second's records may not look inside containers). */
+  pickle_options_t options = {.pruned_key = stacks ? NULL : "frames", .machine_only = machine_only,
+                              .split = stacks ? PICKLE_ONE_READER : split,
                               .memory_limit = reading ? reading->memory_limit : 0};
   if (reading && reading->progress) {
     options.progress = snapshot_progress;
@@ -896,6 +1093,7 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
   int rc = doc ? snapshot_to_trace(name, doc, &sink, t) : gca__prefix_error("%s", name);
   gca__big_free(sink.events, sink.cap * sizeof *sink.events);
   free(sink.blocks);
+  free(sink.frames);
   return rc;
 }
 
@@ -1409,6 +1607,13 @@ static unsigned char *read_and_close(FILE **f, const char *path, bool guarded, s
 int trace_load(const char *path, trace_t *out) { return trace_load_progress(path, out, NULL, NULL); }
 
 int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progress, void *ctx) {
+  trace_load_options_t options = {.progress = progress, .ctx = ctx};
+  return trace_load_with(path, &options, out);
+}
+
+int trace_load_with(const char *path, const trace_load_options_t *options, trace_t *out) {
+  trace_progress_fn progress = options->progress;
+  void *ctx = options->ctx;
   memset(out, 0, sizeof *out);
   /* A process reading its second trace reads trace after trace: its big
    * arrays are worth huge pages from now on (util.c). */
@@ -1483,9 +1688,13 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   if (mark) (void)fseek(f, (long)mark, SEEK_SET);
   int first = head_len > mark ? head[mark] : EOF;
   reading_t reading = {.progress = progress, .ctx = ctx, .f = f,
-                       .total = piped ? piped_len : regular ? (uint64_t)st.st_size : 0, .memory_limit = memory_limit};
+                       .total = piped ? piped_len : regular ? (uint64_t)st.st_size : 0, .memory_limit = memory_limit,
+                       .stacks = options->stacks};
   events_limit = memory_limit ? memory_limit / 4 : SIZE_MAX;
   events_path = path;
+  /* Stacks from a snapshot within the limit only (pickle_options.pruned_key). */
+  uint64_t snapshot_bytes = reading.total;
+  if (reading.stacks && options->stacks_limit && snapshot_bytes > options->stacks_limit) reading.stacks = false;
   int rc;
   if (first == EOF) rc = gca__set_error(GCA_ERR_INVALID, "%s: empty file", path);
   else if (first == 0x80 && piped) {
@@ -1499,6 +1708,7 @@ int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progre
   if (f) fclose(f);
   free(piped);
   if (rc != GCA_OK) trace_free(out);
+  else if (first == 0x80 && options->stacks && !reading.stacks) out->stacks_left_out = snapshot_bytes;
   return rc;
 }
 
@@ -1509,6 +1719,9 @@ void trace_free(trace_t *t) {
   free(t->final_segments);
   free(t->settings);
   free(t->origins);
+  for (size_t i = 0; i < t->stack_count; i++) free(t->stacks[i]);
+  free(t->stacks);
+  free(t->event_stacks);
   trace_streams_free(&t->streams);
   memset(t, 0, sizeof *t);
 }

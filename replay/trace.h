@@ -114,7 +114,20 @@ typedef struct trace {
    * (the devices are the trace's own numbers); else device i is the pair
    * origins[i], the pairs numbered in the order they first allocated. */
   trace_origin_t *origins;
+  /* Snapshots read with trace_load_options.stacks that carry frames (else
+   * NULL and 0): each alloc event's call stack as stacks[event_stacks[i]]
+   * (0: none; stacks[0] is NULL), stacks shared by every allocation made
+   * from the same place. A stack is its frames a line each, innermost
+   * first, as "file:line:function" with the file's last path component
+   * (PyTorch's memory viewer's form), the allocator's own frames and the
+   * interpreter's left out, at most TRACE_STACK_FRAMES of them. */
+  uint32_t *event_stacks;
+  char **stacks;
+  size_t stack_count; /* stacks[] entries, stacks[0] included */
+  uint64_t stacks_left_out; /* stacks asked for, not read: the snapshot's bytes, over the limit; else 0 */
 } trace_t;
+
+#define TRACE_STACK_FRAMES 32
 
 /* The stream an event of t names. */
 static inline uint64_t trace_event_stream(const trace_t *t, const trace_event_t *e) {
@@ -133,6 +146,20 @@ int trace_load(const char *path, trace_t *out);
 typedef void (*trace_progress_fn)(void *ctx, const char *stage, uint64_t done, uint64_t total);
 /* trace_load, telling `progress` (when not NULL) how far it is. */
 int trace_load_progress(const char *path, trace_t *out, trace_progress_fn progress, void *ctx);
+typedef struct trace_load_options {
+  trace_progress_fn progress; /* as trace_load_progress's; NULL: none */
+  void *ctx;
+  /* Keep the allocations' call stacks (trace_t.stacks) where a snapshot
+   * has frames: they are most of a snapshot, so reading keeps them only
+   * when asked, and reads them by the general machine, a dict an entry
+   * (about 3x the time and 4 bytes of memory more per byte of snapshot). */
+  bool stacks;
+  /* With stacks: only from a snapshot of at most this many bytes (as read,
+   * decompressed); a larger one is read without them, and
+   * trace_t.stacks_left_out says so. 0: any size. */
+  uint64_t stacks_limit;
+} trace_load_options_t;
+int trace_load_with(const char *path, const trace_load_options_t *options, trace_t *out);
 void trace_free(trace_t *t);
 /* A PyTorch snapshot already in memory (`name` is for the messages). */
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out);

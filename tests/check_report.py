@@ -18,17 +18,23 @@ unmapped holes), the segment map must also draw each expandable range (one
 row each) and each hole in the unmapped colour: one rect per unmapped run of
 the data, and enough pixels of that colour.
 
-With --tune the page is `gcalloc tune TRACE --report`'s: its table of answers
-must have a row each, and each answer other than the run shown a line over
+With --expect-stacks (a snapshot with frames), every block whose data names
+where it came from (a stack of the trace's, or live when recording began)
+must say so in its tooltip, with the stack's innermost frame first.
+
+With --tune the page is `gcalloc tune TRACE --report`'s: the run it shows must
+have `gcalloc replay`'s figures (peak reserved, segment events reproduced),
+its table of answers must have a row each, and each answer other than the run shown a line over
 the timeline of each device.
 
 As a control, the same page with its drawing call removed must fail check 2:
 so the check can tell a drawn plot from a blank one.
 
-usage: check_report.py GCALLOC_TOOL TRACE WORKDIR [--expect-unmapped] [--tune] [OPTIONS...]
+usage: check_report.py GCALLOC_TOOL TRACE WORKDIR [--expect-unmapped] [--expect-stacks] [--tune] [OPTIONS...]
 Exit 77 (CTest's skip) when Chromium is not installed, unless
 GCALLOC_REQUIRE_CHROMIUM=1 (CI sets it, so there it fails instead).
 """
+import html as htmllib
 import json
 import os
 import re
@@ -219,6 +225,26 @@ def check_page(report, dom, tune):
             fail("tune's answers: %d rows and %d lines for %d answers" % (rows, drawn, len(answers)))
 
 
+def check_stacks(report, dom):
+    """Each block with an origin in the data says it in its tooltip (--expect-stacks)."""
+    stacks = report.get("stacks") or {}
+    blocks = [b for d in report["devices"] for g in d["segments"] for b in g["blocks"] if len(b) > 3 and b[3]]
+    named = [b for b in blocks if b[3] > 0]
+    if not named or not stacks:
+        fail("the report names no block's stack (%d blocks with an origin, %d stacks)" % (len(blocks), len(stacks)))
+    titles = [htmllib.unescape(t) for t in re.findall(r"<title>([^<]*)</title>", dom)]
+    told = [t for t in titles if "\nallocated at\n  " in t]
+    before = [t for t in titles if "live when recording began" in t]
+    print("blocks with a stack %d, tooltips with one %d; live before recording %d, said %d"
+          % (len(named), len(told), len(blocks) - len(named), len(before)))
+    if len(told) != len(named) or len(before) != len(blocks) - len(named):
+        fail("tooltips say where %d blocks came from; the data names %d" % (len(told) + len(before), len(blocks)))
+    for b in named:
+        first = stacks[str(b[3])].split("\n")[0]
+        if not any("\nallocated at\n  " + first in t for t in told):
+            fail("no tooltip shows stack %d from its innermost frame %r" % (b[3], first))
+
+
 def main():
     if len(sys.argv) < 4:
         print(__doc__)
@@ -227,7 +253,8 @@ def main():
     extra = sys.argv[4:]
     expect_unmapped = "--expect-unmapped" in extra
     tune = "--tune" in extra
-    extra = [a for a in extra if a not in ("--expect-unmapped", "--tune")]
+    expect_stacks = "--expect-stacks" in extra
+    extra = [a for a in extra if a not in ("--expect-unmapped", "--tune", "--expect-stacks")]
     colours = dict(SERIES, unmapped=UNMAPPED) if expect_unmapped else SERIES
     minimum = {name: MIN_PIXELS for name in SERIES}
     minimum["unmapped"] = MIN_UNMAPPED_PIXELS
@@ -271,6 +298,18 @@ def main():
             fail("the summary does not say device %d's start was made in %d segments as recorded"
                  % (d["device"], d["start_segments"]))
     check_page(report, dom.stdout, tune)
+    if tune:
+        # The run shown is the one `gcalloc replay` replays, with its figures.
+        plain = subprocess.run([tool, "replay", trace, "--json"] + extra, capture_output=True, text=True)
+        replayed = {d["device"]: d for d in json.loads(plain.stdout)["devices"]}
+        for d in report["devices"]:
+            r = replayed[d["device"]]
+            for k, rk in (("peak_reserved", "peak_reserved_bytes"), ("segment_events_matched",) * 2,
+                          ("segment_events_recorded",) * 2):
+                if d[k] != r[rk]:
+                    fail("device %d: tune's report shows %s %s, gcalloc replay %s" % (d["device"], k, d[k], r[rk]))
+    if expect_stacks:
+        check_stacks(report, dom.stdout)
 
     if expect_unmapped:
         data = report

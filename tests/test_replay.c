@@ -1809,6 +1809,140 @@ static void test_tool_command_line(void **state) {
   remove("gcalloc-scratch-cli.err");
 }
 
+/* A snapshot's call stacks, read when asked (trace_load_options.stacks):
+ * each alloc event's stack as tests/data/make_frames_snapshot.py made it
+ * (Python frames alone where there are any, the capturing frames left
+ * out, 32 frames at most, a Windows path's last component, equal stacks
+ * one), the events the same as without them; and at the replay's peak the
+ * live blocks' origins, a block live before recording marked so. On the
+ * real snapshots too: the same events and replay either way. */
+static void expect_same_trace_with_stacks(const char *path, size_t *stacks) {
+  trace_t plain, with;
+  trace_load_options_t lo = {.stacks = true};
+  assert_int_equal(trace_load(path, &plain), GCA_OK);
+  assert_int_equal(trace_load_with(path, &lo, &with), GCA_OK);
+  assert_true(trace_equal(&plain, &with));
+  assert_null(plain.event_stacks);
+  assert_int_equal(plain.stack_count, 0);
+  *stacks = with.stack_count;
+  for (size_t i = 0; with.event_stacks && i < with.count; i++) {
+    assert_true(with.event_stacks[i] < with.stack_count);
+    if (with.event_stacks[i]) assert_int_equal(with.events[i].action, TA_ALLOC);
+  }
+  trace_free(&plain);
+  trace_free(&with);
+}
+
+static void test_call_stacks(void **state) {
+  (void)state;
+  const char *path = GCALLOC_SOURCE_DIR "/tests/data/snapshot_frames.pickle";
+  trace_t t;
+  trace_load_options_t lo = {.stacks = true};
+  assert_int_equal(trace_load_with(path, &lo, &t), GCA_OK);
+  assert_int_equal(t.count, 189);
+  assert_non_null(t.event_stacks);
+  assert_int_equal(t.stack_count, 5); /* (none, A and D's, B's, C's, E's) */
+  assert_null(t.stacks[0]);
+  uint32_t at[64]; /* the alloc events' stacks in order: A, B, C, D, then E's */
+  size_t allocs = 0;
+  for (size_t i = 0; i < t.count; i++) {
+    if (t.events[i].action != TA_ALLOC) {
+      assert_int_equal(t.event_stacks[i], 0); /* (only allocations' are kept) */
+      continue;
+    }
+    assert_true(allocs < 64);
+    at[allocs++] = t.event_stacks[i];
+  }
+  assert_int_equal(allocs, 64);
+  assert_string_equal(t.stacks[at[0]], "train.py:42:step\nmain.py:7:<module>");
+  assert_string_equal(t.stacks[at[1]], "??:0:at::native::empty_cuda\napp.cpp:12:main");
+  const char *deep = t.stacks[at[2]];
+  assert_true(!strncmp(deep, "deep.py:0:f0\ndeep.py:1:f1\n", 26));
+  assert_contains(deep, "\ndeep.py:31:f31\n... 8 more frames");
+  assert_null(strstr(deep, "f32"));
+  assert_int_equal(at[3], at[0]); /* equal frames in other objects */
+  assert_string_equal(t.stacks[at[4]], "cache.py:3:evict");
+  for (size_t k = 5; k < allocs; k++) assert_int_equal(at[k], at[4]);
+
+  replay_options_t o = defaults();
+  o.timeline = true;
+  replay_result_t r;
+  assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+  const replay_device_t *d = &r.devices[0];
+  assert_non_null(d->peak_snapshot);
+  size_t allocated = 0, before = 0, found[5] = {0};
+  for (size_t i = 0; i < d->peak_snapshot->segment_count; i++) {
+    const gca_snapshot_segment_t *g = &d->peak_snapshot->segments[i];
+    for (size_t b = 0; b < g->block_count; b++) {
+          const replay_origin_t *origin = replay_origin_at(d, g->blocks[b].address);
+      if (g->blocks[b].state != GCA_BLOCK_ACTIVE_ALLOCATED) {
+        assert_null(origin);
+        continue;
+      }
+      allocated++;
+      assert_non_null(origin);
+      if (origin->stack == REPLAY_BEFORE_RECORDING) {
+        before++;
+        assert_int_equal(g->blocks[b].requested_size, 512 << 10);
+      } else {
+        assert_true(origin->stack > 0 && origin->stack < 5);
+        found[origin->stack]++;
+      }
+    }
+  }
+  /* S, A, B, C, D live at the peak (E came and went after it). */
+  assert_int_equal(allocated, 5);
+  assert_int_equal(before, 1);
+  assert_int_equal(found[at[0]], 2);
+  assert_int_equal(found[at[1]], 1);
+  assert_int_equal(found[at[2]], 1);
+  replay_result_free(&r);
+  trace_free(&t);
+
+  /* Over the limit: read without them, and said so. */
+  lo.stacks_limit = 1024;
+  assert_int_equal(trace_load_with(path, &lo, &t), GCA_OK);
+  assert_null(t.event_stacks);
+  assert_int_equal(t.stack_count, 0);
+  size_t file_len;
+  free(read_whole(path, &file_len));
+  assert_int_equal(t.stacks_left_out, file_len);
+  trace_free(&t);
+  lo.stacks_limit = file_len;
+  assert_int_equal(trace_load_with(path, &lo, &t), GCA_OK);
+  assert_int_equal(t.stack_count, 5);
+  assert_int_equal(t.stacks_left_out, 0);
+  trace_free(&t);
+  /* The tool: --stacks is --report's. */
+  char args[512];
+  snprintf(args, sizeof args, "replay %s --stacks", path);
+  assert_int_equal(run_tool(args), 2);
+  char *err = cli_output("err");
+  assert_contains(err, "--stacks reads the call stacks for --report");
+  free(err);
+
+  /* Without stacks: the same trace, no stacks; and on the samples and
+   * real snapshots (frames shared through the memo, records and dicts). */
+  size_t n;
+  expect_same_trace_with_stacks(path, &n);
+  assert_int_equal(n, 5);
+  expect_same_trace_with_stacks(GCALLOC_SOURCE_DIR "/tests/data/snapshot_small.pickle", &n);
+  assert_true(n > 1);
+  /* (Odd forms: escapes in strings, containers shared across entries.) */
+  expect_same_trace_with_stacks(GCALLOC_SOURCE_DIR "/tests/data/snapshot_escape.pickle", &n);
+  expect_same_trace_with_stacks(GCALLOC_SOURCE_DIR "/tests/data/snapshot_shared.pickle", &n);
+  expect_same_trace_with_stacks(GCALLOC_SOURCE_DIR "/data/snapshots/training/memory.pickle", &n);
+  assert_int_equal(n, 0); /* (recorded without frames) */
+  if (real_traces_dir()) {
+    const char *real[] = {"ZidongLiu__DeComFL/memory.pickle", "cranberrii__ftcourse/memory_snapshot.pickle",
+                          "Constructor-Sun__code_location/memory_snapshot.pickle"};
+    for (size_t i = 0; i < 3; i++) {
+      expect_same_trace_with_stacks(real_path(real[i]), &n);
+      assert_true(n > 1);
+    }
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocsim_lines), cmocka_unit_test(test_allocsim_order),        cmocka_unit_test(test_gcalloc_trace_format),
@@ -1825,6 +1959,7 @@ int main(void) {
       cmocka_unit_test(test_lower_bound),                cmocka_unit_test(test_smallest_device),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),          cmocka_unit_test(test_stitching_never_above_expandable),
+      cmocka_unit_test(test_call_stacks),
   };
   /* The real-trace group (GCALLOC_REAL_TRACES: CTest's test_replay_real_traces, registered where
    * ../shared/traces is): the real snapshots' figures, and the checks on big snapshots made on them. */
@@ -1833,7 +1968,7 @@ int main(void) {
       cmocka_unit_test(test_tool_json),          cmocka_unit_test(test_timeline),
       cmocka_unit_test(test_page_census_on_the_way), cmocka_unit_test(test_tune),
       cmocka_unit_test(test_plans_reused),       cmocka_unit_test(test_tool_command_line),
-      cmocka_unit_test(test_stitching_never_above_expandable),
+      cmocka_unit_test(test_stitching_never_above_expandable), cmocka_unit_test(test_call_stacks),
   };
   if (real_traces_dir()) return cmocka_run_group_tests_name("real traces", real, NULL, NULL);
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -171,8 +171,11 @@ static void tool_trace_progress(void *ctx, const char *stage, uint64_t done, uin
   else tool_progress_show(p, "%s the trace (%.0f MB so far", stage, (double)done / mb);
 }
 
-bool tool_load_trace(const char *command, const char *path, trace_t *t, tool_progress_t *p) {
-  if (trace_load_progress(path, t, p->on ? tool_trace_progress : NULL, p) == GCA_OK) return true;
+bool tool_load_trace(const char *command, const char *path, trace_t *t, tool_progress_t *p, bool stacks,
+                     bool any_size) {
+  trace_load_options_t options = {.progress = p->on ? tool_trace_progress : NULL, .ctx = p, .stacks = stacks,
+                                  .stacks_limit = any_size ? 0 : TOOL_STACKS_LIMIT};
+  if (trace_load_with(path, &options, t) == GCA_OK) return true;
   tool_progress_done(p);
   fprintf(stderr, "gcalloc %s: %s\n", command, gca_last_error());
   return false;

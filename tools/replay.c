@@ -24,7 +24,8 @@
 
 const tool_command_t replay_command = {
     "replay", "TRACE",
-    "TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html] [--no-empty-cache]",
+    "TRACE [--conf STRING] [--capacity SIZE] [--device N] [--json] [--report FILE.html [--stacks]]\n"
+    "      [--no-empty-cache]",
     "replay a PyTorch snapshot, RMM log, allocatorSim log or gcalloc trace on the simulated device",
     "\n"
     "Replays a recorded allocation trace on the simulated device, and compares what gcalloc reserves with\n"
@@ -42,7 +43,10 @@ const tool_command_t replay_command = {
     "  --device N          replay only device N of the trace\n"
     "  --json              the result as JSON\n"
     "  --report FILE.html  also write a self-contained HTML report: memory over time against PyTorch's,\n"
-    "                      the segments at the peak, the settings\n"
+    "                      the segments at the peak with where each block was allocated (the\n"
+    "                      snapshot's call stacks, read from a snapshot of up to 64 MiB), the settings\n"
+    "  --stacks            with --report, read the call stacks from a snapshot of any size (about 3x the\n"
+    "                      reading time, and 4 bytes of memory more per byte of snapshot)\n"
     "  --no-empty-cache    do not replay the runs of segment frees the replay did not cause as\n"
     "                      empty_cache() calls of the original job\n"
     "  -h, --help          this help\n"
@@ -257,7 +261,7 @@ static void heap_warm_call_off(const trace_t *t, int device) { (void)t, (void)de
 int replay_main(int argc, char **argv) {
   const char *path = NULL, *report = NULL;
   replay_options_t o = {.device = -1, .infer_empty_cache = true, .match_segments = true};
-  bool json = false, no_empty_cache = false;
+  bool json = false, no_empty_cache = false, stacks = false;
   long device = -1;
   const tool_option_t options[] = {
       {"--conf", OPTION_TEXT, &o.conf, 0, 0, "STRING"},
@@ -266,10 +270,15 @@ int replay_main(int argc, char **argv) {
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {"--report", OPTION_TEXT, &report, 0, 0, "FILE.html"},
       {"--no-empty-cache", OPTION_FLAG, &no_empty_cache, 0, 0, NULL},
+      {"--stacks", OPTION_FLAG, &stacks, 0, 0, NULL},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&replay_command, options, argc, argv, &path);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  if (stacks && !report) {
+    fprintf(stderr, "gcalloc replay: --stacks reads the call stacks for --report: give it with --report\n");
+    return 2;
+  }
   o.device = (int)device;
   o.infer_empty_cache = !no_empty_cache;
   o.timeline = report != NULL;
@@ -283,7 +292,7 @@ int replay_main(int argc, char **argv) {
   }
   heap_warm(path);
   trace_t t;
-  if (!tool_load_trace("replay", path, &t, &progress)) return 1;
+  if (!tool_load_trace("replay", path, &t, &progress, report != NULL, stacks)) return 1;
   double load_s = tool_seconds() - t0;
   heap_warm_call_off(&t, o.device);
   replay_result_t r;
@@ -299,7 +308,7 @@ int replay_main(int argc, char **argv) {
   else print_text(path, &t, &r, load_s, total_s, o.capacity);
   int rc = 0;
   if (report) {
-    report_input_t in = {.command = "replay", .trace_path = path, .r = &r, .capacity = o.capacity};
+    report_input_t in = {.command = "replay", .trace_path = path, .r = &r, .capacity = o.capacity, .trace = &t};
     rc = report_write(report, &in);
     if (!rc && !json) printf("\nreport written to %s\n", report);
   }

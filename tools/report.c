@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "replay/replay.h"
+#include "replay/trace.h"
 #include "report_page.h" /* report_page_js: tools/report_page.js, generated */
 #include "tool.h"
 
@@ -101,9 +102,42 @@ static bool identical(const gca_snapshot_segment_t *a, const gca_snapshot_segmen
   return a->total_size == b->total_size && a->pool == b->pool && a->stream == b->stream && !same_blocks(a, b);
 }
 
+/* What the segment map says of where blocks came from: the trace's stacks,
+ * and which of them the page names (written once, after the devices). */
+typedef struct origins {
+  const trace_t *trace; /* NULL: no stacks */
+  uint8_t *named;       /* a flag per stack; NULL: none to name */
+} origins_t;
+
+/* A block's origin as the page has it: 0 none known, -1 live when
+ * recording began, else a key of the page's "stacks". */
+static long long origin_of(origins_t *o, const replay_device_t *d, uint64_t addr, int state) {
+  if (state == GCA_BLOCK_INACTIVE || state == PAGE_RUN_UNMAPPED) return 0;
+  const replay_origin_t *at = replay_origin_at(d, addr);
+  if (!at) return 0;
+  if (at->stack == REPLAY_BEFORE_RECORDING) return -1;
+  if (!o->named || !o->trace || at->stack >= o->trace->stack_count) return 0;
+  o->named[at->stack] = 1;
+  return at->stack;
+}
+
+/* The stacks the blocks named, as "stacks": {"N": "frame\nframe ..."}, and
+ * the size of a snapshot whose stacks were not read (0: none). */
+static void put_stacks(FILE *f, const origins_t *o) {
+  fprintf(f, ", \"stacks_left_out\": %" PRIu64 ", \"stacks_limit\": %" PRIu64 ", \"stacks\": {",
+          o->trace ? o->trace->stacks_left_out : 0, (uint64_t)TOOL_STACKS_LIMIT);
+  for (size_t i = 1, n = 0; o->named && i < o->trace->stack_count; i++) {
+    if (!o->named[i]) continue;
+    fprintf(f, "%s\"%zu\": ", n++ ? ",\n" : "\n", i);
+    json_put_string(f, o->trace->stacks[i]);
+  }
+  fprintf(f, "}");
+}
+
 /* The opening of one row of the segment map; the caller writes its blocks
- * as [size, state, requested] (state 0 allocated, 1 pending free, 2 free,
- * 3 unmapped), or none beyond the budget of blocks, and closes it. */
+ * as [size, state, requested, origin] (state 0 allocated, 1 pending free,
+ * 2 free, 3 unmapped; origin as origin_of), or none beyond the budget of
+ * blocks, and closes it. */
 static void put_row(FILE *f, bool first, uint64_t address, uint64_t size, uint64_t allocated, uint64_t requested,
                     gca_stream_t stream, int pool, bool range, size_t count) {
   fprintf(f, "%s\n{\"address\": %" PRIu64 ", \"size\": %" PRIu64 ", \"allocated\": %" PRIu64
@@ -117,7 +151,7 @@ static void put_row(FILE *f, bool first, uint64_t address, uint64_t size, uint64
  * highest mapped page (mapped blocks and unmapped holes, from the page
  * census), then the ordinary segments, largest first, each run of
  * identical ones as one row with its count. */
-static void put_segments(FILE *f, const replay_device_t *d) {
+static void put_segments(FILE *f, const replay_device_t *d, origins_t *o) {
   const gca_snapshot_t *s = d->peak_snapshot;
   const page_census_t *c = &d->peak_pages;
   size_t rows = 0, blocks = 0, ordinary = 0, left_out = 0;
@@ -130,8 +164,12 @@ static void put_segments(FILE *f, const replay_device_t *d) {
       if (g->runs[k].state == GCA_BLOCK_ACTIVE_ALLOCATED) allocated += g->runs[k].size;
     put_row(f, rows++ == 0, g->addr, g->extent, allocated, 0, g->stream, g->pool, true, 1);
     if (blocks + g->run_count <= MAP_BLOCKS) {
-      for (size_t k = 0; k < g->run_count; k++)
-        fprintf(f, "%s[%" PRIu64 ",%d,0]", k ? "," : "", g->runs[k].size, g->runs[k].state);
+      uint64_t at = g->addr;
+      for (size_t k = 0; k < g->run_count; k++) {
+        fprintf(f, "%s[%" PRIu64 ",%d,0,%lld]", k ? "," : "", g->runs[k].size, g->runs[k].state,
+                origin_of(o, d, at, g->runs[k].state));
+        at += g->runs[k].size;
+      }
       blocks += g->run_count;
     }
     fprintf(f, "]}");
@@ -153,8 +191,8 @@ static void put_segments(FILE *f, const replay_device_t *d) {
             false, run);
     if (blocks + g->block_count <= MAP_BLOCKS) {
       for (size_t b = 0; b < g->block_count; b++)
-        fprintf(f, "%s[%" PRIu64 ",%d,%" PRIu64 "]", b ? "," : "", g->blocks[b].size, g->blocks[b].state,
-                g->blocks[b].requested_size);
+        fprintf(f, "%s[%" PRIu64 ",%d,%" PRIu64 ",%lld]", b ? "," : "", g->blocks[b].size, g->blocks[b].state,
+                g->blocks[b].requested_size, origin_of(o, d, g->blocks[b].address, g->blocks[b].state));
       blocks += g->block_count;
     }
     fprintf(f, "]}");
@@ -181,7 +219,7 @@ static const char *settings_of(const replay_result_t *r) {
   return "";
 }
 
-static void put_device(FILE *f, const replay_device_t *d) {
+static void put_device(FILE *f, const replay_device_t *d, origins_t *o) {
   fprintf(f, "{\"device\": %d, \"empty\": %s, \"events\": %zu, \"seeded\": %zu, \"start_segments\": %zu, "
              "\"peak_requested\": %" PRIu64 ", \"peak_allocated\": %" PRIu64 ", \"peak_reserved\": %" PRIu64
              ", \"bound_reserved\": %" PRIu64 ", \"recorded_peak_reserved\": ",
@@ -204,7 +242,7 @@ static void put_device(FILE *f, const replay_device_t *d) {
   fprintf(f, ", ");
   put_timeline(f, d);
   fprintf(f, ", ");
-  put_segments(f, d);
+  put_segments(f, d, o);
   fprintf(f, ", \"pages\": ");
   pages_json_put(f, d);
   fprintf(f, "}");
@@ -284,12 +322,16 @@ int report_write(const char *out_path, const report_input_t *in) {
   json_put_string(f, settings_of(r));
   fprintf(f, ", \"defaults\": ");
   put_defaults(f);
+  origins_t origins = {.trace = in->trace};
+  if (in->trace && in->trace->stack_count) origins.named = calloc(in->trace->stack_count, 1);
   fprintf(f, ", \"devices\": [");
   for (int i = 0; i < r->device_count; i++) {
     fprintf(f, "%s\n", i ? "," : "");
-    put_device(f, &r->devices[i]);
+    put_device(f, &r->devices[i], &origins);
   }
   fprintf(f, "]");
+  put_stacks(f, &origins);
+  free(origins.named);
   if (in->answer_count) {
     fprintf(f, ", \"answers\": [");
     for (size_t i = 0; i < in->answer_count; i++) {

@@ -193,6 +193,18 @@ function timeline(dev, host, answers) {
 // Not the timeline's colours: a test counts those to see that the plot was drawn.
 const BLOCK_COLORS = ['#6a51a3', '#fdae6b', '#dddddd'], UNMAPPED_COLOR = '#9ecae1';
 const STATES = ['allocated', 'pending free', 'free', 'unmapped'];
+const READOUT_FRAMES = 3; // frames the line under the map shows; the tooltip shows them all
+
+// Where a block came from (its origin in the data): live when recording
+// began, or allocated from a call stack of the trace's (innermost first).
+function originText(origin, frames) {
+  if (origin === -1) return 'live when recording began';
+  const stack = origin > 0 && REPORT.stacks && REPORT.stacks[origin];
+  if (!stack) return '';
+  const lines = stack.split('\n');
+  return 'allocated at' + (frames ? ' ' + lines.slice(0, frames).join(' < ') + (lines.length > frames ? ' < ...' : '')
+                                  : '\n  ' + lines.join('\n  '));
+}
 
 function segmentMap(dev, host) {
   const segs = dev.segments;
@@ -205,6 +217,9 @@ function segmentMap(dev, host) {
     sw.style.background = k === 3 ? UNMAPPED_COLOR : BLOCK_COLORS[k];
     item.appendChild(document.createTextNode(name));
   });
+  if (REPORT.stacks_left_out)
+    html('p', 'Where each block was allocated is not shown: the snapshot is ' + fmt(REPORT.stacks_left_out) +
+        ', and its call stacks are read up to ' + fmt(REPORT.stacks_limit) + ' unless --stacks is given.', host, 'note');
   const W = 960, L = 200, R = 24, ROW = 14, TOP = 24, biggest = Math.max(...segs.map(g => g.size));
   const unit = byteUnit(biggest), xt = ticks(biggest, 6, unit[0]), span = xt[xt.length - 1];
   const scale = (W - L - R) / span;
@@ -226,23 +241,24 @@ function segmentMap(dev, host) {
         (g.count > 1 ? g.count + ' \u00d7 ' : '') + fmt(g.size) + ' ' + g.pool + (g.range ? ' range' : '');
     el('rect', {x: L, y: y, width: Math.max(1, g.size * scale), height: ROW - 3, fill: BLOCK_COLORS[2],
                 class: g.range ? 'range' : 'segment'}, row);
-    const part = (at, size, state, text) => {
+    const part = (at, size, state, text, origin) => {
       const e = el('rect', {x: L + at * scale, y: y, width: Math.max(0.5, size * scale), height: ROW - 3,
                             fill: state === 3 ? UNMAPPED_COLOR : BLOCK_COLORS[state],
                             class: state === 3 ? 'unmapped' : 'block'}, row);
-      tip(e, text);
-      e.addEventListener('mouseenter', () => { readout.textContent = what + ' | ' + text; });
+      const long = originText(origin, 0), short = originText(origin, READOUT_FRAMES);
+      tip(e, what + '\n' + text + (long ? '\n' + long : ''));
+      e.addEventListener('mouseenter', () => { readout.textContent = what + ' | ' + text + (short ? ' | ' + short : ''); });
     };
     if (g.blocks.length) {
       let at = 0;
-      for (const [size, state, requested] of g.blocks) {
+      for (const [size, state, requested, origin] of g.blocks) {
         const text = STATES[state] + ' ' + fmt(size) + (requested ? ' (requested ' + fmt(requested) + ')' : '') +
-            ' at offset ' + fmt(at);
-        if (state !== 2 || g.blocks.length > 1) part(at, size, state, text);
+            ' at offset ' + fmt(at) + (g.count > 1 && origin ? ' (of the first of these segments)' : '');
+        if (state !== 2 || g.blocks.length > 1) part(at, size, state, text, origin);
         at += size;
       }
     } else {
-      part(0, g.allocated, 0, fmt(g.allocated) + ' allocated (blocks not listed: too many in the report)');
+      part(0, g.allocated, 0, fmt(g.allocated) + ' allocated (blocks not listed: too many in the report)', 0);
     }
   });
   if (dev.segments_left_out)

@@ -26,6 +26,7 @@ typedef struct report_input {
   char *const *answers;           /* tune's (report_answer_json), drawn over r's timeline; NULL, 0: none */
   size_t answer_count;
   const char *answers_note;       /* a line under the answers (NULL: none) */
+  const struct trace *trace;      /* the trace replayed: its call stacks name where blocks were allocated; NULL: none */
 } report_input_t;
 /* Writes the report to out_path: 0, or 1 with a message on stderr. */
 int report_write(const char *out_path, const report_input_t *in);
@@ -115,7 +116,12 @@ void tool_progress_done(tool_progress_t *p);
  * ("reading the trace: 45% (52 of 116 MB, 0.6 s)"); false when it cannot,
  * with "gcalloc COMMAND: why" on stderr and the progress line wiped. */
 struct trace;
-bool tool_load_trace(const char *command, const char *path, struct trace *t, tool_progress_t *p);
+/* With `stacks`, the allocations' call stacks are kept (trace_load_options)
+ * for a report, from a snapshot of up to TOOL_STACKS_LIMIT bytes, or of any
+ * size with `any_size` (--stacks). */
+#define TOOL_STACKS_LIMIT ((uint64_t)64 << 20)
+bool tool_load_trace(const char *command, const char *path, struct trace *t, tool_progress_t *p, bool stacks,
+                     bool any_size);
 int compare_doubles(const void *a, const void *b);
 /* The folder of the sample snapshots the project ships (data/snapshots,
  * one folder each): beside the tool in the Python package

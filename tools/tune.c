@@ -394,6 +394,7 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
   o.timeline = true;
   o.page_census = true;
   o.conf = NULL; /* (the trace's settings, else the defaults: what `gcalloc replay` replays) */
+  o.match_segments = true; /* (the page says how many of PyTorch's segment events it reproduced) */
   replay_result_t shown;
   int rc = replay_trace(t, &o, &shown);
   if (rc != GCA_OK) {
@@ -402,6 +403,7 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
   }
   char *json[4] = {0};
   o.series_only = true;
+  o.match_segments = base->match_segments;
   for (size_t i = 0; i < n && rc == GCA_OK; i++) {
     replay_result_t r;
     const replay_result_t *of = &shown;
@@ -419,7 +421,7 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
     const char *note = !best && !furthest ? "No setting searched beats the defaults by more than 0.5% with fewer keys: "
                                             "nothing to set." : NULL;
     report_input_t in = {.command = "tune", .trace_path = path, .r = &shown, .capacity = base->capacity,
-                         .answers = json, .answer_count = n, .answers_note = note};
+                         .answers = json, .answer_count = n, .answers_note = note, .trace = t};
     status = report_write(out, &in);
   } else {
     fprintf(stderr, "gcalloc tune: %s: %s\n", path, gca_last_error());
@@ -430,7 +432,8 @@ static int write_report(const trace_t *t, const replay_options_t *base, const ch
 }
 
 const tool_command_t tune_command = {
-    "tune", "TRACE", "TRACE [--capacity SIZE | --min-capacity] [--device N] [--json] [--report FILE.html]",
+    "tune", "TRACE",
+    "TRACE [--capacity SIZE | --min-capacity] [--device N] [--json] [--report FILE.html [--stacks]]",
     "search the settings under which the trace reserves the least",
     "\n"
     "Replays TRACE (any trace `gcalloc replay` reads; - for standard input) under every combination of\n"
@@ -450,6 +453,7 @@ const tool_command_t tune_command = {
     "  --json           the ranking as JSON\n"
     "  --report FILE.html  also write `gcalloc replay --report`'s page of the run as recorded, with the\n"
     "                   answers beside it: a table, and each one's reserved memory over the same timeline\n"
+    "  --stacks         with --report, read the call stacks from a snapshot of any size (as replay's)\n"
     "  -h, --help       this help\n"
     "\n"
     "Exit status: 0 done; 1 the trace could not be read or replayed, or the report written; 2 bad\n"
@@ -459,7 +463,7 @@ const tool_command_t tune_command = {
 int tune_main(int argc, char **argv) {
   const char *path = NULL;
   replay_options_t base = {.device = -1, .infer_empty_cache = true};
-  bool json = false, min_capacity = false;
+  bool json = false, min_capacity = false, stacks = false;
   const char *report = NULL;
   long device = -1;
   const tool_option_t options[] = {
@@ -467,11 +471,16 @@ int tune_main(int argc, char **argv) {
       {"--min-capacity", OPTION_FLAG, &min_capacity, 0, 0, NULL},
       {"--device", OPTION_NUMBER, &device, 0, 255, "N"},
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
+      {"--stacks", OPTION_FLAG, &stacks, 0, 0, NULL},
       {"--report", OPTION_TEXT, &report, 0, 0, "FILE.html"},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&tune_command, options, argc, argv, &path);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  if (stacks && !report) {
+    fprintf(stderr, "gcalloc tune: --stacks reads the call stacks for --report: give it with --report\n");
+    return 2;
+  }
   if (min_capacity && base.capacity) {
     fprintf(stderr, "gcalloc tune: --min-capacity finds the capacity: give it without --capacity\n");
     return 2;
@@ -480,7 +489,7 @@ int tune_main(int argc, char **argv) {
   tool_progress_t progress;
   tool_progress_start(&progress);
   trace_t t;
-  if (!tool_load_trace("tune", path, &t, &progress)) return 1;
+  if (!tool_load_trace("tune", path, &t, &progress, report != NULL, stacks)) return 1;
   /* The trace is planned once (its seeds, operations, recorded segment
    * events): the plan does not depend on the settings, and was a third of
    * each replay. */
