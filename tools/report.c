@@ -28,6 +28,7 @@
 #define TIMELINE_POINTS 1500
 #define MAP_ROWS 200       /* rows of the segment map (identical segments are one row); the rest are counted */
 #define MAP_BLOCKS 40000   /* in all; beyond, a row is drawn as its totals */
+#define MAP_STACKS 2000    /* call stacks in the page (about 1 KB each); beyond, blocks are drawn without theirs */
 
 /* The operations a device's timeline covers after the seeds: recorded
  * operations replayed (up to the out-of-memory where one stopped it). */
@@ -107,6 +108,8 @@ static bool identical(const gca_snapshot_segment_t *a, const gca_snapshot_segmen
 typedef struct origins {
   const trace_t *trace; /* NULL: no stacks */
   uint8_t *named;       /* a flag per stack; NULL: none to name */
+  size_t named_count;   /* flags set, at most MAP_STACKS */
+  size_t unnamed;       /* blocks whose stack did not fit in the page */
 } origins_t;
 
 /* A block's origin as the page has it: 0 none known, -1 live when
@@ -117,15 +120,22 @@ static long long origin_of(origins_t *o, const replay_device_t *d, uint64_t addr
   if (!at) return 0;
   if (at->stack == REPLAY_BEFORE_RECORDING) return -1;
   if (!o->named || !o->trace || at->stack >= o->trace->stack_count) return 0;
-  o->named[at->stack] = 1;
+  if (!o->named[at->stack]) {
+    if (o->named_count == MAP_STACKS) {
+      o->unnamed++;
+      return 0;
+    }
+    o->named[at->stack] = 1;
+    o->named_count++;
+  }
   return at->stack;
 }
 
 /* The stacks the blocks named, as "stacks": {"N": "frame\nframe ..."}, and
  * the size of a snapshot whose stacks were not read (0: none). */
 static void put_stacks(FILE *f, const origins_t *o) {
-  fprintf(f, ", \"stacks_left_out\": %" PRIu64 ", \"stacks_limit\": %" PRIu64 ", \"stacks\": {",
-          o->trace ? o->trace->stacks_left_out : 0, (uint64_t)TOOL_STACKS_LIMIT);
+  fprintf(f, ", \"stacks_left_out\": %" PRIu64 ", \"stacks_limit\": %" PRIu64 ", \"stacks_most\": %d, \"stacks\": {",
+          o->trace ? o->trace->stacks_left_out : 0, (uint64_t)TOOL_STACKS_LIMIT, MAP_STACKS);
   for (size_t i = 1, n = 0; o->named && i < o->trace->stack_count; i++) {
     if (!o->named[i]) continue;
     fprintf(f, "%s\"%zu\": ", n++ ? ",\n" : "\n", i);
@@ -242,7 +252,9 @@ static void put_device(FILE *f, const replay_device_t *d, origins_t *o) {
   fprintf(f, ", ");
   put_timeline(f, d);
   fprintf(f, ", ");
+  size_t unnamed = o->unnamed;
   put_segments(f, d, o);
+  fprintf(f, ", \"stacks_unnamed\": %zu", o->unnamed - unnamed); /* (blocks drawn without their stack: MAP_STACKS) */
   fprintf(f, ", \"pages\": ");
   pages_json_put(f, d);
   fprintf(f, "}");

@@ -220,6 +220,9 @@ function segmentMap(dev, host) {
   if (REPORT.stacks_left_out)
     html('p', 'Where each block was allocated is not shown: the snapshot is ' + fmt(REPORT.stacks_left_out) +
         ', and its call stacks are read up to ' + fmt(REPORT.stacks_limit) + ' unless --stacks is given.', host, 'note');
+  if (dev.stacks_unnamed)
+    html('p', count(dev.stacks_unnamed) + ' blocks are drawn without their call stacks: the page holds ' +
+        count(REPORT.stacks_most) + ' stacks at most.', host, 'note');
   const W = 960, L = 200, R = 24, ROW = 14, TOP = 24, biggest = Math.max(...segs.map(g => g.size));
   const unit = byteUnit(biggest), xt = ticks(biggest, 6, unit[0]), span = xt[xt.length - 1];
   const scale = (W - L - R) / span;

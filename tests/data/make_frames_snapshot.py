@@ -18,7 +18,12 @@ that all are live at the peak, reached at D):
 PyTorch's segment_alloc entries come before A to D, and the segments at the
 end are listed, so that the report has PyTorch's reserved bytes to draw.
 
+With `many`, it writes snapshot_many_stacks.pickle instead: 2,100 blocks of
+512 B, each allocated from a stack of its own, live at the peak (a 30 MiB
+allocation after them), 100 more than the 2,000 stacks a report holds.
+
 Run: python3 make_frames_snapshot.py > snapshot_frames.pickle
+     python3 make_frames_snapshot.py many > snapshot_many_stacks.pickle
 """
 import pickle
 import sys
@@ -77,5 +82,13 @@ def main():
     sys.stdout.buffer.write(pickle.dumps(snapshot, protocol=4))
 
 
+def many():
+    trace = [{"action": "alloc", "addr": 0x7F0000000000 + i * 512, "size": 512, "stream": 0, "time_us": i,
+              "frames": [frame("layer%d" % i, i, "/opt/job/model.py")]} for i in range(2100)]
+    trace.append({"action": "alloc", "addr": 0x7F1000000000, "size": 30 * MiB, "stream": 0, "time_us": 5000,
+                  "frames": []})
+    sys.stdout.buffer.write(pickle.dumps({"segments": [], "device_traces": [trace]}, protocol=4))
+
+
 if __name__ == "__main__":
-    main()
+    many() if sys.argv[1:] == ["many"] else main()
