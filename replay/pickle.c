@@ -676,7 +676,11 @@ FLAT_STEP size_t flat_pruned_list(flat_t *f, size_t pos, int depth, const bool s
   if (!(pos = flat_memo(f, pos + 1, list, sym)) || (pos = flat_frames(f, pos)) >= len) return 0;
   if (buf[pos] != '(') {
     /* One item then APPEND, or else the list was empty and what was read
-     * is the dict's: undone, and read again as that. */
+     * is the dict's: undone, and read again as that. A dict as the one
+     * item is the machine's: it cannot tell, when the dict is pushed,
+     * that APPEND will put it in the pruned list, so it builds it (and
+     * its memo slot holds it whole). */
+    if (buf[pos] == '}') return 0;
     size_t memo_len = f->memo_len, checks_len = f->checks_len;
     int64_t excess = f->excess;
     size_t end = flat_item(f, pos, depth, sym);

@@ -68,7 +68,10 @@ typedef bool (*pickle_take_fn)(void *ctx, const void *prepared, int64_t *id);
 typedef struct pickle_options {
   /* Every container stored under the dict key `pruned_key`, and every
    * container built inside one, is kept empty: a PyTorch snapshot's
-   * "frames" are most of its values, and a replay never reads them. */
+   * "frames" are most of its values, and a replay never reads them. "Inside"
+   * is: pushed while the pruned container is being filled (after its
+   * MARK); a container written alone and put in with APPEND is built
+   * (the reader sees APPEND only after it), then dropped from the list. */
   const char *pruned_key;
   /* Every dict in a list in the list stored under the dict key
    * `records_key` (a snapshot's device_traces entries) whose values are

@@ -1117,6 +1117,14 @@ int trace_parse_snapshot_split(const char *name, const void *data, size_t len, s
   return parse_snapshot(name, data, len, false, split, out);
 }
 
+int trace_parse_snapshot_stacks(const char *name, const void *data, size_t len, trace_t *out) {
+  memset(out, 0, sizeof *out);
+  reading_t reading = {.total = len, .stacks = true};
+  int rc = read_snapshot(name, NULL, NULL, data, len, false, 0, &reading, out);
+  if (rc != GCA_OK) trace_free(out);
+  return rc;
+}
+
 bool trace_equal(const trace_t *a, const trace_t *b) {
   if (a->count != b->count || a->device_count != b->device_count || a->final_block_count != b->final_block_count ||
       a->final_segment_count != b->final_segment_count || a->has_segment_state != b->has_segment_state ||

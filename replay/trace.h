@@ -170,6 +170,8 @@ int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, 
 /* Tests: the same with the pickle reader's second reader started at
  * offset `split` of the data (pickle_options.split), wherever that is. */
 int trace_parse_snapshot_split(const char *name, const void *data, size_t len, size_t split, trace_t *out);
+/* Tests: the same with its call stacks (trace_load_options.stacks). */
+int trace_parse_snapshot_stacks(const char *name, const void *data, size_t len, trace_t *out);
 /* The same events, final state and settings (tests, the fuzzer). */
 bool trace_equal(const trace_t *a, const trace_t *b);
 

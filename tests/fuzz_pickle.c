@@ -1,6 +1,7 @@
 /* libFuzzer target for the snapshot reader (label `replay`): the pickle
  * reader on arbitrary bytes, then, for what parses as a snapshot, the
- * conversion to a trace and a replay of it on the simulated device. The
+ * conversion to a trace (also with its call stacks, which must give the
+ * same trace) and a replay of it on the simulated device. The
  * reader's fast paths (the loop for flat dicts, snapshot entries taken as
  * they are read, and for one input in 16 the second reader) are
  * checked against its general machine alone on every input: the same tree
@@ -81,6 +82,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       mismatch("a trace read on two threads", slow_error);
     if (!split_rc) trace_free(&split);
   }
+  /* With call stacks (frames not pruned, one reader): the same trace
+   * where the plain reading gave one, and stacks only where they belong. */
+  trace_t with;
+  int with_rc = trace_parse_snapshot_stacks("fuzz", data, size, &with);
+  if (!slow_rc && (with_rc || !trace_equal(&with, &slow))) mismatch("a trace read with its stacks", slow_error);
+  for (size_t i = 0; !with_rc && with.event_stacks && i < with.count; i++) {
+    uint32_t s = with.event_stacks[i];
+    if (s >= with.stack_count || (s && (with.events[i].action != TA_ALLOC || !with.stacks[s] ||
+                                        !strlen(with.stacks[s]))))
+      mismatch("a stack", "");
+  }
+  if (!with_rc) trace_free(&with);
   if (!slow_rc) trace_free(&slow);
   if (rc != GCA_OK) return 0;
   fuzz_replay_small(&t);
