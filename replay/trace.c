@@ -327,11 +327,9 @@ static bool take_entry(void *ctx, const void *prepared, int64_t *id) {
     sink->cap = cap;
   }
   if (sink->stacks && sink->count == sink->frames_cap) {
-    size_t cap = sink->frames_cap ? sink->frames_cap * 2 : 1024;
-    const pv_seq_t **grown = realloc(sink->frames, cap * sizeof *grown);
+    const pv_seq_t **grown = gca__grow_array(sink->frames, &sink->frames_cap, sizeof *grown, 1024);
     if (!grown) return false;
     sink->frames = grown;
-    sink->frames_cap = cap;
   }
   trace_event_t *to = &sink->events[sink->count];
   *to = e->event;
@@ -461,12 +459,8 @@ typedef struct seen_list {
   uint32_t stack;
 } seen_list_t;
 
-static uint64_t fnv1a(const void *data, size_t len) {
-  const unsigned char *c = data;
-  uint64_t hash = 14695981039346656037ull;
-  for (size_t i = 0; i < len; i++) hash = (hash ^ c[i]) * 1099511628211ull;
-  return hash >> 1; /* (the maps' keys stop short of their markers) */
-}
+/* A key for the maps below (addr_map_t's keys stop short of its markers). */
+static uint64_t map_key(const void *data, size_t len) { return gca__bytes_hash(data, len) >> 1; }
 
 static bool same_items(const pv_seq_t *a, const pv_seq_t *b) {
   return a->count == b->count && !memcmp(a->items, b->items, a->count * sizeof *a->items);
@@ -483,7 +477,7 @@ static int intern_stacks(const char *path, const pv_seq_t *const *frames, trace_
   for (size_t i = 0; rc == GCA_OK && i < t->count; i++) {
     const pv_seq_t *list = frames[i];
     if (!list || !list->count || t->events[i].action != TA_ALLOC) continue;
-    uint64_t items_hash = fnv1a(list->items, list->count * sizeof *list->items);
+    uint64_t items_hash = map_key(list->items, list->count * sizeof *list->items);
     const uint64_t *known = gca__addr_map_get(&by_items, items_hash);
     if (known && same_items(seen[*known].list, list)) {
       t->event_stacks[i] = seen[*known].stack;
@@ -496,22 +490,20 @@ static int intern_stacks(const char *path, const pv_seq_t *const *frames, trace_
     }
     uint32_t id = 0;
     if (text) {
-      uint64_t hash = fnv1a(text, strlen(text));
+      uint64_t hash = map_key(text, strlen(text));
       const uint64_t *same = gca__addr_map_get(&by_text, hash);
       if (same && !strcmp(t->stacks[*same], text)) {
         id = (uint32_t)*same;
         free(text);
       } else {
-        if (t->stack_count + 1 >= cap) {
-          size_t n = cap ? 2 * cap : 64;
-          char **grown = n < UINT32_MAX ? realloc(t->stacks, n * sizeof *grown) : NULL;
+        if (t->stack_count + 1 >= cap) { /* (ids are 32 bits) */
+          char **grown = cap < UINT32_MAX / 2 ? gca__grow_array(t->stacks, &cap, sizeof *grown, 64) : NULL;
           if (!grown) {
             free(text);
             rc = GCA_ERR_NOMEM;
             break;
           }
           t->stacks = grown;
-          cap = n;
         }
         if (!t->stack_count) t->stacks[t->stack_count++] = NULL; /* (0: none) */
         id = (uint32_t)t->stack_count;
@@ -522,14 +514,12 @@ static int intern_stacks(const char *path, const pv_seq_t *const *frames, trace_
     t->event_stacks[i] = id;
     if (rc != GCA_OK || known) continue; /* (a hash seen with other items: looked up by text each time) */
     if (seen_count == seen_cap) {
-      size_t n = seen_cap ? 2 * seen_cap : 64;
-      seen_list_t *grown = realloc(seen, n * sizeof *grown);
+      seen_list_t *grown = gca__grow_array(seen, &seen_cap, sizeof *grown, 64);
       if (!grown) {
         rc = GCA_ERR_NOMEM;
         break;
       }
       seen = grown;
-      seen_cap = n;
     }
     seen[seen_count] = (seen_list_t){list, id};
     if (!gca__addr_map_put(&by_items, items_hash, seen_count++)) rc = GCA_ERR_NOMEM;
@@ -1098,31 +1088,28 @@ static int read_snapshot(const char *name, const char *path, unsigned char *owne
 }
 
 static int parse_snapshot(const char *name, const void *data, size_t len, bool machine_only, size_t split,
-                          trace_t *out) {
+                          bool stacks, trace_t *out) {
   memset(out, 0, sizeof *out);
-  int rc = read_snapshot(name, NULL, NULL, data, len, machine_only, split, NULL, out);
+  reading_t reading = {.total = len, .stacks = true};
+  int rc = read_snapshot(name, NULL, NULL, data, len, machine_only, split, stacks ? &reading : NULL, out);
   if (rc != GCA_OK) trace_free(out);
   return rc;
 }
 
 int trace_parse_snapshot(const char *name, const void *data, size_t len, trace_t *out) {
-  return parse_snapshot(name, data, len, false, 0, out);
+  return parse_snapshot(name, data, len, false, 0, false, out);
 }
 
 int trace_parse_snapshot_slowly(const char *name, const void *data, size_t len, trace_t *out) {
-  return parse_snapshot(name, data, len, true, 0, out);
+  return parse_snapshot(name, data, len, true, 0, false, out);
 }
 
 int trace_parse_snapshot_split(const char *name, const void *data, size_t len, size_t split, trace_t *out) {
-  return parse_snapshot(name, data, len, false, split, out);
+  return parse_snapshot(name, data, len, false, split, false, out);
 }
 
 int trace_parse_snapshot_stacks(const char *name, const void *data, size_t len, trace_t *out) {
-  memset(out, 0, sizeof *out);
-  reading_t reading = {.total = len, .stacks = true};
-  int rc = read_snapshot(name, NULL, NULL, data, len, false, 0, &reading, out);
-  if (rc != GCA_OK) trace_free(out);
-  return rc;
+  return parse_snapshot(name, data, len, false, 0, true, out);
 }
 
 bool trace_equal(const trace_t *a, const trace_t *b) {

@@ -217,9 +217,6 @@ function segmentMap(dev, host) {
     sw.style.background = k === 3 ? UNMAPPED_COLOR : BLOCK_COLORS[k];
     item.appendChild(document.createTextNode(name));
   });
-  if (REPORT.stacks_left_out)
-    html('p', 'Where each block was allocated is not shown: the snapshot is ' + fmt(REPORT.stacks_left_out) +
-        ', and its call stacks are read up to ' + fmt(REPORT.stacks_limit) + ' unless --stacks is given.', host, 'note');
   if (dev.stacks_unnamed)
     html('p', count(dev.stacks_unnamed) + ' blocks are drawn without their call stacks: the page holds ' +
         count(REPORT.stacks_most) + ' stacks at most.', host, 'note');
@@ -352,6 +349,10 @@ function draw() {
   if (empty.length)
     html('p', empty.map(d => d.name.replace(/^d/, 'D')).join(', ') + ': nothing recorded on ' +
         (empty.length === 1 ? 'it' : 'them') + '.', head, 'empty');
+  if (REPORT.stacks_left_out)
+    html('p', 'The segment maps do not say where each block was allocated: the snapshot is ' +
+        fmt(REPORT.stacks_left_out) + ', and its call stacks are read up to ' + fmt(REPORT.stacks_limit) +
+        ' unless --stacks is given.', head, 'note');
   const answers = REPORT.answers || [];
   if (answers.length) answersTable(head);
   for (const d of shown) {

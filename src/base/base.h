@@ -126,6 +126,8 @@ void gca__log_python_frames(int delta);
  * Returns the new array and updates *cap, or returns NULL on host OOM and
  * leaves both untouched. */
 void *gca__grow_array(void *array, size_t *cap, size_t elem_size, size_t first);
+/* FNV-1a of `len` bytes. */
+uint64_t gca__bytes_hash(const void *data, size_t len);
 /* FNV-1a of a string's bytes, never 0 (so 0 can mark an empty slot). */
 uint64_t gca__text_hash(const char *s);
 #if defined(__SANITIZE_ADDRESS__)

@@ -47,9 +47,15 @@ void gca__text_put(text_t *t, const char *fmt, ...) {
   if (n > 0) t->len += (size_t)n;
 }
 
-uint64_t gca__text_hash(const char *s) {
+uint64_t gca__bytes_hash(const void *data, size_t len) {
+  const unsigned char *c = data;
   uint64_t h = 1469598103934665603ull;
-  for (; *s; s++) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  for (size_t i = 0; i < len; i++) h = (h ^ c[i]) * 1099511628211ull;
+  return h;
+}
+
+uint64_t gca__text_hash(const char *s) {
+  uint64_t h = gca__bytes_hash(s, strlen(s));
   return h ? h : 1;
 }
 
