@@ -74,7 +74,7 @@ static int check_pages(device_t *d, segment_t *seg, recount_t *r) {
     if (unmapped && b->next && b->next->state == BLOCK_UNMAPPED)
       BAD("device %d: unmapped blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged", d->index,
           b->addr, b->next->addr);
-    if (unmapped && !gca__pool_unmapped_contains(b->pool, b))
+    if (unmapped && !gca__pool_unmapped_contains(block_pool(b), b))
       BAD("device %d: unmapped block at %#" PRIxPTR " is missing from the unmapped index", d->index, b->addr);
     if (unmapped) r->unmapped_blocks[seg->pool->kind]++;
     for (size_t i = first; i < end; i++) {
@@ -110,14 +110,14 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
     if (b->size == 0 || b->size % MIN_BLOCK_SIZE)
       BAD("device %d: block at %#" PRIxPTR " has size %zu, not a positive multiple of 512", d->index,
           b->addr, b->size);
-    if (b->segment != seg || b->pool != seg->pool || b->stream != seg->stream)
-      BAD("device %d: block at %#" PRIxPTR " disagrees with its segment on segment, pool or stream",
+    if (b->segment != seg || b->stream != seg->stream)
+      BAD("device %d: block at %#" PRIxPTR " disagrees with its segment on segment or stream",
           d->index, b->addr);
     if (b->next && b->next->prev != b)
       BAD("device %d: block at %#" PRIxPTR " and its next neighbour disagree on their link", d->index,
           b->addr);
     bool held = b->state == BLOCK_PENDING && b->event_count == 0; /* a free held for a capture's end */
-    if (b->uses && b->state != BLOCK_ALLOCATED && !held)
+    if (block_uses(b) && b->state != BLOCK_ALLOCATED && !held)
       BAD("device %d: block at %#" PRIxPTR " has stream uses but is not allocated", d->index, b->addr);
     if (held) r->held_blocks++;
     switch (b->state) {
@@ -137,7 +137,7 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
         if (b->next && b->next->state == BLOCK_FREE)
           BAD("device %d: free blocks at %#" PRIxPTR " and %#" PRIxPTR " are neighbours but not merged",
               d->index, b->addr, b->next->addr);
-        if (!gca__pool_contains(b->pool, b))
+        if (!gca__pool_contains(block_pool(b), b))
           BAD("device %d: free block at %#" PRIxPTR " is missing from its free index", d->index, b->addr);
         r->free_blocks[kind]++;
         if (split && !b->expandable) {

@@ -65,31 +65,34 @@ typedef struct stream_uses {
 
 struct block {
   /* What a search down the free index reads comes first, in one cache line:
-   * the tree links, then the key (stream, size, address). */
+   * the tree links, then the key (stream, size, address). A block is either
+   * in an index (free, unmapped) or in use (allocated, pending,
+   * quarantined), never both, so the two share their first 32 bytes. */
   union {
     RB_ENTRY(block) link;    /* free or unmapped index node (free and unmapped blocks) */
-    block_t *hash_next;      /* allocation map chain (allocated blocks); the capture's held list (pending) */
+    struct {                 /* in use (block_in_use) */
+      block_t *hash_next;    /* allocation map chain (allocated); the capture's held list (pending) */
+      size_t requested;      /* what the caller asked for */
+      stream_uses_t *uses;   /* other streams that used it; NULL: none */
+      call_stack_t *stack;   /* where it was allocated (history context STATE and up); else NULL.
+                              * Beside `uses`: a free tests both, and recording, in one branch. */
+    };
   };
   gca_stream_t stream;       /* the stream the block's segment belongs to */
   size_t size;               /* rounded size this block covers */
   uintptr_t addr;
   block_t *prev, *next;      /* address neighbours inside the segment */
-  segment_t *segment;
-  pool_t *pool;
-  size_t requested;          /* what the caller asked for (allocated and pending blocks) */
-  stream_uses_t *uses;       /* allocated blocks: other streams that used it; NULL: none */
-  call_stack_t *stack;       /* where it was allocated (history context STATE and up); else NULL.
-                              * Beside `uses`: a free tests both, and recording, in one branch. */
+  segment_t *segment;        /* (its pool is the segment's: block_pool) */
+  uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
   uint32_t event_count;      /* pending blocks: events not yet completed */
   uint8_t state;             /* enum block_state */
   bool oversize;             /* counted in oversize_allocations */
   bool expandable;           /* lies in an expandable segment (segment->expandable, kept here, hot) */
   bool traced_pending;       /* its free went into the trace file as pending: its completion goes too */
-  uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
 };
 
 #if UINTPTR_MAX == UINT64_MAX
-_Static_assert(sizeof(block_t) == 128, "a block descriptor is two cache lines");
+_Static_assert(sizeof(block_t) == 96, "a block descriptor is one and a half cache lines");
 #endif
 
 struct segment {
@@ -470,7 +473,18 @@ void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi);
  * went when it worked or the device says the handle is not its own. */
 #define CLOSE_TRIES 3
 static inline bool gca__given_back(int rc) { return rc == GCA_OK || rc == GCA_ERR_BAD_POINTER; }
-static inline int pool_kind_of(const block_t *b) { return b->pool->kind; }
+/* The pool a block belongs to: its segment's (a segment moves between
+ * pools whole, mempool.c's rehome). */
+static inline pool_t *block_pool(const block_t *b) { return b->segment->pool; }
+static inline int pool_kind_of(const block_t *b) { return block_pool(b)->kind; }
+/* Whether the block's in-use fields (hash_next, requested, uses, stack)
+ * hold values: allocated, pending or quarantined. Otherwise they are the
+ * index links (or nothing). */
+static inline bool block_in_use(const block_t *b) {
+  return b->state == BLOCK_ALLOCATED || b->state == BLOCK_PENDING || b->state == BLOCK_QUARANTINED;
+}
+/* Its other streams' uses, NULL when it is not in use. */
+static inline stream_uses_t *block_uses(const block_t *b) { return block_in_use(b) ? b->uses : NULL; }
 
 /* A block's state as snapshots name it (gca_block_state). */
 static inline int block_state_of(const block_t *b) {

@@ -171,7 +171,8 @@ void gca__device_destroy(device_t *d) {
   segment_t *seg = d->segments;
   while (seg) {
     segment_t *next = seg->next;
-    for (block_t *b = seg->head; b; b = b->next) gca__history_drop_stack(b);
+    for (block_t *b = seg->head; b; b = b->next)
+      if (block_in_use(b)) gca__history_drop_stack(b);
     if (seg->expandable) {
       left += gca__expandable_segment_destroy(d, seg, give_back);
     } else if (give_back) {
@@ -507,8 +508,8 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
 
 GCA_COLD static void free_slow(device_t *d, block_t *b) {
   /* Freed while its pool is paused: its host copy is not restored. */
-  if (d->priv.paused && b->pool->owner && b->pool->owner->paused) {
-    gca__mempool_drop_backup_of(d, b->pool->owner, b->addr);
+  if (d->priv.paused && block_pool(b)->owner && block_pool(b)->owner->paused) {
+    gca__mempool_drop_backup_of(d, block_pool(b)->owner, b->addr);
     atomic_fetch_sub(&d->paused_now, (int64_t)b->size);
   }
   if (b->uses) {

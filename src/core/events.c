@@ -359,7 +359,7 @@ void gca__events_shutdown(device_t *d) {
   for (segment_t *seg = d->segments; seg; seg = seg->next) {
     (void)wait_stream(d, seg->stream);
     for (block_t *b = seg->head; b; b = b->next) {
-      if (!b->uses) continue;
+      if (!block_uses(b)) continue;
       for (uint32_t i = 0; i < b->uses->count; i++) (void)wait_stream(d, b->uses->streams[i]);
       free(b->uses);
       b->uses = NULL;

@@ -276,7 +276,7 @@ static size_t whole_pages(const block_t *b, size_t *first) {
  * their own. Returns the pages unmapped (0: nothing changed). */
 static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handles_out, bool waited) {
   segment_t *seg = b->segment;
-  pool_t *pool = b->pool;
+  pool_t *pool = block_pool(b);
   size_t page = seg->page_size, first;
   size_t n = whole_pages(b, &first);
   if (n > max) {
@@ -559,7 +559,7 @@ static size_t find_donors(pool_t *pool, gca_stream_t stream, size_t page, size_t
  * device). *created counts the new ones. */
 static int gather_pages(device_t *d, const block_t *target, size_t page, size_t n, uintptr_t keep_lo,
                         uintptr_t keep_hi, uintptr_t *handles, size_t *created) {
-  pool_t *pool = target->pool;
+  pool_t *pool = block_pool(target);
   size_t movable = 0, listed = 0;
   block_t **donors = NULL;
   if (d->config.stitching && !d->capture.count && (donors = malloc(n * sizeof *donors))) {
@@ -616,7 +616,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
  * [keep_lo, keep_hi), the range the caller is assembling. */
 static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_lo, uintptr_t keep_hi, int *rc) {
   segment_t *seg = b->segment;
-  pool_t *pool = b->pool;
+  pool_t *pool = block_pool(b);
   size_t page = seg->page_size;
   size_t first = (b->addr - seg->addr) / page, n = (size + page - 1) / page;
   size_t bytes = n * page;

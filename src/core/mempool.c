@@ -256,14 +256,10 @@ static void rehome(device_t *d, segment_t *seg) {
   for (block_t *b = seg->head; b; b = b->next) {
     if (b->state == BLOCK_FREE) {
       gca__pool_remove(from, b);
-      b->pool = to;
       gca__pool_insert(to, b);
     } else if (b->state == BLOCK_UNMAPPED) {
       gca__pool_unmapped_remove(from, b);
-      b->pool = to;
       gca__pool_unmapped_insert(to, b);
-    } else {
-      b->pool = to;
     }
   }
   if (seg->expandable) {
@@ -421,12 +417,12 @@ int gca__mempool_quiesce(device_t *d, mempool_t *mp) {
     if (seg->pool->owner != mp) continue;
     rc = stream_set_add(&set, seg->stream);
     for (block_t *b = seg->head; b && rc == GCA_OK; b = b->next)
-      for (uint32_t k = 0; b->uses && k < b->uses->count && rc == GCA_OK; k++) rc = stream_set_add(&set, b->uses->streams[k]);
+      for (uint32_t k = 0; block_uses(b) && k < b->uses->count && rc == GCA_OK; k++) rc = stream_set_add(&set, b->uses->streams[k]);
   }
   for (size_t q = 0; q < d->ev.queue_count && rc == GCA_OK; q++) {
     const event_queue_t *eq = &d->ev.queues[q];
     for (size_t j = 0; j < eq->count && rc == GCA_OK; j++)
-      if (eq->items[(eq->head + j) % eq->cap].block->pool->owner == mp) rc = stream_set_add(&set, eq->stream);
+      if (block_pool(eq->items[(eq->head + j) % eq->cap].block)->owner == mp) rc = stream_set_add(&set, eq->stream);
   }
   for (size_t i = 0; rc == GCA_OK && i < set.count; i++) rc = gca__events_wait_stream(d, set.items[i]);
   free(set.items);
@@ -652,7 +648,7 @@ int gca_pool_of(gca_allocator_t *a, void *ptr, gca_pool_t *out) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
     block_t *b = gca__block_map_find(&d->allocated, (uintptr_t)ptr);
-    if (b) *out = b->pool->owner ? b->pool->owner->id : 0;
+    if (b) *out = block_pool(b)->owner ? block_pool(b)->owner->id : 0;
     lock_release(&d->lock);
     if (b) return GCA_OK;
   }

@@ -20,7 +20,7 @@
 
 struct block_chunk {
   block_chunk_t *next;
-  _Alignas(64) block_t blocks[BLOCKS_PER_CHUNK]; /* two cache lines each (core.h) */
+  _Alignas(64) block_t blocks[BLOCKS_PER_CHUNK]; /* 96 bytes each (core.h) */
 };
 
 GCA_COLD static bool add_block_chunk(device_t *d) {
@@ -104,7 +104,6 @@ void gca__segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, g
   b->size = size;
   b->stream = stream;
   b->segment = seg;
-  b->pool = pool;
 }
 
 void gca__segment_link(device_t *d, segment_t *seg) {
@@ -162,7 +161,7 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
 bool gca__segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
   gca__device_drain(d, false); /* (before the stream's event is recorded: after the queued work) */
-  gca__pool_remove(b->pool, b);
+  gca__pool_remove(block_pool(b), b);
   /* Blocks freed on their own stream came back to the pool at once, while
    * work queued on that stream may still use them (reuse on the stream is
    * ordered after it; a device free is not). So the device free waits for
@@ -172,7 +171,7 @@ bool gca__segment_release(device_t *d, block_t *b) {
   if (gca__events_ready_to_free(d, seg->stream, &event)) return gca__segment_free_now(d, seg);
   if (!event) {
     /* Cannot know when the stream is done with it: keep it cached. */
-    gca__pool_insert(b->pool, b);
+    gca__pool_insert(block_pool(b), b);
     return false;
   }
   b->state = BLOCK_RELEASING;
@@ -199,7 +198,7 @@ bool gca__segment_free_now(device_t *d, segment_t *seg) {
      * cached, whole, to be given back another time. */
     gca__note_refused_free(d);
     b->state = BLOCK_FREE;
-    gca__pool_insert(b->pool, b);
+    gca__pool_insert(block_pool(b), b);
     return false;
   }
   d->device_bytes -= seg->size;
@@ -303,7 +302,7 @@ void gca__segment_release_all_cached(device_t *d) {
 static bool should_split(const device_t *d, const block_t *b, size_t size) {
   size_t remaining = b->size - size;
   /* PyTorch decides by the setting, not by the block's segment. */
-  if (b->pool->kind == GCA_POOL_SMALL || d->config.expandable_segments || b->pool->pausable)
+  if (block_pool(b)->kind == GCA_POOL_SMALL || d->config.expandable_segments || block_pool(b)->pausable)
     return remaining >= MIN_BLOCK_SIZE;
   return size < d->config.max_split_size && remaining > SMALL_SIZE;
 }
@@ -319,6 +318,8 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   int kind = pool_kind_of(b);
   b->state = BLOCK_ALLOCATED;
   b->requested = requested;
+  b->uses = NULL; /* (the in-use fields held the index links until now) */
+  b->stack = NULL;
   gca__block_map_insert(&d->allocated, b);
   family_increase(s, FAM_ALLOCATION, kind, 1);
   family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
@@ -336,7 +337,6 @@ static void carve_below(block_t *b, block_t *low, size_t size) {
   low->size = size;
   low->stream = b->stream;
   low->segment = b->segment;
-  low->pool = b->pool;
   low->prev = b->prev;
   low->next = b;
   if (low->prev) low->prev->next = low;
@@ -358,13 +358,13 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   if (!below || below + rounded > b->size) return b;
   block_t *low = gca__block_new(d);
   if (!low) return b; /* (no host memory for a descriptor: unaligned rather than failing) */
-  if (*in_index) gca__pool_remove(b->pool, b);
+  if (*in_index) gca__pool_remove(block_pool(b), b);
   *in_index = false;
   *pred = NULL;
   carve_below(b, low, below);
   low->expandable = true;
   low->gc_base = b->gc_base;
-  gca__pool_insert(low->pool, low);
+  gca__pool_insert(block_pool(low), low);
   return b;
 }
 
@@ -383,9 +383,9 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
      * remainder. Its key only shrinks, so it usually keeps its place in the
      * index and the tree is not touched. */
     carve_below(b, piece, rounded);
-    b->gc_base = b->pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
-    if (in_index) gca__pool_key_decreased(b->pool, b, pred);
-    else gca__pool_insert(b->pool, b);
+    b->gc_base = block_pool(b)->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
+    if (in_index) gca__pool_key_decreased(block_pool(b), b, pred);
+    else gca__pool_insert(block_pool(b), b);
     /* PyTorch keeps expandable blocks out of inactive_split: their whole
      * free pages can always be given back. */
     piece->expandable = b->expandable;
@@ -405,7 +405,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
   }
   /* No split (or no host memory for a descriptor: then the whole block is
    * handed out, a looser fit rather than a failure). */
-  if (in_index) gca__pool_remove(b->pool, b);
+  if (in_index) gca__pool_remove(block_pool(b), b);
   if (already_split && !b->expandable) {
     family_decrease(s, FAM_INACTIVE_SPLIT_BYTES, kind, (int64_t)b->size);
     family_decrease(s, FAM_INACTIVE_SPLIT, kind, 1);
@@ -449,25 +449,25 @@ void gca__block_give_back(device_t *d, block_t *b) {
     if (next) {
       split_blocks -= 1;
       split_bytes -= (int64_t)next->size;
-      gca__pool_remove(next->pool, next);
+      gca__pool_remove(block_pool(next), next);
       block_absorb_next(prev);
       gca__block_recycle(d, next);
     }
-    gca__pool_key_increased(prev->pool, prev);
+    gca__pool_key_increased(block_pool(prev), prev);
   } else if (next) {
     survivor = next;
     split_blocks -= 1;
     split_bytes -= (int64_t)next->size;
     block_absorb_prev(next);
     gca__block_recycle(d, b);
-    gca__pool_key_increased(next->pool, next);
+    gca__pool_key_increased(block_pool(next), next);
   } else {
     survivor = b;
     b->state = BLOCK_FREE;
     b->requested = 0;
-    gca__pool_insert(b->pool, b);
+    gca__pool_insert(block_pool(b), b);
   }
-  survivor->gc_base = survivor->pool->lookups;
+  survivor->gc_base = block_pool(survivor)->lookups;
   if (survivor->prev || survivor->next) {
     split_blocks += 1;
     split_bytes += (int64_t)survivor->size;
