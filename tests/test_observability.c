@@ -243,6 +243,49 @@ static void test_history_times_are_the_wall_clock(void **state) {
   gca_close(a);
 }
 
+/* An immediate free records its two entries at once; the ring keeps
+ * exactly max_entries entries, forgetting one entry at a time, so a full
+ * ring can keep the free_completed of a pair whose free_requested went
+ * (with its stack). */
+static void expect_actions(gca_allocator_t *a, const int *want, int n, bool stacks) {
+  gca_snapshot_t *s;
+  assert_int_equal(gca_snapshot_take(a, &s), GCA_OK);
+  assert_int_equal(s->trace_counts[0], n);
+  for (int i = 0; i < n; i++) {
+    const gca_trace_entry_t *e = &s->device_traces[0][i];
+    assert_int_equal(e->action, want[i]);
+    if (stacks && want[i] != GCA_TRACE_SNAPSHOT) assert_true(e->frame_count > 0);
+  }
+  gca_snapshot_free(s);
+}
+
+static void test_history_ring_splits_a_pair(void **state) {
+  (void)state;
+  for (int stacks = 0; stacks < 2; stacks++) {
+    gca_context context = stacks ? GCA_CONTEXT_ALL : GCA_CONTEXT_NONE;
+    gca_allocator_t *a = open_sim("sim", NULL);
+    /* segment_alloc, alloc, free_requested + free_completed; alloc, the
+     * pair again (the first two go); the snapshot's entry (the first
+     * free_requested goes, its free_completed stays). */
+    assert_int_equal(gca_record_history(a, 1, context, 5), GCA_OK);
+    for (int i = 0; i < 2; i++) gca_free(a, gca_malloc(a, 4096, 0, S1));
+    const int five[] = {GCA_TRACE_FREE_COMPLETED, GCA_TRACE_ALLOC, GCA_TRACE_FREE_REQUESTED, GCA_TRACE_FREE_COMPLETED,
+                        GCA_TRACE_SNAPSHOT};
+    expect_actions(a, five, 5, stacks);
+    /* Two entries: the pair's free_completed and the snapshot. */
+    assert_int_equal(gca_record_history(a, 1, context, 2), GCA_OK);
+    gca_free(a, gca_malloc(a, 4096, 0, S1));
+    const int two[] = {GCA_TRACE_FREE_COMPLETED, GCA_TRACE_SNAPSHOT};
+    expect_actions(a, two, 2, stacks);
+    /* One entry: no room for a pair; the snapshot's entry alone. */
+    assert_int_equal(gca_record_history(a, 1, context, 1), GCA_OK);
+    gca_free(a, gca_malloc(a, 4096, 0, S1));
+    const int one[] = {GCA_TRACE_SNAPSHOT};
+    expect_actions(a, one, 1, stacks);
+    gca_close(a);
+  }
+}
+
 static void test_history_ring_wraps(void **state) {
   (void)state;
   gca_allocator_t *a = open_sim("sim", NULL);
@@ -718,6 +761,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_export_long_memo),
       cmocka_unit_test(test_cxx_names_demangled),
       cmocka_unit_test(test_history_ring_wraps),
+      cmocka_unit_test(test_history_ring_splits_a_pair),
       cmocka_unit_test(test_history_times_are_the_wall_clock),
       cmocka_unit_test(test_history_context_levels),
       cmocka_unit_test(test_history_records_oom_and_segments),
