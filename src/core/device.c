@@ -508,8 +508,9 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
 
 GCA_COLD static void free_slow(device_t *d, block_t *b) {
   /* Freed while its pool is paused: its host copy is not restored. */
-  if (d->priv.paused && block_pool(b)->owner && block_pool(b)->owner->paused) {
-    gca__mempool_drop_backup_of(d, block_pool(b)->owner, b->addr);
+  mempool_t *owner = block_pool(b)->owner;
+  if (d->priv.paused && owner && owner->paused) {
+    gca__mempool_drop_backup_of(d, owner, b->addr);
     atomic_fetch_sub(&d->paused_now, (int64_t)b->size);
   }
   if (b->uses) {

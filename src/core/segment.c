@@ -39,17 +39,16 @@ block_t *gca__block_new(device_t *d) {
   if (unlikely(!d->spare_blocks) && !add_block_chunk(d)) return NULL;
   block_t *b = d->spare_blocks;
   d->spare_blocks = b->next;
-  /* Callers set addr, size, stream, segment, pool and the links; the rest
-   * starts clear. Cheaper than clearing the whole descriptor. */
-  b->prev = b->next = b->hash_next = NULL;
-  b->requested = 0;
-  b->uses = NULL;
+  /* Callers set addr, size, stream, segment and the links; the rest starts
+   * clear. Cheaper than clearing the whole descriptor. The in-use fields
+   * are not among them: a new block is free, and account_taken sets them
+   * when one is handed out (until then they are the index node's). */
+  b->prev = b->next = NULL;
   b->event_count = 0;
   b->state = BLOCK_FREE;
   b->oversize = false;
   b->expandable = false;
   b->traced_pending = false;
-  b->stack = NULL;
   return b;
 }
 
@@ -318,8 +317,8 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   int kind = pool_kind_of(b);
   b->state = BLOCK_ALLOCATED;
   b->requested = requested;
-  b->uses = NULL; /* (the in-use fields held the index links until now) */
-  b->stack = NULL;
+  b->uses = NULL; /* (the in-use fields were the index node until now; */
+  b->stack = NULL; /*  hash_next is set by the map) */
   gca__block_map_insert(&d->allocated, b);
   family_increase(s, FAM_ALLOCATION, kind, 1);
   family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
@@ -383,9 +382,10 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
      * remainder. Its key only shrinks, so it usually keeps its place in the
      * index and the tree is not touched. */
     carve_below(b, piece, rounded);
-    b->gc_base = block_pool(b)->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
-    if (in_index) gca__pool_key_decreased(block_pool(b), b, pred);
-    else gca__pool_insert(block_pool(b), b);
+    pool_t *pool = block_pool(b);
+    b->gc_base = pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
+    if (in_index) gca__pool_key_decreased(pool, b, pred);
+    else gca__pool_insert(pool, b);
     /* PyTorch keeps expandable blocks out of inactive_split: their whole
      * free pages can always be given back. */
     piece->expandable = b->expandable;
@@ -463,8 +463,7 @@ void gca__block_give_back(device_t *d, block_t *b) {
     gca__pool_key_increased(block_pool(next), next);
   } else {
     survivor = b;
-    b->state = BLOCK_FREE;
-    b->requested = 0;
+    b->state = BLOCK_FREE; /* (its in-use fields become the index node) */
     gca__pool_insert(block_pool(b), b);
   }
   survivor->gc_base = block_pool(survivor)->lookups;
