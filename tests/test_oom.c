@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "core/core.h" /* block_gc_age: a free block's age is kept in 48 bits */
 
 #define S1 ((gca_stream_t)0x100)
 #define S2 ((gca_stream_t)0x200)
@@ -173,9 +174,9 @@ static void test_free_memory_callbacks(void **state) {
  * a, b, c are freed 10 searches apart (the searches hit e, another stream's
  * block); then GC must give back 20 MiB: the average age splits a and b
  * (oldest) from c and e, and one round suffices. */
-static void test_gc_frees_oldest_first(void **state) {
-  (void)state;
+static void gc_frees_oldest_first_from(uint64_t lookups) {
   gca_allocator_t *a = open_sim("sim:capacity=100MiB", "per_process_memory_fraction:0.5");
+  a->devices[0].large_pool.lookups = a->devices[0].small_pool.lookups = lookups;
   void *x[4];
   for (int i = 0; i < 4; i++) x[i] = gca_malloc(a, 10 * MiB, 0, S1); /* a, b, c, d: 40 MiB */
   void *e = gca_malloc(a, 10 * MiB, 0, S2);                          /* 50 MiB: all that is allowed */
@@ -202,8 +203,46 @@ static void test_gc_frees_oldest_first(void **state) {
   assert_ptr_equal(gca_malloc(a, 10 * MiB, 0, S1), x[2]);
   assert_ptr_equal(gca_malloc(a, 10 * MiB, 0, S2), e);
   assert_int_equal(stats_of(a, 0).num_device_alloc, 6);
+  /* A block handed out again has the flags of a block in use, not its free age's high bits. */
+  block_t *b = gca__block_map_find(&a->devices[0].allocated, (uintptr_t)x[2]);
+  assert_non_null(b);
+  assert_false(b->traced_pending);
+  assert_false(b->oversize);
   void *all[] = {x[2], x[3], e, big};
   close_empty(a, all, 4);
+}
+
+static void test_gc_frees_oldest_first(void **state) {
+  (void)state;
+  gc_frees_oldest_first_from(0);
+}
+
+/* The same, with the pools' search counts where a free block's stored age
+ * has both high bytes set (they share bytes with an in-use block's flags)
+ * and its low half wraps in the middle. */
+static void test_gc_frees_oldest_first_past_2_to_the_40(void **state) {
+  (void)state;
+  gc_frees_oldest_first_from(UINT64_C(0x0101) << 32 | (UINT32_MAX - 12));
+}
+
+/* A free block keeps the pool's search count when it became free in 48
+ * bits split over two fields: its age must come out exact across the low
+ * half's wrap, at the top of the range, and when the pool's count itself
+ * passes 2^48. */
+static void test_gc_age_is_exact_across_wraps(void **state) {
+  (void)state;
+  static const uint64_t bases[] = {0, 41, UINT32_MAX - 2, UINT32_MAX, UINT64_C(1) << 32,
+                                   (UINT64_C(1) << 48) - 5, (UINT64_C(1) << 48) + 7, UINT64_MAX - 3};
+  static const uint64_t ages[] = {0, 1, 3, 4, UINT32_MAX, UINT64_C(1) << 32, UINT64_C(3) << 40,
+                                  (UINT64_C(1) << 48) - 1};
+  pool_t pool = {0};
+  block_t b = {0};
+  for (size_t i = 0; i < sizeof bases / sizeof *bases; i++)
+    for (size_t k = 0; k < sizeof ages / sizeof *ages; k++) {
+      block_set_gc_base(&b, bases[i]);
+      pool.lookups = bases[i] + ages[k];
+      assert_int_equal(block_gc_age(&pool, &b), ages[k]);
+    }
 }
 
 /* GC needs a fraction: a threshold alone does nothing. */
@@ -587,6 +626,8 @@ int main(void) {
       cmocka_unit_test(test_ladder_releases_oversize_first),
       cmocka_unit_test(test_free_memory_callbacks),
       cmocka_unit_test(test_gc_frees_oldest_first),
+      cmocka_unit_test(test_gc_frees_oldest_first_past_2_to_the_40),
+      cmocka_unit_test(test_gc_age_is_exact_across_wraps),
       cmocka_unit_test(test_gc_needs_a_fraction),
       cmocka_unit_test(test_memory_fraction),
       cmocka_unit_test(test_memory_fraction_from_configuration),

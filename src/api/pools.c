@@ -104,9 +104,9 @@ static int take_backups(gca_allocator_t *a, device_t *d, mempool_t *mp) {
         gca__prefix_error("gca_pool_pause: no pinned host memory for the copy of %zu bytes at %#" PRIxPTR, size, b->addr);
         break;
       }
-      mp->backups[mp->backup_count++] = (pool_backup_t){b->addr, size, b->stream, host};
+      mp->backups[mp->backup_count++] = (pool_backup_t){b->addr, size, block_stream(b), host};
       mp->backup_bytes += size;
-      rc = ops->copy_to_host(d->backend->state, d->index, b->stream, host, b->addr, size);
+      rc = ops->copy_to_host(d->backend->state, d->index, block_stream(b), host, b->addr, size);
     }
   }
   for (size_t i = 0; rc == GCA_OK && i < mp->backup_count; i++) rc = gca__events_wait_stream(d, mp->backups[i].stream);

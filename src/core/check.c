@@ -110,9 +110,9 @@ static int check_segment(device_t *d, segment_t *seg, recount_t *r) {
     if (b->size == 0 || b->size % MIN_BLOCK_SIZE)
       BAD("device %d: block at %#" PRIxPTR " has size %zu, not a positive multiple of 512", d->index,
           b->addr, b->size);
-    if (b->segment != seg || b->stream != seg->stream)
-      BAD("device %d: block at %#" PRIxPTR " disagrees with its segment on segment or stream",
-          d->index, b->addr);
+    if (b->segment != seg)
+      BAD("device %d: block at %#" PRIxPTR " names another segment than the one it lies in", d->index,
+          b->addr);
     if (b->next && b->next->prev != b)
       BAD("device %d: block at %#" PRIxPTR " and its next neighbour disagree on their link", d->index,
           b->addr);

@@ -64,10 +64,11 @@ typedef struct stream_uses {
 } stream_uses_t;
 
 struct block {
-  /* What a search down the free index reads comes first, in one cache line:
-   * the tree links, then the key (stream, size, address). A block is either
-   * in an index (free, unmapped) or in use (allocated, pending,
-   * quarantined), never both, so the two share their first 32 bytes. */
+  /* What a search down the free index reads comes first: the tree links,
+   * then the key (size, address; the stream is the segment's). A block is
+   * either in an index (free, unmapped) or in use (allocated, pending,
+   * quarantined), never both, so the two share their first 32 bytes, and
+   * the free block's age shares the in-use block's event count and flags. */
   union {
     RB_ENTRY(block) link;    /* free or unmapped index node (free and unmapped blocks) */
     struct {                 /* in use (block_in_use) */
@@ -78,21 +79,29 @@ struct block {
                               * Beside `uses`: a free tests both, and recording, in one branch. */
     };
   };
-  gca_stream_t stream;       /* the stream the block's segment belongs to */
   size_t size;               /* rounded size this block covers */
   uintptr_t addr;
   block_t *prev, *next;      /* address neighbours inside the segment */
-  segment_t *segment;        /* (its pool is the segment's: block_pool) */
-  uint64_t gc_base;          /* free blocks: the pool's lookup count when it became free (age = now - base) */
-  uint32_t event_count;      /* pending blocks: events not yet completed */
+  segment_t *segment;        /* (its pool and stream are the segment's: block_pool, block_stream) */
+  /* Free blocks: the pool's lookup count when the block became free, 48
+   * bits in two fields (block_gc_base); in use: the fields named. */
+  union {
+    uint32_t event_count;    /* pending blocks: events not yet completed */
+    uint32_t gc_base_lo;
+  };
+  union {
+    struct {
+      bool oversize;         /* counted in oversize_allocations */
+      bool traced_pending;   /* its free went into the trace file as pending: its completion goes too */
+    };
+    uint16_t gc_base_hi;
+  };
   uint8_t state;             /* enum block_state */
-  bool oversize;             /* counted in oversize_allocations */
   bool expandable;           /* lies in an expandable segment (segment->expandable, kept here, hot) */
-  bool traced_pending;       /* its free went into the trace file as pending: its completion goes too */
 };
 
 #if UINTPTR_MAX == UINT64_MAX
-_Static_assert(sizeof(block_t) == 96, "a block descriptor is one and a half cache lines");
+_Static_assert(sizeof(block_t) == 80, "a block descriptor is 80 bytes");
 #endif
 
 struct segment {
@@ -476,6 +485,19 @@ static inline bool gca__given_back(int rc) { return rc == GCA_OK || rc == GCA_ER
 /* The pool a block belongs to: its segment's (a segment moves between
  * pools whole, mempool.c's rehome). */
 static inline pool_t *block_pool(const block_t *b) { return b->segment->pool; }
+static inline gca_stream_t block_stream(const block_t *b) { return b->segment->stream; }
+/* A free block's age is counted modulo 2^48 best-fit searches of its pool:
+ * exact for any age a process can reach (2^48 searches take days even at
+ * a billion a second). */
+#define GC_AGE_MASK ((UINT64_C(1) << 48) - 1)
+static inline void block_set_gc_base(block_t *b, uint64_t lookups) {
+  b->gc_base_lo = (uint32_t)lookups;
+  b->gc_base_hi = (uint16_t)(lookups >> 32);
+}
+static inline uint64_t block_gc_age(const pool_t *pool, const block_t *b) {
+  uint64_t base = (uint64_t)b->gc_base_hi << 32 | b->gc_base_lo;
+  return (pool->lookups - base) & GC_AGE_MASK;
+}
 static inline int pool_kind_of(const block_t *b) { return block_pool(b)->kind; }
 /* Whether the block's in-use fields (hash_next, requested, uses, stack)
  * hold values: allocated, pending or quarantined. Otherwise they are the

@@ -230,14 +230,15 @@ static block_t *whole_segment_elsewhere(device_t *d, pool_t *pool, gca_stream_t 
                                         bool *idle) {
   block_t *best = NULL;
   *idle = false;
-  for (block_t *first = gca__pool_first(pool); first; first = gca__pool_first_after_stream(pool, first->stream)) {
-    if (first->stream == stream) continue;
-    block_t *b = gca__pool_lower_bound(pool, first->stream, rounded);
-    while (b && b->stream == first->stream && (b->prev || b->next || b->expandable)) b = gca__pool_next(pool, b);
-    if (!b || b->stream != first->stream || !gca__pool_fits(&d->config, rounded, b)) continue;
+  for (block_t *first = gca__pool_first(pool); first; first = gca__pool_first_after_stream(pool, block_stream(first))) {
+    if (block_stream(first) == stream) continue;
+    gca_stream_t other = block_stream(first);
+    block_t *b = gca__pool_lower_bound(pool, other, rounded);
+    while (b && block_stream(b) == other && (b->prev || b->next || b->expandable)) b = gca__pool_next(pool, b);
+    if (!b || block_stream(b) != other || !gca__pool_fits(&d->config, rounded, b)) continue;
     if ((double)b->size > d->config.cross_stream_reuse * (double)gca__segment_size_for(rounded)) continue;
     if (best && *idle && b->size >= best->size) continue;
-    bool is_idle = gca__events_stream_is_idle(d, b->stream);
+    bool is_idle = gca__events_stream_is_idle(d, other);
     if (best && !(is_idle && !*idle) && !(is_idle == *idle && b->size < best->size)) continue;
     best = b;
     *idle = is_idle;
@@ -253,10 +254,10 @@ static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t s
   if (d->config.cross_stream_reuse <= 0 || d->capture.count) return NULL; /* (it queries and records events) */
   bool idle;
   block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
-  if (!b || (!idle && !gca__events_order_reuse(d, b->stream, stream))) return NULL;
+  if (!b || (!idle && !gca__events_order_reuse(d, block_stream(b), stream))) return NULL;
   d->stats.num_cross_stream_reuses++;
   gca__pool_remove(pool, b);
-  b->stream = b->segment->stream = stream;
+  b->segment->stream = stream;
   return gca__block_take(d, b, NULL, false, rounded, requested);
 }
 
@@ -514,7 +515,7 @@ GCA_COLD static void free_slow(device_t *d, block_t *b) {
     atomic_fetch_sub(&d->paused_now, (int64_t)b->size);
   }
   if (b->uses) {
-    if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+    if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, block_stream(b));
     gca__events_defer_free(d, b);
     return;
   }

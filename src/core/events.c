@@ -69,7 +69,7 @@ static int wait_stream_instead(device_t *d, gca_stream_t stream) {
 int gca__stream_uses_add(block_t *b, gca_stream_t stream) {
   /* Uses on the block's own stream need no event: reuse happens on that
    * stream, after its work, by stream order. */
-  if (stream == b->stream) return GCA_OK;
+  if (stream == block_stream(b)) return GCA_OK;
   stream_uses_t *uses = b->uses;
   if (uses) {
     for (uint32_t i = 0; i < uses->count; i++)

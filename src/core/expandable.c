@@ -540,7 +540,7 @@ void gca__expandable_release_paused(device_t *d, segment_t *seg) {
 static size_t find_donors(pool_t *pool, gca_stream_t stream, size_t page, size_t want, uintptr_t keep_lo,
                           uintptr_t keep_hi, const block_t *target, block_t **list, size_t *listed) {
   size_t found = 0;
-  for (block_t *b = gca__pool_lower_bound(pool, stream, page); b && b->stream == stream && found < want;
+  for (block_t *b = gca__pool_lower_bound(pool, stream, page); b && block_stream(b) == stream && found < want;
        b = gca__pool_next(pool, b)) {
     if (!b->expandable || b->segment->page_size != page || (b->addr < keep_hi && keep_lo < b->addr + b->size))
       continue;
@@ -563,12 +563,12 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   size_t movable = 0, listed = 0;
   block_t **donors = NULL;
   if (d->config.stitching && !d->capture.count && (donors = malloc(n * sizeof *donors))) {
-    movable = find_donors(pool, target->stream, page, n, keep_lo, keep_hi, target, donors, &listed);
+    movable = find_donors(pool, block_stream(target), page, n, keep_lo, keep_hi, target, donors, &listed);
     /* Then the device's other default pool: its free pages are the same
      * size (a private pool's memory stays its own). */
     pool_t *other = pool == &d->small_pool ? &d->large_pool : pool == &d->large_pool ? &d->small_pool : NULL;
     if (other && movable < n)
-      movable += find_donors(other, target->stream, page, n - movable, keep_lo, keep_hi, target, donors, &listed);
+      movable += find_donors(other, block_stream(target), page, n - movable, keep_lo, keep_hi, target, donors, &listed);
   }
   size_t fresh = n - movable;
   if (gca__device_limit_refuses(d, fresh * page)) {
@@ -584,7 +584,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
     /* Every donor is on the target's stream: one wait covers them all. */
     gca__device_drain(d, false);
     d->stats.num_stitch_waits++;
-    if (gca__events_wait_stream(d, target->stream) == GCA_OK)
+    if (gca__events_wait_stream(d, block_stream(target)) == GCA_OK)
       for (size_t i = 0; i < listed && moved < movable; i++)
         moved += unmap_pages(d, donors[i], movable - moved, handles + have + moved, true);
   }
@@ -662,7 +662,7 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   }
   if (survivor == b) gca__pool_insert(pool, b);
   else gca__pool_key_increased(pool, survivor);
-  survivor->gc_base = pool->lookups;
+  block_set_gc_base(survivor, pool->lookups);
   *rc = GCA_OK;
   return survivor;
 }
@@ -678,7 +678,7 @@ static size_t room_from(const block_t *b, size_t size) {
  * unmapped blocks, where a free block before it (if any) and what follows
  * have room for `size`; else a new segment. */
 static block_t *find_room(device_t *d, pool_t *pool, gca_stream_t stream, size_t size, int *rc) {
-  for (block_t *u = gca__pool_unmapped_first(pool, stream); u && u->stream == stream; u = gca__pool_unmapped_next(pool, u)) {
+  for (block_t *u = gca__pool_unmapped_first(pool, stream); u && block_stream(u) == stream; u = gca__pool_unmapped_next(pool, u)) {
     block_t *c = u->prev && u->prev->state == BLOCK_FREE ? u->prev : u;
     if (room_from(c, size) >= size) return c;
   }
@@ -722,14 +722,14 @@ static size_t expandable_size(const block_t *b) {
 block_t *gca__expandable_refit(pool_t *pool, const config_t *cfg, gca_stream_t stream, block_t *b) {
   if (cfg->expandable_segments || pool->pausable) {
     for (block_t *next = gca__pool_next(pool, b);
-         b->expandable && next && next->stream == stream && expandable_size(next) < expandable_size(b);
+         b->expandable && next && block_stream(next) == stream && expandable_size(next) < expandable_size(b);
          next = gca__pool_next(pool, next))
       b = next;
     return b;
   }
   /* Turned off after expandable segments were made: new allocations stay out of them. */
-  while (b && b->stream == stream && b->expandable) b = gca__pool_next(pool, b);
-  return b && b->stream == stream ? b : NULL;
+  while (b && block_stream(b) == stream && b->expandable) b = gca__pool_next(pool, b);
+  return b && block_stream(b) == stream ? b : NULL;
 }
 
 /* ---- snapshots ---------------------------------------------------------- */

@@ -5,7 +5,7 @@
  * in (0, 1); and acts only when reserved memory is above t x allowed. The
  * target is that excess. Candidates are whole (unsplit) free blocks of the
  * large pool, of any stream. Each has an age: how many best-fit searches of
- * the pool have happened since it became free (pool->lookups - gc_base). In
+ * the pool have happened since it became free (pool->lookups - its base, block_gc_age). In
  * rounds, every candidate at least as old as the candidates' average age is
  * given back, until the target is met or a round frees nothing. The oldest go
  * first; a round does not stop at the target, so that GC does not run again
@@ -18,7 +18,7 @@
  * page by page when the cache is released. */
 static bool whole(const block_t *b) { return !b->prev && !b->next && !b->expandable; }
 
-static uint64_t age_of(const pool_t *pool, const block_t *b) { return pool->lookups - b->gc_base; }
+static uint64_t age_of(const pool_t *pool, const block_t *b) { return block_gc_age(pool, b); }
 
 void gca__gc_collect(device_t *d) {
   if (!limit_on(d) || d->config.gc_threshold <= 0) return;

@@ -94,7 +94,7 @@ void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gc
 
 void gca__history_freed_at_once(device_t *d, const block_t *b) {
   history_t *h = d->obs.history;
-  history_entry_t *requested = record(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, b->stream);
+  history_entry_t *requested = record(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, block_stream(b));
   maybe_capture(h, requested);
   history_entry_t *completed = next_slot(h);
   *completed = *requested;
@@ -124,7 +124,7 @@ void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
 
 void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
   history_t *h = d->obs.history;
-  history_entry_t *e = record(d, GCA_TRACE_ALLOC, b->addr, requested, b->stream);
+  history_entry_t *e = record(d, GCA_TRACE_ALLOC, b->addr, requested, block_stream(b));
   if (h->context < GCA_CONTEXT_STATE) return;
   call_stack_t *stack = malloc(sizeof *stack);
   uintptr_t ips[MAX_FRAMES];

@@ -189,8 +189,8 @@ static void view_cache(device_t *d, gca_stream_t stream, cache_view_t *v) {
       v->free_bytes[pool->kind] += b->size;
       v->free_blocks[pool->kind]++;
       if (b->size > v->largest) v->largest = b->size;
-      add_stream_bytes(v, b->stream, b->size);
-      if (b->stream != stream) v->other_streams += b->size;
+      add_stream_bytes(v, block_stream(b), b->size);
+      if (block_stream(b) != stream) v->other_streams += b->size;
     }
 }
 

@@ -13,7 +13,8 @@
 #include "core/expandable.h"
 
 static int compare_blocks(const block_t *a, const block_t *b) {
-  if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
+  gca_stream_t sa = block_stream(a), sb = block_stream(b);
+  if (sa != sb) return sa < sb ? -1 : 1;
   if (a->size != b->size) return a->size < b->size ? -1 : 1;
   if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
   return 0;
@@ -25,7 +26,8 @@ RB_GENERATE_STATIC(free_index, block, link, compare_blocks)
  * for room to map looks for the lowest address (PyTorch's pool.unmapped).
  * A block is in at most one of the two trees, so they share its link. */
 static int compare_unmapped(const block_t *a, const block_t *b) {
-  if (a->stream != b->stream) return a->stream < b->stream ? -1 : 1;
+  gca_stream_t sa = block_stream(a), sb = block_stream(b);
+  if (sa != sb) return sa < sb ? -1 : 1;
   if (a->addr != b->addr) return a->addr < b->addr ? -1 : 1;
   return 0;
 }
@@ -42,10 +44,15 @@ void gca__pool_unmapped_remove(pool_t *pool, block_t *b) {
   pool->unmapped_count--;
 }
 
+/* A search key: a descriptor whose segment says only the stream. */
+#define KEY(name, stream_, size_, addr_) \
+  segment_t name##_segment = {.stream = (stream_)}; \
+  block_t name = {.segment = &name##_segment, .size = (size_), .addr = (addr_)}
+
 block_t *gca__pool_unmapped_first(pool_t *pool, gca_stream_t stream) {
-  block_t key = {.stream = stream, .addr = 0};
+  KEY(key, stream, 0, 0);
   block_t *b = RB_NFIND(unmapped_index, &pool->unmapped, &key);
-  return b && b->stream == stream ? b : NULL;
+  return b && block_stream(b) == stream ? b : NULL;
 }
 
 block_t *gca__pool_unmapped_next(pool_t *pool, block_t *b) {
@@ -67,7 +74,7 @@ void gca__pool_init(pool_t *pool, int kind) {
 }
 
 void gca__pool_insert(pool_t *pool, block_t *b) {
-  b->gc_base = pool->lookups;
+  block_set_gc_base(b, pool->lookups);
   RB_INSERT(free_index, &pool->index, b);
   pool->free_count++;
 }
@@ -98,7 +105,7 @@ typedef unsigned __int128 search_key_t;
 static inline search_key_t search_key(gca_stream_t stream, size_t size) {
   return ((search_key_t)stream << 64) | size;
 }
-#define KEY_BELOW(node, key) (search_key((node)->stream, (node)->size) < (key))
+#define KEY_BELOW(node, key) (search_key(block_stream(node), (node)->size) < (key))
 #else
 typedef struct { gca_stream_t stream; size_t size; } search_key_t;
 static inline search_key_t search_key(gca_stream_t stream, size_t size) {
@@ -106,7 +113,7 @@ static inline search_key_t search_key(gca_stream_t stream, size_t size) {
   return k;
 }
 #define KEY_BELOW(node, key) \
-  (((node)->stream < (key).stream) | (((node)->stream == (key).stream) & ((node)->size < (key).size)))
+  ((block_stream(node) < (key).stream) | ((block_stream(node) == (key).stream) & ((node)->size < (key).size)))
 #endif
 
 /* Lower bound on (stream, size, 0), written out rather than RB_NFIND: the
@@ -124,7 +131,7 @@ static block_t *lower_bound(pool_t *pool, gca_stream_t stream, size_t size, bloc
     node = below ? RB_RIGHT(node, link) : RB_LEFT(node, link);
   }
   *pred = below_best;
-  return (best && best->stream == stream) ? best : NULL;
+  return (best && block_stream(best) == stream) ? best : NULL;
 }
 
 block_t *gca__pool_lower_bound(pool_t *pool, gca_stream_t stream, size_t size) {
@@ -150,17 +157,17 @@ block_t *gca__pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stre
 }
 
 block_t *gca__pool_last_on_stream(pool_t *pool, gca_stream_t stream) {
-  block_t key = {.stream = stream, .size = SIZE_MAX, .addr = UINTPTR_MAX};
+  KEY(key, stream, SIZE_MAX, UINTPTR_MAX);
   block_t *after = RB_NFIND(free_index, &pool->index, &key);
   block_t *b = after ? RB_PREV(free_index, &pool->index, after) : RB_MAX(free_index, &pool->index);
-  return (b && b->stream == stream) ? b : NULL;
+  return (b && block_stream(b) == stream) ? b : NULL;
 }
 
 block_t *gca__pool_first(pool_t *pool) { return RB_MIN(free_index, &pool->index); }
 
 block_t *gca__pool_first_after_stream(pool_t *pool, gca_stream_t stream) {
   if (stream == UINTPTR_MAX) return NULL;
-  block_t key = {.stream = stream + 1, .size = 0, .addr = 0};
+  KEY(key, stream + 1, 0, 0);
   return RB_NFIND(free_index, &pool->index, &key);
 }
 

@@ -39,16 +39,13 @@ block_t *gca__block_new(device_t *d) {
   if (unlikely(!d->spare_blocks) && !add_block_chunk(d)) return NULL;
   block_t *b = d->spare_blocks;
   d->spare_blocks = b->next;
-  /* Callers set addr, size, stream, segment and the links; the rest starts
-   * clear. Cheaper than clearing the whole descriptor. The in-use fields
-   * are not among them: a new block is free, and account_taken sets them
-   * when one is handed out (until then they are the index node's). */
+  /* Callers set addr, size, segment and the links; the rest starts clear.
+   * Cheaper than clearing the whole descriptor. The in-use fields are not
+   * among them: a new block is free, and account_taken sets them when one
+   * is handed out (until then they are the index node's and the age's). */
   b->prev = b->next = NULL;
-  b->event_count = 0;
   b->state = BLOCK_FREE;
-  b->oversize = false;
   b->expandable = false;
-  b->traced_pending = false;
   return b;
 }
 
@@ -101,7 +98,6 @@ void gca__segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, g
   gca__segment_link(d, seg);
   b->addr = addr;
   b->size = size;
-  b->stream = stream;
   b->segment = seg;
 }
 
@@ -235,7 +231,7 @@ bool gca__segment_release_available(device_t *d, pool_t *pool, gca_stream_t stre
    * largest first, until enough is released. */
   block_t *cur = gca__pool_last_on_stream(pool, stream);
   size_t released = 0;
-  while (cur && released < want && cur->size >= max_split && cur->stream == stream) {
+  while (cur && released < want && cur->size >= max_split && block_stream(cur) == stream) {
     block_t *prev = gca__pool_prev(pool, cur);
     if (unsplit(cur)) {
       released += cur->size;
@@ -317,8 +313,9 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
   int kind = pool_kind_of(b);
   b->state = BLOCK_ALLOCATED;
   b->requested = requested;
-  b->uses = NULL; /* (the in-use fields were the index node until now; */
-  b->stack = NULL; /*  hash_next is set by the map) */
+  b->uses = NULL; /* (the in-use fields were the index node and the age */
+  b->stack = NULL; /*  until now; hash_next is set by the map, event_count */
+  b->traced_pending = false; /* when the free is deferred) */
   gca__block_map_insert(&d->allocated, b);
   family_increase(s, FAM_ALLOCATION, kind, 1);
   family_increase(s, FAM_ALLOCATED_BYTES, kind, (int64_t)b->size);
@@ -334,7 +331,6 @@ static void account_taken(device_t *d, block_t *b, size_t requested) {
 static void carve_below(block_t *b, block_t *low, size_t size) {
   low->addr = b->addr;
   low->size = size;
-  low->stream = b->stream;
   low->segment = b->segment;
   low->prev = b->prev;
   low->next = b;
@@ -362,7 +358,8 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   *pred = NULL;
   carve_below(b, low, below);
   low->expandable = true;
-  low->gc_base = b->gc_base;
+  low->gc_base_lo = b->gc_base_lo;
+  low->gc_base_hi = b->gc_base_hi;
   gca__pool_insert(block_pool(low), low);
   return b;
 }
@@ -383,7 +380,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
      * index and the tree is not touched. */
     carve_below(b, piece, rounded);
     pool_t *pool = block_pool(b);
-    b->gc_base = pool->lookups; /* a remainder is newly free, as PyTorch re-inserts it */
+    block_set_gc_base(b, pool->lookups); /* a remainder is newly free, as PyTorch re-inserts it */
     if (in_index) gca__pool_key_decreased(pool, b, pred);
     else gca__pool_insert(pool, b);
     /* PyTorch keeps expandable blocks out of inactive_split: their whole
@@ -419,7 +416,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
 static bool is_free(const block_t *b) { return b && b->state == BLOCK_FREE; }
 
 void gca__history_free_completed(device_t *d, block_t *b) {
-  if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, b->stream);
+  if (d->obs.recording) gca__history_event(d, GCA_TRACE_FREE_COMPLETED, b->addr, b->requested, block_stream(b));
   gca__history_drop_stack(b);
 }
 
@@ -466,7 +463,7 @@ void gca__block_give_back(device_t *d, block_t *b) {
     b->state = BLOCK_FREE; /* (its in-use fields become the index node) */
     gca__pool_insert(block_pool(b), b);
   }
-  survivor->gc_base = block_pool(survivor)->lookups;
+  block_set_gc_base(survivor, block_pool(survivor)->lookups);
   if (survivor->prev || survivor->next) {
     split_blocks += 1;
     split_bytes += (int64_t)survivor->size;
