@@ -6,14 +6,21 @@
  * virtual machine whose other processor was busy. A biased hold saves two
  * locked instructions. So a lock is biased after a run of `bias_after`
  * acquisitions by one thread; the run doubles (up to BIAS_AFTER_MAX) each
- * time a bias is revoked before its holds saved what revoking it took, and
- * halves back when one did: threads that alternate closely keep the futex
+ * time a bias is revoked before its holds saved what revoking it took (and
+ * before it was in use: 64 holds), and halves back when one did: threads that alternate closely keep the futex
  * word, a loop that hands the device from its thread to the autograd thread
  * and back biases it once per phase. And a bias, once given, runs for a
  * slice (at least 50 us, and 8 times what the last revocation took, at most
  * 500 us) before another thread revokes it: threads that all keep asking
  * then take turns a slice each, not an acquisition each. That slice is the
- * longest a thread waits for a lock that nobody holds.
+ * longest a thread waits for a lock whose bias is in use; one whose thread
+ * takes no hold for 10 us is idle and revoked at once. A thread that
+ * revokes a bias in use (64 holds or more), and has had the bias before,
+ * takes it over at once: threads that all keep asking would
+ * otherwise rarely get a run of their own (their acquisitions alternate on
+ * the futex word, each a wake or a wait), while a thread that wants the
+ * lock for a call now and then (no bias yet) does not get it, so it never
+ * stalls the busy one for a slice.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -33,7 +40,9 @@ enum {
   HOLD_SAVES_NS = 8,        /* what a biased hold saves (two locked instructions, some of them) */
   SLICE_MIN_NS = 50000,     /* a bias runs at least this long before another thread revokes it, */
   SLICE_REVOKES = 8,        /* and at least this many times what the last revocation took, */
-  SLICE_MAX_NS = 500000     /* but never longer */
+  SLICE_MAX_NS = 500000,    /* but never longer */
+  IDLE_NS = 10000,          /* a bias whose thread takes no hold this long is idle */
+  HANDOFF_HOLDS = 64        /* a revoked bias with this many holds was in use: its revoker may take it over */
 };
 
 static int64_t now_ns(void) { return (int64_t)gca__now_ns(); }
@@ -91,6 +100,21 @@ static void wait_owner_out(const lock_ticket_t *t) {
   }
 }
 
+/* The bias's thread takes no hold for a moment and is in none: it stopped
+ * using the lock (say a bias handed over, below, to a thread that wanted
+ * the lock for one call), and waiting out its slice would only stall this
+ * thread. A busy one takes a hold every few tens of nanoseconds. Spins:
+ * a sleep that short lasts the timer's slack (50 us) instead. */
+static bool owner_idle(lock_ticket_t *t) {
+  uint32_t before = atomic_load_explicit(&t->holds, memory_order_relaxed);
+  int64_t until = now_ns() + IDLE_NS;
+  do {
+    for (int i = 0; i < 64; i++) spin_hint(); /* (reading its line at every hint would slow the owner) */
+    if (atomic_load_explicit(&t->holds, memory_order_relaxed) != before) return false;
+  } while (now_ns() < until);
+  return !atomic_load_explicit(&t->inside, memory_order_acquire);
+}
+
 static void futex_acquire(lock_t *l) {
   uint32_t expected = 0;
   if (atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire, memory_order_relaxed))
@@ -107,12 +131,20 @@ static void futex_acquire(lock_t *l) {
   while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0) lock_futex(l, FUTEX_WAIT, 2);
 }
 
+/* This thread's ticket, if it has had the bias. (A thread that ended left
+ * its ticket to the next with its thread pointer.) */
+static lock_ticket_t *ticket_find(lock_t *l, void *self) {
+  for (lock_ticket_t *t = l->tickets; t; t = t->next)
+    if (t->thread == self) return t;
+  return NULL;
+}
+
 /* This thread's ticket, made the first time it gets the bias. NULL: out
  * of memory (then the lock stays unbiased). */
 static lock_ticket_t *ticket_of(lock_t *l, void *self) {
-  for (lock_ticket_t *t = l->tickets; t; t = t->next)
-    if (t->thread == self) return t; /* (a thread that ended left it to the next with its thread pointer) */
-  lock_ticket_t *t = aligned_alloc(64, sizeof *t);
+  lock_ticket_t *t = ticket_find(l, self);
+  if (t) return t;
+  t = aligned_alloc(64, sizeof *t);
   if (!t) return NULL;
   memset(t, 0, sizeof *t);
   atomic_init(&t->inside, 0);
@@ -122,8 +154,22 @@ static lock_ticket_t *ticket_of(lock_t *l, void *self) {
   return t;
 }
 
+/* Bias the lock to this thread from its next acquisition on (this hold,
+ * on the futex word, is not a biased one). False: no memory for a ticket. */
+static bool give_bias(lock_t *l, void *self) {
+  lock_ticket_t *t = ticket_of(l, self);
+  if (!t) return false;
+  atomic_store_explicit(&t->holds, 0, memory_order_relaxed);
+  l->biased_at = now_ns();
+  l->last = self;
+  l->streak = 0;
+  atomic_store_explicit(&l->owner, t, memory_order_release);
+  return true;
+}
+
 void gca__lock_acquire_slow(lock_t *l, void *self) {
   futex_acquire(l);
+  l->slow_holds++;
   /* Biased to another thread (never to this one: only this thread biases
    * it to itself, and then takes the biased way until revoked). */
   lock_ticket_t *owner = atomic_load_explicit(&l->owner, memory_order_relaxed);
@@ -134,17 +180,26 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
      * wake or a revocation. */
     int64_t slice = l->revoke_ns * SLICE_REVOKES;
     slice = slice < SLICE_MIN_NS ? SLICE_MIN_NS : slice > SLICE_MAX_NS ? SLICE_MAX_NS : slice;
-    int64_t left = l->biased_at + slice - now_ns();
-    if (left > 0) nanosleep(&(struct timespec){0, (long)left}, NULL);
+    if (l->biased_at + slice > now_ns() && !owner_idle(owner)) {
+      int64_t left = l->biased_at + slice - now_ns();
+      if (left > 0) nanosleep(&(struct timespec){0, (long)left}, NULL);
+    }
     int64_t start = now_ns();
     atomic_store_explicit(&l->owner, NULL, memory_order_relaxed);
     barrier_all_threads();
     wait_owner_out(owner);
     uint32_t after = l->bias_after;
     l->revoke_ns = now_ns() - start;
-    if ((int64_t)owner->holds * HOLD_SAVES_NS < l->revoke_ns)
+    l->revocations++;
+    uint32_t holds = atomic_load_explicit(&owner->holds, memory_order_relaxed);
+    bool in_use = holds >= HANDOFF_HOLDS;
+    if ((int64_t)holds * HOLD_SAVES_NS < l->revoke_ns && !in_use)
       l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
-    else if (after > BIAS_AFTER_MIN) l->bias_after = after / 2;
+    else if (after > BIAS_AFTER_MIN)
+      l->bias_after = after / 2;
+    /* The revoked bias was in use and this thread waited for it: if it had
+     * the bias before, it takes it over now (see above). */
+    if (in_use && ticket_find(l, self) && give_bias(l, self)) return;
   }
   if (l->last != self) {
     l->last = self;
@@ -152,13 +207,8 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
   } else if (++l->streak >= l->bias_after && barrier_ready) {
     /* Biased from the next acquisition on; this hold ends on the futex
      * word (`held` is not set). */
-    lock_ticket_t *t = ticket_of(l, self);
     l->streak = 0;
-    if (t) {
-      t->holds = 0;
-      l->biased_at = now_ns();
-      atomic_store_explicit(&l->owner, t, memory_order_release);
-    }
+    give_bias(l, self);
   }
 }
 

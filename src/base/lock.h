@@ -66,7 +66,8 @@ static inline void mutex_unlock(pthread_mutex_t *m) {
  * (before Linux 4.14, or refused by a seccomp filter) no lock is biased. */
 typedef struct lock_ticket {
   _Alignas(64) _Atomic uint32_t inside; /* written by its thread alone: in a biased hold */
-  uint32_t holds;                       /* biased holds since the bias was given */
+  _Atomic uint32_t holds;               /* biased holds since the bias was given (written by its thread;
+                                         * read by one waiting for the bias, to tell an idle owner) */
   void *thread;                         /* its thread (thread pointer) */
   struct lock_ticket *next;             /* the lock's tickets */
 } lock_ticket_t;
@@ -81,6 +82,8 @@ typedef struct lock {
   uint32_t bias_after;      /* (under the futex word:) the run that biases it */
   int64_t biased_at;        /* (under the futex word:) when the bias was given (ns, monotonic) */
   int64_t revoke_ns;        /* (under the futex word:) what the last revocation took */
+  uint64_t slow_holds;      /* (under the futex word:) holds taken on it, and */
+  uint64_t revocations;     /*  biases revoked: how well the bias serves (tests read them) */
 } lock_t;
 
 void gca__lock_init_bias(lock_t *l);
@@ -95,6 +98,7 @@ static inline int lock_init(lock_t *l) {
   l->tickets = NULL;
   l->streak = 0;
   l->biased_at = l->revoke_ns = 0;
+  l->slow_holds = l->revocations = 0;
   gca__lock_init_bias(l);
   return 0;
 }
@@ -117,7 +121,8 @@ static inline void lock_acquire(lock_t *l) {
      * order comes from the revoking thread's membarrier. */
     atomic_signal_fence(memory_order_seq_cst);
     if (__builtin_expect(atomic_load_explicit(&l->owner, memory_order_acquire) == t, 1)) {
-      t->holds++;
+      atomic_store_explicit(&t->holds, atomic_load_explicit(&t->holds, memory_order_relaxed) + 1,
+                            memory_order_relaxed);
       l->held = t;
       LOCKS_HELD_ADD(1);
       return;
