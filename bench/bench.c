@@ -2,6 +2,10 @@
  *
  * Workloads:
  *   alloc_free_4KiB   malloc + free of 4 KiB in a loop (ns per pair);
+ *   small_mix_64B_64KiB
+ *                     256 blocks held, then pairs that free a random one
+ *                     and allocate its replacement of a random size from
+ *                     64 B to 64 KiB (ns per pair);
  *   live_blocks_N     N blocks of 4 KiB held (10^3 to 10^6), then pairs
  *                     that free one of them and allocate its replacement
  *                     (ns per pair), and the host memory each held block
@@ -25,14 +29,15 @@
  * both loaded with dlopen so that neither replaces malloc for the process.
  * gcalloc runs on the sim backend with no added latency. Each figure is the
  * median of several timed repetitions after one warm-up, the allocators
- * interleaved within each repetition.
+ * interleaved within each repetition; gcalloc's spread beside it (slowest
+ * repetition less the fastest, over the median).
  *
  * Each workload runs in a child process of its own (fork), so no allocator
  * carries state from one workload into the next: glibc, for one, raises its
  * mmap threshold after freeing large chunks, and a trace measured after
  * another then looks several times faster for glibc than measured alone.
  *
- * Targets (TARGET_*): the 4 KiB loop at most mimalloc's time; the most
+ * Targets (TARGET_*): the 4 KiB loop and the small mix at most mimalloc's time; the most
  * blocks held at most 3x the time at the fewest; at most 96 bytes of host
  * memory per held block; 2-8 threads on one device (or the pinned
  * allocator) at least one thread's pairs a second, on a device each 0.8 x
@@ -77,6 +82,7 @@ typedef struct result {
   char name[96];
   size_t ops;
   double gcalloc_ns;
+  double gcalloc_spread;   /* gcalloc's repetitions: (slowest - fastest) / median */
   double host_ns[HOSTS];
   size_t gcalloc_failures;
   int kind;                /* workload_kind */
@@ -103,6 +109,12 @@ static double now_ns(void) { return tool_seconds() * 1e9; }
 static double median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, compare_doubles);
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* gcalloc's figure of r: the median of its repetitions, and their spread. */
+static void gcalloc_figure(result_t *r, double *v, int n) {
+  r->gcalloc_ns = median(v, n);
+  r->gcalloc_spread = r->gcalloc_ns > 0 ? (v[n - 1] - v[0]) / r->gcalloc_ns : 0;
 }
 
 static bool load_host(host_alloc_t *h, const char *lib, const char *alloc_sym, const char *free_sym) {
@@ -178,8 +190,82 @@ static int run_loop(const job_t *j, result_t *r) {
     samples[HOSTS][rep] = loop_gcalloc(a, n, pinned);
     for (int h = 0; h < HOSTS; h++) samples[h][rep] = loop_host(&hosts[h], n);
   }
-  r->gcalloc_ns = median(samples[HOSTS], reps);
+  gcalloc_figure(r, samples[HOSTS], reps);
   for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
+  gca_close(a);
+  return 0;
+}
+
+/* ---- the small-size mix ------------------------------------------------- */
+
+/* MIX_HELD blocks held, then pairs that free one of them, picked at random,
+ * and allocate its replacement of a random size from 64 B to 64 KiB (each
+ * power of two as likely, then uniform within it): the same seeded sequence
+ * for every allocator. ns per free+malloc pair. */
+enum { MIX_HELD = 256, MIX_STEPS = 1 << 16 };
+
+typedef struct mix_step {
+  uint32_t slot, size;
+} mix_step_t;
+
+static void mix_plan(mix_step_t *steps) {
+  uint64_t x = 0x9e3779b97f4a7c15u;
+  for (int i = 0; i < MIX_STEPS; i++) {
+    x = x * 6364136223846793005u + 1442695040888963407u;
+    uint32_t base = 1u << (6 + (x >> 60) % 10); /* 64 B .. 32 KiB */
+    steps[i].size = base + (uint32_t)(x >> 20) % base;
+    steps[i].slot = (uint32_t)(x >> 40) % MIX_HELD;
+  }
+}
+
+static double mix_host(const host_alloc_t *h, void **slots, const mix_step_t *steps, long n) {
+  double t0 = now_ns();
+  for (long i = 0; i < n; i++) {
+    const mix_step_t *st = &steps[i & (MIX_STEPS - 1)];
+    h->release(slots[st->slot]);
+    slots[st->slot] = h->alloc(st->size);
+  }
+  return (now_ns() - t0) / (double)n;
+}
+
+static double mix_gcalloc(gca_allocator_t *a, void **slots, const mix_step_t *steps, long n, size_t *failures) {
+  double t0 = now_ns();
+  for (long i = 0; i < n; i++) {
+    const mix_step_t *st = &steps[i & (MIX_STEPS - 1)];
+    if (slots[st->slot]) gca_free(a, slots[st->slot]);
+    if (!(slots[st->slot] = gca_malloc(a, st->size, 0, 0))) ++*failures;
+  }
+  return (now_ns() - t0) / (double)n;
+}
+
+static int run_small_mix(const job_t *j, result_t *r) {
+  const host_alloc_t *hosts = j->hosts;
+  int reps = j->reps;
+  long n = j->n;
+  static mix_step_t steps[MIX_STEPS];
+  static void *slots[HOSTS + 1][MIX_HELD];
+  mix_plan(steps);
+  gca_allocator_t *a = bench_open("sim");
+  if (!a) return 1;
+  snprintf(r->name, sizeof r->name, "small_mix_64B_64KiB");
+  r->ops = (size_t)n;
+  for (int k = 0; k < MIX_HELD; k++) {
+    if (!(slots[HOSTS][k] = gca_malloc(a, steps[k].size, 0, 0))) r->gcalloc_failures++;
+    for (int h = 0; h < HOSTS; h++) slots[h][k] = hosts[h].alloc(steps[k].size);
+  }
+  double samples[HOSTS + 1][32];
+  mix_gcalloc(a, slots[HOSTS], steps, n / 10, &r->gcalloc_failures);
+  for (int h = 0; h < HOSTS; h++) mix_host(&hosts[h], slots[h], steps, n / 10);
+  for (int rep = 0; rep < reps; rep++) {
+    samples[HOSTS][rep] = mix_gcalloc(a, slots[HOSTS], steps, n, &r->gcalloc_failures);
+    for (int h = 0; h < HOSTS; h++) samples[h][rep] = mix_host(&hosts[h], slots[h], steps, n);
+  }
+  gcalloc_figure(r, samples[HOSTS], reps);
+  for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
+  for (int k = 0; k < MIX_HELD; k++) {
+    if (slots[HOSTS][k]) gca_free(a, slots[HOSTS][k]);
+    for (int h = 0; h < HOSTS; h++) hosts[h].release(slots[h][k]);
+  }
   gca_close(a);
   return 0;
 }
@@ -260,7 +346,7 @@ static int run_sweep(const job_t *j, result_t *r) {
     samples[HOSTS][rep] = sweep_gcalloc(a, slots[HOSTS], live, j->n, &r->gcalloc_failures);
     for (int h = 0; h < HOSTS; h++) samples[h][rep] = sweep_host(&hosts[h], slots[h], live, j->n);
   }
-  r->gcalloc_ns = median(samples[HOSTS], j->reps);
+  gcalloc_figure(r, samples[HOSTS], j->reps);
   for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], j->reps);
   for (int h = 0; h < HOSTS; h++) {
     for (size_t i = 0; i < live; i++) hosts[h].release(slots[h][i]);
@@ -366,7 +452,7 @@ static int run_threads(const job_t *j, result_t *r) {
       runs[h].n = n;
       if ((samples[h][rep] = threads_once(&runs[h], threads)) < 0) return 1;
     }
-  r->gcalloc_ns = median(samples[HOSTS], reps);
+  gcalloc_figure(r, samples[HOSTS], reps);
   for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
   r->gcalloc_failures = atomic_load(&runs[HOSTS].failures);
   gca_close(a);
@@ -397,7 +483,7 @@ static int run_history_cost(const job_t *j, result_t *r) {
   /* (the figures travel back in a result_t: gcalloc_ns = off, the first
    * two host slots = on, with stacks) */
   snprintf(r->name, sizeof r->name, "history");
-  r->gcalloc_ns = median(samples[0], reps);
+  gcalloc_figure(r, samples[0], reps);
   r->host_ns[0] = median(samples[1], reps);
   r->host_ns[1] = median(samples[2], reps);
   for (int i = 0; i < 3; i++) gca_close(a[i]);
@@ -483,7 +569,7 @@ static int run_trace(const job_t *j, result_t *r) {
     for (int h = 0; h < HOSTS; h++) samples[h][rep] = replay_host(&hosts[h], &o, slots) / (double)r->ops;
   }
   r->gcalloc_failures = failures;
-  r->gcalloc_ns = median(samples[HOSTS], reps);
+  gcalloc_figure(r, samples[HOSTS], reps);
   for (int h = 0; h < HOSTS; h++) r->host_ns[h] = median(samples[h], reps);
   gca_close(a);
   free(slots);
@@ -677,10 +763,11 @@ const tool_command_t bench_command = {
     "compare gcalloc with glibc, mimalloc and jemalloc (loops, blocks held, threads, traces)",
     "\n"
     "Times gcalloc (on the simulated device) against glibc malloc, mimalloc and jemalloc in the same run:\n"
-    "a 4 KiB malloc+free loop, 4 KiB blocks replaced among 10^3 to 10^6 held (and the host memory each\n"
-    "held block costs gcalloc), 1 to 8 threads on one device, on a device each and on the pinned host\n"
-    "allocator, the history's cost, the pinned host allocator's loop, and the alloc/free sequence of every\n"
-    "trace in the traces folder; prints ns per operation, the ratios and the targets (docs/benchmarks.md).\n"
+    "a 4 KiB malloc+free loop, a mix of sizes from 64 B to 64 KiB, 4 KiB blocks replaced among 10^3 to\n"
+    "10^6 held (and the host memory each held block costs gcalloc), 1 to 8 threads on one device, on a\n"
+    "device each and on the pinned host allocator, the history's cost, the pinned host allocator's loop,\n"
+    "and the alloc/free sequence of every trace in the traces folder; prints ns per operation (the median\n"
+    "of the repetitions, and gcalloc's spread), the ratios and the targets (docs/benchmarks.md).\n"
     "\n"
     "  --json        the figures as JSON\n"
     "  --traces DIR  the folder of traces, one folder each (default: the sample snapshots, data/snapshots;\n"
@@ -727,6 +814,8 @@ int bench_main(int argc, char **argv) {
   int count = 0;
   job_t loop = {.run = run_loop, .hosts = hosts, .reps = reps, .n = quick ? 200000 : 3000000};
   if (isolated(job_main, &loop, &results[count++])) return 1;
+  job_t mix = {.run = run_small_mix, .hosts = hosts, .reps = reps, .n = quick ? 200000 : 2000000};
+  if (isolated(job_main, &mix, &results[count++])) return 1;
   /* (10^6 blocks of 4 KiB are 4 GiB of host memory for each host allocator
    * that touches them: not in a smoke test) */
   for (size_t live = 1000; live <= (quick ? 100000u : 1000000u); live *= 10) {
@@ -760,8 +849,8 @@ int bench_main(int argc, char **argv) {
   if (json) {
     printf("{\n  \"unit\": \"ns per operation (loops and live blocks: per alloc+free pair)\",\n  \"workloads\": [\n");
   } else {
-    printf("%-34s %10s %10s %10s %10s %10s %8s %8s  %s\n", "workload", "ops", "gcalloc", "glibc", "mimalloc",
-           "jemalloc", "/mimal.", "/best", "target");
+    printf("%-34s %10s %10s %7s %10s %10s %10s %8s %8s  %s\n", "workload", "ops", "gcalloc", "spread", "glibc",
+           "mimalloc", "jemalloc", "/mimal.", "/best", "target");
   }
   for (int i = 0; i < count; i++) {
     const result_t *r = &results[i];
@@ -772,11 +861,12 @@ int bench_main(int argc, char **argv) {
     double vs_mi = r->gcalloc_ns / r->host_ns[HOST_MIMALLOC];
     double vs_best = r->gcalloc_ns / best_host(r);
     if (json) {
-      printf("    {\"name\": \"%s\", \"kind\": \"%s\", \"ops\": %zu, \"gcalloc_ns\": %.2f, \"glibc_ns\": %.2f, "
+      printf("    {\"name\": \"%s\", \"kind\": \"%s\", \"ops\": %zu, \"gcalloc_ns\": %.2f, \"gcalloc_spread\": %.3f, "
+             "\"glibc_ns\": %.2f, "
              "\"mimalloc_ns\": %.2f, \"jemalloc_ns\": %.2f, \"ratio_vs_mimalloc\": %.3f, \"ratio_vs_best_host\": %.3f, "
              "\"gcalloc_failures\": %zu, ",
              r->name, (const char *[]){"loop", "trace", "live_blocks", "threads"}[r->kind], r->ops,
-             r->gcalloc_ns, r->host_ns[0], r->host_ns[1], r->host_ns[2], vs_mi, vs_best, r->gcalloc_failures);
+             r->gcalloc_ns, r->gcalloc_spread, r->host_ns[0], r->host_ns[1], r->host_ns[2], vs_mi, vs_best, r->gcalloc_failures);
       if (r->kind == KIND_SWEEP)
         printf("\"live_blocks\": %zu, \"bytes_per_live_block\": %.1f, ", r->live, r->bytes_per_block);
       if (r->kind == KIND_THREADS)
@@ -784,9 +874,9 @@ int bench_main(int argc, char **argv) {
       printf("\"target\": \"%s\", \"target_met\": %s}%s\n", target, has ? (met ? "true" : "false") : "null",
              i + 1 < count ? "," : "");
     } else {
-      printf("%-34s %10zu %10.1f %10.1f %10.1f %10.1f %8.3f %8.3f  %s%s%s\n", r->name, r->ops, r->gcalloc_ns,
-             r->host_ns[0], r->host_ns[1], r->host_ns[2], vs_mi, vs_best, target, has ? ": " : "",
-             has ? (met ? "met" : "MISSED") : "");
+      printf("%-34s %10zu %10.1f %6.1f%% %10.1f %10.1f %10.1f %8.3f %8.3f  %s%s%s\n", r->name, r->ops,
+             r->gcalloc_ns, 100 * r->gcalloc_spread, r->host_ns[0], r->host_ns[1], r->host_ns[2], vs_mi, vs_best,
+             target, has ? ": " : "", has ? (met ? "met" : "MISSED") : "");
     }
   }
   if (json) {
