@@ -19,6 +19,8 @@
  *                     the same host allocators: no target, the cost shown;
  *   history           the 4 KiB loop with the history off, on, and on with
  *                     stacks;
+ *   instructions      those of a cached 4 KiB pair, counted by callgrind
+ *                     where valgrind is installed (no target);
  *   trace:<name>      the alloc/free sequence of each trace in the traces
  *                     folder (the sample snapshots by default; sizes and
  *                     order as recorded, memory never touched), ns per
@@ -52,6 +54,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -648,6 +651,74 @@ static int isolated(int (*fn)(void *arg, result_t *r), void *arg, result_t *r) {
   return (got == (ssize_t)sizeof *r && WIFEXITED(status) && WEXITSTATUS(status) == 0) ? 0 : 1;
 }
 
+/* ---- instructions a pair (callgrind) ----------------------------------- */
+
+/* The instructions one cached 4 KiB pair executes, counted by valgrind's
+ * callgrind where valgrind is installed: this program run under it twice
+ * (GCALLOC_BENCH_PAIRS pairs, then twice as many), the difference over the
+ * pairs added, so start-up and the loop's set-up cancel out. Deterministic,
+ * unlike the times. 0: valgrind is not installed or failed. */
+enum { COUNTED_PAIRS = 100000 };
+
+/* The total callgrind reports for `pairs` pairs, or 0. */
+static unsigned long long callgrind_total(const char *exe, long pairs) {
+  int fds[2];
+  if (pipe(fds) != 0) return 0;
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return 0;
+  }
+  if (pid == 0) {
+    char count[32];
+    snprintf(count, sizeof count, "%ld", pairs);
+    setenv("GCALLOC_BENCH_PAIRS", count, 1);
+    dup2(fds[1], STDERR_FILENO);
+    int null = open("/dev/null", O_WRONLY);
+    if (null >= 0) dup2(null, STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execlp("valgrind", "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", exe, "bench",
+           (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  char out[8192];
+  size_t got = 0;
+  ssize_t n;
+  while (got + 1 < sizeof out && (n = read(fds[0], out + got, sizeof out - 1 - got)) > 0) got += (size_t)n;
+  out[got] = 0;
+  while (read(fds[0], &(char){0}, 1) > 0) {
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const char *at = strstr(out, "Collected : ");
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !at) return 0;
+  return strtoull(at + strlen("Collected : "), NULL, 10);
+}
+
+static double instructions_per_pair(void) {
+  char exe[4096];
+  ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (len <= 0) return 0;
+  exe[len] = 0;
+  unsigned long long once = callgrind_total(exe, COUNTED_PAIRS);
+  unsigned long long twice = once ? callgrind_total(exe, 2 * COUNTED_PAIRS) : 0;
+  return twice > once ? (double)(twice - once) / COUNTED_PAIRS : 0;
+}
+
+/* Under callgrind: the pairs alone. */
+static int counted_pairs(long pairs) {
+  gca_allocator_t *a = bench_open("sim");
+  if (!a) return 1;
+  loop_gcalloc(a, pairs, false);
+  gca_close(a);
+  return 0;
+}
+
 static int job_main(void *p, result_t *r) {
   const job_t *j = p;
   return j->run(j, r);
@@ -767,7 +838,8 @@ const tool_command_t bench_command = {
     "10^6 held (and the host memory each held block costs gcalloc), 1 to 8 threads on one device, on a\n"
     "device each and on the pinned host allocator, the history's cost, the pinned host allocator's loop,\n"
     "and the alloc/free sequence of every trace in the traces folder; prints ns per operation (the median\n"
-    "of the repetitions, and gcalloc's spread), the ratios and the targets (docs/benchmarks.md).\n"
+    "of the repetitions, and gcalloc's spread), the ratios and the targets (docs/benchmarks.md); with\n"
+    "valgrind installed, the instructions of a cached 4 KiB pair.\n"
     "\n"
     "  --json        the figures as JSON\n"
     "  --traces DIR  the folder of traces, one folder each (default: the sample snapshots, data/snapshots;\n"
@@ -789,6 +861,8 @@ int bench_main(int argc, char **argv) {
   };
   int parsed = tool_parse(&bench_command, options, argc, argv, NULL);
   if (parsed) return parsed < 0 ? 0 : parsed;
+  const char *pairs = getenv("GCALLOC_BENCH_PAIRS"); /* (run under callgrind by instructions_per_pair) */
+  if (pairs) return counted_pairs(atol(pairs));
   if (!traces && !(traces = tool_samples_dir()))
     fprintf(stderr, "gcalloc bench: no sample snapshots here (data/snapshots): the loops alone; --traces DIR adds "
                     "the traces of a folder\n");
@@ -839,6 +913,8 @@ int bench_main(int argc, char **argv) {
   memset(&pinned, 0, sizeof pinned);
   loop.pinned = true;
   if (isolated(job_main, &loop, &pinned)) return 1;
+
+  double instructions = instructions_per_pair();
 
   sweep_span_t span = sweep_span(results, count);
   const result_t *most = span.most;
@@ -892,6 +968,8 @@ int bench_main(int argc, char **argv) {
            "\"ratio_vs_mimalloc\": %.3f},\n",
            pinned.gcalloc_ns, pinned.host_ns[0], pinned.host_ns[1], pinned.host_ns[2],
            pinned.gcalloc_ns / pinned.host_ns[HOST_MIMALLOC]);
+    if (instructions > 0) printf("  \"instructions_per_4KiB_pair\": %.1f,\n", instructions);
+    else printf("  \"instructions_per_4KiB_pair\": null,\n");
     printf("  \"all_targets_met\": %s\n}\n", all_met ? "true" : "false");
   } else {
     if (most)
@@ -905,6 +983,10 @@ int bench_main(int argc, char **argv) {
            "(%.2fx mimalloc)\n",
            pinned.gcalloc_ns, pinned.host_ns[0], pinned.host_ns[1], pinned.host_ns[2],
            pinned.gcalloc_ns / pinned.host_ns[HOST_MIMALLOC]);
+    if (instructions > 0)
+      printf("instructions per cached 4 KiB pair (callgrind, no target): %.1f\n", instructions);
+    else
+      printf("instructions per cached 4 KiB pair: not counted (valgrind is not installed, or failed)\n");
     printf("all targets %s\n", all_met ? "met" : "NOT met");
   }
   return check && !all_met ? 1 : 0;

@@ -7,13 +7,14 @@
 # unpickler), python3-pytest (the Python package's tests) and python3-venv (a test
 # runs `pip install .` in a fresh virtual environment), the sanitizer runtimes and libFuzzer (clang's runtime), Chromium
 # and a font (a test renders the replay's HTML report headless), and the peers
-# the benchmark measures against (mimalloc, jemalloc). Runs apt-get as root, or through sudo when
+# the benchmark measures against (mimalloc, jemalloc) and valgrind (it counts a pair's instructions).
+# Runs apt-get as root, or through sudo when
 # available; does nothing when all is there already.
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev libcmocka-dev libbsd-dev
           libmimalloc2.0 libmimalloc-dev libjemalloc2 libjemalloc-dev libjson-c-dev libunwind-dev zlib1g-dev libzstd-dev liblzma-dev libbz2-dev
-          python3 python3-pytest python3-venv
+          python3 python3-pytest python3-venv valgrind
           chromium fonts-liberation)
 
 missing=()
