@@ -11,9 +11,11 @@
  * the caller's buffer and marks every other thread; a marked thread takes a
  * fence at any point of its program (a step enabled once its buffer is
  * empty), and the caller goes on only when none is marked. The lock's
- * steps are those of lock_acquire, lock_release and gca__lock_acquire_slow;
- * giving the bias is a free choice at the end of the slow path, so every
- * bias decision is explored.
+ * steps are those of lock_acquire, lock_release (with gca__lock_yield) and
+ * gca__lock_acquire_slow; giving the bias is a free choice at the end of
+ * the slow path, and so is giving up waiting for a yield asked of the
+ * owner (then revoking), so every bias decision and every timing of the
+ * yield is explored.
  *
  * Checked: never two threads in the critical section; a counter each
  * critical section increments (load, then store, through the buffer) ends
@@ -27,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { OWNER, HELD, LOCK, DATA, INSIDE /* one per thread */, VARS = INSIDE + 2 };
+enum { OWNER, HELD, LOCK, DATA, ASKED, INSIDE /* one per thread */, VARS = INSIDE + 2 };
 enum { THREADS = 2, HOLDS = 2, SB_CAP = 6 };
 
 enum pc {
@@ -38,16 +40,21 @@ enum pc {
   FAST_HELD,  /* store held = the ticket */
   FAST_UNDO,  /* store the ticket's inside = 0, then the futex word */
   SLOW_TAKE,  /* compare-and-swap the futex word 0 -> 1 (waits while held) */
-  SLOW_OWNER, /* load owner; set: revoke */
+  SLOW_OWNER, /* load owner; set: ask it to yield */
+  SLOW_ASK,   /* store yield_asked = 1 */
+  SLOW_ASK_WAIT, /* load owner until it changes (yielded); or, a free choice, give up and revoke */
   SLOW_CLEAR, /* store owner = NULL */
   SLOW_BARRIER, /* membarrier: drain, mark the others */
   SLOW_BARRIER_WAIT, /* until every other thread took its fence */
   SLOW_WAIT_OUT, /* load the revoked ticket's inside until 0 */
+  SLOW_UNASK, /* store yield_asked = 0 */
   SLOW_BIAS,  /* free choice: store owner = this thread's ticket, or not */
   CS_ENTER, CS_LOAD, CS_STORE, CS_LEAVE,
   REL_CHECK,  /* lock_release: load held; set: a biased hold */
   REL_FAST_HELD,   /* store held = NULL */
   REL_FAST_INSIDE, /* store the ticket's inside = 0 */
+  REL_FAST_ASKED,  /* load yield_asked; set: yield */
+  REL_FAST_YIELD,  /* compare-and-swap owner: this thread -> NULL (waits for an empty buffer) */
   REL_SLOW,   /* exchange the futex word with 0 */
   DONE
 };
@@ -148,7 +155,7 @@ static bool step(state_t *s, int i, int choice) {
   thread_t *t = &s->t[i];
   uint8_t self = (uint8_t)(i + 1);
   bool empty = t->sb_len == 0;
-  if (choice && t->pc != SLOW_BIAS) return false;
+  if (choice && t->pc != SLOW_BIAS && t->pc != SLOW_ASK_WAIT) return false;
   switch (t->pc) {
   case START: t->pc = t->holds == HOLDS ? DONE : FAST_OWNER; return true;
   case FAST_OWNER: t->pc = load(s, i, OWNER) == self ? FAST_MARK : SLOW_TAKE; return true;
@@ -164,7 +171,16 @@ static bool step(state_t *s, int i, int choice) {
   case SLOW_OWNER:
     t->reg = load(s, i, OWNER);
     if (t->reg == self) violation("the slow path found the lock biased to its own thread");
-    t->pc = t->reg ? SLOW_CLEAR : SLOW_BIAS;
+    t->pc = t->reg ? SLOW_ASK : SLOW_BIAS;
+    return true;
+  case SLOW_ASK: if (!store(s, i, ASKED, 1)) return false; t->pc = SLOW_ASK_WAIT; return true;
+  case SLOW_ASK_WAIT:
+    if (choice) { /* no yield came: revoke */
+      t->pc = SLOW_CLEAR;
+      return true;
+    }
+    if (load(s, i, OWNER) == t->reg) return false; /* (spinning: no new state) */
+    t->pc = SLOW_UNASK;
     return true;
   case SLOW_CLEAR: if (!store(s, i, OWNER, 0)) return false; t->pc = SLOW_BARRIER; return true;
   case SLOW_BARRIER:
@@ -184,8 +200,9 @@ static bool step(state_t *s, int i, int choice) {
     return true;
   case SLOW_WAIT_OUT:
     if (load(s, i, INSIDE + t->reg - 1) != 0) return false;
-    t->pc = SLOW_BIAS;
+    t->pc = SLOW_UNASK;
     return true;
+  case SLOW_UNASK: if (!store(s, i, ASKED, 0)) return false; t->pc = SLOW_BIAS; return true;
   case SLOW_BIAS:
     if (choice && !store(s, i, OWNER, self)) return false;
     t->reg = 0;
@@ -206,7 +223,21 @@ static bool step(state_t *s, int i, int choice) {
     return true;
   }
   case REL_FAST_HELD: if (!store(s, i, HELD, 0)) return false; t->pc = REL_FAST_INSIDE; return true;
-  case REL_FAST_INSIDE: if (!store(s, i, INSIDE + i, 0)) return false; t->holds++; t->pc = START; return true;
+  case REL_FAST_INSIDE: if (!store(s, i, INSIDE + i, 0)) return false; t->pc = REL_FAST_ASKED; return true;
+  case REL_FAST_ASKED:
+    if (load(s, i, ASKED)) {
+      t->pc = REL_FAST_YIELD;
+      return true;
+    }
+    t->holds++;
+    t->pc = START;
+    return true;
+  case REL_FAST_YIELD:
+    if (!empty) return false;
+    if (s->mem[OWNER] == self) s->mem[OWNER] = 0;
+    t->holds++;
+    t->pc = START;
+    return true;
   case REL_SLOW:
     if (!empty) return false;
     s->mem[LOCK] = 0;
@@ -220,18 +251,19 @@ static bool step(state_t *s, int i, int choice) {
 
 static const char *pc_names[] = {
     "START",      "FAST_OWNER", "FAST_MARK",    "FAST_CHECK",        "FAST_HELD",     "FAST_UNDO",
-    "SLOW_TAKE",  "SLOW_OWNER", "SLOW_CLEAR",   "SLOW_BARRIER",      "SLOW_BARRIER_WAIT", "SLOW_WAIT_OUT",
-    "SLOW_BIAS",  "CS_ENTER",   "CS_LOAD",      "CS_STORE",          "CS_LEAVE",      "REL_CHECK",
-    "REL_FAST_HELD", "REL_FAST_INSIDE", "REL_SLOW", "DONE"};
+    "SLOW_TAKE",  "SLOW_OWNER", "SLOW_ASK",     "SLOW_ASK_WAIT",     "SLOW_CLEAR",    "SLOW_BARRIER",
+    "SLOW_BARRIER_WAIT", "SLOW_WAIT_OUT", "SLOW_UNASK", "SLOW_BIAS", "CS_ENTER",   "CS_LOAD",
+    "CS_STORE",   "CS_LEAVE",   "REL_CHECK",    "REL_FAST_HELD",     "REL_FAST_INSIDE", "REL_FAST_ASKED",
+    "REL_FAST_YIELD", "REL_SLOW", "DONE"};
 
 static void print_state(const state_t *s) {
-  printf("  owner=%d held=%d lock=%d data=%d inside=%d,%d |", s->mem[OWNER], s->mem[HELD], s->mem[LOCK],
-         s->mem[DATA], s->mem[INSIDE], s->mem[INSIDE + 1]);
+  printf("  owner=%d held=%d lock=%d data=%d asked=%d inside=%d,%d |", s->mem[OWNER], s->mem[HELD],
+         s->mem[LOCK], s->mem[DATA], s->mem[ASKED], s->mem[INSIDE], s->mem[INSIDE + 1]);
   for (int i = 0; i < THREADS; i++) {
     const thread_t *t = &s->t[i];
     printf(" t%d %s%s buffer[", i + 1, pc_names[t->pc], t->marked ? " (fence due)" : "");
     for (int k = 0; k < t->sb_len; k++)
-      printf("%s%s=%d", k ? " " : "", (const char *[]){"owner", "held", "lock", "data", "inside1", "inside2"}[t->sb_var[k]], t->sb_val[k]);
+      printf("%s%s=%d", k ? " " : "", (const char *[]){"owner", "held", "lock", "data", "asked", "inside1", "inside2"}[t->sb_var[k]], t->sb_val[k]);
     printf("]");
   }
   printf("\n");

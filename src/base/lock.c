@@ -7,20 +7,23 @@
  * locked instructions. So a lock is biased after a run of `bias_after`
  * acquisitions by one thread; the run doubles (up to BIAS_AFTER_MAX) each
  * time a bias is revoked before its holds saved what revoking it took (and
- * before it was in use: 64 holds), and halves back when one did: threads that alternate closely keep the futex
- * word, a loop that hands the device from its thread to the autograd thread
- * and back biases it once per phase. And a bias, once given, runs for a
- * slice (at least 50 us, and 8 times what the last revocation took, at most
- * 500 us) before another thread revokes it: threads that all keep asking
- * then take turns a slice each, not an acquisition each. That slice is the
- * longest a thread waits for a lock whose bias is in use; one whose thread
- * takes no hold for 10 us is idle and revoked at once. A thread that
- * revokes a bias in use (64 holds or more), and has had the bias before,
- * takes it over at once: threads that all keep asking would
- * otherwise rarely get a run of their own (their acquisitions alternate on
- * the futex word, each a wake or a wait), while a thread that wants the
- * lock for a call now and then (no bias yet) does not get it, so it never
- * stalls the busy one for a slice.
+ * before it was in use: 64 holds), and halves back when one did: threads
+ * that alternate closely keep the futex word, a loop that hands the device
+ * from its thread to the autograd thread and back biases it once per phase.
+ *
+ * Threads that all keep asking take turns a slice each, not an acquisition
+ * each. A bias, once given, runs for a slice (at least 50 us, and 8 times
+ * what the last revocation took, at most 500 us) before another thread
+ * takes it away; that is the longest a thread waits for a lock whose bias
+ * is in use (one whose thread takes no hold for 10 us is idle, and revoked
+ * at once). The waiting thread asks a busy owner to yield (lock.h), which
+ * it does at the end of its next hold: no membarrier. And the turn passes
+ * whole: the waiting thread takes the bias over if it has had it before.
+ * Waiting for a run of its own instead, threads that both keep asking
+ * alternate on the futex word, each acquisition a wake or a wait, and
+ * rarely get one. A thread that wants the lock for a call now and then
+ * never had the bias, so it never takes it over, and never stalls the busy
+ * thread for a slice.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -42,6 +45,7 @@ enum {
   SLICE_REVOKES = 8,        /* and at least this many times what the last revocation took, */
   SLICE_MAX_NS = 500000,    /* but never longer */
   IDLE_NS = 10000,          /* a bias whose thread takes no hold this long is idle */
+  YIELD_WAIT_NS = 20000,    /* how long a busy owner asked to yield is waited for before revoking */
   HANDOFF_HOLDS = 64        /* a revoked bias with this many holds was in use: its revoker may take it over */
 };
 
@@ -115,6 +119,30 @@ static bool owner_idle(lock_ticket_t *t) {
   return !atomic_load_explicit(&t->inside, memory_order_acquire);
 }
 
+/* Asked to yield (lock.h): this thread, out of its biased hold, clears
+ * `owner` if it still points to its ticket (a revocation may have cleared
+ * it, and the bias gone to another since). The compare-and-swap is a full
+ * barrier after the hold's stores. */
+void gca__lock_yield(lock_t *l, lock_ticket_t *t) {
+  lock_ticket_t *expected = t;
+  atomic_compare_exchange_strong_explicit(&l->owner, &expected, NULL, memory_order_release, memory_order_relaxed);
+}
+
+/* Ask the busy owner of ticket t to yield, and wait a moment for it to.
+ * True: `owner` was cleared by its thread after its last hold. False: no
+ * yield came (the owner is in a long hold, or not running). */
+static bool ask_yield(lock_t *l, const lock_ticket_t *t) {
+  atomic_store_explicit(&l->yield_asked, 1, memory_order_relaxed);
+  int64_t until = now_ns() + YIELD_WAIT_NS;
+  do {
+    for (int i = 0; i < 16; i++) {
+      if (atomic_load_explicit(&l->owner, memory_order_acquire) != t) return true;
+      spin_hint();
+    }
+  } while (now_ns() < until);
+  return false;
+}
+
 static void futex_acquire(lock_t *l) {
   uint32_t expected = 0;
   if (atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire, memory_order_relaxed))
@@ -180,14 +208,19 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
      * wake or a revocation. */
     int64_t slice = l->revoke_ns * SLICE_REVOKES;
     slice = slice < SLICE_MIN_NS ? SLICE_MIN_NS : slice > SLICE_MAX_NS ? SLICE_MAX_NS : slice;
-    if (l->biased_at + slice > now_ns() && !owner_idle(owner)) {
+    bool idle = owner_idle(owner);
+    if (!idle && l->biased_at + slice > now_ns()) {
       int64_t left = l->biased_at + slice - now_ns();
       if (left > 0) nanosleep(&(struct timespec){0, (long)left}, NULL);
     }
     int64_t start = now_ns();
-    atomic_store_explicit(&l->owner, NULL, memory_order_relaxed);
-    barrier_all_threads();
-    wait_owner_out(owner);
+    /* (only this thread writes `owner` now: the owner may only clear it) */
+    if (idle || !ask_yield(l, owner)) {
+      atomic_store_explicit(&l->owner, NULL, memory_order_relaxed);
+      barrier_all_threads();
+      wait_owner_out(owner);
+    }
+    atomic_store_explicit(&l->yield_asked, 0, memory_order_relaxed);
     uint32_t after = l->bias_after;
     l->revoke_ns = now_ns() - start;
     l->revocations++;
@@ -197,8 +230,8 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
       l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
     else if (after > BIAS_AFTER_MIN)
       l->bias_after = after / 2;
-    /* The revoked bias was in use and this thread waited for it: if it had
-     * the bias before, it takes it over now (see above). */
+    /* The bias was in use and this thread waited for it: if it had the
+     * bias before, it takes it over (see above). */
     if (in_use && ticket_find(l, self) && give_bias(l, self)) return;
   }
   if (l->last != self) {

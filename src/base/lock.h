@@ -61,9 +61,15 @@ static inline void mutex_unlock(pthread_mutex_t *m) {
  * the owner's second load sees `owner` cleared and it turns to the futex
  * word. Each thread writes only its own ticket (one per thread and lock,
  * kept until the lock goes), so a late store of a revoked owner cannot
- * clear the flag of the next one. tests/test_lock_model.c checks the
- * protocol exhaustively under x86's memory model. Without membarrier
- * (before Linux 4.14, or refused by a seccomp filter) no lock is biased. */
+ * clear the flag of the next one. A thread taking turns with a busy owner
+ * asks it to yield instead (`yield_asked`, set and cleared under the futex
+ * word): the owner, leaving a biased hold, sees the request and clears
+ * `owner` itself with a compare-and-swap, a full barrier after its last
+ * store under the lock, so the asking thread needs neither membarrier nor
+ * a wait for `inside` once it sees `owner` cleared (it revokes as above if
+ * no yield comes). tests/test_lock_model.c checks the protocol
+ * exhaustively under x86's memory model. Without membarrier (before Linux
+ * 4.14, or refused by a seccomp filter) no lock is biased. */
 typedef struct lock_ticket {
   _Alignas(64) _Atomic uint32_t inside; /* written by its thread alone: in a biased hold */
   _Atomic uint32_t holds;               /* biased holds since the bias was given (written by its thread;
@@ -77,6 +83,7 @@ typedef struct lock {
   uint32_t streak;          /* (under the futex word:) acquisitions in a row by `last` */
   _Atomic(lock_ticket_t *) owner; /* the ticket of the thread it is biased to; NULL: none */
   lock_ticket_t *held;      /* the ticket of the biased hold in progress (written by holders) */
+  _Atomic uint32_t yield_asked; /* (written under the futex word:) the owner is asked to clear `owner` */
   void *last;               /* (under the futex word:) the thread that took it last */
   lock_ticket_t *tickets;   /* (under the futex word:) one per thread that had the bias */
   uint32_t bias_after;      /* (under the futex word:) the run that biases it */
@@ -88,11 +95,13 @@ typedef struct lock {
 
 void gca__lock_init_bias(lock_t *l);
 void gca__lock_acquire_slow(lock_t *l, void *self);
+void gca__lock_yield(lock_t *l, lock_ticket_t *t);
 void gca__lock_destroy(lock_t *l);
 
 static inline int lock_init(lock_t *l) {
   atomic_init(&l->state, 0);
   atomic_init(&l->owner, NULL);
+  atomic_init(&l->yield_asked, 0);
   l->held = NULL;
   l->last = NULL;
   l->tickets = NULL;
@@ -139,6 +148,8 @@ static inline void lock_release(lock_t *l) {
   if (__builtin_expect(t != NULL, 1)) {
     l->held = NULL;
     atomic_store_explicit(&t->inside, 0, memory_order_release);
+    if (__builtin_expect(atomic_load_explicit(&l->yield_asked, memory_order_relaxed) != 0, 0))
+      gca__lock_yield(l, t);
     return;
   }
   if (__builtin_expect(atomic_exchange_explicit(&l->state, 0, memory_order_release) == 2, 0))
