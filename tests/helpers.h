@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <cmocka.h>
 
 #include "backends/sim_driver.h"
@@ -46,6 +47,13 @@
  * SOURCES.txt lists them), where GCALLOC_REAL_TRACES names one: CTest sets
  * it for the tests it registers only where ../shared/traces is there, and
  * those run the test programs' real-trace group; NULL otherwise. */
+/* Milliseconds on the monotonic clock. */
+static inline double now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
 static inline const char *real_traces_dir(void) { return getenv("GCALLOC_REAL_TRACES"); }
 
 /* real_traces_dir()/name, in one of four buffers that take turns. */

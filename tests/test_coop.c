@@ -307,12 +307,6 @@ static void wait_stopped(pid_t pid) {
   fail_msg("process %d did not stop", (int)pid);
 }
 
-static double now_ms(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
 static void test_without_cooperation_one_runs_out(void **state) {
   (void)state;
   peer_t peer = start_peer(60);

@@ -319,12 +319,6 @@ typedef struct waiter {
   double ms;
 } waiter_t;
 
-static double now_ms(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
 static void *wait_for_memory(void *arg) {
   waiter_t *w = arg;
   double start = now_ms();

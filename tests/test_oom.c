@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include "helpers.h"
-#include "core/core.h" /* block_gc_age: a free block's age is kept in 48 bits */
 
 #define S1 ((gca_stream_t)0x100)
 #define S2 ((gca_stream_t)0x200)

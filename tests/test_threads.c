@@ -7,7 +7,6 @@
 #include <pthread.h>
 
 #include "helpers.h"
-#include "core/core.h" /* the device lock's counters */
 #include <time.h>
 
 #define WORKERS 4
@@ -125,12 +124,6 @@ typedef struct {
   long failures;
 } asker_t;
 
-static double ms_now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
 static double turns_until; /* (written between phases, read in them: the barrier orders them) */
 static bool turns_over;
 
@@ -139,7 +132,7 @@ static void *keep_asking(void *arg) {
   for (;;) {
     pthread_barrier_wait(k->phase);
     if (turns_over) return NULL;
-    while (ms_now() < turns_until)
+    while (now_ms() < turns_until)
       for (int i = 0; i < 1000; i++) {
         void *p = gca_malloc(k->a, 4096, 0, 0);
         if (!p || gca_free(k->a, p) != GCA_OK) k->failures++;
@@ -149,7 +142,7 @@ static void *keep_asking(void *arg) {
 }
 
 static void run_phase(pthread_barrier_t *phase) {
-  turns_until = ms_now() + TURN_MS;
+  turns_until = now_ms() + TURN_MS;
   pthread_barrier_wait(phase);
   pthread_barrier_wait(phase);
 }
@@ -164,9 +157,9 @@ static void test_threads_that_keep_asking_take_turns(void **state) {
   pthread_t t[2];
   turns_over = false;
   for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, keep_asking, &k[i]), 0);
-  double start = ms_now();
+  double start = now_ms();
   int tickets = 0;
-  while (tickets < 2 && ms_now() - start < TURN_CAP_MS) { /* until both have had the bias */
+  while (tickets < 2 && now_ms() - start < TURN_CAP_MS) { /* until both have had the bias */
     run_phase(&phase);
     tickets = 0;
     for (lock_ticket_t *x = l->tickets; x; x = x->next) tickets++;
@@ -178,7 +171,7 @@ static void test_threads_that_keep_asking_take_turns(void **state) {
   uint64_t holds = 0, revocations = 0;
   int phases = 0;
   bool turns = false;
-  while (tickets == 2 && !turns && ms_now() - start < TURN_CAP_MS) {
+  while (tickets == 2 && !turns && now_ms() - start < TURN_CAP_MS) {
     uint64_t holds0 = l->slow_holds, revocations0 = l->revocations;
     run_phase(&phase);
     phases++;
