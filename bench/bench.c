@@ -660,8 +660,33 @@ static int isolated(int (*fn)(void *arg, result_t *r), void *arg, result_t *r) {
  * unlike the times. 0: valgrind is not installed or failed. */
 enum { COUNTED_PAIRS = 100000 };
 
-/* The total callgrind reports for `pairs` pairs, or 0. */
-static unsigned long long callgrind_total(const char *exe, long pairs) {
+/* The last two lines valgrind wrote (its reason, when it gives up), without
+ * its "==pid==" prefixes, into why. */
+static void valgrind_last_words(const char *out, char *why, size_t cap) {
+  const char *lines[2] = {NULL, NULL};
+  size_t lens[2] = {0, 0};
+  for (const char *p = out; *p;) {
+    const char *end = strchr(p, '\n');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    const char *text = p;
+    if (text[0] == '=' && text[1] == '=') { /* "==123== " */
+      const char *close = strstr(text + 2, "== ");
+      if (close && close < p + len) text = close + 3;
+    }
+    size_t n = len - (size_t)(text - p);
+    if (n > 0) {
+      lines[0] = lines[1], lens[0] = lens[1];
+      lines[1] = text, lens[1] = n;
+    }
+    p = end ? end + 1 : p + len;
+  }
+  snprintf(why, cap, "%.*s%s%.*s", (int)lens[0], lines[0] ? lines[0] : "", lines[0] ? " " : "", (int)lens[1],
+           lines[1] ? lines[1] : "");
+}
+
+/* The total callgrind reports for `pairs` pairs, or 0 with the reason in
+ * why. */
+static unsigned long long callgrind_total(const char *exe, long pairs, char *why, size_t cap) {
   int fds[2];
   if (pipe(fds) != 0) return 0;
   fflush(NULL);
@@ -682,6 +707,7 @@ static unsigned long long callgrind_total(const char *exe, long pairs) {
     close(fds[1]);
     execlp("valgrind", "valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", exe, "bench",
            (char *)NULL);
+    fprintf(stderr, "valgrind is not installed (%s)\n", strerror(errno));
     _exit(127);
   }
   close(fds[1]);
@@ -696,18 +722,26 @@ static unsigned long long callgrind_total(const char *exe, long pairs) {
   int status = 0;
   waitpid(pid, &status, 0);
   const char *at = strstr(out, "Collected : ");
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !at) return 0;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !at) {
+    valgrind_last_words(out, why, cap);
+    return 0;
+  }
   return strtoull(at + strlen("Collected : "), NULL, 10);
 }
 
-static double instructions_per_pair(void) {
+/* 0 with the reason in why when not counted. */
+static double instructions_per_pair(char *why, size_t cap) {
   char exe[4096];
   ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-  if (len <= 0) return 0;
+  if (len <= 0) {
+    snprintf(why, cap, "cannot find this program: %s", strerror(errno));
+    return 0;
+  }
   exe[len] = 0;
-  unsigned long long once = callgrind_total(exe, COUNTED_PAIRS);
-  unsigned long long twice = once ? callgrind_total(exe, 2 * COUNTED_PAIRS) : 0;
-  return twice > once ? (double)(twice - once) / COUNTED_PAIRS : 0;
+  unsigned long long once = callgrind_total(exe, COUNTED_PAIRS, why, cap);
+  unsigned long long twice = once ? callgrind_total(exe, 2 * COUNTED_PAIRS, why, cap) : 0;
+  if (once && twice <= once) snprintf(why, cap, "callgrind counted %llu, then %llu", once, twice);
+  return once && twice > once ? (double)(twice - once) / COUNTED_PAIRS : 0;
 }
 
 /* Under callgrind: the pairs alone. */
@@ -914,7 +948,8 @@ int bench_main(int argc, char **argv) {
   loop.pinned = true;
   if (isolated(job_main, &loop, &pinned)) return 1;
 
-  double instructions = instructions_per_pair();
+  char not_counted[512] = "";
+  double instructions = instructions_per_pair(not_counted, sizeof not_counted);
 
   sweep_span_t span = sweep_span(results, count);
   const result_t *most = span.most;
@@ -986,7 +1021,7 @@ int bench_main(int argc, char **argv) {
     if (instructions > 0)
       printf("instructions per cached 4 KiB pair (callgrind, no target): %.1f\n", instructions);
     else
-      printf("instructions per cached 4 KiB pair: not counted (valgrind is not installed, or failed)\n");
+      printf("instructions per cached 4 KiB pair: not counted (%s)\n", not_counted);
     printf("all targets %s\n", all_met ? "met" : "NOT met");
   }
   return check && !all_met ? 1 : 0;
