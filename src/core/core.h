@@ -84,7 +84,8 @@ struct block {
   block_t *prev, *next;      /* address neighbours inside the segment */
   segment_t *segment;        /* (its pool and stream are the segment's: block_pool, block_stream) */
   /* Free blocks: the pool's lookup count when the block became free, 48
-   * bits in two fields (block_gc_base); in use: the fields named. */
+   * bits in two fields (block_gc_base, block_set_gc_base); in use: the
+   * fields named. */
   union {
     uint32_t event_count;    /* pending blocks: events not yet completed */
     uint32_t gc_base_lo;
@@ -494,9 +495,9 @@ static inline void block_set_gc_base(block_t *b, uint64_t lookups) {
   b->gc_base_lo = (uint32_t)lookups;
   b->gc_base_hi = (uint16_t)(lookups >> 32);
 }
+static inline uint64_t block_gc_base(const block_t *b) { return (uint64_t)b->gc_base_hi << 32 | b->gc_base_lo; }
 static inline uint64_t block_gc_age(const pool_t *pool, const block_t *b) {
-  uint64_t base = (uint64_t)b->gc_base_hi << 32 | b->gc_base_lo;
-  return (pool->lookups - base) & GC_AGE_MASK;
+  return (pool->lookups - block_gc_base(b)) & GC_AGE_MASK;
 }
 static inline int pool_kind_of(const block_t *b) { return block_pool(b)->kind; }
 /* Whether the block's in-use fields (hash_next, requested, uses, stack)

@@ -5,7 +5,7 @@
  * in (0, 1); and acts only when reserved memory is above t x allowed. The
  * target is that excess. Candidates are whole (unsplit) free blocks of the
  * large pool, of any stream. Each has an age: how many best-fit searches of
- * the pool have happened since it became free (pool->lookups - its base, block_gc_age). In
+ * the pool have happened since it became free (block_gc_age). In
  * rounds, every candidate at least as old as the candidates' average age is
  * given back, until the target is met or a round frees nothing. The oldest go
  * first; a round does not stop at the target, so that GC does not run again
@@ -17,8 +17,6 @@
 /* PyTorch's GC leaves expandable segments alone: their memory goes back
  * page by page when the cache is released. */
 static bool whole(const block_t *b) { return !b->prev && !b->next && !b->expandable; }
-
-static uint64_t age_of(const pool_t *pool, const block_t *b) { return block_gc_age(pool, b); }
 
 void gca__gc_collect(device_t *d) {
   if (!limit_on(d) || d->config.gc_threshold <= 0) return;
@@ -32,7 +30,7 @@ void gca__gc_collect(device_t *d) {
   size_t candidates = 0;
   for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b)) {
     if (!whole(b)) continue;
-    total_age += (double)age_of(pool, b);
+    total_age += (double)block_gc_age(pool, b);
     candidates++;
   }
   double reclaimed = 0;
@@ -43,8 +41,8 @@ void gca__gc_collect(device_t *d) {
     block_t *b = gca__pool_first(pool);
     while (b) {
       block_t *next = gca__pool_next(pool, b);
-      if (whole(b) && (double)age_of(pool, b) >= average) {
-        double age = (double)age_of(pool, b), size = (double)b->size;
+      if (whole(b) && (double)block_gc_age(pool, b) >= average) {
+        double age = (double)block_gc_age(pool, b), size = (double)b->size;
         if (gca__segment_release(d, b)) {
           freed = true;
           reclaimed += size;

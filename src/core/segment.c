@@ -358,8 +358,7 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   *pred = NULL;
   carve_below(b, low, below);
   low->expandable = true;
-  low->gc_base_lo = b->gc_base_lo;
-  low->gc_base_hi = b->gc_base_hi;
+  block_set_gc_base(low, block_gc_base(b));
   gca__pool_insert(block_pool(low), low);
   return b;
 }
