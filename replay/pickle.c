@@ -1020,7 +1020,8 @@ static size_t resolve_pairs(const pickle_doc_t *doc, const pv_t *memo, size_t sh
  * looked up in the first reader's memo below `shown`, and the checks it
  * could make dropped from checks[0 .. *check_count). Returns 0 when it
  * was; else the memo count shown that it waits for (SIZE_MAX: none will
- * do, the first reader is to read it). `out` may be where the pairs are. */
+ * do, the first reader is to read it), and `out` may hold part of a record
+ * that declined: never the pairs' own room. */
 static size_t split_prepare(split_t *s, size_t shown, const pv_t *pairs, size_t count, uint32_t *checks,
                             size_t *check_count, pv_t *resolved, void *out) {
   /* (Flags are this attempt's: one that failed leaves none, so that the
@@ -1063,8 +1064,13 @@ static void split_retry(split_t *s, split_pending_t *p, size_t shown, pv_t *reso
       pv_t *payload = at + SPLIT_HEADER_UNITS;
       uint32_t *checks = (uint32_t *)(payload + entry_payload(s, &e) + e.memo_count - entry_own_slot(s, &e));
       size_t check_count = e.check_count;
-      size_t need = split_prepare(s, shown, payload, e.pair_count, checks, &check_count, resolved, payload);
+      /* Prepared apart, and put where its pairs were only once it is: a
+       * record that declines may have written part of itself, and the
+       * pairs must stay as read for the first reader. */
+      union { unsigned char bytes[PICKLE_RECORD_MAX]; max_align_t align; } ready;
+      size_t need = split_prepare(s, shown, payload, e.pair_count, checks, &check_count, resolved, ready.bytes);
       if (!need) { /* the record now stands where its pairs were */
+        memcpy(payload, ready.bytes, s->doc->options.record_size);
         e.prepared = 1;
         e.check_count = (uint16_t)check_count;
         memcpy(at, &e, sizeof e);

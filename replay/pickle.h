@@ -56,9 +56,10 @@ typedef struct pickle_doc pickle_doc_t;
 
 /* A record reader (pickle_options), in two steps. `prepare` turns a dict's
  * pairs (key, value, key, value ...) into `record_size` bytes at `out` (at
- * most PICKLE_RECORD_MAX, aligned for any scalar), or declines, and the
- * dict is then read as any other; it may run on the second reader's thread
- * (see `split`), so it reads `ctx` and writes `out`, nothing else. `take`
+ * most PICKLE_RECORD_MAX, aligned for any scalar), or declines (perhaps
+ * with part of `out` written), and the dict is then read as any other; it
+ * may run on the second reader's thread (see `split`), so it reads `ctx`
+ * and writes `out`, nothing else. `take`
  * then takes prepared records one at a time in file order, on the thread
  * that called pickle_parse, setting *id, or declines (out of memory). */
 typedef bool (*pickle_prepare_fn)(const void *ctx, const pv_t *pairs, size_t count, void *out);
