@@ -43,10 +43,6 @@
 #define MiB ((size_t)1 << 20)
 #define KiB ((size_t)1 << 10)
 
-/* The real PyTorch snapshots (a folder of them, one folder each, as
- * SOURCES.txt lists them), where GCALLOC_REAL_TRACES names one: CTest sets
- * it for the tests it registers only where ../shared/traces is there, and
- * those run the test programs' real-trace group; NULL otherwise. */
 /* Milliseconds on the monotonic clock. */
 static inline double now_ms(void) {
   struct timespec t;
@@ -54,6 +50,18 @@ static inline double now_ms(void) {
   return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
 }
 
+/* The next number of a seeded sequence (splitmix64). */
+static inline uint64_t splitmix64(uint64_t *state) {
+  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/* The real PyTorch snapshots (a folder of them, one folder each, as
+ * SOURCES.txt lists them), where GCALLOC_REAL_TRACES names one: CTest sets
+ * it for the tests it registers only where ../shared/traces is there, and
+ * those run the test programs' real-trace group; NULL otherwise. */
 static inline const char *real_traces_dir(void) { return getenv("GCALLOC_REAL_TRACES"); }
 
 /* real_traces_dir()/name, in one of four buffers that take turns. */

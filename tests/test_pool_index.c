@@ -6,19 +6,16 @@
  * and last block of a stream, walks forwards and backwards, the first block
  * after a stream, membership), checked against a sorted array of the same
  * blocks in (stream, size, address) order. Sizes run from 512 B to 16 GiB,
- * with runs of equal sizes, so that equal sizes are ordered by address. */
+ * with runs of equal sizes, so that equal sizes are ordered by address:
+ * the classes of one size, those cut from powers of two, and a small
+ * pool's top class, with blocks moving between them. */
 #include "helpers.h"
 
 enum { STREAMS = 3, MAX_BLOCKS = 600, OPS = 20000 };
 static const gca_stream_t stream_ids[STREAMS] = {0, 7, 1u << 20};
 
 static uint64_t rng_state;
-static uint64_t next_u64(void) { /* splitmix64 */
-  uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+static uint64_t next_u64(void) { return splitmix64(&rng_state); }
 
 typedef struct model {
   pool_t *pool;
@@ -81,18 +78,17 @@ static void remove_one(model_t *m) {
 static void resize_one(model_t *m) {
   if (!m->count) return;
   block_t *b = m->in[next_u64() % m->count];
+  size_t old = b->size;
   if (next_u64() % 2 && b->size > 512) {
-    block_t *before = gca__pool_prev(m->pool, b);
     size_t cut = 512 * (1 + next_u64() % (b->size / 512 - 1));
     b->size -= cut;
     b->addr += cut;
-    gca__pool_key_decreased(m->pool, b, before);
   } else {
     size_t more = next_u64() % 4 ? 512 * (1 + next_u64() % 64) : random_size(m->pool->kind == GCA_POOL_SMALL);
     b->size += more;
     if (next_u64() % 2) b->addr -= more;
-    gca__pool_key_increased(m->pool, b);
   }
+  gca__pool_resized(m->pool, b, old);
 }
 
 /* The model's lower bound on (stream, size): the index of the first block
@@ -143,7 +139,10 @@ static void run_pool(int kind, uint64_t seed) {
   m->pool = calloc(1, sizeof *m->pool);
   assert_non_null(m->pool);
   gca__pool_init(m->pool, kind);
-  for (int s = 0; s < STREAMS; s++) m->segments[s].stream = stream_ids[s];
+  for (int s = 0; s < STREAMS; s++) {
+    m->segments[s].stream = stream_ids[s];
+    assert_true(gca__pool_reserve(m->pool, stream_ids[s]));
+  }
   m->next_addr = (uintptr_t)1 << 44;
   for (int op = 0; op < OPS; op++) {
     uint64_t r = next_u64() % 100;
@@ -156,6 +155,9 @@ static void run_pool(int kind, uint64_t seed) {
   check_queries(m);
   while (m->count) remove_one(m);
   check_queries(m);
+  for (int s = 0; s < STREAMS; s++) gca__pool_unreserve(m->pool, stream_ids[s]);
+  assert_int_equal(m->pool->stream_count, 0);
+  gca__pool_destroy(m->pool);
   free(m->pool);
   free(m);
 }
@@ -170,10 +172,51 @@ static void test_large_pool_index_matches_the_model(void **state) {
   run_pool(GCA_POOL_LARGE, 0x5eed0002);
 }
 
+/* A stream's bins come with its first segment and go with its last; the
+ * streams stay in order however they come and go. */
+static void test_stream_bins_follow_their_segments(void **state) {
+  (void)state;
+  pool_t *pool = calloc(1, sizeof *pool);
+  gca__pool_init(pool, GCA_POOL_SMALL);
+  enum { N = 40 };
+  segment_t segs[N];
+  block_t blocks[N];
+  for (int i = 0; i < N; i++) {
+    segs[i] = (segment_t){.stream = (gca_stream_t)(i * 919 % 1000)}; /* (N distinct streams, out of order) */
+    blocks[i] = (block_t){.segment = &segs[i], .size = 4096, .addr = ((uintptr_t)i + 1) << 30, .state = BLOCK_FREE};
+    assert_true(gca__pool_reserve(pool, segs[i].stream));
+    gca__pool_insert(pool, &blocks[i]);
+  }
+  for (int i = 0; i < N; i += 2) {
+    gca__pool_remove(pool, &blocks[i]);
+    gca__pool_unreserve(pool, segs[i].stream);
+  }
+  /* The walk sees the odd blocks' streams in order. */
+  gca_stream_t last = 0;
+  size_t seen = 0;
+  for (block_t *b = gca__pool_first(pool); b; b = gca__pool_next(pool, b), seen++) {
+    assert_true(block_stream(b) >= last);
+    last = block_stream(b);
+  }
+  assert_int_equal(seen, N / 2);
+  for (int i = 1; i < N; i += 2) {
+    assert_ptr_equal(gca__pool_lower_bound(pool, segs[i].stream, 512), &blocks[i]);
+    assert_ptr_equal(gca__pool_last_on_stream(pool, segs[i].stream), &blocks[i]);
+    gca__pool_remove(pool, &blocks[i]);
+    gca__pool_unreserve(pool, segs[i].stream);
+    assert_null(gca__pool_lower_bound(pool, segs[i].stream, 512));
+  }
+  assert_int_equal(pool->stream_count, 0);
+  assert_null(gca__pool_first(pool));
+  gca__pool_destroy(pool);
+  free(pool);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_small_pool_index_matches_the_model),
       cmocka_unit_test(test_large_pool_index_matches_the_model),
+      cmocka_unit_test(test_stream_bins_follow_their_segments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

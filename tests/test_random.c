@@ -24,12 +24,7 @@ typedef struct phase {
 
 static uint64_t rng_state;
 
-static uint64_t next_u64(void) { /* splitmix64 */
-  uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+static uint64_t next_u64(void) { return splitmix64(&rng_state); }
 
 /* Sizes spread over both pools and every segment rule: 40% small
  * (1 B .. 1 MiB), 45% medium (1 .. 64 MiB), 15% large (64 MiB .. 1 GiB),

@@ -24,12 +24,15 @@
 #define GCA_PRINTF(f, a) __attribute__((format(printf, f, a)))
 /* The library is built as one translation unit, so the compiler sees the
  * whole cached path: GCA_FLATTEN on the two entry points inlines it into
- * them; GCA_COLD keeps the miss and error paths out of line. */
+ * them; GCA_COLD keeps the miss and error paths out of line, GCA_NOINLINE
+ * the paths that are not cold but not the common case either. */
 #define GCA_FLATTEN __attribute__((flatten))
 #define GCA_COLD __attribute__((noinline, cold))
+#define GCA_NOINLINE __attribute__((noinline))
 #else
 #define GCA_FLATTEN
 #define GCA_COLD
+#define GCA_NOINLINE
 #define likely(x) (x)
 #define unlikely(x) (x)
 #define GCA_PRINTF(f, a)

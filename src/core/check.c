@@ -297,6 +297,25 @@ int gca__device_check_locked(device_t *d) {
     if (seg->pool->owner && gca__mempool_find(d, seg->pool->owner->id) != seg->pool->owner)
       BAD("device %d: segment at %#" PRIxPTR " belongs to a private pool the device does not list", d->index,
           seg->addr);
+  /* Each stream's place in a pool's free index is held by its segments
+   * there, and a device pool's also by the private pools' of its kind. */
+  for (pool_t *pool = gca__device_pool_next(d, NULL); pool; pool = gca__device_pool_next(d, pool)) {
+    gca_stream_t stream;
+    size_t held;
+    for (size_t i = 0; gca__pool_stream_at(pool, i, &stream, &held); i++) {
+      size_t want = 0;
+      for (segment_t *seg = d->segments; seg; seg = seg->next)
+        want += seg->stream == stream &&
+                (seg->pool == pool || (!pool->owner && seg->pool->owner && seg->pool->kind == pool->kind));
+      if (held != want)
+        BAD("device %d: a %s pool holds %zu places for stream %#" PRIxPTR " in its free index, its segments need %zu",
+            d->index, pool->kind == GCA_POOL_SMALL ? "small" : "large", held, (uintptr_t)stream, want);
+    }
+  }
+  for (segment_t *seg = d->segments; seg; seg = seg->next)
+    if (!gca__pool_stream_held(seg->pool, seg->stream))
+      BAD("device %d: segment at %#" PRIxPTR " has no place for its stream in its pool's free index", d->index,
+          seg->addr);
   if (r.allocated_blocks != d->allocated.count)
     BAD("device %d: allocation map holds %zu blocks, the segments have %zu allocated", d->index,
         d->allocated.count, r.allocated_blocks);

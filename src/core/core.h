@@ -132,30 +132,48 @@ struct segment {
 RB_HEAD(free_index, block);
 RB_HEAD(unmapped_index, block);
 
+/* Size classes of the free index (pool.c): one per 512-byte size below
+ * 512 KiB, then 16 per power of two. */
+#define POOL_CLASSES 1744
+#define POOL_CLASS_WORDS ((POOL_CLASSES + 63) / 64)
+typedef struct stream_bins stream_bins_t;
+
 struct pool {
-  struct free_index index;   /* free blocks by (stream, size, address) */
-  size_t free_count;         /* nodes in the index */
+  size_t free_count;         /* blocks in the free index */
+  uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
+  stream_bins_t *hot;        /* the stream's bins last used */
+  stream_bins_t **streams;   /* each stream's free blocks by class, sorted by stream (pool.c) */
+  size_t stream_count, stream_cap;
+  size_t cap_size;           /* sizes from here up share the top class, class_cap */
+  unsigned class_cap;
+  int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
+  bool pausable;             /* its segments are expandable whatever the configuration (mempool.c) */
   size_t expandable_segments; /* of this pool: while 0, best fit pays one branch for them */
+  struct mempool *owner;     /* the private pool it belongs to; NULL: the device's default pools */
   struct unmapped_index unmapped; /* unmapped blocks by (stream, address) */
   size_t unmapped_count;
-  uint64_t lookups;          /* best-fit searches so far: the clock of block ages (gc.c) */
-  int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
-  struct mempool *owner;     /* the private pool it belongs to; NULL: the device's default pools */
-  bool pausable;             /* its segments are expandable whatever the configuration (mempool.c) */
 };
 
 void gca__pool_init(pool_t *pool, int kind);
+/* Free the streams' bins (the pool's blocks are the device's). */
+void gca__pool_destroy(pool_t *pool);
+/* A segment of `stream` joins the pool (reserve; false: no host memory) or
+ * leaves it (unreserve): while it has one, a stream's blocks always have
+ * their place in the index. */
+bool gca__pool_reserve(pool_t *pool, gca_stream_t stream);
+void gca__pool_unreserve(pool_t *pool, gca_stream_t stream);
+/* For the checker: the i-th stream with a place in the index and its
+ * reservations (false past the last), and whether `stream` has one. */
+bool gca__pool_stream_at(const pool_t *pool, size_t i, gca_stream_t *stream, size_t *held);
+bool gca__pool_stream_held(pool_t *pool, gca_stream_t stream);
 void gca__pool_insert(pool_t *pool, block_t *b);
 void gca__pool_remove(pool_t *pool, block_t *b);
-/* The key of `b`, in the index, just became smaller (or larger): restore the
- * order, which in the common case means checking one neighbour and nothing
- * more. Keys may only move in the direction named. `before` is b's
- * predecessor in the index (pool_best_fit reports it). */
-void gca__pool_key_decreased(pool_t *pool, block_t *b, block_t *before);
-void gca__pool_key_increased(pool_t *pool, block_t *b);
-/* Best fit for `size` on `stream` under the oversize rules; NULL on a miss.
- * *pred receives the found block's predecessor in the index. */
-block_t *gca__pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size, block_t **pred);
+/* The size of `b`, in the index, just changed from old_size (a split or a
+ * merge; its address may have moved with it): restore the order, which in
+ * the common case means checking its neighbours and nothing more. */
+void gca__pool_resized(pool_t *pool, block_t *b, size_t old_size);
+/* Best fit for `size` on `stream` under the oversize rules; NULL on a miss. */
+block_t *gca__pool_best_fit(pool_t *pool, const config_t *cfg, gca_stream_t stream, size_t size);
 /* Whether free block `b` (size >= `size`) may serve `size` under the oversize rules. */
 bool gca__pool_fits(const config_t *cfg, size_t size, const block_t *b);
 /* The smallest free block on `stream` whose size is >= size, ignoring the oversize rules. */
@@ -443,17 +461,24 @@ size_t gca__segment_release_cached_upto(device_t *d, size_t need);
 /* Release every unsplit free block of one pool. */
 void gca__segment_release_pool(device_t *d, pool_t *pool);
 /* Hand out free block `b` (in its pool's index if in_index, else a fresh
- * segment's block; then `pred` is its predecessor in the index) for a
- * request: split if the rules say so, update the
+ * segment's block) for a request: split if the rules say so, update the
  * statistics, enter the handed-out block in the allocation map and return it. */
-block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested);
+block_t *gca__block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested);
 /* Return a freed block (out of the map, its free complete) to its pool,
  * merging with free neighbours; `b` may be recycled. */
 void gca__block_give_back(device_t *d, block_t *b);
-/* A new segment's descriptor and its first block's; false with *status
- * set (host OOM). _drop gives both back when the device refused. */
-bool gca__segment_descriptors_new(device_t *d, segment_t **seg, block_t **b, int *status);
-void gca__segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b);
+/* A new segment's descriptor and its first block's, and its place in the
+ * free index of (pool, stream); false with *status set (host OOM). _drop
+ * gives them back when the device refused. */
+bool gca__segment_descriptors_new(device_t *d, pool_t *pool, gca_stream_t stream, segment_t **seg, block_t **b,
+                                  int *status);
+void gca__segment_descriptors_drop(device_t *d, pool_t *pool, gca_stream_t stream, segment_t *seg, block_t *b);
+/* A segment of `stream` joins `pool` (false: no host memory) or leaves it:
+ * its place in the pool's free index (gca__pool_reserve), and for a private
+ * pool's segment in the device's pool that takes it in if the private pool
+ * ends before the device takes it back. */
+bool gca__segment_reserve(device_t *d, pool_t *pool, gca_stream_t stream);
+void gca__segment_unreserve(device_t *d, pool_t *pool, gca_stream_t stream);
 /* Describe a segment of [addr, addr + size) on `stream` in `pool`, tiled by
  * the one block b, and put it on the device's list. */
 void gca__segment_start(device_t *d, segment_t *seg, block_t *b, pool_t *pool, gca_stream_t stream, uintptr_t addr,

@@ -193,6 +193,8 @@ void gca__device_destroy(device_t *d) {
                      "left to it (last refusal: %s)", d->index, text, CLOSE_TRIES, gca_last_error());
   }
   gca__mempools_destroy(d);
+  gca__pool_destroy(&d->small_pool);
+  gca__pool_destroy(&d->large_pool);
   gca__block_chunks_free(d);
   gca__history_destroy(d);
   gca__block_map_destroy(&d->allocated);
@@ -255,19 +257,20 @@ static block_t *take_from_other_stream(device_t *d, pool_t *pool, gca_stream_t s
   bool idle;
   block_t *b = whole_segment_elsewhere(d, pool, stream, rounded, &idle);
   if (!b || (!idle && !gca__events_order_reuse(d, block_stream(b), stream))) return NULL;
+  if (!gca__segment_reserve(d, pool, stream)) return NULL; /* (no host memory: a new segment is tried) */
   d->stats.num_cross_stream_reuses++;
   gca__pool_remove(pool, b);
+  gca__segment_unreserve(d, pool, block_stream(b));
   b->segment->stream = stream;
-  return gca__block_take(d, b, NULL, false, rounded, requested);
+  return gca__block_take(d, b, false, rounded, requested);
 }
 
 /* A fit in the cache: on the stream's own blocks, then (if configured) on
  * another stream's. */
 static block_t *take_cached(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested) {
-  block_t *pred = NULL;
   pool->lookups++;
-  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
-  return b ? gca__block_take(d, b, pred, true, rounded, requested)
+  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded);
+  return b ? gca__block_take(d, b, true, rounded, requested)
            : take_from_other_stream(d, pool, stream, rounded, requested);
 }
 
@@ -276,7 +279,7 @@ static block_t *take_new_segment(device_t *d, pool_t *pool, gca_stream_t stream,
   if ((d->config.expandable_segments || pool->pausable) && gca__expandable_available(d))
     return gca__expandable_take(d, pool, stream, rounded, requested, rc);
   block_t *b = gca__segment_alloc(d, pool, stream, rounded, rc);
-  return b ? gca__block_take(d, b, NULL, false, rounded, requested) : NULL;
+  return b ? gca__block_take(d, b, false, rounded, requested) : NULL;
 }
 
 /* From the device: a new segment, freeing cache when the device is full
@@ -499,10 +502,9 @@ void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream) {
     return NULL;
   }
   pool->lookups++;
-  block_t *pred = NULL;
-  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded, &pred);
+  block_t *b = gca__pool_best_fit(pool, &d->config, stream, rounded);
   if (unlikely(b == NULL)) return (void *)malloc_on_miss(d, pool, stream, rounded, size);
-  uintptr_t addr = gca__block_take(d, b, pred, true, rounded, size)->addr;
+  uintptr_t addr = gca__block_take(d, b, true, rounded, size)->addr;
   lock_release(&d->lock);
   return (void *)addr;
 }

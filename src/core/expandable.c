@@ -170,11 +170,11 @@ static block_t *new_segment(device_t *d, pool_t *pool, gca_stream_t stream, int 
   size_t size = pages * page;
   segment_t *seg;
   block_t *b;
-  if (!gca__segment_descriptors_new(d, &seg, &b, rc)) return NULL;
+  if (!gca__segment_descriptors_new(d, pool, stream, &seg, &b, rc)) return NULL;
   uintptr_t addr = 0;
   *rc = VM(d, vm_reserve, size, &addr);
   if (*rc != GCA_OK) {
-    gca__segment_descriptors_drop(d, seg, b);
+    gca__segment_descriptors_drop(d, pool, stream, seg, b);
     return NULL;
   }
   gca__segment_start(d, seg, b, pool, stream, addr, size);
@@ -199,6 +199,7 @@ static void release_segment(device_t *d, segment_t *seg) {
   }
   gca__pool_unmapped_remove(seg->pool, b);
   gca__segment_unlink(d, seg);
+  gca__segment_unreserve(d, seg->pool, seg->stream);
   seg->pool->expandable_segments--;
   free(seg->pages);
   free(seg);
@@ -649,8 +650,10 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
   /* Merge with free neighbours: the one before, already in the index,
    * survives (its key only grows). */
   block_t *survivor = b;
+  size_t old_size = 0;
   if (b->prev && b->prev->state == BLOCK_FREE) {
     survivor = b->prev;
+    old_size = survivor->size;
     block_absorb_next(survivor);
     gca__block_recycle(d, b);
   }
@@ -661,7 +664,7 @@ static block_t *map_block(device_t *d, block_t *b, size_t size, uintptr_t keep_l
     gca__block_recycle(d, next);
   }
   if (survivor == b) gca__pool_insert(pool, b);
-  else gca__pool_key_increased(pool, survivor);
+  else gca__pool_resized(pool, survivor, old_size);
   block_set_gc_base(survivor, pool->lookups);
   *rc = GCA_OK;
   return survivor;
@@ -708,7 +711,7 @@ block_t *gca__expandable_take(device_t *d, pool_t *pool, gca_stream_t stream, si
   }
   gca__pool_remove(pool, c);
   *rc = GCA_OK;
-  return gca__block_take(d, c, NULL, false, rounded, requested);
+  return gca__block_take(d, c, false, rounded, requested);
 }
 
 /* ---- best fit ----------------------------------------------------------- */

@@ -164,11 +164,19 @@ pool_t *gca__device_pool_next(device_t *d, pool_t *pool) {
   return next ? &next->small : NULL;
 }
 
+/* A private pool's own host memory (its backups' host copies go with the
+ * host allocator). */
+static void mempool_free(mempool_t *mp) {
+  gca__pool_destroy(&mp->small);
+  gca__pool_destroy(&mp->large);
+  free(mp->backups);
+  free(mp);
+}
+
 void gca__mempools_destroy(device_t *d) {
   while (d->priv.list) {
     mempool_t *next = d->priv.list->next;
-    free(d->priv.list->backups); /* (their host memory goes with the host allocator) */
-    free(d->priv.list);
+    mempool_free(d->priv.list);
     d->priv.list = next;
   }
   free(d->priv.stream_routes);
@@ -221,7 +229,7 @@ int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_
   /* A pool that pauses keeps its addresses: it needs the device's virtual memory. */
   if (mp->pausable && !gca__expandable_available(d)) {
     lock_release(&d->lock);
-    free(mp);
+    mempool_free(mp);
     return gca__set_error(GCA_ERR_BACKEND, "gca_pool_create: device %d of the %s backend has no virtual memory: a "
                           "pool there cannot pause", device, d->backend->ops->name);
   }
@@ -266,6 +274,7 @@ static void rehome(device_t *d, segment_t *seg) {
     from->expandable_segments--;
     to->expandable_segments++;
   }
+  gca__pool_unreserve(from, seg->stream); /* (`to` holds the reservation made with it: segment.c) */
   seg->pool = to;
 }
 
@@ -383,8 +392,7 @@ int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
       break;
     }
   lock_release(&d->lock);
-  free(mp->backups);
-  free(mp);
+  mempool_free(mp);
   device_wake_waiters(d); /* (memory came back) */
   return GCA_OK;
 }

@@ -76,17 +76,39 @@ void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
     atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
 }
 
-bool gca__segment_descriptors_new(device_t *d, segment_t **seg, block_t **b, int *status) {
+/* The device's pool that takes in a private pool's segments when it ends
+ * (mempool.c, rehome). */
+static pool_t *home_pool(device_t *d, const pool_t *pool) {
+  return pool->kind == GCA_POOL_SMALL ? &d->small_pool : &d->large_pool;
+}
+
+bool gca__segment_reserve(device_t *d, pool_t *pool, gca_stream_t stream) {
+  if (!gca__pool_reserve(pool, stream)) return false;
+  if (pool->owner && !gca__pool_reserve(home_pool(d, pool), stream)) {
+    gca__pool_unreserve(pool, stream);
+    return false;
+  }
+  return true;
+}
+
+void gca__segment_unreserve(device_t *d, pool_t *pool, gca_stream_t stream) {
+  if (pool->owner) gca__pool_unreserve(home_pool(d, pool), stream);
+  gca__pool_unreserve(pool, stream);
+}
+
+bool gca__segment_descriptors_new(device_t *d, pool_t *pool, gca_stream_t stream, segment_t **seg, block_t **b,
+                                  int *status) {
   *seg = malloc(sizeof **seg);
   *b = gca__block_new(d);
-  if (*seg && *b) return true;
+  if (*seg && *b && gca__segment_reserve(d, pool, stream)) return true;
   free(*seg);
   if (*b) gca__block_recycle(d, *b);
   *status = gca__set_error(GCA_ERR_NOMEM, "out of host memory for allocator bookkeeping");
   return false;
 }
 
-void gca__segment_descriptors_drop(device_t *d, segment_t *seg, block_t *b) {
+void gca__segment_descriptors_drop(device_t *d, pool_t *pool, gca_stream_t stream, segment_t *seg, block_t *b) {
+  gca__segment_unreserve(d, pool, stream);
   free(seg);
   gca__block_recycle(d, b);
 }
@@ -128,11 +150,11 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
   }
   segment_t *seg;
   block_t *b;
-  if (!gca__segment_descriptors_new(d, &seg, &b, status)) return NULL;
+  if (!gca__segment_descriptors_new(d, pool, stream, &seg, &b, status)) return NULL;
   uintptr_t addr = 0;
   int rc = d->backend->ops->malloc(d->backend->state, d->index, size, &addr);
   if (rc != GCA_OK) {
-    gca__segment_descriptors_drop(d, seg, b);
+    gca__segment_descriptors_drop(d, pool, stream, seg, b);
     *status = rc;
     return NULL;
   }
@@ -208,6 +230,7 @@ bool gca__segment_free_now(device_t *d, segment_t *seg) {
   gca__mirror_reserved(d);
 
   gca__segment_unlink(d, seg);
+  gca__segment_unreserve(d, seg->pool, seg->stream);
   free(seg);
   gca__block_recycle(d, b);
   return true;
@@ -347,7 +370,7 @@ static void carve_below(block_t *b, block_t *low, size_t size) {
  * when the request is freed). Blocks of ordinary segments are left as they
  * are (torch_npu aligns them too, and its inactive-split statistics then
  * drift). Returns b, out of the index when it moved. */
-GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, block_t **pred, size_t rounded) {
+GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, size_t rounded) {
   size_t align = d->config.base_align, off = b->addr % align;
   size_t below = off ? align - off : 0;
   if (!below || below + rounded > b->size) return b;
@@ -355,7 +378,6 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   if (!low) return b; /* (no host memory for a descriptor: unaligned rather than failing) */
   if (*in_index) gca__pool_remove(block_pool(b), b);
   *in_index = false;
-  *pred = NULL;
   carve_below(b, low, below);
   low->expandable = true;
   block_set_gc_base(low, block_gc_base(b));
@@ -363,11 +385,11 @@ GCA_COLD static block_t *align_base(device_t *d, block_t *b, bool *in_index, blo
   return b;
 }
 
-block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, size_t rounded, size_t requested) {
+block_t *gca__block_take(device_t *d, block_t *b, bool in_index, size_t rounded, size_t requested) {
   /* Only a free block large enough is handed out, in whole 512-byte units. */
   GCA_ASSERT(b->state == BLOCK_FREE && b->size >= rounded && rounded % MIN_BLOCK_SIZE == 0);
   if (unlikely(d->config.base_align != 0) && b->expandable && rounded >= ROUND_LARGE && d->config.expandable_segments)
-    b = align_base(d, b, &in_index, &pred, rounded);
+    b = align_base(d, b, &in_index, rounded);
   kept_stats_t *s = &d->stats;
   int kind = pool_kind_of(b);
   bool already_split = !unsplit(b);
@@ -380,7 +402,7 @@ block_t *gca__block_take(device_t *d, block_t *b, block_t *pred, bool in_index, 
     carve_below(b, piece, rounded);
     pool_t *pool = block_pool(b);
     block_set_gc_base(b, pool->lookups); /* a remainder is newly free, as PyTorch re-inserts it */
-    if (in_index) gca__pool_key_decreased(pool, b, pred);
+    if (in_index) gca__pool_resized(pool, b, b->size + rounded);
     else gca__pool_insert(pool, b);
     /* PyTorch keeps expandable blocks out of inactive_split: their whole
      * free pages can always be given back. */
@@ -438,6 +460,7 @@ void gca__block_give_back(device_t *d, block_t *b) {
   block_t *survivor;
   if (prev) {
     survivor = prev;
+    size_t old_size = prev->size;
     split_blocks -= 1;
     split_bytes -= (int64_t)prev->size;
     block_absorb_next(prev);
@@ -449,14 +472,15 @@ void gca__block_give_back(device_t *d, block_t *b) {
       block_absorb_next(prev);
       gca__block_recycle(d, next);
     }
-    gca__pool_key_increased(block_pool(prev), prev);
+    gca__pool_resized(block_pool(prev), prev, old_size);
   } else if (next) {
     survivor = next;
+    size_t old_size = next->size;
     split_blocks -= 1;
     split_bytes -= (int64_t)next->size;
     block_absorb_prev(next);
     gca__block_recycle(d, b);
-    gca__pool_key_increased(block_pool(next), next);
+    gca__pool_resized(block_pool(next), next, old_size);
   } else {
     survivor = b;
     b->state = BLOCK_FREE; /* (its in-use fields become the index node) */
