@@ -32,7 +32,11 @@
  * max_split_size takes a block no more than max_non_split_rounding larger.
  * Expandable segments bend the order a little (expandable.c, refit).
  */
+#include <inttypes.h>
+#include <limits.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "core/core.h"
 #include "core/expandable.h"
