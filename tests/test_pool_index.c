@@ -64,13 +64,15 @@ static void insert_one(model_t *m) {
   m->in[m->count++] = b;
 }
 
-static void remove_one(model_t *m) {
-  if (!m->count) return;
-  size_t i = next_u64() % m->count;
+static void remove_at(model_t *m, size_t i) {
   block_t *b = m->in[i];
   gca__pool_remove(m->pool, b);
   m->in[i] = m->in[--m->count];
   b->segment = NULL;
+}
+
+static void remove_one(model_t *m) {
+  if (m->count) remove_at(m, next_u64() % m->count);
 }
 
 /* A split (smaller, the address moving up) or a merge (larger, the
@@ -155,12 +157,7 @@ static void run_pool(int kind, uint64_t seed) {
   check_queries(m);
   /* The middle stream emptied: walks and searches step over it. */
   for (size_t i = m->count; i-- > 0;)
-    if (block_stream(m->in[i]) == stream_ids[1]) {
-      block_t *b = m->in[i];
-      gca__pool_remove(m->pool, b);
-      m->in[i] = m->in[--m->count];
-      b->segment = NULL;
-    }
+    if (block_stream(m->in[i]) == stream_ids[1]) remove_at(m, i);
   check_queries(m);
   while (m->count) remove_one(m);
   check_queries(m);

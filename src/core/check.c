@@ -298,15 +298,15 @@ int gca__device_check_locked(device_t *d) {
       BAD("device %d: segment at %#" PRIxPTR " belongs to a private pool the device does not list", d->index,
           seg->addr);
   /* Each stream's place in a pool's free index is held by its segments
-   * there, and a device pool's also by the private pools' of its kind. */
+   * there, and a device pool's also by the private pools' segments it is
+   * home to (gca__segment_reserve). */
   for (pool_t *pool = gca__device_pool_next(d, NULL); pool; pool = gca__device_pool_next(d, pool)) {
     gca_stream_t stream;
     size_t held;
     for (size_t i = 0; gca__pool_stream_at(pool, i, &stream, &held); i++) {
       size_t want = 0;
       for (segment_t *seg = d->segments; seg; seg = seg->next)
-        want += seg->stream == stream &&
-                (seg->pool == pool || (!pool->owner && seg->pool->owner && seg->pool->kind == pool->kind));
+        want += seg->stream == stream && (seg->pool == pool || (seg->pool->owner && home_pool(d, seg->pool) == pool));
       if (held != want)
         BAD("device %d: a %s pool holds %zu places for stream %#" PRIxPTR " in its free index, its segments need %zu",
             d->index, pool->kind == GCA_POOL_SMALL ? "small" : "large", held, (uintptr_t)stream, want);

@@ -511,6 +511,11 @@ static inline bool gca__given_back(int rc) { return rc == GCA_OK || rc == GCA_ER
 /* The pool a block belongs to: its segment's (a segment moves between
  * pools whole, mempool.c's rehome). */
 static inline pool_t *block_pool(const block_t *b) { return b->segment->pool; }
+/* The device's pool of `pool`'s kind: a private pool's segments go there if
+ * it ends while the device still holds them (mempool.c, rehome). */
+static inline pool_t *home_pool(device_t *d, const pool_t *pool) {
+  return pool->kind == GCA_POOL_SMALL ? &d->small_pool : &d->large_pool;
+}
 static inline gca_stream_t block_stream(const block_t *b) { return b->segment->stream; }
 /* A free block's age is counted modulo 2^48 best-fit searches of its pool:
  * exact for any age a process can reach (2^48 searches take days even at

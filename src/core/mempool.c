@@ -260,7 +260,7 @@ static size_t mapped_bytes_of(const device_t *d, const mempool_t *mp) {
 /* Give a segment left in an ending pool (its device refused the free) to
  * the default pool of its kind: the books stay whole. */
 static void rehome(device_t *d, segment_t *seg) {
-  pool_t *from = seg->pool, *to = from->kind == GCA_POOL_SMALL ? &d->small_pool : &d->large_pool;
+  pool_t *from = seg->pool, *to = home_pool(d, from);
   for (block_t *b = seg->head; b; b = b->next) {
     if (b->state == BLOCK_FREE) {
       gca__pool_remove(from, b);

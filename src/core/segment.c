@@ -76,12 +76,6 @@ void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {
     atomic_store_explicit(&d->span_hi, hi, memory_order_relaxed);
 }
 
-/* The device's pool that takes in a private pool's segments when it ends
- * (mempool.c, rehome). */
-static pool_t *home_pool(device_t *d, const pool_t *pool) {
-  return pool->kind == GCA_POOL_SMALL ? &d->small_pool : &d->large_pool;
-}
-
 bool gca__segment_reserve(device_t *d, pool_t *pool, gca_stream_t stream) {
   if (!gca__pool_reserve(pool, stream)) return false;
   if (pool->owner && !gca__pool_reserve(home_pool(d, pool), stream)) {
