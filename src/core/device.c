@@ -537,11 +537,15 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
     b->oversize = false;
   }
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
-  /* One branch for the rare cases: stream uses, a stack, history on. */
+  /* One branch for the rare cases: stream uses, a stack, a paused pool;
+   * history on without stacks keeps the give-back below. */
   d->drain.owed = true; /* (work queued on it may wait in the framework's host queue) */
-  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | (uintptr_t)d->obs.recording | d->priv.paused) != 0))
+  if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | d->priv.paused) != 0)) {
     free_slow(d, b);
-  else gca__block_give_back(d, b);
+  } else {
+    if (unlikely(d->obs.recording)) gca__history_freed_at_once(d, b);
+    gca__block_give_back(d, b);
+  }
   if (unlikely(d->no_caching) && !d->capture.count) release_cached_blocks(d);
   return GCA_OK;
 }

@@ -72,6 +72,7 @@ static history_entry_t *record(device_t *d, int action, uintptr_t addr, size_t s
   history_entry_t *e = next_slot(h);
   e->action = (uint8_t)action;
   e->depth = 0;
+  e->completed_too = 0;
   e->addr = addr;
   e->size = size;
   e->stream = stream;
@@ -92,15 +93,14 @@ void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gc
   maybe_capture(d->obs.history, record(d, action, addr, size, stream));
 }
 
-void gca__history_freed_at_once(device_t *d, const block_t *b) {
+/* (Cold: inlined into the free, it cost the free without history 20
+ * instructions of spills.) */
+GCA_COLD void gca__history_freed_at_once(device_t *d, const block_t *b) {
   history_t *h = d->obs.history;
-  history_entry_t *requested = record(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, block_stream(b));
-  maybe_capture(h, requested);
-  history_entry_t *completed = next_slot(h);
-  *completed = *requested;
-  completed->action = GCA_TRACE_FREE_COMPLETED;
-  /* (both are frees: a stack for one is wanted for the other) */
-  if (completed->depth) memcpy(frames_of(h, completed), frames_of(h, requested), completed->depth * sizeof(uintptr_t));
+  history_entry_t *e = record(d, GCA_TRACE_FREE_REQUESTED, b->addr, b->requested, block_stream(b));
+  e->completed_too = 1;
+  /* (both are frees: one stack serves the two) */
+  if (unlikely(wants_stack(h, GCA_TRACE_FREE_REQUESTED))) e->depth = capture(h, frames_of(h, e));
 }
 
 void gca__history_oom(device_t *d, size_t size, gca_stream_t stream, size_t device_free) {
@@ -122,10 +122,10 @@ void gca__history_ipc_release(device_t *d, size_t released, int32_t requester) {
   record(d, GCA_TRACE_IPC_RELEASE, 0, released, 0)->ipc_requester = requester;
 }
 
-void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
-  history_t *h = d->obs.history;
-  history_entry_t *e = record(d, GCA_TRACE_ALLOC, b->addr, requested, block_stream(b));
-  if (h->context < GCA_CONTEXT_STATE) return;
+/* An allocation's stack (context STATE and up), kept on the block and, when
+ * the settings want it, on its entry e. Out of line: the entry alone then
+ * takes no stack frame for the stack's buffer. */
+GCA_NOINLINE static void alloc_stack(history_t *h, history_entry_t *e, block_t *b) {
   call_stack_t *stack = malloc(sizeof *stack);
   uintptr_t ips[MAX_FRAMES];
   uint8_t depth = capture(h, ips);
@@ -139,6 +139,12 @@ void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
     e->depth = depth;
     memcpy(frames_of(h, e), ips, depth * sizeof ips[0]);
   }
+}
+
+void gca__history_alloc(device_t *d, block_t *b, size_t requested) {
+  history_t *h = d->obs.history;
+  history_entry_t *e = record(d, GCA_TRACE_ALLOC, b->addr, requested, block_stream(b));
+  if (h->context >= GCA_CONTEXT_STATE) alloc_stack(h, e, b);
 }
 
 void gca__history_drop_stack(block_t *b) {
@@ -202,16 +208,48 @@ void gca__history_destroy(device_t *d) {
   set_python(d, 0);
 }
 
+/* The entries a slot holds. */
+static size_t slot_entries(const history_entry_t *e) { return 1 + (size_t)e->completed_too; }
+
+/* The oldest slot in use, and the entries the slots in use hold (a full
+ * ring may hold more than cap: the oldest are then dropped from copies). */
+static size_t first_slot(const history_t *h) { return h->count < h->cap ? 0 : h->next; }
+
+static size_t held_entries(const history_t *h) {
+  size_t held = 0, first = first_slot(h);
+  for (size_t i = 0; i < h->count; i++) held += slot_entries(&h->ring[(first + i) % h->cap]);
+  return held;
+}
+
+size_t gca__history_entries(const device_t *d) {
+  const history_t *h = d->obs.history;
+  if (!h) return 0;
+  size_t held = held_entries(h);
+  return held < h->cap ? held : h->cap;
+}
+
 size_t gca__history_copy(const device_t *d, history_entry_t *out, uintptr_t (*frames)[MAX_FRAMES]) {
   const history_t *h = d->obs.history;
   if (!h) return 0;
-  size_t first = h->count < h->cap ? 0 : h->next; /* the oldest */
+  size_t held = held_entries(h);
+  size_t skip = held > h->cap ? held - h->cap : 0; /* the oldest entries beyond cap */
+  size_t first = first_slot(h), n = 0;
   ticks_pair_t now = gca__ticks_pair();
   for (size_t i = 0; i < h->count; i++) {
     size_t at = (first + i) % h->cap;
-    out[i] = h->ring[at];
-    out[i].when.time_us = gca__ticks_to_us(out[i].when.ticks, h->start, now);
-    if (h->frames && frames) memcpy(frames[i], h->frames[at], out[i].depth * sizeof frames[i][0]);
+    const history_entry_t *e = &h->ring[at];
+    for (size_t k = 0; k < slot_entries(e); k++) {
+      if (skip) {
+        skip--;
+        continue;
+      }
+      out[n] = *e;
+      out[n].completed_too = 0;
+      if (k == 1) out[n].action = GCA_TRACE_FREE_COMPLETED;
+      out[n].when.time_us = gca__ticks_to_us(e->when.ticks, h->start, now);
+      if (h->frames && frames) memcpy(frames[n], h->frames[at], e->depth * sizeof frames[n][0]);
+      n++;
+    }
   }
-  return h->count;
+  return n;
 }

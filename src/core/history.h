@@ -7,12 +7,15 @@
 #include "core/core.h"
 
 /* An entry: 56 bytes, the call stack apart (history_t.frames). A cached
- * alloc+free pair writes three, under the device lock: their stores must
+ * alloc+free pair writes two, under the device lock: their stores must
  * land in the processor's caches and the lock's release waits for them, so
- * the ring is kept dense. */
+ * the ring is kept dense, and a free that completes at once takes one slot
+ * for its two entries (completed_too). */
 typedef struct history_entry {
   uint8_t action; /* gca_trace_action */
   uint8_t depth;  /* frames kept for it in history_t.frames (0 when there are none) */
+  uint8_t completed_too; /* in the ring: a free_requested slot that is also its free_completed
+                          * entry, at the same time and with the same stack (0 in a copy) */
   union {
     int32_t ipc_asked;     /* ipc_request: peers asked */
     int32_t ipc_requester; /* ipc_release: the pid asking */
@@ -36,7 +39,9 @@ _Static_assert(sizeof(history_entry_t) == 56, "a history entry is 56 bytes");
 typedef struct history {
   history_entry_t *ring;
   uintptr_t (*frames)[MAX_FRAMES]; /* entry i's stack at frames[i]; NULL when entries get none (context < ALLOC) */
-  size_t cap, count, next;   /* next: where the next entry goes */
+  size_t cap;                /* the entries kept: the newest `cap` (PyTorch's max_entries) */
+  size_t count, next;        /* slots in use (at most cap), and where the next goes; a slot
+                              * holds one entry or two (completed_too) */
   int context;               /* gca_context */
   int stacks;                /* gca_stacks */
   ticks_pair_t start;        /* the counter and the wall clock when recording started */
@@ -56,8 +61,8 @@ void gca__history_drop_stack(block_t *b);
 /* segment.c: a free completes: record it (if on) and drop the block's stack. */
 void gca__history_free_completed(device_t *d, block_t *b);
 /* A free that completes at once (no other stream used the block): its
- * free_requested and free_completed entries, one clock reading and one
- * stack for both. Recording on. */
+ * free_requested and free_completed entries, one slot, one clock reading
+ * and one stack for both. Recording on. */
 void gca__history_freed_at_once(device_t *d, const block_t *b);
 int gca__history_start(device_t *d, int context, int stacks, size_t max_entries);
 /* Without any lock (the GIL is taken first: pyframes.c): gather the
@@ -68,10 +73,12 @@ void gca__history_python_gather(device_t *d, bool freeing);
 void gca__history_python_done(void);
 void gca__history_stop(device_t *d);
 void gca__history_destroy(device_t *d);
-/* Copy the ring, oldest first, into out (room for d->obs.history->cap), each
- * entry's time on the wall clock, and their stacks into frames (as many
- * rows) when the history keeps any (d->obs.history->frames); returns how
- * many. */
+/* The entries the history holds now (at most its cap). */
+size_t gca__history_entries(const device_t *d);
+/* Copy the entries, oldest first, into out (room for gca__history_entries),
+ * each entry's time on the wall clock, and their stacks into frames (as
+ * many rows) when the history keeps any (d->obs.history->frames); returns
+ * how many. */
 size_t gca__history_copy(const device_t *d, history_entry_t *out, uintptr_t (*frames)[MAX_FRAMES]);
 
 #endif /* GCALLOC_CORE_HISTORY_H */

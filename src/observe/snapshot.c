@@ -120,8 +120,8 @@ static void copy_segments(snapshot_impl_t *sn, device_t *d, gca_snapshot_segment
 static void copy_history(snapshot_impl_t *sn, device_t *d, gca_trace_entry_t **out, size_t *count) {
   *out = NULL;
   *count = 0;
-  if (!d->obs.history || !d->obs.history->count) return;
-  size_t kept = d->obs.history->count;
+  size_t kept = gca__history_entries(d);
+  if (!kept) return;
   history_entry_t *raw = gca__arena_alloc(&sn->arena, kept * sizeof *raw);
   uintptr_t(*stacks)[MAX_FRAMES] = d->obs.history->frames ? gca__arena_alloc(&sn->arena, kept * sizeof *stacks) : NULL;
   gca_trace_entry_t *entries = gca__arena_zalloc(&sn->arena, kept * sizeof *entries);
