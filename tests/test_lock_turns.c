@@ -80,11 +80,11 @@ static void test_threads_that_keep_asking_take_turns(void **state) {
     for (lock_ticket_t *x = l->tickets; x; x = x->next) tickets++;
   }
   /* Then phases until one shows the turns: a revocation per futex hold or
-   * two. (Not every phase: a bias revoked before it was in use, its thread
-   * descheduled on a loaded machine, is not handed over, and the threads
-   * alternate on the futex word until one has a run of its own. On a shared
-   * virtual machine such a stretch was seen to last over 10 s: up to
-   * TURNS_CAP_MS.) */
+   * two. (Not every phase: on a loaded machine a thread descheduled while
+   * it waits on the futex word, or in its turn, costs a phase more holds.
+   * Before a thread that had the bias took it back when it waited for the
+   * word, the threads could alternate on the word for over 10 s on a shared
+   * virtual machine: hence up to TURNS_CAP_MS.) */
   uint64_t holds = 0, revocations = 0;
   int phases = 0;
   bool turns = false;

@@ -18,12 +18,16 @@
  * is in use (one whose thread takes no hold for 10 us is idle, and revoked
  * at once). The waiting thread asks a busy owner to yield (lock.h), which
  * it does at the end of its next hold: no membarrier. And the turn passes
- * whole: the waiting thread takes the bias over if it has had it before.
- * Waiting for a run of its own instead, threads that both keep asking
- * alternate on the futex word, each acquisition a wake or a wait, and
- * rarely get one. A thread that wants the lock for a call now and then
- * never had the bias, so it never takes it over, and never stalls the busy
- * thread for a slice.
+ * whole: the waiting thread takes the bias over if it has had it before
+ * and the bias was in use, or its own last one was (an owner given the
+ * bias and descheduled before it used it looks idle: more threads than
+ * processors); and a thread that has had the bias and had to wait for the
+ * futex word takes the bias with it. Waiting for a run of its own instead,
+ * threads that keep asking alternate on the futex word, each acquisition a
+ * wake or a wait, and rarely get one (4 to 8 threads on 2 processors: 10^5
+ * futex holds a second, at two thirds of one thread's pairs a second). A
+ * thread that wants the lock for a call now and then never had the bias,
+ * so it never takes it over, and never stalls the busy thread for a slice.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -143,20 +147,22 @@ static bool ask_yield(lock_t *l, const lock_ticket_t *t) {
   return false;
 }
 
-static void futex_acquire(lock_t *l) {
+/* Take the futex word. True: another thread held it (this one waited). */
+static bool futex_acquire(lock_t *l) {
   uint32_t expected = 0;
   if (atomic_compare_exchange_strong_explicit(&l->state, &expected, 1, memory_order_acquire, memory_order_relaxed))
-    return;
+    return false;
   for (int spin = 0; spin < 100; spin++) {
     expected = 0;
     if (atomic_load_explicit(&l->state, memory_order_relaxed) == 0 &&
         atomic_compare_exchange_weak_explicit(&l->state, &expected, 1, memory_order_acquire,
                                               memory_order_relaxed))
-      return;
+      return true;
     spin_hint();
   }
   /* Mark the lock contended, and sleep until it is released. */
   while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0) lock_futex(l, FUTEX_WAIT, 2);
+  return true;
 }
 
 /* This thread's ticket, if it has had the bias. (A thread that ended left
@@ -196,7 +202,7 @@ static bool give_bias(lock_t *l, void *self) {
 }
 
 void gca__lock_acquire_slow(lock_t *l, void *self) {
-  futex_acquire(l);
+  bool waited = futex_acquire(l);
   l->slow_holds++;
   /* Biased to another thread (never to this one: only this thread biases
    * it to itself, and then takes the biased way until revoked). */
@@ -230,10 +236,20 @@ void gca__lock_acquire_slow(lock_t *l, void *self) {
       l->bias_after = after < BIAS_AFTER_MAX / 2 ? after * 2 : BIAS_AFTER_MAX;
     else if (after > BIAS_AFTER_MIN)
       l->bias_after = after / 2;
-    /* The bias was in use and this thread waited for it: if it had the
-     * bias before, it takes it over (see above). */
-    if (in_use && ticket_find(l, self) && give_bias(l, self)) return;
+    /* This thread had the bias before, and either the bias it waited for
+     * was in use or its own last one was: it takes the bias over (see
+     * above). The second case is a busy owner taken from before it was in
+     * use: given the bias, then descheduled (more threads than processors)
+     * and found idle. */
+    lock_ticket_t *mine = ticket_find(l, self);
+    if (mine && (in_use || atomic_load_explicit(&mine->holds, memory_order_relaxed) >= HANDOFF_HOLDS) &&
+        give_bias(l, self))
+      return;
   }
+  /* Waited for the futex word, and had the bias before: threads that keep
+   * asking contend here, and take turns by the bias rather than by the
+   * word (see above). */
+  if (waited && barrier_ready && ticket_find(l, self) && give_bias(l, self)) return;
   if (l->last != self) {
     l->last = self;
     l->streak = 1;
