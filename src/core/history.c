@@ -93,7 +93,7 @@ void gca__history_event(device_t *d, int action, uintptr_t addr, size_t size, gc
   maybe_capture(d->obs.history, record(d, action, addr, size, stream));
 }
 
-/* (Cold: inlined into the free, it cost the free without history 20
+/* (Cold: inlined into the free, it cost the free without history 23
  * instructions of spills.) */
 GCA_COLD void gca__history_freed_at_once(device_t *d, const block_t *b) {
   history_t *h = d->obs.history;
