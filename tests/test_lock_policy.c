@@ -33,7 +33,7 @@ static void busy_run(scene_t *s) {
 }
 
 static bool bias_possible(scene_t *s) {
-  lock_init(&s->lock);
+  lock_init(&s->lock, RANK_DEVICE);
   if (s->lock.bias_after != UINT32_MAX) return true;
   print_message("no membarrier here: the lock is never biased\n");
   lock_destroy(&s->lock);

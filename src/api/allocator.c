@@ -105,6 +105,23 @@ static bool no_caching_from_environment(const char *backend) {
 
 static void close_unregistered(gca_allocator_t *a);
 
+/* The allocator's own mutexes: all or none. */
+static int allocator_mutexes_init(gca_allocator_t *a) {
+  pthread_mutex_t *m[] = {&a->config_lock, &a->settings_lock, &a->callbacks_lock};
+  for (size_t i = 0; i < sizeof m / sizeof m[0]; i++) {
+    if (pthread_mutex_init(m[i], NULL) == 0) continue;
+    while (i-- > 0) pthread_mutex_destroy(m[i]);
+    return -1;
+  }
+  return 0;
+}
+
+static void allocator_mutexes_destroy(gca_allocator_t *a) {
+  pthread_mutex_destroy(&a->config_lock);
+  pthread_mutex_destroy(&a->settings_lock);
+  pthread_mutex_destroy(&a->callbacks_lock);
+}
+
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   gca__log_init();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
@@ -131,9 +148,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   size_t devices_bytes = (size_t)(a->device_count > 0 ? a->device_count : 1) * sizeof *a->devices;
   a->devices = aligned_alloc(_Alignof(device_t), devices_bytes);
   if (a->devices) memset(a->devices, 0, devices_bytes);
-  bool config_lock = a->devices && pthread_mutex_init(&a->config_lock, NULL) == 0;
-  if (!config_lock || pthread_mutex_init(&a->callbacks_lock, NULL) != 0) {
-    if (config_lock) pthread_mutex_destroy(&a->config_lock);
+  if (!a->devices || allocator_mutexes_init(a) != 0) {
     free(a->devices);
     gca__backend_close(&a->backend);
     free(a);
@@ -144,8 +159,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     rc = i < a->device_count ? gca__device_init(&a->devices[i], a, i, &cfg) : gca__host_cache_create(a);
     if (rc) {
       while (i-- > 0) gca__device_destroy(&a->devices[i]);
-      pthread_mutex_destroy(&a->config_lock);
-      pthread_mutex_destroy(&a->callbacks_lock);
+      allocator_mutexes_destroy(a);
       free(a->devices);
       gca__backend_close(&a->backend);
       free(a);
@@ -177,8 +191,7 @@ static void close_unregistered(gca_allocator_t *a) {
   gca__host_cache_destroy(a);
   for (int i = 0; i < a->device_count; i++) gca__device_destroy(&a->devices[i]);
   free(a->devices);
-  pthread_mutex_destroy(&a->config_lock);
-  pthread_mutex_destroy(&a->callbacks_lock);
+  allocator_mutexes_destroy(a);
   gca__backend_close(&a->backend);
   free(a);
 }
@@ -589,8 +602,8 @@ int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t 
 int gca_set_config(gca_allocator_t *a, const char *config) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
   gca__log_hold(); /* the configuration's warnings are delivered after the lock */
-  mutex_lock(&a->config_lock);
-  config_t next = a->config;
+  mutex_lock(&a->config_lock, RANK_CONFIG);
+  config_t next = a->config; /* (read under config_lock: only this function writes it after open) */
   int rc = gca__config_apply(&next, config, NULL);
   /* Cooperation is set up at gca_open (the rendezvous joined, its thread
    * started): a change afterwards would be reported by gca_get_config and do
@@ -606,7 +619,6 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
      * gca_set_memory_fraction's per-device settings stay otherwise. */
     bool fraction_changed = next.memory_fraction_set &&
                             (!a->config.memory_fraction_set || next.memory_fraction != a->config.memory_fraction);
-    a->config = next;
     for (int i = 0; i < a->device_count; i++) {
       device_t *d = &a->devices[i];
       lock_acquire(&d->lock);
@@ -615,7 +627,10 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
       if (fraction_changed) (void)gca__device_set_fraction_locked(d, next.memory_fraction);
       lock_release(&d->lock);
     }
-    a->config.size_pad = a->device_count ? a->devices[0].config.size_pad : 0;
+    next.size_pad = a->device_count ? a->devices[0].config.size_pad : 0;
+    mutex_lock(&a->settings_lock, RANK_SETTINGS);
+    a->config = next;
+    mutex_unlock(&a->settings_lock);
   }
   mutex_unlock(&a->config_lock);
   gca__log_release();
@@ -624,9 +639,9 @@ int gca_set_config(gca_allocator_t *a, const char *config) {
 
 int gca_get_config(gca_allocator_t *a, char *buf, size_t cap) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_get_config: allocator is NULL");
-  mutex_lock(&a->config_lock);
+  mutex_lock(&a->settings_lock, RANK_SETTINGS);
   size_t n = gca__config_format(&a->config, buf, cap);
-  mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->settings_lock);
   return (int)n;
 }
 
@@ -635,9 +650,9 @@ size_t gca_round_size(gca_allocator_t *a, size_t size) {
     gca__set_error(GCA_ERR_INVALID, "gca_round_size: allocator is NULL");
     return 0;
   }
-  mutex_lock(&a->config_lock);
+  mutex_lock(&a->settings_lock, RANK_SETTINGS);
   size_t r = gca__round_size(&a->config, size);
-  mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->settings_lock);
   return r;
 }
 

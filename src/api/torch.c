@@ -51,13 +51,13 @@ typedef void (*c10_check_fail_fn)(const char *func, const char *file, uint32_t l
 static c10_check_fail_fn _Atomic c10_raise;
 
 static void keep_failure(const char *message) {
-  mutex_lock(&failure_lock);
+  mutex_lock(&failure_lock, RANK_TORCH_FAILURE);
   snprintf(last_failure, sizeof last_failure, "%s", message);
   mutex_unlock(&failure_lock);
 }
 
 size_t gca_torch_last_failure(char *buf, size_t cap) {
-  mutex_lock(&failure_lock);
+  mutex_lock(&failure_lock, RANK_TORCH_FAILURE);
   size_t len = strlen(last_failure);
   if (buf && cap) snprintf(buf, cap, "%s", last_failure);
   mutex_unlock(&failure_lock);
@@ -76,7 +76,7 @@ static void drain_npu_queue(int device, void *user) {
  * backend when neither `backend` nor GCALLOC_TORCH_BACKEND names one. */
 static int torch_init(const char *backend, const char *config, const char *fallback) {
   gca__log_hold(); /* opening logs; a handler may allocate through these exports */
-  mutex_lock(&torch_lock);
+  mutex_lock(&torch_lock, RANK_TORCH);
   int rc = GCA_OK;
   gca_allocator_t *a = atomic_load(&torch_allocator);
   if (a) {
@@ -114,7 +114,7 @@ int gca_torch_defer(const char *backend, const char *config) {
   gca__config_defaults(&check);
   int rc = gca__config_apply(&check, config, NULL); /* (refused now, not at the first allocation) */
   if (rc) return rc;
-  mutex_lock(&torch_lock);
+  mutex_lock(&torch_lock, RANK_TORCH);
   if (atomic_load(&torch_allocator)) {
     mutex_unlock(&torch_lock);
     return torch_init(backend, config, "acl"); /* (open already: as gca_torch_init) */
@@ -127,7 +127,7 @@ int gca_torch_defer(const char *backend, const char *config) {
 }
 
 int gca_npu_set_queue_drain(void *npu_synchronize_device) {
-  mutex_lock(&torch_lock);
+  mutex_lock(&torch_lock, RANK_TORCH);
   *(void **)&npu_drain = npu_synchronize_device;
   gca_allocator_t *a = atomic_load(&torch_allocator);
   int rc = a ? gca_set_queue_drain(a, npu_drain ? drain_npu_queue : NULL, NULL) : GCA_OK;
@@ -272,7 +272,7 @@ void *gca_torch_base_alloc(void *ptr, size_t *size) {
 }
 
 void gca_torch_shutdown(void) {
-  mutex_lock(&torch_lock);
+  mutex_lock(&torch_lock, RANK_TORCH);
   gca_allocator_t *a = atomic_exchange(&torch_allocator, NULL);
   mutex_unlock(&torch_lock);
   gca_close(a);

@@ -344,9 +344,9 @@ static int acl_destroy_one_event(void *ctx, uintptr_t e) { return ((acl_t *)ctx)
  * one refused now is kept for the next time. */
 static void acl_event_drop(acl_t *a, int device, aclrtEvent e) {
   acl_device_t *d = &a->devices[device];
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   gca__kept_handles_destroy(&d->refused_events, acl_destroy_one_event, a, (uintptr_t)e, ACL_EVENTS);
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
 }
 
 static bool acl_event_complete(acl_t *a, aclrtEvent e);
@@ -373,10 +373,10 @@ static void acl_events_sweep(acl_t *a, acl_device_t *d) {
 static int acl_event_record_here(acl_t *a, int device, gca_stream_t stream, uintptr_t *event) {
   acl_device_t *d = &a->devices[device];
   aclrtEvent e = NULL;
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   if (d->waited_count) acl_events_sweep(a, d);
   if (d->event_count) e = d->events[--d->event_count];
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   int rc;
   if (!e && (rc = acl_create_event(a, device, &e)) != GCA_OK) return rc;
   aclError r = a->rt.aclrtRecordEvent(e, (aclrtStream)stream);
@@ -437,13 +437,13 @@ static void acl_event_destroy(void *state, int device, uintptr_t event) {
   acl_t *a = state;
   acl_device_t *d = &a->devices[device];
   aclrtEvent e = (aclrtEvent)event;
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   bool easy = !(d->waited_count && acl_waited(d, e)) && d->event_count < EVENT_CACHE;
   if (easy) d->events[d->event_count++] = e;
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   acl_guard_t g;
   if (easy || acl_enter(a, device, &g) != GCA_OK) return;
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   /* (looked up again: the list may have moved while the lock was not held) */
   struct waited_event *w = d->waited_count ? acl_waited(d, e) : NULL;
   if (w) {
@@ -452,25 +452,25 @@ static void acl_event_destroy(void *state, int device, uintptr_t event) {
   } else {
     acl_event_recycle(a, d, e);
   }
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   acl_leave(a, &g);
 }
 
 static int acl_stream_wait_event_here(acl_t *a, int device, gca_stream_t stream, uintptr_t event) {
   acl_device_t *d = &a->devices[device];
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   bool known = acl_waited(d, (aclrtEvent)event) != NULL;
   if (!known && d->waited_count == d->waited_cap) {
     struct waited_event *grown = gca__grow_array(d->waited, &d->waited_cap, sizeof *grown, 16);
     if (!grown) {
-      pthread_mutex_unlock(&d->event_lock);
+      mutex_unlock(&d->event_lock);
       return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory recording a stream wait");
     }
     d->waited = grown;
   }
   aclError r = a->rt.aclrtStreamWaitEvent((aclrtStream)stream, (aclrtEvent)event);
   if (r == ACL_SUCCESS && !known) d->waited[d->waited_count++] = (struct waited_event){(aclrtEvent)event, false};
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   if (r != ACL_SUCCESS)
     return acl_error(r, GCA_ERR_INVALID, "aclrtStreamWaitEvent (stream 0x%" PRIxPTR ", device %d)", stream, device);
   return GCA_OK;
@@ -548,12 +548,12 @@ static void acl_probe_vm(acl_t *a, int device) {
 static int acl_vm_granularity(void *state, int device, size_t *granularity) {
   acl_t *a = state;
   acl_device_t *d = &a->devices[device];
-  pthread_mutex_lock(&d->vm_lock);
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
   if (!d->probed) {
     acl_probe_vm(a, device);
     d->probed = true;
   }
-  pthread_mutex_unlock(&d->vm_lock);
+  mutex_unlock(&d->vm_lock);
   if (!d->vm) return acl_no_vm(device);
   *granularity = d->granularity;
   return GCA_OK;
@@ -610,18 +610,18 @@ static int acl_vm_destroy(void *state, int device, uintptr_t handle) {
 
 static int acl_vm_map_here(acl_t *a, int device, uintptr_t addr, size_t size, uintptr_t handle) {
   acl_device_t *d = &a->devices[device];
-  pthread_mutex_lock(&d->vm_lock);
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
   if (d->mapping_count == d->mapping_cap) {
     acl_mapping_t *grown = gca__grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
     if (!grown) {
-      pthread_mutex_unlock(&d->vm_lock);
+      mutex_unlock(&d->vm_lock);
       return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory recording a mapping");
     }
     d->mappings = grown;
   }
   aclError r = a->rt.aclrtMapMem((void *)addr, size, 0, (aclrtDrvMemHandle)handle, 0);
   if (r == ACL_SUCCESS) d->mappings[d->mapping_count++] = (acl_mapping_t){addr, size, (aclrtDrvMemHandle)handle};
-  pthread_mutex_unlock(&d->vm_lock);
+  mutex_unlock(&d->vm_lock);
   if (r != ACL_SUCCESS)
     return acl_error(r, GCA_ERR_INVALID, "aclrtMapMem (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   return GCA_OK;
@@ -638,10 +638,10 @@ static int acl_vm_map(void *state, int device, uintptr_t addr, size_t size, uint
  * they were. */
 static int acl_vm_unmap_here(acl_t *a, int device, uintptr_t addr, size_t size) {
   acl_device_t *d = &a->devices[device];
-  pthread_mutex_lock(&d->vm_lock);
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
   acl_mapping_t *undone = malloc((d->mapping_count + 1) * sizeof *undone);
   if (!undone) {
-    pthread_mutex_unlock(&d->vm_lock);
+    mutex_unlock(&d->vm_lock);
     return gca__set_error(GCA_ERR_NOMEM, "acl backend: out of host memory unmapping");
   }
   size_t kept = 0, done = 0, found = 0;
@@ -665,7 +665,7 @@ static int acl_vm_unmap_here(acl_t *a, int device, uintptr_t addr, size_t size) 
       d->mappings[kept++] = undone[k];
   free(undone);
   d->mapping_count = kept;
-  pthread_mutex_unlock(&d->vm_lock);
+  mutex_unlock(&d->vm_lock);
   if (r != ACL_SUCCESS)
     return acl_error(r, GCA_ERR_INVALID, "aclrtUnmapMem (0x%" PRIxPTR ", one of the mappings in %zu bytes at 0x%" PRIxPTR
                      ", device %d)", failed_at, size, addr, device);
@@ -911,14 +911,14 @@ static pthread_mutex_t acl_init_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *acl_initialized; /* the runtime's handle once initialized */
 
 static aclError acl_init_once(const runtime_t *rt) {
-  pthread_mutex_lock(&acl_init_lock);
+  mutex_lock(&acl_init_lock, RANK_BACKEND_CONTEXT);
   aclError r = ACL_SUCCESS;
   if (acl_initialized != rt->handle) {
     r = rt->aclInit(NULL);
     if (r == ACL_ERROR_REPEAT_INITIALIZE) r = ACL_SUCCESS;
     if (r == ACL_SUCCESS) acl_initialized = rt->handle;
   }
-  pthread_mutex_unlock(&acl_init_lock);
+  mutex_unlock(&acl_init_lock);
   return r;
 }
 

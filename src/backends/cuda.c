@@ -226,14 +226,14 @@ static int primary_context(cuda_t *c, int device, CUcontext *out) {
   cuda_device_t *d = &c->devices[device];
   CUcontext ctx = atomic_load_explicit(&d->ctx, memory_order_acquire);
   if (!ctx) {
-    pthread_mutex_lock(&d->ctx_lock);
+    mutex_lock(&d->ctx_lock, RANK_BACKEND_CONTEXT);
     ctx = atomic_load_explicit(&d->ctx, memory_order_relaxed);
     CUresult r = CUDA_SUCCESS;
     if (!ctx && (r = c->drv.cuDevicePrimaryCtxRetain(&ctx, d->dev)) == CUDA_SUCCESS) {
       d->retained = true;
       atomic_store_explicit(&d->ctx, ctx, memory_order_release);
     }
-    pthread_mutex_unlock(&d->ctx_lock);
+    mutex_unlock(&d->ctx_lock);
     if (r != CUDA_SUCCESS) return driver_error(c, r, GCA_ERR_BACKEND, "cuDevicePrimaryCtxRetain (device %d)", device);
   }
   *out = ctx;
@@ -340,9 +340,9 @@ static int destroy_one_event(void *ctx, uintptr_t e) { return ((cuda_t *)ctx)->d
  * refused before; one refused now is kept for the next time. */
 static void event_drop(cuda_t *c, int device, CUevent e) {
   cuda_device_t *d = &c->devices[device];
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   gca__kept_handles_destroy(&d->refused_events, destroy_one_event, c, (uintptr_t)e, CUDA_EVENTS);
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
 }
 
 static int cuda_event_record(void *state, int device, gca_stream_t stream, uintptr_t *event) {
@@ -350,9 +350,9 @@ static int cuda_event_record(void *state, int device, gca_stream_t stream, uintp
   cuda_device_t *d = &c->devices[device];
   IN_CONTEXT(c, device);
   CUevent e = NULL;
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   if (d->event_count) e = d->events[--d->event_count];
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   if (!e) CHECK(c, c->drv.cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), GCA_ERR_BACKEND, "cuEventCreate (device %d)", device);
   CUresult r = c->drv.cuEventRecord(e, (CUstream)stream);
   if (r != CUDA_SUCCESS) {
@@ -382,10 +382,10 @@ static int cuda_event_synchronize(void *state, int device, uintptr_t event) {
 static void cuda_event_destroy(void *state, int device, uintptr_t event) {
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
-  pthread_mutex_lock(&d->event_lock);
+  mutex_lock(&d->event_lock, RANK_BACKEND_EVENTS);
   bool kept = d->event_count < EVENT_CACHE;
   if (kept) d->events[d->event_count++] = (CUevent)event;
-  pthread_mutex_unlock(&d->event_lock);
+  mutex_unlock(&d->event_lock);
   /* A recorded event may be destroyed before it completes: the driver frees it then. */
   if (kept) return;
   guard_t g = {c, NULL, false};
@@ -514,11 +514,11 @@ static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uin
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
   IN_CONTEXT(c, device);
-  pthread_mutex_lock(&d->vm_lock);
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
   if (d->mapping_count == d->mapping_cap) {
     vm_mapping_t *grown = gca__grow_array(d->mappings, &d->mapping_cap, sizeof *grown, 64);
     if (!grown) {
-      pthread_mutex_unlock(&d->vm_lock);
+      mutex_unlock(&d->vm_lock);
       return gca__set_error(GCA_ERR_NOMEM, "cuda backend: out of host memory recording a mapping");
     }
     d->mappings = grown;
@@ -527,7 +527,7 @@ static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uin
   CUresult r = c->drv.cuMemMap((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0);
   if (r != CUDA_SUCCESS) {
     unrelax(c, mode);
-    pthread_mutex_unlock(&d->vm_lock);
+    mutex_unlock(&d->vm_lock);
     return driver_error(c, r, GCA_ERR_INVALID, "cuMemMap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   }
   CUmemAccessDesc access[MAX_PEERS + 1];
@@ -535,13 +535,13 @@ static int cuda_vm_map(void *state, int device, uintptr_t addr, size_t size, uin
   r = c->drv.cuMemSetAccess((CUdeviceptr)addr, size, access, n);
   unrelax(c, mode);
   if (r != CUDA_SUCCESS) {
-    pthread_mutex_unlock(&d->vm_lock);
+    mutex_unlock(&d->vm_lock);
     c->drv.cuMemUnmap((CUdeviceptr)addr, size); /* mapped but unusable: undo */
     return driver_error(c, r, GCA_ERR_INVALID, "cuMemSetAccess (0x%" PRIxPTR ", %zu bytes, device %d, %zu device%s)",
                         addr, size, device, n, n == 1 ? "" : "s");
   }
   d->mappings[d->mapping_count++] = (vm_mapping_t){addr, size};
-  pthread_mutex_unlock(&d->vm_lock);
+  mutex_unlock(&d->vm_lock);
   return GCA_OK;
 }
 
@@ -549,7 +549,7 @@ static int cuda_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   cuda_t *c = state;
   cuda_device_t *d = &c->devices[device];
   IN_CONTEXT(c, device);
-  pthread_mutex_lock(&d->vm_lock);
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
   CUresult r = c->drv.cuMemUnmap((CUdeviceptr)addr, size);
   if (r == CUDA_SUCCESS) {
     /* Forget the mappings in the range (whole mappings, maybe several). */
@@ -558,7 +558,7 @@ static int cuda_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
       if (d->mappings[i].addr < addr || d->mappings[i].addr >= addr + size) d->mappings[kept++] = d->mappings[i];
     d->mapping_count = kept;
   }
-  pthread_mutex_unlock(&d->vm_lock);
+  mutex_unlock(&d->vm_lock);
   if (r != CUDA_SUCCESS)
     return driver_error(c, r, GCA_ERR_INVALID, "cuMemUnmap (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size,
                         device);
@@ -642,7 +642,7 @@ static int cuda_enable_peer_access(void *state, int device, int peer) {
         "cuCtxEnablePeerAccess (device %d, peer %d)", device, peer);
   cuda_device_t *p = &c->devices[peer];
   char why[512];
-  pthread_mutex_lock(&p->vm_lock);
+  mutex_lock(&p->vm_lock, RANK_BACKEND);
   rc = set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
   if (rc == GCA_OK) {
     p->accessors |= (uint64_t)1 << device;
@@ -651,7 +651,7 @@ static int cuda_enable_peer_access(void *state, int device, int peer) {
     snprintf(why, sizeof why, "%s", gca_last_error());
     (void)set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_NONE);
   }
-  pthread_mutex_unlock(&p->vm_lock);
+  mutex_unlock(&p->vm_lock);
   if (rc == GCA_OK) return GCA_OK;
   c->drv.cuCtxDisablePeerAccess(peer_ctx); /* (the device's context is still current) */
   return gca__set_error(rc, "%s; peer access not enabled", why);
@@ -667,10 +667,10 @@ static int cuda_disable_peer_access(void *state, int device, int peer) {
   CHECK(c, c->drv.cuCtxDisablePeerAccess(peer_ctx), GCA_ERR_INVALID,
         "cuCtxDisablePeerAccess (device %d, peer %d)", device, peer);
   cuda_device_t *p = &c->devices[peer];
-  pthread_mutex_lock(&p->vm_lock);
+  mutex_lock(&p->vm_lock, RANK_BACKEND);
   if (device < MAX_PEERS) p->accessors &= ~((uint64_t)1 << device);
   rc = set_mappings_access(c, peer, device, CU_MEM_ACCESS_FLAGS_PROT_NONE);
-  pthread_mutex_unlock(&p->vm_lock);
+  mutex_unlock(&p->vm_lock);
   return rc;
 }
 

@@ -1744,7 +1744,7 @@ int gca__sim_backend_create(const char *options, backend_t *out) {
 
   sim_t *s = calloc(1, sizeof *s + (size_t)o.devices * sizeof s->devices[0]);
   if (!s) return gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-  if (lock_init(&s->lock) != 0) {
+  if (lock_init(&s->lock, RANK_BACKEND) != 0) {
     free(s);
     return gca__set_error(GCA_ERR_NOMEM, "sim: cannot create a lock");
   }

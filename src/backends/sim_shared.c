@@ -57,9 +57,9 @@ struct sim_shared {
 
 static bool slot_alive(const shared_slot_t *s) { return gca__slot_process_alive(s->pid, s->start_time, s->pidns); }
 
-static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock); }
+static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock, RANK_SIM_SHARED); }
 
-static void region_unlock(shared_region_t *r) { pthread_mutex_unlock(&r->lock); }
+static void region_unlock(shared_region_t *r) { gca__shared_mutex_unlock(&r->lock); }
 
 /* Give back the slots of dead processes; with the lock held. */
 static void reclaim_dead(shared_region_t *r) {

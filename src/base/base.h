@@ -268,11 +268,14 @@ bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns);
 /* A process-shared robust mutex; locking one whose owner died makes it
  * consistent (the caller repairs what the dead owner held). */
 int gca__shared_mutex_init(pthread_mutex_t *m);
-void gca__shared_mutex_lock(pthread_mutex_t *m);
+void gca__shared_mutex_lock_at(pthread_mutex_t *m, int rank, const char *file, int line);
+#define gca__shared_mutex_lock(m, rank) gca__shared_mutex_lock_at(m, rank, __FILE__, __LINE__)
 /* The same, giving up after `ns` nanoseconds (false: not locked): a
  * process stopped while it holds the lock (SIGSTOP, a suspended job) is not
  * dead, and a robust mutex waits for it for ever. */
-bool gca__shared_mutex_lock_within(pthread_mutex_t *m, uint64_t ns);
+bool gca__shared_mutex_lock_within_at(pthread_mutex_t *m, int rank, uint64_t ns, const char *file, int line);
+#define gca__shared_mutex_lock_within(m, rank, ns) gca__shared_mutex_lock_within_at(m, rank, ns, __FILE__, __LINE__)
+#define gca__shared_mutex_unlock(m) mutex_unlock(m)
 /* The POSIX shared-memory object `path` of exactly `size` bytes, mapped:
  * created (zeroed, with `mode`) when it does not exist, *created then
  * true. NULL with the error set (GCA_ERR_BACKEND naming it) when it cannot

@@ -30,8 +30,6 @@
 #define ERROR_TEXT_MAX 2048
 
 #ifndef NDEBUG
-_Thread_local int gca__locks_held;
-
 GCA_COLD void gca__assert_failed(const char *cond, const char *file, int line) {
   fprintf(stderr, "gcalloc: internal invariant broken at %s:%d: %s\n", file, line, cond);
   abort();
@@ -167,9 +165,9 @@ static void load_log_settings(void) {
     FILE *f = fopen(path, "a");
     if (f) {
       setvbuf(f, NULL, _IOLBF, 0);
-      pthread_mutex_lock(&log_lock);
+      mutex_lock(&log_lock, RANK_LOG);
       log_file = f;
-      pthread_mutex_unlock(&log_lock);
+      mutex_unlock(&log_lock);
     } else {
       gca__log_message(GCA_LOG_WARNING, "GCALLOC_LOG_FILE=%s cannot be opened (%s); logging to stderr", path,
                        strerror(errno));
@@ -206,10 +204,10 @@ void gca_set_thread_log_handler(gca_log_fn fn, void *user) {
 }
 
 void gca_set_log_handler(gca_log_fn fn, void *user) {
-  pthread_mutex_lock(&log_lock);
+  mutex_lock(&log_lock, RANK_LOG);
   log_fn = fn;
   log_user = user;
-  pthread_mutex_unlock(&log_lock);
+  mutex_unlock(&log_lock);
 }
 
 /* ---- messages held while a lock is ------------------------------------- */
@@ -279,14 +277,14 @@ void gca__log_message(gca_log_level level, const char *fmt, ...) {
 }
 
 static void deliver(gca_log_level level, const char *msg) {
-  pthread_mutex_lock(&log_lock);
+  mutex_lock(&log_lock, RANK_LOG);
   gca_log_fn fn = thread_fn ? thread_fn : log_fn;
   void *user = thread_fn ? thread_user : log_user;
   /* Warnings repeat (every device, every set_config): print each once. */
   bool print = fn == NULL && (level != GCA_LOG_WARNING || first_sighting(msg));
   FILE *out = log_file ? log_file : stderr;
   if (print) fprintf(out, "gcalloc: %s: %s\n", level_names[level], msg);
-  pthread_mutex_unlock(&log_lock);
+  mutex_unlock(&log_lock);
   if (!fn) return;
   /* The handler may call gcalloc: the caller's error survives it. */
   int status = last_status;

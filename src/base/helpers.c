@@ -146,10 +146,10 @@ static void *helper_main(void *arg) {
   (void)arg;
 #endif
   for (;;) {
-    pthread_mutex_lock(&helpers_lock);
+    mutex_lock(&helpers_lock, RANK_HELPERS);
     bool look = helper_busy + helper_looking < look_limit();
     helper_looking += look;
-    pthread_mutex_unlock(&helpers_lock);
+    mutex_unlock(&helpers_lock);
     if (look) {
       uint64_t start = gca__now_ns(), give_up = start + HELPER_LOOK_NS, chore_at = start + HELPER_CHORE_DELAY_NS;
       /* Till a job comes, or a chore has waited, or others started enough
@@ -163,7 +163,7 @@ static void *helper_main(void *arg) {
         gca__spin_pause();
       }
     }
-    pthread_mutex_lock(&helpers_lock);
+    mutex_lock(&helpers_lock, RANK_HELPERS);
     helper_looking -= look;
     while (!waited_jobs.head && !chore_jobs.head && !atomic_load_explicit(&helpers_closing, memory_order_relaxed))
       pthread_cond_wait(&helpers_wake, &helpers_lock);
@@ -172,24 +172,24 @@ static void *helper_main(void *arg) {
     if (!job) { /* closing */
       helper_count--;
       pthread_cond_broadcast(&helpers_done);
-      pthread_mutex_unlock(&helpers_lock);
+      mutex_unlock(&helpers_lock);
       return NULL;
     }
     helper_busy++;
     atomic_store_explicit(&job->state, JOB_RUNNING, memory_order_relaxed);
-    pthread_mutex_unlock(&helpers_lock);
+    mutex_unlock(&helpers_lock);
 
     bool detached = job->detached;
     job->run(job->arg);
     if (detached) free(job);
 
-    pthread_mutex_lock(&helpers_lock);
+    mutex_lock(&helpers_lock, RANK_HELPERS);
     helper_busy--;
     /* The waiter may return and free the job as soon as it reads DONE:
      * nothing here touches it after. */
     if (!detached) atomic_store_explicit(&job->state, JOB_DONE, memory_order_release);
     pthread_cond_broadcast(&helpers_done);
-    pthread_mutex_unlock(&helpers_lock);
+    mutex_unlock(&helpers_lock);
   }
 }
 
@@ -270,9 +270,9 @@ static bool queue_job(helper_job_t *job) {
 
 bool gca__helper_submit(helper_job_t *job) {
   job->detached = false;
-  pthread_mutex_lock(&helpers_lock);
+  mutex_lock(&helpers_lock, RANK_HELPERS);
   bool queued_it = queue_job(job);
-  pthread_mutex_unlock(&helpers_lock);
+  mutex_unlock(&helpers_lock);
   return queued_it;
 }
 
@@ -282,7 +282,7 @@ bool gca__helper_wait(helper_job_t *job) {
   uint64_t give_up = gca__now_ns() + HELPER_LOOK_NS;
   while (atomic_load_explicit(&job->state, memory_order_acquire) == JOB_RUNNING && gca__now_ns() < give_up)
     gca__spin_pause();
-  pthread_mutex_lock(&helpers_lock);
+  mutex_lock(&helpers_lock, RANK_HELPERS);
   bool ran = true;
   if (atomic_load_explicit(&job->state, memory_order_relaxed) == JOB_QUEUED) {
     remove_job(&waited_jobs, job);
@@ -290,7 +290,7 @@ bool gca__helper_wait(helper_job_t *job) {
   }
   while (ran && atomic_load_explicit(&job->state, memory_order_acquire) != JOB_DONE)
     pthread_cond_wait(&helpers_done, &helpers_lock);
-  pthread_mutex_unlock(&helpers_lock);
+  mutex_unlock(&helpers_lock);
   return ran;
 }
 
@@ -298,9 +298,9 @@ bool gca__helper_detach(void (*run)(void *), void *arg) {
   helper_job_t *job = malloc(sizeof *job);
   if (!job) return false;
   *job = (helper_job_t){.run = run, .arg = arg, .detached = true};
-  pthread_mutex_lock(&helpers_lock);
+  mutex_lock(&helpers_lock, RANK_HELPERS);
   bool queued_it = queue_job(job);
-  pthread_mutex_unlock(&helpers_lock);
+  mutex_unlock(&helpers_lock);
   if (!queued_it) free(job);
   return queued_it;
 }
@@ -309,7 +309,7 @@ bool gca__helper_detach(void (*run)(void *), void *arg) {
  * the library's code). A thread still in a job is not waited for beyond a
  * moment: the process is ending under a call in flight. */
 __attribute__((destructor)) static void helpers_close(void) {
-  pthread_mutex_lock(&helpers_lock);
+  mutex_lock(&helpers_lock, RANK_HELPERS);
   atomic_store(&helpers_closing, true);
   pthread_cond_broadcast(&helpers_wake);
   uint64_t give_up = gca__now_ns() + 100000000u;
@@ -320,5 +320,5 @@ __attribute__((destructor)) static void helpers_close(void) {
     if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
     pthread_cond_timedwait(&helpers_done, &helpers_lock, &until);
   }
-  pthread_mutex_unlock(&helpers_lock);
+  mutex_unlock(&helpers_lock);
 }

@@ -18,27 +18,72 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-/* Debug builds count the library's locks each thread holds, so that what
- * must run with none held (a log handler, a user callback, a wait for other
- * threads) can assert it: re-entry from there would deadlock. */
-#ifndef NDEBUG
-extern _Thread_local int gca__locks_held;
-#define LOCKS_HELD_ADD(n) (gca__locks_held += (n))
-#define LOCKS_HELD() gca__locks_held
+/* Every lock of the library has a rank, and a thread takes locks in
+ * increasing rank only: no two threads can then wait for each other
+ * (docs/design.md says why each lock sits where it does). Equal ranks do
+ * not nest: the devices' locks are taken one at a time. A trylock never
+ * waits, so it is exempt from the order, and counted as held. */
+enum lock_rank {
+  RANK_TORCH = 1,       /* torch.c: the drop-in's allocator and settings (its open calls everything) */
+  RANK_RECORD,          /* record.c: the trace file, held across a whole recorded call */
+  RANK_POOL_REGISTRY,   /* mempool.c: the threads' routes to private pools, before their devices */
+  RANK_CONFIG,          /* gca_set_config, which writes every device's copy under its lock */
+  RANK_DEVICE,          /* a device: everything it owns (blocks, segments, pools, statistics) */
+  RANK_HOST_REGISTRY,   /* host.c: the pinned caches of the process (fork takes it, then every cache) */
+  RANK_HOST,            /* host.c: one pinned host cache, reached from a pause's backup copies */
+  RANK_RENDEZVOUS,      /* coop.c: the region shared with the peers on a device */
+  RANK_COOP_ASK,        /* coop.c: this process's request to its peers (its message buffer) */
+  RANK_CALLBACKS,       /* the user's callback lists (copied, then called with no lock held) */
+  RANK_DEVICE_WAIT,     /* oom.c: allocations waiting for memory to come back */
+  RANK_BACKEND,         /* a backend's own state: the sim's pages, the drivers' contexts and virtual memory */
+  RANK_BACKEND_EVENTS,  /* the cuda and acl backends' event pools, taken inside the above */
+  RANK_BACKEND_CONTEXT, /* the cuda backend's primary contexts, the acl backend's runtime start */
+  RANK_SIM_SHARED,      /* sim_shared.c: the region a shared simulated device keeps its accounting in */
+  RANK_SETTINGS,        /* the allocator's master configuration, read by the host cache and gca_get_config */
+  RANK_TORCH_FAILURE,   /* torch.c: the last failed allocation's message */
+  RANK_COMPLETIONS,     /* record.c: pending frees' completions, taken under a device and the trace file */
+  RANK_HELPERS,         /* helpers.c: the kept helper threads' queue */
+  RANK_LOG,             /* error.c: the log's settings and handler */
+  RANK_COUNT
+};
+
+/* Checked builds (Debug and the sanitizer builds: GCALLOC_LOCK_CHECK)
+ * keep the locks each thread holds, with where each was taken, and abort
+ * at an acquisition out of rank order naming both locks and both sites.
+ * What must run with no lock held (a log handler, a user callback, a wait
+ * for other threads) asserts it with LOCKS_HELD(). */
+#if !defined(NDEBUG) && !defined(GCALLOC_LOCK_CHECK)
+#define GCALLOC_LOCK_CHECK 1
+#endif
+/* How an acquisition is checked: one that waits is taken in order; a
+ * sibling may follow locks of its own rank (taken in an order a lock held
+ * above them fixes); a trylock is not checked. */
+enum { ORDER_TRY = 0, ORDER_WAITS = 1, ORDER_SIBLING = 2 };
+#ifdef GCALLOC_LOCK_CHECK
+void gca__lock_order_take(const void *lock, int rank, const char *file, int line, int mode);
+void gca__lock_order_drop(const void *lock);
+int gca__lock_order_depth(void);
+/* The rank's name, for messages (and tests). */
+const char *gca__lock_rank_name(int rank);
+#define LOCK_ORDER_TAKE(l, rank, file, line, mode) gca__lock_order_take(l, rank, file, line, mode)
+#define LOCK_ORDER_DROP(l) gca__lock_order_drop(l)
+#define LOCKS_HELD() gca__lock_order_depth()
 #else
-#define LOCKS_HELD_ADD(n) ((void)0)
+#define LOCK_ORDER_TAKE(l, rank, file, line, mode) ((void)(file), (void)(line))
+#define LOCK_ORDER_DROP(l) ((void)0)
 #define LOCKS_HELD() 0
 #endif
 
-/* The library's other mutexes (configuration, callbacks, pinned host
- * cache, trace file), counted as above. */
-static inline void mutex_lock(pthread_mutex_t *m) {
+/* The library's other mutexes, taken with their rank. */
+static inline void mutex_lock_at(pthread_mutex_t *m, int rank, const char *file, int line) {
+  (void)rank;
+  LOCK_ORDER_TAKE(m, rank, file, line, ORDER_WAITS);
   pthread_mutex_lock(m);
-  LOCKS_HELD_ADD(1);
 }
+#define mutex_lock(m, rank) mutex_lock_at(m, rank, __FILE__, __LINE__)
 
 static inline void mutex_unlock(pthread_mutex_t *m) {
-  LOCKS_HELD_ADD(-1);
+  LOCK_ORDER_DROP(m);
   pthread_mutex_unlock(m);
 }
 
@@ -91,6 +136,7 @@ typedef struct lock {
   int64_t revoke_ns;        /* (under the futex word:) what the last revocation took */
   uint64_t slow_holds;      /* (under the futex word:) holds taken on it, and */
   uint64_t revocations;     /*  biases revoked: how well the bias serves (tests read them) */
+  int rank;                 /* its rank (enum lock_rank) */
 } lock_t;
 
 void gca__lock_init_bias(lock_t *l);
@@ -98,7 +144,8 @@ void gca__lock_acquire_slow(lock_t *l, void *self);
 void gca__lock_yield(lock_t *l, lock_ticket_t *t);
 void gca__lock_destroy(lock_t *l);
 
-static inline int lock_init(lock_t *l) {
+static inline int lock_init(lock_t *l, int rank) {
+  l->rank = rank;
   atomic_init(&l->state, 0);
   atomic_init(&l->owner, NULL);
   atomic_init(&l->yield_asked, 0);
@@ -121,7 +168,9 @@ static inline void lock_futex(lock_t *l, int op, uint32_t value) {
   syscall(SYS_futex, (uint32_t *)&l->state, op | FUTEX_PRIVATE_FLAG, value, NULL, NULL, 0);
 }
 
-static inline void lock_acquire(lock_t *l) {
+static inline void lock_acquire_at(lock_t *l, int mode, const char *file, int line) {
+  (void)mode;
+  LOCK_ORDER_TAKE(l, l->rank, file, line, mode);
   void *self = lock_self();
   lock_ticket_t *t = atomic_load_explicit(&l->owner, memory_order_acquire);
   if (__builtin_expect(t && t->thread == self, 1)) {
@@ -133,17 +182,17 @@ static inline void lock_acquire(lock_t *l) {
       atomic_store_explicit(&t->holds, atomic_load_explicit(&t->holds, memory_order_relaxed) + 1,
                             memory_order_relaxed);
       l->held = t;
-      LOCKS_HELD_ADD(1);
       return;
     }
     atomic_store_explicit(&t->inside, 0, memory_order_release); /* revoked: take the futex word */
   }
   gca__lock_acquire_slow(l, self);
-  LOCKS_HELD_ADD(1);
 }
+#define lock_acquire(l) lock_acquire_at(l, ORDER_WAITS, __FILE__, __LINE__)
+#define lock_acquire_sibling(l) lock_acquire_at(l, ORDER_SIBLING, __FILE__, __LINE__)
 
 static inline void lock_release(lock_t *l) {
-  LOCKS_HELD_ADD(-1);
+  LOCK_ORDER_DROP(l);
   lock_ticket_t *t = l->held; /* (only a biased hold sets it, and clears it on leaving) */
   if (__builtin_expect(t != NULL, 1)) {
     l->held = NULL;
@@ -160,11 +209,16 @@ static inline void lock_release(lock_t *l) {
 
 typedef struct lock {
   pthread_mutex_t mutex;
+  int rank;
 } lock_t;
 
-static inline int lock_init(lock_t *l) { return pthread_mutex_init(&l->mutex, NULL); }
+static inline int lock_init(lock_t *l, int rank) {
+  l->rank = rank;
+  return pthread_mutex_init(&l->mutex, NULL);
+}
 static inline void lock_destroy(lock_t *l) { pthread_mutex_destroy(&l->mutex); }
-static inline void lock_acquire(lock_t *l) { mutex_lock(&l->mutex); }
+#define lock_acquire(l) mutex_lock_at(&(l)->mutex, (l)->rank, __FILE__, __LINE__)
+#define lock_acquire_sibling(l) lock_acquire(l)
 static inline void lock_release(lock_t *l) { mutex_unlock(&l->mutex); }
 
 #endif

@@ -78,11 +78,15 @@ int gca__shared_mutex_init(pthread_mutex_t *m) {
   return rc ? -1 : 0;
 }
 
-void gca__shared_mutex_lock(pthread_mutex_t *m) {
+void gca__shared_mutex_lock_at(pthread_mutex_t *m, int rank, const char *file, int line) {
+  (void)rank;
+  LOCK_ORDER_TAKE(m, rank, file, line, ORDER_WAITS);
   if (pthread_mutex_lock(m) == EOWNERDEAD) pthread_mutex_consistent(m);
 }
 
-bool gca__shared_mutex_lock_within(pthread_mutex_t *m, uint64_t ns) {
+bool gca__shared_mutex_lock_within_at(pthread_mutex_t *m, int rank, uint64_t ns, const char *file, int line) {
+  (void)rank;
+  LOCK_ORDER_TAKE(m, rank, file, line, ORDER_WAITS);
   struct timespec until;
   clock_gettime(CLOCK_REALTIME, &until); /* (pthread_mutex_timedlock's clock) */
   uint64_t nsec = (uint64_t)until.tv_nsec + ns;
@@ -90,7 +94,9 @@ bool gca__shared_mutex_lock_within(pthread_mutex_t *m, uint64_t ns) {
   until.tv_nsec = (long)(nsec % 1000000000u);
   int rc = pthread_mutex_timedlock(m, &until);
   if (rc == EOWNERDEAD) pthread_mutex_consistent(m);
-  return rc == 0 || rc == EOWNERDEAD;
+  if (rc == 0 || rc == EOWNERDEAD) return true;
+  LOCK_ORDER_DROP(m);
+  return false;
 }
 
 void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created) {

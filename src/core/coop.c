@@ -124,7 +124,7 @@ static bool coop_slot_alive(const coop_slot_t *s) {
  * kept in the region for the message. */
 #define LOCK_WAIT_NS 1000000000u
 static bool coop_lock(coop_region_t *r) {
-  if (!gca__shared_mutex_lock_within(&r->lock, LOCK_WAIT_NS)) return false;
+  if (!gca__shared_mutex_lock_within(&r->lock, RANK_RENDEZVOUS, LOCK_WAIT_NS)) return false;
   atomic_store(&r->holder, (int32_t)getpid());
   return true;
 }
@@ -137,7 +137,7 @@ static int coop_lock_stuck(const coop_region_t *r, const char *path) {
 
 static void coop_unlock(coop_region_t *r) {
   atomic_store(&r->holder, 0);
-  pthread_mutex_unlock(&r->lock);
+  gca__shared_mutex_unlock(&r->lock);
 }
 
 static void coop_reclaim_dead(coop_region_t *r) {

@@ -585,8 +585,12 @@ struct gca_allocator {
   backend_t backend;
   int device_count;
   device_t *devices;
-  pthread_mutex_t config_lock; /* serializes gca_set_config */
-  config_t config;             /* the master copy; devices hold copies */
+  pthread_mutex_t config_lock; /* serializes gca_set_config (RANK_CONFIG: before the devices) */
+  /* The master copy; devices hold copies. Written by gca_set_config alone,
+   * under both locks; read under settings_lock (RANK_SETTINGS: a leaf, so
+   * the host cache may read it under a device's lock and its own). */
+  pthread_mutex_t settings_lock;
+  config_t config;
   bool launch_blocking;        /* GCALLOC_/CUDA_/ASCEND_LAUNCH_BLOCKING at open */
   bool no_caching;             /* PYTORCH_NO_CUDA/NPU_MEMORY_CACHING at open */
   int id;                      /* the allocator's number in the trace file */

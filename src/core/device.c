@@ -52,7 +52,7 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
             pthread_cond_init(&d->wait.cond, &attr) == 0;
   pthread_condattr_destroy(&attr);
   if (!cond_ok) return gca__set_error(GCA_ERR_NOMEM, "cannot create the condition variable of device %d", index);
-  if (lock_init(&d->lock) != 0 || pthread_mutex_init(&d->wait.lock, NULL) != 0) {
+  if (lock_init(&d->lock, RANK_DEVICE) != 0 || pthread_mutex_init(&d->wait.lock, NULL) != 0) {
     pthread_cond_destroy(&d->wait.cond);
     return gca__set_error(GCA_ERR_NOMEM, "cannot create the locks of device %d", index);
   }

@@ -64,7 +64,7 @@ static void routes_at_exit(void *unused);
 static void make_exit_key(void) { exit_key_made = pthread_key_create(&exit_key, routes_at_exit) == 0; }
 
 int gca__allocator_register(gca_allocator_t *a) {
-  pthread_mutex_lock(&registry_lock);
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   int rc = GCA_OK;
   if (open_count == open_cap) {
     uint64_t *grown = gca__grow_array(open_serials, &open_cap, sizeof *grown, 8);
@@ -72,18 +72,18 @@ int gca__allocator_register(gca_allocator_t *a) {
     else rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
   }
   if (rc == GCA_OK) open_serials[open_count++] = a->serial = ++last_serial;
-  pthread_mutex_unlock(&registry_lock);
+  mutex_unlock(&registry_lock);
   return rc;
 }
 
 void gca__allocator_unregister(gca_allocator_t *a) {
-  pthread_mutex_lock(&registry_lock);
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   for (size_t i = 0; i < open_count; i++)
     if (open_serials[i] == a->serial) {
       open_serials[i] = open_serials[--open_count];
       break;
     }
-  pthread_mutex_unlock(&registry_lock);
+  mutex_unlock(&registry_lock);
 }
 
 /* With the registry locked. */
@@ -121,12 +121,12 @@ static void routes_compact(void) {
  * pushes are undone, innermost first. */
 static void routes_at_exit(void *unused) {
   (void)unused;
-  pthread_mutex_lock(&registry_lock);
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   while (thread_route_depth > 0) {
     const thread_route_t *r = &thread_routes[--thread_route_depth];
     if (route_live(r)) route_undo(r);
   }
-  pthread_mutex_unlock(&registry_lock);
+  mutex_unlock(&registry_lock);
 }
 
 static pool_t *pool_for(mempool_t *mp, size_t rounded) { return rounded <= SMALL_SIZE ? &mp->small : &mp->large; }
@@ -507,7 +507,7 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
 int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
   pthread_once(&exit_key_once, make_exit_key);
-  pthread_mutex_lock(&registry_lock);
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   routes_compact();
   int rc = GCA_OK;
   if (thread_route_depth == ROUTE_DEPTH)
@@ -534,7 +534,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
     }
   }
   if (rc == GCA_OK) thread_routes[thread_route_depth++] = r;
-  pthread_mutex_unlock(&registry_lock);
+  mutex_unlock(&registry_lock);
   return rc;
 }
 
@@ -542,7 +542,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
  * it: a pop after a concurrent close finds the push stale and says so. */
 int gca_pool_pop(gca_allocator_t *a) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
-  pthread_mutex_lock(&registry_lock);
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   bool stale = false;
   while (thread_route_depth > 0 && !route_live(&thread_routes[thread_route_depth - 1])) {
     stale |= thread_routes[thread_route_depth - 1].allocator == a;
@@ -555,7 +555,7 @@ int gca_pool_pop(gca_allocator_t *a) {
                         : thread_route_depth ? "" : " (it has none)");
   else
     route_undo(&thread_routes[--thread_route_depth]);
-  pthread_mutex_unlock(&registry_lock);
+  mutex_unlock(&registry_lock);
   return rc;
 }
 

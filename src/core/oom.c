@@ -30,7 +30,7 @@
 int gca__callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what) {
   if (!a || !fn) return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", what, a ? "function" : "allocator");
   callback_list_t *list = &a->callbacks[kind];
-  mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock, RANK_CALLBACKS);
   int n = atomic_load(&list->count), rc = GCA_OK;
   if (n == MAX_CALLBACKS)
     rc = gca__set_error(GCA_ERR_INVALID, "%s: %d callbacks of this kind are registered already (the most kept)", what,
@@ -46,7 +46,7 @@ int gca__callbacks_add(gca_allocator_t *a, int kind, void (*fn)(void), void *use
 int gca__callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *user, const char *what) {
   if (!a || !fn) return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", what, a ? "function" : "allocator");
   callback_list_t *list = &a->callbacks[kind];
-  mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock, RANK_CALLBACKS);
   int n = atomic_load(&list->count), rc = gca__set_error(GCA_ERR_INVALID, "%s: no such callback is registered", what);
   for (int i = 0; i < n; i++) {
     if (list->items[i].fn != fn || list->items[i].user != user) continue;
@@ -63,7 +63,7 @@ int gca__callbacks_remove(gca_allocator_t *a, int kind, void (*fn)(void), void *
 /* A copy of one list; returns how many. */
 static int snapshot(gca_allocator_t *a, int kind, callback_t *out) {
   if (atomic_load_explicit(&a->callbacks[kind].count, memory_order_relaxed) == 0) return 0;
-  mutex_lock(&a->callbacks_lock);
+  mutex_lock(&a->callbacks_lock, RANK_CALLBACKS);
   int n = atomic_load(&a->callbacks[kind].count);
   memcpy(out, a->callbacks[kind].items, (size_t)n * sizeof *out);
   mutex_unlock(&a->callbacks_lock);
@@ -118,7 +118,7 @@ bool gca__oom_worth_waiting(device_t *d, size_t rounded) {
 }
 
 uint64_t gca__oom_generation(device_t *d) {
-  mutex_lock(&d->wait.lock);
+  mutex_lock(&d->wait.lock, RANK_DEVICE_WAIT);
   uint64_t g = d->wait.generation;
   mutex_unlock(&d->wait.lock);
   return g;
@@ -133,7 +133,7 @@ void gca__oom_wait(device_t *d, uint64_t generation, uint64_t ns) {
   uint64_t nsec = (uint64_t)until.tv_nsec + ns;
   until.tv_sec += (time_t)(nsec / 1000000000u);
   until.tv_nsec = (long)(nsec % 1000000000u);
-  mutex_lock(&d->wait.lock);
+  mutex_lock(&d->wait.lock, RANK_DEVICE_WAIT);
   while (d->wait.generation == generation) {
     if (pthread_cond_timedwait(&d->wait.cond, &d->wait.lock, &until) != 0) break;
   }
@@ -143,7 +143,7 @@ void gca__oom_wait(device_t *d, uint64_t generation, uint64_t ns) {
 }
 
 void gca__oom_wake(device_t *d) {
-  mutex_lock(&d->wait.lock);
+  mutex_lock(&d->wait.lock, RANK_DEVICE_WAIT);
   d->wait.generation++;
   pthread_cond_broadcast(&d->wait.cond);
   mutex_unlock(&d->wait.lock);

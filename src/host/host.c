@@ -392,10 +392,10 @@ static void host_prefault(char *p, size_t size, size_t threads, size_t page) {
 static int host_pin(host_cache_t *h, size_t size, uintptr_t *addr, bool *registered) {
   gca_allocator_t *a = h->owner;
   const backend_ops_t *ops = host_ops_of(h);
-  mutex_lock(&a->config_lock);
+  mutex_lock(&a->settings_lock, RANK_SETTINGS);
   bool use_register = a->config.pinned_use_host_register && ops->host_register;
   size_t threads = a->config.pinned_num_register_threads;
-  mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->settings_lock);
   *registered = use_register;
   void *p = NULL;
   int rc;
@@ -539,9 +539,9 @@ static bool host_carve(host_cache_t *h, size_t size, uintptr_t *addr) {
   lock_acquire(&h->lock);
   if (!h->reserve.tried) {
     gca_allocator_t *a = h->owner;
-    mutex_lock(&a->config_lock);
+    mutex_lock(&a->settings_lock, RANK_SETTINGS);
     size_t mb = a->config.pinned_reserve_segment_mb;
-    mutex_unlock(&a->config_lock);
+    mutex_unlock(&a->settings_lock);
     if (mb) {
       /* Pinned without the lock; a miss meanwhile pins its block alone. */
       h->reserve.tried = true;
@@ -692,9 +692,9 @@ static void *host_collector_main(void *arg) {
 static void host_start_collector(host_cache_t *h) {
   if (h->collector_started) return;
   gca_allocator_t *a = h->owner;
-  mutex_lock(&a->config_lock);
+  mutex_lock(&a->settings_lock, RANK_SETTINGS);
   bool wanted = a->config.pinned_use_background_threads;
-  mutex_unlock(&a->config_lock);
+  mutex_unlock(&a->settings_lock);
   if (!wanted) return;
   h->collector_started = true;
   int rc = pthread_create(&h->collector, NULL, host_collector_main, h);
@@ -910,13 +910,15 @@ static host_cache_t *host_caches;
 static pthread_once_t host_atfork_once = PTHREAD_ONCE_INIT;
 
 static void host_before_fork(void) {
-  pthread_mutex_lock(&host_caches_lock);
-  for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_acquire(&h->lock);
+  mutex_lock(&host_caches_lock, RANK_HOST_REGISTRY);
+  /* (The one place two caches' locks nest: in the registry's order, under
+   * its lock, and no thread holds two otherwise.) */
+  for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_acquire_sibling(&h->lock);
 }
 
 static void host_after_fork_parent(void) {
   for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_release(&h->lock);
-  pthread_mutex_unlock(&host_caches_lock);
+  mutex_unlock(&host_caches_lock);
 }
 
 static void host_after_fork_child(void) {
@@ -925,7 +927,7 @@ static void host_after_fork_child(void) {
     atomic_store(&h->collector_stop, false);
     lock_release(&h->lock);
   }
-  pthread_mutex_unlock(&host_caches_lock);
+  mutex_unlock(&host_caches_lock);
 }
 
 static void host_register_atfork(void) {
@@ -934,24 +936,24 @@ static void host_register_atfork(void) {
 
 static void host_caches_add(host_cache_t *h) {
   pthread_once(&host_atfork_once, host_register_atfork);
-  pthread_mutex_lock(&host_caches_lock);
+  mutex_lock(&host_caches_lock, RANK_HOST_REGISTRY);
   h->next_cache = host_caches;
   host_caches = h;
-  pthread_mutex_unlock(&host_caches_lock);
+  mutex_unlock(&host_caches_lock);
 }
 
 static void host_caches_remove(host_cache_t *h) {
-  pthread_mutex_lock(&host_caches_lock);
+  mutex_lock(&host_caches_lock, RANK_HOST_REGISTRY);
   host_cache_t **at = &host_caches;
   while (*at && *at != h) at = &(*at)->next_cache;
   if (*at) *at = h->next_cache;
-  pthread_mutex_unlock(&host_caches_lock);
+  mutex_unlock(&host_caches_lock);
 }
 
 int gca__host_cache_create(gca_allocator_t *a) {
   host_cache_t *h = calloc(1, sizeof *h);
   if (!h) return gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the pinned host allocator");
-  if (lock_init(&h->lock) != 0) {
+  if (lock_init(&h->lock, RANK_HOST) != 0) {
     free(h);
     return gca__set_error(GCA_ERR_NOMEM, "cannot create the pinned host allocator's lock");
   }

@@ -106,7 +106,7 @@ static _Thread_local int record_depth;
 void gca__record_lock_calls(void) {
   if (!gca__trace_file_active()) return;
   gca__log_hold();
-  if (record_depth++ == 0) mutex_lock(&record_lock);
+  if (record_depth++ == 0) mutex_lock(&record_lock, RANK_RECORD);
 }
 
 void gca__record_unlock_calls(void) {
@@ -127,7 +127,7 @@ int gca__record_suspend(void) {
 void gca__record_resume(int depth) {
   if (depth == 0) return;
   for (int i = 0; i < depth; i++) gca__log_hold();
-  mutex_lock(&record_lock);
+  mutex_lock(&record_lock, RANK_RECORD);
   record_depth = depth;
 }
 
@@ -158,19 +158,19 @@ static size_t completion_count, completion_cap, completions_lost;
 
 void gca__record_free_completed(int allocator, uintptr_t ptr) {
   completion_t c = {gca__wall_us(), (long)syscall(SYS_gettid), allocator, ptr};
-  pthread_mutex_lock(&completions_lock);
+  mutex_lock(&completions_lock, RANK_COMPLETIONS);
   if (completion_count == completion_cap) {
     completion_t *grown = gca__grow_array(completions, &completion_cap, sizeof *grown, 64);
     if (grown) completions = grown;
   }
   if (completion_count < completion_cap) completions[completion_count++] = c;
   else completions_lost++;
-  pthread_mutex_unlock(&completions_lock);
+  mutex_unlock(&completions_lock);
 }
 
 /* Write the completions kept; the caller holds record_lock. */
 static void write_completions(FILE *f) {
-  pthread_mutex_lock(&completions_lock);
+  mutex_lock(&completions_lock, RANK_COMPLETIONS);
   for (size_t i = 0; i < completion_count; i++) {
     const completion_t *c = &completions[i];
     fprintf(f, "%" PRId64 " %ld free_completed %d %" PRIxPTR "\n", c->time_us, c->thread, c->allocator, c->ptr);
@@ -181,7 +181,7 @@ static void write_completions(FILE *f) {
     fprintf(f, "# %zu completions of pending frees lost here: out of host memory\n", completions_lost);
     completions_lost = 0;
   }
-  pthread_mutex_unlock(&completions_lock);
+  mutex_unlock(&completions_lock);
 }
 
 /* Write one line; the caller holds record_lock. */
