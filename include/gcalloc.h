@@ -299,9 +299,19 @@ GCA_API int gca_no_caching(const gca_allocator_t *a);
  * expandable pages unmapped, a pool paused) after any free since the last
  * call, from whichever thread releases (gca_empty_cache, the out-of-memory
  * ladder, garbage collection, a peer's request, gca_pool_pause), with the
- * device's lock held: it must not allocate or free through this allocator.
- * The device is then synchronized through the backend before anything goes
- * back. NULL: none (the default). The torch_npu drop-in connects torch_npu's
+ * device's lock held. From inside it, the calls that only read work, for
+ * the drain's device: gca_get_stats, gca_memory_summary, gca_check,
+ * gca_usable_size, gca_base_allocation, gca_get_memory_fraction,
+ * gca_mem_get_info, gca_device_properties, gca_stream_priority_range,
+ * gca_can_access_peer, gca_get_config, gca_round_size, gca_snapshot_take,
+ * gca_pool_list, gca_pool_get_stats, gca_pool_of, gca_ipc_peers,
+ * gca_allocated_bytes and gca_reserved_bytes; so do the calls that take no
+ * device's lock (the callback lists, host memory, logging). Every other
+ * call (gca_malloc, gca_free, gca_empty_cache, gca_set_config, the pools'
+ * changes, gca_open, gca_close, the drop-in's settings...) fails at once
+ * with GCA_ERR_INVALID naming the drain: it would wait for the lock its
+ * caller holds. The device is then synchronized through the backend before
+ * anything goes back. NULL: none (the default). The torch_npu drop-in connects torch_npu's
  * own drain, c10_npu::npuSynchronizeDevice (docs/acl.md). */
 typedef void (*gca_queue_drain_fn)(int device, void *user);
 GCA_API int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user);

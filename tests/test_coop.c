@@ -782,6 +782,64 @@ static void test_stopped_peer_times_out(void **state) {
   gca_close(a);
 }
 
+/* Two threads of one process out of memory at once ask the peers at once
+ * (each without the device's lock), while a third changes the settings:
+ * each failure's message is whole, and ThreadSanitizer sees no race (the
+ * request's message and its read of the timeout were shared). */
+typedef struct asking {
+  gca_allocator_t *a;
+  _Atomic bool done;
+  char message[2][2048];
+  int status[2];
+} asking_t;
+
+static asking_t asking;
+
+static void *ask_at_once(void *arg) {
+  int k = (int)(intptr_t)arg;
+  CHECK(gca_malloc(asking.a, 60 * MiB, 0, 0) == NULL);
+  asking.status[k] = gca_last_status();
+  snprintf(asking.message[k], sizeof asking.message[k], "%s", gca_last_error());
+  return NULL;
+}
+
+static void *set_config_meanwhile(void *arg) {
+  (void)arg;
+  while (!atomic_load(&asking.done)) {
+    CHECK(gca_set_config(asking.a, "ipc_release_timeout_ms:300") == GCA_OK);
+    usleep(1000);
+  }
+  return NULL;
+}
+
+static void test_two_threads_ask_at_once(void **state) {
+  (void)state;
+  atomic_store(&helper_failures, 0);
+  peer_t peer = start_peer(60);
+  usleep(250000);
+  asking.a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:300");
+  atomic_store(&asking.done, false);
+  kill(peer.pid, SIGSTOP);
+  wait_stopped(peer.pid);
+  pthread_t askers[2], setter;
+  assert_int_equal(pthread_create(&setter, NULL, set_config_meanwhile, NULL), 0);
+  for (int k = 0; k < 2; k++) assert_int_equal(pthread_create(&askers[k], NULL, ask_at_once, (void *)(intptr_t)k), 0);
+  for (int k = 0; k < 2; k++) pthread_join(askers[k], NULL);
+  atomic_store(&asking.done, true);
+  pthread_join(setter, NULL);
+  assert_int_equal(atomic_load(&helper_failures), 0);
+  char expect[128];
+  snprintf(expect, sizeof expect, "pid %d (caching 60.00 MiB) did not answer within 300 ms.", (int)peer.pid);
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(asking.status[k], GCA_ERR_OOM);
+    assert_contains(asking.message[k], expect);
+  }
+  assert_true(stats_of(asking.a, 0).num_ipc_timeouts >= 2);
+  kill(peer.pid, SIGCONT);
+  stop_peer(peer);
+  gca_close(asking.a);
+}
+
 /* A peer that dies while asked (killed, not yet reaped: a zombie) is not
  * waited for until the deadline: the request goes on as soon as it is seen
  * dead, and the memory it held is the device's again. */
@@ -1455,6 +1513,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_paused_pool_leaves_the_cache_whole, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_two_threads_ask_at_once, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_private_sim_works_alone, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_in_another_pid_namespace, fresh_name, remove_regions),

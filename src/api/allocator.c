@@ -124,6 +124,7 @@ static void allocator_mutexes_destroy(gca_allocator_t *a) {
 
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   gca__log_init();
+  if (in_locked_callback()) return gca__callback_refuses("gca_open"); /* (the registry comes before devices) */
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
   *out = NULL;
   config_t cfg;
@@ -198,6 +199,10 @@ static void close_unregistered(gca_allocator_t *a) {
 
 void gca_close(gca_allocator_t *a) {
   if (!a) return;
+  if (in_locked_callback()) { /* (it would free the device the callback's caller holds, or wait for it) */
+    gca__callback_refuses("gca_close");
+    return;
+  }
   gca__allocator_unregister(a); /* (first: threads' pushes to it go stale) */
   gca__record_lock_calls();
   gca__record_line("close", "%d", a->id);
@@ -220,21 +225,22 @@ static int not_offered(const gca_allocator_t *a, const char *what) {
 }
 
 int gca_device_properties(gca_allocator_t *a, int device, gca_device_properties_t *out) {
-  if (!gca__device_of(a, device, "gca_device_properties")) return gca_last_status();
+  if (!gca__device_of_reading(a, device, "gca_device_properties")) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_device_properties: out is NULL");
   if (!a->backend.ops->device_properties) return not_offered(a, "gca_device_properties");
   return a->backend.ops->device_properties(a->backend.state, device, out);
 }
 
-/* Both devices exist and differ. */
-static int peer_pair(const gca_allocator_t *a, int device, int peer, const char *what) {
-  if (!gca__device_of(a, device, what) || !gca__device_of(a, peer, what)) return gca_last_status();
+/* Both devices exist and differ (`reads`: for a call that only reads). */
+static int peer_pair(const gca_allocator_t *a, int device, int peer, const char *what, bool reads) {
+  device_t *(*of)(const gca_allocator_t *, int, const char *) = reads ? gca__device_of_reading : gca__device_of;
+  if (!of(a, device, what) || !of(a, peer, what)) return gca_last_status();
   if (device == peer) return gca__set_error(GCA_ERR_INVALID, "%s: device %d cannot be its own peer", what, device);
   return GCA_OK;
 }
 
 int gca_can_access_peer(gca_allocator_t *a, int device, int peer, int *can) {
-  int rc = peer_pair(a, device, peer, "gca_can_access_peer");
+  int rc = peer_pair(a, device, peer, "gca_can_access_peer", true);
   if (rc) return rc;
   if (!can) return gca__set_error(GCA_ERR_INVALID, "gca_can_access_peer: can is NULL");
   if (!a->backend.ops->can_access_peer) return not_offered(a, "gca_can_access_peer");
@@ -242,21 +248,21 @@ int gca_can_access_peer(gca_allocator_t *a, int device, int peer, int *can) {
 }
 
 int gca_enable_peer_access(gca_allocator_t *a, int device, int peer) {
-  int rc = peer_pair(a, device, peer, "gca_enable_peer_access");
+  int rc = peer_pair(a, device, peer, "gca_enable_peer_access", false);
   if (rc) return rc;
   if (!a->backend.ops->enable_peer_access) return not_offered(a, "gca_enable_peer_access");
   return a->backend.ops->enable_peer_access(a->backend.state, device, peer);
 }
 
 int gca_disable_peer_access(gca_allocator_t *a, int device, int peer) {
-  int rc = peer_pair(a, device, peer, "gca_disable_peer_access");
+  int rc = peer_pair(a, device, peer, "gca_disable_peer_access", false);
   if (rc) return rc;
   if (!a->backend.ops->disable_peer_access) return not_offered(a, "gca_disable_peer_access");
   return a->backend.ops->disable_peer_access(a->backend.state, device, peer);
 }
 
 int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *greatest) {
-  if (!gca__device_of(a, device, "gca_stream_priority_range")) return gca_last_status();
+  if (!gca__device_of_reading(a, device, "gca_stream_priority_range")) return gca_last_status();
   if (!least || !greatest) return gca__set_error(GCA_ERR_INVALID, "gca_stream_priority_range: least or greatest is NULL");
   if (!a->backend.ops->stream_priority_range) return not_offered(a, "gca_stream_priority_range");
   return a->backend.ops->stream_priority_range(a->backend.state, device, least, greatest);
@@ -287,6 +293,7 @@ static int free_on(device_t *d, uintptr_t addr) {
 
 static inline int free_plain(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
+  if (in_locked_callback()) return gca__callback_refuses("gca_free");
   if (unlikely(!a)) return gca__set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
   uintptr_t addr = (uintptr_t)ptr;
   /* One device: no need to look at address spans first. */
@@ -317,18 +324,20 @@ typedef struct live_block {
   bool expandable;
 } live_block_t;
 
-static bool find_live_block(gca_allocator_t *a, uintptr_t addr, live_block_t *out) {
+/* 1: found; 0: addr starts no live allocation; -1: refused (error set). */
+static int find_live_block(gca_allocator_t *a, uintptr_t addr, live_block_t *out, const char *what) {
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!in_span(d, addr)) continue;
-    lock_acquire(&d->lock);
+    int how = device_read_lock(d, what);
+    if (how == DEVICE_REFUSED) return -1;
     const block_t *b = gca__block_map_find(&d->allocated, addr);
     if (b)
       *out = (live_block_t){b->addr, b->segment->addr, b->size, b->segment->size, b->segment->expandable};
-    lock_release(&d->lock);
-    if (b) return true;
+    device_read_unlock(d, how);
+    if (b) return 1;
   }
-  return false;
+  return 0;
 }
 
 size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
@@ -337,7 +346,9 @@ size_t gca_usable_size(gca_allocator_t *a, void *ptr) {
     return 0;
   }
   live_block_t b;
-  if (find_live_block(a, (uintptr_t)ptr, &b)) return b.size;
+  int found = find_live_block(a, (uintptr_t)ptr, &b, "gca_usable_size");
+  if (found > 0) return b.size;
+  if (found < 0) return 0;
   gca__set_error(GCA_ERR_BAD_POINTER, "gca_usable_size: %p is not a live allocation", ptr);
   return 0;
 }
@@ -346,7 +357,9 @@ int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size
   if (!a || !ptr || !base)
     return gca__set_error(GCA_ERR_INVALID, "gca_base_allocation: %s is NULL", !a ? "allocator" : !ptr ? "pointer" : "base");
   live_block_t b;
-  if (!find_live_block(a, (uintptr_t)ptr, &b))
+  int found = find_live_block(a, (uintptr_t)ptr, &b, "gca_base_allocation");
+  if (found < 0) return gca_last_status();
+  if (found == 0)
     return gca__set_error(GCA_ERR_BAD_POINTER, "gca_base_allocation: %p is not the start of a live allocation", ptr);
   /* The whole segment, as PyTorch's getBaseAllocation; an expandable
    * segment is an address range reserved for the whole pool, so there the
@@ -358,6 +371,7 @@ int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size
 
 static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream, bool erase) {
   const char *what = erase ? "erase a stream use of" : "record a stream use of";
+  if (in_locked_callback()) return gca__callback_refuses(erase ? "gca_erase_stream" : "gca_record_stream");
   if (!a || !ptr)
     return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", erase ? "gca_erase_stream" : "gca_record_stream",
                           a ? "pointer" : "allocator");
@@ -376,6 +390,7 @@ static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t strea
 
 /* Run `fn` on one device, or on every device for -1. */
 static int for_devices(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
+  if (in_locked_callback()) return gca__callback_refuses(what);
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
   if (device == -1) {
     for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
@@ -390,6 +405,7 @@ static int for_devices(gca_allocator_t *a, int device, const char *what, void (*
 /* The same for a call that would synchronize or free: refused, doing
  * nothing, while a graph capture runs on a device it names. */
 static int for_devices_not_capturing(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
+  if (in_locked_callback()) return gca__callback_refuses(what);
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
   for (int i = 0; i < a->device_count; i++) {
     if (device != -1 && device != i) continue;
@@ -419,12 +435,13 @@ int gca_set_memory_fraction(gca_allocator_t *a, double fraction, int device) {
 }
 
 int gca_get_memory_fraction(gca_allocator_t *a, int device, double *fraction) {
-  device_t *d = gca__device_of(a, device, "gca_get_memory_fraction");
+  device_t *d = gca__device_of_reading(a, device, "gca_get_memory_fraction");
   if (!d) return gca_last_status();
   if (!fraction) return gca__set_error(GCA_ERR_INVALID, "gca_get_memory_fraction: fraction is NULL");
-  lock_acquire(&d->lock);
+  int how = device_read_lock(d, "gca_get_memory_fraction");
+  if (how == DEVICE_REFUSED) return gca_last_status();
   *fraction = d->limit.set ? d->limit.fraction : 1.0;
-  lock_release(&d->lock);
+  device_read_unlock(d, how);
   return GCA_OK;
 }
 
@@ -447,6 +464,7 @@ int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, siz
 
 int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, gca_stacks stacks,
                           size_t max_entries) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_record_history");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
   if (enabled && (stacks < GCA_STACKS_NATIVE || stacks > GCA_STACKS_ALL))
     return gca__set_error(GCA_ERR_INVALID, "gca_record_history: stacks %d is not NATIVE, PYTHON or ALL", (int)stacks);
@@ -473,6 +491,7 @@ int gca_no_caching(const gca_allocator_t *a) {
 }
 
 int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_set_queue_drain");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_queue_drain: allocator is NULL");
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
@@ -589,7 +608,7 @@ int gca_empty_cache(gca_allocator_t *a, int device) {
 }
 
 int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t *total_bytes) {
-  device_t *d = gca__device_of(a, device, "gca_mem_get_info");
+  device_t *d = gca__device_of_reading(a, device, "gca_mem_get_info");
   if (!d) return gca_last_status();
   size_t f = 0, t = 0;
   int rc = a->backend.ops->mem_get_info(a->backend.state, device, &f, &t);
@@ -600,6 +619,7 @@ int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t 
 }
 
 int gca_set_config(gca_allocator_t *a, const char *config) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_set_config");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
   gca__log_hold(); /* the configuration's warnings are delivered after the lock */
   mutex_lock(&a->config_lock, RANK_CONFIG);
@@ -659,11 +679,10 @@ size_t gca_round_size(gca_allocator_t *a, size_t size) {
 /* ---- statistics --------------------------------------------------------- */
 
 int gca_get_stats(gca_allocator_t *a, int device, gca_stats_t *out) {
-  device_t *d = gca__device_of(a, device, "gca_get_stats");
+  device_t *d = gca__device_of_reading(a, device, "gca_get_stats");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_get_stats: out is NULL");
-  gca__device_stats(d, out);
-  return GCA_OK;
+  return gca__device_stats(d, out, "gca_get_stats");
 }
 
 static int reset_stats(gca_allocator_t *a, int device, const char *what, void (*reset)(kept_stats_t *)) {
@@ -697,19 +716,20 @@ int gca_check(gca_allocator_t *a, int device) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_check: allocator is NULL");
   int first = device == -1 ? 0 : device;
   int last = device == -1 ? a->device_count - 1 : device;
-  if (device != -1 && !gca__device_of(a, device, "gca_check")) return gca_last_status();
+  if (device != -1 && !gca__device_of_reading(a, device, "gca_check")) return gca_last_status();
   for (int i = first; i <= last; i++) {
     device_t *d = &a->devices[i];
-    lock_acquire(&d->lock);
+    int how = device_read_lock(d, "gca_check");
+    if (how == DEVICE_REFUSED) return gca_last_status();
     int rc = gca__device_check_locked(d);
-    lock_release(&d->lock);
+    device_read_unlock(d, how);
     if (rc) return rc;
   }
   return GCA_OK;
 }
 
 int gca_ipc_peers(gca_allocator_t *a, int device, gca_ipc_peer_t *out, size_t cap) {
-  device_t *d = gca__device_of(a, device, "gca_ipc_peers");
+  device_t *d = gca__device_of_reading(a, device, "gca_ipc_peers");
   if (!d) return gca_last_status();
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_ipc_peers: out is NULL");
   if (!d->coop)

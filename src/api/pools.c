@@ -56,9 +56,10 @@ static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp
   rc = gca__mempool_remap(d, *mp);
   if (rc != GCA_ERR_OOM || !d->coop) return rc;
   atomic_store(&d->coop_waiting, (int64_t)need);
+  uint64_t timeout_ms = d->config.ipc_release_timeout_ms; /* (read under the lock: gca_set_config writes it) */
   lock_release(&d->lock);
   coop_outcome_t got;
-  gca__coop_ask(d->coop, need, 0, &got);
+  gca__coop_ask(d->coop, need, 0, timeout_ms, &got);
   *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
   atomic_store(&d->coop_waiting, 0);
   if (!*mp) return gca__prefix_error("gca_pool_resume: while the other processes were asked for memory");

@@ -75,6 +75,7 @@ static void drain_npu_queue(int device, void *user) {
 /* Open (or configure) the process-wide allocator; `fallback` is the
  * backend when neither `backend` nor GCALLOC_TORCH_BACKEND names one. */
 static int torch_init(const char *backend, const char *config, const char *fallback) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_torch_init"); /* (its lock comes before devices) */
   gca__log_hold(); /* opening logs; a handler may allocate through these exports */
   mutex_lock(&torch_lock, RANK_TORCH);
   int rc = GCA_OK;
@@ -108,6 +109,7 @@ static int torch_init(const char *backend, const char *config, const char *fallb
 int gca_torch_init(const char *backend, const char *config) { return torch_init(backend, config, "cuda"); }
 
 int gca_torch_defer(const char *backend, const char *config) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_torch_defer");
   if ((backend && strlen(backend) >= sizeof deferred.backend) || (config && strlen(config) >= sizeof deferred.config))
     return gca__set_error(GCA_ERR_INVALID, "gca_torch_defer: the backend or configuration is too long");
   config_t check;
@@ -127,6 +129,7 @@ int gca_torch_defer(const char *backend, const char *config) {
 }
 
 int gca_npu_set_queue_drain(void *npu_synchronize_device) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_npu_set_queue_drain");
   mutex_lock(&torch_lock, RANK_TORCH);
   *(void **)&npu_drain = npu_synchronize_device;
   gca_allocator_t *a = atomic_load(&torch_allocator);
@@ -272,6 +275,10 @@ void *gca_torch_base_alloc(void *ptr, size_t *size) {
 }
 
 void gca_torch_shutdown(void) {
+  if (in_locked_callback()) {
+    gca__callback_refuses("gca_torch_shutdown");
+    return;
+  }
   mutex_lock(&torch_lock, RANK_TORCH);
   gca_allocator_t *a = atomic_exchange(&torch_allocator, NULL);
   mutex_unlock(&torch_lock);

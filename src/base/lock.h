@@ -32,7 +32,6 @@ enum lock_rank {
   RANK_HOST_REGISTRY,   /* host.c: the pinned caches of the process (fork takes it, then every cache) */
   RANK_HOST,            /* host.c: one pinned host cache, reached from a pause's backup copies */
   RANK_RENDEZVOUS,      /* coop.c: the region shared with the peers on a device */
-  RANK_COOP_ASK,        /* coop.c: this process's request to its peers (its message buffer) */
   RANK_CALLBACKS,       /* the user's callback lists (copied, then called with no lock held) */
   RANK_DEVICE_WAIT,     /* oom.c: allocations waiting for memory to come back */
   RANK_BACKEND,         /* a backend's own state: the sim's pages, the drivers' contexts and virtual memory */

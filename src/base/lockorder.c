@@ -36,7 +36,6 @@ static const char *const rank_names[RANK_COUNT] = {
     [RANK_HOST] = "a pinned host cache's lock (host.c)",
     [RANK_HOST_REGISTRY] = "the pinned caches' registry lock (host.c)",
     [RANK_RENDEZVOUS] = "the rendezvous's lock (coop.c)",
-    [RANK_COOP_ASK] = "the request to peers' lock (coop.c)",
     [RANK_CALLBACKS] = "the callback lists' lock (oom.c)",
     [RANK_DEVICE_WAIT] = "a device's waiting allocations' lock (oom.c)",
     [RANK_BACKEND] = "a backend's lock",

@@ -91,7 +91,8 @@ struct coop {
   char path[64];
   pthread_t thread;
   _Atomic bool stop;
-  /* What the last request saw, for the out-of-memory message. */
+  /* What the last request saw, for the out-of-memory message (under the
+   * device's lock: each request writes its own outcome, kept after). */
   char last[512];
   /* GCALLOC_TEST_COOP_HOLD_US (tests only): the thread holds the region's
    * lock this long at every round, so a test can kill a process inside it.
@@ -440,14 +441,14 @@ static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_a
  * most cache must not block a request another could serve), or when they
  * all answered short; stop at ipc_release_timeout_ms. A peer that dies or
  * leaves while asked is not waited for. */
-size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_t *out) {
+size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t timeout_ms, coop_outcome_t *out) {
   memset(out, 0, sizeof *out);
   coop_region_t *r = c->r;
   asked_t peers[COOP_SLOTS];
   int n = 0;
   if (!coop_lock(r)) { /* nobody asked: the message says why */
     (void)coop_lock_stuck(r, c->path);
-    snprintf(c->last, sizeof c->last, "none: %s", gca_last_error());
+    snprintf(out->said, sizeof out->said, "none: %s", gca_last_error());
     gca__clear_error();
     return 0;
   }
@@ -467,7 +468,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_
   if (covered < need) m = n;
   send_requests(r, peers, 0, m, need);
 
-  const uint64_t timeout = c->d->config.ipc_release_timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
+  const uint64_t timeout = timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
   uint64_t now = gca__now_ns(), deadline = now + timeout;
   if (deadline_ns && deadline_ns < deadline) deadline = deadline_ns > now ? deadline_ns : now;
   uint64_t escalate_at = now + (timeout / 4 < slice ? timeout / 4 : slice), check_at = now + slice;
@@ -496,8 +497,8 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_
     now = gca__now_ns();
   }
 
-  text_t t = {c->last, sizeof c->last, 0};
-  c->last[0] = 0;
+  text_t t = {out->said, sizeof out->said, 0};
+  out->said[0] = 0;
   for (int k = 0; k < m; k++) {
     const char *comma = t.len ? ", " : "";
     char b[32];
@@ -519,13 +520,17 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, coop_outcome_
       out->timeouts++; /* (silent) */
       gca__format_bytes(peers[k].cached, b, sizeof b);
       gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)peers[k].pid, b,
-                    c->d->config.ipc_release_timeout_ms);
+                    timeout_ms);
       break;
     }
   }
   out->asked = m;
   out->received = received;
   return received;
+}
+
+void gca__coop_keep_said(coop_t *c, const coop_outcome_t *got) {
+  snprintf(c->last, sizeof c->last, "%s", got->said);
 }
 
 const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }

@@ -601,9 +601,112 @@ struct gca_allocator {
   uint64_t serial;               /* unique among the allocators of the process's life (mempool.c) */
 };
 
-/* Device `device` of `a`, or NULL with the error set, naming `what` (the
- * calls of the C API; inline: gca_malloc asks it every time). */
+/* ------------------------------------------------------------------------ */
+/* Callbacks that run under a device's lock                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The framework's queue drain and the segment observer are called with
+ * their device's lock held: a release is under way, and its steps must
+ * not interleave with another thread's. While one runs, this thread's
+ * frame names it and its device. A public call made from inside it that
+ * only reads reads that device as its caller holds it (the books are whole
+ * at every point a callback is called); any other call that would take a
+ * lock (the device's own, another device's, or one ranked before the
+ * devices') fails at once with GCA_ERR_INVALID naming the callback: it
+ * would wait for itself, or close a cycle with another thread. Callbacks
+ * called with no lock held (free-memory callbacks, OOM observers and
+ * handlers, log handlers) push no frame: any call works there.
+ * gca_malloc asks on every call, so it first reads a process-wide count
+ * of the frames pushed (one relaxed load, zero but while such a callback
+ * runs): the thread-local frame is a call into the dynamic linker in a
+ * library loaded with dlopen (an initial-exec variable would be one load,
+ * but takes static TLS, which dlopen may not have: Python's ctypes could
+ * then not load the library). A thread sees its own frame's count in
+ * program order; another thread's only sends it to the slow check. */
+typedef struct callback_frame {
+  const char *name;                /* "the queue drain (gca_set_queue_drain)" */
+  const device_t *device;          /* whose lock the caller holds */
+  bool reads;                      /* the books are whole: reading calls work (else none does) */
+  struct callback_frame *outer;
+} callback_frame_t;
+extern _Thread_local callback_frame_t *gca__callback_frame;
+extern _Atomic int gca__callback_frames; /* pushed, in every thread */
+
+/* GCA_ERR_INVALID for public call `what` made from inside the callback this
+ * thread runs. */
+int gca__callback_refuses(const char *what);
+
+static inline bool in_locked_callback(void) {
+  return unlikely(atomic_load_explicit(&gca__callback_frames, memory_order_relaxed) != 0) &&
+         gca__callback_frame != NULL;
+}
+
+/* How a reading call reaches device d: locked here (DEVICE_LOCKED), held
+ * by the callback's caller on this thread (DEVICE_HELD: read, do not lock),
+ * or refused (DEVICE_REFUSED, error set: another device's lock, taken
+ * while one is held, would nest two locks of one rank). */
+enum { DEVICE_REFUSED = -1, DEVICE_HELD = 0, DEVICE_LOCKED = 1 };
+static inline int device_read_lock(device_t *d, const char *what) {
+  const callback_frame_t *f = in_locked_callback() ? gca__callback_frame : NULL;
+  if (likely(f == NULL)) {
+    lock_acquire(&d->lock);
+    return DEVICE_LOCKED;
+  }
+  if (f->device == d && f->reads) return DEVICE_HELD;
+  gca__callback_refuses(what);
+  return DEVICE_REFUSED;
+}
+
+static inline void device_read_unlock(device_t *d, int how) {
+  if (how == DEVICE_LOCKED) lock_release(&d->lock);
+}
+
+/* Run the callback of `frame` (its name and device set) with the frame
+ * pushed: the caller calls between these two. */
+static inline void callback_enter(callback_frame_t *frame) {
+  frame->outer = gca__callback_frame;
+  gca__callback_frame = frame;
+  atomic_fetch_add_explicit(&gca__callback_frames, 1, memory_order_relaxed);
+}
+static inline void callback_leave(callback_frame_t *frame) {
+  atomic_fetch_sub_explicit(&gca__callback_frames, 1, memory_order_relaxed);
+  gca__callback_frame = frame->outer;
+}
+
+/* Tell the segment observer (inspect.h) of a segment given or taken back:
+ * in the middle of the change, so no call of the allocator is allowed. */
+static inline void segment_observed(device_t *d, bool alloc, size_t size) {
+  if (likely(d->obs.segment_fn == NULL)) return;
+  callback_frame_t frame = {.name = "the segment observer", .device = d, .reads = false};
+  callback_enter(&frame);
+  d->obs.segment_fn(d->obs.segment_ctx, alloc, size);
+  callback_leave(&frame);
+}
+
+/* Device `device` of `a` for a reading call, or NULL with the error set,
+ * naming `what`. */
+static inline device_t *gca__device_of_reading(const gca_allocator_t *a, int device, const char *what) {
+  if (unlikely(!a)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+    return NULL;
+  }
+  if (unlikely(device < 0 || device >= a->device_count)) {
+    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
+                   a->device_count, a->device_count == 1 ? "" : "s");
+    return NULL;
+  }
+  return &a->devices[device];
+}
+
+/* Device `device` of `a` for a call that changes it, or NULL with the
+ * error set, naming `what` (the calls of the C API; inline: gca_malloc
+ * asks it every time). Refused inside a callback that runs under a
+ * device's lock. */
 static inline device_t *gca__device_of(const gca_allocator_t *a, int device, const char *what) {
+  if (in_locked_callback()) {
+    gca__callback_refuses(what);
+    return NULL;
+  }
   if (unlikely(!a)) {
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;

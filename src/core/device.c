@@ -132,6 +132,7 @@ void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, c
   d->stats.ipc_bytes_received += (int64_t)got->received;
   d->stats.num_ipc_timeouts += got->timeouts;
   gca__coop_count(d->coop, got, false);
+  gca__coop_keep_said(d->coop, got);
   if (d->obs.recording) gca__history_ipc_request(d, need, stream, got->asked, got->timeouts, got->received);
 }
 
@@ -146,10 +147,25 @@ bool gca__device_limit_refuses(device_t *d, size_t bytes) {
   return true;
 }
 
+_Thread_local callback_frame_t *gca__callback_frame;
+_Atomic int gca__callback_frames;
+
+int gca__callback_refuses(const char *what) {
+  const callback_frame_t *f = gca__callback_frame;
+  return gca__set_error(GCA_ERR_INVALID, "%s: not allowed from inside %s, which runs with device %d's lock held: %s",
+                        what, f->name, f->device->index,
+                        f->reads ? "only calls that read the allocator are (include/gcalloc.h)"
+                                 : "a segment is changing, and no call of the allocator is");
+}
+
 void gca__device_drain(device_t *d, bool always) {
   if (!d->drain.fn || (!always && !d->drain.owed)) return;
   d->drain.owed = false;
+  /* (Every caller drains where the books are whole: a drain may read them.) */
+  callback_frame_t frame = {.name = "the queue drain (gca_set_queue_drain)", .device = d, .reads = true};
+  callback_enter(&frame);
   d->drain.fn(d->index, d->drain.user);
+  callback_leave(&frame);
   /* The queue is empty: now every piece of work is on a stream, and once
    * the device is synchronized none of it still uses what goes back. */
   const backend_ops_t *ops = d->backend->ops;
@@ -342,9 +358,10 @@ static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t
   bool left = false;
   for (;;) {
     atomic_store(&d->coop_waiting, (int64_t)need);
+    uint64_t timeout_ms = d->config.ipc_release_timeout_ms; /* (read under the lock: gca_set_config writes it) */
     lock_release(&d->lock);
     coop_outcome_t got;
-    gca__coop_ask(d->coop, need, deadline, &got);
+    gca__coop_ask(d->coop, need, deadline, timeout_ms, &got);
     if (left || (got.gone && !got.received)) { /* give a leaving peer's memory a moment to come back */
       left = true;
       nanosleep(&(struct timespec){0, 2000000}, NULL);

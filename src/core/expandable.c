@@ -109,7 +109,7 @@ static void retry_kept_pages(device_t *d) {
       d->device_bytes -= k.size;
       if (rc == GCA_OK) {
         d->stats.num_device_free++;
-        if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, k.size);
+        segment_observed(d, false, k.size);
       } else {
         d->kept.free_errors++;
       }
@@ -359,7 +359,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     d->stats.num_pages_moved += (int64_t)n;
   } else {
     d->stats.num_device_free++;
-    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, bytes);
+    segment_observed(d, false, bytes);
   }
   return n;
 }
@@ -416,8 +416,7 @@ static void note_mapped(device_t *d, segment_t *seg, size_t first, size_t n, con
   gca__mirror_reserved(d);
   if (created) d->stats.num_device_alloc++;
   if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_MAP, seg->addr + first * page, bytes, seg->stream);
-  if (unlikely(d->obs.segment_fn != NULL) && created)
-    d->obs.segment_fn(d->obs.segment_ctx, true, created * page);
+  if (created) segment_observed(d, true, created * page);
 }
 
 /* ---- pausing a pool ----------------------------------------------------- */
@@ -467,7 +466,7 @@ int gca__expandable_pause(device_t *d, segment_t *seg, size_t *released) {
     family_decrease(&d->stats, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)bytes);
     gca__mirror_reserved(d);
     d->stats.num_device_free++;
-    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, bytes);
+    segment_observed(d, false, bytes);
   }
   *released += bytes;
   return status;
@@ -576,6 +575,10 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
     free(donors);
     return GCA_ERR_OOM;
   }
+  /* The framework's queue is drained while the books are whole (the drain
+   * may read them); nothing can be freed before the wait below, the lock
+   * is held. */
+  if (listed) gca__device_drain(d, false);
   /* Create first: it is the step that can run out of memory, and nothing
    * has moved yet if it does. */
   size_t have = 0;
@@ -583,7 +586,6 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   size_t moved = 0;
   if (rc == GCA_OK && listed) {
     /* Every donor is on the target's stream: one wait covers them all. */
-    gca__device_drain(d, false);
     d->stats.num_stitch_waits++;
     if (gca__events_wait_stream(d, block_stream(target)) == GCA_OK)
       for (size_t i = 0; i < listed && moved < movable; i++)
@@ -604,7 +606,7 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
   if (moved) {
     /* The moved pages went back to the device after all. */
     d->stats.num_device_free++;
-    if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, moved * page);
+    segment_observed(d, false, moved * page);
   }
   return rc;
 }

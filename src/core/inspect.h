@@ -43,7 +43,9 @@ typedef struct gca__settings {
 int gca__inspect_settings(gca_allocator_t *a, gca__settings_t *out);
 
 /* Tell fn of every segment the device gives (alloc true) or takes back,
- * from now on; fn NULL stops it. */
+ * from now on; fn NULL stops it. fn is called under the device's lock, in
+ * the middle of the change: every gcalloc call made from it fails at once
+ * with GCA_ERR_INVALID (core.h, callback frames). */
 typedef void (*gca__segment_observer_fn)(void *ctx, bool alloc, size_t size);
 int gca__inspect_observe_segments(gca_allocator_t *a, int device, gca__segment_observer_fn fn, void *ctx);
 

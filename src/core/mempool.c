@@ -189,6 +189,10 @@ void gca__mempools_destroy(device_t *d) {
 /* The pool `id` and its device, locked; NULL (nothing locked) with the
  * error set. */
 mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) {
+  if (in_locked_callback()) {
+    gca__callback_refuses(what);
+    return NULL;
+  }
   if (!a) {
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;
@@ -505,6 +509,7 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
 /* ---- routes ------------------------------------------------------------- */
 
 int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_pool_push");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
   pthread_once(&exit_key_once, make_exit_key);
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
@@ -541,6 +546,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
 /* `a` is only compared until the top entry is known to be a live push to
  * it: a pop after a concurrent close finds the push stale and says so. */
 int gca_pool_pop(gca_allocator_t *a) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_pool_pop");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   bool stale = false;
@@ -635,8 +641,17 @@ int gca__device_capturing(device_t *d, const char *what) {
 
 int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out) {
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: out is NULL");
-  mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_get_stats");
-  if (!mp) return gca_last_status();
+  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: allocator is NULL");
+  mempool_t *mp = NULL;
+  int how = DEVICE_REFUSED;
+  for (int i = 0; pool && !mp && i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if ((how = device_read_lock(d, "gca_pool_get_stats")) == DEVICE_REFUSED) return gca_last_status();
+    if (!(mp = gca__mempool_find(d, pool))) device_read_unlock(d, how);
+  }
+  if (!mp)
+    return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: pool %" PRIu64 " does not exist%s", pool,
+                          pool && pool <= atomic_load(&a->last_pool_id) ? " (it was released)" : "");
   (void)count_pool(mp, out);
   out->id = mp->id;
   out->device = mp->device->index;
@@ -645,7 +660,7 @@ int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *ou
   out->pausable = mp->pausable;
   out->paused = mp->paused;
   out->backup_bytes = mp->backup_bytes;
-  lock_release(&mp->device->lock);
+  device_read_unlock(mp->device, how);
   return GCA_OK;
 }
 
@@ -654,23 +669,25 @@ int gca_pool_of(gca_allocator_t *a, void *ptr, gca_pool_t *out) {
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_of: %s is NULL", !a ? "allocator" : !ptr ? "pointer" : "out");
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
-    lock_acquire(&d->lock);
+    int how = device_read_lock(d, "gca_pool_of");
+    if (how == DEVICE_REFUSED) return gca_last_status();
     block_t *b = gca__block_map_find(&d->allocated, (uintptr_t)ptr);
     if (b) *out = block_pool(b)->owner ? block_pool(b)->owner->id : 0;
-    lock_release(&d->lock);
+    device_read_unlock(d, how);
     if (b) return GCA_OK;
   }
   return gca__set_error(GCA_ERR_BAD_POINTER, "gca_pool_of: %p is not a live allocation", ptr);
 }
 
 int gca_pool_list(gca_allocator_t *a, int device, gca_pool_t *out, size_t cap) {
-  device_t *d = gca__device_of(a, device, "gca_pool_list");
+  device_t *d = gca__device_of_reading(a, device, "gca_pool_list");
   if (!d) return gca_last_status();
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_pool_list: out is NULL");
   int n = 0;
-  lock_acquire(&d->lock);
+  int how = device_read_lock(d, "gca_pool_list");
+  if (how == DEVICE_REFUSED) return gca_last_status();
   for (mempool_t *mp = d->priv.list; mp; mp = mp->next, n++)
     if ((size_t)n < cap) out[n] = mp->id;
-  lock_release(&d->lock);
+  device_read_unlock(d, how);
   return n;
 }

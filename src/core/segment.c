@@ -158,7 +158,7 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
 
   kept_stats_t *s = &d->stats;
   if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_ALLOC, addr, size, stream);
-  if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, true, size);
+  segment_observed(d, true, size);
   family_increase(s, FAM_SEGMENT, pool->kind, 1);
   family_increase(s, FAM_RESERVED_BYTES, pool->kind, (int64_t)size);
   s->num_device_alloc++;
@@ -215,7 +215,7 @@ bool gca__segment_free_now(device_t *d, segment_t *seg) {
   d->device_bytes -= seg->size;
 
   if (unlikely(d->obs.recording)) gca__history_event(d, GCA_TRACE_SEGMENT_FREE, seg->addr, seg->size, seg->stream);
-  if (unlikely(d->obs.segment_fn != NULL)) d->obs.segment_fn(d->obs.segment_ctx, false, seg->size);
+  segment_observed(d, false, seg->size);
   kept_stats_t *s = &d->stats;
   family_decrease(s, FAM_SEGMENT, seg->pool->kind, 1);
   family_decrease(s, FAM_RESERVED_BYTES, seg->pool->kind, (int64_t)seg->size);

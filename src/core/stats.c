@@ -192,11 +192,13 @@ size_t gca_stats_flatten(const gca_stats_t *stats, gca_stat_item_t *items, size_
   return GCA_STATS_FLAT_COUNT;
 }
 
-void gca__device_stats(device_t *d, gca_stats_t *out) {
-  lock_acquire(&d->lock);
+int gca__device_stats(device_t *d, gca_stats_t *out, const char *what) {
+  int how = device_read_lock(d, what);
+  if (how == DEVICE_REFUSED) return gca_last_status();
   gca__stats_materialize(&d->stats, out);
   /* -1: unlimited, or past what any block can be (PyTorch's clamp of a huge
    * max_split_size_mb leaves a value no int64 holds). */
   out->max_split_size = d->config.max_split_size > (size_t)INT64_MAX ? -1 : (int64_t)d->config.max_split_size;
-  lock_release(&d->lock);
+  device_read_unlock(d, how);
+  return GCA_OK;
 }

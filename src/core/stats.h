@@ -108,7 +108,7 @@ void gca__stats_note_active_peak(kept_stats_t *k);
 /* The public view of kept statistics, "all" entries filled in. */
 void gca__stats_materialize(const kept_stats_t *kept, gca_stats_t *out);
 /* The device's statistics in PyTorch's shape (gca_get_stats), under its lock. */
-void gca__device_stats(device_t *d, gca_stats_t *out);
+int gca__device_stats(device_t *d, gca_stats_t *out, const char *what);
 void gca__stats_reset_peak(kept_stats_t *k);
 void gca__stats_reset_accumulated(kept_stats_t *k);
 

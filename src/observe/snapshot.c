@@ -239,13 +239,19 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
   if (!sn) return gca__set_error(GCA_ERR_NOMEM, "out of host memory taking a snapshot");
   gca_snapshot_t *pub = &sn->pub;
   int n = a->device_count;
+  /* (Inside a callback under a device's lock, only that device is read.) */
+  for (int i = 0; i < n && in_locked_callback(); i++)
+    if (gca__callback_frame->device != &a->devices[i] || !gca__callback_frame->reads) {
+      free(sn);
+      return gca__callback_refuses("gca_snapshot_take");
+    }
   gca_trace_entry_t **traces = gca__arena_zalloc(&sn->arena, (size_t)n * sizeof *traces);
   size_t *counts = gca__arena_zalloc(&sn->arena, (size_t)n * sizeof *counts);
   size_t total = 0, cap = 0;
   gca_snapshot_segment_t *segments = NULL;
   for (int i = 0; i < n && traces && counts; i++) {
     device_t *d = &a->devices[i];
-    lock_acquire(&d->lock);
+    int how = device_read_lock(d, "gca_snapshot_take"); /* (never refused: checked above) */
     if (d->obs.recording) gca__history_event(d, GCA_TRACE_SNAPSHOT, 0, 0, 0);
     if (i == 0) sn->config = d->config;
     size_t here = gca__expandable_snapshot_count(d);
@@ -265,7 +271,7 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
       total += here;
     }
     copy_history(sn, d, &traces[i], &counts[i]);
-    lock_release(&d->lock);
+    device_read_unlock(d, how);
   }
   /* The segment array moves into the arena, sorted by device and address. */
   gca_snapshot_segment_t *kept = gca__arena_alloc(&sn->arena, total * sizeof *kept + 1);

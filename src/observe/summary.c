@@ -87,11 +87,11 @@ static void pools(gca_allocator_t *a, int device, text_t *t) {
 }
 
 int gca_memory_summary(gca_allocator_t *a, int device, int abbreviated, char *buf, size_t cap) {
-  device_t *d = gca__device_of(a, device, "gca_memory_summary");
+  device_t *d = gca__device_of_reading(a, device, "gca_memory_summary");
   if (!d) return gca_last_status();
   if (!buf && cap) return gca__set_error(GCA_ERR_INVALID, "gca_memory_summary: buf is NULL");
   gca_stats_t s;
-  gca__device_stats(d, &s);
+  if (gca__device_stats(d, &s, "gca_memory_summary") != GCA_OK) return gca_last_status();
   text_t t = {buf, cap, 0};
   if (cap) buf[0] = '\0';
 
