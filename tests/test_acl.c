@@ -651,6 +651,29 @@ static void test_virtual_memory_probe_failing(void **state) {
   assert_runtime_empty(&full);
 }
 
+/* The probe's reservation, its release refused: kept, and given back at
+ * the next release of a reservation, or at close. */
+static void test_virtual_memory_probe_release_refused(void **state) {
+  (void)state;
+  full.inject("aclrtReleaseMemAddress", 0, 1, 207000); /* the probe's release */
+  gca_allocator_t *a = open_sim(SPEC, "expandable_segments:True");
+  void *p = gca_malloc(a, 30 * MiB, 0, S1);
+  assert_non_null(p); /* (the probe's answer stands: virtual memory works) */
+  assert_int_equal(full.live(LIVE_RESERVED), 2); /* the probe's and the segment's */
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  assert_int_equal(gca_empty_cache(a, -1), GCA_OK); /* the segment's range goes, and the probe's */
+  assert_int_equal(full.live(LIVE_RESERVED), 0);
+  gca_close(a);
+  /* No other release before close: close gives it back. */
+  full.inject("aclrtReleaseMemAddress", 0, 1, 207000);
+  a = open_sim(SPEC, "expandable_segments:True");
+  assert_non_null(p = gca_malloc(a, 30 * MiB, 0, S1));
+  assert_int_equal(full.live(LIVE_RESERVED), 2);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  gca_close(a);
+  assert_runtime_empty(&full);
+}
+
 /* ---- every error path ----------------------------------------------------- */
 
 typedef struct error_case {
@@ -1144,6 +1167,7 @@ int main(void) {
       cmocka_unit_test_setup(test_thread_that_never_set_a_device, fresh),
       cmocka_unit_test_setup(test_expandable_segments, fresh),
       cmocka_unit_test_setup(test_virtual_memory_probe_failing, fresh),
+      cmocka_unit_test_setup(test_virtual_memory_probe_release_refused, fresh),
       cmocka_unit_test_setup(test_every_error_path, fresh),
       cmocka_unit_test_setup(test_more_error_paths, fresh),
       cmocka_unit_test_setup(test_refused_frees_are_kept_and_retried, fresh),

@@ -163,6 +163,7 @@ typedef struct acl_device {
   aclrtEvent events[EVENT_CACHE];
   size_t event_count;
   kept_handles_t refused_events; /* events aclrtDestroyEvent refused: offered again */
+  kept_handles_t refused_probes; /* the probe's reservation aclrtReleaseMemAddress refused: offered again */
   /* Events a stream was made to wait on. The runtime forbids destroying or
    * recording again an event while a wait on it is pending (until it
    * completes), so one the core lets go before then (`released`) is reused
@@ -517,9 +518,18 @@ static int acl_no_vm(int device) {
   return gca__set_error(GCA_ERR_BACKEND, "acl backend: device %d has no virtual memory", device);
 }
 
+#define ACL_PROBES "acl backend: the virtual-memory probe's reservations"
+
+static int acl_release_one_probe(void *ctx, uintptr_t va) {
+  return ((acl_t *)ctx)->rt.aclrtReleaseMemAddress((void *)va);
+}
+
 /* Virtual memory as torch_npu probes it: every entry point, a granularity,
  * and a 512-byte reservation that succeeds (and is given back); with the
- * device current, restored after. */
+ * device current, restored after. A release refused is kept and offered
+ * again at every release of a reservation and at close, where one still
+ * refused is logged, as refused event destroys are (the probe's answer
+ * stands: the reservation succeeded). */
 static void acl_probe_vm(acl_t *a, int device) {
   acl_device_t *d = &a->devices[device];
   const runtime_t *rt = &a->rt;
@@ -536,7 +546,8 @@ static void acl_probe_vm(acl_t *a, int device) {
   }
   if (rt->aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g) == ACL_SUCCESS && g &&
       rt->aclrtReserveMemAddress(&probe, 512, 0, NULL, ACL_RESERVE_HUGE_PAGE) == ACL_SUCCESS) {
-    rt->aclrtReleaseMemAddress(probe);
+    if (rt->aclrtReleaseMemAddress(probe) != ACL_SUCCESS)
+      (void)gca__kept_handles_add(&d->refused_probes, (uintptr_t)probe, ACL_PROBES);
     d->granularity = g;
     d->vm = true;
   }
@@ -574,6 +585,10 @@ static int acl_vm_reserve(void *state, int device, size_t size, uintptr_t *addr)
 }
 
 static int acl_vm_unreserve_here(acl_t *a, int device, uintptr_t addr, size_t size) {
+  acl_device_t *d = &a->devices[device];
+  mutex_lock(&d->vm_lock, RANK_BACKEND);
+  gca__kept_handles_retry(&d->refused_probes, acl_release_one_probe, a, false, ACL_PROBES);
+  mutex_unlock(&d->vm_lock);
   ACL_CHECK(a->rt.aclrtReleaseMemAddress((void *)addr), GCA_ERR_INVALID,
         "aclrtReleaseMemAddress (0x%" PRIxPTR ", %zu bytes, device %d)", addr, size, device);
   return GCA_OK;
@@ -838,6 +853,7 @@ static void acl_destroy(void *state) {
       acl_leave(a, &g);
     }
     gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, true, ACL_EVENTS);
+    gca__kept_handles_retry(&d->refused_probes, acl_release_one_probe, a, true, ACL_PROBES);
     pthread_mutex_destroy(&d->event_lock);
     pthread_mutex_destroy(&d->vm_lock);
     free(d->mappings);
