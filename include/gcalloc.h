@@ -159,7 +159,18 @@ GCA_API int gca_open(const char *backend, const char *config, gca_allocator_t **
 /* Give every segment back to the device and free the allocator. Blocks still
  * allocated are released with it (their pointers become invalid). On the
  * simulated device, whose memory goes away with the allocator, segments are
- * not given back one by one first. NULL is a no-op. */
+ * not given back one by one first. NULL is a no-op.
+ *
+ * fork: a child inherits its parent's open allocators detached. Every call
+ * on an inherited allocator fails with GCA_ERR_INVALID, naming the process
+ * that opened it, but gca_close, which frees the child's copy of the books
+ * and nothing of the parent's: no device memory, event or pinned block is
+ * given back, the parent's slot in a rendezvous (ipc_cooperation) and its
+ * share of a shared simulated device stay its own. The child opens its own
+ * allocator. A fork waits for the calls in progress on other threads to
+ * leave their devices (their locks are taken before it, let go after), so
+ * the child's copy is whole. Closing from inside the queue drain or the
+ * segment observer fails the same way, and leaves the allocator open. */
 GCA_API void gca_close(gca_allocator_t *a);
 
 /* Number of devices the allocator manages (>= 1), or a negative status. */

@@ -1,7 +1,11 @@
 """Hostile use of the Python package (label hardening): every argument is
 range-checked and typed before ctypes could truncate it, and close() while
 other threads use the allocator waits for their calls and refuses later
-ones."""
+ones; a child of fork leaves its parent's share of a device alone."""
+import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -238,3 +242,71 @@ def test_argument_surface_fuzzed():
                 assert gcalloc._lib.gca_check(h, -1) == 0, gcalloc._lib.gca_last_error().decode()
     print("argument fuzz, 20,000 calls:", sorted(outcomes.items()))
     assert outcomes["ok"] > 1000 and outcomes["TypeError"] > 1000 and outcomes["GcallocError"] > 100
+
+
+# ---- fork: a child never touches its parent's share -------------------------
+
+_FORK_CHILD_EXITS_NORMALLY = r"""
+import os, sys
+import gcalloc
+spec, MiB = sys.argv[1], 1 << 20
+a = gcalloc.Allocator(spec, "ipc_cooperation:True")
+p = a.malloc(40 * MiB)
+before = a.mem_get_info()[0]
+pid = os.fork()
+if pid == 0:
+    # A normal exit: the interpreter's finalizers close the inherited allocator.
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+pids = [peer["pid"] for peer in a.ipc_peers()]
+assert os.getpid() in pids and pid not in pids, pids
+assert a.mem_get_info()[0] == before, (a.mem_get_info()[0], before)
+a.free(p)
+a.close()
+print("parent intact")
+"""
+
+
+def _shared_spec(tag):
+    return "sim:shared=pyfork-%d-%s,capacity=100MiB" % (os.getpid(), tag)
+
+
+def test_fork_child_exiting_normally_leaves_the_parent_alone():
+    out = subprocess.run([sys.executable, "-c", _FORK_CHILD_EXITS_NORMALLY, _shared_spec("exit")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "parent intact" in out.stdout
+
+
+def _child_opens_its_own(spec, inherited, queue):
+    try:
+        with pytest.raises(gcalloc.GcallocError, match="child of its fork"):
+            inherited.malloc(4096)
+        with gcalloc.Allocator(spec, "ipc_cooperation:True") as own:
+            p = own.malloc(10 * MiB)
+            queue.put(("ok", own.mem_get_info()[0], sorted(peer["pid"] for peer in own.ipc_peers())))
+            own.free(p)
+    except BaseException as e:  # (reported to the parent, which asserts)
+        queue.put(("failed", repr(e), []))
+
+
+def test_multiprocessing_fork_children_leave_the_parent_alone():
+    ctx = multiprocessing.get_context("fork")
+    spec = _shared_spec("mp")
+    with gcalloc.Allocator(spec, "ipc_cooperation:True") as a:
+        p = a.malloc(40 * MiB)
+        before = a.mem_get_info()[0]
+        for _ in range(3):
+            queue = ctx.Queue()
+            child = ctx.Process(target=_child_opens_its_own, args=(spec, a, queue))
+            child.start()
+            state, free, pids = queue.get(timeout=60)
+            child.join(60)
+            assert state == "ok", free
+            assert child.exitcode == 0
+            assert free == before - 10 * MiB  # (the parent's 40 MiB still held)
+            assert os.getpid() in pids and child.pid in pids
+            assert [peer["pid"] for peer in a.ipc_peers()] == [os.getpid()]
+            assert a.mem_get_info()[0] == before
+        a.free(p)

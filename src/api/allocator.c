@@ -16,9 +16,11 @@
  * that used the block, and so does every device free.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "core/coop.h"
 #include "core/core.h"
@@ -96,7 +98,6 @@ static bool launch_blocking_from_environment(void) {
   return false;
 }
 
-
 /* PyTorch's and torch_npu's switch: set to anything but "0", nothing is cached. */
 static bool no_caching_from_environment(const char *backend) {
   const char *v = getenv(backend_is(backend, "acl") ? "PYTORCH_NO_NPU_MEMORY_CACHING" : "PYTORCH_NO_CUDA_MEMORY_CACHING");
@@ -122,10 +123,43 @@ static void allocator_mutexes_destroy(gca_allocator_t *a) {
   pthread_mutex_destroy(&a->callbacks_lock);
 }
 
+/* ---- fork -------------------------------------------------------------------
+ * A child of fork inherits every open allocator: copies of its books, and
+ * handles to what its parent holds (device memory, a slot in a rendezvous,
+ * a share of a shared simulated device, pinned memory, events, threads it
+ * does not have). The child's copy is detached: every call on it is
+ * refused but gca_close, which frees the child's books and touches nothing
+ * of the parent's; the child opens its own. The books are whole when fork
+ * copies them: the devices' locks, then the pinned caches', are taken
+ * before it (in rank order) and let go after it in both processes. One
+ * handler for both, so that the order holds whatever was opened first. */
+
+static void before_fork(void) {
+  gca__allocators_fork_prepare();
+  gca__host_before_fork();
+}
+
+static void after_fork_parent(void) {
+  gca__host_after_fork_parent();
+  gca__allocators_fork_done(false);
+}
+
+static void after_fork_child(void) {
+  gca__host_after_fork_child();
+  gca__allocators_fork_done(true);
+}
+
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static bool fork_handled;
+
+static void handle_fork(void) { fork_handled = pthread_atfork(before_fork, after_fork_parent, after_fork_child) == 0; }
+
 int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   gca__log_init();
   if (in_locked_callback()) return gca__callback_refuses("gca_open"); /* (the registry comes before devices) */
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_open: out is NULL");
+  pthread_once(&fork_once, handle_fork);
+  if (!fork_handled) return gca__set_error(GCA_ERR_NOMEM, "gca_open: pthread_atfork failed: out of memory");
   *out = NULL;
   config_t cfg;
   gca__config_defaults(&cfg);
@@ -142,6 +176,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     return rc;
   }
   a->config = cfg;
+  a->pid = (int)getpid();
   a->launch_blocking = launch_blocking_from_environment();
   a->no_caching = no_caching_from_environment(backend);
   a->device_count = a->backend.ops->device_count(a->backend.state);
@@ -159,7 +194,7 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
     /* The devices, then the pinned host allocator. */
     rc = i < a->device_count ? gca__device_init(&a->devices[i], a, i, &cfg) : gca__host_cache_create(a);
     if (rc) {
-      while (i-- > 0) gca__device_destroy(&a->devices[i]);
+      while (i-- > 0) gca__device_destroy(&a->devices[i], false);
       allocator_mutexes_destroy(a);
       free(a->devices);
       gca__backend_close(&a->backend);
@@ -187,13 +222,14 @@ int gca_open(const char *backend, const char *config, gca_allocator_t **out) {
   return GCA_OK;
 }
 
-/* Everything gca_open made, in reverse (the allocator's serial aside). */
+/* Everything gca_open made, in reverse (the allocator's serial aside); a
+ * child of fork's copy, its books only. */
 static void close_unregistered(gca_allocator_t *a) {
-  gca__host_cache_destroy(a);
-  for (int i = 0; i < a->device_count; i++) gca__device_destroy(&a->devices[i]);
+  gca__host_cache_destroy(a, a->forked);
+  for (int i = 0; i < a->device_count; i++) gca__device_destroy(&a->devices[i], a->forked);
   free(a->devices);
   allocator_mutexes_destroy(a);
-  gca__backend_close(&a->backend);
+  gca__backend_close_as(&a->backend, a->forked);
   free(a);
 }
 
@@ -204,12 +240,16 @@ void gca_close(gca_allocator_t *a) {
     return;
   }
   gca__allocator_unregister(a); /* (first: threads' pushes to it go stale) */
-  gca__record_lock_calls();
-  gca__record_line("close", "%d", a->id);
-  gca__record_unlock_calls();
-  gca__log_message(GCA_LOG_INFO, "allocator %d closed", a->id);
+  if (!a->forked) { /* (the trace file is the parent's) */
+    gca__record_lock_calls();
+    gca__record_line("close", "%d", a->id);
+    gca__record_unlock_calls();
+  }
+  gca__log_message(GCA_LOG_INFO, "allocator %d closed%s", a->id,
+                   a->forked ? " (inherited across fork: this process's books only)" : "");
   close_unregistered(a);
 }
+
 
 int gca_device_count(const gca_allocator_t *a) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_device_count: allocator is NULL");
@@ -295,6 +335,7 @@ static inline int free_plain(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
   if (in_locked_callback()) return gca__callback_refuses("gca_free");
   if (unlikely(!a)) return gca__set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
+  if (!allocator_usable(a, "gca_free")) return GCA_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   /* One device: no need to look at address spans first. */
   if (likely(a->device_count == 1)) {
@@ -375,6 +416,7 @@ static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t strea
   if (!a || !ptr)
     return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", erase ? "gca_erase_stream" : "gca_record_stream",
                           a ? "pointer" : "allocator");
+  if (!allocator_usable(a, erase ? "gca_erase_stream" : "gca_record_stream")) return GCA_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
@@ -392,6 +434,7 @@ static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t strea
 static int for_devices(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
   if (in_locked_callback()) return gca__callback_refuses(what);
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+  if (!allocator_usable(a, what)) return GCA_ERR_INVALID;
   if (device == -1) {
     for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
     return GCA_OK;
@@ -407,6 +450,7 @@ static int for_devices(gca_allocator_t *a, int device, const char *what, void (*
 static int for_devices_not_capturing(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
   if (in_locked_callback()) return gca__callback_refuses(what);
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
+  if (!allocator_usable(a, what)) return GCA_ERR_INVALID;
   for (int i = 0; i < a->device_count; i++) {
     if (device != -1 && device != i) continue;
     int rc = gca__device_capturing(&a->devices[i], what);
@@ -466,6 +510,7 @@ int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, 
                           size_t max_entries) {
   if (in_locked_callback()) return gca__callback_refuses("gca_record_history");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
+  if (!allocator_usable(a, "gca_record_history")) return GCA_ERR_INVALID;
   if (enabled && (stacks < GCA_STACKS_NATIVE || stacks > GCA_STACKS_ALL))
     return gca__set_error(GCA_ERR_INVALID, "gca_record_history: stacks %d is not NATIVE, PYTHON or ALL", (int)stacks);
   if (enabled && (context < GCA_CONTEXT_NONE || context > GCA_CONTEXT_ALL))
@@ -493,6 +538,7 @@ int gca_no_caching(const gca_allocator_t *a) {
 int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user) {
   if (in_locked_callback()) return gca__callback_refuses("gca_set_queue_drain");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_queue_drain: allocator is NULL");
+  if (!allocator_usable(a, "gca_set_queue_drain")) return GCA_ERR_INVALID;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
@@ -621,6 +667,7 @@ int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t 
 int gca_set_config(gca_allocator_t *a, const char *config) {
   if (in_locked_callback()) return gca__callback_refuses("gca_set_config");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
+  if (!allocator_usable(a, "gca_set_config")) return GCA_ERR_INVALID;
   gca__log_hold(); /* the configuration's warnings are delivered after the lock */
   mutex_lock(&a->config_lock, RANK_CONFIG);
   config_t next = a->config; /* (read under config_lock: only this function writes it after open) */

@@ -865,6 +865,21 @@ static void acl_destroy(void *state) {
   free(a);
 }
 
+static void acl_forget(void *state) {
+  acl_t *a = state;
+  if (!a) return;
+  for (int i = 0; i < a->device_count; i++) {
+    acl_device_t *d = &a->devices[i];
+    free(d->refused_events.items);
+    free(d->refused_probes.items);
+    pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    free(d->mappings);
+    free(d->waited);
+  }
+  free(a);
+}
+
 static const backend_ops_t acl_ops = {
     .name = "acl",
     .device_count = acl_device_count,
@@ -894,6 +909,7 @@ static const backend_ops_t acl_ops = {
     .size_pad = acl_size_pad,
     .device_identity = acl_device_identity,
     .destroy = acl_destroy,
+    .forget = acl_forget,
     .base_align = 16384, /* torch_npu's kAlignRoundLarge */
 };
 

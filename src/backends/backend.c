@@ -32,8 +32,10 @@ int gca__backend_open(const char *spec, backend_t *out) {
   return gca__set_error(GCA_ERR_BACKEND, "unknown backend '%.*s' (available: sim, cuda, acl)", (int)name_len, spec);
 }
 
-void gca__backend_close(backend_t *b) {
-  if (b && b->ops) b->ops->destroy(b->state);
+void gca__backend_close(backend_t *b) { gca__backend_close_as(b, false); }
+
+void gca__backend_close_as(backend_t *b, bool forked) {
+  if (b && b->ops) (forked ? b->ops->forget : b->ops->destroy)(b->state);
   if (b) {
     b->ops = NULL;
     b->state = NULL;

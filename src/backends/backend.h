@@ -126,6 +126,11 @@ typedef struct backend_ops {
    * variables (may be NULL: no cooperation between processes). */
   int (*device_identity)(void *state, int device, char *out, size_t cap);
   void (*destroy)(void *state);
+  /* Free this process's state of the backend and nothing more: no driver
+   * call, no change to memory other processes share (a child of fork
+   * closing the allocator it inherited: the device's memory, contexts and
+   * shared regions are its parent's). The driver's library stays loaded. */
+  void (*forget)(void *state);
   /* destroy() gives back all the device's memory at once (the sim, whose
    * device memory is its own bookkeeping): closing an allocator then need
    * not give it back a segment and a page at a time. A real device's
@@ -150,6 +155,8 @@ int gca__backend_open(const char *spec, backend_t *out);
 int gca__backend_library_path(const char *backend, const char *options, const char *key, const char *env,
                               const char *fallback, char *path, size_t cap);
 void gca__backend_close(backend_t *b);
+/* The same, or for a child of fork's copy (`forked`) its `forget`. */
+void gca__backend_close_as(backend_t *b, bool forked);
 
 /* Handles a driver would not destroy (events, for the CUDA and Ascend
  * backends): still the driver's and ours, so kept and offered again, at the

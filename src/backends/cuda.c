@@ -761,6 +761,20 @@ static void cuda_destroy(void *state) {
   free(c);
 }
 
+static void cuda_forget(void *state) {
+  cuda_t *c = state;
+  if (!c) return;
+  for (int i = 0; i < c->device_count; i++) {
+    cuda_device_t *d = &c->devices[i];
+    free(d->refused_events.items);
+    pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    pthread_mutex_destroy(&d->ctx_lock);
+    free(d->mappings);
+  }
+  free(c);
+}
+
 static const backend_ops_t cuda_ops = {
     .name = "cuda",
     .device_count = cuda_device_count,
@@ -795,6 +809,7 @@ static const backend_ops_t cuda_ops = {
     .host_is_pinned = cuda_host_is_pinned,
     .device_identity = cuda_device_identity,
     .destroy = cuda_destroy,
+    .forget = cuda_forget,
 };
 
 /* Open the driver and look up its entry points. */

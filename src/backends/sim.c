@@ -1181,8 +1181,9 @@ static int sim_vm_unmap(void *state, int device, uintptr_t addr, size_t size) {
   return rc;
 }
 
-static void sim_destroy(void *state) {
-  sim_t *s = state;
+/* `forked`: a child of fork's copy (backend.h, forget): a shared device's
+ * region is left as the parent holds it. */
+static void sim_close(sim_t *s, bool forked) {
   for (sim_alloc_t *rec = RB_MIN(sim_live, &s->host), *next; rec; rec = next) {
     next = RB_NEXT(sim_live, &s->host, rec);
     RB_REMOVE(sim_live, &s->host, rec);
@@ -1223,10 +1224,14 @@ static void sim_destroy(void *state) {
     free(dev->events);
     free(dev->engine_free_at);
   }
-  gca__sim_shared_leave(s->shared); /* (what this process held goes back with its slot) */
+  if (forked) gca__sim_shared_forget(s->shared);
+  else gca__sim_shared_leave(s->shared); /* (what this process held goes back with its slot) */
   lock_destroy(&s->lock);
   free(s);
 }
+
+static void sim_destroy(void *state) { sim_close(state, false); }
+static void sim_forget(void *state) { sim_close(state, true); }
 
 /* ---- pinned host memory ------------------------------------------------ */
 
@@ -1482,6 +1487,7 @@ static const backend_ops_t sim_ops = {
     .host_is_pinned = sim_host_is_pinned,
     .device_identity = sim_device_identity,
     .destroy = sim_destroy,
+    .forget = sim_forget,
     .destroy_releases_memory = true,
 };
 

@@ -172,6 +172,12 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
 
 const char *gca__sim_shared_name(const sim_shared_t *sh) { return sh->name; }
 
+void gca__sim_shared_forget(sim_shared_t *sh) {
+  if (!sh) return;
+  munmap(sh->r, sizeof *sh->r);
+  free(sh);
+}
+
 void gca__sim_shared_leave(sim_shared_t *sh) {
   if (!sh) return;
   shared_region_t *r = sh->r;

@@ -15,6 +15,9 @@ typedef struct sim_shared sim_shared_t;
  * a gcalloc sim region. */
 int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given, int devices, size_t *capacity_out,
                          sim_shared_t **out);
+/* Unmap the region and free this process's handle, leaving the slot (and
+ * what it holds) as it is: a child of fork, whose slot is its parent's. */
+void gca__sim_shared_forget(sim_shared_t *sh);
 void gca__sim_shared_leave(sim_shared_t *sh);
 /* The region's path ("/gcalloc-sim-NAME"): what names the device. */
 const char *gca__sim_shared_name(const sim_shared_t *sh);

@@ -328,6 +328,12 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   return GCA_OK;
 }
 
+void gca__coop_forget(coop_t *c) {
+  if (!c) return;
+  munmap(c->r, sizeof *c->r);
+  free(c);
+}
+
 void gca__coop_leave(coop_t *c) {
   if (!c) return;
   atomic_store(&c->stop, true);

@@ -18,6 +18,10 @@ typedef struct coop_outcome {
  * peers' requests until gca__coop_leave. */
 int gca__coop_join(device_t *d, const char *identity, coop_t **out);
 void gca__coop_leave(coop_t *c);
+/* Unmap the rendezvous and free this process's handle, leaving the slot
+ * and the region as they are (a child of fork: the slot is its parent's,
+ * and so is the answering thread). */
+void gca__coop_forget(coop_t *c);
 /* Ask the peers that cache most to release, for `need` bytes, and wait up
  * to `timeout_ms` (ipc_release_timeout_ms, read by the caller under the
  * device's lock), or until `deadline_ns` (CLOCK_MONOTONIC) when that is

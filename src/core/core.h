@@ -358,7 +358,8 @@ int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const confi
 /* d->config.size_pad from its pad_32_bytes mode and the backend (at init,
  * and after every configuration change). */
 void gca__device_resolve_pad(device_t *d);
-void gca__device_destroy(device_t *d);
+/* `forked`: a child of fork's copy; its books only (gca__device_destroy). */
+void gca__device_destroy(device_t *d, bool forked);
 void *gca__device_malloc(device_t *d, size_t size, gca_stream_t stream);
 /* With the lock held: free the allocation at addr, or GCA_ERR_BAD_POINTER. */
 int gca__device_free_locked(device_t *d, uintptr_t addr);
@@ -584,6 +585,11 @@ typedef struct host_cache host_cache_t;
 struct gca_allocator {
   backend_t backend;
   int device_count;
+  /* Inherited across fork (set in the child by the fork handler): every
+   * call is refused but gca_close, which frees this process's books only.
+   * Beside device_count: gca_malloc reads both. */
+  bool forked;
+  int pid;                     /* the process that opened it */
   device_t *devices;
   pthread_mutex_t config_lock; /* serializes gca_set_config (RANK_CONFIG: before the devices) */
   /* The master copy; devices hold copies. Written by gca_set_config alone,
@@ -635,6 +641,15 @@ extern _Atomic int gca__callback_frames; /* pushed, in every thread */
 /* GCA_ERR_INVALID for public call `what` made from inside the callback this
  * thread runs. */
 int gca__callback_refuses(const char *what);
+/* GCA_ERR_INVALID for public call `what` on `a`, inherited across fork. */
+int gca__forked_refuses(const gca_allocator_t *a, const char *what);
+/* Whether `a` (not NULL) may serve call `what`: false, the error set, for
+ * an allocator inherited across fork. */
+static inline bool allocator_usable(const gca_allocator_t *a, const char *what) {
+  if (likely(!a->forked)) return true;
+  gca__forked_refuses(a, what);
+  return false;
+}
 
 static inline bool in_locked_callback(void) {
   return unlikely(atomic_load_explicit(&gca__callback_frames, memory_order_relaxed) != 0) &&
@@ -647,6 +662,7 @@ static inline bool in_locked_callback(void) {
  * while one is held, would nest two locks of one rank). */
 enum { DEVICE_REFUSED = -1, DEVICE_HELD = 0, DEVICE_LOCKED = 1 };
 static inline int device_read_lock(device_t *d, const char *what) {
+  if (!allocator_usable(d->owner, what)) return DEVICE_REFUSED;
   const callback_frame_t *f = in_locked_callback() ? gca__callback_frame : NULL;
   if (likely(f == NULL)) {
     lock_acquire(&d->lock);
@@ -695,7 +711,7 @@ static inline device_t *gca__device_of_reading(const gca_allocator_t *a, int dev
                    a->device_count, a->device_count == 1 ? "" : "s");
     return NULL;
   }
-  return &a->devices[device];
+  return allocator_usable(a, what) ? &a->devices[device] : NULL;
 }
 
 /* Device `device` of `a` for a call that changes it, or NULL with the
@@ -716,7 +732,7 @@ static inline device_t *gca__device_of(const gca_allocator_t *a, int device, con
                    a->device_count, a->device_count == 1 ? "" : "s");
     return NULL;
   }
-  return &a->devices[device];
+  return allocator_usable(a, what) ? &a->devices[device] : NULL;
 }
 
 /* ------------------------------------------------------------------------ */

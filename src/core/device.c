@@ -158,6 +158,12 @@ int gca__callback_refuses(const char *what) {
                                  : "a segment is changing, and no call of the allocator is");
 }
 
+int gca__forked_refuses(const gca_allocator_t *a, const char *what) {
+  return gca__set_error(GCA_ERR_INVALID, "%s: the allocator was opened by process %d, and this process is a child of "
+                        "its fork: only gca_close is allowed on it (it frees this process's books, nothing of the "
+                        "parent's); open an allocator of its own", what, a->pid);
+}
+
 void gca__device_drain(device_t *d, bool always) {
   if (!d->drain.fn || (!always && !d->drain.owed)) return;
   d->drain.owed = false;
@@ -173,16 +179,19 @@ void gca__device_drain(device_t *d, bool always) {
     gca__note_absorbed(d);
 }
 
-void gca__device_destroy(device_t *d) {
+void gca__device_destroy(device_t *d, bool forked) {
   /* Give every segment back, live blocks included: the allocator is going
    * away and nothing may leak on the device. First wait for the work that
    * may still use the memory. A backend whose destroy() releases all of it
    * (the sim) is not asked piece by piece: a replay of an expandable trace
-   * spent a third of its time unmapping thousands of pages at the end. */
-  gca__coop_leave(d->coop); /* (its thread may empty the cache: first) */
+   * spent a third of its time unmapping thousands of pages at the end.
+   * A child of fork's copy (`forked`) frees its books only: the memory,
+   * events, streams and the rendezvous's slot are the parent's. */
+  if (forked) gca__coop_forget(d->coop);
+  else gca__coop_leave(d->coop); /* (its thread may empty the cache: first) */
   d->coop = NULL;
-  gca__events_shutdown(d);
-  bool give_back = !d->backend->ops->destroy_releases_memory;
+  gca__events_shutdown(d, forked);
+  bool give_back = !forked && !d->backend->ops->destroy_releases_memory;
   size_t left = 0; /* bytes the device would not take back, after CLOSE_TRIES each */
   segment_t *seg = d->segments;
   while (seg) {

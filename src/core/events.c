@@ -352,15 +352,16 @@ bool gca__events_order_reuse(device_t *d, gca_stream_t from, gca_stream_t to) {
 
 /* ---- shutdown ----------------------------------------------------------- */
 
-void gca__events_shutdown(device_t *d) {
-  gca__events_synchronize(d);
+void gca__events_shutdown(device_t *d, bool forked) {
+  if (!forked) gca__events_synchronize(d);
   /* Memory given back at close may still be used by queued work: wait for
-   * every stream it was used on, so the device frees that follow are safe. */
+   * every stream it was used on, so the device frees that follow are safe
+   * (a child of fork's copy waits for nothing: no memory goes back). */
   for (segment_t *seg = d->segments; seg; seg = seg->next) {
-    (void)wait_stream(d, seg->stream);
+    if (!forked) (void)wait_stream(d, seg->stream);
     for (block_t *b = seg->head; b; b = b->next) {
       if (!block_uses(b)) continue;
-      for (uint32_t i = 0; i < b->uses->count; i++) (void)wait_stream(d, b->uses->streams[i]);
+      for (uint32_t i = 0; !forked && i < b->uses->count; i++) (void)wait_stream(d, b->uses->streams[i]);
       free(b->uses);
       b->uses = NULL;
     }

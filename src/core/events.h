@@ -42,6 +42,6 @@ int gca__stream_uses_add(block_t *b, gca_stream_t stream);
 void gca__stream_uses_remove(block_t *b, gca_stream_t stream);
 /* At device destruction: wait for every stream the device's memory may be
  * used on, and forget the pending frees. */
-void gca__events_shutdown(device_t *d);
+void gca__events_shutdown(device_t *d, bool forked);
 
 #endif /* GCALLOC_CORE_EVENTS_H */

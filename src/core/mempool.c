@@ -53,7 +53,11 @@ static _Thread_local int thread_route_depth;
  * allocator that is going away. */
 
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t *open_serials;
+typedef struct open_allocator {
+  uint64_t serial;
+  gca_allocator_t *allocator; /* (what fork finds) */
+} open_allocator_t;
+static open_allocator_t *open_list;
 static size_t open_count, open_cap;
 static uint64_t last_serial;
 static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
@@ -67,11 +71,11 @@ int gca__allocator_register(gca_allocator_t *a) {
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   int rc = GCA_OK;
   if (open_count == open_cap) {
-    uint64_t *grown = gca__grow_array(open_serials, &open_cap, sizeof *grown, 8);
-    if (grown) open_serials = grown;
+    open_allocator_t *grown = gca__grow_array(open_list, &open_cap, sizeof *grown, 8);
+    if (grown) open_list = grown;
     else rc = gca__set_error(GCA_ERR_NOMEM, "out of host memory opening the allocator");
   }
-  if (rc == GCA_OK) open_serials[open_count++] = a->serial = ++last_serial;
+  if (rc == GCA_OK) open_list[open_count++] = (open_allocator_t){a->serial = ++last_serial, a};
   mutex_unlock(&registry_lock);
   return rc;
 }
@@ -79,17 +83,40 @@ int gca__allocator_register(gca_allocator_t *a) {
 void gca__allocator_unregister(gca_allocator_t *a) {
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   for (size_t i = 0; i < open_count; i++)
-    if (open_serials[i] == a->serial) {
-      open_serials[i] = open_serials[--open_count];
+    if (open_list[i].serial == a->serial) {
+      open_list[i] = open_list[--open_count];
       break;
     }
+  mutex_unlock(&registry_lock);
+}
+
+/* ---- fork ------------------------------------------------------------------
+ * The books must be whole when fork copies them (src/api/allocator.c): the
+ * registry's lock, then every device's of every open allocator, one at a
+ * time in the registry's order under its lock (the one place device locks
+ * nest), are taken before fork and let go after it in both processes; in
+ * the child every allocator is marked forked. */
+
+void gca__allocators_fork_prepare(void) {
+  mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
+  for (size_t i = 0; i < open_count; i++)
+    for (int k = 0; k < open_list[i].allocator->device_count; k++)
+      lock_acquire_sibling(&open_list[i].allocator->devices[k].lock);
+}
+
+void gca__allocators_fork_done(bool child) {
+  for (size_t i = 0; i < open_count; i++) {
+    gca_allocator_t *a = open_list[i].allocator;
+    if (child) a->forked = true;
+    for (int k = a->device_count; k-- > 0;) lock_release(&a->devices[k].lock);
+  }
   mutex_unlock(&registry_lock);
 }
 
 /* With the registry locked. */
 static bool route_live(const thread_route_t *r) {
   for (size_t i = 0; i < open_count; i++)
-    if (open_serials[i] == r->serial) return true;
+    if (open_list[i].serial == r->serial) return true;
   return false;
 }
 
@@ -197,6 +224,7 @@ mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) 
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;
   }
+  if (!allocator_usable(a, what)) return NULL;
   for (int i = 0; id && i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
@@ -511,6 +539,7 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
 int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
   if (in_locked_callback()) return gca__callback_refuses("gca_pool_push");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
+  if (!allocator_usable(a, "gca_pool_push")) return GCA_ERR_INVALID;
   pthread_once(&exit_key_once, make_exit_key);
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   routes_compact();
@@ -548,6 +577,7 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
 int gca_pool_pop(gca_allocator_t *a) {
   if (in_locked_callback()) return gca__callback_refuses("gca_pool_pop");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
+  if (!allocator_usable(a, "gca_pool_pop")) return GCA_ERR_INVALID;
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   bool stale = false;
   while (thread_route_depth > 0 && !route_live(&thread_routes[thread_route_depth - 1])) {

@@ -75,6 +75,10 @@ void gca__mempools_destroy(device_t *d);
  * thread exits is undone. */
 int gca__allocator_register(gca_allocator_t *a);
 void gca__allocator_unregister(gca_allocator_t *a);
+/* Around fork (src/api/allocator.c): every open allocator's devices
+ * locked, and after it let go, in the child each allocator marked forked. */
+void gca__allocators_fork_prepare(void);
+void gca__allocators_fork_done(bool child);
 /* Every free index of the device, one after another: the default pools,
  * then each private pool's small and large. The first for NULL; NULL
  * after the last. */

@@ -523,7 +523,7 @@ static host_cache_t *host_of(gca_allocator_t *a, const char *what) {
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;
   }
-  return a->host;
+  return allocator_usable(a, what) ? a->host : NULL;
 }
 
 /* What a block of `size` takes of the reserve segment: PyTorch rounds to
@@ -904,24 +904,24 @@ int gca_host_reset_accumulated_stats(gca_allocator_t *a) {
  * does not have. Before fork every cache's lock is taken (so no collector
  * is inside one, nor inside the backend for it); after, the locks are
  * released in both processes, and the child's caches have no collector
- * (one starts again when wanted). */
+ * (one starts again when wanted). The process's fork handler (mempool.c)
+ * calls these, after the devices' locks. */
 static pthread_mutex_t host_caches_lock = PTHREAD_MUTEX_INITIALIZER;
 static host_cache_t *host_caches;
-static pthread_once_t host_atfork_once = PTHREAD_ONCE_INIT;
 
-static void host_before_fork(void) {
+void gca__host_before_fork(void) {
   mutex_lock(&host_caches_lock, RANK_HOST_REGISTRY);
   /* (The one place two caches' locks nest: in the registry's order, under
    * its lock, and no thread holds two otherwise.) */
   for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_acquire_sibling(&h->lock);
 }
 
-static void host_after_fork_parent(void) {
+void gca__host_after_fork_parent(void) {
   for (host_cache_t *h = host_caches; h; h = h->next_cache) lock_release(&h->lock);
   mutex_unlock(&host_caches_lock);
 }
 
-static void host_after_fork_child(void) {
+void gca__host_after_fork_child(void) {
   for (host_cache_t *h = host_caches; h; h = h->next_cache) {
     h->collector_started = false;
     atomic_store(&h->collector_stop, false);
@@ -930,12 +930,7 @@ static void host_after_fork_child(void) {
   mutex_unlock(&host_caches_lock);
 }
 
-static void host_register_atfork(void) {
-  (void)pthread_atfork(host_before_fork, host_after_fork_parent, host_after_fork_child);
-}
-
 static void host_caches_add(host_cache_t *h) {
-  pthread_once(&host_atfork_once, host_register_atfork);
   mutex_lock(&host_caches_lock, RANK_HOST_REGISTRY);
   h->next_cache = host_caches;
   host_caches = h;
@@ -967,10 +962,19 @@ int gca__host_cache_create(gca_allocator_t *a) {
  * in use included (as closing frees device memory still allocated). A
  * block whose events cannot be waited for stays pinned: the device may
  * still copy into it, so giving it back to the host heap is not safe. */
-void gca__host_cache_destroy(gca_allocator_t *a) {
+void gca__host_cache_destroy(gca_allocator_t *a, bool forked) {
   host_cache_t *h = a->host;
   if (!h) return;
   host_caches_remove(h);
+  if (forked) { /* (its collector is the parent's: a child has none) */
+    for (size_t i = 0; i < h->count; i++) host_drop_block(h->blocks[i]);
+    free(h->blocks);
+    free(h->events);
+    lock_destroy(&h->lock);
+    free(h);
+    a->host = NULL;
+    return;
+  }
   if (h->collector_started) {
     atomic_store(&h->collector_stop, true);
     pthread_join(h->collector, NULL);

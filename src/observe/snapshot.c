@@ -234,6 +234,7 @@ static void resolve_all(snapshot_impl_t *sn) {
 
 int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
   if (!a || !out) return gca__set_error(GCA_ERR_INVALID, "gca_snapshot_take: %s is NULL", a ? "out" : "allocator");
+  if (!allocator_usable(a, "gca_snapshot_take")) return GCA_ERR_INVALID;
   *out = NULL;
   snapshot_impl_t *sn = calloc(1, sizeof *sn);
   if (!sn) return gca__set_error(GCA_ERR_NOMEM, "out of host memory taking a snapshot");
