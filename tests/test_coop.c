@@ -666,6 +666,59 @@ static void test_peer_in_another_pid_namespace(void **state) {
   gca_close(a);
 }
 
+/* A peer in a pid namespace of its own, killed (a container stopped with
+ * docker kill): its pid means nothing here, but the kernel let go of its
+ * slots' lock bytes, so its slots are reclaimed at once, in the
+ * rendezvous and in the shared sim: its bytes come back, it is no longer
+ * listed, and a request does not wait for it. */
+static void test_dead_peer_in_another_pid_namespace(void **state) {
+  (void)state;
+  if (geteuid() != 0) {
+    fprintf(stderr, "skipped: a pid namespace of its own needs root (unshare)\n");
+    skip();
+  }
+  int ready = 0;
+  pid_t peer = start_peer_in_own_pid_namespace(60, &ready);
+  if (!ready) {
+    kill(peer, SIGKILL);
+    waitpid(peer, NULL, 0);
+    fprintf(stderr, "skipped: unshare(CLONE_NEWPID | CLONE_NEWNS) or mounting /proc was refused here\n");
+    skip();
+  }
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  gca_ipc_peer_t peers[4];
+  int n = 0;
+  for (int tries = 0; tries < 100 && n != 2; tries++) {
+    n = gca_ipc_peers(a, 0, peers, 4);
+    if (n != 2) usleep(10000);
+  }
+  assert_int_equal(n, 2);
+  size_t f = 0, t = 0;
+  assert_int_equal(gca_mem_get_info(a, 0, &f, &t), GCA_OK);
+  assert_int_equal(f, 40 * MiB); /* the peer's 60 MiB held */
+  kill(peer, SIGKILL); /* (its child, the namespace's first process, dies with it: PR_SET_PDEATHSIG) */
+  waitpid(peer, NULL, 0);
+  double t0 = now_ms();
+  for (int tries = 0; tries < 200 && n != 1; tries++) {
+    n = gca_ipc_peers(a, 0, peers, 4);
+    if (n != 1) usleep(10000);
+  }
+  assert_int_equal(n, 1);
+  assert_int_equal(peers[0].pid, getpid());
+  assert_int_equal(gca_mem_get_info(a, 0, &f, &t), GCA_OK);
+  assert_int_equal(f, 100 * MiB);
+  /* Nobody to ask: a request that cannot fit fails at once, not after 5 s. */
+  assert_null(gca_malloc(a, 120 * MiB, 0, 0));
+  assert_int_equal(gca_last_status(), GCA_ERR_OOM);
+  assert_true(now_ms() - t0 < 2500);
+  assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 0);
+  static gca_ipc_device_t devices[16];
+  int found = gca_ipc_scan(devices, 16);
+  for (int i = 0; i < found && i < 16; i++)
+    if (strstr(devices[i].identity, name)) assert_int_equal(devices[i].peer_count, 1);
+  gca_close(a);
+}
+
 /* Cooperation on a private sim device, which only this process uses: it
  * works alone, saying why, and leaves no rendezvous behind (a killed
  * process's would be litter nobody reuses). */
@@ -1514,6 +1567,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_several_peers, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_two_threads_ask_at_once, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_dead_peer_in_another_pid_namespace, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_private_sim_works_alone, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_in_another_pid_namespace, fresh_name, remove_regions),

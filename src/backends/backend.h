@@ -131,6 +131,10 @@ typedef struct backend_ops {
    * closing the allocator it inherited: the device's memory, contexts and
    * shared regions are its parent's). The driver's library stays loaded. */
   void (*forget)(void *state);
+  /* In a child of fork, at once (may be NULL): let go of what would keep
+   * the parent looking alive to other processes (the shared sim's region
+   * file, whose lock byte marks the parent's slot). */
+  void (*after_fork_child)(void *state);
   /* destroy() gives back all the device's memory at once (the sim, whose
    * device memory is its own bookkeeping): closing an allocator then need
    * not give it back a segment and a page at a time. A real device's

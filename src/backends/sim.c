@@ -1231,6 +1231,7 @@ static void sim_close(sim_t *s, bool forked) {
 }
 
 static void sim_destroy(void *state) { sim_close(state, false); }
+static void sim_after_fork_child(void *state) { gca__sim_shared_after_fork_child(((sim_t *)state)->shared); }
 static void sim_forget(void *state) { sim_close(state, true); }
 
 /* ---- pinned host memory ------------------------------------------------ */
@@ -1488,6 +1489,7 @@ static const backend_ops_t sim_ops = {
     .device_identity = sim_device_identity,
     .destroy = sim_destroy,
     .forget = sim_forget,
+    .after_fork_child = sim_after_fork_child,
     .destroy_releases_memory = true,
 };
 

@@ -29,7 +29,7 @@
 #include "backends/sim_shared.h"
 
 #define SHARED_MAGIC 0x4843534d49534347ull /* "GCSIMSCH" */
-#define SHARED_VERSION 2u
+#define SHARED_VERSION 3u
 #define SHARED_SLOTS 64
 #define SHARED_DEVICES 64
 
@@ -37,6 +37,7 @@ typedef struct shared_slot {
   int32_t pid; /* 0: free */
   uint64_t start_time;
   uint64_t pidns; /* the pid namespace the pid is in */
+  uint32_t locked; /* its process holds the slot's lock byte (gca__slot_alive) */
   uint64_t used[SHARED_DEVICES];
 } shared_slot_t;
 
@@ -51,20 +52,26 @@ typedef struct shared_region {
 
 struct sim_shared {
   shared_region_t *r;
+  int fd; /* the region's file, open while the slot is held: its lock byte (-1: none) */
   int slot;
   char name[96]; /* the region's path, for shm_unlink */
 };
 
-static bool slot_alive(const shared_slot_t *s) { return gca__slot_process_alive(s->pid, s->start_time, s->pidns); }
+/* Slot i's process alive, looked at through the region's file `fd`. With the lock held. */
+static bool slot_alive(const shared_region_t *r, int fd, int i) {
+  const shared_slot_t *s = &r->slots[i];
+  return gca__slot_alive(fd, i, s->locked != 0, s->pid, s->start_time, s->pidns);
+}
 
 static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock, RANK_SIM_SHARED); }
 
 static void region_unlock(shared_region_t *r) { gca__shared_mutex_unlock(&r->lock); }
 
-/* Give back the slots of dead processes; with the lock held. */
-static void reclaim_dead(shared_region_t *r) {
+/* Give back the slots of dead processes, this process's own (`own`, whose
+ * lock its own file does not see as another's) aside; with the lock held. */
+static void reclaim_dead(shared_region_t *r, int fd, int own) {
   for (int i = 0; i < SHARED_SLOTS; i++)
-    if (r->slots[i].pid && !slot_alive(&r->slots[i])) memset(&r->slots[i], 0, sizeof r->slots[i]);
+    if (i != own && r->slots[i].pid && !slot_alive(r, fd, i)) memset(&r->slots[i], 0, sizeof r->slots[i]);
 }
 
 /* Bytes held on `device` by every process, saturating at the capacity (a
@@ -130,7 +137,8 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   snprintf(path, sizeof path, "/gcalloc-sim-%s", name);
   bool created = false;
   int rc = GCA_OK;
-  shared_region_t *r = gca__shared_region_open(path, sizeof *r, 0600, &created);
+  int fd = -1;
+  shared_region_t *r = gca__shared_region_open(path, sizeof *r, 0600, &created, &fd);
   if (!r) return gca__prefix_error("sim backend: shared=%s", name);
   if (created && create_region(r, capacity, devices) != 0)
     rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: cannot make the region's lock", name);
@@ -142,7 +150,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   if (rc == GCA_OK && !sh) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   if (rc == GCA_OK) {
     region_lock(r);
-    reclaim_dead(r);
+    reclaim_dead(r, fd, -1);
     int slot = -1;
     for (int i = 0; i < SHARED_SLOTS && slot < 0; i++)
       if (!r->slots[i].pid) slot = i;
@@ -151,6 +159,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
       r->slots[slot].pid = (int32_t)getpid();
       r->slots[slot].start_time = gca__process_start_time((int)getpid());
       r->slots[slot].pidns = gca__pid_namespace();
+      r->slots[slot].locked = gca__slot_lock(fd, slot, true); /* (under the region's lock: seen whole) */
     }
     region_unlock(r);
     if (slot < 0) rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %d processes use it already", name,
@@ -160,10 +169,12 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   if (rc != GCA_OK) {
     free(sh);
     munmap(r, sizeof *r);
+    close(fd);
     if (created) shm_unlink(path);
     return rc;
   }
   sh->r = r;
+  sh->fd = fd;
   snprintf(sh->name, sizeof sh->name, "%s", path);
   *capacity_out = (size_t)r->capacity;
   *out = sh;
@@ -172,8 +183,15 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
 
 const char *gca__sim_shared_name(const sim_shared_t *sh) { return sh->name; }
 
+void gca__sim_shared_after_fork_child(sim_shared_t *sh) {
+  if (!sh || sh->fd < 0) return;
+  close(sh->fd); /* (the parent's lock byte is on the description: the child's copy goes) */
+  sh->fd = -1;
+}
+
 void gca__sim_shared_forget(sim_shared_t *sh) {
   if (!sh) return;
+  gca__sim_shared_after_fork_child(sh);
   munmap(sh->r, sizeof *sh->r);
   free(sh);
 }
@@ -183,11 +201,13 @@ void gca__sim_shared_leave(sim_shared_t *sh) {
   shared_region_t *r = sh->r;
   region_lock(r);
   memset(&r->slots[sh->slot], 0, sizeof r->slots[sh->slot]);
-  reclaim_dead(r);
+  (void)gca__slot_lock(sh->fd, sh->slot, false);
+  reclaim_dead(r, sh->fd, sh->slot);
   bool alone = true;
   for (int i = 0; i < SHARED_SLOTS; i++) alone &= r->slots[i].pid == 0;
   if (alone) shm_unlink(sh->name); /* the last one out; a process joining meanwhile keeps its mapping */
   region_unlock(r);
+  close(sh->fd);
   munmap(r, sizeof *r);
   free(sh);
 }
@@ -197,7 +217,7 @@ int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *f
   region_lock(r);
   uint64_t used = used_total(r, device);
   if (bytes > r->capacity - used) { /* dead processes' memory comes back first */
-    reclaim_dead(r);
+    reclaim_dead(r, sh->fd, sh->slot);
     used = used_total(r, device);
   }
   bool fits = bytes <= r->capacity - used;
@@ -218,7 +238,7 @@ void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
 size_t gca__sim_shared_free(sim_shared_t *sh, int device) {
   shared_region_t *r = sh->r;
   region_lock(r);
-  reclaim_dead(r);
+  reclaim_dead(r, sh->fd, sh->slot);
   size_t free_bytes = (size_t)(r->capacity - used_total(r, device));
   region_unlock(r);
   return free_bytes;

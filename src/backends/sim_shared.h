@@ -18,6 +18,9 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
 /* Unmap the region and free this process's handle, leaving the slot (and
  * what it holds) as it is: a child of fork, whose slot is its parent's. */
 void gca__sim_shared_forget(sim_shared_t *sh);
+/* In a child of fork, at once: close the child's copy of the region's file,
+ * so that the parent's lock byte goes with the parent (gca__slot_alive). */
+void gca__sim_shared_after_fork_child(sim_shared_t *sh);
 void gca__sim_shared_leave(sim_shared_t *sh);
 /* The region's path ("/gcalloc-sim-NAME"): what names the device. */
 const char *gca__sim_shared_name(const sim_shared_t *sh);

@@ -265,6 +265,17 @@ uint64_t gca__pid_namespace(void);
  * another namespace counts as alive (its pid cannot be checked from here;
  * the processes of its own namespace reclaim its slot). */
 bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns);
+/* A slot's liveness by lock (shm.c): its process takes (or lets go of,
+ * `on` false) a lock on byte `slot` of the region's file `fd`, and keeps
+ * the file open while it holds the slot. */
+bool gca__slot_lock(int fd, int slot, bool on);
+/* Whether another open file holds slot's byte: 1, 0, or -1 (cannot tell). */
+int gca__slot_lock_held(int fd, int slot);
+/* A slot's process alive: its lock (when `locked`, the owner said it took
+ * one) gone means dead, whatever its namespace; held, alive when its pid
+ * is another namespace's; else its pid and start time decide
+ * (gca__slot_process_alive). No wait in any case. */
+bool gca__slot_alive(int fd, int slot, bool locked, int pid, uint64_t start_time, uint64_t pidns);
 /* A process-shared robust mutex; locking one whose owner died makes it
  * consistent (the caller repairs what the dead owner held). */
 int gca__shared_mutex_init(pthread_mutex_t *m);
@@ -279,8 +290,9 @@ bool gca__shared_mutex_lock_within_at(pthread_mutex_t *m, int rank, uint64_t ns,
 /* The POSIX shared-memory object `path` of exactly `size` bytes, mapped:
  * created (zeroed, with `mode`) when it does not exist, *created then
  * true. NULL with the error set (GCA_ERR_BACKEND naming it) when it cannot
- * be had or has another size. */
-void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created);
+ * be had or has another size. With fd_out, its file stays open there (for
+ * the slot locks; -1 when none). */
+void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created, int *fd_out);
 /* Wait (up to a second) for a region's creator to set its magic; false
  * when it never did. */
 bool gca__shared_region_wait(_Atomic uint64_t *magic);

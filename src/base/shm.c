@@ -52,6 +52,36 @@ uint64_t gca__pid_namespace(void) {
   return ns;
 }
 
+/* Liveness by lock: the kernel lets go of a dead process's file locks
+ * whatever its pid namespace, so a lock byte per slot tells a dead member
+ * from a live one where its pid means nothing (a container started with
+ * --ipc=host). Open-file-description locks (F_OFD_*): a classic POSIX lock
+ * would go whenever the process closed any descriptor of the file (a scan
+ * by gcalloc top in the same process). A child of fork shares its parent's
+ * description until it closes its copy; where the pid can be checked it is
+ * checked too, so a parent that died while its child lives is still seen
+ * dead. */
+bool gca__slot_lock(int fd, int slot, bool on) {
+  struct flock l = {.l_type = on ? F_WRLCK : F_UNLCK, .l_whence = SEEK_SET, .l_start = slot, .l_len = 1};
+  return fd >= 0 && fcntl(fd, F_OFD_SETLK, &l) == 0;
+}
+
+int gca__slot_lock_held(int fd, int slot) {
+  struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot, .l_len = 1};
+  if (fd < 0 || fcntl(fd, F_OFD_GETLK, &l) != 0) return -1;
+  return l.l_type != F_UNLCK;
+}
+
+bool gca__slot_alive(int fd, int slot, bool locked, int pid, uint64_t start_time, uint64_t pidns) {
+  if (locked) {
+    int held = gca__slot_lock_held(fd, slot);
+    if (held == 0) return false; /* its lock is gone: so is it */
+    uint64_t mine = gca__pid_namespace();
+    if (held == 1 && pidns && mine && pidns != mine) return true;
+  }
+  return gca__slot_process_alive(pid, start_time, pidns);
+}
+
 bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns) {
   uint64_t mine = gca__pid_namespace();
   if (pidns && mine && pidns != mine) return true; /* its pid means nothing here: its own namespace judges */
@@ -99,8 +129,9 @@ bool gca__shared_mutex_lock_within_at(pthread_mutex_t *m, int rank, uint64_t ns,
   return false;
 }
 
-void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created) {
+void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool *created, int *fd_out) {
   *created = true;
+  if (fd_out) *fd_out = -1;
   int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, (mode_t)mode);
   if (fd < 0 && errno == EEXIST) {
     *created = false;
@@ -148,7 +179,8 @@ void *gca__shared_region_open(const char *path, size_t size, unsigned mode, bool
     }
   }
   void *r = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  if (fd_out && r != MAP_FAILED) *fd_out = fd; /* (close-on-exec: shm_open's) */
+  else close(fd);
   if (r == MAP_FAILED) {
     gca__set_error(GCA_ERR_BACKEND, "cannot map %s: %s", path, strerror(errno));
     if (*created) shm_unlink(path);

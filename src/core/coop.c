@@ -48,7 +48,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 6u
+#define COOP_VERSION 7u
 #define COOP_SLOTS 64
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
@@ -58,6 +58,7 @@ typedef struct coop_slot {
   _Atomic int32_t pid; /* 0: free */
   uint64_t start_time;
   uint64_t pidns;      /* the pid namespace the pid is in (gca__pid_namespace) */
+  _Atomic uint32_t locked; /* its process holds the slot's lock byte (gca__slot_alive) */
   _Atomic uint64_t reserved, allocated, waiting;
   _Atomic uint64_t paused; /* allocated in paused pools (not in `allocated`: no device memory under it) */
   _Atomic uint32_t request_seq; /* futex: bumped by a requester */
@@ -87,6 +88,7 @@ typedef struct coop_region {
 struct coop {
   device_t *d;
   coop_region_t *r;
+  int fd;      /* the region's file, open while the slot is held: its lock byte (-1: none) */
   int slot;
   char path[64];
   pthread_t thread;
@@ -115,8 +117,16 @@ struct coop {
 
 /* ---- the region ------------------------------------------------------------ */
 
-static bool coop_slot_alive(const coop_slot_t *s) {
-  return gca__slot_process_alive(atomic_load(&s->pid), s->start_time, s->pidns);
+/* Slot i's process alive, looked at through the region's file `fd`. */
+static bool coop_slot_alive(const coop_region_t *r, int fd, int i) {
+  const coop_slot_t *s = &r->slots[i];
+  return gca__slot_alive(fd, i, atomic_load(&s->locked) != 0, atomic_load(&s->pid), s->start_time, s->pidns);
+}
+
+/* Slot i's process known dead by its lock (no /proc read: cheap enough
+ * for every round of a request). */
+static bool coop_slot_lock_gone(const coop_region_t *r, int fd, int i) {
+  return atomic_load(&r->slots[i].locked) && gca__slot_lock_held(fd, i) == 0;
 }
 
 /* Every wait for the region's lock has a deadline: a process stopped
@@ -141,9 +151,12 @@ static void coop_unlock(coop_region_t *r) {
   gca__shared_mutex_unlock(&r->lock);
 }
 
-static void coop_reclaim_dead(coop_region_t *r) {
+/* Free the slots of dead processes, this process's own (`own`, whose lock
+ * its own file does not see as another's) aside. */
+static void coop_reclaim_dead(coop_region_t *r, int fd, int own) {
   for (int i = 0; i < COOP_SLOTS; i++)
-    if (atomic_load(&r->slots[i].pid) && !coop_slot_alive(&r->slots[i])) memset(&r->slots[i], 0, sizeof r->slots[i]);
+    if (i != own && atomic_load(&r->slots[i].pid) && !coop_slot_alive(r, fd, i))
+      memset(&r->slots[i], 0, sizeof r->slots[i]);
 }
 
 static long coop_futex(_Atomic uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
@@ -173,14 +186,15 @@ static int coop_init_region(coop_region_t *r, const char *identity) {
 }
 
 /* The region for `identity`, joined; NULL with the error set. */
-static coop_region_t *coop_open_region(const char *identity, bool group, char *path, size_t path_cap) {
+static coop_region_t *coop_open_region(const char *identity, bool group, char *path, size_t path_cap, int *fd) {
   snprintf(path, path_cap, "/gcalloc-coop-%016" PRIx64, identity_hash(identity));
   bool created = false;
-  coop_region_t *r = gca__shared_region_open(path, sizeof *r, group ? 0660 : 0600, &created);
+  coop_region_t *r = gca__shared_region_open(path, sizeof *r, group ? 0660 : 0600, &created, fd);
   if (!r) return NULL;
   if (created && coop_init_region(r, identity) != 0) {
     gca__set_error(GCA_ERR_BACKEND, "cannot make the lock of %s", path);
     munmap(r, sizeof *r);
+    close(*fd);
     shm_unlink(path);
     return NULL;
   }
@@ -194,6 +208,7 @@ static coop_region_t *coop_open_region(const char *identity, bool group, char *p
     gca__set_error(GCA_ERR_BACKEND, "%s is not this device's gcalloc cooperation region: %s (remove /dev/shm%s "
                    "when no gcalloc process uses it)", path, why, path);
     munmap(r, sizeof *r);
+    close(*fd);
     return NULL;
   }
   return r;
@@ -291,7 +306,7 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   c->d = d;
   c->hold_us = test_hook_us("GCALLOC_TEST_COOP_HOLD_US");
   c->late_us = test_hook_us("GCALLOC_TEST_COOP_LATE_US");
-  c->r = coop_open_region(identity, d->config.ipc_group_access, c->path, sizeof c->path);
+  c->r = coop_open_region(identity, d->config.ipc_group_access, c->path, sizeof c->path, &c->fd);
   if (!c->r) {
     free(c);
     return gca_last_status();
@@ -300,10 +315,11 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   if (!coop_lock(r)) {
     int rc = coop_lock_stuck(r, c->path);
     munmap(r, sizeof *r);
+    close(c->fd);
     free(c);
     return rc;
   }
-  coop_reclaim_dead(r);
+  coop_reclaim_dead(r, c->fd, -1);
   c->slot = -1;
   for (int i = 0; i < COOP_SLOTS && c->slot < 0; i++)
     if (!atomic_load(&r->slots[i].pid)) c->slot = i;
@@ -312,6 +328,9 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
     memset(s, 0, sizeof *s);
     s->start_time = gca__process_start_time((int)getpid());
     s->pidns = gca__pid_namespace();
+    /* The lock byte first, then the word that says it is held: a look
+     * between the two judges by the pid. */
+    if (gca__slot_lock(c->fd, c->slot, true)) atomic_store(&s->locked, 1);
     atomic_store(&s->pid, (int32_t)getpid());
     c->seen = atomic_load(&s->request_seq);
   }
@@ -321,6 +340,7 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
                             c->slot < 0 ? "64 processes cooperate on this device already" : "cannot start a thread");
     if (c->slot >= 0) atomic_store(&r->slots[c->slot].pid, 0);
     munmap(r, sizeof *r);
+    close(c->fd);
     free(c);
     return rc;
   }
@@ -328,8 +348,15 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
   return GCA_OK;
 }
 
+void gca__coop_after_fork_child(coop_t *c) {
+  if (!c || c->fd < 0) return;
+  close(c->fd); /* (the parent's lock byte is on the description: the child's copy goes) */
+  c->fd = -1;
+}
+
 void gca__coop_forget(coop_t *c) {
   if (!c) return;
+  gca__coop_after_fork_child(c);
   munmap(c->r, sizeof *c->r);
   free(c);
 }
@@ -348,12 +375,14 @@ void gca__coop_leave(coop_t *c) {
   coop_futex(&s->answer_seq, FUTEX_WAKE, INT32_MAX, NULL);
   if (locked) {
     memset(s, 0, sizeof *s);
-    coop_reclaim_dead(c->r);
+    coop_reclaim_dead(c->r, c->fd, c->slot);
     bool alone = true;
     for (int i = 0; i < COOP_SLOTS; i++) alone &= atomic_load(&c->r->slots[i].pid) == 0;
     if (alone) shm_unlink(c->path);
     coop_unlock(c->r);
   }
+  (void)gca__slot_lock(c->fd, c->slot, false); /* (after the slot is free: a new owner takes it anew) */
+  close(c->fd);
   munmap(c->r, sizeof *c->r);
   free(c);
 }
@@ -416,9 +445,10 @@ static void send_requests(coop_region_t *r, asked_t *peers, int from, int to, ui
 }
 
 /* Look at every peer still pending: answered, or gone (its slot taken by
- * another process, or, when `check_alive`, dead). The bytes answered are
- * added to *received. Returns how many are still pending. */
-static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_alive, size_t *received) {
+ * another process, its lock byte let go, or, when `check_alive`, dead by
+ * its pid). The bytes answered are added to *received. Returns how many
+ * are still pending. */
+static int collect_answers(coop_region_t *r, int fd, asked_t *peers, int m, bool check_alive, size_t *received) {
   int pending = 0;
   for (int k = 0; k < m; k++) {
     asked_t *a = &peers[k];
@@ -429,7 +459,7 @@ static int collect_answers(coop_region_t *r, asked_t *peers, int m, bool check_a
       a->state = ANSWERED;
       a->released = atomic_load(&s->released);
       *received += a->released;
-    } else if (!same || (check_alive && !coop_slot_alive(s))) {
+    } else if (!same || coop_slot_lock_gone(r, fd, a->slot) || (check_alive && !coop_slot_alive(r, fd, a->slot))) {
       a->state = GONE;
     } else {
       pending++;
@@ -458,7 +488,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
     gca__clear_error();
     return 0;
   }
-  coop_reclaim_dead(r);
+  coop_reclaim_dead(r, c->fd, c->slot);
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
@@ -482,7 +512,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
   for (;;) {
     bool check_alive = now >= check_at; /* (reading /proc at once would slow every round trip) */
     if (check_alive) check_at = now + slice;
-    int pending = collect_answers(r, peers, m, check_alive, &received);
+    int pending = collect_answers(r, c->fd, peers, m, check_alive, &received);
     if (received >= need) break;
     if (m < n && (pending == 0 || now >= escalate_at)) { /* short, or slow: ask the others too */
       send_requests(r, peers, m, n, need);
@@ -554,7 +584,7 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
   coop_region_t *r = c->r;
   size_t n = 0;
   if (!coop_lock(r)) return coop_lock_stuck(r, c->path);
-  coop_reclaim_dead(r);
+  coop_reclaim_dead(r, c->fd, c->slot);
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
@@ -580,8 +610,7 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
   int fd = shm_open(path, O_RDONLY, 0);
   if (fd < 0) return false;
   coop_region_t *r = malloc(sizeof *r);
-  bool ok = r && pread(fd, r, sizeof *r, 0) == (ssize_t)sizeof *r;
-  close(fd);
+  bool ok = r && pread(fd, r, sizeof *r, 0) == (ssize_t)sizeof *r; /* (fd kept: the slots' lock bytes) */
   ok = ok && atomic_load(&r->magic) == COOP_MAGIC && r->version == COOP_VERSION && r->size == sizeof *r;
   if (ok) {
     memset(out, 0, sizeof *out);
@@ -591,7 +620,7 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
     for (int i = 0; i < COOP_SLOTS; i++) {
       const coop_slot_t *s = &r->slots[i];
       int32_t pid = atomic_load(&s->pid);
-      if (!pid || !coop_slot_alive(s)) continue;
+      if (!pid || !coop_slot_alive(r, fd, i)) continue;
       out->peers[out->peer_count++] = published(s, pid);
       reserved += atomic_load(&s->reserved);
       uint64_t at = atomic_load(&s->info_ns);
@@ -605,6 +634,7 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
     out->other_bytes = out->total_bytes >= out->free_bytes && used > reserved ? used - reserved : 0;
     ok = out->peer_count > 0;
   }
+  close(fd);
   free(r);
   return ok;
 }

@@ -22,6 +22,9 @@ void gca__coop_leave(coop_t *c);
  * and the region as they are (a child of fork: the slot is its parent's,
  * and so is the answering thread). */
 void gca__coop_forget(coop_t *c);
+/* In a child of fork, at once: close the child's copy of the region's file,
+ * so that the parent's lock byte goes with the parent (gca__slot_alive). */
+void gca__coop_after_fork_child(coop_t *c);
 /* Ask the peers that cache most to release, for `need` bytes, and wait up
  * to `timeout_ms` (ipc_release_timeout_ms, read by the caller under the
  * device's lock), or until `deadline_ns` (CLOCK_MONOTONIC) when that is

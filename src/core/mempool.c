@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/coop.h"
 #include "core/core.h"
 #include "core/events.h"
 #include "core/expandable.h"
@@ -107,7 +108,11 @@ void gca__allocators_fork_prepare(void) {
 void gca__allocators_fork_done(bool child) {
   for (size_t i = 0; i < open_count; i++) {
     gca_allocator_t *a = open_list[i].allocator;
-    if (child) a->forked = true;
+    if (child) {
+      a->forked = true;
+      for (int k = 0; k < a->device_count; k++) gca__coop_after_fork_child(a->devices[k].coop);
+      if (a->backend.ops->after_fork_child) a->backend.ops->after_fork_child(a->backend.state);
+    }
     for (int k = a->device_count; k-- > 0;) lock_release(&a->devices[k].lock);
   }
   mutex_unlock(&registry_lock);
