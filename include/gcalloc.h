@@ -953,11 +953,18 @@ typedef struct gca_ipc_device {
   uint64_t total_bytes, free_bytes, other_bytes;
 } gca_ipc_device_t;
 
-/* Every rendezvous this user can read (no allocator needed): up to `cap`
+/* Every rendezvous this user may join (no allocator needed): up to `cap`
  * devices copied into out, read without taking their locks (a snapshot of
  * what each process last published); returns how many there are. Regions
- * that are not gcalloc's are skipped. */
+ * that are not gcalloc's are skipped, and so are regions this user may not
+ * join (another user's, or another group's, or one that gives more access
+ * than gcalloc does: joining refuses them too), whatever they say. What a
+ * region says is what its processes wrote: gcalloc top escapes its
+ * identity and marks implausible figures. */
 GCA_API int gca_ipc_scan(gca_ipc_device_t *out, size_t cap);
+/* The same, and *skipped (when not NULL) set to how many regions were
+ * skipped as not this user's to join. */
+GCA_API int gca_ipc_scan_ex(gca_ipc_device_t *out, size_t cap, int *skipped);
 
 /* ------------------------------------------------------------------------ */
 /* Sizing rules (exposed for tools and tests; pure functions)                */

@@ -1465,6 +1465,126 @@ static void test_region_of_another_user(void **state) {
   gca_close(a);
 }
 
+#ifdef GCALLOC_TOOL_PATH
+/* Run `gcalloc top ARGS`; its output, NUL-terminated (freed by the caller). */
+static char *run_top(const char *args, size_t *len) {
+  char out[128], cmd[512];
+  snprintf(out, sizeof out, "/tmp/gcalloc-top-%d.out", (int)getpid());
+  snprintf(cmd, sizeof cmd, "%s top %s > %s", GCALLOC_TOOL_PATH, args, out);
+  assert_int_equal(system(cmd), 0);
+  char *text = (char *)read_whole(out, len);
+  unlink(out);
+  assert_non_null(text);
+  return text;
+}
+
+/* Whether text[0, len) is valid UTF-8 with no byte below 0x20 but '\n'. */
+static bool valid_utf8_text(const char *text, size_t len) {
+  const unsigned char *s = (const unsigned char *)text, *end = s + len;
+  while (s < end) {
+    if (*s < 0x20 && *s != '\n') return false;
+    size_t n = gca__utf8_length(s);
+    if (n == 0 || (size_t)(end - s) < n) return false;
+    s += n;
+  }
+  return true;
+}
+
+/* A member's region says what its processes wrote, and a process of this
+ * user can write anything there: an identity with escape sequences and
+ * bytes that are not UTF-8, figures no allocator publishes. `gcalloc top`
+ * prints the identity escaped and marks the figures; --json stays valid
+ * UTF-8 (the bytes escaped as \udcNN). The region is rewritten in place:
+ * the identity at offset 16 (after the magic, version and size), and a
+ * stopped peer's slot (which no longer republishes), found by its pid and
+ * start time (the slot's first fields; coop.c, version 7). */
+static void test_top_shows_a_hostile_region_escaped(void **state) {
+  (void)state;
+  peer_t peer = start_peer(20);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  kill(peer.pid, SIGSTOP);
+  wait_stopped(peer.pid);
+  char path[64], file[96];
+  coop_path(path, sizeof path);
+  snprintf(file, sizeof file, "/dev/shm%s", path);
+  int fd = open(file, O_RDWR);
+  assert_true(fd >= 0);
+  static const char hostile[] = "\033]0;owned\007\033[2J\233" "2J\xff\xfe fake";
+  assert_int_equal(pwrite(fd, hostile, sizeof hostile, 16), (ssize_t)sizeof hostile);
+  struct stat st;
+  assert_int_equal(fstat(fd, &st), 0);
+  unsigned char *bytes = malloc((size_t)st.st_size);
+  assert_int_equal(pread(fd, bytes, (size_t)st.st_size, 0), st.st_size);
+  uint64_t start = gca__process_start_time(peer.pid);
+  off_t slot = -1;
+  for (off_t at = 0; at + 16 <= st.st_size && slot < 0; at += 8)
+    if (!memcmp(bytes + at, &(int32_t){peer.pid}, 4) && !memcmp(bytes + at + 8, &start, 8)) slot = at;
+  free(bytes);
+  assert_true(slot >= 0);
+  uint64_t absurd = UINT64_MAX;
+  assert_int_equal(pwrite(fd, &absurd, 8, slot + 40), 8); /* allocated: more than reserved */
+  close(fd);
+
+  size_t len = 0;
+  char *table = run_top("", &len);
+  assert_null(memchr(table, 0x1b, len));
+  assert_null(memchr(table, 0x9b, len));
+  assert_null(memchr(table, 0x07, len));
+  assert_contains(table, "\\x1b]0;owned\\x07\\x1b[2J\\x9b2J\\xff\\xfe fake");
+  char expect[96];
+  snprintf(expect, sizeof expect, "%8d implausible figures (allocated_bytes > reserved_bytes): not shown", (int)peer.pid);
+  assert_contains(table, expect);
+  assert_null(strstr(table, "17592186044416.0")); /* (2^64-1 bytes in MiB: not shown as a figure) */
+  free(table);
+
+  char *json = run_top("--json", &len);
+  assert_true(valid_utf8_text(json, len));
+  assert_contains(json, "\"identity\": \"\\u001b]0;owned\\u0007\\u001b[2J\\udc9b2J\\udcff\\udcfe fake\"");
+  assert_contains(json, "\"implausible\": \"allocated_bytes \\u003e reserved_bytes\""); /* (JSON text: \u003e is ">") */
+  free(json);
+  kill(peer.pid, SIGCONT);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+/* Another user's region is not read at all (its identity and figures may
+ * say anything): scan skips it, counting it, and top says so. */
+static void test_top_skips_another_users_region(void **state) {
+  (void)state;
+  if (geteuid() != 0) {
+    fprintf(stderr, "skipped: making a region another user's needs root (chown)\n");
+    skip();
+  }
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  char path[64], file[96];
+  coop_path(path, sizeof path);
+  snprintf(file, sizeof file, "/dev/shm%s", path);
+  static gca_ipc_device_t devices[16];
+  int skipped = -1, n = gca_ipc_scan_ex(devices, 16, &skipped);
+  bool mine = false;
+  for (int i = 0; i < n && i < 16; i++) mine |= strstr(devices[i].identity, name) != NULL;
+  assert_true(mine);
+  int skipped_before = skipped;
+  assert_int_equal(chown(file, 65534, 65534), 0);
+  n = gca_ipc_scan_ex(devices, 16, &skipped);
+  for (int i = 0; i < n && i < 16; i++) assert_null(strstr(devices[i].identity, name));
+  assert_int_equal(skipped, skipped_before + 1);
+  size_t len = 0;
+  char *table = run_top("", &len);
+  char expect[96];
+  snprintf(expect, sizeof expect, "%d region%s of other users or groups skipped", skipped,
+           skipped == 1 ? "" : "s");
+  assert_contains(table, expect);
+  free(table);
+  char *json = run_top("--json", &len);
+  snprintf(expect, sizeof expect, "{\"skipped_regions\": %d,", skipped);
+  assert_contains(json, expect);
+  free(json);
+  assert_int_equal(chown(file, 0, 0), 0);
+  gca_close(a);
+}
+#endif
+
 /* Two processes opening `backend_spec` with cooperation on meet in the
  * rendezvous named `identity`; the other one's pid is returned, running,
  * and the bytes it caches (60 MiB as the backend rounds it) in `cached`. */
@@ -1568,6 +1688,10 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_cooperation_read_at_open, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_two_threads_ask_at_once, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_dead_peer_in_another_pid_namespace, fresh_name, remove_regions),
+#ifdef GCALLOC_TOOL_PATH
+      cmocka_unit_test_setup_teardown(test_top_shows_a_hostile_region_escaped, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_top_skips_another_users_region, fresh_name, remove_regions),
+#endif
       cmocka_unit_test_setup_teardown(test_stopped_lock_holder, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_private_sim_works_alone, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_in_another_pid_namespace, fresh_name, remove_regions),

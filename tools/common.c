@@ -188,16 +188,7 @@ int compare_doubles(const void *a, const void *b) {
 
 /* '<', '>' and '&' are escaped too, so that the string is safe inside an
  * HTML <script> (no "</script>"). */
-void json_put_string(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; s && *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
-    else if (c < 0x20 || c == '<' || c == '>' || c == '&') fprintf(f, "\\u%04x", c);
-    else fputc(c, f);
-  }
-  fputc('"', f);
-}
+void json_put_string(FILE *f, const char *s) { gca__json_string(f, s); }
 
 const char *tool_samples_dir(void) {
   /* Beside the tool first: in the Python package a pip install makes, the

@@ -94,8 +94,8 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
  * help COMMAND`). */
 void tool_help(const tool_command_t *c);
 
-/* Shared helpers (common.c): a JSON string, escaped so that it is also safe
- * inside an HTML script; seconds on the monotonic clock; a qsort comparison
+/* Shared helpers (common.c): a JSON string, valid UTF-8 whatever it holds
+ * and safe inside an HTML script (gca__json_string); seconds on the monotonic clock; a qsort comparison
  * of doubles; bytes in GiB. */
 void json_put_string(FILE *f, const char *s);
 double tool_seconds(void);

@@ -18,32 +18,88 @@
 
 static double mib(uint64_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
 
-static void print_json(const gca_ipc_device_t *d, int n) {
-  printf("{\"devices\": [");
+/* What a region says is what its processes wrote (a process of this user
+ * that misbehaves, or memory gone wrong): figures no allocator can publish
+ * are marked, not shown as facts. NULL when plausible. */
+#define PIB ((uint64_t)1 << 50)
+static const char *implausible_device(const gca_ipc_device_t *d) {
+  if (d->free_bytes > d->total_bytes) return "free_bytes > total_bytes";
+  if (d->total_bytes > PIB) return "total_bytes > 1 PiB";
+  return NULL;
+}
+
+static const char *implausible_peer(const gca_ipc_device_t *d, const gca_ipc_peer_t *p) {
+  if (p->pid <= 0) return "pid <= 0";
+  if (p->allocated_bytes > p->reserved_bytes) return "allocated_bytes > reserved_bytes";
+  if (p->cached_bytes > p->reserved_bytes) return "cached_bytes > reserved_bytes";
+  uint64_t bound = d->total_bytes && !implausible_device(d) ? d->total_bytes : PIB;
+  const char *what = bound == PIB ? "1 PiB" : "the device's total";
+  static char why[64];
+  const struct {
+    const char *name;
+    uint64_t value;
+  } figures[] = {{"reserved_bytes", p->reserved_bytes}, {"waiting_bytes", p->waiting_bytes},
+                 {"paused_bytes", p->paused_bytes},     {"bytes_received", p->bytes_received},
+                 {"bytes_released", p->bytes_released}};
+  for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
+    if (figures[i].value > (i < 3 ? bound : PIB * 1024)) {
+      snprintf(why, sizeof why, "%s > %s", figures[i].name, i < 3 ? what : "1 EiB");
+      return why;
+    }
+  return NULL;
+}
+
+/* An identity on a terminal: printable ASCII as it is, any other byte (an
+ * escape sequence another process wrote, a byte that is not UTF-8) as
+ * \xNN, and a backslash doubled. */
+static void print_escaped(const char *s) {
+  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+    if (*c == '\\') fputs("\\\\", stdout);
+    else if (*c >= 0x20 && *c < 0x7f) putchar(*c);
+    else printf("\\x%02x", *c);
+  }
+}
+
+static void json_reason(const char *why) {
+  if (why) json_put_string(stdout, why);
+  else fputs("null", stdout);
+}
+
+static void print_json(const gca_ipc_device_t *d, int n, int skipped) {
+  printf("{\"skipped_regions\": %d, \"devices\": [", skipped);
   for (int i = 0; i < n; i++) {
     printf("%s\n  {\"identity\": ", i ? "," : "");
     json_put_string(stdout, d[i].identity);
     printf(", \"total_bytes\": %" PRIu64 ", \"free_bytes\": %" PRIu64 ", \"other_bytes\": %" PRIu64
-           ", \"processes\": [", d[i].total_bytes, d[i].free_bytes, d[i].other_bytes);
+           ", \"implausible\": ", d[i].total_bytes, d[i].free_bytes, d[i].other_bytes);
+    json_reason(implausible_device(&d[i]));
+    printf(", \"processes\": [");
     for (int k = 0; k < d[i].peer_count; k++) {
       const gca_ipc_peer_t *p = &d[i].peers[k];
       printf("%s{\"pid\": %d, \"reserved_bytes\": %" PRIu64 ", \"allocated_bytes\": %" PRIu64
              ", \"cached_bytes\": %" PRIu64 ", \"waiting_bytes\": %" PRIu64 ", \"paused_bytes\": %" PRIu64
              ", \"requests\": %" PRIu64 ", \"bytes_received\": %" PRIu64 ", \"bytes_released\": %" PRIu64
-             ", \"timeouts\": %" PRIu64 ", \"avoidable_ooms\": %" PRIu64 "}",
+             ", \"timeouts\": %" PRIu64 ", \"avoidable_ooms\": %" PRIu64 ", \"implausible\": ",
              k ? ", " : "", (int)p->pid, p->reserved_bytes, p->allocated_bytes, p->cached_bytes, p->waiting_bytes,
              p->paused_bytes, p->requests, p->bytes_received, p->bytes_released, p->timeouts, p->avoidable_ooms);
+      json_reason(implausible_peer(&d[i], p));
+      printf("}");
     }
     printf("]}");
   }
   printf("\n]}\n");
 }
 
-static void print_table(const gca_ipc_device_t *d, int n) {
+static void print_table(const gca_ipc_device_t *d, int n, int skipped) {
   if (n == 0) printf("no process cooperates on a device (ipc_cooperation:True) on this host\n");
   for (int i = 0; i < n; i++) {
-    printf("%s%s\n", i ? "\n" : "", d[i].identity);
-    if (d[i].total_bytes)
+    if (i) putchar('\n');
+    print_escaped(d[i].identity);
+    putchar('\n');
+    const char *why = implausible_device(&d[i]);
+    if (why)
+      printf("  device: implausible figures (%s): not shown\n", why);
+    else if (d[i].total_bytes)
       printf("  device: %.1f MiB, %.1f MiB free, %.1f MiB held outside these processes\n", mib(d[i].total_bytes),
              mib(d[i].free_bytes), mib(d[i].other_bytes));
     else
@@ -53,12 +109,19 @@ static void print_table(const gca_ipc_device_t *d, int n) {
            "avoidable");
     for (int k = 0; k < d[i].peer_count; k++) {
       const gca_ipc_peer_t *p = &d[i].peers[k];
+      if ((why = implausible_peer(&d[i], p))) {
+        printf("  %8d implausible figures (%s): not shown\n", (int)p->pid, why);
+        continue;
+      }
       printf("  %8d %13.1f %13.1f %13.1f %13.1f %13.1f %9" PRIu64 " %13.1f %13.1f %9" PRIu64 " %10" PRIu64 "\n",
              (int)p->pid, mib(p->reserved_bytes), mib(p->allocated_bytes), mib(p->cached_bytes),
              mib(p->waiting_bytes), mib(p->paused_bytes), p->requests, mib(p->bytes_received),
              mib(p->bytes_released), p->timeouts, p->avoidable_ooms);
     }
   }
+  if (skipped)
+    printf("%s%d region%s of other users or groups skipped (not this user's to join: not read)\n", n ? "\n" : "",
+           skipped, skipped == 1 ? "" : "s");
 }
 
 const tool_command_t top_command = {
@@ -70,6 +133,9 @@ const tool_command_t top_command = {
     "bytes received, bytes it released for theirs, peers that did not answer, avoidable out-of-memory\n"
     "errors), and the device's total and free memory with what is held outside these processes (by\n"
     "processes that do not cooperate, or the driver), as they last published it (every 100 ms).\n"
+    "Only regions this user may join are read (how many others were skipped is said); an identity is\n"
+    "printed with bytes other than printable ASCII as \\xNN, and figures no allocator publishes (more\n"
+    "allocated than reserved, free above total...) are marked implausible, not shown.\n"
     "On a terminal the table refreshes until interrupted; otherwise it is printed once.\n"
     "\n"
     "  --json                the devices and processes as JSON, once\n"
@@ -90,16 +156,17 @@ int top_main(int argc, char **argv) {
   static gca_ipc_device_t devices[MAX_DEVICES];
   bool refresh = !json && isatty(STDOUT_FILENO);
   for (;;) {
-    int n = gca_ipc_scan(devices, MAX_DEVICES);
+    int skipped = 0;
+    int n = gca_ipc_scan_ex(devices, MAX_DEVICES, &skipped);
     if (n < 0) {
       fprintf(stderr, "gcalloc top: %s\n", gca_last_error());
       return 1;
     }
     if (n > MAX_DEVICES) n = MAX_DEVICES;
-    if (json) print_json(devices, n);
+    if (json) print_json(devices, n, skipped);
     else {
       if (refresh) printf("\033[H\033[2J");
-      print_table(devices, n);
+      print_table(devices, n, skipped);
       fflush(stdout);
     }
     if (!refresh) return 0;

@@ -251,6 +251,18 @@ size_t gca__parse_decimal(const char *text, size_t len, uint64_t *out);
 /* Format bytes as PyTorch's OOM message does: "N bytes" up to 1023, else
  * "X.YY KiB/MiB/GiB". */
 void gca__format_bytes(uint64_t bytes, char *buf, size_t cap);
+/* How many bytes at s start one valid UTF-8 character (1 to 4; an ASCII
+ * byte is 1), or 0 when they start none (a stray continuation byte, an
+ * overlong form, a surrogate, past U+10FFFF, cut short by the NUL). */
+size_t gca__utf8_length(const unsigned char *s);
+/* Write s as a JSON string literal, quotes included, that is valid UTF-8
+ * whatever s holds: '"', '\\', control characters and '<', '>', '&' (so
+ * that it is also safe inside an HTML script) as \u escapes, valid UTF-8
+ * as it is, and each byte that is not part of valid UTF-8 as \udcNN (NN
+ * its value): Python's surrogateescape, so that
+ * json.load(f)[...].encode("utf-8", "surrogateescape") gives the bytes
+ * back. NULL is written as "". */
+void gca__json_string(FILE *f, const char *s);
 
 /* Regions shared between processes (shm.c). A process is still the one a
  * slot names when it lives with the start time recorded

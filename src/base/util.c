@@ -302,3 +302,46 @@ void gca__format_bytes(uint64_t bytes, char *buf, size_t cap) {
   }
   snprintf(buf, cap, "%.2f %s", v, units[u]);
 }
+
+/* ---- JSON strings from any bytes ------------------------------------------ */
+
+size_t gca__utf8_length(const unsigned char *s) {
+  unsigned c = s[0];
+  if (c < 0x80) return 1;
+  size_t n;
+  unsigned lo = 0x80, hi = 0xbf; /* the second byte's range (overlong forms and surrogates excluded) */
+  if (c >= 0xc2 && c <= 0xdf) n = 2;
+  else if (c == 0xe0) n = 3, lo = 0xa0;
+  else if (c == 0xed) n = 3, hi = 0x9f;
+  else if (c >= 0xe1 && c <= 0xef) n = 3;
+  else if (c == 0xf0) n = 4, lo = 0x90;
+  else if (c == 0xf4) n = 4, hi = 0x8f;
+  else if (c >= 0xf1 && c <= 0xf3) n = 4;
+  else return 0;
+  if (s[1] < lo || s[1] > hi) return 0;
+  for (size_t i = 2; i < n; i++)
+    if (s[i] < 0x80 || s[i] > 0xbf) return 0;
+  return n;
+}
+
+void gca__json_string(FILE *f, const char *text) {
+  const unsigned char *s = (const unsigned char *)(text ? text : "");
+  fputc('"', f);
+  while (*s) {
+    unsigned c = *s;
+    size_t n = gca__utf8_length(s);
+    if (n == 0) {
+      fprintf(f, "\\udc%02x", c);
+      s++;
+    } else if (n > 1) {
+      fwrite(s, 1, n, f);
+      s += n;
+    } else {
+      if (c == '"' || c == '\\') fprintf(f, "\\%c", c);
+      else if (c < 0x20 || c == 0x7f || c == '<' || c == '>' || c == '&') fprintf(f, "\\u%04x", c);
+      else fputc((int)c, f);
+      s++;
+    }
+  }
+  fputc('"', f);
+}

@@ -600,15 +600,31 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
 
 /* ---- looking from outside (gcalloc top) ------------------------------------ */
 
+/* Whether this user may join the region of `fd`, as joining decides
+ * (gca__shared_region_open): its own, or its group's where the region
+ * gives the group access, and no access beyond what gcalloc gives. A
+ * region of another user may say anything: it is not read. */
+static bool region_joinable(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (st.st_mode & 0777 & ~(mode_t)0660)) return false;
+  return st.st_uid == geteuid() || ((st.st_mode & 0060) && st.st_gid == getegid());
+}
+
 /* One region, copied (not mapped: a region truncated meanwhile would kill
  * the reader with SIGBUS; a short read is only a region skipped) and
  * checked; its live slots into *out. A region with no live process (one
- * whose processes were all killed) is litter, not a device: skipped. */
-static bool scan_region(const char *file, gca_ipc_device_t *out) {
+ * whose processes were all killed) is litter, not a device: skipped; one
+ * this user may not join is counted in *foreign. */
+static bool scan_region(const char *file, gca_ipc_device_t *out, int *foreign) {
   char path[300];
   snprintf(path, sizeof path, "/%s", file);
   int fd = shm_open(path, O_RDONLY, 0);
   if (fd < 0) return false;
+  if (!region_joinable(fd)) {
+    close(fd);
+    ++*foreign;
+    return false;
+  }
   coop_region_t *r = malloc(sizeof *r);
   bool ok = r && pread(fd, r, sizeof *r, 0) == (ssize_t)sizeof *r; /* (fd kept: the slots' lock bytes) */
   ok = ok && atomic_load(&r->magic) == COOP_MAGIC && r->version == COOP_VERSION && r->size == sizeof *r;
@@ -639,17 +655,21 @@ static bool scan_region(const char *file, gca_ipc_device_t *out) {
   return ok;
 }
 
-int gca_ipc_scan(gca_ipc_device_t *out, size_t cap) {
+int gca_ipc_scan(gca_ipc_device_t *out, size_t cap) { return gca_ipc_scan_ex(out, cap, NULL); }
+
+int gca_ipc_scan_ex(gca_ipc_device_t *out, size_t cap, int *skipped) {
+  if (skipped) *skipped = 0;
   if (!out && cap) return gca__set_error(GCA_ERR_INVALID, "gca_ipc_scan: out is NULL");
   DIR *dir = opendir("/dev/shm");
   if (!dir) return gca__set_error(GCA_ERR_IO, "gca_ipc_scan: cannot read /dev/shm: %s", strerror(errno));
-  int n = 0;
+  int n = 0, foreign = 0;
   gca_ipc_device_t scratch;
   for (struct dirent *e; (e = readdir(dir));) {
     if (strncmp(e->d_name, "gcalloc-coop-", 13) != 0) continue;
     gca_ipc_device_t *slot = (size_t)n < cap ? &out[n] : &scratch;
-    if (scan_region(e->d_name, slot)) n++;
+    if (scan_region(e->d_name, slot, &foreign)) n++;
   }
   closedir(dir);
+  if (skipped) *skipped = foreign;
   return n;
 }

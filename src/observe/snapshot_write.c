@@ -232,13 +232,21 @@ static void j_value(emitter_t *e, json_object *o) {
   json_object_put(o);
 }
 
+/* Strings are written by gca__json_string, not json-c, which passes bytes
+ * that are not UTF-8 through as they are: a frame's file or function name
+ * may hold any. */
+static void j_text(emitter_t *e, const char *s) {
+  j_item(e);
+  gca__json_string(e->f, s);
+}
+
 static void j_key(emitter_t *e, const char *k) {
-  j_value(e, json_object_new_string(k));
+  j_text(e, k);
   fputc(':', e->f);
   e->comma[e->depth] = false; /* the value follows without a comma */
 }
 
-static void j_str(emitter_t *e, const char *s) { j_value(e, json_object_new_string(s)); }
+static void j_str(emitter_t *e, const char *s) { j_text(e, s); }
 static void j_integer(emitter_t *e, int64_t v) { j_value(e, json_object_new_int64(v)); }
 static void j_real(emitter_t *e, double v) { j_value(e, json_object_new_double(v)); }
 static void j_boolean(emitter_t *e, bool v) { j_value(e, json_object_new_boolean(v)); }
