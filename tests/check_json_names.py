@@ -34,6 +34,15 @@ def hostile_snapshot(source, target):
         pickle.dump(snapshot, f, protocol=4)
 
 
+def run_json(tool, what, *args):
+    """`gcalloc WHAT ARGS --json`, which must succeed and print UTF-8 JSON."""
+    out = subprocess.run([os.fsencode(tool), what.encode()] + list(args) + [b"--json"], capture_output=True,
+                         timeout=300)
+    if out.returncode != 0:
+        sys.exit("FAIL: %s --json: %s" % (what, out.stderr.decode(errors="replace")))
+    return strict_json(out.stdout, what + " --json")
+
+
 def strict_json(raw, what):
     text = raw.decode("utf-8")  # (strict: raises on any byte that is not UTF-8)
     try:
@@ -49,17 +58,11 @@ def main():
     path = os.path.join(os.fsencode(work), b"trace-\xff\x9b\x1b[2J.pickle")
     hostile_snapshot(source, path)
 
-    out = subprocess.run([os.fsencode(tool), b"replay", path, b"--json"], capture_output=True, timeout=120)
-    if out.returncode != 0:
-        sys.exit("FAIL: replay --json: %s" % out.stderr.decode(errors="replace"))
-    replay = strict_json(out.stdout, "replay --json")
+    replay = run_json(tool, "replay", path)
     if replay["trace"].encode("utf-8", "surrogateescape") != path:
         sys.exit("FAIL: the trace's name did not come back: %r" % replay["trace"])
 
-    out = subprocess.run([os.fsencode(tool), b"tune", path, b"--json"], capture_output=True, timeout=300)
-    if out.returncode != 0:
-        sys.exit("FAIL: tune --json: %s" % out.stderr.decode(errors="replace"))
-    tune = strict_json(out.stdout, "tune --json")
+    tune = run_json(tool, "tune", path)
     if tune["trace"].encode("utf-8", "surrogateescape") != path:
         sys.exit("FAIL: tune's trace name did not come back: %r" % tune["trace"])
 

@@ -7,10 +7,12 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <cmocka.h>
 
 #include "backends/sim_driver.h"
@@ -189,6 +191,22 @@ static inline int order_streams(const backend_t *b, gca_stream_t from, gca_strea
   rc = b->ops->stream_wait_event(b->state, 0, to, e);
   b->ops->event_destroy(b->state, 0, e);
   return rc;
+}
+
+/* A watchdog: a test program that has not ended `seconds` from now (a
+ * deadlock) says so on stderr, naming `program`, and exits 3. */
+static const char *watchdog_program;
+static inline void watchdog_fired(int sig) {
+  (void)sig;
+  static const char tail[] = ": watchdog: a call hung (deadlock?)\n";
+  (void)!write(2, watchdog_program, strlen(watchdog_program));
+  (void)!write(2, tail, sizeof tail - 1);
+  _exit(3);
+}
+static inline void start_watchdog(const char *program, unsigned seconds) {
+  watchdog_program = program;
+  signal(SIGALRM, watchdog_fired);
+  alarm(seconds);
 }
 
 static inline void assert_contains(const char *haystack, const char *needle) {

@@ -179,16 +179,8 @@ static void test_fork_while_threads_allocate(void **state) {
   gca_close(b.a);
 }
 
-static void watchdog(int sig) {
-  (void)sig;
-  static const char msg[] = "test_fork: watchdog: a call hung (deadlock?)\n";
-  (void)!write(2, msg, sizeof msg - 1);
-  _exit(3);
-}
-
 int main(void) {
-  signal(SIGALRM, watchdog);
-  alarm(120);
+  start_watchdog("test_fork", 120);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_child_leaves_the_parents_share_alone, fresh_name, remove_regions),
       cmocka_unit_test(test_fork_while_threads_allocate),

@@ -513,16 +513,8 @@ static void test_every_call_from_several_threads(void **state) {
   gca_close(s.a);
 }
 
-static void watchdog(int sig) {
-  (void)sig;
-  static const char msg[] = "test_lock_order: watchdog: a call hung (deadlock?)\n";
-  (void)!write(2, msg, sizeof msg - 1);
-  _exit(3);
-}
-
 int main(void) {
-  signal(SIGALRM, watchdog);
-  alarm(120);
+  start_watchdog("test_lock_order", 120);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_order_check_names_both_locks_and_sites),
       cmocka_unit_test(test_pause_with_backup_beside_set_config),

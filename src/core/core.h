@@ -723,16 +723,7 @@ static inline device_t *gca__device_of(const gca_allocator_t *a, int device, con
     gca__callback_refuses(what);
     return NULL;
   }
-  if (unlikely(!a)) {
-    gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
-    return NULL;
-  }
-  if (unlikely(device < 0 || device >= a->device_count)) {
-    gca__set_error(GCA_ERR_INVALID, "%s: device %d does not exist (the backend has %d device%s)", what, device,
-                   a->device_count, a->device_count == 1 ? "" : "s");
-    return NULL;
-  }
-  return allocator_usable(a, what) ? &a->devices[device] : NULL;
+  return gca__device_of_reading(a, device, what);
 }
 
 /* ------------------------------------------------------------------------ */
