@@ -582,7 +582,6 @@ int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
 int gca_pool_pop(gca_allocator_t *a) {
   if (in_locked_callback()) return gca__callback_refuses("gca_pool_pop");
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: allocator is NULL");
-  if (!allocator_usable(a, "gca_pool_pop")) return GCA_ERR_INVALID;
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   bool stale = false;
   while (thread_route_depth > 0 && !route_live(&thread_routes[thread_route_depth - 1])) {
@@ -594,6 +593,8 @@ int gca_pool_pop(gca_allocator_t *a) {
     rc = gca__set_error(GCA_ERR_INVALID, "gca_pool_pop: this thread's last push was not to this allocator%s",
                         stale ? " (its push ended when the allocator was closed)"
                         : thread_route_depth ? "" : " (it has none)");
+  else if (!allocator_usable(a, "gca_pool_pop")) /* (live: its push is, under the registry's lock) */
+    rc = GCA_ERR_INVALID;
   else
     route_undo(&thread_routes[--thread_route_depth]);
   mutex_unlock(&registry_lock);
