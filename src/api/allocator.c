@@ -247,7 +247,9 @@ void gca_close(gca_allocator_t *a) {
   }
   gca__log_message(GCA_LOG_INFO, "allocator %d closed%s", a->id,
                    a->forked ? " (inherited across fork: this process's books only)" : "");
+  bool forked = a->forked;
   close_unregistered(a);
+  if (forked) gca__calls_guard(-1); /* (raised at fork) */
 }
 
 
@@ -308,8 +310,9 @@ int gca_stream_priority_range(gca_allocator_t *a, int device, int *least, int *g
   return a->backend.ops->stream_priority_range(a->backend.state, device, least, greatest);
 }
 
+/* (The guards are the observed entry's: malloc_observed, free_observed.) */
 static inline void *malloc_plain(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
-  device_t *d = gca__device_of(a, device, "gca_malloc");
+  device_t *d = gca__device_lookup(a, device, "gca_malloc");
   if (unlikely(!d)) return NULL;
   if (unlikely(size == 0)) {
     gca__clear_error();
@@ -333,9 +336,7 @@ static int free_on(device_t *d, uintptr_t addr) {
 
 static inline int free_plain(gca_allocator_t *a, void *ptr) {
   if (!ptr) return GCA_OK;
-  if (in_locked_callback()) return gca__callback_refuses("gca_free");
   if (unlikely(!a)) return gca__set_error(GCA_ERR_INVALID, "gca_free: allocator is NULL");
-  if (!allocator_usable(a, "gca_free")) return GCA_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   /* One device: no need to look at address spans first. */
   if (likely(a->device_count == 1)) {
@@ -583,7 +584,16 @@ static void python_gather(gca_allocator_t *a, int device) {
     }
 }
 
+/* A guard is up (gca__calls_guard): whether call `what` on `a` is refused,
+ * the error then set. First, before Python frames (the GIL) or the trace
+ * file's lock. */
+static bool guard_refuses(const gca_allocator_t *a, const char *what) {
+  if (in_locked_callback()) return gca__callback_refuses(what), true;
+  return a && !allocator_usable(a, what);
+}
+
 GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
+  if (guard_refuses(a, "gca_malloc")) return NULL;
   python_gather(a, device);
   gca__record_lock_calls();
   void *p = malloc_plain(a, size, device, stream);
@@ -597,6 +607,7 @@ GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int devic
 }
 
 GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
+  if (ptr && guard_refuses(a, "gca_free")) return gca_last_status();
   if (ptr) python_gather(a, -1);
   gca__record_lock_calls();
   (void)gca__record_free_left_pending();

@@ -120,6 +120,14 @@ void gca__log_set_calls_recorded(bool on);
  * lock (GCA_OBSERVED_PYTHON in gca__calls_observed). */
 #define GCA_OBSERVED_PYTHON 4
 void gca__log_python_frames(int delta);
+/* Calls must be guarded (+1) or need not be any more (-1): while any guard
+ * is up (a callback running under a device's lock, an allocator inherited
+ * across fork), gca_malloc and gca_free take the observed entry, which
+ * checks whether the call may run before anything else; the other calls
+ * check always. Guards count in the bits above GCA_OBSERVED_FLAGS. */
+#define GCA_OBSERVED_FLAGS 0xff
+#define GCA_OBSERVED_GUARD (GCA_OBSERVED_FLAGS + 1)
+void gca__calls_guard(int delta);
 
 /* ------------------------------------------------------------------------ */
 /* Small helpers (util.c)                                                    */

@@ -137,11 +137,18 @@ static _Atomic bool calls_recorded;
 /* Devices whose history wants Python frames (gca__log_python_frames). */
 static _Atomic int python_devices;
 
+/* The flags, recomputed; the guards above them (counted by
+ * gca__calls_guard, from any thread at any time) kept. */
 static void update_observed(void) {
   int trace = atomic_load(&gca__log_level_now) >= GCA_LOG_TRACE;
-  atomic_store(&gca__calls_observed, trace | (atomic_load(&calls_recorded) ? 2 : 0) |
-                                         (atomic_load(&python_devices) > 0 ? GCA_OBSERVED_PYTHON : 0));
+  int flags = trace | (atomic_load(&calls_recorded) ? 2 : 0) |
+              (atomic_load(&python_devices) > 0 ? GCA_OBSERVED_PYTHON : 0);
+  int was = atomic_load(&gca__calls_observed);
+  while (!atomic_compare_exchange_weak(&gca__calls_observed, &was, (was & ~GCA_OBSERVED_FLAGS) | flags)) {
+  }
 }
+
+void gca__calls_guard(int delta) { atomic_fetch_add(&gca__calls_observed, delta * GCA_OBSERVED_GUARD); }
 
 void gca__log_python_frames(int delta) {
   atomic_fetch_add(&python_devices, delta);

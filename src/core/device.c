@@ -148,7 +148,6 @@ bool gca__device_limit_refuses(device_t *d, size_t bytes) {
 }
 
 _Thread_local callback_frame_t *gca__callback_frame;
-_Atomic int gca__callback_frames;
 
 int gca__callback_refuses(const char *what) {
   const callback_frame_t *f = gca__callback_frame;
@@ -164,14 +163,27 @@ int gca__forked_refuses(const gca_allocator_t *a, const char *what) {
                         "parent's); open an allocator of its own", what, a->pid);
 }
 
-void gca__device_drain(device_t *d, bool always) {
-  if (!d->drain.fn || (!always && !d->drain.owed)) return;
-  d->drain.owed = false;
+GCA_COLD void gca__segment_observer_call(device_t *d, bool alloc, size_t size) {
+  callback_frame_t frame = {.name = "the segment observer", .device = d, .reads = false};
+  callback_enter(&frame);
+  d->obs.segment_fn(d->obs.segment_ctx, alloc, size);
+  callback_leave(&frame);
+}
+
+/* Out of line: the frame's thread-local variable is a call into the
+ * dynamic linker (segment_observed says why that matters). */
+GCA_COLD static void drain_in_frame(device_t *d) {
   /* (Every caller drains where the books are whole: a drain may read them.) */
   callback_frame_t frame = {.name = "the queue drain (gca_set_queue_drain)", .device = d, .reads = true};
   callback_enter(&frame);
   d->drain.fn(d->index, d->drain.user);
   callback_leave(&frame);
+}
+
+void gca__device_drain(device_t *d, bool always) {
+  if (!d->drain.fn || (!always && !d->drain.owed)) return;
+  d->drain.owed = false;
+  drain_in_frame(d);
   /* The queue is empty: now every piece of work is on a stream, and once
    * the device is synchronized none of it still uses what goes back. */
   const backend_ops_t *ops = d->backend->ops;

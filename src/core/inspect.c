@@ -28,6 +28,7 @@ int gca__inspect_observe_segments(gca_allocator_t *a, int device, gca__segment_o
   if (!d) return gca_last_status();
   d->obs.segment_fn = fn;
   d->obs.segment_ctx = fn ? ctx : NULL;
+  d->obs.segment_call = fn ? gca__segment_observer_call : NULL;
   return GCA_OK;
 }
 

@@ -109,6 +109,7 @@ void gca__allocators_fork_done(bool child) {
   for (size_t i = 0; i < open_count; i++) {
     gca_allocator_t *a = open_list[i].allocator;
     if (child) {
+      if (!a->forked) gca__calls_guard(1); /* (lowered at its close) */
       a->forked = true;
       for (int k = 0; k < a->device_count; k++) gca__coop_after_fork_child(a->devices[k].coop);
       if (a->backend.ops->after_fork_child) a->backend.ops->after_fork_child(a->backend.state);
