@@ -252,7 +252,6 @@ void gca_close(gca_allocator_t *a) {
   if (forked) gca__calls_guard(-1); /* (raised at fork) */
 }
 
-
 int gca_device_count(const gca_allocator_t *a) {
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_device_count: allocator is NULL");
   return a->device_count;
@@ -413,11 +412,10 @@ int gca_base_allocation(gca_allocator_t *a, void *ptr, void **base, size_t *size
 
 static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t stream, bool erase) {
   const char *what = erase ? "erase a stream use of" : "record a stream use of";
-  if (in_locked_callback()) return gca__callback_refuses(erase ? "gca_erase_stream" : "gca_record_stream");
+  if (call_refused(a, erase ? "gca_erase_stream" : "gca_record_stream")) return gca_last_status();
   if (!a || !ptr)
     return gca__set_error(GCA_ERR_INVALID, "%s: %s is NULL", erase ? "gca_erase_stream" : "gca_record_stream",
                           a ? "pointer" : "allocator");
-  if (!allocator_usable(a, erase ? "gca_erase_stream" : "gca_record_stream")) return GCA_ERR_INVALID;
   uintptr_t addr = (uintptr_t)ptr;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
@@ -433,9 +431,8 @@ static int record_stream_plain(gca_allocator_t *a, void *ptr, gca_stream_t strea
 
 /* Run `fn` on one device, or on every device for -1. */
 static int for_devices(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
-  if (in_locked_callback()) return gca__callback_refuses(what);
+  if (call_refused(a, what)) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
-  if (!allocator_usable(a, what)) return GCA_ERR_INVALID;
   if (device == -1) {
     for (int i = 0; i < a->device_count; i++) fn(&a->devices[i]);
     return GCA_OK;
@@ -449,9 +446,8 @@ static int for_devices(gca_allocator_t *a, int device, const char *what, void (*
 /* The same for a call that would synchronize or free: refused, doing
  * nothing, while a graph capture runs on a device it names. */
 static int for_devices_not_capturing(gca_allocator_t *a, int device, const char *what, void (*fn)(device_t *)) {
-  if (in_locked_callback()) return gca__callback_refuses(what);
+  if (call_refused(a, what)) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
-  if (!allocator_usable(a, what)) return GCA_ERR_INVALID;
   for (int i = 0; i < a->device_count; i++) {
     if (device != -1 && device != i) continue;
     int rc = gca__device_capturing(&a->devices[i], what);
@@ -509,9 +505,8 @@ int gca_record_history(gca_allocator_t *a, int enabled, gca_context context, siz
 
 int gca_record_history_ex(gca_allocator_t *a, int enabled, gca_context context, gca_stacks stacks,
                           size_t max_entries) {
-  if (in_locked_callback()) return gca__callback_refuses("gca_record_history");
+  if (call_refused(a, "gca_record_history")) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_record_history: allocator is NULL");
-  if (!allocator_usable(a, "gca_record_history")) return GCA_ERR_INVALID;
   if (enabled && (stacks < GCA_STACKS_NATIVE || stacks > GCA_STACKS_ALL))
     return gca__set_error(GCA_ERR_INVALID, "gca_record_history: stacks %d is not NATIVE, PYTHON or ALL", (int)stacks);
   if (enabled && (context < GCA_CONTEXT_NONE || context > GCA_CONTEXT_ALL))
@@ -537,9 +532,8 @@ int gca_no_caching(const gca_allocator_t *a) {
 }
 
 int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user) {
-  if (in_locked_callback()) return gca__callback_refuses("gca_set_queue_drain");
+  if (call_refused(a, "gca_set_queue_drain")) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_queue_drain: allocator is NULL");
-  if (!allocator_usable(a, "gca_set_queue_drain")) return GCA_ERR_INVALID;
   for (int i = 0; i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     lock_acquire(&d->lock);
@@ -584,16 +578,10 @@ static void python_gather(gca_allocator_t *a, int device) {
     }
 }
 
-/* A guard is up (gca__calls_guard): whether call `what` on `a` is refused,
- * the error then set. First, before Python frames (the GIL) or the trace
- * file's lock. */
-static bool guard_refuses(const gca_allocator_t *a, const char *what) {
-  if (in_locked_callback()) return gca__callback_refuses(what), true;
-  return a && !allocator_usable(a, what);
-}
-
+/* The guards (gca__calls_guard) are checked first on both: before Python
+ * frames (the GIL) or the trace file's lock are taken. */
 GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int device, gca_stream_t stream) {
-  if (guard_refuses(a, "gca_malloc")) return NULL;
+  if (call_refused(a, "gca_malloc")) return NULL;
   python_gather(a, device);
   gca__record_lock_calls();
   void *p = malloc_plain(a, size, device, stream);
@@ -607,7 +595,7 @@ GCA_COLD static void *malloc_observed(gca_allocator_t *a, size_t size, int devic
 }
 
 GCA_COLD static int free_observed(gca_allocator_t *a, void *ptr) {
-  if (ptr && guard_refuses(a, "gca_free")) return gca_last_status();
+  if (ptr && call_refused(a, "gca_free")) return gca_last_status();
   if (ptr) python_gather(a, -1);
   gca__record_lock_calls();
   (void)gca__record_free_left_pending();
@@ -676,9 +664,8 @@ int gca_mem_get_info(gca_allocator_t *a, int device, size_t *free_bytes, size_t 
 }
 
 int gca_set_config(gca_allocator_t *a, const char *config) {
-  if (in_locked_callback()) return gca__callback_refuses("gca_set_config");
+  if (call_refused(a, "gca_set_config")) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_set_config: allocator is NULL");
-  if (!allocator_usable(a, "gca_set_config")) return GCA_ERR_INVALID;
   gca__log_hold(); /* the configuration's warnings are delivered after the lock */
   mutex_lock(&a->config_lock, RANK_CONFIG);
   config_t next = a->config; /* (read under config_lock: only this function writes it after open) */

@@ -658,6 +658,14 @@ static inline bool in_locked_callback(void) {
          gca__callback_frame != NULL;
 }
 
+/* Whether public call `what` on `a` (NULL: not looked at; the caller says
+ * so) is refused, the error then set: made from inside a callback under a
+ * device's lock, or on an allocator inherited across fork. */
+static inline bool call_refused(const gca_allocator_t *a, const char *what) {
+  if (in_locked_callback()) return gca__callback_refuses(what), true;
+  return a && !allocator_usable(a, what);
+}
+
 /* How a reading call reaches device d: locked here (DEVICE_LOCKED), held
  * by the callback's caller on this thread (DEVICE_HELD: read, do not lock),
  * or refused (DEVICE_REFUSED, error set: another device's lock, taken

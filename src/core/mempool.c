@@ -219,13 +219,11 @@ void gca__mempools_destroy(device_t *d) {
 
 /* ---- lookup ------------------------------------------------------------- */
 
-/* The pool `id` and its device, locked; NULL (nothing locked) with the
+/* The pool `id` and its device, for call `what`: the device locked, or
+ * for a reading call (`reading`) reached as device_read_lock reaches it;
+ * *how says which, for device_read_unlock. NULL (nothing held) with the
  * error set. */
-mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) {
-  if (in_locked_callback()) {
-    gca__callback_refuses(what);
-    return NULL;
-  }
+static mempool_t *mempool_reach(gca_allocator_t *a, uint64_t id, const char *what, bool reading, int *how) {
   if (!a) {
     gca__set_error(GCA_ERR_INVALID, "%s: allocator is NULL", what);
     return NULL;
@@ -233,14 +231,28 @@ mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) 
   if (!allocator_usable(a, what)) return NULL;
   for (int i = 0; id && i < a->device_count; i++) {
     device_t *d = &a->devices[i];
-    lock_acquire(&d->lock);
+    if (reading) {
+      if ((*how = device_read_lock(d, what)) == DEVICE_REFUSED) return NULL;
+    } else {
+      lock_acquire(&d->lock);
+      *how = DEVICE_LOCKED;
+    }
     mempool_t *mp = gca__mempool_find(d, id);
     if (mp) return mp;
-    lock_release(&d->lock);
+    device_read_unlock(d, *how);
   }
   gca__set_error(GCA_ERR_INVALID, "%s: pool %" PRIu64 " does not exist%s", what, id,
                  id && id <= atomic_load(&a->last_pool_id) ? " (it was released)" : "");
   return NULL;
+}
+
+mempool_t *gca__mempool_lock(gca_allocator_t *a, uint64_t id, const char *what) {
+  if (in_locked_callback()) {
+    gca__callback_refuses(what);
+    return NULL;
+  }
+  int how;
+  return mempool_reach(a, id, what, false, &how);
 }
 
 /* ---- life --------------------------------------------------------------- */
@@ -543,9 +555,8 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr) {
 /* ---- routes ------------------------------------------------------------- */
 
 int gca_pool_push(gca_allocator_t *a, gca_pool_t pool) {
-  if (in_locked_callback()) return gca__callback_refuses("gca_pool_push");
+  if (call_refused(a, "gca_pool_push")) return gca_last_status();
   if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_push: allocator is NULL");
-  if (!allocator_usable(a, "gca_pool_push")) return GCA_ERR_INVALID;
   pthread_once(&exit_key_once, make_exit_key);
   mutex_lock(&registry_lock, RANK_POOL_REGISTRY);
   routes_compact();
@@ -678,17 +689,9 @@ int gca__device_capturing(device_t *d, const char *what) {
 
 int gca_pool_get_stats(gca_allocator_t *a, gca_pool_t pool, gca_pool_stats_t *out) {
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: out is NULL");
-  if (!a) return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: allocator is NULL");
-  mempool_t *mp = NULL;
-  int how = DEVICE_REFUSED;
-  for (int i = 0; pool && !mp && i < a->device_count; i++) {
-    device_t *d = &a->devices[i];
-    if ((how = device_read_lock(d, "gca_pool_get_stats")) == DEVICE_REFUSED) return gca_last_status();
-    if (!(mp = gca__mempool_find(d, pool))) device_read_unlock(d, how);
-  }
-  if (!mp)
-    return gca__set_error(GCA_ERR_INVALID, "gca_pool_get_stats: pool %" PRIu64 " does not exist%s", pool,
-                          pool && pool <= atomic_load(&a->last_pool_id) ? " (it was released)" : "");
+  int how;
+  mempool_t *mp = mempool_reach(a, pool, "gca_pool_get_stats", true, &how);
+  if (!mp) return gca_last_status();
   (void)count_pool(mp, out);
   out->id = mp->id;
   out->device = mp->device->index;
