@@ -834,6 +834,23 @@ static int acl_device_identity(void *state, int device, char *out, size_t cap) {
 
 /* ---- opening and closing ------------------------------------------------ */
 
+/* This process's state alone, with no runtime call: a child of fork's
+ * (backend.h), and the end of acl_destroy. */
+static void acl_forget(void *state) {
+  acl_t *a = state;
+  if (!a) return;
+  for (int i = 0; i < a->device_count; i++) {
+    acl_device_t *d = &a->devices[i];
+    free(d->refused_events.items);
+    free(d->refused_probes.items);
+    pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    free(d->mappings);
+    free(d->waited);
+  }
+  free(a);
+}
+
 static void acl_destroy(void *state) {
   acl_t *a = state;
   if (!a) return;
@@ -854,30 +871,11 @@ static void acl_destroy(void *state) {
     }
     gca__kept_handles_retry(&d->refused_events, acl_destroy_one_event, a, true, ACL_EVENTS);
     gca__kept_handles_retry(&d->refused_probes, acl_release_one_probe, a, true, ACL_PROBES);
-    pthread_mutex_destroy(&d->event_lock);
-    pthread_mutex_destroy(&d->vm_lock);
-    free(d->mappings);
-    free(d->waited);
   }
   /* Neither aclFinalize nor aclrtResetDevice: the framework beside us may
    * still use the runtime. */
   if (a->rt.handle) dlclose(a->rt.handle);
-  free(a);
-}
-
-static void acl_forget(void *state) {
-  acl_t *a = state;
-  if (!a) return;
-  for (int i = 0; i < a->device_count; i++) {
-    acl_device_t *d = &a->devices[i];
-    free(d->refused_events.items);
-    free(d->refused_probes.items);
-    pthread_mutex_destroy(&d->event_lock);
-    pthread_mutex_destroy(&d->vm_lock);
-    free(d->mappings);
-    free(d->waited);
-  }
-  free(a);
+  acl_forget(a);
 }
 
 static const backend_ops_t acl_ops = {

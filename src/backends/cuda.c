@@ -738,6 +738,22 @@ static int cuda_host_is_pinned(void *state, const void *ptr, int *pinned) {
 
 /* ---- opening and closing ------------------------------------------------ */
 
+/* This process's state alone, with no driver call: a child of fork's
+ * (backend.h), and the end of cuda_destroy. */
+static void cuda_forget(void *state) {
+  cuda_t *c = state;
+  if (!c) return;
+  for (int i = 0; i < c->device_count; i++) {
+    cuda_device_t *d = &c->devices[i];
+    free(d->refused_events.items);
+    pthread_mutex_destroy(&d->event_lock);
+    pthread_mutex_destroy(&d->vm_lock);
+    pthread_mutex_destroy(&d->ctx_lock);
+    free(d->mappings);
+  }
+  free(c);
+}
+
 static void cuda_destroy(void *state) {
   cuda_t *c = state;
   if (!c) return;
@@ -751,28 +767,10 @@ static void cuda_destroy(void *state) {
     }
     leave(&g);
     gca__kept_handles_retry(&d->refused_events, destroy_one_event, c, true, CUDA_EVENTS);
-    pthread_mutex_destroy(&d->event_lock);
-    pthread_mutex_destroy(&d->vm_lock);
-    pthread_mutex_destroy(&d->ctx_lock);
-    free(d->mappings);
     if (d->retained) c->drv.cuDevicePrimaryCtxRelease(d->dev);
   }
   if (c->drv.handle) dlclose(c->drv.handle);
-  free(c);
-}
-
-static void cuda_forget(void *state) {
-  cuda_t *c = state;
-  if (!c) return;
-  for (int i = 0; i < c->device_count; i++) {
-    cuda_device_t *d = &c->devices[i];
-    free(d->refused_events.items);
-    pthread_mutex_destroy(&d->event_lock);
-    pthread_mutex_destroy(&d->vm_lock);
-    pthread_mutex_destroy(&d->ctx_lock);
-    free(d->mappings);
-  }
-  free(c);
+  cuda_forget(c);
 }
 
 static const backend_ops_t cuda_ops = {
