@@ -21,8 +21,7 @@
 /* Every lock of the library has a rank, and a thread takes locks in
  * increasing rank only: no two threads can then wait for each other
  * (docs/design.md says why each lock sits where it does). Equal ranks do
- * not nest: the devices' locks are taken one at a time. A trylock never
- * waits, so it is exempt from the order, and counted as held. */
+ * not nest: the devices' locks are taken one at a time. */
 enum lock_rank {
   RANK_TORCH = 1,       /* torch.c: the drop-in's allocator and settings (its open calls everything) */
   RANK_RECORD,          /* record.c: the trace file, held across a whole recorded call */
@@ -54,10 +53,9 @@ enum lock_rank {
 #if !defined(NDEBUG) && !defined(GCALLOC_LOCK_CHECK)
 #define GCALLOC_LOCK_CHECK 1
 #endif
-/* How an acquisition is checked: one that waits is taken in order; a
- * sibling may follow locks of its own rank (taken in an order a lock held
- * above them fixes); a trylock is not checked. */
-enum { ORDER_TRY = 0, ORDER_WAITS = 1, ORDER_SIBLING = 2 };
+/* How an acquisition is checked: in rank order; a sibling may also follow
+ * locks of its own rank (taken in an order a lock held above them fixes). */
+enum { ORDER_WAITS = 1, ORDER_SIBLING = 2 };
 #ifdef GCALLOC_LOCK_CHECK
 void gca__lock_order_take(const void *lock, int rank, const char *file, int line, int mode);
 void gca__lock_order_drop(const void *lock);

@@ -1,15 +1,14 @@
 /* The lock-order check of checked builds (lock.h, GCALLOC_LOCK_CHECK).
  *
  * Each thread keeps the locks it holds, with their ranks and the places
- * they were taken. Taking a lock that waits while a lock of the same or a
- * higher rank is held is a possible deadlock whether or not another thread
+ * they were taken. Taking a lock while a lock of the same or a higher
+ * rank is held is a possible deadlock whether or not another thread
  * happens to take the pair the other way round this time, so it aborts at
  * once, naming both locks and both sites: the test that takes the path
  * fails, not the rare run that hangs. Release builds compile none of it.
  */
 #include <stdio.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #include "base/base.h"
 
@@ -71,12 +70,11 @@ GCA_COLD static void order_broken(const held_lock_t *had, const void *lock, int 
 }
 
 void gca__lock_order_take(const void *lock, int rank, const char *file, int line, int mode) {
-  if (mode != ORDER_TRY)
-    for (int i = 0; i < order_held_count; i++) {
-      const held_lock_t *h = &order_held[i];
-      if (h->lock == lock || h->rank > rank || (h->rank == rank && mode != ORDER_SIBLING))
-        order_broken(h, lock, rank, file, line);
-    }
+  for (int i = 0; i < order_held_count; i++) {
+    const held_lock_t *h = &order_held[i];
+    if (h->lock == lock || h->rank > rank || (h->rank == rank && mode != ORDER_SIBLING))
+      order_broken(h, lock, rank, file, line);
+  }
   if (order_held_count == HELD_MAX) {
     fprintf(stderr, "gcalloc: lock order check: %d locks held at once at %s:%d\n", HELD_MAX, file, line);
     abort();

@@ -240,12 +240,14 @@ int gca_snapshot_take(gca_allocator_t *a, gca_snapshot_t **out) {
   if (!sn) return gca__set_error(GCA_ERR_NOMEM, "out of host memory taking a snapshot");
   gca_snapshot_t *pub = &sn->pub;
   int n = a->device_count;
-  /* (Inside a callback under a device's lock, only that device is read.) */
-  for (int i = 0; i < n && in_locked_callback(); i++)
-    if (gca__callback_frame->device != &a->devices[i] || !gca__callback_frame->reads) {
-      free(sn);
-      return gca__callback_refuses("gca_snapshot_take");
-    }
+  /* Inside a callback under a device's lock, only that device can be read:
+   * refused unless it is the allocator's only one (device_read_lock's rule,
+   * asked before anything is taken). */
+  const callback_frame_t *f = in_locked_callback() ? gca__callback_frame : NULL;
+  if (f && (!f->reads || n != 1 || f->device != &a->devices[0])) {
+    free(sn);
+    return gca__callback_refuses("gca_snapshot_take");
+  }
   gca_trace_entry_t **traces = gca__arena_zalloc(&sn->arena, (size_t)n * sizeof *traces);
   size_t *counts = gca__arena_zalloc(&sn->arena, (size_t)n * sizeof *counts);
   size_t total = 0, cap = 0;
