@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/base.h"
 #include "gcalloc.h"
 #include "tools/tool.h"
 
@@ -268,7 +269,7 @@ int bench_cuda_main(int argc, char **argv) {
     for (int s = 0; s < PINNED_SIZES; s++) pinning[w][s] = time_pinning_way(w, pinned_sizes[s]);
   if (json) {
     printf("{\"device\":");
-    json_put_string(stdout, props.name);
+    gca__json_string(stdout, props.name);
     printf(",\"peers\":[");
     for (int p = 0; p < PEERS; p++) {
       printf("%s{\"name\":\"%s\",\"pair_ns\":{", p ? "," : "", peer_names[p]);

@@ -397,7 +397,7 @@ int bench_replay_main(int argc, char **argv) {
     double rate = r->best > 0 ? (double)r->events / r->best : 0;
     if (json) {
       printf("%s\n {\"trace\": ", i ? "," : "");
-      json_put_string(stdout, r->name);
+      gca__json_string(stdout, r->name);
       printf(", \"events\": %zu, \"best_seconds\": %.6f, \"median_seconds\": %.6f, \"events_per_second\": %.0f"
              ", \"new_process_events_per_second\": %.0f, \"new_process_page_faults\": %ld"
              ", \"after_idle_events_per_second\": %.0f, \"new_process_floor_seconds\": %.6f"

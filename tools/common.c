@@ -186,10 +186,6 @@ int compare_doubles(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* '<', '>' and '&' are escaped too, so that the string is safe inside an
- * HTML <script> (no "</script>"). */
-void json_put_string(FILE *f, const char *s) { gca__json_string(f, s); }
-
 const char *tool_samples_dir(void) {
   /* Beside the tool first: in the Python package a pip install makes, the
    * tool is gcalloc/bin/gcalloc and the samples gcalloc/data/snapshots. */

@@ -155,10 +155,10 @@ void pages_json_put(FILE *f, const replay_device_t *d) {
 
 static void print_json(const char *path, const trace_t *t, const replay_result_t *r, double load_s, double total_s) {
   printf("{\"trace\": ");
-  json_put_string(stdout, path);
+  gca__json_string(stdout, path);
   printf(", \"trace_events\": %zu, \"load_seconds\": %.6f, \"seconds\": %.6f, \"end_to_end_events_per_second\": %.0f"
          ", \"conf\": ", t->count, load_s, total_s, total_s > 0 ? (double)t->count / total_s : 0.0);
-  json_put_string(stdout, r->conf);
+  gca__json_string(stdout, r->conf);
   printf(", \"devices\": [");
   for (int i = 0; i < r->device_count; i++) {
     const replay_device_t *d = &r->devices[i];
@@ -180,7 +180,7 @@ static void print_json(const char *path, const trace_t *t, const replay_result_t
            d->segment_events_recorded, d->segment_events_replayed, d->seconds > 0 ? (double)d->events / d->seconds : 0.0);
     if (d->oom) {
       printf("{\"operation\": %zu, \"size\": %" PRIu64 ", \"message\": ", d->oom_event, d->oom_size);
-      json_put_string(stdout, d->oom_message);
+      gca__json_string(stdout, d->oom_message);
       printf("}");
     } else {
       printf("null");

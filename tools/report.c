@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/base.h"
 #include "replay/replay.h"
 #include "replay/trace.h"
 #include "report_page.h" /* report_page_js: tools/report_page.js, generated */
@@ -139,7 +140,7 @@ static void put_stacks(FILE *f, const origins_t *o) {
   for (size_t i = 1, n = 0; o->named && i < o->trace->stack_count; i++) {
     if (!o->named[i]) continue;
     fprintf(f, "%s\"%zu\": ", n++ ? ",\n" : "\n", i);
-    json_put_string(f, o->trace->stacks[i]);
+    gca__json_string(f, o->trace->stacks[i]);
   }
   fprintf(f, "}");
 }
@@ -220,7 +221,7 @@ static void put_defaults(FILE *f) {
     if (gca_get_config(a, buf, sizeof buf) < 0) buf[0] = 0;
     gca_close(a);
   }
-  json_put_string(f, buf);
+  gca__json_string(f, buf);
 }
 
 static const char *settings_of(const replay_result_t *r) {
@@ -240,14 +241,14 @@ static void put_device(FILE *f, const replay_device_t *d, origins_t *o) {
   char name[64];
   replay_device_name(d, name, sizeof name);
   fprintf(f, ", \"name\": ");
-  json_put_string(f, name);
+  gca__json_string(f, name);
   /* Operations count from the start of recording: 1 is the first recorded
    * one, 0 the state the seeds made. */
   fprintf(f, ", \"segment_events_matched\": %zu, \"segment_events_recorded\": %zu, \"peak_at\": %zu"
              ", \"oom_seeding\": %s, \"oom\": ",
           d->segment_events_matched, d->segment_events_recorded,
           d->peak_op >= d->seeded ? d->peak_op + 1 - d->seeded : 0, d->oom && d->oom_event < d->seeded ? "true" : "false");
-  if (d->oom) json_put_string(f, d->oom_message);
+  if (d->oom) gca__json_string(f, d->oom_message);
   else fprintf(f, "null");
   fprintf(f, ", ");
   put_timeline(f, d);
@@ -269,11 +270,11 @@ char *report_answer_json(const report_run_t *a) {
   FILE *f = open_memstream(&text, &len);
   if (!f) return NULL;
   fprintf(f, "{\"label\": ");
-  json_put_string(f, a->label);
+  gca__json_string(f, a->label);
   fprintf(f, ", \"conf\": ");
-  json_put_string(f, a->r->conf);
+  gca__json_string(f, a->r->conf);
   fprintf(f, ", \"env\": ");
-  json_put_string(f, a->env ? a->env : "GCALLOC_ALLOC_CONF");
+  gca__json_string(f, a->env ? a->env : "GCALLOC_ALLOC_CONF");
   fprintf(f, ", \"devices\": [");
   for (int i = 0; i < a->r->device_count; i++) {
     const replay_device_t *d = &a->r->devices[i];
@@ -327,11 +328,11 @@ int report_write(const char *out_path, const report_input_t *in) {
   const replay_result_t *r = in->r;
   fputs(page_head, f);
   fprintf(f, "<script>\nconst REPORT = {\"trace\": ");
-  json_put_string(f, in->trace_path);
+  gca__json_string(f, in->trace_path);
   fprintf(f, ", \"conf\": ");
-  json_put_string(f, r->conf);
+  gca__json_string(f, r->conf);
   fprintf(f, ", \"capacity\": %" PRIu64 ", \"settings\": ", in->capacity);
-  json_put_string(f, settings_of(r));
+  gca__json_string(f, settings_of(r));
   fprintf(f, ", \"defaults\": ");
   put_defaults(f);
   origins_t origins = {.trace = in->trace};
@@ -351,7 +352,7 @@ int report_write(const char *out_path, const report_input_t *in) {
       fputs(in->answers[i], f);
     }
     fprintf(f, "], \"answers_note\": ");
-    json_put_string(f, in->answers_note ? in->answers_note : "");
+    gca__json_string(f, in->answers_note ? in->answers_note : "");
   }
   fprintf(f, "};\n%s</script>\n</body></html>\n", report_page_js);
   bool failed = ferror(f);

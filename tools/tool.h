@@ -94,10 +94,9 @@ int tool_parse(const tool_command_t *c, const tool_option_t *options, int argc, 
  * help COMMAND`). */
 void tool_help(const tool_command_t *c);
 
-/* Shared helpers (common.c): a JSON string, valid UTF-8 whatever it holds
- * and safe inside an HTML script (gca__json_string); seconds on the monotonic clock; a qsort comparison
- * of doubles; bytes in GiB. */
-void json_put_string(FILE *f, const char *s);
+/* Shared helpers (common.c): seconds on the monotonic clock; a qsort
+ * comparison of doubles; bytes in GiB. (JSON strings: gca__json_string,
+ * base.h.) */
 double tool_seconds(void);
 /* A progress line on stderr, shown only when stderr is a terminal and
  * half a second has passed since tool_progress_start (a long replay's or

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/base.h"
 #include "gcalloc.h"
 #include "tool.h"
 
@@ -61,7 +62,7 @@ static void print_escaped(const char *s) {
 }
 
 static void json_reason(const char *why) {
-  if (why) json_put_string(stdout, why);
+  if (why) gca__json_string(stdout, why);
   else fputs("null", stdout);
 }
 
@@ -69,7 +70,7 @@ static void print_json(const gca_ipc_device_t *d, int n, int skipped) {
   printf("{\"skipped_regions\": %d, \"devices\": [", skipped);
   for (int i = 0; i < n; i++) {
     printf("%s\n  {\"identity\": ", i ? "," : "");
-    json_put_string(stdout, d[i].identity);
+    gca__json_string(stdout, d[i].identity);
     printf(", \"total_bytes\": %" PRIu64 ", \"free_bytes\": %" PRIu64 ", \"other_bytes\": %" PRIu64
            ", \"implausible\": ", d[i].total_bytes, d[i].free_bytes, d[i].other_bytes);
     json_reason(implausible_device(&d[i]));

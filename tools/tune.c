@@ -342,7 +342,7 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
            bound, CAPACITY_STEP);
     for (int i = 0; i < 3; i++) {
       printf("%s\n  {\"what\": \"%s\", \"conf\": ", i ? "," : "", s[i].what);
-      json_put_string(stdout, s[i].conf);
+      gca__json_string(stdout, s[i].conf);
       printf(", \"capacity_bytes\": %" PRIu64 ", \"unlimited_peak_reserved_bytes\": %" PRIu64 ", \"monotone\": %s",
              s[i].capacity, s[i].unlimited, s[i].monotone ? "true" : "false");
       if (!s[i].monotone) printf(", \"does_not_fit_at_bytes\": %" PRIu64, s[i].broken_at);
@@ -578,19 +578,19 @@ int tune_main(int argc, char **argv) {
   }
   if (json) {
     printf("{\"trace\": ");
-    json_put_string(stdout, path);
+    gca__json_string(stdout, path);
     printf(", \"capacity_bytes\": %" PRIu64 ", \"configurations\": %zu, \"seconds\": %.3f, \"nothing_fits\": %s",
            base.capacity, n, secs, nothing_fits ? "true" : "false");
     const candidate_t *shown = best ? best : &defaults;
     printf(", \"best\": {\"conf\": ");
-    json_put_string(stdout, shown->conf);
+    gca__json_string(stdout, shown->conf);
     printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s"
            ", \"pytorch_keys_only\": %s, \"beats_defaults\": %s}, \"best_pytorch\": ",
            shown->peak_reserved, shown->device_allocs, shown->fits ? "true" : "false",
            pytorch_keys_only(shown->conf) ? "true" : "false", best ? "true" : "false");
     if (torch_best) {
       printf("{\"conf\": ");
-      json_put_string(stdout, torch_best->conf);
+      gca__json_string(stdout, torch_best->conf);
       printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s}",
              torch_best->peak_reserved, torch_best->device_allocs, torch_best->fits ? "true" : "false");
     } else {
@@ -598,7 +598,7 @@ int tune_main(int argc, char **argv) {
     }
     if (nothing_fits) {
       printf(", \"furthest\": {\"conf\": ");
-      json_put_string(stdout, c[0].conf);
+      gca__json_string(stdout, c[0].conf);
       printf(", \"operations_replayed\": %" PRIu64, c[0].replayed);
       if (have_unlimited)
         printf(", \"operations\": %" PRIu64 ", \"unlimited_peak_reserved_bytes\": %" PRIu64
@@ -610,7 +610,7 @@ int tune_main(int argc, char **argv) {
            "}, \"ranked\": [", defaults.peak_reserved, defaults.fits ? "true" : "false", defaults.replayed);
     for (size_t i = 0; i < n; i++) {
       printf("%s\n  {\"conf\": ", i ? "," : "");
-      json_put_string(stdout, c[i].conf);
+      gca__json_string(stdout, c[i].conf);
       printf(", \"peak_reserved_bytes\": %" PRIu64 ", \"device_allocs\": %" PRIu64 ", \"fits\": %s"
              ", \"operations_replayed\": %" PRIu64 "}", c[i].peak_reserved, c[i].device_allocs,
              c[i].fits ? "true" : "false", c[i].replayed);
