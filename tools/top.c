@@ -33,18 +33,23 @@ static const char *implausible_peer(const gca_ipc_device_t *d, const gca_ipc_pee
   if (p->pid <= 0) return "pid <= 0";
   if (p->allocated_bytes > p->reserved_bytes) return "allocated_bytes > reserved_bytes";
   if (p->cached_bytes > p->reserved_bytes) return "cached_bytes > reserved_bytes";
-  uint64_t bound = d->total_bytes && !implausible_device(d) ? d->total_bytes : PIB;
-  const char *what = bound == PIB ? "1 PiB" : "the device's total";
-  static char why[64];
+  /* Memory held: at most the device (1 PiB when its total is not known);
+   * bytes moved over a life: at most 1 EiB. */
+  uint64_t held = d->total_bytes && !implausible_device(d) ? d->total_bytes : PIB;
+  const char *held_name = held == PIB ? "1 PiB" : "the device's total";
   const struct {
     const char *name;
-    uint64_t value;
-  } figures[] = {{"reserved_bytes", p->reserved_bytes}, {"waiting_bytes", p->waiting_bytes},
-                 {"paused_bytes", p->paused_bytes},     {"bytes_received", p->bytes_received},
-                 {"bytes_released", p->bytes_released}};
+    uint64_t value, most;
+    const char *most_name;
+  } figures[] = {{"reserved_bytes", p->reserved_bytes, held, held_name},
+                 {"waiting_bytes", p->waiting_bytes, held, held_name},
+                 {"paused_bytes", p->paused_bytes, held, held_name},
+                 {"bytes_received", p->bytes_received, PIB * 1024, "1 EiB"},
+                 {"bytes_released", p->bytes_released, PIB * 1024, "1 EiB"}};
+  static char why[64];
   for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
-    if (figures[i].value > (i < 3 ? bound : PIB * 1024)) {
-      snprintf(why, sizeof why, "%s > %s", figures[i].name, i < 3 ? what : "1 EiB");
+    if (figures[i].value > figures[i].most) {
+      snprintf(why, sizeof why, "%s > %s", figures[i].name, figures[i].most_name);
       return why;
     }
   return NULL;
