@@ -912,45 +912,98 @@ static inline size_t entry_own_slot(const split_t *s, const split_entry_t *e) {
   return s->doc->buf[e->start + 1] == 0x94;
 }
 
+/* The arguments of an opcode the reader knows: `fixed` bytes, or a length
+ * of `counted` bytes (little-endian) and that many bytes. false for any
+ * other opcode. */
+static bool opcode_shape(unsigned op, size_t *fixed, size_t *counted) {
+  *fixed = *counted = 0;
+  switch (op) {
+    case 0x94: case '(': case '}': case ']': case ')': case 'u': case 'e': case 's': case 'a':
+    case 'N': case 0x88: case 0x89: case 0x85: case 0x86: case 0x87: case 't': case '.':
+      return true;
+    case 0x80: case 'h': case 'q': case 'K':
+      *fixed = 1;
+      return true;
+    case 'M':
+      *fixed = 2;
+      return true;
+    case 'j': case 'r': case 'J':
+      *fixed = 4;
+      return true;
+    case 0x95: case 'G':
+      *fixed = 8;
+      return true;
+    case 0x8c: case 'C': case 0x8a:
+      *counted = 1;
+      return true;
+    case 'X': case 'B': case 0x8b:
+      *counted = 4;
+      return true;
+    case 0x8d: case 0x8e:
+      *counted = 8;
+      return true;
+    default:
+      return false;
+  }
+}
+
 /* Where the opcode at pos (< len) ends, arguments included; 0 when it is
  * not one the reader knows, or is cut short. */
 static size_t opcode_end(const unsigned char *buf, size_t len, size_t pos) {
   size_t n, width;
-  switch (buf[pos]) {
-    case 0x94: case '(': case '}': case ']': case ')': case 'u': case 'e': case 's': case 'a':
-    case 'N': case 0x88: case 0x89: case 0x85: case 0x86: case 0x87: case 't': case '.':
-      n = 0;
-      break;
-    case 0x80: case 'h': case 'q': case 'K':
-      n = 1;
-      break;
-    case 'M':
-      n = 2;
-      break;
-    case 'j': case 'r': case 'J':
-      n = 4;
-      break;
-    case 0x95: case 'G':
-      n = 8;
-      break;
-    case 0x8c: case 'C': case 0x8a:
-      width = 1;
-      goto counted;
-    case 'X': case 'B': case 0x8b:
-      width = 4;
-      goto counted;
-    case 0x8d: case 0x8e:
-      width = 8;
-    counted: {
-      if (len - pos - 1 < width) return 0;
-      uint64_t size = read_le(buf + pos + 1, width);
-      if (size > len - pos - 1 - width) return 0;
-      return pos + 1 + width + (size_t)size;
-    }
-    default:
-      return 0;
+  if (!opcode_shape(buf[pos], &n, &width)) return 0;
+  if (width) {
+    if (len - pos - 1 < width) return 0;
+    uint64_t size = read_le(buf + pos + 1, width);
+    if (size > len - pos - 1 - width) return 0;
+    return pos + 1 + width + (size_t)size;
   }
   return len - pos - 1 >= n ? pos + 1 + n : 0;
+}
+
+/* The parser's refusal of an opcode it does not read (set as the error). */
+static void refuse_opcode(unsigned op, size_t at) {
+  if (op == 'c' || op == 0x93 || op == 'R' || op == 'b' || op == 0x81 || op == 0x92 || op == 'i' || op == 'o')
+    gca__set_error(GCA_ERR_INVALID, "pickle: opcode 0x%02x at offset %zu asks to build a Python object; only plain "
+                   "data (dict, list, str, int, float) is read", op, at);
+  else
+    gca__set_error(GCA_ERR_INVALID, "pickle: unsupported opcode 0x%02x at offset %zu", op, at);
+}
+
+bool pickle_scan(pickle_scan_t *scan, const unsigned char *buf, size_t len) {
+  size_t pos = scan->at;
+  while (!scan->stopped && pos < len) {
+    unsigned op = buf[pos];
+    size_t n, width;
+    if (!opcode_shape(op, &n, &width)) {
+      refuse_opcode(op, pos);
+      return false;
+    }
+    if (len - pos - 1 < n + width) break; /* (cut short: more may come) */
+    if (op == 0x80 && (buf[pos + 1] < 2 || buf[pos + 1] > 5)) {
+      gca__set_error(GCA_ERR_INVALID, "pickle: protocol %d is not supported (2 to 5 are)", buf[pos + 1]);
+      return false;
+    }
+    if (width) {
+      uint64_t size = read_le(buf + pos + 1, width);
+      if ((op == 0x8a || op == 0x8b) && size > 8) {
+        gca__set_error(GCA_ERR_INVALID, "pickle: integer of %llu bytes at offset %zu does not fit in 64 bits",
+                       (unsigned long long)size, pos);
+        return false;
+      }
+      if (size > UINT32_MAX) {
+        gca__set_error(GCA_ERR_INVALID, "pickle: string of %llu bytes at offset %zu is too long",
+                       (unsigned long long)size, pos);
+        return false;
+      }
+      if (size > len - pos - 1 - width) break;
+      n = width + (size_t)size;
+    }
+    scan->stopped = op == '.';
+    pos += 1 + n;
+  }
+  scan->at = pos;
+  return true;
 }
 
 /* A check on a reference that must name a pruned list, empty (flag set),
@@ -1762,18 +1815,9 @@ static pickle_doc_t *parse(pickle_doc_t *doc) {
         free(marks);
         gca__big_free(memo, memo_cap * sizeof *memo);
         return doc;
-      case 'c':
-      case 0x93:
-      case 'R':
-      case 'b':
-      case 0x81:
-      case 0x92:
-      case 'i':
-      case 'o':
-        FAIL("pickle: opcode 0x%02x at offset %zu asks to build a Python object; only plain data "
-             "(dict, list, str, int, float) is read", op, at);
       default:
-        FAIL("pickle: unsupported opcode 0x%02x at offset %zu", op, at);
+        refuse_opcode(op, at);
+        goto failed;
     }
   }
 failed:

@@ -137,6 +137,19 @@ pickle_doc_t *pickle_parse(const void *data, size_t len, const pickle_options_t 
  * instead of copying (freed with it, or here when parsing fails): a pipe's
  * or a decompressed trace, read into memory already. */
 pickle_doc_t *pickle_parse_owned(unsigned char *buf, size_t len, const pickle_options_t *options);
+/* Input looked at as it arrives, before it is parsed: pickle_scan walks the
+ * opcodes of buf[scan->at, len) (the bytes already looked at are not looked
+ * at again; buf holds all the input so far) and refuses, as the parser
+ * would, the first that the parser refuses whatever follows it: an opcode
+ * it does not read, a protocol it does not read, a string or integer too
+ * long to hold. An opcode cut short waits for more. At the STOP opcode it
+ * sets `stopped`: the parser reads nothing after it. false with the error
+ * set (the parser's message, offsets from the start). */
+typedef struct pickle_scan {
+  size_t at;    /* where the next opcode starts */
+  bool stopped; /* STOP was read */
+} pickle_scan_t;
+bool pickle_scan(pickle_scan_t *scan, const unsigned char *buf, size_t len);
 /* Read a whole file and parse it; GCA_ERR_IO when it cannot be read. */
 pickle_doc_t *pickle_load(const char *path, const pickle_options_t *options);
 void pickle_free(pickle_doc_t *doc);

@@ -1168,8 +1168,9 @@ static const compression_t *compression_of(const unsigned char *head, size_t len
  * held to a cap, GCALLOC_TRACE_MAX_BYTES (a size: "64GiB"; 16 GiB by
  * default), and looked at as it arrives, so that a file that cannot be a
  * trace fails at its first bytes rather than after filling the host: its
- * first byte must start one of the formats, and a text trace has no line
- * longer than TEXT_LINE_LIMIT (the text readers take 1,024 characters). */
+ * first byte must start one of the formats, a text trace has no line
+ * longer than TEXT_LINE_LIMIT (the text readers take 1,024 characters),
+ * and a pickle's opcodes are ones its reader reads (pickle_scan). */
 #define TRACE_MAX_BYTES_DEFAULT ((size_t)16 << 30)
 #define TEXT_LINE_LIMIT ((size_t)4096)
 
@@ -1186,9 +1187,10 @@ static size_t trace_max_bytes(void) {
 }
 
 typedef struct input_guard {
-  size_t checked;  /* bytes looked at */
-  size_t line_run; /* of a text trace: bytes since the last newline */
+  size_t checked;       /* bytes looked at */
+  size_t line_run;      /* of a text trace: bytes since the last newline */
   bool text;
+  pickle_scan_t pickle; /* of a pickle: its opcodes (pickle.h) */
 } input_guard_t;
 
 /* Look at buf[g->checked, len): false, with the error set, when it cannot
@@ -1207,6 +1209,10 @@ static bool guard_input(input_guard_t *g, const char *path, const char *what, co
                              "%s: %s starts with the byte 0x%02x: not a PyTorch snapshot (pickle), a gcalloc trace, an "
                              "RMM CSV log or an allocatorSim log", path, what, first);
     g->text = first != 0x80;
+  }
+  if (!g->text && !pickle_scan(&g->pickle, buf, len)) { /* (the message the parser would give) */
+    gca__prefix_error("%s", path);
+    return false;
   }
   if (g->text) {
     for (size_t i = g->checked; i < len; i++) {
@@ -1227,9 +1233,86 @@ static bool guard_input(input_guard_t *g, const char *path, const char *what, co
   return true;
 }
 
+/* ---- input read as it is used --------------------------------------------
+ * A pipe can be read only once: what it gives is kept (a source's buf holds
+ * all of it so far), and is read a piece at a time, as the reader that uses
+ * it asks, so that input that cannot be a trace is refused at its first
+ * bad bytes, not after all of it has come (a decompressor decodes what has
+ * come; the pickle and text guards look at it). A file read whole is a
+ * source that has ended. Either is held to the cap of input read whole,
+ * GCALLOC_TRACE_MAX_BYTES (a file is bounded by its size). */
+typedef struct source {
+  FILE *f;          /* NULL once it has ended (closed then) */
+  const char *path;
+  unsigned char *buf; /* with a byte to spare past len, for a NUL */
+  size_t len, cap, max;
+} source_t;
+
+/* A pipe's read: at most this much at once, so that a reader looks at its
+ * input in pieces while more comes. */
+#define SOURCE_PIECE ((size_t)1 << 20)
+
+static void source_end(source_t *s) {
+  if (s->f) fclose(s->f);
+  s->f = NULL;
+}
+
+static bool source_refuse_over_cap(const source_t *s) {
+  return !gca__set_error(GCA_ERR_INVALID, "%s: more than %zu bytes of input, the most a trace read whole may be "
+                         "(GCALLOC_TRACE_MAX_BYTES raises it)", s->path, s->max);
+}
+
+/* The next piece of *s (nothing once it has ended); false, with the error
+ * set, when it cannot be read or would pass the cap. */
+static bool source_more(source_t *s) {
+  if (!s->f) return true;
+  if (s->len == s->cap) {
+    if (s->cap >= s->max) return source_refuse_over_cap(s);
+    size_t cap = s->cap == 0 ? (size_t)64 << 10 : s->cap > s->max / 2 ? s->max : s->cap * 2;
+    unsigned char *grown = realloc(s->buf, cap + 1);
+    if (!grown) return !gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", s->path);
+    s->buf = grown;
+    s->cap = cap;
+  }
+  size_t want = s->cap - s->len < SOURCE_PIECE ? s->cap - s->len : SOURCE_PIECE;
+  size_t got = fread(s->buf + s->len, 1, want, s->f);
+  s->len += got;
+  if (got < want) {
+    bool failed = ferror(s->f);
+    int err = errno;
+    source_end(s);
+    if (failed) return !gca__set_error(GCA_ERR_IO, "cannot read %s: %s", s->path, strerror(err));
+  }
+  return true;
+}
+
+/* At least `n` bytes from `at` in *s, or all there is (false, the error
+ * set, when it cannot be read). */
+static bool source_want(source_t *s, size_t at, size_t n) {
+  while (s->f && s->len - at < n)
+    if (!source_more(s)) return false;
+  return true;
+}
+
+/* The length *s has when all of it is read (`total`), what is read past
+ * `keep` dropped as it comes (it is not held; past the cap it is
+ * refused). */
+static bool source_length(source_t *s, size_t keep, size_t *total) {
+  *total = s->len;
+  while (s->f) {
+    s->len = keep;
+    if (!source_more(s)) return false;
+    *total += s->len - keep;
+    if (*total > s->max) return source_refuse_over_cap(s);
+  }
+  s->len = keep < s->len ? keep : s->len;
+  return true;
+}
+
 typedef struct unpacked {
   unsigned char *buf;
-  size_t len, cap, limit;
+  size_t len, cap, max;
+  source_t *in;               /* what is decompressed */
   trace_progress_fn progress; /* told the input read after each step (NULL: nothing to tell) */
   void *ctx;
   input_guard_t guard;
@@ -1245,8 +1328,8 @@ static size_t step_room(const unpacked_t *u) {
   return room < UNPACK_STEP ? room : UNPACK_STEP;
 }
 
-static void unpack_told(const unpacked_t *u, size_t done, size_t len) {
-  if (u->progress) u->progress(u->ctx, "decompressing", done, len);
+static void unpack_told(const unpacked_t *u, size_t done) {
+  if (u->progress) u->progress(u->ctx, "decompressing", done, u->in->f ? 0 : u->in->len);
 }
 
 /* false, with the error that the host ran out of memory decompressing. */
@@ -1259,22 +1342,35 @@ static bool unpack_out_of_memory(const char *path) {
  * pieces of at most this. */
 static unsigned piece32(size_t n) { return n < UINT32_MAX ? (unsigned)n : UINT32_MAX; }
 
+/* What the decompressed data may be: a quarter of the reading's budget for
+ * the compressed bytes, at most the cap. */
+static size_t unpack_limit(const unpacked_t *u) {
+  size_t limit = read_budget(u->in->len) / 4;
+  return limit < u->max ? limit : u->max;
+}
+
 /* Room for more output: false (the error set) at the bound or when the
- * host is out of memory. One byte is kept past the end, for the NUL the
- * text readers' memory file wants. */
+ * host is out of memory. The bound is the compressed data's whole: where
+ * more of a pipe may come, it is read (and held) before the output is
+ * refused, so that a pipe is refused exactly where its file would be. One
+ * byte is kept past the end, for the NUL the text readers' memory file
+ * wants. */
 static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   char what[48];
   snprintf(what, sizeof what, "its %s data", name);
   if (!guard_input(&u->guard, path, what, u->buf, u->len)) return false;
   if (u->len + 1 < u->cap) return true;
-  if (u->cap > u->limit) {
+  while (u->cap > unpack_limit(u) && u->in->f)
+    if (!source_more(u->in)) return false;
+  size_t limit = unpack_limit(u);
+  if (u->cap > limit) {
     gca__set_error(GCA_ERR_INVALID, "%s: %s data that decompresses to more than %zu bytes (%zu per compressed byte, "
                    "and %zu MiB more, at most GCALLOC_TRACE_MAX_BYTES) is refused as malformed; decompress it "
                    "yourself to read it, or raise GCALLOC_TRACE_MAX_BYTES",
-                   path, name, u->limit, READ_BUDGET_PER_PACKED / 4, (READ_BUDGET_FLOOR / 4) >> 20);
+                   path, name, limit, READ_BUDGET_PER_PACKED / 4, (READ_BUDGET_FLOOR / 4) >> 20);
     return false;
   }
-  size_t cap = u->cap * 2 > u->limit + 1 ? u->limit + 1 : u->cap * 2;
+  size_t cap = u->cap * 2 > limit + 1 ? limit + 1 : u->cap * 2;
   unsigned char *grown = realloc(u->buf, cap + 1);
   if (!grown) return unpack_out_of_memory(path);
   u->buf = grown;
@@ -1282,45 +1378,49 @@ static bool unpacked_room(unpacked_t *u, const char *path, const char *name) {
   return true;
 }
 
-/* What follows the end of a compressed stream at `at` of `len`: true when
- * another stream starts there (its magic, or as much of it as there is: a
- * stream cut short in its magic is cut short, not other bytes); else
+/* What follows the end of a compressed stream at `at` of the input: true
+ * when another stream starts there (its magic, or as much of it as there
+ * is: a stream cut short in its magic is cut short, not other bytes); else
  * false, with the error set unless the input ends there. (zcat, xzcat and
  * bzcat read streams one after another; a trace followed by other bytes is
  * refused, not guessed at.) */
-static bool next_stream(const char *path, const compression_t *c, const unsigned char *in, size_t len, size_t at,
-                        bool *ok) {
-  if (at == len) return false;
-  if (!memcmp(in + at, c->magic, len - at < c->magic_len ? len - at : c->magic_len)) return true;
-  *ok = !gca__set_error(GCA_ERR_INVALID, "%s: %zu bytes after the %s data, from byte %zu, are not %s", path, len - at,
-                        c->name, at, c->name);
+static bool next_stream(const char *path, const compression_t *c, source_t *in, size_t at, bool *ok) {
+  if (!(*ok = source_want(in, at, c->magic_len))) return false;
+  if (at == in->len) return false;
+  size_t n = in->len - at < c->magic_len ? in->len - at : c->magic_len;
+  if (!memcmp(in->buf + at, c->magic, n)) return true;
+  size_t total = 0;
+  if (!(*ok = source_length(in, at, &total))) return false;
+  *ok = !gca__set_error(GCA_ERR_INVALID, "%s: %zu bytes after the %s data, from byte %zu, are not %s", path,
+                        total - at, c->name, at, c->name);
   return false;
 }
 
 /* gzip, with zlib: one member after another (as zcat reads them). */
-static bool gunzip(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool gunzip(const char *path, const compression_t *c, unpacked_t *u) {
+  source_t *in = u->in;
   z_stream z;
   memset(&z, 0, sizeof z);
   if (inflateInit2(&z, 15 + 16) != Z_OK) return unpack_out_of_memory(path);
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
-    if (!(ok = unpacked_room(u, path, c->name))) break;
-    unsigned in_piece = piece32(len - at), out_room = piece32(step_room(u));
-    z.next_in = (Bytef *)(uintptr_t)(in + at);
+    if (!(ok = unpacked_room(u, path, c->name) && source_want(in, at, 1))) break;
+    unsigned in_piece = piece32(in->len - at), out_room = piece32(step_room(u));
+    z.next_in = in->buf + at;
     z.avail_in = in_piece;
     z.next_out = u->buf + u->len;
     z.avail_out = out_room;
     int rc = inflate(&z, Z_NO_FLUSH);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
-    unpack_told(u, at, len);
+    unpack_told(u, at);
     ended = rc == Z_STREAM_END;
     if (ended) {
-      if (!next_stream(path, c, in, len, at, &ok)) break;
+      if (!next_stream(path, c, in, at, &ok)) break;
       ended = false;
       if (inflateReset(&z) != Z_OK) ok = !gca__set_error(GCA_ERR_INVALID, "%s: gzip: cannot start its next member", path);
-    } else if (rc == Z_BUF_ERROR && at == len) {
+    } else if (rc == Z_BUF_ERROR && at == in->len) {
       break; /* all input read, and the member not finished: cut short */
     } else if (rc != Z_OK) { /* (Z_BUF_ERROR with input and room left: no progress possible) */
       ok = !gca__set_error(rc == Z_MEM_ERROR ? GCA_ERR_NOMEM : GCA_ERR_INVALID, "%s: gzip data corrupt near byte %zu: %s",
@@ -1330,29 +1430,33 @@ static bool gunzip(const char *path, const compression_t *c, const unsigned char
   inflateEnd(&z);
   if (ok && !ended)
     ok = !gca__set_error(GCA_ERR_INVALID, "%s: the gzip data is cut short (it ends at byte %zu, inside a member)", path,
-                         len);
+                         in->len);
   return ok;
 }
 
 /* zstd: frame after frame (skippable ones skipped), as zstdcat reads them. */
-static bool unzstd(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool unzstd(const char *path, const compression_t *c, unpacked_t *u) {
+  source_t *in = u->in;
   ZSTD_DCtx *z = ZSTD_createDCtx();
   if (!z) return unpack_out_of_memory(path);
   /* The input goes in pieces of UNZSTD_PIECE, so that an error can be
    * placed: zstd says what is wrong, not where. */
   enum { UNZSTD_PIECE = 64 << 10 };
-  ZSTD_inBuffer input = {in, len < UNZSTD_PIECE ? len : UNZSTD_PIECE, 0};
+  ZSTD_inBuffer input = {NULL, 0, 0};
   size_t left = 0; /* 0 when the last frame read is whole */
   bool ok = true;
   while (ok) {
-    if (input.pos == input.size && input.size < len)
-      input.size = len - input.size < UNZSTD_PIECE ? len : input.size + UNZSTD_PIECE;
     if (!(ok = unpacked_room(u, path, c->name))) break;
+    if (input.pos == input.size) {
+      if (!(ok = source_want(in, input.size, 1))) break;
+      input.size = in->len - input.size < UNZSTD_PIECE ? in->len : input.size + UNZSTD_PIECE;
+    }
+    input.src = in->buf;
     ZSTD_outBuffer output = {u->buf + u->len, step_room(u), 0};
     size_t from = input.pos;
     left = ZSTD_decompressStream(z, &output, &input);
     u->len += output.pos;
-    unpack_told(u, input.pos, len);
+    unpack_told(u, input.pos);
     if (ZSTD_isError(left)) {
       ok = !gca__set_error(ZSTD_getErrorCode(left) == ZSTD_error_memory_allocation ? GCA_ERR_NOMEM : GCA_ERR_INVALID,
                            "%s: zstd data corrupt between bytes %zu and %zu: %s", path, from, input.size,
@@ -1360,11 +1464,12 @@ static bool unzstd(const char *path, const compression_t *c, const unsigned char
       break;
     }
     /* All input read, and the output not filled: nothing is held back. */
-    if (input.pos == len && output.pos < output.size) break;
+    if (input.pos == in->len && !in->f && output.pos < output.size) break;
   }
   ZSTD_freeDCtx(z);
   if (ok && left != 0)
-    ok = !gca__set_error(GCA_ERR_INVALID, "%s: the zstd data is cut short (it ends at byte %zu, inside a frame)", path, len);
+    ok = !gca__set_error(GCA_ERR_INVALID, "%s: the zstd data is cut short (it ends at byte %zu, inside a frame)", path,
+                         in->len);
   return ok;
 }
 
@@ -1375,32 +1480,40 @@ static bool unzstd(const char *path, const compression_t *c, const unsigned char
 
 /* xz, with liblzma: stream after stream, with the padding xz allows
  * between them (zero bytes, four at a time), as xzcat reads them. */
-static bool unxz(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool unxz(const char *path, const compression_t *c, unpacked_t *u) {
+  source_t *in = u->in;
   lzma_stream z = LZMA_STREAM_INIT;
   bool ok = true, ended = false;
   size_t at = 0; /* input consumed by the streams before this one */
   if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) return unpack_out_of_memory(path);
-  z.next_in = in;
-  z.avail_in = len;
   while (ok) {
     if (!(ok = unpacked_room(u, path, c->name))) break;
+    size_t used = at + (size_t)z.total_in;
+    if (!(ok = source_want(in, used, 1))) break;
+    z.next_in = in->buf + used;
+    z.avail_in = in->len - used;
     size_t room = step_room(u);
     z.next_out = u->buf + u->len;
     z.avail_out = room;
-    lzma_ret rc = lzma_code(&z, LZMA_FINISH); /* (the whole input is given) */
+    lzma_ret rc = lzma_code(&z, in->f ? LZMA_RUN : LZMA_FINISH); /* (FINISH: the whole input is given) */
     u->len += room - z.avail_out;
-    unpack_told(u, at + (size_t)z.total_in, len);
+    unpack_told(u, at + (size_t)z.total_in);
     if (rc == LZMA_OK) continue;
     if (rc == LZMA_STREAM_END) {
       ended = true;
       size_t end = at + (size_t)z.total_in, next = end;
-      while (next < len && !in[next]) next++;
+      for (;;) {
+        while (next < in->len && !in->buf[next]) next++;
+        if (next < in->len || !in->f) break;
+        if (!(ok = source_more(in))) break;
+      }
+      if (!ok) break;
       if ((next - end) % 4) {
         ok = !gca__set_error(GCA_ERR_INVALID, "%s: xz data corrupt near byte %zu: padding of %zu bytes, not a multiple "
                              "of four", path, end, next - end);
         break;
       }
-      if (!next_stream(path, c, in, len, next, &ok)) break;
+      if (!next_stream(path, c, in, next, &ok)) break;
       lzma_end(&z);
       z = (lzma_stream)LZMA_STREAM_INIT;
       if (lzma_stream_decoder(&z, XZ_MEMORY_LIMIT, 0) != LZMA_OK) {
@@ -1408,8 +1521,6 @@ static bool unxz(const char *path, const compression_t *c, const unsigned char *
         break;
       }
       at = next;
-      z.next_in = in + next;
-      z.avail_in = len - next;
       ended = false;
       continue;
     }
@@ -1429,31 +1540,33 @@ static bool unxz(const char *path, const compression_t *c, const unsigned char *
   }
   lzma_end(&z);
   if (ok && !ended)
-    ok = !gca__set_error(GCA_ERR_INVALID, "%s: the xz data is cut short (it ends at byte %zu, inside a stream)", path, len);
+    ok = !gca__set_error(GCA_ERR_INVALID, "%s: the xz data is cut short (it ends at byte %zu, inside a stream)", path,
+                         in->len);
   return ok;
 }
 
 /* bzip2, with libbz2: stream after stream, as bzcat reads them. */
-static bool bunzip2(const char *path, const compression_t *c, const unsigned char *in, size_t len, unpacked_t *u) {
+static bool bunzip2(const char *path, const compression_t *c, unpacked_t *u) {
+  source_t *in = u->in;
   bz_stream z;
   memset(&z, 0, sizeof z);
   if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) return unpack_out_of_memory(path);
   size_t at = 0; /* input consumed */
   bool ok = true, ended = false;
   while (ok) {
-    if (!(ok = unpacked_room(u, path, c->name))) break;
-    unsigned in_piece = piece32(len - at), out_room = piece32(step_room(u));
-    z.next_in = (char *)(uintptr_t)(in + at);
+    if (!(ok = unpacked_room(u, path, c->name) && source_want(in, at, 1))) break;
+    unsigned in_piece = piece32(in->len - at), out_room = piece32(step_room(u));
+    z.next_in = (char *)(in->buf + at);
     z.avail_in = in_piece;
     z.next_out = (char *)(u->buf + u->len);
     z.avail_out = out_room;
     int rc = BZ2_bzDecompress(&z);
     at += in_piece - z.avail_in;
     u->len += out_room - z.avail_out;
-    unpack_told(u, at, len);
+    unpack_told(u, at);
     if (rc == BZ_STREAM_END) {
       ended = true;
-      if (!next_stream(path, c, in, len, at, &ok)) break;
+      if (!next_stream(path, c, in, at, &ok)) break;
       BZ2_bzDecompressEnd(&z);
       memset(&z, 0, sizeof z);
       if (BZ2_bzDecompressInit(&z, 0, 0) != BZ_OK) {
@@ -1462,7 +1575,7 @@ static bool bunzip2(const char *path, const compression_t *c, const unsigned cha
       }
       ended = false;
     } else if (rc == BZ_OK) {
-      if (at == len && z.avail_out) break; /* all input read, and room left: cut short */
+      if (at == in->len && !in->f && z.avail_out) break; /* all input read, and room left: cut short */
     } else {
       /* (A block's check is tested at its end: the damage may lie
        * anywhere in the block read up to there.) */
@@ -1475,7 +1588,7 @@ static bool bunzip2(const char *path, const compression_t *c, const unsigned cha
   BZ2_bzDecompressEnd(&z);
   if (ok && !ended)
     ok = !gca__set_error(GCA_ERR_INVALID, "%s: the bzip2 data is cut short (it ends at byte %zu, inside a stream)", path,
-                         len);
+                         in->len);
   return ok;
 }
 
@@ -1500,24 +1613,26 @@ static size_t xz_last_size(const unsigned char *in, size_t len) {
   return size < SIZE_MAX / 2 ? (size_t)size : 0;
 }
 
-/* The trace in `packed` bytes decompressed, NUL-terminated (len without
- * it); NULL with the error set. */
-static unsigned char *unpack(const char *path, const compression_t *c, const unsigned char *packed, size_t len,
+/* The trace in *in decompressed, NUL-terminated (len without it), read as
+ * it is decompressed where it is a pipe; NULL with the error set. */
+static unsigned char *unpack(const char *path, const compression_t *c, source_t *in, size_t max,
                              trace_progress_fn progress, void *ctx, size_t *out_len) {
-  size_t limit = read_budget(len) / 4;
-  size_t cap = trace_max_bytes();
-  if (!cap) return NULL;
-  if (limit > cap) limit = cap;
+  unpacked_t u = {.max = max, .in = in, .progress = progress, .ctx = ctx};
+  size_t limit = unpack_limit(&u);
   /* Sized at once where the data says how long it is: a zstd frame may
    * carry its size; gzip's last member ends with its size (mod 2^32); xz's
-   * last stream ends with an index of its blocks' sizes. Each is the whole
-   * when there is one frame, member or stream (under 4 GiB for gzip), as
-   * the tools write them; else the buffer grows. Without a size (bzip2
-   * records none), four times the input to start with, doubling. */
-  size_t hint = 0;
+   * last stream ends with an index of its blocks' sizes (a pipe's end is
+   * not there yet: it grows). Each is the whole when there is one frame,
+   * member or stream (under 4 GiB for gzip), as the tools write them; else
+   * the buffer grows. Without a size (bzip2 records none), four times the
+   * input to start with, doubling. */
+  const unsigned char *packed = in->buf;
+  size_t len = in->len, hint = 0;
   if (c->packing == PACK_ZSTD) {
     unsigned long long first = ZSTD_getFrameContentSize(packed, len);
     if (first != ZSTD_CONTENTSIZE_UNKNOWN && first != ZSTD_CONTENTSIZE_ERROR && first < limit) hint = (size_t)first;
+  } else if (in->f) {
+    hint = 0;
   } else if (c->packing == PACK_XZ) {
     hint = xz_last_size(packed, len);
   } else if (c->packing == PACK_GZIP && len >= 18) {
@@ -1529,19 +1644,16 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
    * its floor): a damaged or made-up one would have every small file ask
    * for 24 MiB at once. */
   if (hint > ((size_t)64 << 10) && hint / (c->packing == PACK_GZIP ? 1032 : READ_BUDGET_PER_PACKED / 4) > len) hint = 0;
-  unpacked_t u = {.cap = hint     ? hint + 2
-                         : len < ((size_t)16 << 10) ? (size_t)64 << 10
-                                                    : len * 4,
-                  .limit = limit, .progress = progress, .ctx = ctx};
+  u.cap = hint ? hint + 2 : len < ((size_t)16 << 10) ? (size_t)64 << 10 : len * 4;
   if (u.cap > limit) u.cap = limit;
   if (!(u.buf = malloc(u.cap))) {
     unpack_out_of_memory(path);
     return NULL;
   }
-  bool done = c->packing == PACK_GZIP    ? gunzip(path, c, packed, len, &u)
-              : c->packing == PACK_ZSTD  ? unzstd(path, c, packed, len, &u)
-              : c->packing == PACK_XZ    ? unxz(path, c, packed, len, &u)
-                                         : bunzip2(path, c, packed, len, &u);
+  bool done = c->packing == PACK_GZIP    ? gunzip(path, c, &u)
+              : c->packing == PACK_ZSTD  ? unzstd(path, c, &u)
+              : c->packing == PACK_XZ    ? unxz(path, c, &u)
+                                         : bunzip2(path, c, &u);
   char what[48];
   snprintf(what, sizeof what, "its %s data", c->name);
   if (done) done = guard_input(&u.guard, path, what, u.buf, u.len);
@@ -1552,51 +1664,6 @@ static unsigned char *unpack(const char *path, const compression_t *c, const uns
   u.buf[u.len] = '\0';
   *out_len = u.len;
   return u.buf;
-}
-
-/* The rest of *f, read into memory whole (NUL-terminated), and *f closed;
- * NULL with the error set. A regular file is bounded by its size; a pipe
- * or a device by the cap, and looked at as it comes (`guarded`). */
-static unsigned char *read_and_close(FILE **f, const char *path, bool guarded, size_t *len) {
-  size_t cap = (size_t)64 << 10, used = 0, max = trace_max_bytes();
-  if (!max) {
-    fclose(*f);
-    *f = NULL;
-    return NULL;
-  }
-  input_guard_t guard = {0};
-  unsigned char *buf = malloc(cap + 1);
-  bool ok = buf != NULL;
-  if (!ok) gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
-  while (ok) {
-    size_t got = fread(buf + used, 1, cap - used, *f);
-    used += got;
-    if (guarded && !(ok = guard_input(&guard, path, "its input", buf, used))) break;
-    if (used < cap) break; /* the end, or an error (below) */
-    if (guarded && cap >= max) {
-      ok = !gca__set_error(GCA_ERR_INVALID, "%s: more than %zu bytes of input, the most a trace read whole may be "
-                           "(GCALLOC_TRACE_MAX_BYTES raises it)", path, max);
-      break;
-    }
-    size_t grown_cap = cap > max / 2 ? max : cap * 2;
-    unsigned char *grown = realloc(buf, grown_cap + 1);
-    if (!grown) {
-      ok = !gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
-      break;
-    }
-    buf = grown;
-    cap = grown_cap;
-  }
-  if (ok && ferror(*f)) ok = !gca__set_error(GCA_ERR_IO, "cannot read %s: %s", path, strerror(errno));
-  fclose(*f);
-  *f = NULL;
-  if (!ok) {
-    free(buf);
-    return NULL;
-  }
-  buf[used] = '\0';
-  *len = used;
-  return buf;
 }
 
 int trace_load(const char *path, trace_t *out) { return trace_load_progress(path, out, NULL, NULL); }
@@ -1614,6 +1681,8 @@ int trace_load_with(const char *path, const trace_load_options_t *options, trace
    * arrays are worth huge pages from now on (util.c). */
   static atomic_int loads;
   if (atomic_fetch_add_explicit(&loads, 1, memory_order_relaxed) > 0) gca__big_prefer_huge_pages();
+  size_t max = trace_max_bytes();
+  if (!max) return gca_last_status();
   FILE *f = fopen(path, "rb");
   if (!f) return gca__set_error(GCA_ERR_IO, "cannot open trace %s: %s", path, strerror(errno));
   struct stat st;
@@ -1623,37 +1692,59 @@ int trace_load_with(const char *path, const trace_load_options_t *options, trace
     return gca__set_error(GCA_ERR_IO, "cannot read trace %s: it is a directory", path);
   }
   /* A pipe (`<(zcat trace.gz)`, /dev/stdin) can be read only once, and its
-   * first byte says which reader reads it: it is read into memory whole,
-   * and the reader reads it there. */
-  unsigned char *piped = NULL;
-  size_t piped_len = 0;
-  if (!regular && !(piped = read_and_close(&f, path, true, &piped_len))) return gca_last_status();
-  /* The first bytes tell the format (or a compression, or a byte order
-   * mark before a text format). */
+   * first byte says which reader reads it: it is read into memory, as the
+   * guard or the decompressor that looks at it goes (source_t), and the
+   * reader reads it there. A file's first bytes are read and it is
+   * rewound. */
+  source_t in = {.f = f, .path = path, .max = max};
   unsigned char head[6] = {0};
-  size_t head_len = f ? fread(head, 1, sizeof head, f) : piped_len < sizeof head ? piped_len : sizeof head;
-  if (f) rewind(f);
-  else if (head_len) memcpy(head, piped, head_len);
-  /* A file is held to the same first byte as a pipe (whose was looked at
-   * as it was read), so that both refuse alike. */
-  input_guard_t guard = {0};
-  if (f && !guard_input(&guard, path, "its input", head, head_len)) {
-    fclose(f);
-    return gca_last_status();
+  size_t head_len;
+  if (regular) {
+    head_len = fread(head, 1, sizeof head, f);
+    rewind(f);
+  } else {
+    if (!source_want(&in, 0, sizeof head)) goto refused;
+    head_len = in.len < sizeof head ? in.len : sizeof head;
+    memcpy(head, in.buf, head_len);
   }
-  /* A gzip, zstd, xz or bzip2 trace is read whole and decompressed into
-   * memory, and read there as a pipe's; lz4 is named, with the command
-   * that decompresses it (read as it is, it would be taken for an
-   * allocatorSim log and refused for its first line). */
+  /* A file is held to the same first bytes as a pipe, so that both refuse
+   * alike. */
+  input_guard_t guard = {0};
+  if (!guard_input(&guard, path, "its input", head, head_len)) goto refused;
+  /* A gzip, zstd, xz or bzip2 trace is decompressed into memory (a file
+   * read whole first, a pipe as it comes), and read there as a pipe's;
+   * lz4 is named, with the command that decompresses it (read as it is,
+   * it would be taken for an allocatorSim log and refused for its first
+   * line). */
   const compression_t *packed = compression_of(head, head_len);
-  size_t memory_limit = 0;
-  if (packed && packed->packing != PACK_OTHER) {
-    if (f && !(piped = read_and_close(&f, path, false, &piped_len))) return gca_last_status();
+  unsigned char *piped = NULL;
+  size_t piped_len = 0, memory_limit = 0;
+  if (packed && packed->packing == PACK_OTHER) {
+    gca__set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (with %s: gcalloc replay <(%s FILE))",
+                   path, packed->name, packed->cat, packed->cat);
+    goto refused;
+  }
+  if (packed) {
+    if (regular) { /* (bounded by its size: read whole, in one buffer unless it grows) */
+      in.max = SIZE_MAX / 2;
+      in.cap = st.st_size > 0 && (uint64_t)st.st_size < in.max ? (size_t)st.st_size + 1 : 0;
+      if (in.cap && !(in.buf = malloc(in.cap + 1))) {
+        gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+        goto refused;
+      }
+      while (in.f)
+        if (!source_more(&in)) goto refused;
+    }
     size_t plain_len = 0;
-    unsigned char *plain = unpack(path, packed, piped, piped_len, progress, ctx, &plain_len);
-    memory_limit = read_budget(piped_len) - plain_len; /* (the data is at most a quarter of it) */
-    free(piped);
+    unsigned char *plain = unpack(path, packed, &in, max, progress, ctx, &plain_len);
+    if (plain && !source_length(&in, in.len, &piped_len)) {
+      free(plain);
+      plain = NULL;
+    }
+    source_end(&in);
+    free(in.buf);
     if (!plain) return gca_last_status();
+    memory_limit = read_budget(piped_len) - plain_len; /* (the data is at most a quarter of it) */
     piped = plain;
     piped_len = plain_len;
     head_len = piped_len < sizeof head ? piped_len : sizeof head;
@@ -1665,11 +1756,21 @@ int trace_load_with(const char *path, const trace_load_options_t *options, trace
       return gca__set_error(GCA_ERR_INVALID, "%s: %s-compressed data inside the %s data: decompress it first (with %s)",
                             path, inner->name, packed->name, inner->cat);
     }
-  } else if (packed) {
-    if (f) fclose(f);
-    free(piped);
-    return gca__set_error(GCA_ERR_INVALID, "%s: %s-compressed: decompress it first (with %s: gcalloc replay <(%s FILE))",
-                          path, packed->name, packed->cat, packed->cat);
+    f = NULL;
+  } else if (!regular) {
+    /* The rest of the pipe, looked at as it comes; a pickle's ends at its
+     * STOP opcode, after which its reader reads nothing. */
+    for (;;) {
+      if (!guard_input(&guard, path, "its input", in.buf, in.len)) goto refused;
+      if (!in.f || guard.pickle.stopped) break;
+      if (!source_more(&in)) goto refused;
+    }
+    source_end(&in);
+    piped = in.buf;
+    piped_len = in.len;
+    if (!piped && !(piped = malloc(1))) return gca__set_error(GCA_ERR_NOMEM, "out of host memory reading %s", path);
+    piped[piped_len] = '\0';
+    f = NULL;
   }
   /* A text trace in memory is read through a memory file. */
   if (piped && piped_len && piped[0] != 0x80 && !(f = fmemopen(piped, piped_len, "rb"))) {
@@ -1695,8 +1796,11 @@ int trace_load_with(const char *path, const trace_load_options_t *options, trace
   else if (first == 0x80 && piped) {
     rc = read_snapshot(path, NULL, piped, NULL, piped_len, false, 0, &reading, out);
     piped = NULL; /* (the reader's now) */
-  } else if (first == 0x80) rc = read_snapshot(path, path, NULL, NULL, 0, false, 0, &reading, out);
-  else if (first == '#') rc = load_gcalloc_trace(path, f, &reading, out);
+  } else if (first == 0x80) {
+    fclose(f);
+    f = NULL;
+    rc = read_snapshot(path, path, NULL, NULL, 0, false, 0, &reading, out);
+  } else if (first == '#') rc = load_gcalloc_trace(path, f, &reading, out);
   else if (first == 'T') rc = load_rmm_csv(path, f, &reading, out);
   else rc = load_allocsim(path, f, &reading, out);
   events_limit = SIZE_MAX;
@@ -1705,6 +1809,10 @@ int trace_load_with(const char *path, const trace_load_options_t *options, trace
   if (rc != GCA_OK) trace_free(out);
   else if (first == 0x80 && options->stacks && !reading.stacks) out->stacks_left_out = snapshot_bytes;
   return rc;
+refused:
+  source_end(&in);
+  free(in.buf);
+  return gca_last_status();
 }
 
 void trace_free(trace_t *t) {

@@ -5,10 +5,12 @@
  * reader's fast paths (the loop for flat dicts, snapshot entries taken as
  * they are read, and for one input in 16 the second reader) are
  * checked against its general machine alone on every input: the same tree
- * and trace, or the same error, else abort. Built
+ * and trace, or the same error, else abort; so is the guard on piped
+ * input (pickle_scan), which must never refuse what the reader reads. Built
  * only with clang (-fsanitize=fuzzer), with AddressSanitizer and UBSan;
  * CTest runs it for a short while from the seeds in tests/fuzz/seeds, and
  * any crash, leak, sanitizer report, mismatch or timeout fails the test. */
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,8 +44,34 @@ static void mismatch(const char *what, const char *slow_error) {
   abort();
 }
 
-/* The flat-dict loop against the machine alone, with and without pruning. */
-static void check_parse(const uint8_t *data, size_t size, const char *pruned_key) {
+/* The guard on piped input (pickle_scan) never refuses what the reader
+ * reads, and gives the same outcome fed in pieces as fed whole. */
+static void check_scan(const uint8_t *data, size_t size, bool parsed) {
+  pickle_scan_t whole = {0}, pieces = {0};
+  bool whole_ok = pickle_scan(&whole, data, size);
+  char whole_error[1024];
+  snprintf(whole_error, sizeof whole_error, "%s", whole_ok ? "" : gca_last_error());
+  bool pieces_ok = true;
+  for (size_t end = 0; pieces_ok && end < size;) {
+    end += 1 + data[end] % 13;
+    if (end > size) end = size;
+    pieces_ok = pickle_scan(&pieces, data, end);
+  }
+  if (whole_ok != pieces_ok || (!whole_ok && strcmp(whole_error, gca_last_error())) ||
+      (whole_ok && (whole.at != pieces.at || whole.stopped != pieces.stopped))) {
+    fprintf(stderr, "pickle_scan whole and in pieces disagree: \"%s\" and \"%s\"\n", whole_error,
+            pieces_ok ? "" : gca_last_error());
+    abort();
+  }
+  if (!whole_ok && parsed) {
+    fprintf(stderr, "pickle_scan refused what the reader reads: %s\n", whole_error);
+    abort();
+  }
+}
+
+/* The flat-dict loop against the machine alone, with and without pruning;
+ * whether it parsed. */
+static bool check_parse(const uint8_t *data, size_t size, const char *pruned_key) {
   pickle_options_t machine = {.pruned_key = pruned_key, .machine_only = true}, fast = {.pruned_key = pruned_key};
   pickle_doc_t *slow_doc = pickle_parse(data, size, &machine);
   char slow_error[1024];
@@ -57,12 +85,14 @@ static void check_parse(const uint8_t *data, size_t size, const char *pruned_key
     budget = 100000;
     walk(pickle_root(doc), 0, &budget);
   }
+  bool parsed = doc != NULL;
   pickle_free(doc);
   pickle_free(slow_doc);
+  return parsed;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  check_parse(data, size, NULL);
+  check_scan(data, size, check_parse(data, size, NULL));
   check_parse(data, size, "frames");
   trace_t t, slow;
   int slow_rc = trace_parse_snapshot_slowly("fuzz", data, size, &slow);

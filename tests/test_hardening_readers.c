@@ -60,14 +60,16 @@ static long peak_kb(void) {
   return u.ru_maxrss;
 }
 
-/* trace_load(path) in a child with `env` set (NAME=VALUE or NULL). */
-static outcome_t load_in_child(const char *path, const char *env) {
+/* trace_load(path) in a child with `env` set (NAME=VALUE or NULL) and
+ * `input` (when not -1) as its standard input. */
+static outcome_t load_in_child_from(const char *path, const char *env, int input) {
   int fds[2];
   assert_int_equal(pipe(fds), 0);
   pid_t pid = fork();
   assert_true(pid >= 0);
   if (pid == 0) {
     close(fds[0]);
+    if (input >= 0 && dup2(input, STDIN_FILENO) < 0) _exit(1);
     alarm(60);
     if (!UNDER_ASAN && !UNDER_TSAN) {
       struct rlimit lim = {(rlim_t)2 << 30, (rlim_t)2 << 30};
@@ -97,6 +99,8 @@ static outcome_t load_in_child(const char *path, const char *env) {
   }
   return o;
 }
+
+static outcome_t load_in_child(const char *path, const char *env) { return load_in_child_from(path, env, -1); }
 
 static void write_file(const char *path, const void *data, size_t len) {
   FILE *f = fopen(path, "wb");
@@ -167,6 +171,170 @@ static void test_endless_device(void **state) {
   assert_int_equal(o.status, GCA_ERR_INVALID);
   assert_contains(o.message, "/dev/zero");
   assert_true(o.rss_growth_kb < FAST_FAIL_KB);
+}
+
+/* ---- a pipe, read as it comes ------------------------------------------ */
+
+/* Seeded bytes that no format takes for its own: `n` from `at` of an
+ * endless sequence (xorshift64). */
+static void fill_garbage(unsigned char *out, size_t n, uint64_t *x) {
+  for (size_t i = 0; i < n; i++) {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    out[i] = (unsigned char)(*x >> 56);
+  }
+}
+
+/* trace_load("/dev/stdin") in a child whose standard input is a pipe fed
+ * `head`, then `garbage` bytes of fill_garbage (seed 1), by a writer that
+ * stops when the reader closes its end; `written` is what it got out. */
+static outcome_t load_piped(const unsigned char *head, size_t head_len, size_t garbage, const char *env,
+                            size_t *written) {
+  int data[2], count[2];
+  assert_int_equal(pipe(data), 0);
+  assert_int_equal(pipe(count), 0);
+  pid_t writer = fork();
+  assert_true(writer >= 0);
+  if (writer == 0) {
+    signal(SIGPIPE, SIG_IGN);
+    close(data[0]);
+    close(count[0]);
+    alarm(60);
+    size_t done = 0;
+    static unsigned char chunk[1 << 16];
+    uint64_t x = 1;
+    bool open = write(data[1], head, head_len) == (ssize_t)head_len;
+    for (size_t left = garbage; open && left;) {
+      size_t n = left < sizeof chunk ? left : sizeof chunk;
+      fill_garbage(chunk, n, &x);
+      open = write(data[1], chunk, n) == (ssize_t)n;
+      if (open) done += n, left -= n;
+    }
+    (void)!write(count[1], &done, sizeof done);
+    _exit(0);
+  }
+  close(data[1]);
+  close(count[1]);
+  outcome_t o = load_in_child_from("/dev/stdin", env, data[0]);
+  close(data[0]);
+  *written = 0;
+  assert_int_equal(read(count[0], written, sizeof *written), (ssize_t)sizeof *written);
+  close(count[0]);
+  int ws = 0;
+  waitpid(writer, &ws, 0);
+  return o;
+}
+
+/* The message after the input's name ("PATH: "). */
+static const char *after_path(const char *message, const char *path) {
+  size_t n = strlen(path);
+  assert_true(!strncmp(message, path, n) && message[n] == ':');
+  return message + n + 2;
+}
+
+/* Input that starts like a pickle or a compressed trace and goes on with
+ * bytes no format writes is refused at its first such bytes, from a pipe
+ * (of 1 GiB) as from a file (of 1 MiB), with the same message; the pipe's
+ * reader holds no more than a reader that stops at its first step. */
+static void test_piped_garbage_refused_where_its_file_is(void **state) {
+  (void)state;
+  static const struct {
+    const char *name;
+    unsigned char head[16];
+    size_t head_len;
+  } heads[] = {
+      {"pickle", {0x80, 0x04, 0x95, 0x64, 0, 0, 0, 0, 0, 0, 0, '}', 0x94}, 13},
+      {"gzip", {0x1f, 0x8b, 0x08, 0, 0, 0, 0, 0, 0, 0x03}, 10},
+      {"zstd", {0x28, 0xb5, 0x2f, 0xfd}, 4},
+      {"xz", {0xfd, '7', 'z', 'X', 'Z', 0}, 6},
+      {"bzip2", {'B', 'Z', 'h', '9'}, 4},
+  };
+  const size_t file_garbage = (size_t)1 << 20, piped_garbage = (size_t)1 << 30;
+  unsigned char *bytes = malloc(16 + file_garbage);
+  assert_non_null(bytes);
+  for (size_t i = 0; i < sizeof heads / sizeof heads[0]; i++) {
+    memcpy(bytes, heads[i].head, heads[i].head_len);
+    uint64_t x = 1;
+    fill_garbage(bytes + heads[i].head_len, file_garbage, &x);
+    const char *path = in_dir("garbage.bin");
+    write_file(path, bytes, heads[i].head_len + file_garbage);
+    outcome_t from_file = load_in_child(path, NULL);
+    size_t written = 0;
+    outcome_t piped = load_piped(heads[i].head, heads[i].head_len, piped_garbage, NULL, &written);
+    fprintf(stderr, "%-6s garbage: piped %zu MiB of 1024 before the refusal, peak grew %ld KiB: %.80s\n",
+            heads[i].name, written >> 20, piped.rss_growth_kb, piped.message);
+    assert_false(from_file.crashed);
+    assert_false(piped.crashed);
+    assert_int_equal(from_file.status, GCA_ERR_INVALID);
+    assert_int_equal(piped.status, GCA_ERR_INVALID);
+    assert_string_equal(after_path(piped.message, "/dev/stdin"), after_path(from_file.message, path));
+    assert_true(piped.rss_growth_kb < FAST_FAIL_KB);
+    assert_true(written < ((size_t)64 << 20));
+  }
+  free(bytes);
+}
+
+/* A pickle's reader reads nothing after its STOP opcode: a snapshot in a
+ * pipe that goes on past it is read as its file is, and what follows is
+ * not taken in. */
+static void test_piped_snapshot_ends_at_its_stop(void **state) {
+  (void)state;
+  size_t len;
+  unsigned char *bytes = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(bytes);
+  trace_t expected;
+  assert_int_equal(trace_load(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &expected), GCA_OK);
+  size_t written = 0;
+  outcome_t piped = load_piped(bytes, len, (size_t)1 << 30, NULL, &written);
+  fprintf(stderr, "snapshot and 1 GiB after it: %zu MiB piped, peak grew %ld KiB\n", written >> 20,
+          piped.rss_growth_kb);
+  assert_false(piped.crashed);
+  assert_int_equal(piped.status, GCA_OK);
+  assert_true(written < ((size_t)64 << 20));
+  trace_free(&expected);
+  free(bytes);
+}
+
+/* The guard on a piped pickle refuses nothing its reader reads: a real
+ * snapshot with seeded damage (bytes changed, cut short), read whole by
+ * the reader and walked by the guard in pieces; where the guard refuses,
+ * the reader fails too. */
+static void test_pickle_guard_refuses_only_what_the_reader_does(void **state) {
+  (void)state;
+  size_t len;
+  unsigned char *bytes = read_whole(GCALLOC_TEST_DATA_DIR "/snapshot_small.pickle", &len);
+  assert_non_null(bytes);
+  unsigned char *copy = malloc(len);
+  assert_non_null(copy);
+  uint64_t x = 7;
+  int refused = 0, failed = 0;
+  for (int round = 0; round < 400; round++) {
+    memcpy(copy, bytes, len);
+    unsigned char r[8];
+    fill_garbage(r, sizeof r, &x);
+    size_t n = len - (round % 4 == 0 ? (size_t)r[0] * r[1] % len : 0); /* (cut short, one in four) */
+    for (int k = 0; k < 1 + r[2] % 4; k++) {
+      fill_garbage(r, sizeof r, &x);
+      copy[((size_t)r[0] << 16 | (size_t)r[1] << 8 | r[2]) % n] = r[3];
+    }
+    pickle_scan_t scan = {0};
+    bool ok = true;
+    for (size_t end = 0; ok && end < n;) {
+      end = end + 1 + (end * 7919 % 65536) < n ? end + 1 + (end * 7919 % 65536) : n;
+      ok = pickle_scan(&scan, copy, end);
+    }
+    pickle_doc_t *doc = pickle_parse(copy, n, NULL);
+    if (!ok) refused++;
+    if (!doc) failed++;
+    if (!ok && doc) fprintf(stderr, "round %d: the guard refused what the reader read\n", round);
+    assert_false(!ok && doc);
+    pickle_free(doc);
+  }
+  fprintf(stderr, "400 damaged snapshots: the guard refused %d, the reader %d\n", refused, failed);
+  assert_true(refused > 0);
+  free(copy);
+  free(bytes);
 }
 
 /* The cap on what is held in memory, which the user can raise. */
@@ -564,6 +732,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_gzip_of_zeros_fails_at_once),
       cmocka_unit_test(test_gzip_of_one_endless_line),
       cmocka_unit_test(test_endless_device),
+      cmocka_unit_test(test_piped_garbage_refused_where_its_file_is),
+      cmocka_unit_test(test_piped_snapshot_ends_at_its_stop),
+      cmocka_unit_test(test_pickle_guard_refuses_only_what_the_reader_does),
       cmocka_unit_test(test_cap_on_decompressed_input),
       cmocka_unit_test(test_compressed_bombs_stay_small),
       cmocka_unit_test(test_gcalloc_trace_format_is_held),
