@@ -1068,6 +1068,26 @@ GCA_API int gca_torch_defer(const char *backend, const char *config);
 GCA_API void gca_npu_init(int device_count);
 GCA_API void gca_npu_empty_cache(bool check_error);
 GCA_API void gca_npu_erase_stream(void *ptr, void *stream);
+/* The record- and erase-stream hooks of a torch_npu whose Module.cpp casts
+ * them to void(void *, c10_npu::NPUStream): NPUStream has a user-provided
+ * destructor, so under the Itanium C++ ABI the second argument is the
+ * address of the caller's NPUStream object, not an aclrtStream. These read
+ * the stream through torch_npu's own accessor, connected with
+ * gca_npu_set_stream_accessor: the address of `aclrtStream
+ * c10_npu::NPUStream::stream(bool need_empty) const` in libtorch_npu.so
+ * (symbol _ZNK7c10_npu9NPUStream6streamEb), called with false (no queue
+ * emptied), holding no lock. Without it, each use is logged as an error and
+ * not recorded. gcalloc.torch_npu.install() picks these or
+ * gca_torch_record_stream / gca_npu_erase_stream by the signature the
+ * running torch_npu's setter has (docs/acl.md). */
+GCA_API void gca_npu_record_stream_object(void *ptr, const void *npu_stream);
+GCA_API void gca_npu_erase_stream_object(void *ptr, const void *npu_stream);
+GCA_API int gca_npu_set_stream_accessor(void *npu_stream_stream);
+/* Record- and erase-stream calls from the framework's hooks on memory the
+ * process-wide allocator did not make: the NULL of an empty tensor, memory
+ * from from_blob, DLPack or IPC. As PyTorch's own allocator, the hooks
+ * ignore them quietly; this counts them, since the process started. */
+GCA_API size_t gca_torch_foreign_stream_uses(void);
 /* Connect torch_npu's drain of its task queue: the address of
  * `bool c10_npu::npuSynchronizeDevice(bool check_error)` in libtorch_npu.so
  * (symbol _ZN7c10_npu20npuSynchronizeDeviceEb), called with false as the

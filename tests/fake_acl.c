@@ -114,6 +114,15 @@ static int touched[MAX_DEVICES];
 static item_t items[MAX_ITEMS];
 static fake_event_t *events[MAX_ITEMS];
 static size_t live_events;
+/* [rt] a stream is NULL (the device's default stream) or one aclrtCreateStream
+ * made; anything else handed to an event or stream call is refused
+ * (107000). The unit tests name streams by bare handles, so the rule holds
+ * once fakeacl_strict_streams(1) (the framework stand-ins turn it on);
+ * refusals are counted either way for a handle never created. */
+#define MAX_STREAMS 64
+static void *streams[MAX_STREAMS];
+static int strict_streams;
+static unsigned long bad_streams;
 
 /* ---- control ------------------------------------------------------------ */
 
@@ -123,6 +132,8 @@ EXPORT void fakeacl_reset(void) {
   memset(peers_enabled, 0, sizeof peers_enabled);
   memset(touched, 0, sizeof touched);
   hold_events = 0;
+  strict_streams = 0;
+  bad_streams = 0;
   queued_count = stale_work = queue_runs = 0;
   device_count = -1;
   capacity = (size_t)1 << 30;
@@ -144,6 +155,8 @@ EXPORT void fakeacl_set_soc(const char *name) { snprintf(soc_name, sizeof soc_na
 /* What aclsysGetCANNVersion answers for the CANN package ("": it fails). */
 EXPORT void fakeacl_set_cann_version(const char *v) { snprintf(cann_version, sizeof cann_version, "%s", v); }
 EXPORT void fakeacl_hold_events(int on) { hold_events = on; }
+EXPORT void fakeacl_strict_streams(int on) { strict_streams = on; }
+EXPORT unsigned long fakeacl_bad_streams(void) { return bad_streams; }
 /* This thread's current device (-1: none set), as the runtime keeps it. */
 EXPORT int fakeacl_current_device(void) { return current; }
 
@@ -151,6 +164,14 @@ EXPORT void fakeacl_complete_events(void) {
   pthread_mutex_lock(&lock);
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (events[i]) events[i]->pending = 0;
+  pthread_mutex_unlock(&lock);
+}
+
+/* The work of one stream completes: the events recorded on it. */
+EXPORT void fakeacl_complete_stream(void *stream) {
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < MAX_ITEMS; i++)
+    if (events[i] && events[i]->stream == (uintptr_t)stream) events[i]->pending = 0;
   pthread_mutex_unlock(&lock);
 }
 
@@ -458,12 +479,47 @@ static int waited_on(fake_event_t *ev) {
   return ev->waited;
 }
 
+/* Whether `stream` is NULL or was created (and not destroyed); a strict
+ * refusal is counted (the lock held). */
+static int stream_known(void *stream) {
+  if (!stream) return 1;
+  for (size_t i = 0; i < MAX_STREAMS; i++)
+    if (streams[i] == stream) return 1;
+  bad_streams++;
+  return !strict_streams;
+}
+
+EXPORT int aclrtCreateStream(void **stream) {
+  ENTER("aclrtCreateStream");
+  NEED_DEVICE();
+  if (!stream) LEAVE(ACL_ERROR_INVALID_PARAM);
+  for (size_t i = 0; i < MAX_STREAMS; i++)
+    if (!streams[i]) {
+      if (!(streams[i] = malloc(16))) LEAVE(ACL_ERROR_RT_MEMORY_ALLOCATION);
+      *stream = streams[i];
+      LEAVE(ACL_SUCCESS);
+    }
+  LEAVE(ACL_ERROR_RT_MEMORY_ALLOCATION);
+}
+
+EXPORT int aclrtDestroyStream(void *stream) {
+  ENTER("aclrtDestroyStream");
+  for (size_t i = 0; stream && i < MAX_STREAMS; i++)
+    if (streams[i] == stream) {
+      free(streams[i]);
+      streams[i] = NULL;
+      LEAVE(ACL_SUCCESS);
+    }
+  LEAVE(ACL_ERROR_RT_PARAM_INVALID);
+}
+
 /* [rt] recording again an event a stream still waits on is refused. */
 EXPORT int aclrtRecordEvent(void *e, void *stream) {
   ENTER("aclrtRecordEvent");
   NEED_DEVICE();
   fake_event_t *ev = event_of(e);
   if (!ev || waited_on(ev)) LEAVE(ACL_ERROR_INVALID_PARAM);
+  if (!stream_known(stream)) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
   ev->stream = (uintptr_t)stream;
   ev->pending = hold_events;
   LEAVE(ACL_SUCCESS);
@@ -517,11 +573,11 @@ EXPORT int aclrtDestroyEvent(void *e) {
 /* [rt] only an event created with ACL_EVENT_SYNC may be waited on
  * (207000 otherwise); the wait stays pending until the event completes. */
 EXPORT int aclrtStreamWaitEvent(void *stream, void *e) {
-  (void)stream;
   ENTER("aclrtStreamWaitEvent");
   NEED_DEVICE();
   fake_event_t *ev = event_of(e);
   if (!ev) LEAVE(ACL_ERROR_INVALID_PARAM);
+  if (!stream_known(stream)) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
   if (!(ev->flags & ACL_EVENT_SYNC)) LEAVE(ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
   if (ev->pending) ev->waited = 1;
   LEAVE(ACL_SUCCESS);
@@ -530,6 +586,7 @@ EXPORT int aclrtStreamWaitEvent(void *stream, void *e) {
 EXPORT int aclrtSynchronizeStream(void *stream) {
   ENTER("aclrtSynchronizeStream");
   NEED_DEVICE();
+  if (!stream_known(stream)) LEAVE(ACL_ERROR_RT_PARAM_INVALID);
   for (size_t i = 0; i < MAX_ITEMS; i++)
     if (events[i] && events[i]->stream == (uintptr_t)stream) events[i]->pending = 0;
   LEAVE(ACL_SUCCESS);

@@ -230,6 +230,8 @@ _sig("gca_pool_list", ctypes.c_int, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_ui
 _sig("gca_torch_init", ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p)
 _sig("gca_torch_defer", ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p)
 _sig("gca_npu_set_queue_drain", ctypes.c_int, _P)
+_sig("gca_npu_set_stream_accessor", ctypes.c_int, _P)
+_sig("gca_torch_foreign_stream_uses", ctypes.c_size_t)
 _sig("gca_torch_set_raise", ctypes.c_int, _P)
 _sig("gca_torch_allocator", _P)
 _sig("gca_torch_malloc", _P, ctypes.c_ssize_t, ctypes.c_int, _P)

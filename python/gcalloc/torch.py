@@ -30,7 +30,7 @@ from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _o
 # The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
 MINIMUM_TORCH = "2.0"
 
-__all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_failure", "pool", "pause",
+__all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_failure", "foreign_stream_uses", "pool", "pause",
            "resume", "cpu_backup", "MINIMUM_TORCH", "ROUTED"]
 
 # void c10::detail::torchCheckFail(const char *func, const char *file, uint32_t line, const char *msg)
@@ -241,6 +241,14 @@ def _wrap_record_stream(torch, on_device, handle):
     record_stream._gcalloc = True
     record_stream.__doc__ = original.__doc__
     torch.Tensor.record_stream = record_stream
+
+
+def foreign_stream_uses():
+    """record_stream and erase_stream calls from the framework's hooks on
+    memory gcalloc did not make (an empty tensor's NULL, from_blob, DLPack
+    or IPC memory), ignored quietly as PyTorch's own allocator ignores them:
+    how many, since the process started."""
+    return _lib.gca_torch_foreign_stream_uses()
 
 
 def last_failure():

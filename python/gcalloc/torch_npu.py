@@ -37,22 +37,47 @@ out-of-memory message as an error and keeps it for last_failure().
 import contextlib
 import ctypes
 import os
+import warnings
 
-from . import GCA_ERR_INVALID, GcallocError, _lib, _python_warnings, _text, library_path
+from . import GCA_ERR_INVALID, GcallocError, GcallocWarning, _lib, _python_warnings, _text, library_path
 from .torch import _connect_raise, _route_memory_functions, _set_hooks, _wrap_record_stream
 from .torch import raises  # noqa: F401  (the same process-wide allocator)
 from .torch import last_failure  # noqa: F401  (the same process-wide allocator)
+from .torch import foreign_stream_uses  # noqa: F401  (the same process-wide allocator)
 
-__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "raises", "queue_drain", "HOOKS", "ROUTED"]
+__all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "foreign_stream_uses", "raises",
+           "queue_drain", "stream_form",
+           "HOOKS", "STREAM_HOOKS", "ROUTED"]
 
 # NPUPluggableAllocator's hooks (torch_npu's Module.cpp casts each address
 # to a C signature) and gcalloc's function for each (include/gcalloc.h).
+# The record- and erase-stream hooks are those of STREAM_HOOKS the running
+# torch_npu takes.
 HOOKS = (("set_init_fn", "gca_npu_init"),
          ("set_reset_fn", "gca_npu_empty_cache"),
          ("set_memory_fraction_fn", "gca_torch_set_memory_fraction"),
          ("set_base_alloc_fn", "gca_torch_base_alloc"),
          ("set_record_stream_fn", "gca_torch_record_stream"),
          ("set_erase_stream_fn", "gca_npu_erase_stream"))
+
+# The stream hooks' form differs between torch_npu releases: Module.cpp
+# casts the address to void(void*, aclrtStream) in some and to
+# void(void*, c10_npu::NPUStream) in others, where the NPUStream (a class
+# with a user-provided destructor) arrives as the address of the caller's
+# object. The setter's mangled name, exported by libtorch_npu.so, says
+# which; the object form reads the stream with NPUStream::stream(bool).
+STREAM_FORMS = (
+    ("object", "_ZN5torch3npu21NPUPluggableAllocator21NPUPluggableAllocator20set_record_stream_fn"
+               "ESt8functionIFvPvN7c10_npu9NPUStreamEEE"),
+    ("handle", "_ZN5torch3npu21NPUPluggableAllocator21NPUPluggableAllocator20set_record_stream_fn"
+               "ESt8functionIFvPvS4_EE"),
+)
+STREAM_ACCESSOR_SYMBOL = "_ZNK7c10_npu9NPUStream6streamEb"
+STREAM_HOOKS = {
+    "handle": (("set_record_stream_fn", "gca_torch_record_stream"), ("set_erase_stream_fn", "gca_npu_erase_stream")),
+    "object": (("set_record_stream_fn", "gca_npu_record_stream_object"),
+               ("set_erase_stream_fn", "gca_npu_erase_stream_object")),
+}
 
 # torch_npu's memory functions that warn "does not yet support" (or are
 # undefined behaviour) under a pluggable allocator, answered by gcalloc, in
@@ -72,6 +97,7 @@ _installed = False
 _hooks = []
 _routed = []
 _drain = [None]  # where the drain was found
+_stream_form = [None]  # the form of the stream hooks set: "handle", "object" or None
 
 
 def installed():
@@ -93,6 +119,14 @@ def queue_drain():
     return _drain[0]
 
 
+def stream_form():
+    """How the running torch_npu passes streams to the record- and
+    erase-stream hooks install() set: "handle" (an aclrtStream), "object"
+    (its NPUStream object), or None where it could not tell and
+    Tensor.record_stream is wrapped instead."""
+    return _stream_form[0]
+
+
 def install(conf=None, backend=None):
     """Make gcalloc torch_npu's NPU allocator. `conf` is a configuration in
     PYTORCH_NPU_ALLOC_CONF's syntax; `backend` defaults to
@@ -107,22 +141,36 @@ def install(conf=None, backend=None):
         raise GcallocError(rc, _lib.gca_last_error().decode())
     if _installed:
         return
-    drain, where = _find_drain(torch_npu)
+    library, where = _libtorch_npu(torch_npu)
+    drain = _address(library, DRAIN_SYMBOL)
     if drain is None and _task_queue_on():
         raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch_npu.install: torch_npu's task queue is on "
                            "(TASK_QUEUE_ENABLE=%s) and its drain, c10_npu::npuSynchronizeDevice, is not in %s: "
                            "memory could go back to the NPU while queued operators still use it. Set "
                            "TASK_QUEUE_ENABLE=0 before torch_npu starts, or use a torch_npu that exports it"
                            % (os.environ.get("TASK_QUEUE_ENABLE", "1 (the default)"), where))
+    form, accessor = _stream_form_of(library)
+    stream_setters = [setter for setter, _ in STREAM_HOOKS["handle"]]
+    hooks = [hook for hook in HOOKS if hook[0] not in stream_setters] + list(STREAM_HOOKS.get(form, ()))
     allocator = torch_npu.npu.memory.NPUPluggableAllocator(library_path, "gca_npu_malloc", "gca_npu_free")
-    hooks_set = _set_hooks(allocator, HOOKS)
+    if accessor is not None:
+        _lib.gca_npu_set_stream_accessor(ctypes.c_void_p(accessor))
+    hooks_set = _set_hooks(allocator, hooks)
     torch_npu.npu.memory.change_current_allocator(allocator)
     if drain is not None:
         _lib.gca_npu_set_queue_drain(ctypes.c_void_p(drain))
         _drain[0] = where
     _hooks[:] = hooks_set
+    _stream_form[0] = form if "set_record_stream_fn" in hooks_set else None
     torch = _torch_of(torch_npu)
     _connect_raise(torch)
+    if form is None:
+        warnings.warn("gcalloc.torch_npu: %s exports neither form of NPUPluggableAllocator::set_record_stream_fn "
+                      "(or not NPUStream::stream(bool)), so how this torch_npu passes streams to its hooks is "
+                      "unknown: its record- and erase-stream hooks are left unset and Tensor.record_stream is "
+                      "wrapped instead. record_stream from C++ (HCCL's collectives) is not seen: memory a "
+                      "collective uses may be reused before it ends; set MULTI_STREAM_MEMORY_REUSE=0 for HCCL"
+                      % where, GcallocWarning, stacklevel=2)
     if "set_record_stream_fn" not in hooks_set and torch is not None:
         _wrap_record_stream(torch, lambda t: getattr(t, "is_npu", False), _npu_stream_handle)
     modules = [torch_npu.npu.memory, torch_npu.npu]
@@ -141,14 +189,35 @@ def _task_queue_on():
     return os.environ.get("TASK_QUEUE_ENABLE", "1").strip() not in ("0", "")
 
 
-def _find_drain(torch_npu):
-    """npuSynchronizeDevice's address in torch_npu's libtorch_npu.so, and where it was looked for."""
+def _libtorch_npu(torch_npu):
+    """torch_npu's libtorch_npu.so (ctypes, None where it does not load) and its path."""
     path = os.path.join(os.path.dirname(os.path.abspath(torch_npu.__file__)), "lib", "libtorch_npu.so")
     try:
-        lib = ctypes.CDLL(path)
-        return ctypes.cast(getattr(lib, DRAIN_SYMBOL), ctypes.c_void_p).value, path
-    except (OSError, AttributeError):
+        return ctypes.CDLL(path), path
+    except OSError:
         return None, path
+
+
+def _address(library, symbol):
+    """The address of `symbol` in `library`, or None."""
+    try:
+        return ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value if library is not None else None
+    except AttributeError:
+        return None
+
+
+def _stream_form_of(library):
+    """The form of the running torch_npu's stream hooks (STREAM_FORMS) and,
+    for "object", NPUStream::stream(bool)'s address; (None, None) where it
+    cannot be told, or the object form's stream cannot be read."""
+    for form, setter in STREAM_FORMS:
+        if _address(library, setter) is None:
+            continue
+        if form == "handle":
+            return form, None
+        accessor = _address(library, STREAM_ACCESSOR_SYMBOL)
+        return (form, accessor) if accessor is not None else (None, None)
+    return None, None
 
 
 def _torch_of(torch_npu):

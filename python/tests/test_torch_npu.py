@@ -157,6 +157,85 @@ def test_initialization_order_with_a_bad_configuration(run):
     assert p.returncode == 0
 
 
+STREAMS = """
+        lib = ctypes.CDLL(str(_C._torch_npu_lib()._name))
+        lib.fake_torch_npu_stream_handle.restype = ctypes.c_void_p
+        lib.fake_torch_npu_stream_handle.argtypes = [ctypes.c_int, ctypes.c_int64]
+        acl.fakeacl_complete_stream.argtypes = [ctypes.c_void_p]
+        acl.fakeacl_bad_streams.restype = ctypes.c_ulong
+        def handle(stream):
+            return lib.fake_torch_npu_stream_handle(0, stream)
+"""
+
+
+@pytest.mark.parametrize("form", ["object", "handle"])
+def test_stream_hooks_take_the_releases_form(run, form):
+    """torch_npu's releases pass the record- and erase-stream hooks either its NPUStream object (by
+    address: it has a user-provided destructor) or an aclrtStream; install() sets the hooks of the form
+    the running one takes, and the use reaches the runtime's stream (the AscendCL stand-in refuses any
+    handle it did not create)."""
+    if form == "handle":
+        handles = os.environ.get("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES")
+        if not handles:
+            pytest.skip("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES is not set (CTest sets it)")
+        os.remove(run.package / "lib" / "libtorch_npu.so")
+        os.symlink(os.path.abspath(handles), run.package / "lib" / "libtorch_npu.so")
+    run(STREAMS + """
+        gcalloc.torch_npu.install()
+        assert gcalloc.torch_npu.stream_form() == %r
+        acl.fakeacl_hold_events(1)
+        p = alloc(10 * MiB)
+        native().recordStream(p, 3)  # (HCCL's, from C++)
+        free(p)
+        acl.fakeacl_complete_stream(handle(2))  # another stream's work: the free still waits
+        free(alloc(MiB))
+        assert gcalloc.memory_stats(0)["active_bytes.all.current"] > 10 * MiB
+        acl.fakeacl_complete_stream(handle(3))
+        free(alloc(MiB))
+        assert gcalloc.memory_stats(0)["active_bytes.all.current"] == 0
+        p = alloc(10 * MiB)
+        native().recordStream(p, 3)
+        native().eraseStream(p, 3)
+        free(p)
+        assert gcalloc.memory_stats(0)["active_bytes.all.current"] == 0
+        assert acl.fakeacl_bad_streams() == 0
+    """ % form)
+
+
+def test_stream_form_unknown_wraps_record_stream(run):
+    """A libtorch_npu.so that exports neither form of the setter: the stream hooks stay unset, and
+    install() says so."""
+    os.remove(run.package / "lib" / "libtorch_npu.so")
+    os.symlink(os.environ["GCALLOC_TEST_FAKE_ACL"], run.package / "lib" / "libtorch_npu.so")
+    run("""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gcalloc.torch_npu.install()
+        assert gcalloc.torch_npu.stream_form() is None
+        assert "set_record_stream_fn" not in gcalloc.torch_npu.hooks()
+        assert "set_erase_stream_fn" not in gcalloc.torch_npu.hooks()
+        said = [str(w.message) for w in caught if issubclass(w.category, gcalloc.GcallocWarning)]
+        assert any("neither form" in m and "MULTI_STREAM_MEMORY_REUSE=0" in m for m in said), said
+    """, TASK_QUEUE_ENABLE="0")
+
+
+def test_record_stream_on_foreign_memory_is_quiet(run):
+    """As torch_npu's own allocator: record_stream on an empty tensor (NULL) or on memory gcalloc did not
+    make returns quietly; gcalloc counts them."""
+    p = run("""
+        gcalloc.torch_npu.install()
+        p = alloc(MiB)
+        before = gcalloc.torch_npu.foreign_stream_uses()
+        native().recordStream(0, 1)
+        native().recordStream(0x1000, 1)
+        native().eraseStream(0x1000, 1)
+        native().recordStream(p + 512, 1)  # (inside a block: not a pointer gcalloc gave)
+        assert gcalloc.torch_npu.foreign_stream_uses() - before == 4
+        free(p)
+    """)
+    assert "error" not in p.stderr, p.stderr
+
+
 QUEUED = """
         gcalloc.torch_npu.install()
         p = alloc(40 * MiB)

@@ -49,6 +49,14 @@ static char last_failure[4096];
  * hold no lock when it is thrown. */
 typedef void (*c10_check_fail_fn)(const char *func, const char *file, uint32_t line, const char *msg);
 static c10_check_fail_fn _Atomic c10_raise;
+/* aclrtStream c10_npu::NPUStream::stream(bool need_empty) const of the
+ * running torch_npu (gca_npu_set_stream_accessor): a member function, so
+ * the object's address comes first; with need_empty false it reads the
+ * stream without emptying the task queue. */
+typedef void *(*npu_stream_accessor_fn)(const void *npu_stream, bool need_empty);
+static npu_stream_accessor_fn _Atomic npu_stream_of;
+/* Stream uses of memory the allocator did not make (framework_stream_use). */
+static atomic_size_t foreign_stream_uses;
 
 static void keep_failure(const char *message) {
   mutex_lock(&failure_lock, RANK_TORCH_FAILURE);
@@ -220,11 +228,56 @@ void gca_npu_free(void *ptr, size_t size, int device, void *stream) {
   framework_free(ptr, device);
 }
 
-void gca_torch_record_stream(void *ptr, void *stream) {
+/* A stream use from the framework (record or erase). As PyTorch's and
+ * torch_npu's own allocators, quiet for what the allocator did not make:
+ * the NULL of an empty tensor, and memory of another (from_blob, DLPack,
+ * IPC), which gca_torch_foreign_stream_uses counts. */
+static void framework_stream_use(void *ptr, void *stream, bool erase) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
-  if (a && gca_record_stream(a, ptr, (gca_stream_t)stream) != GCA_OK)
-    gca__log_message(GCA_LOG_ERROR, "record_stream of %p failed: %s", ptr, gca_last_error());
+  if (!a) return;
+  if (!ptr) {
+    atomic_fetch_add_explicit(&foreign_stream_uses, 1, memory_order_relaxed);
+    return;
+  }
+  int rc = erase ? gca_erase_stream(a, ptr, (gca_stream_t)stream) : gca_record_stream(a, ptr, (gca_stream_t)stream);
+  if (rc == GCA_ERR_BAD_POINTER) atomic_fetch_add_explicit(&foreign_stream_uses, 1, memory_order_relaxed);
+  else if (rc != GCA_OK)
+    gca__log_message(GCA_LOG_ERROR, "%s of %p failed: %s", erase ? "erase_stream" : "record_stream", ptr,
+                     gca_last_error());
 }
+
+void gca_torch_record_stream(void *ptr, void *stream) { framework_stream_use(ptr, stream, false); }
+
+size_t gca_torch_foreign_stream_uses(void) {
+  return atomic_load_explicit(&foreign_stream_uses, memory_order_relaxed);
+}
+
+int gca_npu_set_stream_accessor(void *npu_stream_stream) {
+  *(void **)&npu_stream_of = npu_stream_stream;
+  return GCA_OK;
+}
+
+/* A stream use whose stream is torch_npu's NPUStream object (passed by
+ * address: it has a user-provided destructor), its aclrtStream asked of
+ * torch_npu. The accessor is called holding no lock: it may throw. */
+static void npu_object_stream_use(void *ptr, const void *npu_stream, bool erase) {
+  npu_stream_accessor_fn stream_of = npu_stream_of;
+  if (!stream_of) {
+    gca__log_message(GCA_LOG_ERROR, "%s of %p: torch_npu passed its NPUStream object, and no way to read its "
+                     "aclrtStream is connected (gca_npu_set_stream_accessor): the use is not recorded",
+                     erase ? "erase_stream" : "record_stream", ptr);
+    return;
+  }
+  if (!ptr || !atomic_load_explicit(&torch_allocator, memory_order_acquire)) {
+    framework_stream_use(ptr, NULL, erase);
+    return;
+  }
+  framework_stream_use(ptr, npu_stream ? stream_of(npu_stream, false) : NULL, erase);
+}
+
+void gca_npu_record_stream_object(void *ptr, const void *npu_stream) { npu_object_stream_use(ptr, npu_stream, false); }
+
+void gca_npu_erase_stream_object(void *ptr, const void *npu_stream) { npu_object_stream_use(ptr, npu_stream, true); }
 
 void gca_torch_empty_cache(void) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
@@ -236,11 +289,7 @@ void gca_npu_empty_cache(bool check_error) {
   gca_torch_empty_cache();
 }
 
-void gca_npu_erase_stream(void *ptr, void *stream) {
-  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
-  if (a && gca_erase_stream(a, ptr, (gca_stream_t)stream) != GCA_OK)
-    gca__log_message(GCA_LOG_ERROR, "erase_stream of %p failed: %s", ptr, gca_last_error());
-}
+void gca_npu_erase_stream(void *ptr, void *stream) { framework_stream_use(ptr, stream, true); }
 
 void gca_npu_init(int device_count) {
   gca_allocator_t *a = process_allocator("acl");

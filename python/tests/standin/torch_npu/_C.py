@@ -20,9 +20,12 @@ HOOKS = {
     "set_reset_fn": ctypes.CFUNCTYPE(None, ctypes.c_bool),
     "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
     "set_base_alloc_fn": ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)),
-    "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
-    "set_erase_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
 }
+# The record- and erase-stream hooks are held and called in the C++ library
+# (lib/libtorch_npu.so, tests/fake_torch_npu.cpp), with torch_npu's own types:
+# the address cast to std::function of the release's form, called with an
+# NPUStream object.
+STREAM_SETTERS = ("set_record_stream_fn", "set_erase_stream_fn")
 
 
 def _acl():
@@ -69,11 +72,36 @@ class _NPUPluggableAllocator(Pluggable):
     def setMemoryFraction(self, fraction, device):  # noqa: N802
         self._hook("set_memory_fraction_fn", fraction, device)
 
-    def recordStream(self, ptr, stream):  # noqa: N802
-        self._hook("set_record_stream_fn", ptr, stream)
+    def __getattr__(self, name):
+        if name in STREAM_SETTERS:
+            def set_hook(func_ptr, _name=name):
+                if not isinstance(func_ptr, int) or not func_ptr:
+                    raise TypeError("%s(): incompatible function arguments (an int address)" % _name)
+                lib = _torch_npu_lib()
+                lib.fake_torch_npu_set_stream_hook.argtypes = [ctypes.c_char_p, ctypes.c_uint64]
+                if lib.fake_torch_npu_set_stream_hook(_name.encode(), func_ptr) != 0:
+                    raise RuntimeError("no such hook: %s" % _name)
+                self._hooks[_name] = True
+            return set_hook
+        return super().__getattr__(name)
 
-    def eraseStream(self, ptr, stream):  # noqa: N802
-        self._hook("set_erase_stream_fn", ptr, stream)
+    def _stream_use(self, setter, entry, ptr, stream, device):
+        """recordStream / eraseStream with the stream `stream` (an id of torch_npu's pool, 0-7) of
+        `device`: the C++ library calls the hook, when set, with its NPUStream."""
+        if setter in self._hooks:
+            self.calls.append((setter, (ptr, stream)))
+        fn = getattr(_torch_npu_lib(), entry)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+        if fn(ptr, device, stream) != 0:
+            failure = _torch_npu_lib().fake_torch_npu_failure
+            failure.restype = ctypes.c_char_p
+            raise RuntimeError(failure().decode())
+
+    def recordStream(self, ptr, stream, device=0):  # noqa: N802
+        self._stream_use("set_record_stream_fn", "fake_torch_npu_record_stream", ptr, stream, device)
+
+    def eraseStream(self, ptr, stream, device=0):  # noqa: N802
+        self._stream_use("set_erase_stream_fn", "fake_torch_npu_erase_stream", ptr, stream, device)
 
     def getDeviceStats(self, device):  # noqa: N802
         # torch_npu warns, then falls off the end of a function returning DeviceStats: undefined behaviour.

@@ -1,0 +1,275 @@
+/* gcalloc called exactly as the frameworks call it (label `frameworks`):
+ * C++, with the framework's own types and casts. The stand-in for
+ * torch_npu's library (fake_torch_npu.cpp, in both forms its releases
+ * take) holds gcalloc's exported hooks as std::function, cast from their
+ * addresses as torch_npu's Module.cpp casts them, and calls them with its
+ * NPUStream objects as NPUPluggableAllocator does; the AscendCL stand-in
+ * (fake_acl.c) underneath refuses stream handles it did not create, as the
+ * runtime does. Each case runs in a child process: the drop-in's allocator
+ * is one per process.
+ *
+ * A plain program (no cmocka, which is C): each case prints its name, and a
+ * failed check prints what and where and fails the run. */
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gcalloc.h"
+
+#define CHECK(cond)                                                           \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+      _exit(1);                                                               \
+    }                                                                         \
+  } while (0)
+
+namespace {
+constexpr size_t MiB = (size_t)1 << 20;
+
+/* The stand-ins' entry points, from their libraries. */
+struct TorchNpu {
+  void *lib = nullptr;
+  int (*set_stream_hook)(const char *, uint64_t) = nullptr;
+  int (*record_stream)(void *, int, int64_t) = nullptr;
+  int (*erase_stream)(void *, int, int64_t) = nullptr;
+  void *(*stream_handle)(int, int64_t) = nullptr;
+  const char *(*failure)() = nullptr;
+  void *accessor = nullptr; /* c10_npu::NPUStream::stream(bool) const */
+};
+
+struct Acl {
+  void *lib = nullptr;
+  void (*hold_events)(int) = nullptr;
+  void (*complete_stream)(void *) = nullptr;
+  unsigned long (*bad_streams)() = nullptr;
+  int (*set_current)(int) = nullptr;
+  int (*init)(const char *) = nullptr;
+};
+
+template <typename T>
+void find(void *lib, const char *name, T &out) {
+  out = reinterpret_cast<T>(dlsym(lib, name));
+  if (!out) {
+    fprintf(stderr, "no %s: %s\n", name, dlerror());
+    _exit(1);
+  }
+}
+
+TorchNpu load_torch_npu(const char *path) {
+  TorchNpu t;
+  t.lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!t.lib) {
+    fprintf(stderr, "cannot load %s: %s\n", path, dlerror());
+    _exit(1);
+  }
+  find(t.lib, "fake_torch_npu_set_stream_hook", t.set_stream_hook);
+  find(t.lib, "fake_torch_npu_record_stream", t.record_stream);
+  find(t.lib, "fake_torch_npu_erase_stream", t.erase_stream);
+  find(t.lib, "fake_torch_npu_stream_handle", t.stream_handle);
+  find(t.lib, "fake_torch_npu_failure", t.failure);
+  find(t.lib, "_ZNK7c10_npu9NPUStream6streamEb", t.accessor);
+  return t;
+}
+
+Acl load_acl() {
+  Acl a;
+  a.lib = dlopen(FAKE_ACL_PATH, RTLD_NOW | RTLD_LOCAL);
+  CHECK(a.lib);
+  find(a.lib, "fakeacl_hold_events", a.hold_events);
+  find(a.lib, "fakeacl_complete_stream", a.complete_stream);
+  find(a.lib, "fakeacl_bad_streams", a.bad_streams);
+  find(a.lib, "fakeacl_set_current", a.set_current);
+  find(a.lib, "aclInit", a.init);
+  return a;
+}
+
+/* The address of a gcalloc function as torch_npu's bindings receive it
+ * (an integer from ctypes). */
+template <typename F>
+uint64_t address(F *fn) {
+  return reinterpret_cast<uint64_t>(reinterpret_cast<void *>(fn));
+}
+
+int64_t active_bytes(int device) {
+  gca_stats_t s;
+  CHECK(gca_get_stats(gca_torch_allocator(), device, &s) == GCA_OK);
+  return s.active_bytes[GCA_POOL_ALL].current;
+}
+
+/* Errors gcalloc logs, counted. */
+std::atomic<int> errors_logged;
+void count_errors(gca_log_level level, const char *message, void *user) {
+  (void)user;
+  if (level <= GCA_LOG_ERROR) {
+    errors_logged++;
+    fprintf(stderr, "logged: %s\n", message);
+  }
+}
+
+/* The drop-in opened on the AscendCL stand-in after torch_npu's lazy
+ * initialization (aclInit, the thread's device set). */
+Acl start() {
+  setenv("GCALLOC_ACL_LIBRARY", FAKE_ACL_PATH, 1);
+  Acl acl = load_acl();
+  CHECK(acl.init(nullptr) == 0);
+  CHECK(acl.set_current(0) == 0);
+  CHECK(gca_torch_defer("acl", "") == GCA_OK);
+  gca_set_log_handler(count_errors, nullptr);
+  return acl;
+}
+
+/* A stream use recorded by the hooks holds the block's free until that
+ * stream's work completes, and only that stream's; an erased one does
+ * not; the runtime never sees a handle it did not make. */
+void uses_reach_the_runtime_stream(const TorchNpu &t, const Acl &acl) {
+  void *s0 = t.stream_handle(0, 0), *s1 = t.stream_handle(0, 1), *s2 = t.stream_handle(0, 2);
+  CHECK(s0 && s1 && s2 && s0 != s1);
+  acl.hold_events(1);
+  void *p = gca_npu_malloc(4 * MiB, 0, s0);
+  CHECK(p);
+  CHECK(t.record_stream(p, 0, 1) == 0);
+  gca_npu_free(p, 4 * MiB, 0, s0);
+  CHECK(active_bytes(0) >= (int64_t)(4 * MiB)); /* the free waits for stream 1 */
+  acl.complete_stream(s2);                      /* another stream's work: still waiting */
+  gca_npu_free(gca_npu_malloc(MiB, 0, s0), MiB, 0, s0);
+  CHECK(active_bytes(0) >= (int64_t)(4 * MiB));
+  acl.complete_stream(s1);
+  gca_npu_free(gca_npu_malloc(MiB, 0, s0), MiB, 0, s0); /* (the next allocation completes the free) */
+  CHECK(active_bytes(0) == 0);
+  p = gca_npu_malloc(4 * MiB, 0, s0);
+  CHECK(t.record_stream(p, 0, 1) == 0);
+  CHECK(t.erase_stream(p, 0, 1) == 0);
+  gca_npu_free(p, 4 * MiB, 0, s0);
+  CHECK(active_bytes(0) == 0);
+  acl.hold_events(0);
+  CHECK(acl.bad_streams() == 0);
+  CHECK(errors_logged == 0);
+}
+
+/* torch_npu releases whose setter takes std::function<void(void *,
+ * NPUStream)>: the object hooks, reading the stream through torch_npu's
+ * accessor. */
+void object_hooks_with_object_releases() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
+  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream_object)) == 0);
+  uses_reach_the_runtime_stream(t, acl);
+}
+
+/* Releases whose setter takes std::function<void(void *, aclrtStream)>:
+ * the handle hooks (the NPUStream is converted at the call). */
+void handle_hooks_with_handle_releases() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_HANDLES_PATH);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_torch_record_stream)) == 0);
+  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream)) == 0);
+  uses_reach_the_runtime_stream(t, acl);
+}
+
+/* The stand-in's teeth: a handle hook under an object release gets the
+ * address of torch_npu's temporary NPUStream, and the runtime refuses it
+ * (an error or a crash on the real one; the cross-stream use is lost). */
+void handle_hook_under_an_object_release_is_caught() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_torch_record_stream)) == 0);
+  void *s0 = t.stream_handle(0, 0);
+  void *p = gca_npu_malloc(MiB, 0, s0);
+  CHECK(t.record_stream(p, 0, 1) == 0);
+  gca_npu_free(p, MiB, 0, s0);
+  CHECK(acl.bad_streams() > 0);
+}
+
+/* PyTorch's rule: record_stream on a tensor without memory (NULL) or with
+ * memory another allocator made is ignored, quietly; gcalloc counts them. */
+void foreign_memory_is_quiet() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
+  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream_object)) == 0);
+  void *mine = gca_npu_malloc(MiB, 0, t.stream_handle(0, 0)); /* (opens the allocator) */
+  CHECK(mine);
+  size_t before = gca_torch_foreign_stream_uses();
+  std::vector<char> theirs(4096);
+  CHECK(t.record_stream(nullptr, 0, 1) == 0);
+  CHECK(t.record_stream(theirs.data(), 0, 1) == 0);
+  CHECK(t.erase_stream(theirs.data(), 0, 1) == 0);
+  CHECK(gca_torch_foreign_stream_uses() - before == 3);
+  CHECK(errors_logged == 0);
+  gca_npu_free(mine, MiB, 0, t.stream_handle(0, 0));
+  (void)acl;
+}
+
+/* torch_npu's accessor throws (c10::Error) for a stream it does not know:
+ * the exception crosses gcalloc's frames with nothing held, and every
+ * next call works, on this thread and on another. */
+void a_throwing_accessor_leaves_nothing_locked() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
+  void *s0 = t.stream_handle(0, 0);
+  void *p = gca_npu_malloc(MiB, 0, s0);
+  CHECK(p);
+  CHECK(t.record_stream(p, 0, 99) == -1);
+  CHECK(strstr(t.failure(), "Unrecognized stream 99"));
+  gca_npu_free(p, MiB, 0, s0);
+  CHECK(active_bytes(0) == 0);
+  std::thread other([&] {
+    CHECK(acl.set_current(0) == 0);
+    void *q = gca_npu_malloc(2 * MiB, 0, s0);
+    CHECK(q);
+    gca_npu_free(q, 2 * MiB, 0, s0);
+    gca_torch_empty_cache();
+  });
+  other.join();
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+}
+
+struct Case {
+  const char *name;
+  void (*run)();
+};
+
+const Case cases[] = {
+    {"object_hooks_with_object_releases", object_hooks_with_object_releases},
+    {"handle_hooks_with_handle_releases", handle_hooks_with_handle_releases},
+    {"handle_hook_under_an_object_release_is_caught", handle_hook_under_an_object_release_is_caught},
+    {"foreign_memory_is_quiet", foreign_memory_is_quiet},
+    {"a_throwing_accessor_leaves_nothing_locked", a_throwing_accessor_leaves_nothing_locked},
+};
+}  // namespace
+
+int main() {
+  int failed = 0;
+  for (const Case &c : cases) {
+    fflush(nullptr);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+      c.run();
+      gca_torch_shutdown();
+      _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    printf("[ %s ] %s\n", ok ? "  OK  " : "FAILED", c.name);
+    failed += !ok;
+  }
+  printf("%d of %zu failed\n", failed, sizeof cases / sizeof cases[0]);
+  return failed ? 1 : 0;
+}
