@@ -305,24 +305,22 @@ GCA_API int gca_no_caching(const gca_allocator_t *a);
  * another thread (torch_npu's task queue, TASK_QUEUE_ENABLE) must have that
  * queue emptied before the allocator gives memory back to the device: an
  * event the allocator records completes when the work already launched has,
- * not the work still in the host queue. `fn(device, user)` empties it: it is
- * called before the first release of device memory (a cached segment freed,
- * expandable pages unmapped, a pool paused) after any free since the last
- * call, from whichever thread releases (gca_empty_cache, the out-of-memory
- * ladder, garbage collection, a peer's request, gca_pool_pause), with the
- * device's lock held. From inside it, the calls that only read work, for
- * the drain's device: gca_get_stats, gca_memory_summary, gca_check,
- * gca_usable_size, gca_base_allocation, gca_get_memory_fraction,
- * gca_mem_get_info, gca_device_properties, gca_stream_priority_range,
- * gca_can_access_peer, gca_get_config, gca_round_size, gca_snapshot_take,
- * gca_pool_list, gca_pool_get_stats, gca_pool_of, gca_ipc_peers,
- * gca_allocated_bytes and gca_reserved_bytes; so do the calls that take no
- * device's lock (the callback lists, host memory, logging). Every other
- * call (gca_malloc, gca_free, gca_empty_cache, gca_set_config, the pools'
- * changes, gca_open, gca_close, the drop-in's settings...) fails at once
- * with GCA_ERR_INVALID naming the drain: it would wait for the lock its
- * caller holds. The device is then synchronized through the backend before
- * anything goes back. NULL: none (the default). The torch_npu drop-in connects torch_npu's
+ * not the work still in the host queue. `fn(device, user)` empties it: a
+ * cached segment into which a block was freed goes back to the device (a
+ * whole segment freed, expandable pages unmapped or moved) only once a call
+ * begun after that free has returned; a pool is drained before it pauses,
+ * whatever was freed. It is called from whichever thread releases
+ * (gca_empty_cache, the out-of-memory ladder, garbage collection, a peer's
+ * request, gca_pool_pause, gca_pool_release, gca_close) only when such a
+ * release is due, with no lock of gcalloc's held: so the framework's own
+ * locks (Python's GIL, which torch_npu's drain gives up and takes back) can
+ * only be taken before gcalloc's, never after. Any call works from inside
+ * it, on any thread; a drain whose calls make it due again is called inside
+ * itself once, no deeper. It may throw a C++ exception or longjmp: gcalloc's
+ * frames (compiled with unwind tables) hold nothing at that point, the
+ * releases it was for are skipped, and the next release calls it again.
+ * The device is then synchronized through the backend before anything goes
+ * back. NULL: none (the default). The torch_npu drop-in connects torch_npu's
  * own drain, c10_npu::npuSynchronizeDevice (docs/acl.md). */
 typedef void (*gca_queue_drain_fn)(int device, void *user);
 GCA_API int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user);
@@ -1091,9 +1089,11 @@ GCA_API size_t gca_torch_foreign_stream_uses(void);
 /* Connect torch_npu's drain of its task queue: the address of
  * `bool c10_npu::npuSynchronizeDevice(bool check_error)` in libtorch_npu.so
  * (symbol _ZN7c10_npu20npuSynchronizeDeviceEb), called with false as the
- * process-wide allocator's gca_set_queue_drain, now or at its open. It takes
- * no Python lock, so gcalloc's device lock and the GIL cannot deadlock
- * through it. NULL disconnects it. */
+ * process-wide allocator's gca_set_queue_drain, now or at its open. It gives
+ * up the GIL while it waits and takes it back, and throws c10::Error for
+ * some device errors even with false: gcalloc calls it holding no lock, and
+ * the exception reaches torch_npu through gcalloc's frames. NULL
+ * disconnects it. */
 GCA_API int gca_npu_set_queue_drain(void *npu_synchronize_device);
 
 #ifdef __cplusplus

@@ -17,7 +17,12 @@
  *   under their mangled names, as in torch_npu, so a loader can tell which.
  * - c10_npu::npuSynchronizeDevice(bool), the task queue's drain: it empties
  *   the AscendCL stand-in's queue (GCALLOC_ACL_LIBRARY) and synchronizes the
- *   thread's device.
+ *   thread's device. As torch_npu's once an aclop operator has run, it
+ *   gives up the GIL while it waits and takes it back after (the GIL is a
+ *   mutex here, taken by the tests' "Python" threads); and it throws
+ *   c10::Error for a device error even with check_error false, as
+ *   NPUException.cpp's errors with a specific message do
+ *   (fake_torch_npu_throw_next_drain).
  *
  * Its streams are the AscendCL stand-in's, made with aclrtCreateStream (8
  * per device, ids 0-7, as torch_npu's pool), and the stand-in is told to
@@ -27,13 +32,17 @@
  * groups) would. The tests put it at <stand-in torch_npu>/lib/. */
 #include <dlfcn.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -83,6 +92,14 @@ namespace {
 constexpr int kDevices = 8, kStreamsPerDevice = 8;
 aclrtStream handles[kDevices][kStreamsPerDevice];
 unsigned long drains;
+
+/* Python's GIL, as far as the drain meets it. */
+std::mutex gil;
+thread_local bool holds_gil;
+std::atomic<int> gil_waiting{0};        /* threads waiting for the GIL */
+std::atomic<unsigned long> gil_taken{0}; /* times it was taken */
+std::string throw_next; /* the next drain throws c10::Error with this message (empty: none) */
+std::mutex throw_lock;
 
 void *acl_library() {
   const char *path = getenv("GCALLOC_ACL_LIBRARY");
@@ -145,6 +162,36 @@ aclrtStream NPUStream::stream(const bool need_empty) const {
 
 bool npuSynchronizeDevice(bool check_error) {
   (void)check_error;
+  {
+    std::lock_guard<std::mutex> guard(throw_lock);
+    if (!throw_next.empty()) {
+      std::string what = throw_next;
+      throw_next.clear();
+      throw c10::Error(what);
+    }
+  }
+  /* The GIL is given up while the queue empties and the device
+   * synchronizes, and taken back after. */
+  bool had_gil = holds_gil;
+  if (had_gil) {
+    holds_gil = false;
+    unsigned long taken = gil_taken;
+    gil.unlock();
+    /* (The device takes its time: a thread waiting for the GIL gets it
+     * meanwhile, as it would while the NPU synchronizes.) */
+    auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (gil_waiting > 0 && gil_taken == taken && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  struct Retake {
+    bool had;
+    ~Retake() {
+      if (had) {
+        gil.lock();
+        holds_gil = true;
+      }
+    }
+  } retake{had_gil};
   void *acl = nullptr;
   try {
     acl = acl_library();
@@ -261,4 +308,25 @@ EXPORT void *fake_torch_npu_stream_handle(int device, int64_t id) {
 EXPORT const char *fake_torch_npu_failure(void) { return failure; }
 
 EXPORT unsigned long fake_torch_npu_drains(void) { return drains; }
+
+/* The GIL of the tests' "Python" threads. */
+EXPORT void fake_torch_npu_gil_acquire(void) {
+  gil_waiting++;
+  gil.lock();
+  gil_waiting--;
+  gil_taken++;
+  holds_gil = true;
+}
+
+EXPORT int fake_torch_npu_gil_waiting(void) { return gil_waiting; }
+
+EXPORT void fake_torch_npu_gil_release(void) {
+  holds_gil = false;
+  gil.unlock();
+}
+
+EXPORT void fake_torch_npu_throw_next_drain(const char *message) {
+  std::lock_guard<std::mutex> guard(throw_lock);
+  throw_next = message ? message : "";
+}
 }

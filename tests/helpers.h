@@ -168,9 +168,13 @@ static inline void capture_log(gca_log_level level, const char *message, void *u
 /* Threaded tests: helper threads count failures rather than assert, since
  * cmocka's asserts may only fail on the test's own thread. */
 static atomic_int helper_failures __attribute__((unused));
-#define CHECK(cond)                                      \
-  do {                                                   \
-    if (!(cond)) atomic_fetch_add(&helper_failures, 1); \
+#define CHECK(cond)                                                                                 \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond,     \
+              gca_last_error());                                                                    \
+      atomic_fetch_add(&helper_failures, 1);                                                        \
+    }                                                                                               \
   } while (0)
 
 /* xorshift64: a small seeded generator for test workloads. */

@@ -11,6 +11,7 @@
  * A plain program (no cmocka, which is C): each case prints its name, and a
  * failed check prints what and where and fails the run. */
 #include <dlfcn.h>
+#include <setjmp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,10 +46,18 @@ struct TorchNpu {
   void *(*stream_handle)(int, int64_t) = nullptr;
   const char *(*failure)() = nullptr;
   void *accessor = nullptr; /* c10_npu::NPUStream::stream(bool) const */
+  void *drain = nullptr;    /* c10_npu::npuSynchronizeDevice(bool) */
+  void (*gil_acquire)() = nullptr;
+  void (*gil_release)() = nullptr;
+  int (*gil_waiting)() = nullptr;
+  void (*throw_next_drain)(const char *) = nullptr;
 };
 
 struct Acl {
   void *lib = nullptr;
+  void (*set_capacity)(size_t) = nullptr;
+  void (*queue_work)(uintptr_t, size_t) = nullptr;
+  size_t (*stale_work)() = nullptr;
   void (*hold_events)(int) = nullptr;
   void (*complete_stream)(void *) = nullptr;
   unsigned long (*bad_streams)() = nullptr;
@@ -78,6 +87,11 @@ TorchNpu load_torch_npu(const char *path) {
   find(t.lib, "fake_torch_npu_stream_handle", t.stream_handle);
   find(t.lib, "fake_torch_npu_failure", t.failure);
   find(t.lib, "_ZNK7c10_npu9NPUStream6streamEb", t.accessor);
+  find(t.lib, "_ZN7c10_npu20npuSynchronizeDeviceEb", t.drain);
+  find(t.lib, "fake_torch_npu_gil_acquire", t.gil_acquire);
+  find(t.lib, "fake_torch_npu_gil_release", t.gil_release);
+  find(t.lib, "fake_torch_npu_gil_waiting", t.gil_waiting);
+  find(t.lib, "fake_torch_npu_throw_next_drain", t.throw_next_drain);
   return t;
 }
 
@@ -90,6 +104,9 @@ Acl load_acl() {
   find(a.lib, "fakeacl_bad_streams", a.bad_streams);
   find(a.lib, "fakeacl_set_current", a.set_current);
   find(a.lib, "aclInit", a.init);
+  find(a.lib, "fakeacl_set_capacity", a.set_capacity);
+  find(a.lib, "fakeacl_queue_work", a.queue_work);
+  find(a.lib, "fakeacl_stale_work", a.stale_work);
   return a;
 }
 
@@ -239,6 +256,105 @@ void a_throwing_accessor_leaves_nothing_locked() {
   CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
 }
 
+/* torch_npu's order is GIL -> allocator: its drain gives up the GIL while
+ * it waits and takes it back. A "Python" thread allocating with the GIL
+ * into the ladder (whose release drains the queue) and another freeing a
+ * tensor with the GIL both finish: gcalloc holds no lock across the drain.
+ * (With the device's lock held across it, the first waits for the GIL the
+ * second holds while the second waits for the lock: a watchdog ends it.) */
+void the_drain_and_the_gil() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  acl.set_capacity(64 * MiB);
+  CHECK(gca_npu_set_queue_drain(t.drain) == GCA_OK);
+  alarm(30);
+  void *s0 = t.stream_handle(0, 0);
+  t.gil_acquire();
+  void *kept = gca_npu_malloc(MiB, 0, s0); /* (the tensor the other thread frees) */
+  void *p = gca_npu_malloc(40 * MiB, 0, s0);
+  CHECK(kept && p);
+  acl.queue_work((uintptr_t)p, 4096); /* (an operator on p, still in the host queue) */
+  gca_npu_free(p, 40 * MiB, 0, s0);
+  std::atomic<bool> freed{false};
+  std::thread python([&] {
+    CHECK(acl.set_current(0) == 0);
+    t.gil_acquire(); /* (waits: the main thread holds it) */
+    gca_npu_free(kept, MiB, 0, s0);
+    freed = true;
+    t.gil_release();
+  });
+  while (t.gil_waiting() == 0) std::this_thread::yield(); /* (the other thread waits for the GIL) */
+  void *q = gca_npu_malloc(50 * MiB, 0, s0); /* 40 + 50 > 64: the ladder drains, then releases */
+  CHECK(q);
+  t.gil_release();
+  python.join();
+  CHECK(freed);
+  CHECK(acl.stale_work() == 0); /* (the queued operator ran before its memory went back) */
+  gca_npu_free(q, 50 * MiB, 0, s0);
+  alarm(0);
+}
+
+/* The drain throws (a device error torch_npu raises even with check_error
+ * false): the exception reaches the framework through gcalloc's frames,
+ * which hold nothing then; the next allocation drains and works, on this
+ * thread and on another, and the books are whole. */
+void a_throwing_drain_leaves_nothing_locked() {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
+  acl.set_capacity(64 * MiB);
+  CHECK(gca_npu_set_queue_drain(t.drain) == GCA_OK);
+  void *s0 = t.stream_handle(0, 0);
+  gca_npu_free(gca_npu_malloc(40 * MiB, 0, s0), 40 * MiB, 0, s0);
+  t.throw_next_drain("NPU function error: task abort, error code is 107022");
+  bool thrown = false;
+  try {
+    (void)gca_npu_malloc(50 * MiB, 0, s0);
+  } catch (const std::exception &e) {
+    thrown = strstr(e.what(), "107022") != nullptr;
+  }
+  CHECK(thrown);
+  void *q = gca_npu_malloc(50 * MiB, 0, s0);
+  CHECK(q);
+  std::thread other([&] {
+    CHECK(acl.set_current(0) == 0);
+    void *r = gca_npu_malloc(MiB, 0, s0);
+    CHECK(r);
+    gca_npu_free(r, MiB, 0, s0);
+  });
+  other.join();
+  gca_npu_free(q, 50 * MiB, 0, s0);
+  gca_torch_empty_cache();
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+  CHECK(gca_reserved_bytes(gca_torch_allocator(), 0) == 0);
+}
+
+/* A drain that jumps out (longjmp) does the same. */
+jmp_buf out_of_the_drain;
+void jumping_drain(int device, void *user) {
+  (void)device;
+  if ((*(int *)user)++ == 0) longjmp(out_of_the_drain, 1);
+}
+
+void a_jumping_drain_leaves_nothing_locked() {
+  Acl acl = start();
+  acl.set_capacity(64 * MiB);
+  void *p = gca_npu_malloc(40 * MiB, 0, nullptr);
+  CHECK(p);
+  static int runs; /* (static: read after the jump) */
+  runs = 0;
+  CHECK(gca_set_queue_drain(gca_torch_allocator(), jumping_drain, &runs) == GCA_OK);
+  gca_npu_free(p, 40 * MiB, 0, nullptr);
+  if (setjmp(out_of_the_drain) == 0) {
+    (void)gca_npu_malloc(50 * MiB, 0, nullptr);
+    CHECK(!"the drain did not jump");
+  }
+  CHECK(runs == 1);
+  void *q = gca_npu_malloc(50 * MiB, 0, nullptr); /* (drained again: this time it returns) */
+  CHECK(q && runs == 2);
+  gca_npu_free(q, 50 * MiB, 0, nullptr);
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -250,6 +366,9 @@ const Case cases[] = {
     {"handle_hook_under_an_object_release_is_caught", handle_hook_under_an_object_release_is_caught},
     {"foreign_memory_is_quiet", foreign_memory_is_quiet},
     {"a_throwing_accessor_leaves_nothing_locked", a_throwing_accessor_leaves_nothing_locked},
+    {"the_drain_and_the_gil", the_drain_and_the_gil},
+    {"a_throwing_drain_leaves_nothing_locked", a_throwing_drain_leaves_nothing_locked},
+    {"a_jumping_drain_leaves_nothing_locked", a_jumping_drain_leaves_nothing_locked},
 };
 }  // namespace
 

@@ -219,5 +219,12 @@ def test_a_refused_allocation_raises_through_libc10(tmp_path):
     again.fill_(1)
     assert gcalloc.memory_stats(0)["allocated_bytes.all.current"] == 2 << 30
     assert gcalloc.torch.last_failure().startswith("out of memory. Tried to allocate 8.00 GiB")
+    try:  # a size of 2^63 bytes or more reaches gcalloc negative: raised too, not NULL
+        torch.empty(1 << 63)
+    except RuntimeError as e:
+        print("raised:", e)
+    else:
+        raise AssertionError("a size of 2^63 bytes did not raise")
     """, first=[str(tmp_path)])
     assert "raised: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout
+    assert "cannot allocate 9223372036854775808 bytes: more than any device holds" in p.stdout, p.stdout

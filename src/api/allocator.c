@@ -239,6 +239,9 @@ void gca_close(gca_allocator_t *a) {
     gca__callback_refuses("gca_close");
     return;
   }
+  /* Work on freed memory may wait in the framework's queue: drained before
+   * the memory goes back (with no lock held). */
+  if (!a->forked) gca__drain_devices(a, false);
   gca__allocator_unregister(a); /* (first: threads' pushes to it go stale) */
   if (!a->forked) { /* (the trace file is the parent's) */
     gca__record_lock_calls();
@@ -539,7 +542,9 @@ int gca_set_queue_drain(gca_allocator_t *a, gca_queue_drain_fn fn, void *user) {
     lock_acquire(&d->lock);
     d->drain.fn = fn;
     d->drain.user = user;
-    d->drain.owed = fn != NULL; /* (what was freed before is owed a drain too) */
+    /* (What was freed before is owed a drain too: its segments' turns are
+     * not below a drain that returned after it.) */
+    d->drain.finished = d->drain.started;
     lock_release(&d->lock);
   }
   return GCA_OK;

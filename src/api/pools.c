@@ -52,8 +52,20 @@ static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp
   device_t *d = (*mp)->device;
   int rc = gca__mempool_remap(d, *mp);
   if (rc != GCA_ERR_OOM) return rc;
+  d->drain.wanted = false;
   gca__device_release_cache_locked(d);
   rc = gca__mempool_remap(d, *mp);
+  if (rc == GCA_ERR_OOM && d->drain.wanted) {
+    /* Cache held back until the framework's queue is drained: drained
+     * with no lock held, and the pool looked up again. */
+    lock_release(&d->lock);
+    gca__drain_devices(a, false);
+    *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
+    if (!*mp) return gca__prefix_error("gca_pool_resume: while the framework's queue was drained");
+    if (!(*mp)->paused) return GCA_RESUMED_ELSEWHERE;
+    gca__device_release_cache_locked(d);
+    rc = gca__mempool_remap(d, *mp);
+  }
   if (rc != GCA_ERR_OOM || !d->coop) return rc;
   atomic_store(&d->coop_waiting, (int64_t)need);
   uint64_t timeout_ms = d->config.ipc_release_timeout_ms; /* (read under the lock: gca_set_config writes it) */
@@ -134,6 +146,9 @@ int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, size_t *
   if (released) *released = 0;
   if (flags & ~(unsigned)GCA_PAUSE_BACKUP)
     return gca__set_error(GCA_ERR_INVALID, "gca_pool_pause: unknown flags %#x", flags & ~(unsigned)GCA_PAUSE_BACKUP);
+  /* Work on the pool's live blocks may still wait in the framework's
+   * queue: drained first, with no lock held. */
+  if (!in_locked_callback()) gca__drain_devices(a, true);
   mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_pause");
   if (!mp) return gca_last_status();
   device_t *d = mp->device;

@@ -72,9 +72,11 @@ size_t gca_torch_last_failure(char *buf, size_t cap) {
   return len;
 }
 
-/* Empty torch_npu's task queue and wait for the thread's device. Its
- * errors are not thrown (check_error false): a C++ exception cannot cross
- * gcalloc's frames. The device is synchronized by gcalloc next. */
+/* Empty torch_npu's task queue and wait for the thread's device, with
+ * check_error false (most errors are warned, not thrown). Called with no
+ * lock held: it gives up the GIL and takes it back, and may still throw
+ * c10::Error, which unwinds through gcalloc's frames to torch_npu. The
+ * device is synchronized by gcalloc next. */
 static void drain_npu_queue(int device, void *user) {
   (void)device, (void)user;
   (void)npu_drain(false);
@@ -198,9 +200,10 @@ static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void 
 }
 
 void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
-  if (size < 0) {
-    gca__set_error(GCA_ERR_INVALID, "gca_torch_malloc: negative size %td", size);
+  if (size < 0) { /* (PyTorch's size_t of 2^63 bytes or more, through the pluggable allocator's ssize_t) */
+    gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: more than any device holds", (size_t)size);
     keep_failure(gca_last_error());
+    raise_failure(device);
     return NULL;
   }
   return framework_malloc(gca_torch_allocator(), (size_t)size, device, stream);

@@ -115,6 +115,9 @@ struct segment {
   segment_t *release_next;   /* the device's list of segments being released */
   uintptr_t release_event;   /* releasing: completes when its stream's work is done */
   bool oversize;             /* counted in oversize_segments */
+  /* drain.started when one of its blocks was last freed: it may go back
+   * once a drain begun after that returned (gca__segment_drained). */
+  uint64_t freed_turn;
   /* Expandable segments (expandable.c): addr and size are the reserved
    * address range, tiled by blocks of which the UNMAPPED ones have no
    * memory; pages[i] is the physical memory mapped at page i (0: none). */
@@ -304,12 +307,18 @@ struct device {
   bool launch_blocking;      /* every free completes before gca_free returns */
   bool no_caching;           /* every free releases the cache (gca_no_caching) */
   bool rejected;             /* this miss was rejected by the fraction (throw_on_*malloc_oom): no ladder */
-  /* The framework's host queue (gca_set_queue_drain): emptied before a
-   * release when `owed`, i.e. a block was freed since it last was. */
+  /* The framework's host queue (gca_set_queue_drain): work queued there
+   * may use a block after its free. A segment goes back only once a drain
+   * begun after its last free returned (segment.freed_turn); the drain is
+   * called with no lock held (gca__device_drain_unlocked), never inside a
+   * release: a release that finds its segment undrained is skipped
+   * (`wanted` set), and the caller drains and tries again. */
   struct {
     gca_queue_drain_fn fn;
     void *user;
-    bool owed;
+    bool wanted;       /* a release was skipped for want of a drain */
+    uint64_t started;  /* drains begun (turns count from 1) */
+    uint64_t finished; /* the latest turn of those that returned (one that threw or jumped never does) */
   } drain;
   /* Observers: the history (history.c), and the replay's segment observer,
    * told of every segment the device gives (alloc true) or takes back
@@ -399,7 +408,24 @@ static inline bool limit_on(device_t *d) {
 /* With the lock held: empty the framework's queue before device memory goes
  * back (`always`: even if nothing was freed since, for a pause, whose live
  * blocks may have queued work). */
-void gca__device_drain(device_t *d, bool always);
+/* Whether seg's free memory may go back to the device now (with the lock
+ * held): no framework queue, or a drain begun after its last free
+ * returned. false sets drain.wanted: the caller skips the release, and its
+ * caller drains (below) and tries again. */
+static inline bool gca__segment_drained(device_t *d, const segment_t *seg) {
+  if (!d->drain.fn || seg->freed_turn < d->drain.finished) return true;
+  d->drain.wanted = true;
+  return false;
+}
+/* Drain the framework's queue if wanted (a release was skipped) or a
+ * segment is undrained (or `always`), with d's lock held on
+ * entry and on return and released around the call (and the trace file's,
+ * as around any callback): the drain may take the framework's locks (the
+ * GIL), call gcalloc, throw or longjmp. The caller's state must be whole. */
+void gca__device_drain_unlocked(device_t *d, bool always);
+/* The same from a caller that holds no lock: every device of `a` with a
+ * framework queue and memory that could go back. */
+void gca__drain_devices(gca_allocator_t *a, bool always);
 /* With the lock held: PyTorch's release_cached_blocks (every pending free
  * waited for, every whole cached segment given back), as the ladder's last
  * step and gca_empty_cache do. */

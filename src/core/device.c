@@ -170,25 +170,66 @@ GCA_COLD void gca__segment_observer_call(device_t *d, bool alloc, size_t size) {
   callback_leave(&frame);
 }
 
-/* Out of line: the frame's thread-local variable is a call into the
- * dynamic linker (segment_observed says why that matters). */
-GCA_COLD static void drain_in_frame(device_t *d) {
-  /* (Every caller drains where the books are whole: a drain may read them.) */
-  callback_frame_t frame = {.name = "the queue drain (gca_set_queue_drain)", .device = d, .reads = true};
-  callback_enter(&frame);
-  d->drain.fn(d->index, d->drain.user);
-  callback_leave(&frame);
+/* Take the lock again after running without it (callbacks, handlers), and
+ * collect the frees that completed meanwhile. */
+static void relock(device_t *d) {
+  lock_acquire(&d->lock);
+  if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
 }
 
-void gca__device_drain(device_t *d, bool always) {
-  if (!d->drain.fn || (!always && !d->drain.owed)) return;
-  d->drain.owed = false;
-  drain_in_frame(d);
+/* Whether a drain is due: a release skipped for one, or a segment freed
+ * into since the last. */
+static bool drain_due(device_t *d) {
+  if (d->drain.wanted) return true;
+  for (const segment_t *seg = d->segments; seg; seg = seg->next)
+    if (seg->freed_turn >= d->drain.finished) return true;
+  return false;
+}
+
+/* A drain calling gcalloc may come back here (a free, then a miss that
+ * wants a release): one drain in another is allowed, none deeper, so that
+ * such a drain cannot recurse without end. The depth is this thread's; a
+ * drain left by an exception or longjmp never counts itself out, so a
+ * depth recorded below the current frame (the stack grows down: the drain
+ * that counted it is no longer on the stack) is stale and starts again. */
+#define DRAIN_NESTING 2
+static _Thread_local int drain_depth;
+static _Thread_local uintptr_t drain_frame; /* the outermost drain's frame */
+
+void gca__device_drain_unlocked(device_t *d, bool always) {
+  if (!d->drain.fn || (!always && !drain_due(d))) return;
+  uintptr_t frame = (uintptr_t)__builtin_frame_address(0);
+  if (drain_depth && frame > drain_frame) drain_depth = 0; /* (stale: see above) */
+  if (drain_depth >= DRAIN_NESTING) return;
+  if (drain_depth++ == 0) drain_frame = frame;
+  uint64_t turn = ++d->drain.started;
+  d->drain.wanted = false;
+  gca_queue_drain_fn fn = d->drain.fn;
+  void *user = d->drain.user;
+  lock_release(&d->lock);
+  int depth = recorder_suspend();
+  /* (A drain that throws or jumps out leaves turn unfinished: the next
+   * release drains again. Nothing is held here.) */
+  fn(d->index, user);
+  drain_depth--;
+  recorder_resume(depth);
+  relock(d);
+  if (turn > d->drain.finished) d->drain.finished = turn;
   /* The queue is empty: now every piece of work is on a stream, and once
    * the device is synchronized none of it still uses what goes back. */
   const backend_ops_t *ops = d->backend->ops;
   if (ops->device_synchronize && ops->device_synchronize(d->backend->state, d->index) != GCA_OK)
     gca__note_absorbed(d);
+}
+
+void gca__drain_devices(gca_allocator_t *a, bool always) {
+  for (int i = 0; a && i < a->device_count; i++) {
+    device_t *d = &a->devices[i];
+    if (!d->drain.fn) continue; /* (read without the lock: set before the framework allocates) */
+    lock_acquire(&d->lock);
+    if (d->segments) gca__device_drain_unlocked(d, always); /* (none: nothing would go back) */
+    lock_release(&d->lock);
+  }
 }
 
 void gca__device_destroy(device_t *d, bool forked) {
@@ -328,8 +369,10 @@ static block_t *take_from_device(device_t *d, pool_t *pool, gca_stream_t stream,
   block_t *b = take_new_segment(d, pool, stream, rounded, requested, rc);
   if (b || *rc != GCA_ERR_OOM) return b;
   /* During a graph capture nothing goes back to the device: a new segment
-   * or nothing. Rejected by the fraction (throw_on_*malloc_oom): nothing. */
-  if (d->capture.count || d->rejected) return NULL;
+   * or nothing. Rejected by the fraction (throw_on_*malloc_oom): nothing.
+   * Held back for the framework's queue (drain.wanted): the caller drains
+   * it and climbs again, so that nothing goes back before it must. */
+  if (d->capture.count || d->rejected || d->drain.wanted) return NULL;
 
   if (gca__segment_release_available(d, pool, stream, rounded)) {
     gca__events_finish_releases(d, true);
@@ -352,18 +395,25 @@ static block_t *attempt(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
   return b ? b : take_from_device(d, pool, stream, rounded, requested, rc);
 }
 
-/* Take the lock again after running without it (callbacks, handlers), and
- * collect the frees that completed meanwhile. */
-static void relock(device_t *d) {
-  lock_acquire(&d->lock);
-  if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
+/* The ladder, drained and tried again (at most DRAIN_RETRIES times) where
+ * it skipped a release because the framework's queue was owed a drain. */
+#define DRAIN_RETRIES 3
+static block_t *attempt_drained(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
+                                int *rc) {
+  for (int tries = 0;; tries++) {
+    d->drain.wanted = false;
+    block_t *b = attempt(d, pool, stream, rounded, requested, rc);
+    if (b || *rc != GCA_ERR_OOM || !d->drain.wanted || tries == DRAIN_RETRIES) return b;
+    gca__device_drain_unlocked(d, false);
+    if ((b = take_cached(d, pool, stream, rounded, requested))) return b;
+  }
 }
 
 /* Memory may have come back: the cache, then the ladder. */
 static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested,
                            int *rc) {
   block_t *b = take_cached(d, pool, stream, rounded, requested);
-  return b ? b : attempt(d, pool, stream, rounded, requested, rc);
+  return b ? b : attempt_drained(d, pool, stream, rounded, requested, rc);
 }
 
 /* The other processes on the device release their cache, and the request
@@ -408,14 +458,17 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
   if (!b && timeout_ns && gca__oom_worth_waiting(d, rounded)) {
     d->stats.num_alloc_waits++;
-    atomic_fetch_add(&d->waiters, 1);
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
     uint64_t backoff = 1000000, waited = 0, asked_at = 0; /* 1 ms, doubling to 128 ms */
     while (!b && *rc == GCA_ERR_OOM && waited < timeout_ns) {
+      /* (Counted a waiter only while it waits: the ladder below may run
+       * the framework's drain, which may throw past this frame.) */
+      atomic_fetch_add(&d->waiters, 1);
       uint64_t generation = gca__oom_generation(d);
       uint64_t step = backoff < timeout_ns - waited ? backoff : timeout_ns - waited;
       gca__oom_wait(d, generation, step);
+      atomic_fetch_sub(&d->waiters, 1);
       if (d->ev.pending_events | (uintptr_t)d->ev.releasing) gca__events_process(d);
       b = take_again(d, pool, stream, rounded, requested, rc);
       /* The peers' live memory may have come back to their caches meanwhile: asked again. */
@@ -427,7 +480,6 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
       waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
       if (backoff < 128000000) backoff *= 2;
     }
-    atomic_fetch_sub(&d->waiters, 1);
   }
   for (uint32_t round = 0; !b && *rc == GCA_ERR_OOM && round < d->config.oom_handler_retries; round++) {
     if (!atomic_load_explicit(&d->owner->callbacks[CB_OOM_HANDLER].count, memory_order_relaxed)) break;
@@ -501,7 +553,7 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
     relock(d);
     if (freed) b = take_cached(d, pool, stream, rounded, requested);
   }
-  if (!b) b = attempt(d, pool, stream, rounded, requested, &rc);
+  if (!b) b = attempt_drained(d, pool, stream, rounded, requested, &rc);
   if (!b && rc == GCA_ERR_OOM && !d->rejected) b = recover(d, pool, stream, rounded, requested, &rc);
   absorbed_t absorbed = take_absorbed(d);
   bool no_vm = d->vm.unwarned;
@@ -564,6 +616,13 @@ GCA_COLD static void free_slow(device_t *d, block_t *b) {
   gca__block_give_back(d, b);
 }
 
+/* gca_no_caching, with the framework's queue not yet drained for this
+ * free: drained, and the cache released again. */
+GCA_COLD static void drain_and_release(device_t *d) {
+  gca__device_drain_unlocked(d, false);
+  release_cached_blocks(d);
+}
+
 int gca__device_free_locked(device_t *d, uintptr_t addr) {
   block_t *b = gca__block_map_take(&d->allocated, addr);
   if (unlikely(b == NULL)) return GCA_ERR_BAD_POINTER;
@@ -577,14 +636,18 @@ int gca__device_free_locked(device_t *d, uintptr_t addr) {
   atomic_store_explicit(&d->allocated_now, family_current(&d->stats, FAM_ALLOCATED_BYTES), memory_order_relaxed);
   /* One branch for the rare cases: stream uses, a stack, a paused pool;
    * history on without stacks keeps the give-back below. */
-  d->drain.owed = true; /* (work queued on it may wait in the framework's host queue) */
+  b->segment->freed_turn = d->drain.started; /* (work queued on it may wait in the framework's host queue) */
   if (unlikely(((uintptr_t)b->uses | (uintptr_t)b->stack | d->priv.paused) != 0)) {
     free_slow(d, b);
   } else {
     if (unlikely(d->obs.recording)) gca__history_freed_at_once(d, b);
     gca__block_give_back(d, b);
   }
-  if (unlikely(d->no_caching) && !d->capture.count) release_cached_blocks(d);
+  if (unlikely(d->no_caching) && !d->capture.count) {
+    d->drain.wanted = false;
+    release_cached_blocks(d);
+    if (d->drain.wanted) drain_and_release(d);
+  }
   return GCA_OK;
 }
 
@@ -672,7 +735,16 @@ static size_t empty_cache(device_t *d, int32_t requester, size_t need) {
     return 0;
   }
   int64_t before = atomic_load(&d->reserved_now);
-  release_cached(d, need);
+  /* Drained only where a release was skipped for it (and again where a
+   * free came between the drain and the release). */
+  for (int tries = 0;; tries++) {
+    d->drain.wanted = false;
+    release_cached(d, need);
+    if (!d->drain.wanted || tries == DRAIN_RETRIES ||
+        (need && (size_t)(before - atomic_load(&d->reserved_now)) >= need))
+      break;
+    gca__device_drain_unlocked(d, false);
+  }
   int64_t after = atomic_load(&d->reserved_now);
   size_t released = before > after ? (size_t)(before - after) : 0;
   if (requester && d->obs.recording) gca__history_ipc_release(d, released, requester);

@@ -284,7 +284,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
     first += n - max;
     n = max;
   }
-  if (n == 0) return 0;
+  if (n == 0 || (!waited && !gca__segment_drained(d, seg))) return 0; /* (work may wait in the framework's queue) */
   uintptr_t at = seg->addr + first * page;
   size_t bytes = n * page;
   size_t before = at - b->addr, after = b->addr + b->size - (at + bytes);
@@ -297,10 +297,7 @@ static size_t unmap_pages(device_t *d, block_t *b, size_t max, uintptr_t *handle
   /* Work queued on the stream may still use these pages through the block
    * freed to the cache; an unmap is not ordered behind it. */
   int rc = GCA_OK;
-  if (!waited) {
-    gca__device_drain(d, false);
-    rc = gca__events_wait_stream(d, seg->stream);
-  }
+  if (!waited) rc = gca__events_wait_stream(d, seg->stream);
   if (rc == GCA_OK) rc = VM(d, vm_unmap, at, bytes);
   if (rc == GCA_ERR_CORRUPT) {
     d->kept.free_errors++; /* unmapped, but the device says it was in use */
@@ -570,15 +567,19 @@ static int gather_pages(device_t *d, const block_t *target, size_t page, size_t 
     if (other && movable < n)
       movable += find_donors(other, block_stream(target), page, n - movable, keep_lo, keep_hi, target, donors, &listed);
   }
+  /* Work on the donors may wait in the framework's queue: with one
+   * undrained, nothing is gathered; the ladder drains the queue (with no
+   * lock held) and asks again. */
+  for (size_t i = 0; i < listed; i++)
+    if (!gca__segment_drained(d, donors[i]->segment)) {
+      free(donors);
+      return GCA_ERR_OOM;
+    }
   size_t fresh = n - movable;
   if (gca__device_limit_refuses(d, fresh * page)) {
     free(donors);
     return GCA_ERR_OOM;
   }
-  /* The framework's queue is drained while the books are whole (the drain
-   * may read them); nothing can be freed before the wait below, the lock
-   * is held. */
-  if (listed) gca__device_drain(d, false);
   /* Create first: it is the step that can run out of memory, and nothing
    * has moved yet if it does. */
   size_t have = 0;

@@ -379,6 +379,7 @@ static const char *busy(const mempool_t *mp, const gca_pool_stats_t *held, size_
 }
 
 int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
+  if (!in_locked_callback()) gca__drain_devices(a, false); /* (its segments go back to the device) */
   mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_release");
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
@@ -470,7 +471,8 @@ static int stream_set_add(stream_set_t *set, gca_stream_t s) {
 int gca__mempool_quiesce(device_t *d, mempool_t *mp) {
   stream_set_t set = {0};
   int rc = GCA_OK;
-  gca__device_drain(d, true); /* (live blocks: work on them may still wait in the framework's queue) */
+  /* (Work on live blocks may still wait in the framework's queue: the
+   * callers drained it, with no lock held, before they took the lock.) */
   for (segment_t *seg = d->segments; seg && rc == GCA_OK; seg = seg->next) {
     if (seg->pool->owner != mp) continue;
     rc = stream_set_add(&set, seg->stream);

@@ -171,7 +171,9 @@ block_t *gca__segment_alloc(device_t *d, pool_t *pool, gca_stream_t stream, size
 
 bool gca__segment_release(device_t *d, block_t *b) {
   segment_t *seg = b->segment;
-  gca__device_drain(d, false); /* (before the stream's event is recorded: after the queued work) */
+  /* Work on its blocks may wait in the framework's queue, to be launched
+   * after the stream's event would be recorded: kept until it is drained. */
+  if (!gca__segment_drained(d, seg)) return false;
   gca__pool_remove(block_pool(b), b);
   /* Blocks freed on their own stream came back to the pool at once, while
    * work queued on that stream may still use them (reuse on the stream is
