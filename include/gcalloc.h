@@ -1005,6 +1005,8 @@ GCA_API size_t gca_segment_size(size_t rounded_size);
 GCA_API int gca_torch_init(const char *backend, const char *config);
 /* The process-wide allocator, opened with the defaults if it is not yet; NULL on failure. */
 GCA_API gca_allocator_t *gca_torch_allocator(void);
+/* Whether the process-wide allocator is open (1) or not (0); opens nothing. */
+GCA_API int gca_torch_is_open(void);
 GCA_API void *gca_torch_malloc(ptrdiff_t size, int device, void *stream);
 GCA_API void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream);
 GCA_API void gca_torch_record_stream(void *ptr, void *stream);

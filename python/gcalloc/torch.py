@@ -1,7 +1,7 @@
 """gcalloc as PyTorch's CUDA allocator.
 
     import gcalloc.torch
-    gcalloc.torch.install("expandable_segments:True")   # before the first CUDA allocation
+    gcalloc.torch.install("expandable_segments:True")   # before CUDA is initialized (the first CUDA call)
     ...
     torch.cuda.memory_stats()   # gcalloc's, with PyTorch's keys and formats
 
@@ -54,7 +54,8 @@ ROUTED = ("memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "ma
           "memory_reserved", "max_memory_reserved", "memory_cached", "max_memory_cached",
           "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
           "reset_accumulated_memory_stats", "memory_summary", "memory_snapshot", "mem_get_info",
-          "get_per_process_memory_fraction", "_record_memory_history", "_snapshot", "_dump_snapshot")
+          "get_per_process_memory_fraction", "_record_memory_history", "_snapshot", "_dump_snapshot",
+          "_set_allocator_settings")
 
 # PyTorch keeps its whole history by default (max_entries sys.maxsize);
 # gcalloc's is a ring allocated up front, of this many entries then.
@@ -66,6 +67,7 @@ _raise = [None]  # the libc10 whose torchCheckFail refuses allocations
 _routed = []
 _named_pools = {}  # (process allocator, name, device) -> pool id
 _named_lock = threading.Lock()
+_history_settings = [None]  # what _record_memory_history last started, through the routed function
 
 
 def installed():
@@ -115,22 +117,55 @@ def install(conf=None, backend=None):
         raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install needs PyTorch %s or newer "
                            "(torch.cuda.memory.CUDAPluggableAllocator); this is torch %s"
                            % (MINIMUM_TORCH, getattr(torch, "__version__", "of an unknown version")))
+    if not _installed:
+        _check_installable(torch)  # (before anything is opened)
     _use_torch_oom_error(torch)
+    was_open = bool(_lib.gca_torch_is_open())
     with _python_warnings():
         rc = _lib.gca_torch_init(_text(backend), _text(conf))
     if rc < 0:
         raise GcallocError(rc, _lib.gca_last_error().decode())
     if _installed:
         return
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
-    hooks_set = _set_hooks(allocator, HOOKS)
-    torch.cuda.memory.change_current_allocator(allocator)
+    try:
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path, "gca_torch_malloc", "gca_torch_free")
+        hooks_set = _set_hooks(allocator, HOOKS)
+        torch.cuda.memory.change_current_allocator(allocator)
+    except Exception as e:  # (PyTorch's own refusal: nothing of gcalloc's is left open)
+        if not was_open:
+            _lib.gca_torch_shutdown()
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install: PyTorch refused gcalloc as its CUDA allocator: "
+                           "%s: %s" % (type(e).__name__, e)) from e
     _connect_raise(torch)
     _hooks[:] = hooks_set
     if "set_record_stream_fn" not in hooks_set:
         _wrap_record_stream(torch, lambda t: t.is_cuda, lambda stream: stream.cuda_stream)
-    _routed[:] = _route_memory_functions((torch.cuda.memory, torch.cuda), ROUTED)
+    modules = [torch.cuda.memory, torch.cuda]
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:  # (PyTorch 2.9+: torch.accelerator.memory_stats and the like)
+        modules.append(accelerator)
+    _routed[:] = _route_memory_functions(modules, ROUTED)
     _installed = True
+
+
+def _check_installable(torch):
+    """Refuse, before anything is opened, where PyTorch cannot take a
+    pluggable CUDA allocator: a build without CUDA, or CUDA already
+    initialized in this process (PyTorch then keeps the allocator it has)."""
+    native = getattr(torch, "_C", None)
+    if native is not None and not hasattr(native, "_cuda_customAllocator"):
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install: this PyTorch (torch %s) was built without CUDA "
+                           "(torch.version.cuda is %r): it has no CUDA allocator to replace. gcalloc's own API "
+                           "(gcalloc.Allocator) works without PyTorch"
+                           % (getattr(torch, "__version__", "of an unknown version"),
+                              getattr(getattr(torch, "version", None), "cuda", None)))
+    is_initialized = getattr(torch.cuda, "is_initialized", None)
+    if callable(is_initialized) and is_initialized():
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install: CUDA is already initialized in this process, and "
+                           "PyTorch cannot change its allocator after that (\"Can't swap an already initialized "
+                           "allocator\"). Call install() before the first CUDA call (a tensor on the GPU, "
+                           "torch.cuda.current_device(), set_device, synchronize, a CUDA RNG seed): first thing "
+                           "in the program, or in a launcher before it runs")
 
 
 def _set_hooks(allocator, hooks):
@@ -184,8 +219,35 @@ def _route_memory_functions(modules, names):
     def stats(device=None):
         return collections.OrderedDict(memory_stats(device))
 
-    def history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, **kwargs):
-        record_memory_history(*_history_arguments(enabled, context, stacks, max_entries, kwargs))
+    def history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None, clear_history=False,
+                compile_context=False, global_record_annotations=False, skip_actions=None, **kwargs):
+        # (PyTorch 2.9's arguments: those gcalloc's history cannot honour are refused by name.)
+        refused = [(name, value) for name, value in (("compile_context", compile_context),
+                                                     ("global_record_annotations", global_record_annotations),
+                                                     ("skip_actions", skip_actions)) if value]
+        if refused:
+            raise GcallocError(GCA_ERR_INVALID, "_record_memory_history: %s: gcalloc's history records every "
+                               "action, without compile contexts or annotations; leave %s out"
+                               % (", ".join("%s=%r" % r for r in refused), " and ".join(r[0] for r in refused)))
+        arguments = _history_arguments(enabled, context, stacks, max_entries, kwargs)
+        # Starting gcalloc's history drops what it holds; PyTorch keeps it unless clear_history. The
+        # same settings again are left running, so that nothing is lost.
+        if clear_history or arguments != _history_settings[0] or arguments[0] is None:
+            record_memory_history(*arguments)
+        _history_settings[0] = arguments if arguments[0] is not None else None
+
+    def snapshot_segments(*args, mempool_id=None, **kwargs):
+        if mempool_id is not None:
+            raise GcallocError(GCA_ERR_INVALID, "memory_snapshot(mempool_id=%r): a MemPool's own snapshot is not "
+                               "served under gcalloc (its snapshot covers the whole allocator, private pools "
+                               "included, each segment naming its pool)" % (mempool_id,))
+        return memory_snapshot()["segments"]
+
+    def allocator_settings(env):
+        with _python_warnings(stacklevel=4):
+            rc = _lib.gca_torch_init(None, _text(env, "env"))
+        if rc < 0:
+            raise GcallocError(rc, _lib.gca_last_error().decode())
 
     def dump(filename="dump_snapshot.pickle", *args, **kwargs):
         dump_snapshot(filename)
@@ -200,11 +262,12 @@ def _route_memory_functions(modules, names):
         "reset_peak_memory_stats": reset_peak_memory_stats, "reset_max_memory_allocated": reset_peak_memory_stats,
         "reset_max_memory_cached": reset_peak_memory_stats,
         "reset_accumulated_memory_stats": reset_accumulated_memory_stats, "memory_summary": memory_summary,
-        "memory_snapshot": lambda *args, **kwargs: memory_snapshot()["segments"],
+        "memory_snapshot": snapshot_segments,
         "mem_get_info": mem_get_info, "get_per_process_memory_fraction": get_per_process_memory_fraction,
         "_record_memory_history": history,
         "_snapshot": lambda *args, **kwargs: memory_snapshot(),
         "_dump_snapshot": dump,
+        "_set_allocator_settings": allocator_settings,
     }
     done = []
     for name in names:
@@ -213,7 +276,9 @@ def _route_memory_functions(modules, names):
             if original is None or getattr(original, "_gcalloc", False):
                 continue
             answer = answers[name]
-            routed_fn = (lambda f: lambda *a, **k: f(*a, **k))(answer)
+            # (torch.accelerator's functions name the device `device_index`.)
+            routed_fn = (lambda f: lambda *a, **k: f(*a, **{"device" if key == "device_index" else key: value
+                                                            for key, value in k.items()}))(answer)
             routed_fn.__name__, routed_fn.__doc__ = name, getattr(original, "__doc__", None)
             routed_fn._gcalloc = True
             setattr(module, name, routed_fn)

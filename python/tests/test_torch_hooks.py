@@ -228,3 +228,97 @@ def test_a_refused_allocation_raises_through_libc10(tmp_path):
     """, first=[str(tmp_path)])
     assert "raised: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout
     assert "cannot allocate 9223372036854775808 bytes: more than any device holds" in p.stdout, p.stdout
+
+
+def test_install_after_cuda_initialized_refuses_clearly():
+    """PyTorch keeps the allocator it has once CUDA is initialized: install() says so, and what to do, before
+    it opens anything."""
+    run("""
+        torch.cuda.current_device()  # (CUDA's lazy initialization: the native allocator is initialized)
+        try:
+            gcalloc.torch.install(backend="sim")
+        except gcalloc.GcallocError as e:
+            assert "already initialized" in str(e) and "before the first CUDA call" in str(e), e
+        else:
+            raise AssertionError("installed after CUDA was initialized")
+        assert not gcalloc.torch.installed()
+        assert gcalloc._lib.gca_torch_is_open() == 0
+    """)
+
+
+def test_install_on_a_torch_without_cuda():
+    """A CPU-only PyTorch has the Python class but no CUDA allocator behind it: a GcallocError naming it,
+    and nothing left open."""
+    run("""
+        del torch._C._cuda_customAllocator
+        try:
+            gcalloc.torch.install(backend="sim")
+        except gcalloc.GcallocError as e:
+            assert "built without CUDA" in str(e), e
+        else:
+            raise AssertionError("installed on a PyTorch without CUDA")
+        assert gcalloc._lib.gca_torch_is_open() == 0
+    """)
+
+
+def test_refused_swap_leaves_nothing_open():
+    """Where PyTorch refuses the swap itself, install() raises GcallocError with PyTorch's reason and closes
+    what it opened."""
+    run("""
+        def refuse(allocator):
+            raise RuntimeError("Can't swap an already initialized allocator")
+        torch._C._cuda_changeCurrentAllocator = refuse
+        try:
+            gcalloc.torch.install(backend="sim")
+        except gcalloc.GcallocError as e:
+            assert "Can't swap an already initialized allocator" in str(e), e
+        else:
+            raise AssertionError("the refusal did not reach the caller")
+        assert gcalloc._lib.gca_torch_is_open() == 0
+    """)
+
+
+def test_accelerator_settings_and_history_arguments():
+    """torch.accelerator's memory functions (PyTorch 2.9) answer from gcalloc; _set_allocator_settings
+    configures gcalloc; the newer _record_memory_history and memory_snapshot arguments are honoured
+    (clear_history) or refused by name."""
+    run("""
+        install()
+        t = torch.empty(3 * MiB)
+        assert torch.accelerator.memory_allocated(device_index=0) == gcalloc.memory_allocated(0) > 0
+        assert torch.accelerator.memory_stats(0)["allocated_bytes.all.current"] == gcalloc.memory_allocated(0)
+        torch.accelerator.reset_peak_memory_stats(0)
+        torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.7")
+        assert gcalloc.memory_snapshot()["allocator_settings"]["garbage_collection_threshold"] == 0.7
+        assert torch._C._native_settings == []  # (not the native allocator's, which nothing reads)
+        try:
+            torch.cuda.memory._set_allocator_settings("max_split_size_mb:banana")
+        except gcalloc.GcallocError as e:
+            assert "max_split_size_mb" in str(e), e
+        else:
+            raise AssertionError("a bad setting was accepted")
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        u = torch.empty(MiB)
+        def entries():
+            return sum(e["action"] == "alloc" for t in gcalloc.memory_snapshot()["device_traces"] for e in t)
+        assert entries() >= 1
+        torch.cuda.memory._record_memory_history(max_entries=1000)  # the same again: kept, as PyTorch keeps it
+        assert entries() >= 1
+        torch.cuda.memory._record_memory_history(max_entries=1000, clear_history=True)
+        assert entries() == 0
+        for bad in ({"skip_actions": ["free_requested"]}, {"compile_context": True}):
+            try:
+                torch.cuda.memory._record_memory_history(**bad)
+            except gcalloc.GcallocError as e:
+                assert list(bad)[0] in str(e), e
+            else:
+                raise AssertionError("%r was accepted" % bad)
+        try:
+            torch.cuda.memory_snapshot(mempool_id=(1, 0))
+        except gcalloc.GcallocError as e:
+            assert "mempool_id" in str(e), e
+        else:
+            raise AssertionError("memory_snapshot(mempool_id=) was accepted")
+        assert isinstance(torch.cuda.memory_snapshot(), list)
+        t.free(); u.free()
+    """)

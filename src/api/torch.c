@@ -156,6 +156,8 @@ static gca_allocator_t *process_allocator(const char *fallback) {
 
 gca_allocator_t *gca_torch_allocator(void) { return process_allocator("cuda"); }
 
+int gca_torch_is_open(void) { return atomic_load_explicit(&torch_allocator, memory_order_acquire) != NULL; }
+
 int gca_torch_set_raise(void *torch_check_fail) {
   atomic_store(&c10_raise, (c10_check_fail_fn)torch_check_fail);
   return GCA_OK;

@@ -130,6 +130,17 @@ def _cuda_changeCurrentAllocator(allocator):  # noqa: N802
     _allocator[0] = allocator
 
 
+_native_settings = []  # what _set_allocator_settings gave the native allocator's configuration
+
+
+def _cuda_cudaCachingAllocator_set_allocator_settings(env):  # noqa: N802
+    _native_settings.append(env)
+
+
+def _accelerator_getDeviceStats(device_index):  # noqa: N802 (torch.accelerator's, PyTorch 2.9)
+    return _current().getDeviceStats(device_index)
+
+
 def _cuda_lazy_init():
     _current().init(DEVICE_COUNT)
 

@@ -1,6 +1,7 @@
 """A stand-in for PyTorch (see ../README.md): the allocator's side only."""
 from . import _C  # noqa: F401
 from . import cuda  # noqa: F401
+from . import accelerator  # noqa: F401
 
 __version__ = "2.5.0+standin"
 

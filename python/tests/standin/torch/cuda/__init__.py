@@ -17,6 +17,10 @@ def is_available():
     return True
 
 
+def is_initialized():
+    return _initialized[0]
+
+
 def _lazy_init():
     if not _initialized[0]:
         _initialized[0] = True

@@ -115,16 +115,24 @@ def memory_summary(device=None, abbreviated=False):
     return "|  PyTorch CUDA memory summary, device ID %d  |\n%r" % (_index(device), dict(stats))
 
 
-def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None):
-    _C._cuda_record_memory_history(enabled, context, stacks, max_entries)
+def _record_memory_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize, device=None,
+                           clear_history=False, compile_context=False, global_record_annotations=False,
+                           skip_actions=None):
+    _C._cuda_record_memory_history(enabled, context, stacks, max_entries, clear_history, compile_context,
+                                   global_record_annotations, skip_actions or [])
 
 
 def _snapshot(device=None):
     return _C._cuda_memorySnapshot(None)
 
 
-def memory_snapshot():
-    return _snapshot()["segments"]
+def memory_snapshot(mempool_id=None):
+    return _C._cuda_memorySnapshot(mempool_id)["segments"]
+
+
+def _set_allocator_settings(env):
+    """Parsed into the native caching allocator's configuration (a pluggable allocator never reads it)."""
+    _C._cuda_cudaCachingAllocator_set_allocator_settings(env)
 
 
 def _dump_snapshot(filename="dump_snapshot.pickle"):
