@@ -1097,6 +1097,18 @@ GCA_API size_t gca_torch_foreign_stream_uses(void);
  * the exception reaches torch_npu through gcalloc's frames. NULL
  * disconnects it. */
 GCA_API int gca_npu_set_queue_drain(void *npu_synchronize_device);
+/* Connect torch_npu's operator workspace cache (NPUWorkspaceAllocator: a
+ * block per stream, allocated with aclrtMallocAlign32 beside gcalloc and
+ * kept): the address of its `emptyCache` in libtorch_npu.so and how many
+ * arguments it takes in the running release, 3 (int device, bool
+ * need_empty_queue, bool check_error: symbol
+ * _ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEibb), 2 (int device, bool
+ * check_error: ...emptyCacheEib) or 1 (bool check_error: ...emptyCacheEb).
+ * The process-wide allocator then calls it as an OOM handler
+ * (gca_add_oom_handler) with no lock held, before an allocation fails for
+ * want of memory, and tries again when the device has more free memory
+ * after it. NULL disconnects it. GCA_ERR_INVALID for another arity. */
+GCA_API int gca_npu_set_workspace_release(void *release, int arity);
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,11 @@
  *   FAKE_TORCH_NPU_STREAM_HANDLES: the NPUStream is then converted, through
  *   its `operator aclrtStream`, at the call). The setters are exported
  *   under their mangled names, as in torch_npu, so a loader can tell which.
+ * - c10_npu::NPUWorkspaceAllocator: operator workspaces, one cached block a
+ *   device here (a stream in torch_npu), from the runtime directly, beside
+ *   the pluggable allocator, kept until its emptyCache, which takes (int
+ *   device, bool need_empty_queue, bool check_error) in this library's
+ *   default form and (int device, bool check_error) in the older one.
  * - c10_npu::npuSynchronizeDevice(bool), the task queue's drain: it empties
  *   the AscendCL stand-in's queue (GCALLOC_ACL_LIBRARY) and synchronizes the
  *   thread's device. As torch_npu's once an aclop operator has run, it
@@ -209,6 +214,51 @@ bool npuSynchronizeDevice(bool check_error) {
 }
 }  // namespace c10_npu
 
+namespace c10_npu::NPUWorkspaceAllocator {
+namespace {
+void *workspace[kDevices];
+size_t workspace_size[kDevices];
+
+void free_workspace(int device) {
+  if (device < 0 || device >= kDevices || !workspace[device]) return;
+  void *acl = acl_library();
+  auto release = reinterpret_cast<int (*)(void *)>(dlsym(acl, "aclrtFree"));
+  if (!release || release(workspace[device]) != 0) throw c10::Error("aclrtFree of a workspace failed");
+  workspace[device] = nullptr;
+  workspace_size[device] = 0;
+  dlclose(acl);
+}
+}  // namespace
+
+#ifdef FAKE_TORCH_NPU_STREAM_HANDLES
+EXPORT void emptyCache(int device, bool check_error) {
+  (void)check_error;
+  free_workspace(device);
+}
+#else
+EXPORT void emptyCache(int device, bool need_empty_queue, bool check_error) {
+  if (need_empty_queue) (void)npuSynchronizeDevice(check_error);
+  free_workspace(device);
+}
+#endif
+
+/* A workspace of at least `size` bytes on the thread's device `device`, as
+ * torch_npu's malloc: the cached block, or a larger one in its place. */
+void *workspace_for(int device, size_t size) {
+  if (workspace_size[device] >= size) return workspace[device];
+  free_workspace(device);
+  void *acl = acl_library();
+  auto allocate = reinterpret_cast<int (*)(void **, size_t, int)>(dlsym(acl, "aclrtMalloc"));
+  void *p = nullptr;
+  int rc = allocate ? allocate(&p, size, 0) : -1;
+  dlclose(acl);
+  if (rc != 0) return nullptr;
+  workspace[device] = p;
+  workspace_size[device] = size;
+  return p;
+}
+}  // namespace c10_npu::NPUWorkspaceAllocator
+
 namespace torch::npu::NPUPluggableAllocator {
 #ifdef FAKE_TORCH_NPU_STREAM_HANDLES
 using StreamHook = void(void *ptr, aclrtStream stream);
@@ -308,6 +358,21 @@ EXPORT void *fake_torch_npu_stream_handle(int device, int64_t id) {
 EXPORT const char *fake_torch_npu_failure(void) { return failure; }
 
 EXPORT unsigned long fake_torch_npu_drains(void) { return drains; }
+
+/* An operator's workspace of `size` bytes on `device` (NULL where the
+ * runtime has no room), and the bytes the workspace cache holds there. */
+EXPORT void *fake_torch_npu_workspace(int device, size_t size) {
+  try {
+    return c10_npu::NPUWorkspaceAllocator::workspace_for(device, size);
+  } catch (const std::exception &e) {
+    caught(e);
+    return nullptr;
+  }
+}
+
+EXPORT size_t fake_torch_npu_workspace_bytes(int device) {
+  return c10_npu::NPUWorkspaceAllocator::workspace_size[device];
+}
 
 /* The GIL of the tests' "Python" threads. */
 EXPORT void fake_torch_npu_gil_acquire(void) {

@@ -355,6 +355,39 @@ void a_jumping_drain_leaves_nothing_locked() {
   CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
 }
 
+/* torch_npu's operator workspaces hold device memory beside gcalloc: an
+ * allocation the device cannot serve while they are cached succeeds once
+ * the drop-in empties them (an OOM handler, with no lock held), through
+ * whichever form of NPUWorkspaceAllocator::emptyCache the release has. */
+void workspaces_give_way(const char *library, const char *symbol, int arity) {
+  Acl acl = start();
+  TorchNpu t = load_torch_npu(library);
+  acl.set_capacity(64 * MiB);
+  auto workspace = reinterpret_cast<void *(*)(int, size_t)>(dlsym(t.lib, "fake_torch_npu_workspace"));
+  auto workspace_bytes = reinterpret_cast<size_t (*)(int)>(dlsym(t.lib, "fake_torch_npu_workspace_bytes"));
+  void *release = dlsym(t.lib, symbol);
+  CHECK(workspace && workspace_bytes && release);
+  CHECK(workspace(0, 40 * MiB));
+  CHECK(gca_npu_malloc(40 * MiB, 0, nullptr) == nullptr); /* (not connected: out of memory) */
+  errors_logged = 0;
+  CHECK(gca_npu_set_workspace_release(release, arity) == GCA_OK);
+  void *p = gca_npu_malloc(40 * MiB, 0, nullptr);
+  CHECK(p);
+  CHECK(workspace_bytes(0) == 0);
+  CHECK(errors_logged == 0);
+  gca_npu_free(p, 40 * MiB, 0, nullptr);
+  CHECK(gca_npu_set_workspace_release(release, 4) == GCA_ERR_INVALID);
+  CHECK(gca_npu_set_workspace_release(nullptr, 0) == GCA_OK);
+}
+
+void workspaces_give_way_three_arguments() {
+  workspaces_give_way(FAKE_TORCH_NPU_PATH, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEibb", 3);
+}
+
+void workspaces_give_way_two_arguments() {
+  workspaces_give_way(FAKE_TORCH_NPU_HANDLES_PATH, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEib", 2);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -369,6 +402,8 @@ const Case cases[] = {
     {"the_drain_and_the_gil", the_drain_and_the_gil},
     {"a_throwing_drain_leaves_nothing_locked", a_throwing_drain_leaves_nothing_locked},
     {"a_jumping_drain_leaves_nothing_locked", a_jumping_drain_leaves_nothing_locked},
+    {"workspaces_give_way_three_arguments", workspaces_give_way_three_arguments},
+    {"workspaces_give_way_two_arguments", workspaces_give_way_two_arguments},
 };
 }  // namespace
 

@@ -46,7 +46,7 @@ from .torch import last_failure  # noqa: F401  (the same process-wide allocator)
 from .torch import foreign_stream_uses  # noqa: F401  (the same process-wide allocator)
 
 __all__ = ["install", "using", "installed", "hooks", "routed", "last_failure", "foreign_stream_uses", "raises",
-           "queue_drain", "stream_form",
+           "queue_drain", "stream_form", "workspace_release",
            "HOOKS", "STREAM_HOOKS", "ROUTED"]
 
 # NPUPluggableAllocator's hooks (torch_npu's Module.cpp casts each address
@@ -73,6 +73,14 @@ STREAM_FORMS = (
                "ESt8functionIFvPvS4_EE"),
 )
 STREAM_ACCESSOR_SYMBOL = "_ZNK7c10_npu9NPUStream6streamEb"
+
+# torch_npu's operator workspace cache (NPUWorkspaceAllocator: a block per
+# stream, from the runtime directly, beside gcalloc): its emptyCache in the
+# forms torch_npu's releases have, by the number of arguments. gcalloc calls
+# it before an allocation fails for want of memory.
+WORKSPACE_RELEASES = ((3, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEibb"),  # (device, need_empty_queue, check_error)
+                      (2, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEib"),   # (device, check_error)
+                      (1, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEb"))    # (check_error)
 STREAM_HOOKS = {
     "handle": (("set_record_stream_fn", "gca_torch_record_stream"), ("set_erase_stream_fn", "gca_npu_erase_stream")),
     "object": (("set_record_stream_fn", "gca_npu_record_stream_object"),
@@ -98,6 +106,7 @@ _hooks = []
 _routed = []
 _drain = [None]  # where the drain was found
 _stream_form = [None]  # the form of the stream hooks set: "handle", "object" or None
+_workspaces = [None]  # the number of arguments of the workspace cache's emptyCache connected, or None
 
 
 def installed():
@@ -117,6 +126,14 @@ def routed():
 def queue_drain():
     """The library whose npuSynchronizeDevice install() connected, or None."""
     return _drain[0]
+
+
+def workspace_release():
+    """How many arguments the NPUWorkspaceAllocator::emptyCache install()
+    connected takes (3, 2 or 1: WORKSPACE_RELEASES), or None where the
+    running torch_npu exports none: its operator workspaces then stay
+    cached through gcalloc's out-of-memory."""
+    return _workspaces[0]
 
 
 def stream_form():
@@ -160,6 +177,12 @@ def install(conf=None, backend=None):
     if drain is not None:
         _lib.gca_npu_set_queue_drain(ctypes.c_void_p(drain))
         _drain[0] = where
+    for arity, symbol in WORKSPACE_RELEASES:
+        release = _address(library, symbol)
+        if release is not None:
+            _lib.gca_npu_set_workspace_release(ctypes.c_void_p(release), arity)
+            _workspaces[0] = arity
+            break
     _hooks[:] = hooks_set
     _stream_form[0] = form if "set_record_stream_fn" in hooks_set else None
     torch = _torch_of(torch_npu)

@@ -202,6 +202,31 @@ def test_stream_hooks_take_the_releases_form(run, form):
     """ % form)
 
 
+@pytest.mark.parametrize("form", ["object", "handle"])
+def test_workspaces_give_way_before_out_of_memory(run, form):
+    """torch_npu's operator workspaces are cached beside gcalloc: an allocation the device cannot serve
+    while they hold memory succeeds once gcalloc empties them, through the release's emptyCache."""
+    if form == "handle":
+        handles = os.environ.get("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES")
+        if not handles:
+            pytest.skip("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES is not set (CTest sets it)")
+        os.remove(run.package / "lib" / "libtorch_npu.so")
+        os.symlink(os.path.abspath(handles), run.package / "lib" / "libtorch_npu.so")
+    run("""
+        gcalloc.torch_npu.install()
+        assert gcalloc.torch_npu.workspace_release() == %d
+        lib = ctypes.CDLL(str(_C._torch_npu_lib()._name))
+        lib.fake_torch_npu_workspace.restype = ctypes.c_void_p
+        lib.fake_torch_npu_workspace.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        lib.fake_torch_npu_workspace_bytes.restype = ctypes.c_size_t
+        p = alloc(MiB)  # (torch_npu's lazy initialization: the thread's device)
+        assert lib.fake_torch_npu_workspace(0, 40 * MiB)
+        q = alloc(40 * MiB)  # 40 + 40 > 64 MiB: the workspace goes back first
+        assert lib.fake_torch_npu_workspace_bytes(0) == 0
+        free(q); free(p)
+    """ % (3 if form == "object" else 2))
+
+
 def test_stream_form_unknown_wraps_record_stream(run):
     """A libtorch_npu.so that exports neither form of the setter: the stream hooks stay unset, and
     install() says so."""

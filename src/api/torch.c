@@ -57,6 +57,14 @@ typedef void *(*npu_stream_accessor_fn)(const void *npu_stream, bool need_empty)
 static npu_stream_accessor_fn _Atomic npu_stream_of;
 /* Stream uses of memory the allocator did not make (framework_stream_use). */
 static atomic_size_t foreign_stream_uses;
+/* torch_npu's operator workspace cache (c10_npu::NPUWorkspaceAllocator):
+ * a block per stream from aclrtMallocAlign32, beside gcalloc, kept until
+ * its emptyCache. Connected with gca_npu_set_workspace_release: the
+ * function and how many arguments its release takes (3: int device, bool
+ * need_empty_queue, bool check_error; 2: int device, bool check_error; 1:
+ * bool check_error), under torch_lock. */
+static void *workspace_release;
+static int workspace_arity;
 
 static void keep_failure(const char *message) {
   mutex_lock(&failure_lock, RANK_TORCH_FAILURE);
@@ -80,6 +88,25 @@ size_t gca_torch_last_failure(char *buf, size_t cap) {
 static void drain_npu_queue(int device, void *user) {
   (void)device, (void)user;
   (void)npu_drain(false);
+}
+
+/* An OOM handler of the process-wide allocator: torch_npu's workspace
+ * cache emptied (its queue emptied first, its errors warned), with no lock
+ * held, as torch_npu's own allocator does when it runs out. Another try
+ * where the device has more free memory after it. */
+static int release_npu_workspaces(int device, size_t size, void *user) {
+  (void)size, (void)user;
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  mutex_lock(&torch_lock, RANK_TORCH);
+  void *fn = workspace_release;
+  int arity = workspace_arity;
+  mutex_unlock(&torch_lock);
+  size_t before = 0, after = 0, total = 0;
+  if (!a || !fn || gca_mem_get_info(a, device, &before, &total) != GCA_OK) return 0;
+  if (arity == 3) ((void (*)(int, bool, bool))fn)(device, true, false);
+  else if (arity == 2) ((void (*)(int, bool))fn)(device, false);
+  else ((void (*)(bool))fn)(false);
+  return gca_mem_get_info(a, device, &after, &total) == GCA_OK && after > before;
 }
 
 /* Open (or configure) the process-wide allocator; `fallback` is the
@@ -108,6 +135,7 @@ static int torch_init(const char *backend, const char *config, const char *fallb
     if (rc == GCA_OK) {
       keep_failure("");
       if (npu_drain) (void)gca_set_queue_drain(a, drain_npu_queue, NULL);
+      if (workspace_release) (void)gca_add_oom_handler(a, release_npu_workspaces, NULL);
       atomic_store(&torch_allocator, a);
     }
   }
@@ -144,6 +172,23 @@ int gca_npu_set_queue_drain(void *npu_synchronize_device) {
   *(void **)&npu_drain = npu_synchronize_device;
   gca_allocator_t *a = atomic_load(&torch_allocator);
   int rc = a ? gca_set_queue_drain(a, npu_drain ? drain_npu_queue : NULL, NULL) : GCA_OK;
+  mutex_unlock(&torch_lock);
+  return rc;
+}
+
+int gca_npu_set_workspace_release(void *release, int arity) {
+  if (in_locked_callback()) return gca__callback_refuses("gca_npu_set_workspace_release");
+  if (release && (arity < 1 || arity > 3))
+    return gca__set_error(GCA_ERR_INVALID, "gca_npu_set_workspace_release: %d arguments: torch_npu's "
+                          "NPUWorkspaceAllocator::emptyCache takes 1, 2 or 3", arity);
+  mutex_lock(&torch_lock, RANK_TORCH);
+  bool was = workspace_release != NULL;
+  workspace_release = release;
+  workspace_arity = release ? arity : 0;
+  gca_allocator_t *a = atomic_load(&torch_allocator);
+  int rc = GCA_OK;
+  if (a && release && !was) rc = gca_add_oom_handler(a, release_npu_workspaces, NULL);
+  else if (a && !release && was) rc = gca_remove_oom_handler(a, release_npu_workspaces, NULL);
   mutex_unlock(&torch_lock);
   return rc;
 }
