@@ -1019,9 +1019,28 @@ GCA_API void gca_torch_set_memory_fraction(double fraction, int device);
  * gca_torch_init_devices (PyTorch's device count at its CUDA
  * initialization: opens the allocator, and warns when the backend has fewer
  * devices), set_base_alloc_fn gca_torch_base_alloc (gca_base_allocation;
- * an unknown pointer is logged and stands for itself, *size 0). */
+ * an unknown pointer is logged and stands for itself, *size 0), and the
+ * graph hooks below. */
 GCA_API void gca_torch_init_devices(int device_count);
 GCA_API void *gca_torch_base_alloc(void *ptr, size_t *size);
+/* The pluggable allocator's CUDA graph hooks, with the C signatures its
+ * std::function types have under the Itanium C++ ABI on x86-64 and AArch64
+ * (c10::cuda::MempoolId_t, a pair of 64-bit integers, trivially copyable,
+ * in two registers; the std::function filter by hidden reference, owned
+ * and destroyed by the caller): set_begin_allocate_to_pool takes
+ * gca_torch_begin_allocate_to_pool, set_end_allocate_to_pool_fn
+ * gca_torch_end_allocate_to_pool, set_release_pool gca_torch_release_pool.
+ * Each mempool id is a private pool (gca_pool_create) with PyTorch's use
+ * count. From a begin to its end the device is capture-safe (as
+ * gca_capture_begin), and an allocation on a stream the driver says is in
+ * a capture goes to the pool (the first capture seen after a begin binds to
+ * the pool begun last; the filter, a C++ call, is not called). Blocks freed
+ * into the pool are reused only by the pool; when PyTorch releases it, it
+ * ends once its last block is freed, and its memory goes back. */
+GCA_API void gca_torch_begin_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second,
+                                              const void *filter);
+GCA_API void gca_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second);
+GCA_API void gca_torch_release_pool(int device, uint64_t id_first, uint64_t id_second);
 /* The message of the last failed gca_torch_malloc in the process, from any
  * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
  * failed since the allocator was opened. Returns the message's full length. */

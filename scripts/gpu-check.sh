@@ -4,7 +4,8 @@
 # pinned host allocator on the same pinned workloads), the replay's speed on
 # that machine's processors, the Python package, pausable pools and processes
 # sharing the GPU under PyTorch, the allocator's own cost beside PyTorch's in
-# one process, and gcalloc plugged into PyTorch beside PyTorch's own allocators.
+# one process, gcalloc plugged into PyTorch beside PyTorch's own allocators,
+# and a CUDA graph captured through the drop-in's graph hooks.
 # usage: scripts/gpu-check.sh [BUILD_DIR [OUT_DIR]]   (defaults: build, gpu-check-out)
 # BUILD_DIR is a configured and built tree (cmake -S . -B build && cmake --build build).
 # Every step runs even when one before it failed; the exit status says
@@ -33,6 +34,11 @@ else
 fi
 step pytorch_pinned env PYTHONUNBUFFERED=1 python3 bench/pytorch_pinned.py --json "$out/pytorch_pinned.json"
 step python_package env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider python/tests
+# A CUDA graph captured and replayed under the drop-in (its private pool,
+# through the pluggable allocator's graph hooks): also in python_package,
+# named here so that its outcome stands on its own line.
+step cuda_graph env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider \
+  python/tests/test_torch_gpu.py -k cuda_graph
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
   --out "$out/pytorch" --json "$out/pytorch.json"
 finish gpu-check

@@ -96,12 +96,21 @@ static size_t live_events;
 
 /* ---- control ------------------------------------------------------------ */
 
-static int capture_global; /* (fakecuda_capture, below) */
+static int capture_global; /* (fakecuda_capture and the captures, below) */
+#define MAX_CAPTURES 8
+static struct {
+  uintptr_t stream;
+  uint64_t id;
+  int mode;
+} captures[MAX_CAPTURES];
+static uint64_t next_capture_id = 100;
+
 
 EXPORT void fakecuda_reset(void) {
   pthread_mutex_lock(&lock);
   plumbing_reset();
   capture_global = 0;
+  memset(captures, 0, sizeof captures);
   hold_events = 0;
   no_vmm = 0;
   device_count = -1;
@@ -408,6 +417,54 @@ EXPORT int cuStreamCreate(uintptr_t *stream, unsigned flags) {
 EXPORT int cuStreamDestroy_v2(uintptr_t stream) {
   ENTER("cuStreamDestroy_v2");
   LEAVE(stream ? OK : INVALID_VALUE);
+}
+
+/* [drv] stream capture: a stream is in at most one capture, with an id
+ * unique in the process; a capture in global mode (CU_STREAM_CAPTURE_MODE_
+ * GLOBAL, 0) makes calls that take memory refused on threads not in
+ * relaxed mode (REFUSED_IN_CAPTURE) until it ends. The legacy stream (0)
+ * cannot be captured. */
+
+EXPORT int cuStreamBeginCapture_v2(uintptr_t stream, int mode) {
+  ENTER("cuStreamBeginCapture_v2");
+  if (!current) LEAVE(INVALID_CONTEXT);
+  if (!stream || mode < 0 || mode > 2) LEAVE(INVALID_VALUE);
+  int slot = -1;
+  for (int i = 0; i < MAX_CAPTURES; i++) {
+    if (captures[i].stream == stream) LEAVE(INVALID_VALUE); /* (already capturing: CUDA_ERROR_ILLEGAL_STATE) */
+    if (!captures[i].stream && slot < 0) slot = i;
+  }
+  if (slot < 0) LEAVE(OUT_OF_MEMORY);
+  captures[slot].stream = stream;
+  captures[slot].id = next_capture_id++;
+  captures[slot].mode = mode;
+  if (mode == 0) capture_global++;
+  LEAVE(OK);
+}
+
+EXPORT int cuStreamEndCapture(uintptr_t stream, void **graph) {
+  ENTER("cuStreamEndCapture");
+  for (int i = 0; i < MAX_CAPTURES; i++)
+    if (captures[i].stream == stream) {
+      if (captures[i].mode == 0) capture_global--;
+      captures[i].stream = 0;
+      if (graph) *graph = (void *)(uintptr_t)captures[i].id;
+      LEAVE(OK);
+    }
+  LEAVE(INVALID_VALUE);
+}
+
+/* The legacy form (status, id): NONE 0, ACTIVE 1. */
+EXPORT int cuStreamGetCaptureInfo(uintptr_t stream, int *status, uint64_t *id) {
+  ENTER("cuStreamGetCaptureInfo");
+  if (!status) LEAVE(INVALID_VALUE);
+  *status = 0;
+  for (int i = 0; i < MAX_CAPTURES; i++)
+    if (stream && captures[i].stream == stream) {
+      *status = 1;
+      if (id) *id = captures[i].id;
+    }
+  LEAVE(OK);
 }
 
 EXPORT int cuStreamQuery(uintptr_t stream) {

@@ -20,7 +20,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -388,6 +390,198 @@ void workspaces_give_way_two_arguments() {
   workspaces_give_way(FAKE_TORCH_NPU_HANDLES_PATH, "_ZN7c10_npu21NPUWorkspaceAllocator10emptyCacheEib", 2);
 }
 
+/* ---- PyTorch's CUDA graphs through the pluggable allocator's hooks ----------
+ * As torch/csrc/cuda/CUDAPluggableAllocator and Module.cpp have them: the
+ * pool id a std::pair of two 64-bit integers, the begin hook's filter a
+ * std::function passed by value, each hook held as std::function cast from
+ * the address; CUDAGraph's capture_begin calls beginAllocateToPool, then
+ * the driver's cuStreamBeginCapture (global mode); capture_end the
+ * driver's end, then endAllocateToPool; reset releasePool. The driver is
+ * the CUDA stand-in (fake_cuda.c). */
+namespace c10::cuda {
+using CaptureId_t = unsigned long long;
+using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
+}  // namespace c10::cuda
+typedef void *cudaStream_t;
+
+namespace torch::cuda::CUDAPluggableAllocator {
+struct CUDAPluggableAllocator {
+  std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> begin_allocate_to_pool_fn_;
+  std::function<void(int, c10::cuda::MempoolId_t)> end_allocate_to_pool_fn_, relase_pool_fn_;
+
+  void beginAllocateToPool(int device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
+    if (begin_allocate_to_pool_fn_) begin_allocate_to_pool_fn_(device, id, std::move(filter));
+  }
+  void endAllocateToPool(int device, c10::cuda::MempoolId_t id) {
+    if (end_allocate_to_pool_fn_) end_allocate_to_pool_fn_(device, id);
+  }
+  void releasePool(int device, c10::cuda::MempoolId_t id) {
+    if (relase_pool_fn_) relase_pool_fn_(device, id);
+  }
+};
+}  // namespace torch::cuda::CUDAPluggableAllocator
+
+namespace cuda_pluggable = torch::cuda::CUDAPluggableAllocator;
+
+/* Module.cpp's bindings: set_begin_allocate_to_pool, set_end_allocate_to_pool_fn, set_release_pool. */
+void set_graph_hooks(cuda_pluggable::CUDAPluggableAllocator &self, uint64_t begin, uint64_t end, uint64_t release) {
+  using BeginType = void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>);
+  using EndType = void(int, c10::cuda::MempoolId_t);
+  std::function<BeginType> begin_fn = reinterpret_cast<BeginType *>(begin);
+  std::function<EndType> end_fn = reinterpret_cast<EndType *>(end);
+  std::function<EndType> release_fn = reinterpret_cast<EndType *>(release);
+  self.begin_allocate_to_pool_fn_ = begin_fn;
+  self.end_allocate_to_pool_fn_ = end_fn;
+  self.relase_pool_fn_ = release_fn;
+}
+
+struct Driver {
+  void *lib = nullptr;
+  int (*stream_create)(uintptr_t *, unsigned) = nullptr;
+  int (*begin_capture)(uintptr_t, int) = nullptr;
+  int (*end_capture)(uintptr_t, void **) = nullptr;
+  int (*capture_info)(uintptr_t, int *, uint64_t *) = nullptr;
+  int (*retain)(void **, int) = nullptr;
+  int (*set_current)(void *) = nullptr;
+  int (*init)(unsigned) = nullptr;
+};
+
+/* The drop-in opened on the CUDA stand-in, the thread in device 0's context. */
+Driver start_cuda() {
+  Driver d;
+  d.lib = dlopen(FAKE_CUDA_PATH, RTLD_NOW | RTLD_LOCAL);
+  CHECK(d.lib);
+  find(d.lib, "cuStreamCreate", d.stream_create);
+  find(d.lib, "cuStreamBeginCapture_v2", d.begin_capture);
+  find(d.lib, "cuStreamEndCapture", d.end_capture);
+  find(d.lib, "cuStreamGetCaptureInfo", d.capture_info);
+  find(d.lib, "cuDevicePrimaryCtxRetain", d.retain);
+  find(d.lib, "cuCtxSetCurrent", d.set_current);
+  find(d.lib, "cuInit", d.init);
+  CHECK(gca_torch_init("cuda:driver=" FAKE_CUDA_PATH, "") == GCA_OK);
+  gca_set_log_handler(count_errors, nullptr);
+  void *ctx = nullptr;
+  CHECK(d.init(0) == 0 && d.retain(&ctx, 0) == 0 && d.set_current(ctx) == 0);
+  return d;
+}
+
+/* CUDAGraph, as far as the allocator sees it. */
+struct Graph {
+  const Driver &driver;
+  cuda_pluggable::CUDAPluggableAllocator &allocator;
+  c10::cuda::MempoolId_t pool;
+  uintptr_t stream;
+  uint64_t capture_id = 0;
+
+  void capture_begin() {
+    allocator.beginAllocateToPool(0, pool, [this](cudaStream_t s) {
+      int status = 0;
+      uint64_t id = 0;
+      driver.capture_info((uintptr_t)s, &status, &id);
+      return status == 1 && id == capture_id;
+    });
+    CHECK(driver.begin_capture(stream, 0) == 0);
+    int status = 0;
+    CHECK(driver.capture_info(stream, &status, &capture_id) == 0 && status == 1);
+  }
+  void capture_end() {
+    void *graph = nullptr;
+    CHECK(driver.end_capture(stream, &graph) == 0);
+    allocator.endAllocateToPool(0, pool);
+  }
+  void reset() { allocator.releasePool(0, pool); }
+};
+
+gca_pool_t pool_of(void *p) {
+  gca_pool_t pool = 99;
+  CHECK(gca_pool_of(gca_torch_allocator(), p, &pool) == GCA_OK);
+  return pool;
+}
+
+int pools_on(int device) {
+  gca_pool_t ids[8];
+  return gca_pool_list(gca_torch_allocator(), device, ids, 8);
+}
+
+/* The capture's allocations go to the graph's private pool; what it frees
+ * there is not handed out after the capture (the graph's replays still
+ * write into it); another stream's allocation during the capture, and any
+ * after it, come from the general cache; the pool ends, and its memory
+ * goes back, once PyTorch releases it and its last block is freed. */
+void graph_capture_uses_a_private_pool() {
+  Driver driver = start_cuda();
+  cuda_pluggable::CUDAPluggableAllocator allocator;
+  set_graph_hooks(allocator, address(gca_torch_begin_allocate_to_pool), address(gca_torch_end_allocate_to_pool),
+                  address(gca_torch_release_pool));
+  uintptr_t s = 0, other = 0;
+  CHECK(driver.stream_create(&s, 1) == 0 && driver.stream_create(&other, 1) == 0);
+  Graph graph{driver, allocator, {1, 0}, s};
+  graph.capture_begin();
+  void *temp = gca_torch_malloc(4 * MiB, 0, (void *)s);
+  void *output = gca_torch_malloc(2 * MiB, 0, (void *)s);
+  void *elsewhere = gca_torch_malloc(4 * MiB, 0, (void *)other);
+  CHECK(temp && output && elsewhere);
+  CHECK(pool_of(temp) != 0 && pool_of(output) == pool_of(temp));
+  CHECK(pool_of(elsewhere) == 0);
+  gca_torch_free(temp, 4 * MiB, 0, (void *)s); /* (freed inside the graph: the pool's) */
+  graph.capture_end();
+  void *after = gca_torch_malloc(4 * MiB, 0, (void *)s);
+  CHECK(after && after != temp && pool_of(after) == 0);
+  CHECK(pools_on(0) == 1);
+  graph.reset();
+  CHECK(pools_on(0) == 1); /* (its output still lives) */
+  gca_torch_free(output, 2 * MiB, 0, (void *)s);
+  CHECK(pools_on(0) == 0);
+  gca_torch_free(after, 4 * MiB, 0, (void *)s);
+  gca_torch_free(elsewhere, 4 * MiB, 0, (void *)other);
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+  CHECK(errors_logged == 0);
+}
+
+/* The control: without the hooks (as before they were set), the capture's
+ * memory comes from the general cache, and a block it freed is handed out
+ * again after the capture while the graph's replays still write into it. */
+void graph_capture_without_the_hooks_reuses_the_graphs_memory() {
+  Driver driver = start_cuda();
+  cuda_pluggable::CUDAPluggableAllocator allocator; /* (no hooks set) */
+  uintptr_t s = 0;
+  CHECK(driver.stream_create(&s, 1) == 0);
+  Graph graph{driver, allocator, {1, 0}, s};
+  graph.capture_begin();
+  void *temp = gca_torch_malloc(4 * MiB, 0, (void *)s);
+  CHECK(temp && pool_of(temp) == 0);
+  gca_torch_free(temp, 4 * MiB, 0, (void *)s);
+  graph.capture_end();
+  void *after = gca_torch_malloc(4 * MiB, 0, (void *)s);
+  CHECK(after == temp); /* (the hazard: the graph's memory given to a tensor) */
+  gca_torch_free(after, 4 * MiB, 0, (void *)s);
+}
+
+/* Two graphs share a pool (graph.pool()): the second capture's allocations
+ * go to the same pool; it ends when both are released. */
+void graphs_sharing_a_pool() {
+  Driver driver = start_cuda();
+  cuda_pluggable::CUDAPluggableAllocator allocator;
+  set_graph_hooks(allocator, address(gca_torch_begin_allocate_to_pool), address(gca_torch_end_allocate_to_pool),
+                  address(gca_torch_release_pool));
+  uintptr_t s = 0;
+  CHECK(driver.stream_create(&s, 1) == 0);
+  Graph first{driver, allocator, {7, 0}, s}, second{driver, allocator, {7, 0}, s};
+  first.capture_begin();
+  void *a = gca_torch_malloc(MiB, 0, (void *)s);
+  first.capture_end();
+  second.capture_begin();
+  void *b = gca_torch_malloc(MiB, 0, (void *)s);
+  second.capture_end();
+  CHECK(pool_of(a) != 0 && pool_of(a) == pool_of(b));
+  gca_torch_free(a, MiB, 0, (void *)s);
+  gca_torch_free(b, MiB, 0, (void *)s);
+  first.reset();
+  CHECK(pools_on(0) == 1);
+  second.reset();
+  CHECK(pools_on(0) == 0);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -404,6 +598,10 @@ const Case cases[] = {
     {"a_jumping_drain_leaves_nothing_locked", a_jumping_drain_leaves_nothing_locked},
     {"workspaces_give_way_three_arguments", workspaces_give_way_three_arguments},
     {"workspaces_give_way_two_arguments", workspaces_give_way_two_arguments},
+    {"graph_capture_uses_a_private_pool", graph_capture_uses_a_private_pool},
+    {"graph_capture_without_the_hooks_reuses_the_graphs_memory",
+     graph_capture_without_the_hooks_reuses_the_graphs_memory},
+    {"graphs_sharing_a_pool", graphs_sharing_a_pool},
 };
 }  // namespace
 

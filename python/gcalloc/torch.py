@@ -37,15 +37,19 @@ __all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_f
 # in PyTorch's libc10.so: it throws c10::Error, which Python sees as RuntimeError.
 RAISE_SYMBOL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
 
-# The pluggable allocator's hooks with C signatures, and gcalloc's function
-# for each (include/gcalloc.h). The graph-pool hooks are left: beginning a
-# pool takes a C++ std::function (which streams belong to the capture),
-# which a C library cannot receive; gcalloc's own capture calls serve.
+# The pluggable allocator's hooks, and gcalloc's function for each, with
+# the C signature the hook's C++ type has (include/gcalloc.h). The graph
+# hooks (PyTorch 2.3+) take a pool id (a pair of 64-bit integers) and, to
+# begin, a std::function filter by hidden reference, which gcalloc does not
+# call: the driver says which stream captures.
 HOOKS = (("set_reset_fn", "gca_torch_empty_cache"),
          ("set_memory_fraction_fn", "gca_torch_set_memory_fraction"),
          ("set_record_stream_fn", "gca_torch_record_stream"),
          ("set_init_fn", "gca_torch_init_devices"),
-         ("set_base_alloc_fn", "gca_torch_base_alloc"))
+         ("set_base_alloc_fn", "gca_torch_base_alloc"),
+         ("set_begin_allocate_to_pool", "gca_torch_begin_allocate_to_pool"),
+         ("set_end_allocate_to_pool_fn", "gca_torch_end_allocate_to_pool"),
+         ("set_release_pool", "gca_torch_release_pool"))
 
 # PyTorch's memory functions that raise (or do nothing) under a pluggable
 # allocator, answered by gcalloc once installed, in torch.cuda and

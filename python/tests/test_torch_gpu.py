@@ -80,3 +80,40 @@ def test_pytorchs_tools_under_the_drop_in():
     emptied, named, version = run(TOOLS)
     assert emptied == "True", "torch.cuda.empty_cache() did not reach gcalloc (PyTorch %s)" % version
     assert named == "True", "no Python frame of the allocating function in the snapshot"
+
+
+# A CUDA graph under the drop-in: the capture's allocations come from the
+# graph's private pool, so a tensor allocated after the capture does not get
+# memory the graph's replays write, and the replay's result is right.
+GRAPH = r"""
+import torch, gcalloc, gcalloc.torch
+gcalloc.torch.install()
+static_in = torch.zeros(1 << 20, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    for _ in range(3):  # warm-up, as PyTorch's docs do
+        (static_in * 2 + 1).sum()
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    temp = static_in * 2          # freed inside the capture: the pool's
+    static_out = (temp + 1).sum()
+    del temp
+pooled = gcalloc.memory_snapshot()
+other = torch.full((1 << 20,), 7.0, device="cuda")  # after the capture: not the graph's memory
+static_in.fill_(1.0)
+g.replay()
+torch.cuda.synchronize()
+in_pool = any(tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) for seg in pooled["segments"])
+print("set_begin_allocate_to_pool" in gcalloc.torch.hooks(), in_pool, float(static_out), float(other[0]))
+"""
+
+
+def test_cuda_graph_capture_uses_a_private_pool():
+    hooked, in_pool, out, other = run(GRAPH)
+    if hooked != "True":
+        pytest.skip("this PyTorch has no graph-pool hooks (PyTorch 2.3+)")
+    assert in_pool == "True", "no segment of the capture's private pool in the snapshot"
+    assert float(out) == 3.0 * (1 << 20), "the graph's replay gave %s" % out
+    assert float(other) == 7.0, "a tensor allocated after the capture was overwritten by the replay"

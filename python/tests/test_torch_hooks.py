@@ -58,7 +58,8 @@ def test_every_hook_reaches_gcalloc():
     run("""
         install()
         assert gcalloc.torch.hooks() == ["set_reset_fn", "set_memory_fraction_fn", "set_record_stream_fn",
-                                         "set_init_fn", "set_base_alloc_fn"], gcalloc.torch.hooks()
+                                         "set_init_fn", "set_base_alloc_fn", "set_begin_allocate_to_pool",
+                                         "set_end_allocate_to_pool_fn", "set_release_pool"], gcalloc.torch.hooks()
         torch.cuda._lazy_init()  # CUDA's initialization: the init hook with PyTorch's device count
         assert ("set_init_fn", (2,)) in native.calls
         # empty_cache: the reset hook gives gcalloc's cache back.

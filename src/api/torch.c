@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "core/core.h"
+#include "core/mempool.h"
 #include "host/host.h"
 #include "observe/observe.h"
 
@@ -231,6 +232,145 @@ static void raise_failure(int device) {
   abort();
 }
 
+/* ---- CUDA graph pools (the pluggable allocator's graph hooks) ----------
+ * PyTorch's CUDAGraph::capture_begin calls beginAllocateToPool(device,
+ * mempool_id, filter) and then begins the driver's capture; the filter says
+ * which streams' allocations go to the pool (those in this graph's
+ * capture). gcalloc does not call the filter (a C++ std::function): it asks
+ * the driver which capture a stream is in (backend stream_capture), and the
+ * first capture seen on the device after a begin is bound to its pool.
+ * Each mempool id is a private pool of gcalloc's, made at the first begin,
+ * with PyTorch's use count (a begin counts one, releasePool drops one); at
+ * zero it ends once its blocks are freed (until then, at each free).
+ * Under torch_lock. */
+typedef struct graph_pool {
+  int device;
+  uint64_t id[2];           /* c10::cuda::MempoolId_t */
+  gca_pool_t pool;
+  int uses;                 /* begins not yet released */
+  int open;                 /* begins not yet ended */
+  uint64_t capture;         /* the driver's capture bound to it (0: none yet) */
+  gca_stream_t streams[8];  /* streams routed to it while they capture */
+  int stream_count;
+  bool ending;              /* released by PyTorch: it ends with its last block (graphs_ending counts it) */
+  struct graph_pool *next;
+} graph_pool_t;
+static graph_pool_t *graph_pools;
+static atomic_int graphs_open;    /* begins not yet ended, every device: the allocation's one check */
+static atomic_int graphs_ending;  /* pools released with blocks still live */
+
+static graph_pool_t *graph_pool_find(int device, uint64_t first, uint64_t second) {
+  for (graph_pool_t *g = graph_pools; g; g = g->next)
+    if (g->device == device && g->id[0] == first && g->id[1] == second) return g;
+  return NULL;
+}
+
+/* End the pools released whose blocks are all freed now. */
+static void graph_pools_end(gca_allocator_t *a) {
+  for (graph_pool_t **at = &graph_pools; *at;) {
+    graph_pool_t *g = *at;
+    if (!g->ending || g->open > 0 || gca_pool_release(a, g->pool) != GCA_OK) {
+      at = &g->next;
+      continue;
+    }
+    *at = g->next;
+    free(g);
+    atomic_fetch_sub(&graphs_ending, 1);
+  }
+  gca__clear_error(); /* (a pool with live blocks stays: refused, not an error) */
+}
+
+void gca_torch_begin_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second, const void *filter) {
+  (void)filter; /* (the driver says which streams capture) */
+  gca_allocator_t *a = gca_torch_allocator();
+  if (!a) return;
+  mutex_lock(&torch_lock, RANK_TORCH);
+  graph_pool_t *g = graph_pool_find(device, id_first, id_second);
+  if (!g && (g = calloc(1, sizeof *g))) {
+    g->device = device;
+    g->id[0] = id_first;
+    g->id[1] = id_second;
+    if (gca_pool_create(a, device, &g->pool) != GCA_OK) {
+      free(g);
+      g = NULL;
+    } else {
+      g->next = graph_pools;
+      graph_pools = g;
+    }
+  }
+  if (g) {
+    if (g->ending) atomic_fetch_sub(&graphs_ending, 1);
+    g->ending = false;
+    g->uses++;
+    g->open++;
+    g->capture = 0;
+    (void)gca__capture_hold(a, g->pool, true);
+    atomic_fetch_add(&graphs_open, 1);
+  }
+  mutex_unlock(&torch_lock);
+  if (!g)
+    gca__log_message(GCA_LOG_ERROR, "CUDA graph pool (%llu, %llu) on device %d: %s: the capture's allocations go to "
+                     "the general cache", (unsigned long long)id_first, (unsigned long long)id_second, device,
+                     gca_last_error());
+}
+
+void gca_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (!a) return;
+  mutex_lock(&torch_lock, RANK_TORCH);
+  graph_pool_t *g = graph_pool_find(device, id_first, id_second);
+  if (g && g->open > 0) {
+    for (int i = 0; i < g->stream_count; i++) (void)gca_pool_unroute_stream(a, g->pool, g->streams[i]);
+    g->stream_count = 0;
+    g->capture = 0;
+    g->open--;
+    (void)gca__capture_hold(a, g->pool, false);
+    atomic_fetch_sub(&graphs_open, 1);
+  }
+  mutex_unlock(&torch_lock);
+}
+
+void gca_torch_release_pool(int device, uint64_t id_first, uint64_t id_second) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (!a) return;
+  mutex_lock(&torch_lock, RANK_TORCH);
+  graph_pool_t *g = graph_pool_find(device, id_first, id_second);
+  if (g && g->uses > 0 && --g->uses == 0) {
+    g->ending = true;
+    atomic_fetch_add(&graphs_ending, 1);
+    graph_pools_end(a);
+  }
+  mutex_unlock(&torch_lock);
+}
+
+/* An allocation on `stream` while a graph pool is open on some device: a
+ * stream in a capture goes to the pool its capture is bound to (the first
+ * capture seen after a begin binds to the pool begun last). */
+GCA_COLD static void route_capturing_stream(gca_allocator_t *a, int device, gca_stream_t stream) {
+  if (device < 0 || device >= a->device_count || !a->backend.ops->stream_capture) return;
+  uint64_t capture = 0;
+  if (a->backend.ops->stream_capture(a->backend.state, device, stream, &capture) != GCA_OK || !capture) {
+    gca__clear_error();
+    return;
+  }
+  mutex_lock(&torch_lock, RANK_TORCH);
+  graph_pool_t *bound = NULL, *unbound = NULL;
+  for (graph_pool_t *g = graph_pools; g && !bound; g = g->next) {
+    if (g->device != device || g->open <= 0) continue;
+    if (g->capture == capture) bound = g;
+    else if (!g->capture && !unbound) unbound = g; /* (the list is newest first) */
+  }
+  graph_pool_t *g = bound ? bound : unbound;
+  bool routed = false;
+  for (int i = 0; g && i < g->stream_count; i++) routed |= g->streams[i] == stream;
+  if (g && !routed && g->stream_count < (int)(sizeof g->streams / sizeof g->streams[0]) &&
+      gca_pool_route_stream(a, g->pool, stream) == GCA_OK) {
+    g->capture = capture;
+    g->streams[g->stream_count++] = stream;
+  }
+  mutex_unlock(&torch_lock);
+}
+
 /* An allocation for PyTorch (CUDA or NPU) on the process-wide allocator. */
 static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void *stream) {
   if (!a) {
@@ -238,6 +378,7 @@ static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void 
     raise_failure(device);
     return NULL;
   }
+  if (unlikely(atomic_load_explicit(&graphs_open, memory_order_relaxed))) route_capturing_stream(a, device, (gca_stream_t)stream);
   void *p = gca_malloc(a, size, device, (gca_stream_t)stream);
   if (!p && size) {
     keep_failure(gca_last_error());
@@ -266,6 +407,11 @@ static void framework_free(void *ptr, int device) {
   if (!a || gca_free(a, ptr) != GCA_OK)
     gca__log_message(GCA_LOG_ERROR, "PyTorch free of %p on device %d failed: %s", ptr, device,
                      a ? gca_last_error() : "no allocator is open");
+  else if (unlikely(atomic_load_explicit(&graphs_ending, memory_order_relaxed))) {
+    mutex_lock(&torch_lock, RANK_TORCH); /* (a released graph's pool ends with its last block) */
+    graph_pools_end(a);
+    mutex_unlock(&torch_lock);
+  }
 }
 
 void gca_torch_free(void *ptr, ptrdiff_t size, int device, void *stream) {

@@ -108,6 +108,10 @@ typedef struct backend_ops {
   int (*enable_peer_access)(void *state, int device, int peer);
   int (*disable_peer_access)(void *state, int device, int peer);
   int (*stream_priority_range)(void *state, int device, int *least, int *greatest);
+  /* The driver's id of the graph capture `stream` is in, 0 when it is in
+   * none (may be NULL: no stream is ever in one). The PyTorch drop-in's
+   * graph pools bind a capture to a pool by it. */
+  int (*stream_capture)(void *state, int device, gca_stream_t stream, uint64_t *capture_id);
   /* Page-locked host memory for the pinned host allocator (may be NULL). */
   int (*host_alloc)(void *state, size_t size, void **ptr);
   int (*host_free)(void *state, void *ptr);

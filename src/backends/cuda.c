@@ -117,6 +117,7 @@ typedef struct CUmemAccessDesc {
   X(cuStreamSynchronize, "cuStreamSynchronize", 1, (CUstream stream))                                       \
   X(cuCtxSynchronize, "cuCtxSynchronize", 1, (void))                                                         \
   X(cuThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode", 0, (int *mode))                 \
+  X(cuStreamGetCaptureInfo, "cuStreamGetCaptureInfo", 0, (CUstream stream, int *status, uint64_t *id))      \
   X(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0, (void *dst, CUdeviceptr src, size_t bytes, CUstream stream)) \
   X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0, (CUdeviceptr dst, const void *src, size_t bytes, CUstream stream)) \
   X(cuDeviceGetName, "cuDeviceGetName", 1, (char *name, int len, CUdevice dev))                             \
@@ -773,12 +774,29 @@ static void cuda_destroy(void *state) {
   cuda_forget(c);
 }
 
+/* CU_STREAM_CAPTURE_STATUS_ACTIVE; NONE is 0, INVALIDATED 2. */
+#define CAPTURE_ACTIVE 1
+
+static int cuda_stream_capture(void *state, int device, gca_stream_t stream, uint64_t *capture_id) {
+  cuda_t *c = state;
+  *capture_id = 0;
+  if (!c->drv.cuStreamGetCaptureInfo) return GCA_OK; /* (a driver without graphs: nothing captures) */
+  int status = 0;
+  uint64_t id = 0;
+  IN_CONTEXT(c, device);
+  CHECK(c, c->drv.cuStreamGetCaptureInfo((CUstream)stream, &status, &id), GCA_ERR_BACKEND,
+        "cuStreamGetCaptureInfo (stream %p, device %d)", (void *)stream, device);
+  if (status == CAPTURE_ACTIVE) *capture_id = id ? id : 1;
+  return GCA_OK;
+}
+
 static const backend_ops_t cuda_ops = {
     .name = "cuda",
     .device_count = cuda_device_count,
     .malloc = cuda_malloc,
     .free = cuda_free,
     .mem_get_info = cuda_mem_get_info,
+    .stream_capture = cuda_stream_capture,
     .event_record = cuda_event_record,
     .event_query = cuda_event_query,
     .event_synchronize = cuda_event_synchronize,

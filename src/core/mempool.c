@@ -677,6 +677,16 @@ int gca_capture_end(gca_allocator_t *a, gca_pool_t pool, gca_stream_t stream) {
   return unroute_stream(a, pool, stream, true, "gca_capture_end");
 }
 
+int gca__capture_hold(gca_allocator_t *a, gca_pool_t pool, bool hold) {
+  mempool_t *mp = gca__mempool_lock(a, pool, "a graph capture");
+  if (!mp) return gca_last_status();
+  device_t *d = mp->device;
+  if (hold) d->capture.count++;
+  else if (d->capture.count && --d->capture.count == 0) gca__events_after_capture(d);
+  lock_release(&d->lock);
+  return GCA_OK;
+}
+
 int gca__device_capturing(device_t *d, const char *what) {
   lock_acquire(&d->lock);
   size_t captures = d->capture.count;

@@ -68,6 +68,11 @@ void gca__mempool_drop_backup_of(device_t *d, mempool_t *mp, uintptr_t addr);
 /* GCA_OK, or GCA_ERR_INVALID naming `what` while a capture runs on the
  * device (calls that would synchronize or free are refused then). */
 int gca__device_capturing(device_t *d, const char *what);
+/* A graph capture about to begin (hold) or ended (release) on the pool's
+ * device, before its stream is known: the device is capture-safe meanwhile
+ * (as gca_capture_begin, without routing a stream; the PyTorch drop-in
+ * routes the capturing stream at its first allocation). */
+int gca__capture_hold(gca_allocator_t *a, gca_pool_t pool, bool hold);
 /* Give every segment of the device's private pools back (at destroy). */
 void gca__mempools_destroy(device_t *d);
 /* An allocator opens (takes its serial) and closes, for the threads' pool

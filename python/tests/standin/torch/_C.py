@@ -24,6 +24,9 @@ HOOKS = {
     "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
     "set_base_alloc_fn": ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)),
     "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+    # (the filter, a std::function, arrives by hidden reference: an address; tests/test_frameworks.cpp
+    # calls these hooks from C++ with the real types)
+    "set_begin_allocate_to_pool": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId, ctypes.c_void_p),
     "set_end_allocate_to_pool_fn": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
     "set_release_pool": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
 }
