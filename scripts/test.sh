@@ -38,10 +38,10 @@ run() { # name, ctest label filter or "", cmake options... (PGO=1: built by scri
 }
 
 PGO=1 run gcc-pgo "" -DCMAKE_BUILD_TYPE=RelWithDebInfo
-run clang "" -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo
+run clang "" -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ASAN_OPTIONS=detect_leaks=1 \
-  run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
+  run asan "" -DCMAKE_C_COMPILER=gcc -DCMAKE_CXX_COMPILER=g++ -DCMAKE_BUILD_TYPE=Debug "-DGCALLOC_SANITIZE=address;undefined"
 # ThreadSanitizer needs the address-space layout it was built for: run
 # without address randomization where the kernel's mmap entropy is too high.
-TSAN_OPTIONS=halt_on_error=1 setarch "$(uname -m)" -R bash -c "$(declare -f run); jobs=$jobs; ctest_args=(${ctest_args[*]@Q}); run tsan 'threads|acl|hardening' -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGCALLOC_SANITIZE=thread"
+TSAN_OPTIONS=halt_on_error=1 setarch "$(uname -m)" -R bash -c "$(declare -f run); jobs=$jobs; ctest_args=(${ctest_args[*]@Q}); run tsan 'threads|acl|hardening|frameworks' -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGCALLOC_SANITIZE=thread"
 echo "=== all builds passed ==="
