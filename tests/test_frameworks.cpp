@@ -147,6 +147,16 @@ Acl start() {
   return acl;
 }
 
+/* The stand-in at `library` with gcalloc's object hooks set, as install()
+ * sets them for a release that passes the stream object. */
+TorchNpu with_object_hooks(const char *library) {
+  TorchNpu t = load_torch_npu(library);
+  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
+  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
+  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream_object)) == 0);
+  return t;
+}
+
 /* A stream use recorded by the hooks holds the block's free until that
  * stream's work completes, and only that stream's; an erased one does
  * not; the runtime never sees a handle it did not make. */
@@ -180,10 +190,7 @@ void uses_reach_the_runtime_stream(const TorchNpu &t, const Acl &acl) {
  * accessor. */
 void object_hooks_with_object_releases() {
   Acl acl = start();
-  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
-  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
-  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
-  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream_object)) == 0);
+  TorchNpu t = with_object_hooks(FAKE_TORCH_NPU_PATH);
   uses_reach_the_runtime_stream(t, acl);
 }
 
@@ -215,10 +222,7 @@ void handle_hook_under_an_object_release_is_caught() {
  * memory another allocator made is ignored, quietly; gcalloc counts them. */
 void foreign_memory_is_quiet() {
   Acl acl = start();
-  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
-  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
-  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
-  CHECK(t.set_stream_hook("set_erase_stream_fn", address(gca_npu_erase_stream_object)) == 0);
+  TorchNpu t = with_object_hooks(FAKE_TORCH_NPU_PATH);
   void *mine = gca_npu_malloc(MiB, 0, t.stream_handle(0, 0)); /* (opens the allocator) */
   CHECK(mine);
   size_t before = gca_torch_foreign_stream_uses();
@@ -237,9 +241,7 @@ void foreign_memory_is_quiet() {
  * next call works, on this thread and on another. */
 void a_throwing_accessor_leaves_nothing_locked() {
   Acl acl = start();
-  TorchNpu t = load_torch_npu(FAKE_TORCH_NPU_PATH);
-  CHECK(gca_npu_set_stream_accessor(t.accessor) == GCA_OK);
-  CHECK(t.set_stream_hook("set_record_stream_fn", address(gca_npu_record_stream_object)) == 0);
+  TorchNpu t = with_object_hooks(FAKE_TORCH_NPU_PATH);
   void *s0 = t.stream_handle(0, 0);
   void *p = gca_npu_malloc(MiB, 0, s0);
   CHECK(p);

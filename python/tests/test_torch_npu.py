@@ -157,6 +157,17 @@ def test_initialization_order_with_a_bad_configuration(run):
     assert p.returncode == 0
 
 
+def use_release_form(run, form):
+    """The stand-in torch_npu's library of the releases whose stream hooks take the stream object
+    ("object", the default) or a handle ("handle": tests/fake_torch_npu.cpp's older form)."""
+    if form == "handle":
+        handles = os.environ.get("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES")
+        if not handles:
+            pytest.skip("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES is not set (CTest sets it)")
+        os.remove(run.package / "lib" / "libtorch_npu.so")
+        os.symlink(os.path.abspath(handles), run.package / "lib" / "libtorch_npu.so")
+
+
 STREAMS = """
         lib = ctypes.CDLL(str(_C._torch_npu_lib()._name))
         lib.fake_torch_npu_stream_handle.restype = ctypes.c_void_p
@@ -174,12 +185,7 @@ def test_stream_hooks_take_the_releases_form(run, form):
     address: it has a user-provided destructor) or an aclrtStream; install() sets the hooks of the form
     the running one takes, and the use reaches the runtime's stream (the AscendCL stand-in refuses any
     handle it did not create)."""
-    if form == "handle":
-        handles = os.environ.get("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES")
-        if not handles:
-            pytest.skip("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES is not set (CTest sets it)")
-        os.remove(run.package / "lib" / "libtorch_npu.so")
-        os.symlink(os.path.abspath(handles), run.package / "lib" / "libtorch_npu.so")
+    use_release_form(run, form)
     run(STREAMS + """
         gcalloc.torch_npu.install()
         assert gcalloc.torch_npu.stream_form() == %r
@@ -206,12 +212,7 @@ def test_stream_hooks_take_the_releases_form(run, form):
 def test_workspaces_give_way_before_out_of_memory(run, form):
     """torch_npu's operator workspaces are cached beside gcalloc: an allocation the device cannot serve
     while they hold memory succeeds once gcalloc empties them, through the release's emptyCache."""
-    if form == "handle":
-        handles = os.environ.get("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES")
-        if not handles:
-            pytest.skip("GCALLOC_TEST_FAKE_TORCH_NPU_HANDLES is not set (CTest sets it)")
-        os.remove(run.package / "lib" / "libtorch_npu.so")
-        os.symlink(os.path.abspath(handles), run.package / "lib" / "libtorch_npu.so")
+    use_release_form(run, form)
     run("""
         gcalloc.torch_npu.install()
         assert gcalloc.torch_npu.workspace_release() == %d
