@@ -993,7 +993,9 @@ GCA_API size_t gca_segment_size(size_t rounded_size);
  * A refused allocation's message (PyTorch's out-of-memory text) is kept for
  * gca_torch_last_failure. With gca_torch_set_raise connected (the Python
  * package does it), it is thrown into PyTorch as a c10::Error, which Python
- * sees as RuntimeError("gcalloc: CUDA out of memory. Tried to allocate ...").
+ * sees as RuntimeError("gcalloc: CUDA out of memory. Tried to allocate ..."),
+ * or, out of memory with gca_torch_set_raise_oom connected, as a
+ * c10::OutOfMemoryError (torch.OutOfMemoryError).
  * Without, it is logged as an error and NULL returned: PyTorch 2.11 does not
  * check for NULL, so the tensor gets no memory, and the first kernel that
  * writes it is an illegal memory access that ends the process's CUDA
@@ -1052,6 +1054,14 @@ GCA_API size_t gca_torch_last_failure(char *buf, size_t cap);
  * gca_torch_malloc and gca_npu_malloc then call it, holding no lock, instead
  * of returning NULL. NULL disconnects it. Returns GCA_OK. */
 GCA_API int gca_torch_set_raise(void *torch_check_fail);
+/* Connect a raiser for out of memory: a function with torchCheckFail's
+ * signature that throws c10::OutOfMemoryError (Python's
+ * torch.OutOfMemoryError, the class training loops catch). Only code
+ * compiled against the framework's headers can throw it; gcalloc.torch
+ * builds a small one at install() (docs/pytorch.md). Out-of-memory refusals
+ * go to it, the others (and out of memory while it is unset) to
+ * gca_torch_set_raise's. NULL disconnects it. Returns GCA_OK. */
+GCA_API int gca_torch_set_raise_oom(void *throw_out_of_memory);
 /* Close the process-wide allocator (every pointer it gave becomes invalid). */
 GCA_API void gca_torch_shutdown(void);
 

@@ -39,6 +39,10 @@ step python_package env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python
 # named here so that its outcome stands on its own line.
 step cuda_graph env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider \
   python/tests/test_torch_gpu.py -k cuda_graph
+# Out of memory under the drop-in as torch.OutOfMemoryError (the raiser
+# install() builds against the running PyTorch's headers).
+step torch_oom env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider \
+  python/tests/test_torch_gpu.py -k out_of_memory
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
   --out "$out/pytorch" --json "$out/pytorch.json"
 finish gpu-check

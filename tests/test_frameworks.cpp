@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <thread>
@@ -584,6 +585,53 @@ void graphs_sharing_a_pool() {
   CHECK(pools_on(0) == 0);
 }
 
+/* PyTorch's error classes as its bindings tell them apart (c10::Error,
+ * and c10::OutOfMemoryError derived from it), and raisers with
+ * torchCheckFail's signature that throw them. */
+struct CheckError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct OutOfMemoryError : CheckError {
+  using CheckError::CheckError;
+};
+extern "C" void throw_check_error(const char *, const char *, uint32_t, const char *msg) { throw CheckError(msg); }
+extern "C" void throw_out_of_memory(const char *, const char *, uint32_t, const char *msg) {
+  throw OutOfMemoryError(msg);
+}
+
+/* What a refused allocation throws: which class, and its message. */
+std::pair<std::string, std::string> refusal(ptrdiff_t size) {
+  try {
+    void *p = gca_torch_malloc(size, 0, nullptr);
+    gca_torch_free(p, size, 0, nullptr);
+    return {"none", ""};
+  } catch (const OutOfMemoryError &e) {
+    return {"OutOfMemoryError", e.what()};
+  } catch (const CheckError &e) {
+    return {"Error", e.what()};
+  }
+}
+
+/* Out of memory goes to the out-of-memory raiser, every other refusal (and
+ * out of memory without that raiser) to the general one; each exception
+ * unwinds through gcalloc's frames with nothing left locked. */
+void refusals_throw_the_frameworks_classes() {
+  CHECK(gca_torch_init("sim:capacity=64MiB", nullptr) == GCA_OK);
+  gca_torch_set_raise(reinterpret_cast<void *>(&throw_check_error));
+  gca_torch_set_raise_oom(reinterpret_cast<void *>(&throw_out_of_memory));
+  auto oom = refusal(256 * MiB);
+  CHECK(oom.first == "OutOfMemoryError" && oom.second.find("gcalloc: CUDA out of memory. Tried to allocate") == 0);
+  auto huge = refusal(-4096); /* (2^64 - 4096 bytes, arriving negative) */
+  CHECK(huge.first == "Error" && huge.second.find("more than any device holds") != std::string::npos);
+  gca_torch_set_raise_oom(nullptr);
+  CHECK(refusal(256 * MiB).first == "Error");
+  void *p = gca_torch_malloc(MiB, 0, nullptr); /* (the device's lock is free) */
+  CHECK(p != nullptr);
+  gca_torch_free(p, MiB, 0, nullptr);
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+  gca_torch_set_raise(nullptr);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -604,6 +652,7 @@ const Case cases[] = {
     {"graph_capture_without_the_hooks_reuses_the_graphs_memory",
      graph_capture_without_the_hooks_reuses_the_graphs_memory},
     {"graphs_sharing_a_pool", graphs_sharing_a_pool},
+    {"refusals_throw_the_frameworks_classes", refusals_throw_the_frameworks_classes},
 };
 }  // namespace
 

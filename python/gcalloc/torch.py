@@ -25,17 +25,31 @@ import sys
 import threading
 import warnings
 
-from . import GCA_ERR_INVALID, GcallocError, OutOfMemoryError, _device, _lib, _oom_error, _python_warnings, _text, library_path
+from . import GCA_ERR_INVALID, GcallocError, GcallocWarning, OutOfMemoryError, _device, _lib, _oom_error, _python_warnings, _text, library_path
 
 # The oldest PyTorch with torch.cuda.memory.CUDAPluggableAllocator.
 MINIMUM_TORCH = "2.0"
 
-__all__ = ["install", "using", "installed", "hooks", "routed", "raises", "last_failure", "foreign_stream_uses", "pool", "pause",
+__all__ = ["install", "using", "installed", "hooks", "routed", "raises", "raises_out_of_memory", "last_failure", "foreign_stream_uses", "pool", "pause",
            "resume", "cpu_backup", "MINIMUM_TORCH", "ROUTED"]
 
 # void c10::detail::torchCheckFail(const char *func, const char *file, uint32_t line, const char *msg)
 # in PyTorch's libc10.so: it throws c10::Error, which Python sees as RuntimeError.
 RAISE_SYMBOL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+
+# The same signature, throwing c10::OutOfMemoryError, which PyTorch's Python bindings turn into
+# torch.OutOfMemoryError. libc10 exports nothing that throws that class (PyTorch's allocator
+# constructs it inline), so install() builds these lines against the running PyTorch's own headers
+# (torch/include) and libc10, with its std::string ABI, once per PyTorch, into gcalloc's cache
+# (GCALLOC_CACHE_DIR, else $XDG_CACHE_HOME/gcalloc, else ~/.cache/gcalloc).
+OOM_RAISER_SYMBOL = "gcalloc_throw_out_of_memory"
+OOM_RAISER_SOURCE = r"""
+#include <c10/util/Exception.h>
+extern "C" __attribute__((visibility("default"))) void gcalloc_throw_out_of_memory(
+    const char *func, const char *file, uint32_t line, const char *msg) {
+  throw c10::OutOfMemoryError(c10::SourceLocation{func, file, line}, std::string(msg ? msg : ""));
+}
+"""
 
 # The pluggable allocator's hooks, and gcalloc's function for each, with
 # the C signature the hook's C++ type has (include/gcalloc.h). The graph
@@ -68,6 +82,7 @@ DEFAULT_HISTORY = 100000
 _installed = False
 _hooks = []
 _raise = [None]  # the libc10 whose torchCheckFail refuses allocations
+_raise_oom = [None]  # the built raiser of c10::OutOfMemoryError (OOM_RAISER_SOURCE)
 _routed = []
 _named_pools = {}  # (process allocator, name, device) -> pool id
 _named_lock = threading.Lock()
@@ -90,23 +105,111 @@ def routed():
 
 
 def raises():
-    """The libc10.so through which an allocation gcalloc refuses raises RuntimeError("gcalloc: CUDA out of
-    memory. ...") in PyTorch (install() connects it); None where it was not found: PyTorch then gets NULL,
-    which it does not check (the tensor's first kernel is an illegal memory access)."""
+    """The libc10.so through which an allocation gcalloc refuses raises in PyTorch (install() connects it;
+    RuntimeError("gcalloc: CUDA ...")); None where it was not found (gcalloc.torch.install then refuses:
+    PyTorch would get NULL, which it does not check)."""
     return _raise[0]
 
 
-def _connect_raise(torch):
-    """Hand c10::detail::torchCheckFail of the running PyTorch's libc10 to gcalloc (gca_torch_set_raise)."""
+def raises_out_of_memory():
+    """The library, built at install() against the running PyTorch, through which out of memory raises
+    torch.OutOfMemoryError; None where it could not be built (out of memory is a RuntimeError then, and
+    install() warned why)."""
+    return _raise_oom[0]
+
+
+def _cache_dir():
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("GCALLOC_CACHE_DIR") or os.path.join(home, "gcalloc")
+
+
+def _build_oom_raiser(torch, root, libc10):
+    """OOM_RAISER_SOURCE built against the PyTorch in `root`: (the library's path, None), or (None, why
+    not). Reused from the cache where it was built for the same source, PyTorch, ABI and compiler."""
+    import hashlib
+    import shutil
+    import subprocess
+    import tempfile
+
+    header = os.path.join(root, "include", "c10", "util", "Exception.h")
+    if not os.path.exists(header):
+        return None, "this PyTorch has no C++ headers (no %s)" % header
+    cxx = os.environ.get("CXX") or next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
+    if not cxx:
+        return None, "no C++ compiler was found (c++, g++ or clang++ on PATH, or $CXX)"
+    abi = int(bool(getattr(getattr(torch, "_C", None), "_GLIBCXX_USE_CXX11_ABI", True)))
+    lib_dir = os.path.dirname(libc10)
+    stat = os.stat(libc10)
+    key = hashlib.sha256(repr((OOM_RAISER_SOURCE, getattr(torch, "__version__", ""), os.path.realpath(libc10),
+                               stat.st_size, stat.st_mtime_ns, abi, cxx)).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    out = os.path.join(cache, "oom-raiser-%s.so" % key)
+    if os.path.exists(out):
+        return out, None
+    try:
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as work:
+            source, built = os.path.join(work, "raiser.cpp"), os.path.join(work, "raiser.so")
+            with open(source, "w") as f:
+                f.write(OOM_RAISER_SOURCE)
+            for standard in ("c++17", "c++20"):  # (PyTorch's headers need C++17; a newer one may need more)
+                command = [cxx, "-std=" + standard, "-O1", "-shared", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi,
+                           "-I", os.path.join(root, "include"), source, "-o", built, "-L", lib_dir, "-lc10",
+                           "-Wl,-rpath," + lib_dir, "-Wl,--no-undefined"]
+                done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                if done.returncode == 0:
+                    break
+            if done.returncode != 0:
+                said = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                return None, "building it with %s failed: %s" % (cxx, " / ".join(said) or "exit %d" % done.returncode)
+            os.replace(built, out)  # (atomic: processes building at once each put a whole library there)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, "building it in %s failed: %s" % (cache, e)
+    return out, None
+
+
+def _find_raisers(torch, build=True):
+    """The running PyTorch's ways to refuse an allocation: (its libc10's path, torchCheckFail's address
+    or None, the built c10::OutOfMemoryError raiser's (path, address) or None, why not that)."""
     if torch is None or not getattr(torch, "__file__", None):
-        return
-    path = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib", "libc10.so")
+        return None, None, None, "the framework's torch module has no file"
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    path = os.path.join(root, "lib", "libc10.so")
     try:  # (already loaded by PyTorch: the same copy)
-        address = ctypes.cast(getattr(ctypes.CDLL(path), RAISE_SYMBOL), ctypes.c_void_p).value
+        check = ctypes.cast(getattr(ctypes.CDLL(path), RAISE_SYMBOL), ctypes.c_void_p).value
     except (OSError, AttributeError):
-        return
-    _lib.gca_torch_set_raise(ctypes.c_void_p(address))
-    _raise[0] = path
+        return path, None, None, "%s lacks c10::detail::torchCheckFail" % path
+    if not build:
+        return path, check, None, "GCALLOC_TORCH_BUILD_RAISER=0"
+    built, why = _build_oom_raiser(torch, root, path)
+    if built is None:
+        return path, check, None, why
+    try:
+        oom = ctypes.cast(getattr(ctypes.CDLL(built), OOM_RAISER_SYMBOL), ctypes.c_void_p).value
+    except (OSError, AttributeError) as e:
+        return path, check, None, "the built raiser %s does not load: %s" % (built, e)
+    return path, check, (built, oom), None
+
+
+def _connect_raise(torch, raisers=None):
+    """Hand the running PyTorch's raisers (_find_raisers) to gcalloc (gca_torch_set_raise and
+    gca_torch_set_raise_oom); the reason out of memory is not torch.OutOfMemoryError, or None."""
+    path, check, oom, why = raisers or _find_raisers(torch, _build_wanted())
+    if check is not None:
+        _lib.gca_torch_set_raise(ctypes.c_void_p(check))
+        _raise[0] = path
+    if oom is not None:
+        _lib.gca_torch_set_raise_oom(ctypes.c_void_p(oom[1]))
+        _raise_oom[0] = oom[0]
+    return why
+
+
+def _build_wanted():
+    value = os.environ.get("GCALLOC_TORCH_BUILD_RAISER", "1")
+    if value not in ("0", "1"):
+        raise GcallocError(GCA_ERR_INVALID, "GCALLOC_TORCH_BUILD_RAISER=%r: expected 1 (build the raiser of "
+                           "torch.OutOfMemoryError, the default) or 0 (out of memory raises RuntimeError)" % value)
+    return value == "1"
 
 
 def install(conf=None, backend=None):
@@ -121,8 +224,16 @@ def install(conf=None, backend=None):
         raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install needs PyTorch %s or newer "
                            "(torch.cuda.memory.CUDAPluggableAllocator); this is torch %s"
                            % (MINIMUM_TORCH, getattr(torch, "__version__", "of an unknown version")))
+    raisers = None
     if not _installed:
         _check_installable(torch)  # (before anything is opened)
+        raisers = _find_raisers(torch, _build_wanted())
+        if raisers[1] is None:
+            raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install: no way to refuse PyTorch an allocation: %s. "
+                               "PyTorch does not check the pointer an allocator returns, so gcalloc must throw "
+                               "into it; without that, out of memory would become an illegal memory access. "
+                               "Is this a PyTorch wheel or build with its lib/ beside torch/__init__.py?"
+                               % raisers[3])
     _use_torch_oom_error(torch)
     was_open = bool(_lib.gca_torch_is_open())
     with _python_warnings():
@@ -140,7 +251,14 @@ def install(conf=None, backend=None):
             _lib.gca_torch_shutdown()
         raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.install: PyTorch refused gcalloc as its CUDA allocator: "
                            "%s: %s" % (type(e).__name__, e)) from e
-    _connect_raise(torch)
+    why = _connect_raise(torch, raisers)
+    if why is not None and why != "GCALLOC_TORCH_BUILD_RAISER=0":
+        warnings.warn("gcalloc.torch.install: out of memory will raise RuntimeError(\"gcalloc: CUDA out of memory. "
+                      "...\"), not torch.OutOfMemoryError: the raiser of that class is built at install() against "
+                      "PyTorch's headers, and %s. Code that catches torch.OutOfMemoryError should catch "
+                      "RuntimeError and look for \"out of memory\" in its message; set "
+                      "GCALLOC_TORCH_BUILD_RAISER=0 to choose that and silence this" % why, GcallocWarning,
+                      stacklevel=2)
     _hooks[:] = hooks_set
     if "set_record_stream_fn" not in hooks_set:
         _wrap_record_stream(torch, lambda t: t.is_cuda, lambda stream: stream.cuda_stream)

@@ -30,9 +30,11 @@ Three rules of torch_npu's own allocator are kept (docs/acl.md):
   MINDTORCH_NPU_ALLOC_CONF, PYTORCH_NPU_ALLOC_CONF, PYTORCH_ALLOC_CONF,
   PYTORCH_CUDA_ALLOC_CONF, then `conf` on top.
 
-An allocation that fails reaches torch_npu as a NULL pointer: the pluggable
-path has no way to raise torch_npu's OutOfMemoryError. gcalloc logs its
-out-of-memory message as an error and keeps it for last_failure().
+An allocation that fails is thrown into torch_npu through PyTorch's libc10,
+as gcalloc.torch throws it (torch.OutOfMemoryError where its raiser could be
+built, else RuntimeError); without libc10, torch_npu gets a NULL pointer and
+gcalloc logs its message as an error. Either way the message is kept for
+last_failure().
 """
 import contextlib
 import ctypes

@@ -15,12 +15,12 @@ import gcalloc
 MiB = 1 << 20
 
 
-def run_child(code, **env):
-    """Run `code` in a new python3 with this package and library; its stdout."""
+def run_child(code, args=(), **env):
+    """Run `code` (with `args` in sys.argv[1:]) in a new python3 with this package and library; its stdout."""
     environment = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path,
                        PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__))), **env)
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=environment, capture_output=True,
+                       text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return p.stdout
 
@@ -171,7 +171,7 @@ def test_install_refuses_a_pytorch_without_the_pluggable_allocator(monkeypatch):
     assert not gcalloc.torch.installed()
 
 
-def test_out_of_memory_is_torchs_once_installed():
+def test_out_of_memory_is_torchs_once_installed(torch_file):
     out = run_child("""
         import sys, types, gcalloc, gcalloc.torch
 
@@ -184,7 +184,7 @@ def test_out_of_memory_is_torchs_once_installed():
 
         memory = types.SimpleNamespace(CUDAPluggableAllocator=Pluggable, change_current_allocator=lambda a: None)
         sys.modules["torch"] = types.SimpleNamespace(
-            OutOfMemoryError=OutOfMemoryError, Tensor=type("Tensor", (), {"record_stream": lambda self, s: None}),
+            __file__=sys.argv[1], OutOfMemoryError=OutOfMemoryError, Tensor=type("Tensor", (), {"record_stream": lambda self, s: None}),
             cuda=types.SimpleNamespace(memory=memory, OutOfMemoryError=OutOfMemoryError))
         gcalloc.torch.install(backend="sim:capacity=1GiB")
         try:
@@ -192,7 +192,7 @@ def test_out_of_memory_is_torchs_once_installed():
         except OutOfMemoryError as e:
             assert isinstance(e, gcalloc.OutOfMemoryError) and isinstance(e, MemoryError), type(e).__mro__
             print("torch's")
-        """)
+        """, args=[torch_file])
     assert out.strip() == "torch's"
 
 

@@ -123,7 +123,7 @@ def test_snapshots(tmp_path):
             a.dump_snapshot("/nonexistent/dir/x.pickle")
 
 
-def test_torch_entry_points(monkeypatch):
+def test_torch_entry_points(monkeypatch, torch_file):
     """The C functions PyTorch calls, on the process-wide allocator (the sim here)."""
     lib = ctypes.CDLL(gcalloc.library_path)
     calls = {}
@@ -154,9 +154,14 @@ def test_torch_entry_points(monkeypatch):
     memory = types.SimpleNamespace(CUDAPluggableAllocator=PluggableAllocator,
                                    change_current_allocator=change_current_allocator)
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory, is_available=lambda: False,
-                                                                  synchronize=lambda: None), Tensor=Tensor)
+                                                                  synchronize=lambda: None), Tensor=Tensor,
+                                       __file__=torch_file)
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
     gcalloc.torch.install("max_split_size_mb:64", backend="sim:capacity=2GiB")
+    assert gcalloc.torch.raises() == os.path.join(os.path.dirname(torch_file), "lib", "libc10.so")
+    # Called here through ctypes, which no C++ exception may cross: the raiser disconnected, as where
+    # the functions are handed to PyTorch by hand (out of memory returns NULL then).
+    lib.gca_torch_set_raise(None)
     assert calls["names"] == ("gca_torch_malloc", "gca_torch_free")
     assert isinstance(calls["installed"], PluggableAllocator)
     alloc, free = calls["alloc"], calls["free"]

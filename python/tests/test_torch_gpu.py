@@ -117,3 +117,21 @@ def test_cuda_graph_capture_uses_a_private_pool():
     assert in_pool == "True", "no segment of the capture's private pool in the snapshot"
     assert float(out) == 3.0 * (1 << 20), "the graph's replay gave %s" % out
     assert float(other) == 7.0, "a tensor allocated after the capture was overwritten by the replay"
+
+
+# Out of memory under the drop-in is the class training loops catch, built
+# against this PyTorch's headers at install().
+OOM = r"""
+import torch, gcalloc, gcalloc.torch
+gcalloc.torch.install()
+try:
+    torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # a petabyte
+except torch.OutOfMemoryError as e:
+    print(gcalloc.torch.raises_out_of_memory() is not None, "out of memory" in str(e))
+"""
+
+
+def test_out_of_memory_is_torch_out_of_memory_error():
+    built, said = run(OOM)
+    assert built == "True", "the raiser of c10::OutOfMemoryError was not built"
+    assert said == "True"

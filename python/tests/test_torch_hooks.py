@@ -2,10 +2,12 @@
 `torch` of python/tests/standin (PyTorch's rules: hooks called only when
 set, native memory functions raising under a pluggable allocator). Each
 test runs in a child process of its own: a process installs once."""
+import atexit
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -25,12 +27,39 @@ def install(conf=None):
 """
 
 
-def run(code, first=()):
+_torch_root = []
+
+
+def torch_with_libc10():
+    """A copy of the stand-in torch as a PyTorch wheel has it, with lib/libc10.so (the build's C++
+    tests/fake_c10.cpp) and include/ (tests/fake_torch_include): the folder to put first on the path,
+    made once for the module, with gcalloc's cache (the built raiser) in it."""
+    fake, include = os.environ.get("GCALLOC_TEST_FAKE_C10"), os.environ.get("GCALLOC_TEST_FAKE_TORCH_INCLUDE")
+    if not fake or not include:
+        pytest.skip("GCALLOC_TEST_FAKE_C10 and GCALLOC_TEST_FAKE_TORCH_INCLUDE are not set (CTest sets them)")
+    if not _torch_root:
+        root = tempfile.mkdtemp(prefix="gcalloc-torch-")
+        atexit.register(shutil.rmtree, root, True)
+        shutil.copytree(os.path.join(STANDIN, "torch"), os.path.join(root, "torch"))
+        os.mkdir(os.path.join(root, "torch", "lib"))
+        os.symlink(os.path.abspath(fake), os.path.join(root, "torch", "lib", "libc10.so"))
+        os.symlink(os.path.abspath(include), os.path.join(root, "torch", "include"))
+        _torch_root.append(root)
+    return _torch_root[0]
+
+
+def run(code, first=None, env=None):
+    """Run `code` after PRELUDE in a child process, with the stand-in torch of torch_with_libc10() unless
+    `first` names the folders to put first on the path instead; `env` on top of the environment."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
-    env = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path,
-               PYTHONPATH=os.pathsep.join([*first, STANDIN, package, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
-                       text=True, timeout=120)
+    if first is None:
+        first = [torch_with_libc10()]
+    cache = os.path.join(torch_with_libc10(), "cache")
+    environment = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, GCALLOC_CACHE_DIR=cache)
+    environment.update(env or {})
+    environment["PYTHONPATH"] = os.pathsep.join([*first, STANDIN, package, os.environ.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=environment,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     return p
 
@@ -184,14 +213,18 @@ OOM = """
     try:
         big = torch.empty(8 << 30)  # the sim device has 4 GiB
     except RuntimeError as e:
-        print("raised:", e)
+        print("raised %s:" % type(e).__name__, e)
 """
 
 
-def test_without_the_raiser_pytorch_gets_null():
+def test_without_a_raiser_pytorch_gets_null():
     """The rule the raiser is for: PyTorch does not check a pluggable allocator's NULL, and the first
-    kernel writing the tensor ends the process's CUDA context."""
-    p = run(OOM + """
+    kernel writing the tensor ends the process's CUDA context (gcalloc's functions handed over by hand)."""
+    p = run("""
+    assert gcalloc._lib.gca_torch_init(b"sim:capacity=4GiB", None) == 0
+    a = torch.cuda.memory.CUDAPluggableAllocator(gcalloc.library_path, "gca_torch_malloc", "gca_torch_free")
+    torch.cuda.memory.change_current_allocator(a)
+    big = torch.empty(8 << 30)
     assert gcalloc.torch.raises() is None
     assert big is not None and big.data_ptr() == 0
     try:
@@ -201,34 +234,98 @@ def test_without_the_raiser_pytorch_gets_null():
     else:
         raise AssertionError("no illegal memory access")
     """)
-    assert "raised:" not in p.stdout
+    assert "PyTorch allocation on device 0 failed: out of memory" in p.stderr, p.stderr
 
 
-def test_a_refused_allocation_raises_through_libc10(tmp_path):
-    """With PyTorch's libc10 beside it, a refused allocation is a RuntimeError with gcalloc's message,
-    and the process goes on allocating."""
-    fake = os.environ.get("GCALLOC_TEST_FAKE_C10")
-    if not fake:
-        pytest.skip("GCALLOC_TEST_FAKE_C10 is not set (CTest sets it)")
-    shutil.copytree(os.path.join(STANDIN, "torch"), tmp_path / "torch")
-    (tmp_path / "torch" / "lib").mkdir()
-    os.symlink(os.path.abspath(fake), tmp_path / "torch" / "lib" / "libc10.so")
+def test_install_refuses_where_nothing_can_raise():
+    """A torch without lib/libc10.so: install() refuses before it opens anything, rather than let an
+    out-of-memory become an illegal memory access."""
+    p = run("""
+    try:
+        install()
+    except gcalloc.GcallocError as e:
+        print("refused:", e)
+    else:
+        raise AssertionError("installed with nothing to raise through")
+    assert not gcalloc.torch.installed() and not gcalloc._lib.gca_torch_is_open()
+    """, first=[])
+    assert "no way to refuse PyTorch an allocation: " in p.stdout and "lacks c10::detail::torchCheckFail" in p.stdout
+
+
+def test_out_of_memory_raises_torch_out_of_memory_error():
+    """The raiser of c10::OutOfMemoryError, built at install() against the running PyTorch's headers and
+    libc10 (cached), makes out of memory torch.OutOfMemoryError; other refusals stay RuntimeError through
+    libc10's torchCheckFail; the process goes on allocating."""
     p = run(OOM + """
+    import warnings
     assert gcalloc.torch.raises() == os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    built = gcalloc.torch.raises_out_of_memory()
+    assert built and built.startswith(os.environ["GCALLOC_CACHE_DIR"]), built
     assert big is None
     again = torch.empty(1 << 30)
     again.fill_(1)
     assert gcalloc.memory_stats(0)["allocated_bytes.all.current"] == 2 << 30
     assert gcalloc.torch.last_failure().startswith("out of memory. Tried to allocate 8.00 GiB")
+    try:
+        torch.empty(8 << 30)
+    except torch.OutOfMemoryError as e:  # what training loops and batch-size finders catch
+        assert isinstance(e, torch.cuda.OutOfMemoryError)
     try:  # a size of 2^63 bytes or more reaches gcalloc negative: raised too, not NULL
         torch.empty(1 << 63)
+    except torch.OutOfMemoryError:
+        raise AssertionError("a size no device holds is not out of memory")
     except RuntimeError as e:
         print("raised:", e)
     else:
         raise AssertionError("a size of 2^63 bytes did not raise")
-    """, first=[str(tmp_path)])
-    assert "raised: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout
+    """)
+    assert "raised OutOfMemoryError: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout
     assert "cannot allocate 9223372036854775808 bytes: more than any device holds" in p.stdout, p.stdout
+    assert "GcallocWarning" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("case", ["chosen", "no compiler", "wrong ABI", "no headers"])
+def test_out_of_memory_is_runtime_error_where_the_raiser_cannot_be_built(case, tmp_path):
+    """Where the raiser of torch.OutOfMemoryError cannot be built, out of memory raises RuntimeError
+    through libc10, with a warning naming why (none where GCALLOC_TORCH_BUILD_RAISER=0 chose it)."""
+    env = {"GCALLOC_CACHE_DIR": str(tmp_path / "cache")}
+    first = None
+    if case == "chosen":
+        env["GCALLOC_TORCH_BUILD_RAISER"] = "0"
+    elif case == "no compiler":
+        env["CXX"] = str(tmp_path / "no-such-compiler")
+    else:
+        shutil.copytree(os.path.join(torch_with_libc10(), "torch"), tmp_path / "torch", symlinks=True)
+        if case == "wrong ABI":  # (code built with the other std::string ABI does not link to libc10)
+            with open(tmp_path / "torch" / "_C.py", "a") as f:
+                f.write("_GLIBCXX_USE_CXX11_ABI = False\n")
+        else:
+            os.unlink(tmp_path / "torch" / "include")
+        first = [str(tmp_path)]
+    p = run(OOM + """
+    assert big is None and gcalloc.torch.raises_out_of_memory() is None
+    assert gcalloc.torch.raises() == os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    """, first=first, env=env)
+    assert "raised RuntimeError: gcalloc: CUDA out of memory. Tried to allocate 8.00 GiB" in p.stdout, p.stdout
+    why = {"chosen": None, "no compiler": "failed: ", "wrong ABI": "failed: ",
+           "no headers": "this PyTorch has no C++ headers"}[case]
+    if why is None:
+        assert "GcallocWarning" not in p.stderr, p.stderr
+    else:
+        assert "not torch.OutOfMemoryError: the raiser of that class is built at install() against PyTorch's " \
+               "headers, and " in p.stderr and why in p.stderr, p.stderr
+
+
+def test_a_bad_build_raiser_setting_is_refused():
+    p = run("""
+    try:
+        install()
+    except gcalloc.GcallocError as e:
+        print("refused:", e)
+    else:
+        raise AssertionError("installed")
+    """, env={"GCALLOC_TORCH_BUILD_RAISER": "yes"})
+    assert "GCALLOC_TORCH_BUILD_RAISER='yes': expected 1" in p.stdout, p.stdout
 
 
 def test_install_after_cuda_initialized_refuses_clearly():

@@ -50,6 +50,11 @@ static char last_failure[4096];
  * hold no lock when it is thrown. */
 typedef void (*c10_check_fail_fn)(const char *func, const char *file, uint32_t line, const char *msg);
 static c10_check_fail_fn _Atomic c10_raise;
+/* The same for out of memory (gca_torch_set_raise_oom): a function of that
+ * signature that throws c10::OutOfMemoryError, which Python sees as
+ * torch.OutOfMemoryError. The class is thrown only by code compiled against
+ * the framework's headers: libc10 exports nothing that throws it. */
+static c10_check_fail_fn _Atomic c10_raise_oom;
 /* aclrtStream c10_npu::NPUStream::stream(bool need_empty) const of the
  * running torch_npu (gca_npu_set_stream_accessor): a member function, so
  * the object's address comes first; with need_empty false it reads the
@@ -209,14 +214,22 @@ int gca_torch_set_raise(void *torch_check_fail) {
   return GCA_OK;
 }
 
-/* A refused allocation: thrown into the framework as c10::Error where the
+int gca_torch_set_raise_oom(void *throw_out_of_memory) {
+  atomic_store(&c10_raise_oom, (c10_check_fail_fn)throw_out_of_memory);
+  return GCA_OK;
+}
+
+/* A refused allocation: thrown into the framework (c10::OutOfMemoryError for
+ * out of memory where that raiser is connected, else c10::Error) where a
  * raiser is connected (the message says "CUDA out of memory." or "NPU out
  * of memory." as the frameworks' own do, for code that looks for it), else
  * logged where the user will see it, PyTorch getting NULL. The message is
  * kept for gca_torch_last_failure either way. */
 static void raise_failure(int device) {
   const char *why = gca_last_error();
-  c10_check_fail_fn raise = atomic_load(&c10_raise);
+  bool oom = gca_last_status() == GCA_ERR_OOM;
+  c10_check_fail_fn raise = oom ? atomic_load(&c10_raise_oom) : NULL;
+  if (!raise) raise = atomic_load(&c10_raise);
   if (!raise) {
     gca__log_message(GCA_LOG_ERROR, "PyTorch allocation on device %d failed: %s", device, why);
     return;
@@ -224,7 +237,7 @@ static void raise_failure(int device) {
   gca_allocator_t *a = atomic_load(&torch_allocator);
   const char *kind = a && !strcmp(gca_backend_name(a), "acl") ? "NPU" : "CUDA";
   char message[4200];
-  if (gca_last_status() == GCA_ERR_OOM)
+  if (oom)
     snprintf(message, sizeof message, "gcalloc: %s %s", kind, why);
   else
     snprintf(message, sizeof message, "gcalloc: %s allocation on device %d failed: %s", kind, device, why);

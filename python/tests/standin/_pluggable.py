@@ -45,12 +45,16 @@ class Pluggable:
 
     def malloc(self, size, device, stream):
         if self.c10 is not None and hasattr(self.c10, "fake_c10_call_malloc"):
-            # The alloc function may throw c10::Error (through torchCheckFail): the frameworks let it
-            # pass, and Python sees RuntimeError with its message.
+            # The alloc function may throw c10::Error (torchCheckFail) or c10::OutOfMemoryError: the
+            # frameworks let it pass, and PyTorch's bindings raise RuntimeError or torch.OutOfMemoryError.
+            import torch
+
             out, msg = ctypes.c_void_p(), ctypes.create_string_buffer(8192)
-            if self.c10.fake_c10_call_malloc(ctypes.cast(self._malloc, ctypes.c_void_p), ctypes.c_size_t(size),
-                                             device, ctypes.c_void_p(stream), ctypes.byref(out), msg, 8192):
-                raise RuntimeError(msg.value.decode())
+            thrown = self.c10.fake_c10_call_malloc(ctypes.cast(self._malloc, ctypes.c_void_p),
+                                                   ctypes.c_size_t(size), device, ctypes.c_void_p(stream),
+                                                   ctypes.byref(out), msg, 8192)
+            if thrown:
+                raise (torch.OutOfMemoryError if thrown == 2 else RuntimeError)(msg.value.decode())
             r = out.value or 0
         else:
             r = self._malloc(size, device, stream) or 0

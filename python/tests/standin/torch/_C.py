@@ -12,6 +12,9 @@ if os.path.exists(_LIBC10):
 
 DEVICE_COUNT = 2
 
+# How PyTorch's C++ was built: std::string's ABI, which code built against its headers must match.
+_GLIBCXX_USE_CXX11_ABI = True
+
 
 class _MempoolId(ctypes.Structure):  # c10::cuda::MempoolId_t, a pair of two 64-bit ints
     _fields_ = [("first", ctypes.c_uint64), ("second", ctypes.c_uint64)]
