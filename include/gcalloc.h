@@ -1043,6 +1043,16 @@ GCA_API void gca_torch_begin_allocate_to_pool(int device, uint64_t id_first, uin
                                               const void *filter);
 GCA_API void gca_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second);
 GCA_API void gca_torch_release_pool(int device, uint64_t id_first, uint64_t id_second);
+/* PyTorch 2.1 and 2.2's form of the graph hooks, which name the capturing
+ * stream: set_begin_allocate_stream_to_pool takes
+ * gca_torch_begin_allocate_stream_to_pool (void(int, cudaStream_t,
+ * MempoolId_t)), set_end_allocate_stream_to_pool_fn
+ * gca_torch_end_allocate_stream_to_pool (void(int, cudaStream_t)); the
+ * release is gca_torch_release_pool. The stream's allocations go to the
+ * pool from the begin to its end, as above. */
+GCA_API void gca_torch_begin_allocate_stream_to_pool(int device, void *stream, uint64_t id_first,
+                                                     uint64_t id_second);
+GCA_API void gca_torch_end_allocate_stream_to_pool(int device, void *stream);
 /* The message of the last failed gca_torch_malloc in the process, from any
  * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
  * failed since the allocator was opened. Returns the message's full length. */

@@ -426,6 +426,38 @@ struct CUDAPluggableAllocator {
 
 namespace cuda_pluggable = torch::cuda::CUDAPluggableAllocator;
 
+/* PyTorch 2.1 and 2.2's pluggable allocator: the graph hooks name the
+ * capturing stream (CUDAGraph's capture_begin calls
+ * beginAllocateStreamToPool(device, stream, id), capture_end
+ * endAllocateStreamToPool(device, stream) after the driver's end), and
+ * Module.cpp's bindings set_begin_allocate_stream_to_pool,
+ * set_end_allocate_stream_to_pool_fn, set_release_pool cast the addresses
+ * to these types. */
+struct CUDAPluggableAllocator22 {
+  std::function<void(int, cudaStream_t, c10::cuda::MempoolId_t)> begin_allocate_stream_to_pool_fn_;
+  std::function<void(int, cudaStream_t)> end_allocate_stream_to_pool_fn_;
+  std::function<void(int, c10::cuda::MempoolId_t)> relase_pool_fn_;
+
+  void beginAllocateStreamToPool(int device, cudaStream_t stream, c10::cuda::MempoolId_t id) {
+    if (begin_allocate_stream_to_pool_fn_) begin_allocate_stream_to_pool_fn_(device, stream, id);
+  }
+  void endAllocateStreamToPool(int device, cudaStream_t stream) {
+    if (end_allocate_stream_to_pool_fn_) end_allocate_stream_to_pool_fn_(device, stream);
+  }
+  void releasePool(int device, c10::cuda::MempoolId_t id) {
+    if (relase_pool_fn_) relase_pool_fn_(device, id);
+  }
+};
+
+void set_graph_hooks(CUDAPluggableAllocator22 &self, uint64_t begin, uint64_t end, uint64_t release) {
+  using BeginType = void(int, cudaStream_t, c10::cuda::MempoolId_t);
+  using EndType = void(int, cudaStream_t);
+  using ReleaseType = void(int, c10::cuda::MempoolId_t);
+  self.begin_allocate_stream_to_pool_fn_ = std::function<BeginType>(reinterpret_cast<BeginType *>(begin));
+  self.end_allocate_stream_to_pool_fn_ = std::function<EndType>(reinterpret_cast<EndType *>(end));
+  self.relase_pool_fn_ = std::function<ReleaseType>(reinterpret_cast<ReleaseType *>(release));
+}
+
 /* Module.cpp's bindings: set_begin_allocate_to_pool, set_end_allocate_to_pool_fn, set_release_pool. */
 void set_graph_hooks(cuda_pluggable::CUDAPluggableAllocator &self, uint64_t begin, uint64_t end, uint64_t release) {
   using BeginType = void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>);
@@ -632,6 +664,48 @@ void refusals_throw_the_frameworks_classes() {
   gca_torch_set_raise(nullptr);
 }
 
+/* PyTorch 2.1-2.2's form: the named stream's allocations go to the pool,
+ * a stream outside the capture's do not; two captures at once each get
+ * their own pool, though the later begin is the newer; each pool ends once
+ * released and its blocks freed. */
+void graph_capture_naming_its_stream() {
+  Driver driver = start_cuda();
+  CUDAPluggableAllocator22 allocator;
+  set_graph_hooks(allocator, address(gca_torch_begin_allocate_stream_to_pool),
+                  address(gca_torch_end_allocate_stream_to_pool), address(gca_torch_release_pool));
+  uintptr_t s1 = 0, s2 = 0, other = 0;
+  CHECK(driver.stream_create(&s1, 1) == 0 && driver.stream_create(&s2, 1) == 0 &&
+        driver.stream_create(&other, 1) == 0);
+  allocator.beginAllocateStreamToPool(0, (cudaStream_t)s1, {5, 0});
+  CHECK(driver.begin_capture(s1, 0) == 0);
+  allocator.beginAllocateStreamToPool(0, (cudaStream_t)s2, {6, 0});
+  CHECK(driver.begin_capture(s2, 0) == 0);
+  void *first = gca_torch_malloc(4 * MiB, 0, (void *)s1);
+  void *second = gca_torch_malloc(4 * MiB, 0, (void *)s2);
+  void *elsewhere = gca_torch_malloc(4 * MiB, 0, (void *)other);
+  CHECK(first && second && elsewhere);
+  CHECK(pool_of(first) != 0 && pool_of(second) != 0 && pool_of(first) != pool_of(second));
+  CHECK(pool_of(elsewhere) == 0);
+  gca_torch_free(first, 4 * MiB, 0, (void *)s1); /* (freed inside the graph: its pool's) */
+  void *graph_end = nullptr;
+  CHECK(driver.end_capture(s1, &graph_end) == 0 && driver.end_capture(s2, &graph_end) == 0);
+  allocator.endAllocateStreamToPool(0, (cudaStream_t)s1);
+  allocator.endAllocateStreamToPool(0, (cudaStream_t)s2);
+  void *after = gca_torch_malloc(4 * MiB, 0, (void *)s1);
+  CHECK(after && after != first && pool_of(after) == 0);
+  CHECK(pools_on(0) == 2);
+  allocator.releasePool(0, {5, 0});
+  CHECK(pools_on(0) == 1);
+  allocator.releasePool(0, {6, 0});
+  CHECK(pools_on(0) == 1); /* (its block still lives) */
+  gca_torch_free(second, 4 * MiB, 0, (void *)s2);
+  CHECK(pools_on(0) == 0);
+  gca_torch_free(after, 4 * MiB, 0, (void *)s1);
+  gca_torch_free(elsewhere, 4 * MiB, 0, (void *)other);
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+  CHECK(errors_logged == 0);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -652,6 +726,7 @@ const Case cases[] = {
     {"graph_capture_without_the_hooks_reuses_the_graphs_memory",
      graph_capture_without_the_hooks_reuses_the_graphs_memory},
     {"graphs_sharing_a_pool", graphs_sharing_a_pool},
+    {"graph_capture_naming_its_stream", graph_capture_naming_its_stream},
     {"refusals_throw_the_frameworks_classes", refusals_throw_the_frameworks_classes},
 };
 }  // namespace

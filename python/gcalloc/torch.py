@@ -55,7 +55,8 @@ extern "C" __attribute__((visibility("default"))) void gcalloc_throw_out_of_memo
 # the C signature the hook's C++ type has (include/gcalloc.h). The graph
 # hooks (PyTorch 2.3+) take a pool id (a pair of 64-bit integers) and, to
 # begin, a std::function filter by hidden reference, which gcalloc does not
-# call: the driver says which stream captures.
+# call: the driver says which stream captures. PyTorch 2.1 and 2.2 have
+# the begin and end in another form, naming the capturing stream.
 HOOKS = (("set_reset_fn", "gca_torch_empty_cache"),
          ("set_memory_fraction_fn", "gca_torch_set_memory_fraction"),
          ("set_record_stream_fn", "gca_torch_record_stream"),
@@ -63,7 +64,9 @@ HOOKS = (("set_reset_fn", "gca_torch_empty_cache"),
          ("set_base_alloc_fn", "gca_torch_base_alloc"),
          ("set_begin_allocate_to_pool", "gca_torch_begin_allocate_to_pool"),
          ("set_end_allocate_to_pool_fn", "gca_torch_end_allocate_to_pool"),
-         ("set_release_pool", "gca_torch_release_pool"))
+         ("set_release_pool", "gca_torch_release_pool"),
+         ("set_begin_allocate_stream_to_pool", "gca_torch_begin_allocate_stream_to_pool"),
+         ("set_end_allocate_stream_to_pool_fn", "gca_torch_end_allocate_stream_to_pool"))
 
 # PyTorch's memory functions that raise (or do nothing) under a pluggable
 # allocator, answered by gcalloc once installed, in torch.cuda and

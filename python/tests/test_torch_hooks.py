@@ -328,6 +328,24 @@ def test_a_bad_build_raiser_setting_is_refused():
     assert "GCALLOC_TORCH_BUILD_RAISER='yes': expected 1" in p.stdout, p.stdout
 
 
+def test_graph_hooks_of_pytorch_2_2_are_set():
+    """PyTorch 2.1 and 2.2 name the capturing stream in their graph hooks: install() sets that form."""
+    run("""
+        install()
+        assert gcalloc.torch.hooks()[-3:] == ["set_release_pool", "set_begin_allocate_stream_to_pool",
+                                              "set_end_allocate_stream_to_pool_fn"], gcalloc.torch.hooks()
+        s = 0x5000
+        native._hook("set_begin_allocate_stream_to_pool", 0, s, torch._C._MempoolId(9, 0))
+        t = native.malloc(2 * MiB, 0, s)  # (as a tensor allocated on the capturing stream)
+        pools = [seg["segment_pool_id"] for seg in gcalloc.memory_snapshot()["segments"]]
+        assert any(tuple(p) != (0, 0) for p in pools), pools
+        native._hook("set_end_allocate_stream_to_pool_fn", 0, s)
+        native.raw_delete(t)
+        native.releasePool(0, 9, 0)
+        assert all(tuple(seg["segment_pool_id"]) == (0, 0) for seg in gcalloc.memory_snapshot()["segments"])
+    """, env={"GCALLOC_STANDIN_TORCH": "2.2"})
+
+
 def test_install_after_cuda_initialized_refuses_clearly():
     """PyTorch keeps the allocator it has once CUDA is initialized: install() says so, and what to do, before
     it opens anything."""

@@ -266,6 +266,7 @@ typedef struct graph_pool {
   gca_stream_t streams[8];  /* streams routed to it while they capture */
   int stream_count;
   bool ending;              /* released by PyTorch: it ends with its last block (graphs_ending counts it) */
+  bool by_stream;           /* begun naming its stream (PyTorch 2.1-2.2): no other capture binds to it unbound */
   struct graph_pool *next;
 } graph_pool_t;
 static graph_pool_t *graph_pools;
@@ -317,6 +318,7 @@ void gca_torch_begin_allocate_to_pool(int device, uint64_t id_first, uint64_t id
     g->uses++;
     g->open++;
     g->capture = 0;
+    g->by_stream = false;
     (void)gca__capture_hold(a, g->pool, true);
     atomic_fetch_add(&graphs_open, 1);
   }
@@ -327,18 +329,53 @@ void gca_torch_begin_allocate_to_pool(int device, uint64_t id_first, uint64_t id
                      gca_last_error());
 }
 
+/* A begin ended: its streams no longer go to the pool. Under torch_lock. */
+static void graph_pool_close(gca_allocator_t *a, graph_pool_t *g) {
+  for (int i = 0; i < g->stream_count; i++) (void)gca_pool_unroute_stream(a, g->pool, g->streams[i]);
+  g->stream_count = 0;
+  g->capture = 0;
+  g->open--;
+  (void)gca__capture_hold(a, g->pool, false);
+  atomic_fetch_sub(&graphs_open, 1);
+}
+
 void gca_torch_end_allocate_to_pool(int device, uint64_t id_first, uint64_t id_second) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
   if (!a) return;
   mutex_lock(&torch_lock, RANK_TORCH);
   graph_pool_t *g = graph_pool_find(device, id_first, id_second);
-  if (g && g->open > 0) {
-    for (int i = 0; i < g->stream_count; i++) (void)gca_pool_unroute_stream(a, g->pool, g->streams[i]);
-    g->stream_count = 0;
-    g->capture = 0;
-    g->open--;
-    (void)gca__capture_hold(a, g->pool, false);
-    atomic_fetch_sub(&graphs_open, 1);
+  if (g && g->open > 0) graph_pool_close(a, g);
+  mutex_unlock(&torch_lock);
+}
+
+/* PyTorch 2.1 and 2.2's form: the capturing stream named, no filter. The
+ * stream goes to the pool at once (the driver need not say it captures);
+ * other streams joining its capture follow it there as in the form above. */
+void gca_torch_begin_allocate_stream_to_pool(int device, void *stream, uint64_t id_first, uint64_t id_second) {
+  gca_torch_begin_allocate_to_pool(device, id_first, id_second, NULL);
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (!a) return;
+  mutex_lock(&torch_lock, RANK_TORCH);
+  graph_pool_t *g = graph_pool_find(device, id_first, id_second);
+  if (g && g->open > 0 && g->stream_count < (int)(sizeof g->streams / sizeof g->streams[0]) &&
+      gca_pool_route_stream(a, g->pool, (gca_stream_t)stream) == GCA_OK) {
+    g->streams[g->stream_count++] = (gca_stream_t)stream;
+    g->by_stream = true;
+  }
+  mutex_unlock(&torch_lock);
+}
+
+void gca_torch_end_allocate_stream_to_pool(int device, void *stream) {
+  gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
+  if (!a) return;
+  mutex_lock(&torch_lock, RANK_TORCH);
+  for (graph_pool_t *g = graph_pools; g; g = g->next) {
+    bool routed = false;
+    for (int i = 0; i < g->stream_count; i++) routed |= g->streams[i] == (gca_stream_t)stream;
+    if (g->device == device && g->open > 0 && routed) {
+      graph_pool_close(a, g);
+      break;
+    }
   }
   mutex_unlock(&torch_lock);
 }
@@ -367,17 +404,24 @@ GCA_COLD static void route_capturing_stream(gca_allocator_t *a, int device, gca_
     return;
   }
   mutex_lock(&torch_lock, RANK_TORCH);
-  graph_pool_t *bound = NULL, *unbound = NULL;
+  /* Its capture's pool; else the pool begun naming this stream; else the
+   * newest pool no capture is bound to (the list is newest first). */
+  graph_pool_t *bound = NULL, *named = NULL, *unbound = NULL;
   for (graph_pool_t *g = graph_pools; g && !bound; g = g->next) {
     if (g->device != device || g->open <= 0) continue;
     if (g->capture == capture) bound = g;
-    else if (!g->capture && !unbound) unbound = g; /* (the list is newest first) */
+    else if (!g->capture) {
+      for (int i = 0; i < g->stream_count && !named; i++)
+        if (g->streams[i] == stream) named = g;
+      if (!g->by_stream && !unbound) unbound = g;
+    }
   }
-  graph_pool_t *g = bound ? bound : unbound;
+  graph_pool_t *g = bound ? bound : named ? named : unbound;
   bool routed = false;
   for (int i = 0; g && i < g->stream_count; i++) routed |= g->streams[i] == stream;
-  if (g && !routed && g->stream_count < (int)(sizeof g->streams / sizeof g->streams[0]) &&
-      gca_pool_route_stream(a, g->pool, stream) == GCA_OK) {
+  if (g && routed) g->capture = capture;
+  else if (g && g->stream_count < (int)(sizeof g->streams / sizeof g->streams[0]) &&
+           gca_pool_route_stream(a, g->pool, stream) == GCA_OK) {
     g->capture = capture;
     g->streams[g->stream_count++] = stream;
   }

@@ -33,6 +33,11 @@ HOOKS = {
     "set_end_allocate_to_pool_fn": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
     "set_release_pool": ctypes.CFUNCTYPE(None, ctypes.c_int, _MempoolId),
 }
+# PyTorch 2.1 and 2.2 (GCALLOC_STANDIN_TORCH=2.2): the graph hooks name the capturing stream instead.
+if os.environ.get("GCALLOC_STANDIN_TORCH") == "2.2":
+    del HOOKS["set_begin_allocate_to_pool"], HOOKS["set_end_allocate_to_pool_fn"]
+    HOOKS["set_begin_allocate_stream_to_pool"] = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, _MempoolId)
+    HOOKS["set_end_allocate_stream_to_pool_fn"] = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p)
 
 
 def _unsupported(what):
