@@ -193,7 +193,9 @@ GCA_API const char *gca_backend_name(const gca_allocator_t *a);
 /* Devices                                                                   */
 /* ------------------------------------------------------------------------ */
 
-typedef struct gca_device_properties {
+/* (Its tag differs from the function's name so that C++ code including this
+ * header does not see the function hide the struct: -Wshadow.) */
+typedef struct gca_device_properties_s {
   char name[256];            /* e.g. "NVIDIA H100 80GB HBM3" */
   int major, minor;          /* compute capability */
   int multiprocessor_count;
@@ -598,7 +600,7 @@ typedef struct gca_duration_stat {
  *   segment / reserved_bytes: pinned memory obtained from the backend;
  *   host_alloc_time / host_free_time: time in the backend's pin and unpin
  *     calls; num_host_alloc / num_host_free: how many. */
-typedef struct gca_host_stats {
+typedef struct gca_host_stats_s { /* (the tag: as gca_device_properties_s) */
   gca_stat_t allocation;
   gca_stat_t segment;
   gca_stat_t allocated_bytes;

@@ -295,6 +295,19 @@ static void test_config_round_trip(void **state) {
   gca_allocator_t *b = open_sim("sim", text);
   gca_get_config(b, again, sizeof again);
   assert_string_equal(text, again);
+  /* Fractions in their shortest form, read back exactly. */
+  gca_allocator_t *f = open_sim("sim", "garbage_collection_threshold:0.7,per_process_memory_fraction:0.1");
+  gca_get_config(f, text, sizeof text);
+  assert_contains(text, ",garbage_collection_threshold:0.7,per_process_memory_fraction:0.1,");
+  gca_close(f);
+  f = open_sim("sim", "garbage_collection_threshold:0.123456789012345678");
+  gca_get_config(f, text, sizeof text);
+  assert_contains(text, ",garbage_collection_threshold:0.12345678901234568,");
+  gca_allocator_t *g = open_sim("sim", text);
+  gca_get_config(g, again, sizeof again);
+  assert_string_equal(text, again);
+  gca_close(f);
+  gca_close(g);
   /* truncation still terminates and reports the full length */
   char small[8];
   assert_int_equal(gca_get_config(a, small, sizeof small), n);

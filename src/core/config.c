@@ -440,6 +440,17 @@ int gca__config_apply(config_t *cfg, const char *text, const char *origin) {
 
 /* ---- rendering ---------------------------------------------------------- */
 
+/* ",key:value" with the shortest decimal form that reads back as the same
+ * double (0.7, not 0.69999999999999996), so that the text round-trips. */
+static void put_real(text_t *o, const char *key, double v) {
+  char digits[40];
+  for (int precision = 1; precision <= 17; precision++) {
+    snprintf(digits, sizeof digits, "%.*g", precision, v);
+    if (strtod(digits, NULL) == v) break;
+  }
+  gca__text_put(o, ",%s:%s", key, digits);
+}
+
 size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   text_t o = {buf, cap, 0};
   if (cap) buf[0] = '\0';
@@ -453,8 +464,8 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
       gca__text_put(&o, "%s%zu:%zu", i ? "," : "", (size_t)1 << i, c->roundup_divisions[i]);
     gca__text_put(&o, "]");
   }
-  if (c->gc_threshold > 0) gca__text_put(&o, ",garbage_collection_threshold:%.17g", c->gc_threshold);
-  if (c->memory_fraction_set) gca__text_put(&o, ",per_process_memory_fraction:%.17g", c->memory_fraction);
+  if (c->gc_threshold > 0) put_real(&o, "garbage_collection_threshold", c->gc_threshold);
+  if (c->memory_fraction_set) put_real(&o, "per_process_memory_fraction", c->memory_fraction);
   gca__text_put(&o, ",oom_retry_timeout_ms:%llu", (unsigned long long)c->oom_retry_timeout_ms);
   gca__text_put(&o, ",oom_handler_retries:%u", (unsigned)c->oom_handler_retries);
   gca__text_put(&o, ",expandable_segments:%s", c->expandable_segments ? "True" : "False");
@@ -474,6 +485,6 @@ size_t gca__config_format(const config_t *c, char *buf, size_t cap) {
   if (c->cross_stream_reuse == 0 || isinf(c->cross_stream_reuse))
     gca__text_put(&o, ",cross_stream_reuse:%s", c->cross_stream_reuse == 0 ? "False" : "True");
   else
-    gca__text_put(&o, ",cross_stream_reuse:%.17g", c->cross_stream_reuse);
+    put_real(&o, "cross_stream_reuse", c->cross_stream_reuse);
   return o.len;
 }
