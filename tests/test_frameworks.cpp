@@ -706,6 +706,39 @@ void graph_capture_naming_its_stream() {
   CHECK(errors_logged == 0);
 }
 
+/* The framework's queued work, run by its drain, frees a tensor while a
+ * released graph's pool waits for its last block: the drain runs where
+ * gcalloc holds no lock, so the free inside it goes through (it hung when
+ * the pool's end drained under the drop-in's own lock). */
+void *freed_by_the_drain;
+void drain_freeing(int, void *) {
+  void *p = std::exchange(freed_by_the_drain, nullptr);
+  if (p) gca_torch_free(p, MiB, 0, nullptr);
+}
+
+void graph_pool_ends_with_the_drain_outside_every_lock() {
+  CHECK(gca_torch_init("sim:capacity=256MiB", nullptr) == GCA_OK);
+  CHECK(gca_set_queue_drain(gca_torch_allocator(), drain_freeing, nullptr) == GCA_OK);
+  alarm(30); /* (a hang fails the case) */
+  void *s = reinterpret_cast<void *>(0x100);
+  gca_torch_begin_allocate_stream_to_pool(0, s, 4, 0);
+  void *in_graph = gca_torch_malloc(MiB, 0, s);
+  void *output = gca_torch_malloc(MiB, 0, s);
+  gca_torch_end_allocate_stream_to_pool(0, s);
+  CHECK(in_graph && output && pool_of(output) != 0);
+  void *outside = gca_torch_malloc(MiB, 0, nullptr);
+  CHECK(outside && pool_of(outside) == 0);
+  gca_torch_free(in_graph, MiB, 0, s);
+  gca_torch_release_pool(0, 4, 0);
+  CHECK(pools_on(0) == 1); /* (its output still lives) */
+  freed_by_the_drain = outside;
+  gca_torch_free(output, MiB, 0, s); /* the pool ends: its memory goes back after a drain */
+  CHECK(freed_by_the_drain == nullptr && pools_on(0) == 0);
+  alarm(0);
+  CHECK(gca_set_queue_drain(gca_torch_allocator(), nullptr, nullptr) == GCA_OK);
+  CHECK(gca_check(gca_torch_allocator(), 0) == GCA_OK);
+}
+
 struct Case {
   const char *name;
   void (*run)();
@@ -728,6 +761,7 @@ const Case cases[] = {
     {"graphs_sharing_a_pool", graphs_sharing_a_pool},
     {"graph_capture_naming_its_stream", graph_capture_naming_its_stream},
     {"refusals_throw_the_frameworks_classes", refusals_throw_the_frameworks_classes},
+    {"graph_pool_ends_with_the_drain_outside_every_lock", graph_pool_ends_with_the_drain_outside_every_lock},
 };
 }  // namespace
 

@@ -241,6 +241,7 @@ static void raise_failure(int device) {
     snprintf(message, sizeof message, "gcalloc: %s %s", kind, why);
   else
     snprintf(message, sizeof message, "gcalloc: %s allocation on device %d failed: %s", kind, device, why);
+  GCA_ASSERT(LOCKS_HELD() == 0); /* (it throws into the framework) */
   raise(__func__, __FILE__, __LINE__, message); /* does not return */
   abort();
 }
@@ -279,11 +280,13 @@ static graph_pool_t *graph_pool_find(int device, uint64_t first, uint64_t second
   return NULL;
 }
 
-/* End the pools released whose blocks are all freed now. */
+/* End the pools released whose blocks are all freed now. Under torch_lock,
+ * so without the framework's drain (the caller drained before taking it:
+ * no framework call runs under gcalloc's locks). */
 static void graph_pools_end(gca_allocator_t *a) {
   for (graph_pool_t **at = &graph_pools; *at;) {
     graph_pool_t *g = *at;
-    if (!g->ending || g->open > 0 || gca_pool_release(a, g->pool) != GCA_OK) {
+    if (!g->ending || g->open > 0 || gca__pool_release_drained(a, g->pool) != GCA_OK) {
       at = &g->next;
       continue;
     }
@@ -383,6 +386,7 @@ void gca_torch_end_allocate_stream_to_pool(int device, void *stream) {
 void gca_torch_release_pool(int device, uint64_t id_first, uint64_t id_second) {
   gca_allocator_t *a = atomic_load_explicit(&torch_allocator, memory_order_acquire);
   if (!a) return;
+  gca__drain_devices(a, false); /* (graph_pools_end may not) */
   mutex_lock(&torch_lock, RANK_TORCH);
   graph_pool_t *g = graph_pool_find(device, id_first, id_second);
   if (g && g->uses > 0 && --g->uses == 0) {
@@ -465,6 +469,7 @@ static void framework_free(void *ptr, int device) {
     gca__log_message(GCA_LOG_ERROR, "PyTorch free of %p on device %d failed: %s", ptr, device,
                      a ? gca_last_error() : "no allocator is open");
   else if (unlikely(atomic_load_explicit(&graphs_ending, memory_order_relaxed))) {
+    gca__drain_devices(a, false);
     mutex_lock(&torch_lock, RANK_TORCH); /* (a released graph's pool ends with its last block) */
     graph_pools_end(a);
     mutex_unlock(&torch_lock);

@@ -426,6 +426,10 @@ void gca__device_drain_unlocked(device_t *d, bool always);
 /* The same from a caller that holds no lock: every device of `a` with a
  * framework queue and memory that could go back. */
 void gca__drain_devices(gca_allocator_t *a, bool always);
+/* gca_pool_release without its drain, for a caller that holds a lock of
+ * its own (no framework call may run under it) and drained before taking
+ * it: a segment freed into since then stays cached until the next drain. */
+int gca__pool_release_drained(gca_allocator_t *a, gca_pool_t pool);
 /* With the lock held: PyTorch's release_cached_blocks (every pending free
  * waited for, every whole cached segment given back), as the ladder's last
  * step and gca_empty_cache do. */

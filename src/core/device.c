@@ -210,6 +210,7 @@ void gca__device_drain_unlocked(device_t *d, bool always) {
   int depth = recorder_suspend();
   /* (A drain that throws or jumps out leaves turn unfinished: the next
    * release drains again. Nothing is held here.) */
+  GCA_ASSERT(LOCKS_HELD() == 0); /* (the framework's call: no lock of gcalloc's across it) */
   fn(d->index, user);
   drain_depth--;
   recorder_resume(depth);
@@ -223,6 +224,7 @@ void gca__device_drain_unlocked(device_t *d, bool always) {
 }
 
 void gca__drain_devices(gca_allocator_t *a, bool always) {
+  if (in_locked_callback()) return; /* (a device's lock is held: its caller is refused, or drains later) */
   for (int i = 0; a && i < a->device_count; i++) {
     device_t *d = &a->devices[i];
     if (!d->drain.fn) continue; /* (read without the lock: set before the framework allocates) */

@@ -379,7 +379,11 @@ static const char *busy(const mempool_t *mp, const gca_pool_stats_t *held, size_
 }
 
 int gca_pool_release(gca_allocator_t *a, gca_pool_t pool) {
-  if (!in_locked_callback()) gca__drain_devices(a, false); /* (its segments go back to the device) */
+  gca__drain_devices(a, false); /* (its segments go back to the device) */
+  return gca__pool_release_drained(a, pool);
+}
+
+int gca__pool_release_drained(gca_allocator_t *a, gca_pool_t pool) {
   mempool_t *mp = gca__mempool_lock(a, pool, "gca_pool_release");
   if (!mp) return gca_last_status();
   device_t *d = mp->device;
