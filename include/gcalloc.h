@@ -484,7 +484,7 @@ typedef struct gca_stats {
   int64_t num_oom_handler_retries;  /* tries made again because an OOM handler asked */
   int64_t num_pages_moved;          /* stitching: free pages of expandable segments mapped elsewhere */
   /* Cooperation between processes (ipc_cooperation:True, docs/sharing.md): */
-  int64_t num_ipc_requests;         /* requests made to the other processes (one per out-of-memory that asked any) */
+  int64_t num_ipc_requests;         /* requests made to the other processes (one per allocation that asked any) */
   int64_t ipc_bytes_received;       /* bytes they released in answer */
   int64_t num_ipc_timeouts;         /* asked processes that did not answer in time */
   /* Requests refused outright by per_process_memory_fraction under
@@ -502,6 +502,10 @@ typedef struct gca_stats {
    * per miss served with moved pages): each a stall of the host on a real
    * device. */
   int64_t num_stitch_waits;
+  /* Rounds of requests to the other processes: an out-of-memory asks them
+   * again while they still release something (num_ipc_requests counts it
+   * once). */
+  int64_t num_ipc_rounds;
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */

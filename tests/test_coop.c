@@ -386,7 +386,7 @@ static void test_history_records_cooperation(void **state) {
   for (size_t i = 0; i < n; i++)
     if (e[i].action == GCA_TRACE_IPC_REQUEST) at = i;
   assert_true(at + 2 < n);
-  assert_int_equal(e[at].size, 60 * MiB);
+  assert_int_equal(e[at].size, 20 * MiB); /* (what the request lacked: 40 MiB were free) */
   assert_int_equal(e[at].ipc_peers_asked, 1);
   assert_int_equal(e[at].ipc_peers_silent, 0);
   assert_int_equal(e[at].ipc_bytes_received, 60 * MiB);
@@ -399,7 +399,7 @@ static void test_history_records_cooperation(void **state) {
   size_t len;
   char *json = (char *)read_whole(path, &len);
   assert_non_null(json);
-  assert_contains(json, "\"action\":\"ipc_request\",\"addr\":0,\"size\":62914560,");
+  assert_contains(json, "\"action\":\"ipc_request\",\"addr\":0,\"size\":20971520,");
   assert_contains(json, "\"peers_asked\":1,\"peers_silent\":0,\"bytes_received\":62914560,\"frames\":[{");
   free(json);
   unlink(path);
@@ -561,7 +561,9 @@ static void test_waiting_asks_the_peers_again(void **state) {
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
   assert_true(took < 4000); /* well before the 5 s wait runs out */
-  assert_true(stats_of(a, 0).num_ipc_requests >= 2);
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.num_ipc_requests, 1); /* (one allocation asked) */
+  assert_true(st.num_ipc_rounds >= 2);      /* (in rounds, while it waited) */
   assert_int_equal(gca_free(a, p), GCA_OK);
   stop_peer(peer);
   gca_close(a);
@@ -1025,6 +1027,95 @@ static void test_request_no_release_can_meet(void **state) {
   assert_contains(gca_last_error(), "out of memory. Tried to allocate 150.00 MiB");
   assert_int_equal(stats_of(a, 0).num_avoidable_ooms, 0); /* (it never fits: not avoidable) */
   stop_peer(peer); /* (first: the last process out removes the region) */
+  gca_close(a);
+}
+
+/* The request asks for what it lacks beyond the device's free memory: a
+ * live peer whose cache covers that ends the wait, with a stopped peer
+ * beside it (asked for the whole request, the live peer's answer fell
+ * short, and the request waited the whole timeout for the stopped one). */
+static void test_request_asks_for_the_shortfall(void **state) {
+  (void)state;
+  peer_t live = start_peer(50), stopped = start_peer(24); /* 26 MiB of the device free */
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:2000");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = live.pid, .reserved_bytes = 50 * MiB, .cached_bytes = 50 * MiB}));
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = stopped.pid, .reserved_bytes = 24 * MiB, .cached_bytes = 24 * MiB}));
+  kill(stopped.pid, SIGSTOP);
+  wait_stopped(stopped.pid);
+  double t0 = now_ms();
+  void *p = gca_malloc(a, 60 * MiB, 0, 0); /* lacks 34 MiB */
+  double took = now_ms() - t0;
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  assert_true(took < 500); /* (not the 2 s timeout) */
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.num_ipc_peers_asked, 1);
+  assert_int_equal(st.num_ipc_timeouts, 0);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  kill(stopped.pid, SIGCONT);
+  stop_peer(live);
+  stop_peer(stopped);
+  gca_close(a);
+}
+
+/* A peer stopped for longer than it takes to publish ten times is not
+ * waited for: without cache it is not asked at all, with cache it is asked
+ * and the message says it stopped answering (each request waited the whole
+ * timeout for it). */
+static void test_stale_peer_is_not_waited_for(void **state) {
+  (void)state;
+  peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 60 MiB live */
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:3000");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
+  kill(holder.pid, SIGSTOP);
+  wait_stopped(holder.pid);
+  usleep(1300000); /* (stale after 1 s) */
+  double t0 = now_ms();
+  assert_null(gca_malloc(a, 50 * MiB, 0, 0));
+  assert_true(now_ms() - t0 < 1000);
+  assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 0); /* (not asked: nothing to release) */
+  kill(holder.pid, SIGCONT);
+  stop_peer(holder);
+  peer_t cacher = start_peer(30);
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = cacher.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB}));
+  void *held = gca_malloc(a, 70 * MiB, 0, 0); /* the rest of the device */
+  assert_non_null(held);
+  kill(cacher.pid, SIGSTOP);
+  wait_stopped(cacher.pid);
+  usleep(1300000);
+  t0 = now_ms();
+  assert_null(gca_malloc(a, 20 * MiB, 0, 0));
+  assert_true(now_ms() - t0 < 1000);
+  char expect[160];
+  snprintf(expect, sizeof expect, "pid %d (caching 30.00 MiB) has not answered for ", (int)cacher.pid);
+  assert_contains(gca_last_error(), expect);
+  assert_contains(gca_last_error(), " ms (stopped?)");
+  kill(cacher.pid, SIGCONT);
+  assert_int_equal(gca_free(a, held), GCA_OK);
+  stop_peer(cacher);
+  gca_close(a);
+}
+
+/* One out-of-memory asks in rounds while the peers still release: its
+ * message sums each peer's releases over them (it said "released 0 bytes"
+ * of a peer that released in the first), and it counts one request. */
+static void test_message_sums_every_round(void **state) {
+  (void)state;
+  peer_t cacher = start_peer(30);
+  peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 10 MiB free */
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = cacher.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB}));
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
+  assert_null(gca_malloc(a, 60 * MiB, 0, 0));
+  char expect[96];
+  snprintf(expect, sizeof expect, "pid %d released 30.00 MiB over ", (int)cacher.pid);
+  assert_contains(gca_last_error(), expect);
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.num_ipc_requests, 1);
+  assert_true(st.num_ipc_rounds >= 2);
+  assert_int_equal(st.ipc_bytes_received, 30 * MiB);
+  stop_peer(cacher);
+  stop_peer(holder);
   gca_close(a);
 }
 
@@ -1704,6 +1795,9 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_peer_whose_thread_starts_late, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_request_asks_for_the_shortfall, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_stale_peer_is_not_waited_for, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_message_sums_every_round, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),

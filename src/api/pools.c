@@ -75,7 +75,7 @@ static int remap_making_room(gca_allocator_t *a, gca_pool_t pool, mempool_t **mp
   *mp = gca__mempool_lock(a, pool, "gca_pool_resume");
   atomic_store(&d->coop_waiting, 0);
   if (!*mp) return gca__prefix_error("gca_pool_resume: while the other processes were asked for memory");
-  gca__device_peers_answered(d, need, 0, &got);
+  gca__device_peers_answered(d, need, 0, &got, NULL);
   if (!(*mp)->paused) return GCA_RESUMED_ELSEWHERE;
   return gca__mempool_remap(d, *mp);
 }

@@ -48,10 +48,13 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 7u
-#define COOP_SLOTS 64
+#define COOP_VERSION 8u
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
+/* A peer whose thread has not published for this long is stopped or
+ * wedged (it publishes every PUBLISH_EVERY_MS while alive): asked, never
+ * waited for, and marked in gcalloc top. */
+#define STALE_NS (10u * PUBLISH_EVERY_MS * 1000000u)
 #define WITHDRAWN_KEPT 8
 
 typedef struct coop_slot {
@@ -74,6 +77,7 @@ typedef struct coop_slot {
   /* The device's memory, as the driver told this process at info_ns
    * (CLOCK_MONOTONIC; 0: never asked). */
   _Atomic uint64_t total, free_bytes, info_ns;
+  _Atomic uint64_t published_ns; /* when its thread last published (CLOCK_MONOTONIC; 0: not yet) */
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -95,7 +99,7 @@ struct coop {
   _Atomic bool stop;
   /* What the last request saw, for the out-of-memory message (under the
    * device's lock: each request writes its own outcome, kept after). */
-  char last[512];
+  char last[1024];
   /* GCALLOC_TEST_COOP_HOLD_US (tests only): the thread holds the region's
    * lock this long at every round, so a test can kill a process inside it.
    * GCALLOC_TEST_COOP_LATE_US (tests only): the thread starts running this
@@ -237,12 +241,12 @@ static void coop_publish(coop_t *c) {
   atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
   atomic_store(&s->paused, (uint64_t)(paused > 0 ? paused : 0));
   atomic_store(&s->waiting, (uint64_t)atomic_load(&d->coop_waiting));
+  atomic_store(&s->published_ns, gca__now_ns());
 }
 
 void gca__coop_count(coop_t *c, const coop_outcome_t *got, bool avoidable) {
   coop_slot_t *s = &c->r->slots[c->slot];
   if (got) {
-    atomic_fetch_add(&s->requests, got->asked > 0);
     atomic_fetch_add(&s->received, (uint64_t)got->received);
     atomic_fetch_add(&s->timeouts, (uint64_t)got->timeouts);
   }
@@ -405,7 +409,9 @@ static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
 
 /* ---- asking ------------------------------------------------------------------ */
 
-typedef enum { PENDING, ANSWERED, GONE } answer_t;
+/* PENDING: waited for; STALE: its answer taken if it comes, never waited
+ * for (it has not published for STALE_NS). */
+typedef enum { PENDING, ANSWERED, GONE, STALE } answer_t;
 
 typedef struct asked {
   int slot;
@@ -413,13 +419,17 @@ typedef struct asked {
   uint64_t start_time;
   uint32_t seq;
   uint64_t cached, reserved; /* as it published them */
+  uint64_t silent_ns;        /* since it last published (0: within STALE_NS) */
+  int rank;                  /* 0: live with cache, 1: stale with cache, 2: live without, 3: stale without */
   answer_t state;
   uint64_t released;         /* its answer's */
 } asked_t;
 
-/* Most cached first, then most reserved. */
+/* The live peers with cache first (most cached first, then most
+ * reserved), then the stale ones with cache, then the live ones without. */
 static int by_cached(const void *x, const void *y) {
   const asked_t *a = x, *b = y;
+  if (a->rank != b->rank) return a->rank < b->rank ? -1 : 1;
   if (a->cached != b->cached) return a->cached < b->cached ? 1 : -1;
   return a->reserved < b->reserved ? 1 : a->reserved > b->reserved ? -1 : 0;
 }
@@ -438,10 +448,11 @@ static void send_requests(coop_region_t *r, asked_t *peers, int from, int to, ui
     uint64_t was = atomic_load(&s->need); /* (the largest of the requests it has not answered yet) */
     while (was < need && !atomic_compare_exchange_weak(&s->need, &was, need)) {}
     peers[k].seq = atomic_fetch_add(&s->request_seq, 1) + 1;
+    if (peers[k].silent_ns) peers[k].state = STALE;
   }
   if (locked) coop_unlock(r);
   for (int k = from; k < to; k++)
-    if (peers[k].state == PENDING) coop_futex(&r->slots[peers[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
+    if (peers[k].state == PENDING || peers[k].state == STALE) coop_futex(&r->slots[peers[k].slot].request_seq, FUTEX_WAKE, INT32_MAX, NULL);
 }
 
 /* Look at every peer still pending: answered, or gone (its slot taken by
@@ -452,7 +463,7 @@ static int collect_answers(coop_region_t *r, int fd, asked_t *peers, int m, bool
   int pending = 0;
   for (int k = 0; k < m; k++) {
     asked_t *a = &peers[k];
-    if (a->state != PENDING) continue;
+    if (a->state != PENDING && a->state != STALE) continue;
     coop_slot_t *s = &r->slots[a->slot];
     bool same = atomic_load(&s->pid) == a->pid;
     if (same && (int32_t)(atomic_load(&s->answer_seq) - a->seq) >= 0) {
@@ -462,21 +473,23 @@ static int collect_answers(coop_region_t *r, int fd, asked_t *peers, int m, bool
     } else if (!same || coop_slot_lock_gone(r, fd, a->slot) || (check_alive && !coop_slot_alive(r, fd, a->slot))) {
       a->state = GONE;
     } else {
-      pending++;
+      pending += a->state == PENDING;
     }
   }
   return pending;
 }
 
-/* The request protocol: ask the peers that cache most, until what they
- * published covers the need (all of them when it does not: what they
- * published may be 100 ms old). Return as soon as the answers cover the
- * need, so that the requester takes the memory before a peer grows its cache
- * again; ask every other peer too when the first ones have not covered it
- * within a quarter of the timeout (at most 100 ms: a stopped peer with the
- * most cache must not block a request another could serve), or when they
- * all answered short; stop at ipc_release_timeout_ms. A peer that dies or
- * leaves while asked is not waited for. */
+/* The request protocol: ask the live peers that cache most, until what
+ * they published covers the need (every peer with cache when it does not:
+ * what they published may be 100 ms old). Return as soon as the answers
+ * cover the need, so that the requester takes the memory before a peer
+ * grows its cache again; ask the peers that published no cache too when
+ * the first ones have not covered it within a quarter of the timeout (at
+ * most 100 ms: a stopped peer with the most cache must not block a request
+ * another could serve), or when they all answered short; stop at
+ * ipc_release_timeout_ms. A peer that dies or leaves while asked is not
+ * waited for, nor is one that has not published for STALE_NS (stopped or
+ * wedged): it is asked, and its answer taken if it comes in time. */
 size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t timeout_ms, coop_outcome_t *out) {
   memset(out, 0, sizeof *out);
   coop_region_t *r = c->r;
@@ -484,24 +497,34 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
   int n = 0;
   if (!coop_lock(r)) { /* nobody asked: the message says why */
     (void)coop_lock_stuck(r, c->path);
-    snprintf(out->said, sizeof out->said, "none: %s", gca_last_error());
+    snprintf(out->note, sizeof out->note, "%s", gca_last_error());
     gca__clear_error();
     return 0;
   }
   coop_reclaim_dead(r, c->fd, c->slot);
+  uint64_t asked_at = gca__now_ns();
   for (int i = 0; i < COOP_SLOTS; i++) {
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
     if (i == c->slot || !pid) continue;
     gca_ipc_peer_t p = published(s, pid);
-    peers[n++] = (asked_t){i, pid, s->start_time, 0, p.cached_bytes, p.reserved_bytes, PENDING, 0};
+    uint64_t at = atomic_load(&s->published_ns);
+    uint64_t silent = at && asked_at > at + STALE_NS ? asked_at - at : 0;
+    int rank = (p.cached_bytes ? 0 : 2) + (silent ? 1 : 0);
+    peers[n++] = (asked_t){i, pid, s->start_time, 0, p.cached_bytes, p.reserved_bytes, silent, rank, PENDING, 0};
   }
   coop_unlock(r);
   qsort(peers, (size_t)n, sizeof peers[0], by_cached);
+  int live_cached = 0, cached = 0, askable = 0; /* (peers[] is in rank order) */
+  for (int k = 0; k < n; k++) {
+    live_cached += peers[k].rank == 0;
+    cached += peers[k].rank <= 1;
+    askable += peers[k].rank <= 2; /* (a stale peer without cache is not asked) */
+  }
   uint64_t covered = 0;
   int m = 0;
-  while (m < n && covered < need) covered += peers[m++].cached;
-  if (covered < need) m = n;
+  while (m < live_cached && covered < need) covered += peers[m++].cached;
+  if (covered < need) m = cached;
   send_requests(r, peers, 0, m, need);
 
   const uint64_t timeout = timeout_ms * 1000000u, slice = (uint64_t)PUBLISH_EVERY_MS * 1000000u;
@@ -514,9 +537,9 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
     if (check_alive) check_at = now + slice;
     int pending = collect_answers(r, c->fd, peers, m, check_alive, &received);
     if (received >= need) break;
-    if (m < n && (pending == 0 || now >= escalate_at)) { /* short, or slow: ask the others too */
-      send_requests(r, peers, m, n, need);
-      m = n;
+    if (m < askable && (pending == 0 || now >= escalate_at)) { /* short, or slow: ask the others too */
+      send_requests(r, peers, m, askable, need);
+      m = askable;
       continue;
     }
     if (pending == 0 || now >= deadline) break;
@@ -525,7 +548,7 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
     int first = 0;
     while (peers[first].state != PENDING) first++;
     uint64_t until = deadline < check_at ? deadline : check_at;
-    if (m < n && escalate_at < until) until = escalate_at;
+    if (m < askable && escalate_at < until) until = escalate_at;
     if (pending > 1 && now + 2000000u < until) until = now + 2000000u;
     coop_slot_t *s = &r->slots[peers[first].slot];
     uint32_t answer = atomic_load(&s->answer_seq);
@@ -533,30 +556,27 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
     now = gca__now_ns();
   }
 
-  text_t t = {out->said, sizeof out->said, 0};
-  out->said[0] = 0;
   for (int k = 0; k < m; k++) {
-    const char *comma = t.len ? ", " : "";
-    char b[32];
+    coop_answer_t *a = &out->peers[out->n++];
+    *a = (coop_answer_t){peers[k].pid, 0, peers[k].released, peers[k].cached, peers[k].silent_ns / 1000000u};
     switch (peers[k].state) {
     case ANSWERED:
-      gca__format_bytes(peers[k].released, b, sizeof b);
-      gca__text_put(&t, "%spid %d released %s", comma, (int)peers[k].pid, b);
+      a->state = COOP_ANSWERED;
       break;
     case GONE:
       out->gone++;
-      gca__text_put(&t, "%spid %d left the device", comma, (int)peers[k].pid);
+      a->state = COOP_GONE;
       break;
     case PENDING:
+    case STALE:
       if (received >= need) { /* not waited for: enough came back, so withdrawn */
         coop_slot_t *s = &r->slots[peers[k].slot];
         if (atomic_load(&s->pid) == peers[k].pid) atomic_store(&s->withdrawn[peers[k].seq % WITHDRAWN_KEPT], peers[k].seq);
+        a->state = COOP_WITHDRAWN;
         break;
       }
       out->timeouts++; /* (silent) */
-      gca__format_bytes(peers[k].cached, b, sizeof b);
-      gca__text_put(&t, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)peers[k].pid, b,
-                    timeout_ms);
+      a->state = peers[k].state == STALE ? COOP_STALE : COOP_SILENT;
       break;
     }
   }
@@ -565,8 +585,53 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
   return received;
 }
 
-void gca__coop_keep_said(coop_t *c, const coop_outcome_t *got) {
-  snprintf(c->last, sizeof c->last, "%s", got->said);
+void gca__coop_tally_add(coop_tally_t *t, const coop_outcome_t *got, uint64_t timeout_ms) {
+  if (got->note[0]) snprintf(t->note, sizeof t->note, "%s", got->note);
+  if (!got->asked) return;
+  t->rounds++;
+  t->timeout_ms = timeout_ms;
+  for (int k = 0; k < got->n; k++) {
+    const coop_answer_t *a = &got->peers[k];
+    int i = 0;
+    while (i < t->n && t->peers[i].pid != a->pid) i++;
+    if (i == t->n) {
+      if (t->n == COOP_SLOTS) continue;
+      t->peers[t->n++] = (coop_answer_t){a->pid, 0, 0, a->cached, 0};
+    }
+    coop_answer_t *p = &t->peers[i];
+    p->released += a->state == COOP_ANSWERED ? a->released : 0;
+    /* What it did last says most, but a release is never hidden by a
+     * later round it was not waited for in. */
+    if (a->state != COOP_WITHDRAWN || !p->state) p->state = a->state;
+    if (a->state == COOP_STALE) p->silent_ms = a->silent_ms;
+  }
+}
+
+void gca__coop_tally_keep(coop_t *c, const coop_tally_t *t) {
+  if (t->rounds) atomic_fetch_add(&c->r->slots[c->slot].requests, 1);
+  text_t o = {c->last, sizeof c->last, 0};
+  c->last[0] = 0;
+  if (!t->rounds && t->note[0]) gca__text_put(&o, "none asked: %s", t->note);
+  for (int i = 0; i < t->n; i++) {
+    const coop_answer_t *p = &t->peers[i];
+    const char *comma = o.len ? ", " : "";
+    char b[32];
+    gca__format_bytes(p->released, b, sizeof b);
+    if (p->released || p->state == COOP_ANSWERED || p->state == COOP_WITHDRAWN) {
+      gca__text_put(&o, "%spid %d released %s", comma, (int)p->pid, b);
+      if (t->rounds > 1) gca__text_put(&o, " over %d requests", t->rounds);
+      continue;
+    }
+    gca__format_bytes(p->cached, b, sizeof b);
+    if (p->state == COOP_GONE)
+      gca__text_put(&o, "%spid %d left the device", comma, (int)p->pid);
+    else if (p->state == COOP_STALE)
+      gca__text_put(&o, "%spid %d (caching %s) has not answered for %" PRIu64 " ms (stopped?)", comma, (int)p->pid,
+                    b, p->silent_ms);
+    else
+      gca__text_put(&o, "%spid %d (caching %s) did not answer within %" PRIu64 " ms", comma, (int)p->pid, b,
+                    t->timeout_ms);
+  }
 }
 
 const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }

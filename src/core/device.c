@@ -126,14 +126,26 @@ void gca__device_limit_resolve(device_t *d) {
   d->limit.allowed = (size_t)(d->limit.fraction * (double)total);
 }
 
-void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got) {
-  d->stats.num_ipc_requests += got->asked > 0;
+void gca__device_peers_answered(device_t *d, size_t need, gca_stream_t stream, const coop_outcome_t *got,
+                                coop_tally_t *tally) {
+  d->stats.num_ipc_rounds += got->asked > 0;
   d->stats.num_ipc_peers_asked += got->asked;
   d->stats.ipc_bytes_received += (int64_t)got->received;
   d->stats.num_ipc_timeouts += got->timeouts;
   gca__coop_count(d->coop, got, false);
-  gca__coop_keep_said(d->coop, got);
   if (d->obs.recording) gca__history_ipc_request(d, need, stream, got->asked, got->timeouts, got->received);
+  if (tally) {
+    gca__coop_tally_add(tally, got, d->config.ipc_release_timeout_ms);
+  } else {
+    coop_tally_t one = {0};
+    gca__coop_tally_add(&one, got, d->config.ipc_release_timeout_ms);
+    gca__device_peers_done(d, &one);
+  }
+}
+
+void gca__device_peers_done(device_t *d, const coop_tally_t *tally) {
+  d->stats.num_ipc_requests += tally->rounds > 0;
+  gca__coop_tally_keep(d->coop, tally);
 }
 
 bool gca__device_limit_refuses(device_t *d, size_t bytes) {
@@ -418,18 +430,44 @@ static block_t *take_again(device_t *d, pool_t *pool, gca_stream_t stream, size_
   return b ? b : attempt_drained(d, pool, stream, rounded, requested, rc);
 }
 
+/* What a request lacks on the device: the device memory its new segment
+ * (or, expandable, its pages) takes beyond what the device has free now;
+ * 0 when it fits. What the peers are asked for: more would have them give
+ * back cache for nothing, and wait for one that cannot answer when the
+ * others already made room. */
+static size_t shortfall(device_t *d, pool_t *pool, size_t rounded) {
+  size_t want = gca__segment_size_for(rounded);
+  if ((d->config.expandable_segments || pool->pausable) && gca__expandable_available(d)) {
+    size_t page = gca__expandable_page_size(d, pool);
+    want = (rounded + page - 1) / page * page;
+  }
+  size_t free_bytes = 0, total = 0;
+  if (d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) != GCA_OK) {
+    gca__clear_error();
+    return want;
+  }
+  return want > free_bytes ? want - free_bytes : 0;
+}
+
 /* The other processes on the device release their cache, and the request
- * is tried again (with the lock held; released while they are asked). What
- * they released goes back to the device, where any process may take it
- * first (a peer's next allocation, a third process's): while peers still
- * release something, or leave (a closing process leaves the rendezvous
- * before its memory is back), they are asked again, within
- * ipc_release_timeout_ms of the first request. */
-static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
-  size_t need = gca__segment_size_for(rounded);
+ * is tried again (with the lock held; released while they are asked). They
+ * are asked for the shortfall (shortfall()). What they released goes back
+ * to the device, where any process may take it first (a peer's next
+ * allocation, a third process's): while peers still release something, or
+ * leave (a closing process leaves the rendezvous before its memory is
+ * back), they are asked again, within ipc_release_timeout_ms of the first
+ * request. Each round is added to `tally`. */
+static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc,
+                          coop_tally_t *tally) {
   uint64_t deadline = gca__now_ns() + d->config.ipc_release_timeout_ms * 1000000u;
   bool left = false;
   for (;;) {
+    size_t need = shortfall(d, pool, rounded);
+    if (need == 0) { /* room came back since the ladder looked */
+      block_t *b = take_again(d, pool, stream, rounded, requested, rc);
+      if (b || *rc != GCA_ERR_OOM) return b;
+      need = gca__segment_size_for(rounded); /* (the room was taken meanwhile, or is not in one piece) */
+    }
     atomic_store(&d->coop_waiting, (int64_t)need);
     uint64_t timeout_ms = d->config.ipc_release_timeout_ms; /* (read under the lock: gca_set_config writes it) */
     lock_release(&d->lock);
@@ -441,7 +479,7 @@ static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t
     }
     relock(d);
     atomic_store(&d->coop_waiting, 0);
-    gca__device_peers_answered(d, need, stream, &got);
+    gca__device_peers_answered(d, need, stream, &got, tally);
     block_t *b = got.asked || left ? take_again(d, pool, stream, rounded, requested, rc) : NULL;
     if (b || *rc != GCA_ERR_OOM || !(got.received || got.gone) || gca__now_ns() >= deadline) return b;
   }
@@ -455,8 +493,9 @@ static block_t *ask_peers(device_t *d, pool_t *pool, gca_stream_t stream, size_t
  * then let the OOM handlers free some (bounded by oom_handler_retries),
  * trying again after each. The lock is held on entry and on return,
  * released while asking, waiting and while handlers run. */
-static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc) {
-  block_t *b = d->coop ? ask_peers(d, pool, stream, rounded, requested, rc) : NULL;
+static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t rounded, size_t requested, int *rc,
+                        coop_tally_t *tally) {
+  block_t *b = d->coop ? ask_peers(d, pool, stream, rounded, requested, rc, tally) : NULL;
   uint64_t timeout_ns = d->config.oom_retry_timeout_ms * 1000000u;
   if (!b && timeout_ns && gca__oom_worth_waiting(d, rounded)) {
     d->stats.num_alloc_waits++;
@@ -476,7 +515,7 @@ static block_t *recover(device_t *d, pool_t *pool, gca_stream_t stream, size_t r
       /* The peers' live memory may have come back to their caches meanwhile: asked again. */
       if (!b && *rc == GCA_ERR_OOM && d->coop && waited >= asked_at + ASK_PEERS_EVERY_NS) {
         asked_at = waited;
-        b = ask_peers(d, pool, stream, rounded, requested, rc);
+        b = ask_peers(d, pool, stream, rounded, requested, rc, tally);
       }
       clock_gettime(CLOCK_MONOTONIC, &now);
       waited = (uint64_t)(now.tv_sec - start.tv_sec) * 1000000000u + (uint64_t)now.tv_nsec - (uint64_t)start.tv_nsec;
@@ -556,7 +595,11 @@ GCA_COLD static uintptr_t malloc_on_miss(device_t *d, pool_t *pool, gca_stream_t
     if (freed) b = take_cached(d, pool, stream, rounded, requested);
   }
   if (!b) b = attempt_drained(d, pool, stream, rounded, requested, &rc);
-  if (!b && rc == GCA_ERR_OOM && !d->rejected) b = recover(d, pool, stream, rounded, requested, &rc);
+  if (!b && rc == GCA_ERR_OOM && !d->rejected) {
+    coop_tally_t tally = {0}; /* (every round of this one request to the peers) */
+    b = recover(d, pool, stream, rounded, requested, &rc, &tally);
+    if (d->coop) gca__device_peers_done(d, &tally);
+  }
   absorbed_t absorbed = take_absorbed(d);
   bool no_vm = d->vm.unwarned;
   d->vm.unwarned = false;

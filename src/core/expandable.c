@@ -157,6 +157,8 @@ static size_t page_size_of(const device_t *d, const pool_t *pool) {
   return (want + g - 1) / g * g;
 }
 
+size_t gca__expandable_page_size(const device_t *d, const pool_t *pool) { return page_size_of(d, pool); }
+
 /* ---- segments ----------------------------------------------------------- */
 
 /* A fresh segment for (pool, stream): its whole range one unmapped block. */

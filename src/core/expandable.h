@@ -10,6 +10,8 @@
 /* expandable.c, with the lock held: PyTorch's expandable segments. */
 /* Whether the backend has virtual memory (asked once; logs once if not). */
 bool gca__expandable_available(device_t *d);
+/* The page an expandable segment of `pool` maps at a time. */
+size_t gca__expandable_page_size(const device_t *d, const pool_t *pool);
 /* A block for `rounded` bytes from an expandable segment of (pool, stream),
  * mapping memory as needed (PyTorch's try_allocate_expandable_block), handed
  * out with block_take; NULL with *rc set. */
