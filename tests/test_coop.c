@@ -28,6 +28,11 @@
 
 #include "helpers.h"
 
+/* Cooperation with ordinary segments, of the sizes the tests allocate:
+ * these tests are about the protocol. The default (expandable segments,
+ * pages released from segments in use) has tests of its own. */
+#define COOP "ipc_cooperation:True,expandable_segments:False"
+
 static char name[64], spec[128];
 
 static int fresh_name(void **state) {
@@ -77,12 +82,21 @@ static int report_release(gca_allocator_t *a, int out) {
 }
 
 /* A peer: caches `mib` MiB (allocated, then freed) on the shared device
- * with cooperation on, says so on fd `ready`, and waits to be killed. */
+ * with cooperation on (COOP, or GCALLOC_TEST_PEER_CONF), says so on fd
+ * `ready`, and waits to be killed. */
 static int peer_main(const char *peer_spec, int mib, int ready) {
   gca_allocator_t *a = NULL;
-  if (gca_open(peer_spec, "ipc_cooperation:True", &a) != GCA_OK) {
+  const char *conf = getenv("GCALLOC_TEST_PEER_CONF");
+  if (gca_open(peer_spec, conf ? conf : COOP, &a) != GCA_OK) {
     fprintf(stderr, "peer: %s\n", gca_last_error());
     return 2;
+  }
+  const char *split = getenv("GCALLOC_TEST_PEER_SPLIT"); /* "80,40": 80 MiB cached, then 40 of it live */
+  if (split) {
+    void *whole = gca_malloc(a, (size_t)atoi(split) * MiB, 0, 0);
+    if (!whole || gca_free(a, whole) != GCA_OK) return 3;
+    if (!gca_malloc(a, (size_t)atoi(strchr(split, ',') + 1) * MiB, 0, 0) || write(ready, "r", 1) != 1) return 3;
+    for (;;) pause();
   }
   bool history = getenv("GCALLOC_TEST_PEER_HISTORY") != NULL;
   if (history && gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000) != GCA_OK) return 2;
@@ -170,7 +184,7 @@ static void on_sigsys(int sig, siginfo_t *info, void *context) {
 
 static int hot_path_main(const char *peer_spec) {
   gca_allocator_t *a = NULL;
-  if (gca_open(peer_spec, "ipc_cooperation:True", &a) != GCA_OK) return 2;
+  if (gca_open(peer_spec, COOP, &a) != GCA_OK) return 2;
   static const size_t sizes[] = {512, 4096, 1 << 20, 8 << 20, 24 << 20};
   void *p[5];
   for (int i = 0; i < 5; i++) p[i] = gca_malloc(a, sizes[i], 0, 0); /* the cache, made once */
@@ -320,7 +334,7 @@ static void test_without_cooperation_one_runs_out(void **state) {
 static void test_a_peer_releases_its_cache(void **state) {
   (void)state;
   peer_t peer = start_peer(60);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   gca_ipc_peer_t peers[8];
   int n = 0;
   for (int tries = 0; tries < 100; tries++) { /* (the peer publishes every 100 ms) */
@@ -375,7 +389,7 @@ static void test_a_peer_releases_its_cache(void **state) {
 static void test_history_records_cooperation(void **state) {
   (void)state;
   peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_HISTORY", "1", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_int_equal(gca_record_history(a, 1, GCA_CONTEXT_ALL, 1000), GCA_OK);
   void *p = gca_malloc(a, 60 * MiB, 0, 0);
   assert_non_null(p);
@@ -431,7 +445,7 @@ static void test_history_records_cooperation(void **state) {
 static void test_paused_pool_frees_memory_for_others(void **state) {
   (void)state;
   peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_PAUSE", "1", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   void *p = gca_malloc(a, 80 * MiB, 0, 0);
   assert_non_null(p);
   assert_int_equal(stats_of(a, 0).num_ipc_requests, 0);
@@ -445,7 +459,7 @@ static void test_paused_pool_frees_memory_for_others(void **state) {
  * enough, the peers are asked for the pool's need. */
 static void test_resume_asks_the_peers(void **state) {
   (void)state;
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   gca_pool_t pool = 0;
   assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool), GCA_OK);
   assert_int_equal(gca_pool_push(a, pool), GCA_OK);
@@ -469,7 +483,7 @@ static void test_resume_asks_the_peers(void **state) {
 static void test_paused_pool_leaves_the_cache_whole(void **state) {
   (void)state;
   peer_t peer = start_peer_with(60, "GCALLOC_TEST_PEER_PAUSE", "1", "GCALLOC_TEST_PEER_CACHE_MIB", "30", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB,
                                                  .paused_bytes = 60 * MiB}));
   void *p = gca_malloc(a, 90 * MiB, 0, 0); /* 70 free, and the peer's 30 */
@@ -485,7 +499,7 @@ static void test_several_peers(void **state) {
   peer_t peers[3];
   for (int i = 0; i < 3; i++) peers[i] = start_peer(30);
   usleep(250000); /* every peer has published */
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   void *p = gca_malloc(a, 80 * MiB, 0, 0);
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
@@ -505,7 +519,7 @@ static void test_stopped_peer_does_not_block_the_others(void **state) {
   (void)state;
   peer_t big = start_peer(60), small = start_peer(30);
   usleep(250000); /* both have published: 60 MiB cached covers the need alone */
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:2000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:2000");
   kill(big.pid, SIGSTOP);
   wait_stopped(big.pid);
   double t0 = now_ms();
@@ -531,7 +545,7 @@ static void test_released_memory_is_used_at_once(void **state) {
   peer_t big = start_peer(60);
   peer_t small = start_peer_with(30, "GCALLOC_TEST_PEER_REGROW_MS", "200", NULL);
   usleep(250000);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:1000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:1000");
   kill(big.pid, SIGSTOP);
   wait_stopped(big.pid);
   for (int i = 0; i < 3; i++) {
@@ -552,9 +566,9 @@ static void test_released_memory_is_used_at_once(void **state) {
  * again: memory a peer frees into its cache while it waits serves it. */
 static void test_waiting_asks_the_peers_again(void **state) {
   (void)state;
-  /* 70 MiB live, freed into its cache 300 ms later */
-  peer_t peer = start_peer_with(70, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "300", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,oom_retry_timeout_ms:5000");
+  /* 70 MiB live, freed into its cache 1 s later (well after the first round, on a loaded machine too) */
+  peer_t peer = start_peer_with(70, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000", NULL);
+  gca_allocator_t *a = open_sim(spec, COOP ",oom_retry_timeout_ms:5000");
   double t0 = now_ms();
   void *p = gca_malloc(a, 50 * MiB, 0, 0); /* 30 MiB free until the peer's free */
   double took = now_ms() - t0;
@@ -647,7 +661,7 @@ static void test_peer_in_another_pid_namespace(void **state) {
     waitpid(peer, NULL, 0);
     skip();
   }
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   gca_ipc_peer_t peers[4];
   int n = 0;
   for (int tries = 0; tries < 100 && n != 2; tries++) {
@@ -687,7 +701,7 @@ static void test_dead_peer_in_another_pid_namespace(void **state) {
     fprintf(stderr, "skipped: unshare(CLONE_NEWPID | CLONE_NEWNS) or mounting /proc was refused here\n");
     skip();
   }
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:5000");
   gca_ipc_peer_t peers[4];
   int n = 0;
   for (int tries = 0; tries < 100 && n != 2; tries++) {
@@ -737,7 +751,7 @@ static void test_private_sim_works_alone(void **state) {
   int before = count_regions();
   log_capture_t cap = {0};
   gca_set_log_handler(capture_log, &cap);
-  gca_allocator_t *a = open_sim("sim", "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim("sim", COOP);
   gca_set_log_handler(NULL, NULL);
   assert_contains(cap.all, "ipc_cooperation:True: device 0 works alone: sim device 0 is this process's alone");
   assert_int_equal(count_regions(), before);
@@ -759,14 +773,14 @@ static void test_stopped_lock_holder(void **state) {
   snprintf(holder, sizeof holder, "held by pid %d", (int)peer.pid);
   bool alone = false, named = false;
   for (int tries = 0; tries < 5 && !(alone && named); tries++) {
-    gca_allocator_t *member = open_sim(spec, "ipc_cooperation:True"); /* (may join between holds, or not) */
+    gca_allocator_t *member = open_sim(spec, COOP); /* (may join between holds, or not) */
     usleep(100000); /* (the peer has the lock again: the member's join took it as the peer let it go) */
     log_capture_t cap = {0};
     gca_set_log_handler(capture_log, &cap);
     kill(peer.pid, SIGSTOP);
     wait_stopped(peer.pid);
     double t0 = now_ms();
-    gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+    gca_allocator_t *a = open_sim(spec, COOP);
     assert_true(now_ms() - t0 < 5000);
     gca_ipc_peer_t peers[4];
     if (gca_ipc_peers(a, 0, peers, 4) == GCA_ERR_INVALID) {
@@ -818,7 +832,7 @@ static void test_stopped_peer_times_out(void **state) {
   (void)state;
   peer_t peer = start_peer(60);
   usleep(250000);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:300");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:300");
   kill(peer.pid, SIGSTOP);
   wait_stopped(peer.pid);
   double t0 = now_ms();
@@ -872,7 +886,7 @@ static void test_two_threads_ask_at_once(void **state) {
   atomic_store(&helper_failures, 0);
   peer_t peer = start_peer(60);
   usleep(250000);
-  asking.a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:300");
+  asking.a = open_sim(spec, COOP ",ipc_release_timeout_ms:300");
   atomic_store(&asking.done, false);
   kill(peer.pid, SIGSTOP);
   wait_stopped(peer.pid);
@@ -902,7 +916,7 @@ static void test_peer_dying_while_asked(void **state) {
   (void)state;
   peer_t peer = start_peer(60);
   usleep(250000);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:5000");
   kill(peer.pid, SIGSTOP); /* (it cannot answer) */
   wait_stopped(peer.pid);
   pid_t killer = fork_child();
@@ -933,7 +947,7 @@ static void test_peer_whose_thread_starts_late(void **state) {
   (void)state;
   /* (ready: it caches 60 MiB; its thread has not run yet) */
   peer_t peer = start_peer_with(60, "GCALLOC_TEST_COOP_LATE_US", "300000", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:5000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:5000");
   void *p = gca_malloc(a, 60 * MiB, 0, 0);
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
@@ -1009,7 +1023,7 @@ static void test_processes_taking_turns(void **state) {
   assert_int_equal(alone.requests, 0);
   for (int procs = 2; procs <= 4; procs += 2) {
     /* (a deadline no load on a shared test machine reaches) */
-    turns_t together = take_turns(procs, 5, "ipc_cooperation:True,ipc_release_timeout_ms:10000");
+    turns_t together = take_turns(procs, 5, COOP ",ipc_release_timeout_ms:10000");
     assert_int_equal(together.ooms, 0);
     if (together.requests < procs * 5 - 1) fprintf(stderr, "%d processes: %lld requests, %lld bytes received\n", procs, together.requests, together.bytes_received);
     assert_true(together.requests >= procs * 5 - 1);
@@ -1021,7 +1035,7 @@ static void test_request_no_release_can_meet(void **state) {
   (void)state;
   peer_t peer = start_peer(20);
   usleep(250000);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_null(gca_malloc(a, 150 * MiB, 0, 0)); /* more than the device */
   assert_int_equal(gca_last_status(), GCA_ERR_OOM);
   assert_contains(gca_last_error(), "out of memory. Tried to allocate 150.00 MiB");
@@ -1037,7 +1051,7 @@ static void test_request_no_release_can_meet(void **state) {
 static void test_request_asks_for_the_shortfall(void **state) {
   (void)state;
   peer_t live = start_peer(50), stopped = start_peer(24); /* 26 MiB of the device free */
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:2000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:2000");
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = live.pid, .reserved_bytes = 50 * MiB, .cached_bytes = 50 * MiB}));
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = stopped.pid, .reserved_bytes = 24 * MiB, .cached_bytes = 24 * MiB}));
   kill(stopped.pid, SIGSTOP);
@@ -1065,7 +1079,7 @@ static void test_request_asks_for_the_shortfall(void **state) {
 static void test_stale_peer_is_not_waited_for(void **state) {
   (void)state;
   peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 60 MiB live */
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:3000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:3000");
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
   kill(holder.pid, SIGSTOP);
   wait_stopped(holder.pid);
@@ -1103,7 +1117,7 @@ static void test_message_sums_every_round(void **state) {
   (void)state;
   peer_t cacher = start_peer(30);
   peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 10 MiB free */
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = cacher.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB}));
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
   assert_null(gca_malloc(a, 60 * MiB, 0, 0));
@@ -1119,6 +1133,52 @@ static void test_message_sums_every_round(void **state) {
   gca_close(a);
 }
 
+/* With the default settings a peer gives back the free memory inside a
+ * segment it still uses (cooperation implies expandable segments: its
+ * free runs of pages unmap, largest first, until the request's shortfall
+ * is covered). With ordinary segments it gave back nothing: only whole
+ * free segments could go. */
+static void test_peer_releases_free_pages_of_a_segment_in_use(void **state) {
+  (void)state;
+  peer_t peer = start_peer_with(0, "GCALLOC_TEST_PEER_CONF", "ipc_cooperation:True", "GCALLOC_TEST_PEER_SPLIT",
+                                "80,40", NULL);
+  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 80 * MiB,
+                                                 .allocated_bytes = 40 * MiB, .cached_bytes = 40 * MiB}));
+  void *p = gca_malloc(a, 30 * MiB, 0, 0); /* 30 MiB of pages; 20 MiB free: lacks 10 */
+  if (!p) fprintf(stderr, "%s\n", gca_last_error());
+  assert_non_null(p);
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.ipc_bytes_received, 40 * MiB); /* (its one free run) */
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 40 * MiB,
+                                                 .allocated_bytes = 40 * MiB, .cached_bytes = 0}));
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  stop_peer(peer);
+  gca_close(a);
+}
+
+/* Cooperation sets expandable segments unless they were set; without
+ * cooperation, and set either way, the setting is the user's. */
+static void test_cooperation_implies_expandable_segments(void **state) {
+  (void)state;
+  char conf[1024];
+  const struct {
+    const char *conf;
+    const char *expect;
+  } cases[] = {
+      {"ipc_cooperation:True", "expandable_segments:True"},
+      {"ipc_cooperation:True,expandable_segments:False", "expandable_segments:False"},
+      {"expandable_segments:False,ipc_cooperation:True", "expandable_segments:False"},
+      {NULL, "expandable_segments:False"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    gca_allocator_t *a = open_sim(spec, cases[i].conf);
+    assert_true(gca_get_config(a, conf, sizeof conf) > 0);
+    assert_contains(conf, cases[i].expect);
+    gca_close(a);
+  }
+}
+
 static void test_foreign_region_leaves_cooperation_off(void **state) {
   (void)state;
   char path[64];
@@ -1129,7 +1189,7 @@ static void test_foreign_region_leaves_cooperation_off(void **state) {
   close(fd);
   log_capture_t cap = {0};
   gca_set_log_handler(capture_log, &cap);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   gca_set_log_handler(NULL, NULL);
   assert_contains(cap.all, "ipc_cooperation:True: device 0 works alone");
   assert_contains(cap.all, "is 7 bytes, not a gcalloc region");
@@ -1149,7 +1209,7 @@ static void test_bad_magic_and_truncated_region(void **state) {
   char path[64], file[96];
   coop_path(path, sizeof path);
   snprintf(file, sizeof file, "/dev/shm%s", path);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   struct stat st;
   assert_int_equal(stat(file, &st), 0);
   size_t size = (size_t)st.st_size;
@@ -1166,7 +1226,7 @@ static void test_bad_magic_and_truncated_region(void **state) {
     close(fd);
     log_capture_t cap = {0};
     gca_set_log_handler(capture_log, &cap);
-    a = open_sim(spec, "ipc_cooperation:True");
+    a = open_sim(spec, COOP);
     gca_set_log_handler(NULL, NULL);
     assert_contains(cap.all, "device 0 works alone");
     assert_contains(cap.all, kind == 0 ? "its magic is wrong" : "not a gcalloc region");
@@ -1225,7 +1285,7 @@ static void test_hot_path_makes_no_system_call(void **state) {
 static void test_peers_killed_at_random_points(void **state) {
   (void)state;
   setenv("GCALLOC_TEST_COOP_HOLD_US", "2000", 1);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True,ipc_release_timeout_ms:50");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:50");
   uint64_t seed = 0x2545f4914f6cdd1dull;
   for (int i = 0; i < 200; i++) {
     pid_t pid = spawn_peer(30);
@@ -1253,7 +1313,7 @@ static void test_peers_killed_at_random_points(void **state) {
 static void test_a_peer_releases_only_what_is_needed(void **state) {
   (void)state;
   peer_t peer = start_peer_with(0, "GCALLOC_TEST_PEER_SEGMENTS", "12,20,40", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 72 * MiB, .cached_bytes = 72 * MiB}));
   void *p = gca_malloc(a, 40 * MiB, 0, 0); /* 28 MiB are free */
   assert_non_null(p);
@@ -1286,7 +1346,7 @@ static void test_scan_shows_the_device_and_the_requests(void **state) {
   (void)state;
   pid_t outsider = start_outsider();
   peer_t peer = start_peer(30);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 30 * MiB, .cached_bytes = 30 * MiB}));
   void *p = gca_malloc(a, 60 * MiB, 0, 0); /* 50 MiB free: the peer's 30 are asked for */
   assert_non_null(p);
@@ -1331,7 +1391,7 @@ static void test_scan_shows_the_device_and_the_requests(void **state) {
 static void test_requests_in_a_row_release_more(void **state) {
   (void)state;
   peer_t peer = start_peer_with(0, "GCALLOC_TEST_PEER_SEGMENTS", "12,12,12,12,12,12", NULL);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = peer.pid, .reserved_bytes = 72 * MiB, .cached_bytes = 72 * MiB}));
   void *held[4];
   for (int i = 0; i < 4; i++) assert_non_null(held[i] = gca_malloc(a, 12 * MiB, 0, 0)); /* 28 MiB free */
@@ -1448,7 +1508,7 @@ static void random_workload(double seconds, bool kills) {
   snprintf(work_spec, sizeof work_spec, "sim:shared=%s,capacity=1GiB", name);
   /* (deadlines a loaded test machine does not reach: what is measured is
    * whether memory that was only cache was had at all) */
-  const char *conf = "ipc_cooperation:True,ipc_release_timeout_ms:5000";
+  const char *conf = COOP ",ipc_release_timeout_ms:5000";
   int fd = memfd_create("work-board", 0);
   assert_true(fd >= 0);
   assert_int_equal(ftruncate(fd, sizeof(work_board_t)), 0);
@@ -1492,7 +1552,7 @@ static void random_workload(double seconds, bool kills) {
   assert_true(steps >= 2000);
   assert_int_equal(ooms, 0);
   /* Nothing leaked: the whole device for one process, which is alone. */
-  gca_allocator_t *a = open_sim(work_spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(work_spec, COOP);
   void *all = gca_malloc(a, 1000 * MiB, 0, 0);
   if (!all) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(all);
@@ -1525,7 +1585,7 @@ static void test_region_of_another_user(void **state) {
   if (geteuid() != 0) skip(); /* (a root test process makes the region and drops to nobody) */
   char path[64];
   coop_path(path, sizeof path);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True"); /* root's region, 0600 */
+  gca_allocator_t *a = open_sim(spec, COOP); /* root's region, 0600 */
   char shm_path[96];
   snprintf(shm_path, sizeof shm_path, "/dev/shm%s", path);
   const char *why[] = {"Permission denied", "belongs to uid 0, not to this user (uid 65534)"};
@@ -1542,7 +1602,7 @@ static void test_region_of_another_user(void **state) {
       log_capture_t cap = {0};
       gca_set_log_handler(capture_log, &cap);
       gca_allocator_t *b = NULL;
-      if (gca_open(spec, "ipc_cooperation:True", &b) != GCA_OK) _exit(3);
+      if (gca_open(spec, COOP, &b) != GCA_OK) _exit(3);
       bool said = strstr(cap.all, "works alone") && strstr(cap.all, why[round]);
       if (!said) fprintf(stderr, "round %d: %s\n", round, cap.all);
       gca_close(b);
@@ -1592,7 +1652,7 @@ static bool valid_utf8_text(const char *text, size_t len) {
 static void test_top_shows_a_hostile_region_escaped(void **state) {
   (void)state;
   peer_t peer = start_peer(20);
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   kill(peer.pid, SIGSTOP);
   wait_stopped(peer.pid);
   char path[64], file[96];
@@ -1646,7 +1706,7 @@ static void test_top_skips_another_users_region(void **state) {
     fprintf(stderr, "skipped: making a region another user's needs root (chown)\n");
     skip();
   }
-  gca_allocator_t *a = open_sim(spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(spec, COOP);
   char path[64], file[96];
   coop_path(path, sizeof path);
   snprintf(file, sizeof file, "/dev/shm%s", path);
@@ -1719,7 +1779,7 @@ static void test_cuda_identity(void **state) {
   (void)state;
   char cuda_spec[300];
   snprintf(cuda_spec, sizeof cuda_spec, "cuda:driver=%s", FAKE_CUDA_PATH);
-  gca_allocator_t *a = open_sim(cuda_spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(cuda_spec, COOP);
   uint64_t cached = 0;
   pid_t pid = meet_on(cuda_spec, "cuda:GPU-a0a1a2a3a4a5a6a7a8a9aaabacadaeaf", a, &cached);
   assert_int_equal(cached, 60 * MiB);
@@ -1735,7 +1795,7 @@ static void test_cuda_identity(void **state) {
 static void test_acl_identity_and_request(void **state) {
   (void)state;
   const char *acl_spec = "acl:library=" FAKE_ACL_PATH;
-  gca_allocator_t *a = open_sim(acl_spec, "ipc_cooperation:True");
+  gca_allocator_t *a = open_sim(acl_spec, COOP);
   uint64_t cached = 0;
   pid_t pid = meet_on(acl_spec, "acl:Ascend910B3:0", a, &cached); /* (60 MiB + the 32-byte pad, rounded) */
   void *lib = dlopen(FAKE_ACL_PATH, RTLD_NOW | RTLD_NOLOAD);
@@ -1798,6 +1858,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_request_asks_for_the_shortfall, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stale_peer_is_not_waited_for, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_message_sums_every_round, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_peer_releases_free_pages_of_a_segment_in_use, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_cooperation_implies_expandable_segments, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),

@@ -263,6 +263,7 @@ static int parse_entry(parser_t *p, const token_t *keytok) {
     return rc;
   }
   if (strcmp(key, "expandable_segments") == 0) {
+    c->expandable_segments_set = true;
     return read_bool(p, key, &c->expandable_segments);
   }
   if (strcmp(key, "stitching") == 0) {
@@ -425,7 +426,9 @@ int gca__config_apply(config_t *cfg, const char *text, const char *origin) {
     }
   }
   if (rc == GCA_OK) {
-    work.any_divisions = false;
+    if (!work.expandable_segments_set) work.expandable_segments = work.ipc_cooperation;
+    work.page_rounding = work.ipc_cooperation && work.expandable_segments;
+    work.any_divisions = work.page_rounding;
     for (int i = 0; i < ROUNDUP_INTERVALS; i++) work.any_divisions |= work.roundup_divisions[i] > 1;
     if (work.stitching && !work.expandable_segments)
       warn(p, "stitching:True has an effect only with expandable_segments:True");

@@ -19,6 +19,10 @@ typedef struct config {
   uint32_t oom_handler_retries;   /* rounds of OOM handlers asking for another try */
   size_t pinned_num_register_threads;
   bool expandable_segments;
+  /* expandable_segments was given. Where it was not, it follows
+   * ipc_cooperation: a cooperating process's free pages inside segments in
+   * use can go back to a peer only from expandable segments (docs/sharing.md). */
+  bool expandable_segments_set;
   /* gcalloc's own, with expandable segments: before mapping new memory,
    * move whole free pages of the same pool and stream into place. */
   bool stitching;
@@ -31,7 +35,12 @@ typedef struct config {
    * many times the size of the segment the device would be asked for:
    * 0 off, HUGE_VAL any size. */
   double cross_stream_reuse;
-  bool any_divisions;             /* some roundup_divisions[i] > 1: rounding takes the slow path */
+  bool any_divisions;             /* some roundup_divisions[i] > 1, or page_rounding: rounding takes the slow path */
+  /* Cooperating with expandable segments: a request above SMALL_SIZE is
+   * rounded to whole 2 MiB pages, as an ordinary segment's block is, so
+   * that no page holds parts of two blocks: a free block's pages can all go
+   * back to a peer, and "the live memory fits" means the pages fit. */
+  bool page_rounding;
   /* pad_32_bytes (gcalloc's own, for torch_npu's sizing): PAD_AUTO asks
    * the backend (backend_ops_t.size_pad), PAD_ON and PAD_OFF decide. */
   int pad_32_mode;

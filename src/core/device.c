@@ -29,9 +29,12 @@
 #include "core/mempool.h"
 #include "core/oom.h"
 
+static void warn_no_virtual_memory(device_t *d);
+
 /* ipc_cooperation:True: join the device's rendezvous. A backend without an
  * identity, or a region that cannot be had or is not one, leaves
- * cooperation off with a warning: the allocator works alone. */
+ * cooperation off with a warning: the allocator works alone. A backend
+ * without virtual memory is said at once: the promise covers less there. */
 static void join_peers(device_t *d) {
   char identity[96];
   const backend_ops_t *ops = d->backend->ops;
@@ -42,6 +45,10 @@ static void join_peers(device_t *d) {
   if (rc != GCA_OK)
     gca__log_message(GCA_LOG_WARNING, "ipc_cooperation:True: device %d works alone: %s", d->index, gca_last_error());
   gca__clear_error();
+  if (d->coop && d->config.expandable_segments && !gca__expandable_available(d)) {
+    d->vm.unwarned = false;
+    warn_no_virtual_memory(d);
+  }
 }
 
 int gca__device_init(device_t *d, gca_allocator_t *owner, int index, const config_t *cfg) {
@@ -563,8 +570,14 @@ GCA_COLD static void report_absorbed(device_t *d, const absorbed_t *a) {
 /* expandable_segments:True where the device turned out to have no virtual
  * memory (found at its first segment): said once per device. */
 GCA_COLD static void warn_no_virtual_memory(device_t *d) {
-  gca__log_message(GCA_LOG_WARNING, "expandable_segments:True: device %d of backend %s has no virtual memory; ordinary "
-                   "segments are used instead", d->index, d->backend->ops->name);
+  if (!d->config.expandable_segments_set) /* (implied by ipc_cooperation:True) */
+    gca__log_message(GCA_LOG_WARNING, "ipc_cooperation:True: device %d of backend %s has no virtual memory, so its "
+                     "segments cannot give back the free memory inside them: a peer asked for memory gets only whole "
+                     "free segments, and the promise of no avoidable out-of-memory covers only those (docs/sharing.md)",
+                     d->index, d->backend->ops->name);
+  else
+    gca__log_message(GCA_LOG_WARNING, "expandable_segments:True: device %d of backend %s has no virtual memory; "
+                     "ordinary segments are used instead", d->index, d->backend->ops->name);
 }
 
 /* An out-of-memory error with cooperation on: avoidable when the live

@@ -152,7 +152,11 @@ bool gca__expandable_available(device_t *d) {
  * free memory lies in whole pages that can be moved, and a page of either
  * pool can serve the other. */
 static size_t page_size_of(const device_t *d, const pool_t *pool) {
-  size_t want = pool->kind == GCA_POOL_SMALL || d->config.stitching ? SMALL_BUFFER : LARGE_BUFFER;
+  /* (Cooperating, 2 MiB too: large blocks are whole multiples of it, so no
+   * page holds memory that is neither live nor releasable, and "the live
+   * memory of all processes fits" is what the device can hold.) */
+  size_t want = pool->kind == GCA_POOL_SMALL || d->config.stitching || d->config.ipc_cooperation ? SMALL_BUFFER
+                                                                                                 : LARGE_BUFFER;
   size_t g = d->vm.granularity;
   return (want + g - 1) / g * g;
 }
@@ -395,6 +399,48 @@ static void release_empty_ranges(device_t *d, pool_t *pool) {
     if (seg->pool != pool || !seg->expandable) continue;
     if (seg->head->state == BLOCK_UNMAPPED && !seg->head->next && !seg->paused_pages) release_segment(d, seg);
   }
+}
+
+/* Free runs of pages, for gca__expandable_release_upto: largest first. */
+typedef struct free_run {
+  block_t *b;
+  size_t bytes;
+} free_run_t;
+
+static int by_run_bytes(const void *x, const void *y) {
+  const free_run_t *a = x, *b = y;
+  return a->bytes < b->bytes ? 1 : a->bytes > b->bytes ? -1 : 0;
+}
+
+size_t gca__expandable_release_upto(device_t *d, size_t need) {
+  if (d->kept.page_count) retry_kept_pages(d);
+  pool_t *pools[2] = {&d->large_pool, &d->small_pool};
+  size_t count = 0;
+  for (int k = 0; k < 2; k++)
+    if (pools[k]->expandable_segments)
+      for (block_t *b = gca__pool_first(pools[k]); b; b = gca__pool_next(pools[k], b)) count += b->expandable;
+  free_run_t *runs = count ? malloc(count * sizeof *runs) : NULL;
+  if (count && !runs) return 0;
+  size_t n = 0;
+  for (int k = 0; k < 2; k++) {
+    if (!pools[k]->expandable_segments) continue;
+    for (block_t *b = gca__pool_first(pools[k]); b; b = gca__pool_next(pools[k], b)) {
+      size_t first, pages = b->expandable ? whole_pages(b, &first) : 0;
+      if (pages) runs[n++] = (free_run_t){b, pages * b->segment->page_size};
+    }
+  }
+  if (n > 1) qsort(runs, n, sizeof *runs, by_run_bytes); /* (runs is NULL when there is none) */
+  /* (Unmapping one free block never touches another's descriptor; a
+   * segment goes only with its one block.) */
+  size_t released = 0;
+  for (size_t i = 0; i < n && released < need; i++) {
+    block_t *b = runs[i].b;
+    size_t page = b->segment->page_size;
+    released += unmap_pages(d, b, SIZE_MAX, NULL, false) * page; /* (the whole run: see above) */
+    if (b->state == BLOCK_UNMAPPED && !b->prev && !b->next) release_segment(d, b->segment);
+  }
+  free(runs);
+  return released;
 }
 
 void gca__expandable_release_all(device_t *d) {

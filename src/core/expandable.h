@@ -10,6 +10,13 @@
 /* expandable.c, with the lock held: PyTorch's expandable segments. */
 /* Whether the backend has virtual memory (asked once; logs once if not). */
 bool gca__expandable_available(device_t *d);
+/* Unmap the free runs of pages of expandable segments, largest first,
+ * until `need` bytes went back (for a peer: ipc_cooperation); the bytes.
+ * Each run goes whole (unmapping only its top pages was measured to leave
+ * memory neither live nor released under churn: bench-sharing, 8
+ * processes, 1-7 avoidable out-of-memory errors in 24 turns; whole runs,
+ * none). */
+size_t gca__expandable_release_upto(device_t *d, size_t need);
 /* The page an expandable segment of `pool` maps at a time. */
 size_t gca__expandable_page_size(const device_t *d, const pool_t *pool);
 /* A block for `rounded` bytes from an expandable segment of (pool, stream),

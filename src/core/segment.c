@@ -301,7 +301,7 @@ size_t gca__segment_release_cached_upto(device_t *d, size_t need) {
   size_t released = 0;
   release_largest(d, &d->large_pool, need, &released);
   if (released < need) release_largest(d, &d->small_pool, need, &released);
-  if (released < need) gca__expandable_release_all(d);
+  if (released < need) released += gca__expandable_release_upto(d, need - released);
   return released;
 }
 

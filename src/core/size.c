@@ -38,6 +38,8 @@ size_t gca__round_size(const config_t *cfg, size_t size) {
   }
   if (size < MIN_BLOCK_SIZE) return MIN_BLOCK_SIZE;
   if (unlikely(cfg->any_divisions)) {
+    if (cfg->page_rounding && size > SMALL_SIZE)
+      return size > SIZE_MAX - (ROUND_LARGE - 1) ? 0 : (size + ROUND_LARGE - 1) & ~(ROUND_LARGE - 1);
     size_t divisions = cfg->roundup_divisions[gca__roundup_interval(size)];
     if (divisions > 1 && size > MIN_BLOCK_SIZE * divisions) return gca__round_to_division(size, divisions);
   }
