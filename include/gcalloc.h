@@ -935,6 +935,10 @@ typedef struct gca_ipc_peer {
   uint64_t bytes_released;  /* what it released for the others' requests */
   uint64_t timeouts;        /* peers that did not answer its requests in time (num_ipc_timeouts) */
   uint64_t avoidable_ooms;  /* num_avoidable_ooms */
+  /* Milliseconds since its cooperation thread last published (every 100
+   * ms while it runs): above 1000 it has stopped answering (a stopped or
+   * wedged process), and no request waits for it. */
+  uint64_t silent_ms;
 } gca_ipc_peer_t;
 
 /* The processes cooperating on `device` (this one included): up to `cap`

@@ -1097,6 +1097,32 @@ static void test_stale_peer_is_not_waited_for(void **state) {
   kill(cacher.pid, SIGSTOP);
   wait_stopped(cacher.pid);
   usleep(1300000);
+  gca_ipc_peer_t peers[8];
+  int n = gca_ipc_peers(a, 0, peers, 8);
+  bool marked = false;
+  for (int i = 0; i < n && i < 8; i++) {
+    if (peers[i].pid == cacher.pid) marked = peers[i].silent_ms > 1000;
+    else assert_true(peers[i].silent_ms < 1000); /* (this process: it publishes) */
+  }
+  assert_true(marked);
+#ifdef GCALLOC_TOOL_PATH
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%s top --json > /tmp/gcalloc-top-%d.json", GCALLOC_TOOL_PATH, (int)getpid());
+  assert_int_equal(system(cmd), 0);
+  snprintf(cmd, sizeof cmd, "/tmp/gcalloc-top-%d.json", (int)getpid());
+  size_t len;
+  char *json = (char *)read_whole(cmd, &len);
+  assert_non_null(json);
+  char row[96];
+  snprintf(row, sizeof row, "\"pid\": %d, ", (int)cacher.pid);
+  const char *at = strstr(json, row);
+  assert_non_null(at);
+  const char *stopped = strstr(at, "\"stopped\": ");
+  assert_non_null(stopped);
+  assert_true(strncmp(stopped, "\"stopped\": true,", 16) == 0);
+  free(json);
+  unlink(cmd);
+#endif
   t0 = now_ms();
   assert_null(gca_malloc(a, 20 * MiB, 0, 0));
   assert_true(now_ms() - t0 < 1000);

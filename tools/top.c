@@ -23,6 +23,9 @@ static double mib(uint64_t bytes) { return (double)bytes / (1024.0 * 1024.0); }
  * that misbehaves, or memory gone wrong): figures no allocator can publish
  * are marked, not shown as facts. NULL when plausible. */
 #define PIB ((uint64_t)1 << 50)
+/* A process silent this long has stopped answering (it publishes every 100 ms). */
+#define STOPPED_MS 1000
+
 static const char *implausible_device(const gca_ipc_device_t *d) {
   if (d->free_bytes > d->total_bytes) return "free_bytes > total_bytes";
   if (d->total_bytes > PIB) return "total_bytes > 1 PiB";
@@ -85,9 +88,11 @@ static void print_json(const gca_ipc_device_t *d, int n, int skipped) {
       printf("%s{\"pid\": %d, \"reserved_bytes\": %" PRIu64 ", \"allocated_bytes\": %" PRIu64
              ", \"cached_bytes\": %" PRIu64 ", \"waiting_bytes\": %" PRIu64 ", \"paused_bytes\": %" PRIu64
              ", \"requests\": %" PRIu64 ", \"bytes_received\": %" PRIu64 ", \"bytes_released\": %" PRIu64
-             ", \"timeouts\": %" PRIu64 ", \"avoidable_ooms\": %" PRIu64 ", \"implausible\": ",
+             ", \"timeouts\": %" PRIu64 ", \"avoidable_ooms\": %" PRIu64 ", \"silent_ms\": %" PRIu64
+             ", \"stopped\": %s, \"implausible\": ",
              k ? ", " : "", (int)p->pid, p->reserved_bytes, p->allocated_bytes, p->cached_bytes, p->waiting_bytes,
-             p->paused_bytes, p->requests, p->bytes_received, p->bytes_released, p->timeouts, p->avoidable_ooms);
+             p->paused_bytes, p->requests, p->bytes_received, p->bytes_released, p->timeouts, p->avoidable_ooms,
+             p->silent_ms, p->silent_ms > STOPPED_MS ? "true" : "false");
       json_reason(implausible_peer(&d[i], p));
       printf("}");
     }
@@ -110,19 +115,21 @@ static void print_table(const gca_ipc_device_t *d, int n, int skipped) {
              mib(d[i].free_bytes), mib(d[i].other_bytes));
     else
       printf("  device: its memory not yet known (no process here holds any)\n");
-    printf("  %8s %13s %13s %13s %13s %13s %9s %13s %13s %9s %10s\n", "pid", "reserved MiB", "allocated MiB",
+    printf("  %8s %13s %13s %13s %13s %13s %9s %13s %13s %9s %10s %9s\n", "pid", "reserved MiB", "allocated MiB",
            "cached MiB", "waiting MiB", "paused MiB", "requests", "received MiB", "released MiB", "timeouts",
-           "avoidable");
+           "avoidable", "seen");
     for (int k = 0; k < d[i].peer_count; k++) {
       const gca_ipc_peer_t *p = &d[i].peers[k];
       if ((why = implausible_peer(&d[i], p))) {
         printf("  %8d implausible figures (%s): not shown\n", (int)p->pid, why);
         continue;
       }
-      printf("  %8d %13.1f %13.1f %13.1f %13.1f %13.1f %9" PRIu64 " %13.1f %13.1f %9" PRIu64 " %10" PRIu64 "\n",
+      printf("  %8d %13.1f %13.1f %13.1f %13.1f %13.1f %9" PRIu64 " %13.1f %13.1f %9" PRIu64 " %10" PRIu64
+             " %7.1f s%s\n",
              (int)p->pid, mib(p->reserved_bytes), mib(p->allocated_bytes), mib(p->cached_bytes),
              mib(p->waiting_bytes), mib(p->paused_bytes), p->requests, mib(p->bytes_received),
-             mib(p->bytes_released), p->timeouts, p->avoidable_ooms);
+             mib(p->bytes_released), p->timeouts, p->avoidable_ooms, (double)p->silent_ms / 1000.0,
+             p->silent_ms > STOPPED_MS ? " ago: stopped answering" : " ago");
     }
   }
   if (skipped)
@@ -138,7 +145,8 @@ const tool_command_t top_command = {
     "reserves, allocates, caches (could release) and waits for, its requests to the others so far (made,\n"
     "bytes received, bytes it released for theirs, peers that did not answer, avoidable out-of-memory\n"
     "errors), and the device's total and free memory with what is held outside these processes (by\n"
-    "processes that do not cooperate, or the driver), as they last published it (every 100 ms).\n"
+    "processes that do not cooperate, or the driver), as they last published it (every 100 ms), and how\n"
+    "long ago each did: one silent for over a second has stopped answering (stopped or wedged).\n"
     "Only regions this user may join are read (how many others were skipped is said); an identity is\n"
     "printed with bytes other than printable ASCII as \\xNN, and figures no allocator publishes (more\n"
     "allocated than reserved, free above total...) are marked implausible, not shown.\n"

@@ -153,7 +153,7 @@ class _IpcPeer(ctypes.Structure):  # gca_ipc_peer_t
                 ("cached_bytes", ctypes.c_uint64), ("waiting_bytes", ctypes.c_uint64),
                 ("paused_bytes", ctypes.c_uint64), ("requests", ctypes.c_uint64), ("bytes_received", ctypes.c_uint64),
                 ("bytes_released", ctypes.c_uint64), ("timeouts", ctypes.c_uint64),
-                ("avoidable_ooms", ctypes.c_uint64)]
+                ("avoidable_ooms", ctypes.c_uint64), ("silent_ms", ctypes.c_uint64)]
 
 
 class _HostStats(ctypes.Structure):  # gca_host_stats_t

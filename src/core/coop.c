@@ -391,9 +391,10 @@ void gca__coop_leave(coop_t *c) {
   free(c);
 }
 
-/* A slot as gca_ipc_peer_t. */
-static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
+/* A slot as gca_ipc_peer_t, seen at `now` (CLOCK_MONOTONIC). */
+static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid, uint64_t now) {
   uint64_t reserved = atomic_load(&s->reserved), allocated = atomic_load(&s->allocated);
+  uint64_t at = atomic_load(&s->published_ns);
   return (gca_ipc_peer_t){pid,
                           reserved,
                           allocated,
@@ -404,7 +405,8 @@ static gca_ipc_peer_t published(const coop_slot_t *s, int32_t pid) {
                           atomic_load(&s->received),
                           atomic_load(&s->released_sum),
                           atomic_load(&s->timeouts),
-                          atomic_load(&s->avoidable)};
+                          atomic_load(&s->avoidable),
+                          at && now > at ? (now - at) / 1000000u : 0};
 }
 
 /* ---- asking ------------------------------------------------------------------ */
@@ -507,9 +509,8 @@ size_t gca__coop_ask(coop_t *c, size_t need, uint64_t deadline_ns, uint64_t time
     coop_slot_t *s = &r->slots[i];
     int32_t pid = atomic_load(&s->pid);
     if (i == c->slot || !pid) continue;
-    gca_ipc_peer_t p = published(s, pid);
-    uint64_t at = atomic_load(&s->published_ns);
-    uint64_t silent = at && asked_at > at + STALE_NS ? asked_at - at : 0;
+    gca_ipc_peer_t p = published(s, pid, asked_at);
+    uint64_t silent = p.silent_ms * 1000000u > STALE_NS ? p.silent_ms * 1000000u : 0;
     int rank = (p.cached_bytes ? 0 : 2) + (silent ? 1 : 0);
     peers[n++] = (asked_t){i, pid, s->start_time, 0, p.cached_bytes, p.reserved_bytes, silent, rank, PENDING, 0};
   }
@@ -655,7 +656,7 @@ int gca__coop_peers(coop_t *c, gca_ipc_peer_t *out, size_t cap) {
     int32_t pid = atomic_load(&s->pid);
     if (!pid) continue;
     if (n < cap) {
-      out[n] = published(s, pid);
+      out[n] = published(s, pid, gca__now_ns());
     }
     n++;
   }
@@ -702,7 +703,7 @@ static bool scan_region(const char *file, gca_ipc_device_t *out, int *foreign) {
       const coop_slot_t *s = &r->slots[i];
       int32_t pid = atomic_load(&s->pid);
       if (!pid || !coop_slot_alive(r, fd, i)) continue;
-      out->peers[out->peer_count++] = published(s, pid);
+      out->peers[out->peer_count++] = published(s, pid, gca__now_ns());
       reserved += atomic_load(&s->reserved);
       uint64_t at = atomic_load(&s->info_ns);
       if (at > newest) {
