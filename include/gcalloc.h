@@ -506,6 +506,11 @@ typedef struct gca_stats {
    * again while they still release something (num_ipc_requests counts it
    * once). */
   int64_t num_ipc_rounds;
+  /* At the last out-of-memory with cooperation on: device memory in use by
+   * no cooperating process (processes without ipc_cooperation:True, the
+   * driver), which no request can get back; num_avoidable_ooms leaves it
+   * out of what could have fit. */
+  int64_t ipc_outside_bytes;
 } gca_stats_t;
 
 /* Copy a consistent view of `device`'s statistics. */
@@ -959,6 +964,11 @@ typedef struct gca_ipc_device {
    * processes that do not cooperate, or by the driver), total - free - the
    * members' reserved bytes, 0 if negative. */
   uint64_t total_bytes, free_bytes, other_bytes;
+  /* 1: total, free and other_bytes are one consistent view (the free
+   * memory read while no member's reserved bytes changed since); 0: the
+   * members' memory kept changing while it was read, and other_bytes is
+   * not known (0). Members publish each change as it happens. */
+  int settled;
 } gca_ipc_device_t;
 
 /* Every rendezvous this user may join (no allocator needed): up to `cap`

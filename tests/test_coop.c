@@ -91,6 +91,16 @@ static int peer_main(const char *peer_spec, int mib, int ready) {
     fprintf(stderr, "peer: %s\n", gca_last_error());
     return 2;
   }
+  if (getenv("GCALLOC_TEST_PEER_CHURN")) { /* a segment taken and given back every 2 ms */
+    if (write(ready, "r", 1) != 1) return 4;
+    for (unsigned k = 1;; k = k * 1103515245u + 12345u) {
+      void *q = gca_malloc(a, (size_t)(k >> 16) % (10 * MiB) + MiB, 0, 0);
+      usleep(1000); /* (held for a millisecond: about a thousand changes a second) */
+      if (q && gca_free(a, q) != GCA_OK) return 3;
+      if (gca_empty_cache(a, 0) != GCA_OK) return 3;
+      usleep(1000); /* (and as long without) */
+    }
+  }
   const char *split = getenv("GCALLOC_TEST_PEER_SPLIT"); /* "80,40": 80 MiB cached, then 40 of it live */
   if (split) {
     void *whole = gca_malloc(a, (size_t)atoi(split) * MiB, 0, 0);
@@ -1051,7 +1061,7 @@ static void test_request_no_release_can_meet(void **state) {
 static void test_request_asks_for_the_shortfall(void **state) {
   (void)state;
   peer_t live = start_peer(50), stopped = start_peer(24); /* 26 MiB of the device free */
-  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:2000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:4000");
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = live.pid, .reserved_bytes = 50 * MiB, .cached_bytes = 50 * MiB}));
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = stopped.pid, .reserved_bytes = 24 * MiB, .cached_bytes = 24 * MiB}));
   kill(stopped.pid, SIGSTOP);
@@ -1061,7 +1071,7 @@ static void test_request_asks_for_the_shortfall(void **state) {
   double took = now_ms() - t0;
   if (!p) fprintf(stderr, "%s\n", gca_last_error());
   assert_non_null(p);
-  assert_true(took < 500); /* (not the 2 s timeout) */
+  assert_true(took < 2000); /* (not the 4 s timeout; on a loaded machine too) */
   gca_stats_t st = stats_of(a, 0);
   assert_int_equal(st.num_ipc_peers_asked, 1);
   assert_int_equal(st.num_ipc_timeouts, 0);
@@ -1079,14 +1089,14 @@ static void test_request_asks_for_the_shortfall(void **state) {
 static void test_stale_peer_is_not_waited_for(void **state) {
   (void)state;
   peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 60 MiB live */
-  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:3000");
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:5000");
   assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
   kill(holder.pid, SIGSTOP);
   wait_stopped(holder.pid);
   usleep(1300000); /* (stale after 1 s) */
   double t0 = now_ms();
   assert_null(gca_malloc(a, 50 * MiB, 0, 0));
-  assert_true(now_ms() - t0 < 1000);
+  assert_true(now_ms() - t0 < 2500); /* (not the 5 s timeout) */
   assert_int_equal(stats_of(a, 0).num_ipc_timeouts, 0); /* (not asked: nothing to release) */
   kill(holder.pid, SIGCONT);
   stop_peer(holder);
@@ -1125,7 +1135,7 @@ static void test_stale_peer_is_not_waited_for(void **state) {
 #endif
   t0 = now_ms();
   assert_null(gca_malloc(a, 20 * MiB, 0, 0));
-  assert_true(now_ms() - t0 < 1000);
+  assert_true(now_ms() - t0 < 2500); /* (not the 5 s timeout) */
   char expect[160];
   snprintf(expect, sizeof expect, "pid %d (caching 30.00 MiB) has not answered for ", (int)cacher.pid);
   assert_contains(gca_last_error(), expect);
@@ -1203,6 +1213,68 @@ static void test_cooperation_implies_expandable_segments(void **state) {
     assert_contains(conf, cases[i].expect);
     gca_close(a);
   }
+}
+
+static pid_t start_outsider(void);
+
+/* gcalloc top's device figures while two peers take and give back
+ * segments every 2 ms: every view it calls settled shows exactly what
+ * the process that does not cooperate holds outside the members (it showed
+ * memory that did not exist in about half the samples), and most views
+ * settle. */
+static void test_accounting_holds_while_peers_churn(void **state) {
+  (void)state;
+  pid_t outsider = start_outsider(); /* 20 MiB */
+  peer_t churn1 = start_peer_with(0, "GCALLOC_TEST_PEER_CHURN", "1", NULL);
+  peer_t churn2 = start_peer_with(0, "GCALLOC_TEST_PEER_CHURN", "1", NULL);
+  gca_allocator_t *a = open_sim(spec, COOP);
+  void *mine = gca_malloc(a, 8 * MiB, 0, 0); /* (a member that has held memory publishes the device's) */
+  assert_non_null(mine);
+  usleep(200000);
+  int settled = 0, samples = 200;
+  for (int i = 0; i < samples; i++) {
+    gca_ipc_device_t devices[4];
+    int n = gca_ipc_scan(devices, 4);
+    for (int k = 0; k < n && k < 4; k++) {
+      if (!strstr(devices[k].identity, name)) continue;
+      if (devices[k].settled) {
+        settled++;
+        if (devices[k].other_bytes != 20 * MiB)
+          fail_msg("sample %d: %llu bytes outside, not 20 MiB (total %llu, free %llu)", i,
+                   (unsigned long long)devices[k].other_bytes, (unsigned long long)devices[k].total_bytes,
+                   (unsigned long long)devices[k].free_bytes);
+      }
+    }
+    usleep(2000);
+  }
+  fprintf(stderr, "[ accounting ] %d of %d views settled\n", settled, samples);
+  assert_true(settled >= samples / 2);
+  assert_int_equal(gca_free(a, mine), GCA_OK);
+  stop_peer(churn1);
+  stop_peer(churn2);
+  kill(outsider, SIGKILL);
+  waitpid(outsider, NULL, 0);
+  gca_close(a);
+}
+
+/* Memory held by a process that does not cooperate is named in the
+ * out-of-memory message and left out of what could have fit: the failure
+ * is not counted avoidable (it was, comparing with the device's total). */
+static void test_memory_held_outside_is_named(void **state) {
+  (void)state;
+  pid_t outsider = start_outsider(); /* 20 MiB */
+  peer_t holder = start_peer_with(60, "GCALLOC_TEST_PEER_FREE_AFTER_MS", "1000000", NULL); /* 60 MiB live */
+  gca_allocator_t *a = open_sim(spec, COOP);
+  assert_true(peer_publishes(a, (gca_ipc_peer_t){.pid = holder.pid, .reserved_bytes = 60 * MiB, .allocated_bytes = 60 * MiB}));
+  assert_null(gca_malloc(a, 30 * MiB, 0, 0)); /* 60 live + 30 fit 100 MiB, but 20 are outside */
+  assert_contains(gca_last_error(), "20.00 MiB of the device is held outside them");
+  gca_stats_t st = stats_of(a, 0);
+  assert_int_equal(st.num_avoidable_ooms, 0);
+  assert_int_equal(st.ipc_outside_bytes, 20 * MiB);
+  stop_peer(holder);
+  kill(outsider, SIGKILL);
+  waitpid(outsider, NULL, 0);
+  gca_close(a);
 }
 
 static void test_foreign_region_leaves_cooperation_off(void **state) {
@@ -1886,6 +1958,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_message_sums_every_round, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_releases_free_pages_of_a_segment_in_use, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_cooperation_implies_expandable_segments, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_accounting_holds_while_peers_churn, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_memory_held_outside_is_named, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_foreign_region_leaves_cooperation_off, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_bad_magic_and_truncated_region, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_hot_path_makes_no_system_call, fresh_name, remove_regions),

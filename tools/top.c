@@ -79,8 +79,11 @@ static void print_json(const gca_ipc_device_t *d, int n, int skipped) {
   for (int i = 0; i < n; i++) {
     printf("%s\n  {\"identity\": ", i ? "," : "");
     gca__json_string(stdout, d[i].identity);
-    printf(", \"total_bytes\": %" PRIu64 ", \"free_bytes\": %" PRIu64 ", \"other_bytes\": %" PRIu64
-           ", \"implausible\": ", d[i].total_bytes, d[i].free_bytes, d[i].other_bytes);
+    printf(", \"total_bytes\": %" PRIu64 ", \"free_bytes\": %" PRIu64 ", \"other_bytes\": ", d[i].total_bytes,
+           d[i].free_bytes);
+    if (d[i].settled) printf("%" PRIu64, d[i].other_bytes);
+    else printf("null"); /* (not known: the members' memory kept changing while it was read) */
+    printf(", \"implausible\": ");
     json_reason(implausible_device(&d[i]));
     printf(", \"processes\": [");
     for (int k = 0; k < d[i].peer_count; k++) {
@@ -110,9 +113,12 @@ static void print_table(const gca_ipc_device_t *d, int n, int skipped) {
     const char *why = implausible_device(&d[i]);
     if (why)
       printf("  device: implausible figures (%s): not shown\n", why);
-    else if (d[i].total_bytes)
+    else if (d[i].total_bytes && d[i].settled)
       printf("  device: %.1f MiB, %.1f MiB free, %.1f MiB held outside these processes\n", mib(d[i].total_bytes),
              mib(d[i].free_bytes), mib(d[i].other_bytes));
+    else if (d[i].total_bytes)
+      printf("  device: %.1f MiB, %.1f MiB free; held outside these processes: not known (their memory kept "
+             "changing while it was read)\n", mib(d[i].total_bytes), mib(d[i].free_bytes));
     else
       printf("  device: its memory not yet known (no process here holds any)\n");
     printf("  %8s %13s %13s %13s %13s %13s %9s %13s %13s %9s %10s %9s\n", "pid", "reserved MiB", "allocated MiB",

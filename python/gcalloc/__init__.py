@@ -125,13 +125,14 @@ class _Stats(ctypes.Structure):  # gca_stats_t: only gcalloc's own counters are 
                                                     "num_gc_releases", "num_alloc_waits", "num_oom_handler_retries",
                                                     "num_pages_moved", "num_ipc_requests", "ipc_bytes_received",
                                                     "num_ipc_timeouts", "num_oom_rejections", "num_ipc_peers_asked",
-                                                    "num_avoidable_ooms", "num_stitch_waits", "num_ipc_rounds")]
+                                                    "num_avoidable_ooms", "num_stitch_waits", "num_ipc_rounds",
+                                                    "ipc_outside_bytes")]
 
 
 _OWN_COUNTERS = ("num_cross_stream_reuses", "num_device_free_failures", "num_gc_releases", "num_alloc_waits",
                  "num_oom_handler_retries", "num_pages_moved", "num_ipc_requests", "num_ipc_peers_asked",
                  "ipc_bytes_received", "num_ipc_timeouts", "num_avoidable_ooms", "num_stitch_waits",
-                 "num_ipc_rounds")
+                 "num_ipc_rounds", "ipc_outside_bytes")
 
 
 class _DeviceProperties(ctypes.Structure):  # gca_device_properties_t

@@ -92,7 +92,7 @@ def test_gcalloc_counters_agree_with_the_flat_statistics():
         assert set(own) == {"num_cross_stream_reuses", "num_device_free_failures", "num_gc_releases",
                             "num_alloc_waits", "num_oom_handler_retries", "num_pages_moved", "num_ipc_requests",
                             "num_ipc_peers_asked", "ipc_bytes_received", "num_ipc_timeouts", "num_avoidable_ooms",
-                            "num_stitch_waits", "num_ipc_rounds"}
+                            "num_stitch_waits", "num_ipc_rounds", "ipc_outside_bytes"}
         import ctypes
         raw = gcalloc._Stats()
         with a._handle() as h:

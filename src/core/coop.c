@@ -35,6 +35,7 @@
 #include <inttypes.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +49,7 @@
 #include "core/core.h"
 
 #define COOP_MAGIC 0x504f4f434147435full /* "_GCACOOP" */
-#define COOP_VERSION 8u
+#define COOP_VERSION 9u
 #define COOP_IDENTITY 96
 #define PUBLISH_EVERY_MS 100
 /* A peer whose thread has not published for this long is stopped or
@@ -75,8 +76,13 @@ typedef struct coop_slot {
   /* Its cooperation so far, for gcalloc top. */
   _Atomic uint64_t requests, received, released_sum, timeouts, avoidable;
   /* The device's memory, as the driver told this process at info_ns
-   * (CLOCK_MONOTONIC; 0: never asked). */
-  _Atomic uint64_t total, free_bytes, info_ns;
+   * (CLOCK_MONOTONIC; 0: never asked), when the region's `changes` was
+   * info_changes and no change was under way. info_begin and info_end
+   * count the writes of these four, before and after (a reader that finds
+   * them unequal, in memory order, read a write half done). */
+  _Atomic uint64_t info_begin;
+  _Atomic uint64_t total, free_bytes, info_ns, info_changes;
+  _Atomic uint64_t info_end;
   _Atomic uint64_t published_ns; /* when its thread last published (CLOCK_MONOTONIC; 0: not yet) */
 } coop_slot_t;
 
@@ -86,6 +92,11 @@ typedef struct coop_region {
   char identity[COOP_IDENTITY];
   pthread_mutex_t lock;
   _Atomic int32_t holder; /* the pid holding the lock, for the message when it does not let go */
+  /* Every member's reserved bytes change in its slot as they change on the
+   * device (gca__coop_reserved, after the driver's call): `changes` counts
+   * them, so that free memory read at one count, with the slots' reserved
+   * bytes read at the same count, is one consistent view of the device. */
+  _Atomic uint64_t changes;
   coop_slot_t slots[COOP_SLOTS];
 } coop_region_t;
 
@@ -220,6 +231,32 @@ static coop_region_t *coop_open_region(const char *identity, bool group, char *p
 
 /* ---- answering ------------------------------------------------------------- */
 
+/* The device's free and total memory, asked of the driver, kept in the
+ * slot with the count of changes it was read at: only where no member's
+ * change completed while it was asked. */
+static void refresh_info(coop_t *c) {
+  coop_region_t *r = c->r;
+  coop_slot_t *s = &r->slots[c->slot];
+  device_t *d = c->d;
+  size_t free_bytes = 0, total = 0;
+  uint64_t before = atomic_load(&r->changes);
+  int rc = d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total);
+  gca__clear_error();
+  if (rc != GCA_OK || atomic_load(&r->changes) != before) return;
+  atomic_fetch_add(&s->info_begin, 1);
+  atomic_store(&s->total, (uint64_t)total);
+  atomic_store(&s->free_bytes, (uint64_t)free_bytes);
+  atomic_store(&s->info_ns, gca__now_ns());
+  atomic_store(&s->info_changes, before);
+  atomic_fetch_add(&s->info_end, 1);
+}
+
+void gca__coop_reserved(coop_t *c, int64_t reserved) {
+  atomic_store(&c->r->slots[c->slot].reserved, (uint64_t)(reserved > 0 ? reserved : 0));
+  atomic_fetch_add(&c->r->changes, 1);
+  refresh_info(c);
+}
+
 /* Publish what this process holds (read from the device's lock-free mirrors). */
 static void coop_publish(coop_t *c) {
   coop_slot_t *s = &c->r->slots[c->slot];
@@ -228,14 +265,8 @@ static void coop_publish(coop_t *c) {
    * has held some (its context exists: asking would not make one); the
    * process's own figures after it, so that one taken between the two
    * reads makes a reader count less in use outside the members, not more. */
-  size_t free_bytes = 0, total = 0;
   c->touched = c->touched || atomic_load(&d->reserved_now) > 0;
-  if (c->touched && d->backend->ops->mem_get_info(d->backend->state, d->index, &free_bytes, &total) == GCA_OK) {
-    atomic_store(&s->total, (uint64_t)total);
-    atomic_store(&s->free_bytes, (uint64_t)free_bytes);
-    atomic_store(&s->info_ns, gca__now_ns());
-  }
-  gca__clear_error();
+  if (c->touched) refresh_info(c);
   int64_t allocated = atomic_load(&d->allocated_now), paused = atomic_load(&d->paused_now);
   atomic_store(&s->reserved, (uint64_t)atomic_load(&d->reserved_now));
   atomic_store(&s->allocated, (uint64_t)(allocated > paused ? allocated - paused : 0));
@@ -637,6 +668,16 @@ void gca__coop_tally_keep(coop_t *c, const coop_tally_t *t) {
 
 const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }
 
+size_t gca__coop_outside(const coop_t *c, size_t total, size_t free_bytes) {
+  uint64_t reserved = 0;
+  for (int i = 0; i < COOP_SLOTS; i++) {
+    const coop_slot_t *s = &c->r->slots[i];
+    if (atomic_load(&s->pid)) reserved += atomic_load(&s->reserved);
+  }
+  uint64_t used = total > free_bytes ? total - free_bytes : 0;
+  return used > reserved ? (size_t)(used - reserved) : 0;
+}
+
 size_t gca__coop_peers_live(const coop_t *c) {
   size_t live = 0;
   for (int i = 0; i < COOP_SLOTS; i++) {
@@ -698,12 +739,18 @@ static bool scan_region(const char *file, gca_ipc_device_t *out, int *foreign) {
     memset(out, 0, sizeof *out);
     memcpy(out->identity, r->identity, sizeof out->identity);
     out->identity[sizeof out->identity - 1] = 0;
-    uint64_t reserved = 0, newest = 0;
+    /* The device's figures from one consistent view: a member's free
+     * memory read at the region's current count of changes, the members'
+     * reserved bytes at that same count (re-read after the copy: no change
+     * completed meanwhile). Otherwise other_bytes is not known. */
+    uint64_t reserved = 0, newest = 0, changes = atomic_load(&r->changes), settled_free = 0, settled_total = 0;
+    bool settled = false;
+    uint64_t now = gca__now_ns();
     for (int i = 0; i < COOP_SLOTS; i++) {
       const coop_slot_t *s = &r->slots[i];
       int32_t pid = atomic_load(&s->pid);
       if (!pid || !coop_slot_alive(r, fd, i)) continue;
-      out->peers[out->peer_count++] = published(s, pid, gca__now_ns());
+      out->peers[out->peer_count++] = published(s, pid, now);
       reserved += atomic_load(&s->reserved);
       uint64_t at = atomic_load(&s->info_ns);
       if (at > newest) {
@@ -711,9 +758,22 @@ static bool scan_region(const char *file, gca_ipc_device_t *out, int *foreign) {
         out->total_bytes = atomic_load(&s->total);
         out->free_bytes = atomic_load(&s->free_bytes);
       }
+      if (atomic_load(&s->info_begin) == atomic_load(&s->info_end) && atomic_load(&s->info_changes) == changes && at) {
+        settled = true;
+        settled_total = atomic_load(&s->total);
+        settled_free = atomic_load(&s->free_bytes);
+      }
+    }
+    uint64_t again = 0;
+    settled = settled && pread(fd, &again, sizeof again, (off_t)offsetof(coop_region_t, changes)) == sizeof again &&
+              again == changes;
+    if (settled) {
+      out->total_bytes = settled_total;
+      out->free_bytes = settled_free;
     }
     uint64_t used = out->total_bytes - out->free_bytes;
-    out->other_bytes = out->total_bytes >= out->free_bytes && used > reserved ? used - reserved : 0;
+    out->settled = settled;
+    out->other_bytes = settled && out->total_bytes >= out->free_bytes && used > reserved ? used - reserved : 0;
     ok = out->peer_count > 0;
   }
   close(fd);
@@ -733,7 +793,14 @@ int gca_ipc_scan_ex(gca_ipc_device_t *out, size_t cap, int *skipped) {
   for (struct dirent *e; (e = readdir(dir));) {
     if (strncmp(e->d_name, "gcalloc-coop-", 13) != 0) continue;
     gca_ipc_device_t *slot = (size_t)n < cap ? &out[n] : &scratch;
-    if (scan_region(e->d_name, slot, &foreign)) n++;
+    bool ok = scan_region(e->d_name, slot, &foreign);
+    /* A view taken while a member's memory changed is not settled: looked
+     * at again, briefly (members publish each change as it happens). */
+    for (int tries = 0; ok && !slot->settled && tries < 20; tries++) {
+      nanosleep(&(struct timespec){0, 500000}, NULL);
+      ok = scan_region(e->d_name, slot, &foreign);
+    }
+    if (ok) n++;
   }
   closedir(dir);
   if (skipped) *skipped = foreign;

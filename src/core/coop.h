@@ -70,6 +70,14 @@ void gca__device_peers_done(device_t *d, const coop_tally_t *tally);
 /* With the device's lock held: what the last request got, by peer, for
  * the out-of-memory message. */
 const char *gca__coop_last(const coop_t *c);
+/* With the device's lock held, after the device's reserved bytes changed
+ * (a segment or pages obtained or given back): publish them at once and
+ * count the change, so that readers see one consistent view (coop.c). */
+void gca__coop_reserved(coop_t *c, int64_t reserved);
+/* The device memory in use by no cooperating process (processes without
+ * cooperation, the driver), from the device's total and free memory just
+ * read and the members' reserved bytes: 0 when negative. */
+size_t gca__coop_outside(const coop_t *c, size_t total, size_t free_bytes);
 /* The live bytes the peers last published (allocated, paused pools apart),
  * summed over the live slots; without any lock. */
 size_t gca__coop_peers_live(const coop_t *c);

@@ -582,12 +582,15 @@ GCA_COLD static void warn_no_virtual_memory(device_t *d) {
 
 /* An out-of-memory error with cooperation on: avoidable when the live
  * bytes of every cooperating process (the peers' as published) and the
- * request fit the device, and this process's live bytes and the request fit
- * its fraction. */
+ * request fit what of the device is not held outside them, and this
+ * process's live bytes and the request fit its fraction. What was outside
+ * is kept (ipc_outside_bytes). */
 GCA_COLD static void count_if_avoidable(device_t *d, size_t rounded, const oom_report_t *report) {
   int64_t own = family_current(&d->stats, FAM_ALLOCATED_BYTES) - atomic_load(&d->paused_now);
   size_t mine = (size_t)(own > 0 ? own : 0) + rounded;
-  if (mine + gca__coop_peers_live(d->coop) <= report->total && (!limit_on(d) || mine <= d->limit.allowed)) {
+  d->stats.ipc_outside_bytes = (int64_t)report->outside;
+  size_t room = report->total > report->outside ? report->total - report->outside : 0;
+  if (mine + gca__coop_peers_live(d->coop) <= room && (!limit_on(d) || mine <= d->limit.allowed)) {
     d->stats.num_avoidable_ooms++;
     gca__coop_count(d->coop, NULL, true);
   }

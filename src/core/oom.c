@@ -206,6 +206,7 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   report->limit = limit_on(d) ? d->limit.allowed : total;
   report->free_bytes = free_bytes;
   report->total = total;
+  report->outside = d->coop ? gca__coop_outside(d->coop, total, free_bytes) : 0;
 
   char msg[2048];
   text_t o = {msg, sizeof msg, 0};
@@ -236,9 +237,13 @@ void gca__oom_explain(device_t *d, gca_stream_t stream, size_t rounded, oom_repo
   if (pending > 0)
     gca__text_put(&o, " %s was freed but waits for work queued on other streams before it can be reused.",
                   bytes((uint64_t)pending, b1));
-  if (d->coop)
+  if (d->coop) {
     gca__text_put(&o, " Processes sharing the device, asked to release their cache: %s.",
                   gca__coop_last(d->coop)[0] ? gca__coop_last(d->coop) : "none caches anything");
+    if (report->outside >= MIN_BLOCK_SIZE)
+      gca__text_put(&o, " %s of the device is held outside them (by processes without ipc_cooperation:True, or "
+                    "the driver): no request can get it back.", bytes(report->outside, b1));
+  }
 
   /* The setting that would help, the likeliest first. */
   if (d->rejected)

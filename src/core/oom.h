@@ -29,6 +29,7 @@ static inline void device_wake_waiters(device_t *d) {
 typedef struct oom_report {
   size_t size, limit, free_bytes;
   size_t total; /* the device's capacity */
+  size_t outside; /* cooperating: in use by no member (processes without cooperation, the driver) */
 } oom_report_t;
 /* With the lock held: set the out-of-memory error (PyTorch's message plus
  * what it lacks) and fill *report for the observers. */

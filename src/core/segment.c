@@ -11,6 +11,7 @@
 
 #include "core/core.h"
 #include "core/events.h"
+#include "core/coop.h"
 #include "core/expandable.h"
 #include "core/history.h"
 
@@ -67,6 +68,7 @@ void gca__block_recycle(device_t *d, block_t *b) {
 
 void gca__mirror_reserved(device_t *d) {
   atomic_store_explicit(&d->reserved_now, family_current(&d->stats, FAM_RESERVED_BYTES), memory_order_relaxed);
+  if (d->coop) gca__coop_reserved(d->coop, family_current(&d->stats, FAM_RESERVED_BYTES));
 }
 
 void gca__widen_span(device_t *d, uintptr_t lo, uintptr_t hi) {

@@ -69,7 +69,8 @@ typedef struct family_stats {
   X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)              \
   X(num_cross_stream_reuses) X(num_device_free_failures) X(num_gc_releases) X(num_alloc_waits)                 \
   X(num_oom_handler_retries) X(num_pages_moved) X(num_ipc_requests) X(ipc_bytes_received) X(num_ipc_timeouts) \
-  X(num_oom_rejections) X(num_ipc_peers_asked) X(num_avoidable_ooms) X(num_stitch_waits) X(num_ipc_rounds)
+  X(num_oom_rejections) X(num_ipc_peers_asked) X(num_avoidable_ooms) X(num_stitch_waits) X(num_ipc_rounds) \
+  X(ipc_outside_bytes)
 
 typedef struct kept_stats {
   family_stats_t family[FAM_COUNT];
