@@ -237,19 +237,24 @@ def test_without_a_raiser_pytorch_gets_null():
     assert "PyTorch allocation on device 0 failed: out of memory" in p.stderr, p.stderr
 
 
-def test_install_refuses_where_nothing_can_raise():
-    """A torch without lib/libc10.so: install() refuses before it opens anything, rather than let an
-    out-of-memory become an illegal memory access."""
-    p = run("""
+def install_refused(**run_args):
+    """What install() said refusing, in a child run as run(code, **run_args) runs it; it opened nothing."""
+    return run("""
     try:
         install()
     except gcalloc.GcallocError as e:
         print("refused:", e)
     else:
-        raise AssertionError("installed with nothing to raise through")
+        raise AssertionError("installed")
     assert not gcalloc.torch.installed() and not gcalloc._lib.gca_torch_is_open()
-    """, first=[])
-    assert "no way to refuse PyTorch an allocation: " in p.stdout and "lacks c10::detail::torchCheckFail" in p.stdout
+    """, **run_args).stdout
+
+
+def test_install_refuses_where_nothing_can_raise():
+    """A torch without lib/libc10.so: install() refuses before it opens anything, rather than let an
+    out-of-memory become an illegal memory access."""
+    said = install_refused(first=[])
+    assert "no way to refuse PyTorch an allocation: " in said and "lacks c10::detail::torchCheckFail" in said
 
 
 def test_out_of_memory_raises_torch_out_of_memory_error():
@@ -317,15 +322,8 @@ def test_out_of_memory_is_runtime_error_where_the_raiser_cannot_be_built(case, t
 
 
 def test_a_bad_build_raiser_setting_is_refused():
-    p = run("""
-    try:
-        install()
-    except gcalloc.GcallocError as e:
-        print("refused:", e)
-    else:
-        raise AssertionError("installed")
-    """, env={"GCALLOC_TORCH_BUILD_RAISER": "yes"})
-    assert "GCALLOC_TORCH_BUILD_RAISER='yes': expected 1" in p.stdout, p.stdout
+    said = install_refused(env={"GCALLOC_TORCH_BUILD_RAISER": "yes"})
+    assert "GCALLOC_TORCH_BUILD_RAISER='yes': expected 1" in said, said
 
 
 def test_graph_hooks_of_pytorch_2_2_are_set():
