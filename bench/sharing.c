@@ -20,6 +20,11 @@
  *              median and p99 of ROUND_TRIPS, in microseconds.
  *   hot path   a 4 KiB malloc+free loop with cooperation on and off and no
  *              pressure, rounds interleaved: ns per pair and the ratio.
+ *   bursts     4 processes under a seeded random schedule of bursts whose
+ *              live memory always fits a 4 GiB device (sharing_bursts.c):
+ *              bursts failed, out-of-memory errors, round trips, malloc
+ *              p99, wall time against a device with room; a peer killed
+ *              and one stopped half-way.
  * The device is the sim's (there is no GPU here); the round trip includes
  * the peer emptying its cache on the sim, which costs what its bookkeeping
  * costs, not what a driver's free does (docs/sharing.md has a GPU's).
@@ -35,6 +40,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/sharing_bursts.h"
 #include "gcalloc.h"
 #include "tools/tool.h"
 
@@ -304,10 +310,14 @@ const tool_command_t bench_sharing_command = {
     "then with one peer stopped: turns done, out-of-memory errors (a job stops at its first), the wait of\n"
     "every allocation that asked the peers or failed (p50/p99/max); the round trip of a release request\n"
     "(median and p99, microseconds); the hot path's cost with cooperation on and no pressure, as a ratio\n"
-    "to off (docs/sharing.md).\n"
+    "to off; then 4 processes under a seeded random schedule of bursts (1-8 blocks of 8-512 MiB held 5-40\n"
+    "ms) whose live memory always fits a 4 GiB device: bursts failed, out-of-memory errors, requests and\n"
+    "their round trips, malloc p99 and wall time against a device with room, with a peer killed and one\n"
+    "stopped for 5 s half-way (docs/sharing.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  --quick     3 turns a job, 50 round trips, a shorter loop (a smoke test, not figures to quote)\n"
+    "  --quick     3 turns a job, 50 round trips, a shorter loop, 40 bursts a job, a 1 s stop (a smoke\n"
+    "              test, not figures to quote)\n"
     "  -h, --help  this help\n",
     bench_sharing_main};
 
@@ -367,6 +377,23 @@ int bench_sharing_main(int argc, char **argv) {
   }
   gca_close(on);
   gca_close(off);
+  /* The bursts: the schedule on a device with room (the wall time's
+   * reference), without and with cooperation, then a peer killed and one
+   * stopped half-way. */
+  int burst_count = quick ? 40 : 5000, stop_ms = quick ? 1000 : 5000;
+  burst_setting_t bursts[] = {
+      {NULL, "a device with room for all", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+      {NULL, "cooperation off", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+      {"ipc_cooperation:True", "cooperation on", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+      {"ipc_cooperation:True", "on, a peer killed half-way", 0, SIGKILL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+      {"ipc_cooperation:True", "on, a peer stopped half-way", 0, SIGSTOP, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+  };
+  const int burst_settings = (int)(sizeof bursts / sizeof bursts[0]);
+  if (bench_sharing_bursts(bursts, burst_settings, burst_count, stop_ms)) {
+    fprintf(stderr, "gcalloc bench-sharing: a burst job failed\n");
+    rc = 1;
+  }
+  double room_s = bursts[0].wall_s > 0 ? bursts[0].wall_s : 1;
   if (json) {
     printf("{\"jobs\": [");
     for (int i = 0; i < scenarios; i++)
@@ -376,6 +403,16 @@ int bench_sharing_main(int argc, char **argv) {
              i ? ", " : "", sc[i].procs, sc[i].conf ? "true" : "false", sc[i].conf ? sc[i].conf : "", sc[i].stop_ms,
              sc[i].procs * big_phases, sc[i].phases, sc[i].ooms, sc[i].ooms, sc[i].avoidable, sc[i].waits, sc[i].p50,
              sc[i].p99, sc[i].max, sc[i].failed);
+    printf("], \"bursts\": [");
+    for (int i = 0; i < burst_settings; i++) {
+      const burst_setting_t *b = &bursts[i];
+      printf("%s{\"setting\": \"%s\", \"jobs\": 4, \"bursts\": %" PRId64 ", \"failed\": %" PRId64 ", \"ooms\": %" PRId64
+             ", \"counted_avoidable\": %" PRId64 ", \"requests\": %" PRId64 ", \"rounds\": %" PRId64
+             ", \"allocations\": %" PRId64 ", \"malloc_p99_ms\": %.3f, \"round_trip_ms\": {\"p50\": %.3f, \"p99\": %.3f}"
+             ", \"wall_s\": %.3f, \"wall_vs_room\": %.3f}",
+             i ? ", " : "", b->label, b->bursts, b->failed, b->ooms, b->avoidable, b->requests, b->rounds,
+             b->allocations, b->malloc_p99_ms, b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s);
+    }
     printf("], \"round_trip_us\": {\"median\": %.1f, \"p99\": %.1f}, \"hot_path_ns\": {\"off\": %.1f, \"on\": %.1f, "
            "\"ratio\": %.3f}, \"round_trips_refused\": %d}\n", median, p99, best_off, best_on, best_on / best_off, refused);
   } else {
@@ -395,6 +432,17 @@ int bench_sharing_main(int argc, char **argv) {
            " (%d not answered in time)\n", round_trip_count, median, p99, refused);
     printf("hot path, 4 KiB malloc+free, no pressure: off %.1f ns, on %.1f ns (%.3fx)\n", best_off, best_on,
            best_on / best_off);
+    printf("\nbursts: 4 processes on one 4 GiB sim device, %d bursts each of 1-8 blocks of 8-512 MiB held 5-40 ms,\n"
+           "admitted so that their live memory always fits (every out-of-memory is avoidable); a stop lasts %d ms\n",
+           burst_count, stop_ms);
+    printf("%-30s  %7s  %6s  %5s  %9s  %8s  %6s  %13s  %19s  %8s  %7s\n", "setting", "bursts", "failed", "OOMs",
+           "avoidable", "requests", "rounds", "malloc p99 ms", "round trip p50/p99", "wall s", "vs room");
+    for (int i = 0; i < burst_settings; i++) {
+      const burst_setting_t *b = &bursts[i];
+      printf("%-30s  %7" PRId64 "  %6" PRId64 "  %5" PRId64 "  %9" PRId64 "  %8" PRId64 "  %6" PRId64 "  %13.2f  %8.2f / %8.2f  %8.2f  %6.3fx\n",
+             b->label, b->bursts, b->failed, b->ooms, b->avoidable, b->requests, b->rounds, b->malloc_p99_ms,
+             b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s);
+    }
   }
   munmap(board, sizeof *board);
   if (rc) fprintf(stderr, "gcalloc bench-sharing: a measurement failed\n");

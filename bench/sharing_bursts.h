@@ -1,0 +1,24 @@
+/* `gcalloc bench-sharing`'s bursts (sharing_bursts.c): processes on one
+ * shared device under a random schedule whose live memory always fits. */
+#ifndef GCALLOC_BENCH_SHARING_BURSTS_H
+#define GCALLOC_BENCH_SHARING_BURSTS_H
+
+#include <stdint.h>
+
+/* One setting: what it runs (conf, label, room, signal), then what it
+ * measured (from `bursts` on: zeroed before each run). */
+typedef struct burst_setting {
+  const char *conf;  /* the jobs' configuration (NULL: the defaults, no cooperation) */
+  const char *label;
+  int room;          /* 1: a device with room for every job at once (the wall time's reference) */
+  int signal;        /* 0, SIGKILL or SIGSTOP: sent to one job half-way */
+  int index;
+  int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations;
+  double malloc_p99_ms, trip_p50_ms, trip_p99_ms, wall_s;
+} burst_setting_t;
+
+/* Run `count` settings of `bursts` bursts per job (a SIGSTOP lasts
+ * `stop_ms`); 0, or -1 when a job failed. */
+int bench_sharing_bursts(burst_setting_t *sets, int count, int bursts, int stop_ms);
+
+#endif
