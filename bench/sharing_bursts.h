@@ -10,7 +10,7 @@
 typedef struct burst_setting {
   const char *conf;  /* the jobs' configuration (NULL: the defaults, no cooperation) */
   const char *label;
-  int room;          /* 1: a device with room for every job at once (the wall time's reference) */
+  int room;          /* 1: a device with room for every job's cache at once (the wall time's reference) */
   int signal;        /* 0, SIGKILL or SIGSTOP: sent to one job half-way */
   int index;
   int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations;
