@@ -941,8 +941,9 @@ typedef struct gca_ipc_peer {
   uint64_t timeouts;        /* peers that did not answer its requests in time (num_ipc_timeouts) */
   uint64_t avoidable_ooms;  /* num_avoidable_ooms */
   /* Milliseconds since its cooperation thread last published (every 100
-   * ms while it runs): above 1000 it has stopped answering (a stopped or
-   * wedged process), and no request waits for it. */
+   * ms while it runs), or since it joined where the thread has not yet:
+   * above 1000 it has stopped answering (a stopped or wedged process), and
+   * no request waits for it. */
   uint64_t silent_ms;
 } gca_ipc_peer_t;
 

@@ -1082,6 +1082,31 @@ static void test_request_asks_for_the_shortfall(void **state) {
   gca_close(a);
 }
 
+/* A process stopped before its thread first publishes is stale as one
+ * stopped after: joining counts as publishing (it was seen as never having
+ * published, waited for the whole timeout, and shown as just seen). */
+static void test_peer_stopped_before_it_publishes_is_stale(void **state) {
+  (void)state;
+  peer_t peer = start_peer_with(30, "GCALLOC_TEST_COOP_LATE_US", "1000000", NULL); /* (its thread waits 1 s) */
+  kill(peer.pid, SIGSTOP);
+  wait_stopped(peer.pid);
+  gca_allocator_t *a = open_sim(spec, COOP ",ipc_release_timeout_ms:5000");
+  usleep(1300000);
+  gca_ipc_peer_t peers[8];
+  int n = gca_ipc_peers(a, 0, peers, 8);
+  bool stale = false;
+  for (int i = 0; i < n && i < 8; i++)
+    if (peers[i].pid == peer.pid) stale = peers[i].silent_ms > 1000;
+  assert_true(stale);
+  double t0 = now_ms();
+  assert_null(gca_malloc(a, 80 * MiB, 0, 0)); /* (70 MiB free: only its cache would cover it) */
+  assert_true(now_ms() - t0 < 2500);     /* (not the 5 s timeout) */
+  assert_contains(gca_last_error(), "ms (stopped?)");
+  kill(peer.pid, SIGCONT);
+  stop_peer(peer);
+  gca_close(a);
+}
+
 /* A peer stopped for longer than it takes to publish ten times is not
  * waited for: without cache it is not asked at all, with cache it is asked
  * and the message says it stopped answering (each request waited the whole
@@ -1954,6 +1979,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_processes_taking_turns, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_no_release_can_meet, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_request_asks_for_the_shortfall, fresh_name, remove_regions),
+      cmocka_unit_test_setup_teardown(test_peer_stopped_before_it_publishes_is_stale, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_stale_peer_is_not_waited_for, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_message_sums_every_round, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_peer_releases_free_pages_of_a_segment_in_use, fresh_name, remove_regions),
@@ -1973,5 +1999,6 @@ int main(int argc, char **argv) {
       cmocka_unit_test_setup_teardown(test_cuda_identity, fresh_name, remove_regions),
       cmocka_unit_test_setup_teardown(test_acl_identity_and_request, fresh_name, remove_regions),
   };
+  if (getenv("GCALLOC_TEST_ONLY")) cmocka_set_test_filter(getenv("GCALLOC_TEST_ONLY"));
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -83,7 +83,7 @@ typedef struct coop_slot {
   _Atomic uint64_t info_begin;
   _Atomic uint64_t total, free_bytes, info_ns, info_changes;
   _Atomic uint64_t info_end;
-  _Atomic uint64_t published_ns; /* when its thread last published (CLOCK_MONOTONIC; 0: not yet) */
+  _Atomic uint64_t published_ns; /* when it joined or its thread last published (CLOCK_MONOTONIC) */
 } coop_slot_t;
 
 typedef struct coop_region {
@@ -363,6 +363,9 @@ int gca__coop_join(device_t *d, const char *identity, coop_t **out) {
     memset(s, 0, sizeof *s);
     s->start_time = gca__process_start_time((int)getpid());
     s->pidns = gca__pid_namespace();
+    /* Joining counts as publishing: a process stopped before its thread
+     * first runs is stale a second later, as one stopped after. */
+    atomic_store(&s->published_ns, gca__now_ns());
     /* The lock byte first, then the word that says it is held: a look
      * between the two judges by the pid. */
     if (gca__slot_lock(c->fd, c->slot, true)) atomic_store(&s->locked, 1);
