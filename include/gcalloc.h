@@ -815,7 +815,13 @@ GCA_API int gca_pool_create(gca_allocator_t *a, int device, gca_pool_t *out);
 /* The same with flags: GCA_POOL_PAUSABLE makes a pool that can pause (its
  * segments are expandable, whatever expandable_segments says; the backend
  * needs virtual memory, else GCA_ERR_BACKEND). */
-enum { GCA_POOL_PAUSABLE = 1 };
+/* GCA_POOL_FINE_PAGES: its expandable segments (a pausable pool's, or
+ * any with expandable_segments:True) map 2 MiB pages in both size classes,
+ * not 20 MiB in the large one: for a caller that sizes its own segments
+ * (PyTorch's caching allocator behind a MemPool asks for 2 MiB, 20 MiB,
+ * or the request rounded to 2 MiB), so that no page mapped lies beyond
+ * what it asked. */
+enum { GCA_POOL_PAUSABLE = 1, GCA_POOL_FINE_PAGES = 2 };
 GCA_API int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_t *out);
 /* Pause a pausable pool: wait for its own streams (not the whole device),
  * with GCA_PAUSE_BACKUP copy every live block to pinned host memory (the
@@ -1074,6 +1080,22 @@ GCA_API void gca_torch_release_pool(int device, uint64_t id_first, uint64_t id_s
 GCA_API void gca_torch_begin_allocate_stream_to_pool(int device, void *stream, uint64_t id_first,
                                                      uint64_t id_second);
 GCA_API void gca_torch_end_allocate_stream_to_pool(int device, void *stream);
+/* PyTorch's MemPool route (gcalloc.torch.region, docs/pytorch.md, "Sleep
+ * mode for part of a program"): the alloc and free functions of
+ *
+ *   torch.cuda.MemPool(torch.cuda.memory.CUDAPluggableAllocator(
+ *       "libgcalloc.so", "gca_torch_region_malloc", "gca_torch_region_free").allocator())
+ *
+ * PyTorch's own caching allocator then serves the pool's tensors, keeps its
+ * tools, and asks gcalloc for each segment on the allocating thread. The
+ * segment comes from the private pool the thread pushed (gca_pool_push on
+ * the process-wide allocator; the region does it), so that pausing that
+ * pool gives the segment's memory back at the same addresses. A request
+ * with no pool pushed for the device, or into a paused pool, is refused:
+ * NULL, which PyTorch raises as its torch.OutOfMemoryError; the message is
+ * kept for gca_torch_last_failure. Nothing is thrown. */
+GCA_API void *gca_torch_region_malloc(ptrdiff_t size, int device, void *stream);
+GCA_API void gca_torch_region_free(void *ptr, ptrdiff_t size, int device, void *stream);
 /* The message of the last failed gca_torch_malloc in the process, from any
  * thread, copied into buf (cap bytes, NUL-terminated, cut to fit); "" if none
  * failed since the allocator was opened. Returns the message's full length. */

@@ -619,6 +619,39 @@ static void test_pause_gives_memory_back(void **state) {
   gca_close(a);
 }
 
+/* GCA_POOL_FINE_PAGES: segments sized by the caller (PyTorch's MemPool
+ * asks for 2 MiB, 20 MiB, or a request rounded to 2 MiB) map 2 MiB pages,
+ * so that the pool holds what was asked and a pause gives back that; with
+ * 20 MiB pages a 24 MiB segment held 40 MiB. */
+static void test_fine_pages_hold_what_was_asked(void **state) {
+  (void)state;
+  gca_allocator_t *a = open_sim("sim:capacity=1GiB", NULL);
+  gca_pool_t fine = 0, coarse = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE | GCA_POOL_FINE_PAGES, &fine), GCA_OK);
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &coarse), GCA_OK);
+  void *p[2][3];
+  for (int k = 0; k < 2; k++) {
+    assert_int_equal(gca_pool_push(a, k ? coarse : fine), GCA_OK);
+    size_t sizes[3] = {24 * MiB, 2 * MiB, 20 * MiB};
+    for (int i = 0; i < 3; i++) assert_non_null(p[k][i] = gca_malloc(a, sizes[i], 0, 0));
+    assert_int_equal(gca_pool_pop(a), GCA_OK);
+  }
+  assert_int_equal(pool_stats(a, fine).reserved_bytes, 46 * MiB);
+  assert_true(pool_stats(a, coarse).reserved_bytes > 46 * MiB);
+  size_t released = 0;
+  assert_int_equal(gca_pool_pause(a, fine, 0, &released), GCA_OK);
+  assert_int_equal(released, 46 * MiB);
+  assert_int_equal(gca_pool_resume(a, fine, 0), GCA_OK);
+  assert_consistent(a);
+  for (int k = 0; k < 2; k++)
+    for (int i = 0; i < 3; i++) assert_int_equal(gca_free(a, p[k][i]), GCA_OK);
+  assert_int_equal(gca_pool_release(a, fine), GCA_OK);
+  assert_int_equal(gca_pool_release(a, coarse), GCA_OK);
+  assert_int_equal(gca_pool_create_ex(a, 0, 4, &fine), GCA_ERR_INVALID);
+  assert_contains(gca_last_error(), "unknown flags 0x4");
+  gca_close(a);
+}
+
 /* A paused pool with nothing live can end: its addresses go back. */
 static void test_release_while_paused(void **state) {
   (void)state;
@@ -1037,6 +1070,7 @@ int main(void) {
       cmocka_unit_test(test_capture_random_sequence_cross_stream),
       cmocka_unit_test(test_pause_refusals),
       cmocka_unit_test(test_pause_gives_memory_back),
+      cmocka_unit_test(test_fine_pages_hold_what_was_asked),
       cmocka_unit_test(test_release_while_paused),
       cmocka_unit_test(test_resume_releases_own_cache),
       cmocka_unit_test(test_pause_resume_cycles),

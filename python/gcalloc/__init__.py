@@ -541,13 +541,15 @@ class Allocator:
 
     # ---- private pools (docs/pools.md) ----
 
-    def create_pool(self, device=0, pausable=False):
+    def create_pool(self, device=0, pausable=False, fine_pages=False):
         """A new private pool on `device`: its id (an int > 0), holding one reference. A pausable pool
-        can give its memory back and take it again at the same addresses (pause_pool, resume_pool)."""
+        can give its memory back and take it again at the same addresses (pause_pool, resume_pool);
+        with fine_pages its segments map 2 MiB pages in both size classes (GCA_POOL_FINE_PAGES)."""
         device = _device(device)
         out = ctypes.c_uint64()
+        flags = (1 if pausable else 0) | (2 if fine_pages else 0)
         with self._handle() as a:
-            _check(_lib.gca_pool_create_ex(a, device, 1 if pausable else 0, ctypes.byref(out)))
+            _check(_lib.gca_pool_create_ex(a, device, flags, ctypes.byref(out)))
         return out.value
 
     def pause_pool(self, pool, backup=False):

@@ -31,7 +31,7 @@ from . import GCA_ERR_INVALID, GcallocError, GcallocWarning, OutOfMemoryError, _
 MINIMUM_TORCH = "2.0"
 
 __all__ = ["install", "using", "installed", "hooks", "routed", "raises", "raises_out_of_memory", "last_failure", "foreign_stream_uses", "pool", "pause",
-           "resume", "cpu_backup", "MINIMUM_TORCH", "ROUTED"]
+           "resume", "cpu_backup", "region", "cuda_graph", "regions", "MINIMUM_TORCH", "ROUTED"]
 
 # void c10::detail::torchCheckFail(const char *func, const char *file, uint32_t line, const char *msg)
 # in PyTorch's libc10.so: it throws c10::Error, which Python sees as RuntimeError.
@@ -526,35 +526,73 @@ def _pools_named(name, device):
     return allocator, ids
 
 
-def pause(name=None, backup=True, device=None):
-    """Give the memory of pool `name` back to the device, keeping its addresses: PyTorch's tensors in it
-    stay valid, to be used after resume(name). With backup, their contents are kept in pinned host memory
-    and written back at resume (cpu_backup(tensor) reads them meanwhile); without, they are lost (for
-    caches to be refilled). `device` None: the name on every device it is on; `name` None: every pool that
-    can pause and runs, on `device` (None: every device). Returns the bytes given back. Synchronizes only
-    the pools' own streams."""
+def pause(name=None, backup=None, device=None):
+    """Give the memory of pool or region `name` back to the device, keeping its addresses: PyTorch's
+    tensors in it stay valid, to be used after resume(name). With backup, their contents are kept in
+    pinned host memory and written back at resume (cpu_backup(tensor) reads them meanwhile); without,
+    they are lost (for caches to be refilled). backup None: a region's own cpu_backup, True for a pool.
+    `device` None: the name on every device it is on; `name` None: every region and every pool that can
+    pause and runs, on `device` (None: every device). A region is refused while a thread is inside it.
+    Returns the bytes given back. Synchronizes only the pools' own streams (a region: its device)."""
     from . import _process_allocator
 
+    released = 0
+    with _region_lock:
+        chosen = [r for r in _regions.values()
+                  if (name is None or r.tag == name) and (device is None or r.device == _device(device))]
+        for r in chosen:
+            if r.entered:
+                raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.pause(%r): %d thread%s inside region(%r) on "
+                                   "device %d: leave it first" % (name, r.entered, " is" if r.entered == 1 else "s are",
+                                                                 r.tag, r.device))
+        for r in chosen:
+            r.pausing = True
+    try:
+        for r in chosen:
+            if not r.allocator.pool_stats(r.pool_id)["paused"]:
+                _synchronize(r.device)
+                released += r.allocator.pause_pool(r.pool_id, backup=r.cpu_backup if backup is None else backup)
+    finally:
+        with _region_lock:
+            for r in chosen:
+                r.pausing = False
     if name is None:
-        return _process_allocator().pause_pools(device, backup=backup)
+        return released + _process_allocator().pause_pools(device, backup=True if backup is None else backup)
+    if chosen and not _has_named(name):
+        return released
     allocator, ids = _pools_named(name, device)
-    return sum(allocator.pause_pool(pool_id, backup=backup) for pool_id in ids
-               if len(ids) == 1 or not allocator.pool_stats(pool_id)["paused"])
+    return released + sum(allocator.pause_pool(pool_id, backup=True if backup is None else backup) for pool_id in ids
+                          if len(ids) == 1 or not allocator.pool_stats(pool_id)["paused"])
 
 
 def resume(name=None, device=None, keep_backup=False):
-    """Map memory again under pool `name`'s addresses and restore what pause(name, backup=True) kept; the
-    host copies then go back to the system, unless keep_backup (the next pause copies into them again).
-    `device` and `name` None as for pause()."""
+    """Map memory again under pool or region `name`'s addresses and restore what pause(name,
+    backup=True) kept; the host copies then go back to the system, unless keep_backup (the next pause
+    copies into them again). `device` and `name` None as for pause(). Out of memory (with
+    ipc_cooperation:True, after asking the other processes): GcallocError naming the need, the pool
+    paused as before."""
     from . import _process_allocator
 
+    with _region_lock:
+        chosen = [r for r in _regions.values()
+                  if (name is None or r.tag == name) and (device is None or r.device == _device(device))]
+    for r in chosen:
+        if r.allocator.pool_stats(r.pool_id)["paused"]:
+            r.allocator.resume_pool(r.pool_id, keep_backup=keep_backup)
     if name is None:
         _process_allocator().resume_pools(device, keep_backup=keep_backup)
+        return
+    if chosen and not _has_named(name):
         return
     allocator, ids = _pools_named(name, device)
     for pool_id in ids:
         if len(ids) == 1 or allocator.pool_stats(pool_id)["paused"]:
             allocator.resume_pool(pool_id, keep_backup=keep_backup)
+
+
+def _has_named(name):
+    with _named_lock:
+        return any(n == name for (_, n, _) in _named_pools)
 
 
 def cpu_backup(tensor):
@@ -575,3 +613,170 @@ def cpu_backup(tensor):
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(view[:nbytes], dtype=tensor.dtype) if nbytes else torch.empty(0, dtype=tensor.dtype)
     return flat.view(tensor.shape)
+
+
+# ---- sleep mode for part of a program: regions behind PyTorch's MemPool --------------------------
+#
+# region(tag) routes the thread's tensors to a torch.cuda.MemPool whose segments come from gcalloc
+# (gca_torch_region_malloc / gca_torch_region_free, a CUDAPluggableAllocator's functions) out of a
+# pausable pool for the tag. PyTorch's own caching allocator serves them, keeps its tools, and raises
+# torch.OutOfMemoryError itself when gcalloc refuses a segment; the rest of the program stays on
+# PyTorch's allocator, untouched. Under install() gcalloc is PyTorch's allocator already: a region is
+# then the tag's pool (pool()), with no MemPool.
+
+
+class _Region:
+    """A tag's pool on a device, with the cpu_backup it was made with."""
+
+    def __init__(self, tag, cpu_backup, device, allocator, pool_id, mempool):
+        self.tag, self.cpu_backup, self.device = tag, cpu_backup, device
+        self.allocator, self.pool_id, self.mempool = allocator, pool_id, mempool
+        self.entered = 0  # threads inside region() now
+        self.pausing = False
+
+
+_regions = {}  # (tag, cpu_backup, device) -> _Region (kept for the process's life, MemPool included)
+_region_lock = threading.Lock()
+_region_allocator = [None]  # the CUDAPluggableAllocator of the region functions, made once
+_expandable_off = [0, None]  # regions entered while PyTorch's expandable segments are turned off; the setter
+
+
+def regions():
+    """Every region made so far: dicts of tag, cpu_backup, device, pool (gcalloc's pool id), mempool_id
+    (PyTorch's, None under install()), paused, entered (threads inside now)."""
+    with _region_lock:
+        chosen = list(_regions.values())
+    return [{"tag": r.tag, "cpu_backup": r.cpu_backup, "device": r.device, "pool": r.pool_id,
+             "mempool_id": None if r.mempool is None else tuple(r.mempool.id),
+             "paused": bool(r.allocator.pool_stats(r.pool_id)["paused"]), "entered": r.entered} for r in chosen]
+
+
+def _synchronize(device):
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize(device)
+
+
+def _pytorch_expandable(torch):
+    """Whether PyTorch's own allocator has expandable segments on, as its configuration says
+    (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF; a later key wins)."""
+    conf = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    value = False
+    for item in conf.split(","):
+        key, _, v = item.partition(":")
+        if key.strip() == "expandable_segments":
+            value = v.strip() == "True"
+    return value
+
+
+def _allocator_settings_setter(torch):
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    return setter if setter is not None else torch.cuda.memory._set_allocator_settings
+
+
+def _expandable_enter(torch):
+    """PyTorch refuses a MemPool's allocator a segment while expandable segments are on ("MemPool
+    doesn't currently support expandable_segments."): they are turned off from the first region entered
+    to the last left, where the configuration turns them on. Under _region_lock."""
+    if _expandable_off[0] == 0:
+        if not _pytorch_expandable(torch):
+            return
+        _expandable_off[1] = _allocator_settings_setter(torch)
+        _expandable_off[1]("expandable_segments:False")
+    _expandable_off[0] += 1
+
+
+def _expandable_leave():
+    """Under _region_lock."""
+    if _expandable_off[0] == 0:
+        return
+    _expandable_off[0] -= 1
+    if _expandable_off[0] == 0:
+        _expandable_off[1]("expandable_segments:True")
+        _expandable_off[1] = None
+
+
+def _region_of(tag, cpu_backup):
+    """The tag's region on the current device, made at its first use. Under _region_lock."""
+    import torch
+
+    from . import _process_allocator
+
+    if not isinstance(tag, str):
+        raise TypeError("gcalloc: a region's tag must be a str, not %s" % type(tag).__name__)
+    device = _current_device()
+    key = (tag, bool(cpu_backup), device)
+    r = _regions.get(key)
+    if r is not None:
+        return r
+    allocator = _process_allocator()
+    try:
+        pool_id = allocator.create_pool(device, pausable=True, fine_pages=not _installed)
+    except GcallocError as e:
+        raise GcallocError(e.status, "gcalloc.torch.region(%r): device %d cannot pause a pool: %s" % (tag, device, e)) from None
+    mempool = None
+    if not _installed:
+        if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
+            allocator.release_pool(pool_id)
+            raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.region: PyTorch %s has no torch.cuda.MemPool with "
+                               "use_mem_pool (PyTorch 2.6 and later have): call gcalloc.torch.install() to make "
+                               "gcalloc PyTorch's allocator instead" % getattr(torch, "__version__", "?"))
+        if _region_allocator[0] is None:
+            _region_allocator[0] = torch.cuda.memory.CUDAPluggableAllocator(
+                library_path, "gca_torch_region_malloc", "gca_torch_region_free")
+        mempool = torch.cuda.MemPool(_region_allocator[0].allocator())
+    r = _regions[key] = _Region(tag, bool(cpu_backup), device, allocator, pool_id, mempool)
+    return r
+
+
+@contextlib.contextmanager
+def region(tag="default", cpu_backup=False):
+    """Inside the block, the tensors this thread creates on the current CUDA device go to the region
+    `tag`: PyTorch's caching allocator serves them from a torch.cuda.MemPool whose segments come from a
+    gcalloc pool that pause(tag) gives back to the device and resume(tag) maps again at the same
+    addresses (their contents restored where cpu_backup). The rest of the program stays on PyTorch's
+    allocator. Entering a paused region is refused (GcallocError): PyTorch would hand out its cached
+    blocks there, with no memory under them. Yields the region's gcalloc pool id."""
+    import torch
+
+    with _region_lock:
+        r = _region_of(tag, cpu_backup)
+        paused = r.pausing or r.allocator.pool_stats(r.pool_id)["paused"]
+        if paused:
+            raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.region(%r): the region is paused on device %d: "
+                               "resume(%r) before allocating in it" % (tag, r.device, tag))
+        if r.mempool is not None:
+            _expandable_enter(torch)
+        r.entered += 1
+    try:
+        with r.allocator.pool(r.pool_id):
+            if r.mempool is None:
+                yield r.pool_id
+            else:
+                with torch.cuda.use_mem_pool(r.mempool, r.device):
+                    yield r.pool_id
+    finally:
+        with _region_lock:
+            r.entered -= 1
+            if r.mempool is not None:
+                _expandable_leave()
+
+
+@contextlib.contextmanager
+def cuda_graph(graph, pool=None, stream=None, capture_error_mode="global", tag="default", cpu_backup=False):
+    """torch.cuda.graph(graph, ...) capturing into the region `tag`: the graph's memory is the region's,
+    given back by pause(tag) and mapped again at the same addresses by resume(tag), where the replays
+    find it. `pool` None: the region's MemPool (another pool is PyTorch's, not the region's). Not under
+    install() (GcallocError: gcalloc's own graph pools serve captures there)."""
+    import torch
+
+    if _installed:
+        raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.cuda_graph: under install() captures go to gcalloc's "
+                           "graph pools, which do not pause; use regions without install()")
+    with region(tag, cpu_backup):
+        with _region_lock:
+            r = _regions[(tag, bool(cpu_backup), _current_device())]
+        with torch.cuda.graph(graph, pool=r.mempool.id if pool is None else pool, stream=stream,
+                              capture_error_mode=capture_error_mode):
+            yield

@@ -486,6 +486,44 @@ void gca_npu_free(void *ptr, size_t size, int device, void *stream) {
   framework_free(ptr, device);
 }
 
+/* The MemPool route (gcalloc.torch.region): PyTorch's own caching
+ * allocator asks for each segment of a MemPool whose allocator is
+ * CUDAPluggableAllocator(libgcalloc, "gca_torch_region_malloc",
+ * "gca_torch_region_free"), on the thread that allocates, inside the
+ * region that pushed the tag's pool. Outside one the request is refused:
+ * the segment would land in the default pool, where no pause reaches it.
+ * A refusal returns NULL, which PyTorch turns into its own
+ * torch.OutOfMemoryError, holding its allocator's lock: nothing is thrown
+ * through it, and the message is kept for gca_torch_last_failure. */
+void *gca_torch_region_malloc(ptrdiff_t size, int device, void *stream) {
+  gca_allocator_t *a = gca_torch_allocator();
+  void *p = NULL;
+  if (!a) {
+    keep_failure(gca_last_error());
+    return NULL;
+  }
+  if (size < 0) {
+    gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: more than any device holds", (size_t)size);
+  } else if (device < 0 || device >= a->device_count) {
+    gca__set_error(GCA_ERR_INVALID, "PyTorch asked for a segment on device %d: the allocator has %d devices", device,
+                   a->device_count);
+  } else if (!gca__mempool_thread_pushed(a, device)) {
+    gca__set_error(GCA_ERR_INVALID,
+                   "PyTorch asked for a %zu-byte segment of a gcalloc MemPool outside gcalloc.torch.region() on "
+                   "this thread (device %d): refused, since no pause would reach it",
+                   (size_t)size, device);
+  } else {
+    p = gca_malloc(a, (size_t)size, device, (gca_stream_t)stream);
+  }
+  if (!p && size) keep_failure(gca_last_error());
+  return p;
+}
+
+void gca_torch_region_free(void *ptr, ptrdiff_t size, int device, void *stream) {
+  (void)size, (void)stream;
+  framework_free(ptr, device);
+}
+
 /* A stream use from the framework (record or erase). As PyTorch's and
  * torch_npu's own allocators, quiet for what the allocator did not make:
  * the NULL of an empty tensor, and memory of another (from_blob, DLPack,

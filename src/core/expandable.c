@@ -152,11 +152,15 @@ bool gca__expandable_available(device_t *d) {
  * free memory lies in whole pages that can be moved, and a page of either
  * pool can serve the other. */
 static size_t page_size_of(const device_t *d, const pool_t *pool) {
+  /* (A pool made with GCA_POOL_FINE_PAGES, 2 MiB too: its caller sizes
+   * its own segments, as PyTorch's caching allocator behind a MemPool
+   * does, and a 20 MiB page would keep up to 18 MiB beyond each mapped.) */
   /* (Cooperating, 2 MiB too: large blocks are whole multiples of it, so no
    * page holds memory that is neither live nor releasable, and "the live
    * memory of all processes fits" is what the device can hold.) */
-  size_t want = pool->kind == GCA_POOL_SMALL || d->config.stitching || d->config.ipc_cooperation ? SMALL_BUFFER
-                                                                                                 : LARGE_BUFFER;
+  bool fine = pool->kind == GCA_POOL_SMALL || d->config.stitching || d->config.ipc_cooperation ||
+              (pool->owner && pool->owner->fine_pages);
+  size_t want = fine ? SMALL_BUFFER : LARGE_BUFFER;
   size_t g = d->vm.granularity;
   return (want + g - 1) / g * g;
 }

@@ -176,6 +176,16 @@ pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, poo
   return fallback;
 }
 
+bool gca__mempool_thread_pushed(const gca_allocator_t *a, int device) {
+  for (int i = thread_route_depth - 1; i >= 0; i--) {
+    const thread_route_t *r = &thread_routes[i];
+    if (r->allocator != a || r->serial != a->serial) continue;
+    if (r->device && r->device != &a->devices[device]) continue;
+    return r->pool != NULL;
+  }
+  return false;
+}
+
 /* pool_for, but a paused pool serves nothing. */
 static pool_t *pool_open_for(mempool_t *mp, size_t rounded) {
   if (!mp->paused) return pool_for(mp, rounded);
@@ -265,14 +275,15 @@ int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_
   device_t *d = gca__device_of(a, device, "gca_pool_create");
   if (!d) return gca_last_status();
   if (!out) return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: out is NULL");
-  if (flags & ~(unsigned)GCA_POOL_PAUSABLE)
-    return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: unknown flags %#x", flags & ~(unsigned)GCA_POOL_PAUSABLE);
+  const unsigned known = GCA_POOL_PAUSABLE | GCA_POOL_FINE_PAGES;
+  if (flags & ~known) return gca__set_error(GCA_ERR_INVALID, "gca_pool_create: unknown flags %#x", flags & ~known);
   mempool_t *mp = calloc(1, sizeof *mp);
   if (!mp) return gca__set_error(GCA_ERR_NOMEM, "gca_pool_create: out of host memory");
   gca__pool_init(&mp->small, GCA_POOL_SMALL);
   gca__pool_init(&mp->large, GCA_POOL_LARGE);
   mp->small.owner = mp->large.owner = mp;
   mp->pausable = mp->small.pausable = mp->large.pausable = (flags & GCA_POOL_PAUSABLE) != 0;
+  mp->fine_pages = (flags & GCA_POOL_FINE_PAGES) != 0;
   mp->device = d;
   mp->references = 1;
   lock_acquire(&d->lock);

@@ -24,6 +24,7 @@ typedef struct mempool {
   size_t thread_routes;      /* threads' pushes naming it, not yet popped */
   size_t stream_routes;      /* streams routed to it */
   bool pausable, paused;
+  bool fine_pages;           /* GCA_POOL_FINE_PAGES: 2 MiB pages in both size classes */
   pool_backup_t *backups;    /* host copies (a pause's, or kept at resume) */
   size_t backup_count, backup_cap, backup_bytes;
   /* Gives a host copy back (the front end's: the host allocator is above
@@ -44,6 +45,10 @@ typedef struct stream_route {
  * set, when that pool is paused. */
 pool_t *gca__mempool_route(device_t *d, gca_stream_t stream, size_t rounded, pool_t *fallback);
 mempool_t *gca__mempool_find(device_t *d, uint64_t id);
+/* Whether the calling thread's innermost push on allocator `a` for
+ * `device` names a private pool (not pool 0). No lock: a thread's pushes
+ * are its own, and `a` is open. */
+bool gca__mempool_thread_pushed(const gca_allocator_t *a, int device);
 /* The bytes of the pool's live allocations. */
 size_t gca__mempool_live_bytes(const device_t *d, const mempool_t *mp);
 /* The pool `id` with its device locked; NULL (nothing locked) with the

@@ -61,6 +61,11 @@ class Pluggable:
         self._metadata[r] = (size, device, stream)  # (a NULL too: neither framework checks it)
         return r
 
+    def raw_alloc(self, size, device, stream):
+        """What a private pool asks its allocator for a segment (raw_alloc: the alloc function, with
+        the current device and stream)."""
+        return self.malloc(size, device, stream)
+
     def raw_delete(self, ptr):
         if ptr not in self._metadata:
             raise RuntimeError("Trying to free a pointer not allocated here")

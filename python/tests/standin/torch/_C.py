@@ -45,13 +45,43 @@ def _unsupported(what):
                        "describing your use case." % what)
 
 
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _format_size(size):
+    return "%.2f MiB" % (size / MiB) if size < (1 << 30) else "%.2f GiB" % (size / (1 << 30))
+
+
+class _PrivatePool:
+    """A MemPool's or a graph's private pool (PrivatePool): its own cached segments, its use count, and
+    the allocator that gives it segments (None: cudaMalloc, as the native allocator)."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.use_count = 1
+        self.segments = []  # [device, stream, is_small, ptr, size, blocks: [[ptr, size, allocated], ...]]
+
+
 class _NativeAllocator:
-    """PyTorch's own caching allocator, standing in as plain bookkeeping."""
+    """PyTorch's own caching allocator. The default pools stand in as plain bookkeeping; the private
+    pools (torch.cuda.MemPool, graph captures) keep PyTorch's rules, as c10/cuda/CUDACachingAllocator.cpp
+    has them: a request rounded to 512 bytes; served best fit from the pool's cached blocks of its kind
+    (small: 1 MiB or less) and split (small: a remainder of 512 bytes or more, large: more than 1 MiB);
+    else a new segment (2 MiB for a small request, 20 MiB below 10 MiB, else the request rounded to
+    2 MiB) from the pool's allocator (raw_alloc: its alloc function with the current device and
+    stream), which refuses expandable segments (RuntimeError); a NULL segment frees the cache of the
+    default pools and of the freeable pools and asks again, then raises torch.OutOfMemoryError. A freed
+    block goes back to its pool, merged with its free neighbours, never to the allocator: a pool's free
+    segments go back (raw_delete, the free function) only once the pool is freeable (use count 0) and
+    the cache is emptied (empty_cache, or the MemPool's destruction)."""
 
     def __init__(self):
         self._initialized = False
         self.live = {}
         self.next = 0x7F0000000000
+        self.pools = {}  # (device, id) -> _PrivatePool
+        self.routes = {}  # (thread, device) -> [id, ...]: beginAllocateCurrentThreadToPool's
+        self.blocks = {}  # ptr -> (pool, segment, block) of the live blocks of private pools
 
     def initialized(self):
         return self._initialized
@@ -59,30 +89,154 @@ class _NativeAllocator:
     def init(self, device_count):
         self._initialized = True
 
+    # ---- private pools (createOrIncrefPool, beginAllocateToPool, endAllocateToPool, releasePool)
+
+    def createOrIncrefPool(self, device, mempool_id, allocator=None):  # noqa: N802
+        pool = self.pools.get((device, mempool_id))
+        if pool is None:
+            self.pools[(device, mempool_id)] = _PrivatePool(allocator)
+        else:
+            if allocator is not None and pool.allocator is not allocator:
+                raise RuntimeError("Allocator of existing pool does not match passed allocator")
+            pool.use_count += 1
+
+    def beginAllocateToPool(self, device, mempool_id, thread):  # noqa: N802
+        self.createOrIncrefPool(device, mempool_id)
+        self.routes.setdefault((thread, device), []).append(mempool_id)
+
+    def endAllocateToPool(self, device, mempool_id, thread):  # noqa: N802
+        stack = self.routes.get((thread, device), [])
+        if mempool_id in stack:
+            stack.remove(mempool_id)
+
+    def releasePool(self, device, mempool_id):  # noqa: N802
+        pool = self.pools[(device, mempool_id)]
+        pool.use_count -= 1
+        if pool.use_count < 0:
+            raise RuntimeError("INTERNAL ASSERT FAILED: use_count of a private pool below 0")
+
+    def getPoolUseCount(self, device, mempool_id):  # noqa: N802
+        pool = self.pools.get((device, mempool_id))
+        return pool.use_count if pool else 0
+
+    # ---- allocation
+
     def malloc(self, size, device, stream):
+        import threading
+
         self._initialized = True
+        stack = self.routes.get((threading.get_ident(), device))
+        if stack:
+            return self._pool_malloc(stack[-1], size, device, stream)
         p, self.next = self.next, self.next + ((size + 511) // 512) * 512
         self.live[p] = size
         return p
 
+    def _pool_malloc(self, mempool_id, size, device, stream):
+        pool = self.pools[(device, mempool_id)]
+        rounded = max(512, (size + 511) // 512 * 512)
+        small = rounded <= MiB
+        best = None
+        for segment in pool.segments:
+            if segment[0] != device or segment[1] != stream or segment[2] != small:
+                continue
+            for block in segment[5]:
+                if not block[2] and block[1] >= rounded and (best is None or block[1] < best[1][1]):
+                    best = (segment, block)
+        if best is None:
+            best = self._new_segment(pool, mempool_id, rounded, small, device, stream)
+        segment, block = best
+        remaining = block[1] - rounded
+        if (small and remaining >= 512) or (not small and remaining > MiB):
+            blocks = segment[5]
+            blocks.insert(blocks.index(block) + 1, [block[0] + rounded, remaining, False])
+            block[1] = rounded
+        block[2] = True
+        self.blocks[block[0]] = (pool, segment, block)
+        return block[0]
+
+    def _new_segment(self, pool, mempool_id, rounded, small, device, stream):
+        import torch
+
+        alloc = 2 * MiB if small else (20 * MiB if rounded < 10 * MiB else (rounded + 2 * MiB - 1) // (2 * MiB) * (2 * MiB))
+        if pool.allocator is None:
+            ptr, self.next = self.next, self.next + alloc
+        else:
+            if _expandable_segments():
+                raise RuntimeError("MemPool doesn't currently support expandable_segments.")
+            ptr = pool.allocator.raw_alloc(alloc, device, stream)
+            if not ptr:
+                self.emptyCache()
+                ptr = pool.allocator.raw_alloc(alloc, device, stream)
+            if not ptr:
+                raise torch.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of 4.00 GiB of which "
+                    "0 bytes is free." % (_format_size(rounded), device))
+        segment = [device, stream, small, ptr, alloc, [[ptr, alloc, False]]]
+        pool.segments.append(segment)
+        return segment, segment[5][0]
+
     def raw_delete(self, ptr):
-        del self.live[ptr]
+        found = self.blocks.pop(ptr, None)
+        if found is None:
+            del self.live[ptr]
+            return
+        pool, segment, block = found
+        block[2] = False
+        blocks = segment[5]
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and not blocks[i + 1][2]:
+            block[1] += blocks.pop(i + 1)[1]
+        if i > 0 and not blocks[i - 1][2]:
+            blocks[i - 1][1] += blocks.pop(i)[1]
 
     def recordStream(self, ptr, stream):  # noqa: N802 (PyTorch's name)
         pass
 
-    def emptyCache(self):  # noqa: N802
-        pass
+    def emptyCache(self, mempool_id=None):  # noqa: N802
+        """The free segments of the freeable private pools (all of them, or `mempool_id`'s) go back."""
+        for (device, pool_id), pool in list(self.pools.items()):
+            if pool.use_count or (mempool_id is not None and pool_id != mempool_id):
+                continue
+            for segment in list(pool.segments):
+                if len(segment[5]) == 1 and not segment[5][0][2]:
+                    pool.segments.remove(segment)
+                    if pool.allocator is not None:
+                        pool.allocator.raw_delete(segment[3])
+            if not pool.segments:
+                del self.pools[(device, pool_id)]
 
     def setMemoryFraction(self, fraction, device):  # noqa: N802
         pass
 
     def getDeviceStats(self, device):  # noqa: N802
-        allocated = sum(self.live.values())
+        allocated = sum(self.live.values()) + sum(b[1] for _, _, b in self.blocks.values())
         return {"allocated_bytes.all.current": allocated}
 
     def getBaseAllocation(self, ptr):  # noqa: N802
         return ptr, self.live.get(ptr, 0)
+
+    def poolSegments(self, mempool_id):  # noqa: N802 (what MemPool.snapshot reads)
+        return [{"device": s[0], "address": s[3], "total_size": s[4],
+                 "allocated_size": sum(b[1] for b in s[5] if b[2])}
+                for (_, pool_id), pool in self.pools.items() if pool_id == mempool_id for s in pool.segments]
+
+
+_settings_env = [None]  # what the configuration said at start (PYTORCH_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF)
+
+
+def _expandable_segments():
+    """The native allocator's expandable_segments setting: the environment's, then every
+    _set_allocator_settings in turn (a later key wins)."""
+    if _settings_env[0] is None:
+        _settings_env[0] = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    value = False
+    for conf in [_settings_env[0], *_native_settings]:
+        for item in conf.split(","):
+            key, _, v = item.partition(":")
+            if key.strip() == "expandable_segments":
+                value = v.strip() == "True"
+    return value
 
 
 class _CUDAPluggableAllocator(Pluggable):
@@ -150,6 +304,68 @@ def _cuda_cudaCachingAllocator_set_allocator_settings(env):  # noqa: N802
 
 def _accelerator_getDeviceStats(device_index):  # noqa: N802 (torch.accelerator's, PyTorch 2.9)
     return _current().getDeviceStats(device_index)
+
+
+def _native():
+    if not isinstance(_current(), _NativeAllocator):
+        raise NotImplementedError("the stand-in models torch.cuda.MemPool on PyTorch's native allocator only")
+    return _current()
+
+
+class _MemPool:
+    """c10::cuda::MemPool: an id ((0, n) for a user's pool, (n, 0) for a graph's), made on the current
+    device with one use, released (and its cache emptied) when destroyed."""
+
+    _uid = [0]
+    _graph_uid = [0]
+
+    def __init__(self, allocator=None, is_user_created=True, use_on_oom=False, no_split=False):
+        from . import cuda
+
+        if is_user_created:
+            _MemPool._uid[0] += 1
+            self._id = (0, _MemPool._uid[0])
+        else:
+            _MemPool._graph_uid[0] += 1
+            self._id = (_MemPool._graph_uid[0], 0)
+        self._allocator = allocator
+        self._device = cuda.current_device()
+        _native().createOrIncrefPool(self._device, self._id, allocator)
+
+    @property
+    def id(self):
+        return self._id
+
+    @property
+    def allocator(self):
+        return self._allocator
+
+    def use_count(self):
+        return _native().getPoolUseCount(self._device, self._id)
+
+    def __del__(self):
+        try:
+            native = _native()
+        except Exception:
+            return
+        native.releasePool(self._device, self._id)
+        native.emptyCache(self._id)
+
+
+def _cuda_beginAllocateCurrentThreadToPool(device, mempool_id):  # noqa: N802
+    import threading
+
+    _native().beginAllocateToPool(device, tuple(mempool_id), threading.get_ident())
+
+
+def _cuda_endAllocateToPool(device, mempool_id):  # noqa: N802
+    import threading
+
+    _native().endAllocateToPool(device, tuple(mempool_id), threading.get_ident())
+
+
+def _cuda_releasePool(device, mempool_id):  # noqa: N802
+    _native().releasePool(device, tuple(mempool_id))
 
 
 def _cuda_lazy_init():

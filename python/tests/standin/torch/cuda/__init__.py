@@ -46,3 +46,61 @@ def current_stream(device=None):
 
 def synchronize(device=None):
     pass
+
+
+class CUDAGraph:
+    """A capture into a private pool (a new graph pool, or the one given, a MemPool's id among them):
+    from capture_begin to capture_end the capturing thread's allocations go to it (PyTorch routes the
+    capturing stream; the stand-in's streams are all one); reset releases the pool."""
+
+    def __init__(self):
+        self.pool = None
+        self.device = None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        import threading
+
+        self.device = current_device()
+        if pool is None:
+            pool = _C._MemPool(None, False).id  # (its own pool, kept alive by the capture's use)
+            _C._native().createOrIncrefPool(self.device, pool)
+        else:
+            _C._native().createOrIncrefPool(self.device, tuple(pool))
+        self.pool = tuple(pool)
+        _C._native().beginAllocateToPool(self.device, self.pool, threading.get_ident())
+        _C._native().releasePool(self.device, self.pool)  # (begin took one use: the graph keeps the other)
+
+    def capture_end(self):
+        import threading
+
+        _C._native().endAllocateToPool(self.device, self.pool, threading.get_ident())
+
+    def replay(self):
+        pass
+
+    def pool_id(self):
+        return self.pool
+
+    def reset(self):
+        if self.pool is not None:
+            _C._native().releasePool(self.device, self.pool)
+            self.pool = None
+
+
+def graph_pool_handle():
+    return _C._MemPool(None, False).id
+
+
+class graph:  # noqa: N801 (PyTorch's name)
+    """torch.cuda.graph: capture_begin(pool) on entry, capture_end on exit."""
+
+    def __init__(self, cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        self.cuda_graph, self.pool, self.stream = cuda_graph, pool, stream
+        self.capture_error_mode = capture_error_mode
+
+    def __enter__(self):
+        self.cuda_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
+
+    def __exit__(self, *exc):
+        self.cuda_graph.capture_end()
+        return False

@@ -1,6 +1,7 @@
 """torch.cuda.memory of the stand-in, layered as PyTorch's: every statistic
 goes through memory_stats, which asks the current allocator."""
 import collections
+import contextlib
 import pickle
 import sys
 
@@ -10,7 +11,7 @@ __all__ = ["CUDAPluggableAllocator", "change_current_allocator", "empty_cache", 
            "memory_stats_as_nested_dict", "reset_accumulated_memory_stats", "reset_peak_memory_stats",
            "reset_max_memory_allocated", "memory_allocated", "max_memory_allocated", "memory_reserved",
            "max_memory_reserved", "memory_snapshot", "memory_summary", "mem_get_info",
-           "set_per_process_memory_fraction"]
+           "set_per_process_memory_fraction", "MemPool", "use_mem_pool"]
 
 
 def _index(device):
@@ -144,3 +145,28 @@ def _dump_snapshot(filename="dump_snapshot.pickle"):
 def mem_get_info(device=None):
     """The driver's answer (cudaMemGetInfo), which no allocator sees."""
     return (0, 0)
+
+
+class MemPool(_C._MemPool):
+    """torch.cuda.MemPool (PyTorch 2.6+): a private pool of the caching allocator on the current device,
+    whose segments come from `allocator` (a CUDAPluggableAllocator's allocator()) where one is given."""
+
+    def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+        super().__init__(allocator, True, use_on_oom, no_split)
+
+    def snapshot(self):
+        return _C._native().poolSegments(self.id)
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    """This thread's allocations on the device go to `pool` (PyTorch's: begin, then end and release)."""
+    from . import current_device
+
+    device_index = current_device() if device is None else _index(device)
+    _C._cuda_beginAllocateCurrentThreadToPool(device_index, pool.id)
+    try:
+        yield
+    finally:
+        _C._cuda_endAllocateToPool(device_index, pool.id)
+        _C._cuda_releasePool(device_index, pool.id)
