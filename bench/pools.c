@@ -9,8 +9,10 @@
  * against the first, as a ratio.
  *
  * Pause and resume of a pausable pool holding 1, 8 and 64 GiB in 256 MiB
- * blocks, on the sim (an 80 GiB device): the time of each, best of three,
- * without host copies and, up to 8 GiB, with them. On the sim that is the
+ * blocks, and 1 and 8 GiB as a region's pool (gcalloc.torch.region: 20 MiB
+ * segments as PyTorch's MemPool asks, 2 MiB pages), on the sim (an 80 GiB
+ * device): the time of each, best of three, without host copies and, up
+ * to 8 GiB, with them, per GiB, and the device memory the pause returned. On the sim that is the
  * bookkeeping, the unmapping and mapping calls and the pinned host
  * buffers; the copies themselves cost nothing there (no bytes move without
  * backed=1, which could not hold 64 GiB): a GPU's copy time is not in
@@ -33,27 +35,43 @@ static const char *const setting_names[SETTINGS] = {"no pools", "8 pools, none r
                                                     "on a routed stream"};
 
 #define BLOCK ((size_t)256 << 20)
+#define REGION_SEGMENT ((size_t)20 << 20)
 
-/* Pause and resume of a pool holding `gib` GiB: the best times, in ms. */
-static int pause_resume(int gib, bool backup, double *pause_ms, double *resume_ms) {
+/* One pause and resume workload: a pool of `gib` GiB in blocks of `block`
+ * bytes (GCA_POOL_FINE_PAGES with `fine`: a region's pool, whose segments
+ * PyTorch sizes), with or without host copies. */
+typedef struct pause_case {
+  int gib;
+  size_t block;
+  bool fine, backup;
+  double pause_ms, resume_ms; /* best of three */
+  size_t returned;            /* the device's free memory after the pause less before it */
+} pause_case_t;
+
+static int pause_resume(pause_case_t *c) {
   gca_allocator_t *a = NULL;
   gca_pool_t pool = 0;
   int rc = gca_open("sim:capacity=80GiB", NULL, &a);
-  if (rc == GCA_OK) rc = gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE, &pool);
+  if (rc == GCA_OK) rc = gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE | (c->fine ? GCA_POOL_FINE_PAGES : 0), &pool);
   if (rc == GCA_OK) rc = gca_pool_push(a, pool);
-  size_t blocks = (size_t)gib * ((size_t)1 << 30) / BLOCK;
+  size_t blocks = (size_t)c->gib * ((size_t)1 << 30) / c->block;
   for (size_t i = 0; rc == GCA_OK && i < blocks; i++)
-    if (!gca_malloc(a, BLOCK, 0, 0)) rc = gca_last_status();
+    if (!gca_malloc(a, c->block, 0, 0)) rc = gca_last_status();
   if (a) gca_pool_pop(a);
-  *pause_ms = *resume_ms = 1e30;
+  c->pause_ms = c->resume_ms = 1e30;
   for (int r = 0; rc == GCA_OK && r < 3; r++) {
+    size_t before = 0, after = 0, total = 0;
+    rc = gca_mem_get_info(a, 0, &before, &total);
     double t0 = tool_seconds();
-    rc = gca_pool_pause(a, pool, backup ? GCA_PAUSE_BACKUP : 0, NULL);
+    if (rc == GCA_OK) rc = gca_pool_pause(a, pool, c->backup ? GCA_PAUSE_BACKUP : 0, NULL);
     double t1 = tool_seconds();
-    if (rc == GCA_OK) rc = gca_pool_resume(a, pool, 0);
+    if (rc == GCA_OK) rc = gca_mem_get_info(a, 0, &after, &total);
     double t2 = tool_seconds();
-    if ((t1 - t0) * 1e3 < *pause_ms) *pause_ms = (t1 - t0) * 1e3;
-    if ((t2 - t1) * 1e3 < *resume_ms) *resume_ms = (t2 - t1) * 1e3;
+    if (rc == GCA_OK) rc = gca_pool_resume(a, pool, 0);
+    double t3 = tool_seconds();
+    if ((t1 - t0) * 1e3 < c->pause_ms) c->pause_ms = (t1 - t0) * 1e3;
+    if ((t3 - t2) * 1e3 < c->resume_ms) c->resume_ms = (t3 - t2) * 1e3;
+    c->returned = after - before;
   }
   gca_close(a); /* (the pool's blocks go with it) */
   return rc;
@@ -70,7 +88,9 @@ const tool_command_t bench_pools_command = {
     "\n"
     "A 4 KiB malloc+free loop on the simulated device without pools, with pools no route leads to, inside\n"
     "a thread's push of a pool, and on a stream routed to a pool: ns per pair and the ratio to the first.\n"
-    "Then pause and resume of a pool holding 1, 8 and 64 GiB, with and without host copies (docs/pools.md).\n"
+    "Then pause and resume of a pool holding 1, 8 and 64 GiB, and of a region's pool (20 MiB segments, 2 MiB\n"
+    "pages) of 1 and 8 GiB, with and without host copies: ms, ms per GiB, and the device memory returned\n"
+    "(docs/pools.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
     "  -h, --help  this help\n",
@@ -108,14 +128,18 @@ int bench_pools_main(int argc, char **argv) {
   if (a[THREAD_PUSH]) gca_pool_pop(a[THREAD_PUSH]);
   for (int s = 0; s < SETTINGS; s++) gca_close(a[s]);
   if (rc) return 1;
-  static const int gibs[3] = {1, 8, 64};
-  double pause_ms[3][2], resume_ms[3][2]; /* [size][backup] */
-  for (int i = 0; i < 3 && rc == 0; i++)
-    for (int backup = 0; backup < 2 && rc == 0; backup++) {
-      pause_ms[i][backup] = resume_ms[i][backup] = -1;
-      if (backup && gibs[i] > 8) continue; /* (the host copies of 64 GiB would need 64 GiB of host memory) */
-      rc = pause_resume(gibs[i], backup, &pause_ms[i][backup], &resume_ms[i][backup]);
-    }
+  /* 1, 8 and 64 GiB in 256 MiB blocks; 1 and 8 GiB as a region's pool
+   * (20 MiB segments, 2 MiB pages); copies up to 8 GiB (64 GiB of host
+   * copies would need 64 GiB of host memory). */
+  pause_case_t cases[] = {
+      {1, BLOCK, false, false, 0, 0, 0},          {1, BLOCK, false, true, 0, 0, 0},
+      {8, BLOCK, false, false, 0, 0, 0},          {8, BLOCK, false, true, 0, 0, 0},
+      {64, BLOCK, false, false, 0, 0, 0},         {1, REGION_SEGMENT, true, false, 0, 0, 0},
+      {1, REGION_SEGMENT, true, true, 0, 0, 0},   {8, REGION_SEGMENT, true, false, 0, 0, 0},
+      {8, REGION_SEGMENT, true, true, 0, 0, 0},
+  };
+  size_t n = sizeof cases / sizeof cases[0];
+  for (size_t i = 0; i < n && rc == 0; i++) rc = pause_resume(&cases[i]);
   if (rc) {
     fprintf(stderr, "gcalloc bench-pools: pause and resume: %s\n", gca_last_error());
     return 1;
@@ -125,21 +149,27 @@ int bench_pools_main(int argc, char **argv) {
     for (int s = 0; s < SETTINGS; s++)
       printf("%s\"%s\": {\"ns\": %.2f, \"ratio\": %.3f}", s ? ", " : "", setting_names[s], best[s],
              best[s] / best[PLAIN]);
-    printf("}, \"pause_resume_ms\": [");
-    for (int i = 0; i < 3; i++)
-      printf("%s{\"gib\": %d, \"pause\": %.3f, \"resume\": %.3f, \"pause_backup\": %.3f, \"resume_backup\": %.3f}",
-             i ? ", " : "", gibs[i], pause_ms[i][0], resume_ms[i][0], pause_ms[i][1], resume_ms[i][1]);
+    printf("}, \"pause_resume\": [");
+    for (size_t i = 0; i < n; i++)
+      printf("%s{\"gib\": %d, \"block_mib\": %zu, \"fine_pages\": %s, \"backup\": %s, \"pause_ms\": %.3f, "
+             "\"resume_ms\": %.3f, \"returned_bytes\": %zu}",
+             i ? ", " : "", cases[i].gib, cases[i].block >> 20, cases[i].fine ? "true" : "false",
+             cases[i].backup ? "true" : "false", cases[i].pause_ms, cases[i].resume_ms, cases[i].returned);
     printf("]}\n");
   } else {
     printf("hot path, 4 KiB malloc+free, best of %d rounds of %d pairs, interleaved:\n", ROUNDS - 1, PAIRS);
     for (int s = 0; s < SETTINGS; s++)
       printf("  %-22s %6.1f ns  (%.3fx)\n", setting_names[s], best[s], best[s] / best[PLAIN]);
-    printf("\npause and resume of a pool in 256 MiB blocks (sim, best of 3; copies cost nothing on the sim):\n");
-    printf("  %6s  %10s  %10s  %16s  %16s\n", "GiB", "pause ms", "resume ms", "pause+copy ms", "resume+copy ms");
-    for (int i = 0; i < 3; i++) {
-      printf("  %6d  %10.3f  %10.3f", gibs[i], pause_ms[i][0], resume_ms[i][0]);
-      if (pause_ms[i][1] >= 0) printf("  %16.3f  %16.3f\n", pause_ms[i][1], resume_ms[i][1]);
-      else printf("  %16s  %16s\n", "-", "-");
+    printf("\npause and resume of a pool (sim, best of 3; copies cost nothing on the sim), and the device memory\n"
+           "the pause returned (its free memory after less before):\n");
+    printf("  %4s  %-28s  %6s  %9s  %9s  %12s  %12s  %12s\n", "GiB", "blocks", "copies", "pause ms", "resume ms",
+           "pause ms/GiB", "resume ms/GiB", "returned GiB");
+    for (size_t i = 0; i < n; i++) {
+      char blocks[32];
+      snprintf(blocks, sizeof blocks, "%zu MiB%s", cases[i].block >> 20, cases[i].fine ? " (region, 2 MiB pages)" : "");
+      printf("  %4d  %-28s  %6s  %9.3f  %9.3f  %12.3f  %12.3f  %12.3f\n", cases[i].gib, blocks,
+             cases[i].backup ? "yes" : "no", cases[i].pause_ms, cases[i].resume_ms, cases[i].pause_ms / cases[i].gib,
+             cases[i].resume_ms / cases[i].gib, (double)cases[i].returned / (double)((size_t)1 << 30));
     }
   }
   return 0;

@@ -26,7 +26,10 @@ _TAG_DEFAULT = "default"
 
 
 class TorchMemorySaver:
-    """torch_memory_saver.TorchMemorySaver's methods (use the module's `torch_memory_saver`)."""
+    """torch_memory_saver.TorchMemorySaver's methods (use the module's `torch_memory_saver`). What it
+    does not offer raises NotImplementedError naming it, rather than being set and ignored."""
+
+    __slots__ = ()
 
     @contextlib.contextmanager
     def region(self, tag=_TAG_DEFAULT, enable_cpu_backup=False, enable_disk_backup=False, cpu_backup_backend=None):
@@ -97,6 +100,30 @@ class TorchMemorySaver:
         """Accepted for compatibility: gcalloc always works through PyTorch's MemPool ("torch")."""
         if hook_mode not in ("preload", "torch"):
             raise ValueError("hook_mode must be 'preload' or 'torch', not %r" % (hook_mode,))
+
+
+    def _not_offered(self, name, instead):
+        raise NotImplementedError("gcalloc.torch_memory_saver: %s is not offered; %s" % (name, instead))
+
+    @property
+    def memory_margin_bytes(self):
+        raise NotImplementedError("memory_margin_bytes")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value):
+        self._not_offered("memory_margin_bytes", "a resume that finds too little free memory fails with "
+                          "gcalloc.OutOfMemoryError, the region paused as before")
+
+    @property
+    def retain_cpu_backup(self):
+        return False
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value):
+        self._not_offered("retain_cpu_backup", "gcalloc.torch.resume(tag, keep_backup=True) keeps the copies")
+
+    def set_disk_backup_dir(self, path):
+        self._not_offered("set_disk_backup_dir", "use enable_cpu_backup=True")
 
 
 torch_memory_saver = TorchMemorySaver()

@@ -193,6 +193,13 @@ def test_torch_memory_saver_names():
         except NotImplementedError as e:
             assert "enable_cpu_backup" in str(e)
         assert torch_memory_saver.enabled
+        for name, value in (("memory_margin_bytes", 1 << 30), ("retain_cpu_backup", True), ("extra", 1)):
+            try:
+                setattr(torch_memory_saver, name, value)
+            except (NotImplementedError, AttributeError) as e:
+                assert name in str(e) or "attribute" in str(e), e
+            else:
+                raise AssertionError("%s was set and would be ignored" % name)
     """)
 
 
