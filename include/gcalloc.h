@@ -845,8 +845,9 @@ GCA_API int gca_pool_pause(gca_allocator_t *a, gca_pool_t pool, unsigned flags, 
  * pinning), or its end. Room is made as
  * for an allocation: the process's own cache given back, then (with
  * ipc_cooperation:True) the other processes asked. Out of memory:
- * GCA_ERR_OOM naming the pool's need, and the pages mapped before it ran
- * out given back: the pool is paused exactly as before (call again, free
+ * GCA_ERR_OOM naming the pool's need (and, cooperating, what each other
+ * process holds and released), and the pages mapped before it ran out
+ * given back: the pool is paused exactly as before (call again, free
  * into it, or release it). Resuming a running pool is refused and changes
  * nothing. */
 enum { GCA_RESUME_KEEP_BACKUP = 1 };

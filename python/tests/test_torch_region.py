@@ -221,3 +221,76 @@ def test_under_install_a_region_is_the_tags_pool():
         else:
             raise AssertionError("captured under install()")
     """)
+
+
+TURNS = """
+import sys
+from gcalloc.torch import region, pause, resume
+tag, first = sys.argv[1], True
+print("ready", os.getpid(), flush=True)
+for line in sys.stdin:
+    command = line.split()
+    try:
+        if first:
+            with region(tag):
+                held = torch.empty(int(command[1]) * MiB)
+            first = False
+        else:
+            resume(tag)
+        if command[0] == "turn":
+            pause(tag)
+        print("ok", flush=True)
+    except Exception as e:
+        print("error %s: %s" % (type(e).__name__, " ".join(str(e).split())), flush=True)
+"""
+
+
+def spawn(code, env, *args):
+    """`code` after PRELUDE in a child process with the stand-in torch, reading commands on its stdin."""
+    import os
+    import subprocess
+    import sys
+
+    import gcalloc
+    from test_torch_hooks import PRELUDE, STANDIN, torch_with_libc10
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
+    environment = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, **env)
+    environment["PYTHONPATH"] = os.pathsep.join([torch_with_libc10(), STANDIN, package,
+                                                 os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args], env=environment,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def ask(child, command):
+    child.stdin.write(command + "\n")
+    child.stdin.flush()
+    return child.stdout.readline().strip()
+
+
+def test_two_processes_take_turns_on_one_device():
+    """A trainer and an engine in two processes, each with 80 MiB live in a region of a 128 MiB shared
+    device, take turns by pausing: every turn resumes without running out of memory. A process that
+    does not pause makes the other's resume fail, with an error naming what it needed, the region paused
+    as before (and resumed once the memory is back)."""
+    import os
+
+    env = {"GCALLOC_TORCH_BACKEND": "sim:shared=regions-%d,capacity=128MiB" % os.getpid(),
+           "GCALLOC_ALLOC_CONF": "ipc_cooperation:True,ipc_release_timeout_ms:300", "PYTORCH_CUDA_ALLOC_CONF": ""}
+    engine, trainer = spawn(TURNS, env, "kv_cache"), spawn(TURNS, env, "train")
+    try:
+        pids = [int(c.stdout.readline().split()[1]) for c in (engine, trainer)]
+        results = []
+        for turn in range(6):
+            results += [ask(engine, "turn 80"), ask(trainer, "turn 80")]
+        assert results == ["ok"] * 12, results
+        assert ask(trainer, "hold 80") == "ok"  # (resumed, not paused)
+        refused = ask(engine, "turn 80")
+        assert refused.startswith("error OutOfMemoryError") and "80.00 MiB" in refused, refused
+        assert "pid %d holds 80.00 MiB, 0 bytes of it cached" % pids[1] in refused, refused
+        assert ask(trainer, "turn 80") == "ok"  # (it pauses now)
+        assert ask(engine, "turn 80") == "ok"
+    finally:
+        for child in (engine, trainer):
+            child.stdin.close()
+            child.wait(30)

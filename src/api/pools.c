@@ -205,6 +205,13 @@ int gca_pool_resume(gca_allocator_t *a, gca_pool_t pool, unsigned flags) {
       char text[32];
       gca__format_bytes(need, text, sizeof text);
       gca__prefix_error("gca_pool_resume: pool %" PRIu64 " needs %s mapped back and stays paused", pool, text);
+      if (rc == GCA_ERR_OOM && d->coop) {
+        char others[1024];
+        gca__coop_describe_others(d->coop, others, sizeof others);
+        const char *asked = gca__coop_last(d->coop);
+        gca__append_error(". Processes sharing the device: %s; asked to release their cache: %s.", others,
+                          asked[0] ? asked : "none caches anything");
+      }
     }
   }
   if (rc == GCA_OK) {

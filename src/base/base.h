@@ -57,6 +57,8 @@ int gca__set_error(int status, const char *fmt, ...) GCA_PRINTF(2, 3);
 /* Put "prefix: " (formatted) before the current error message; returns
  * its status. */
 int gca__prefix_error(const char *fmt, ...) GCA_PRINTF(1, 2);
+/* Add text after the current error's message (cut to fit); returns its status. */
+int gca__append_error(const char *fmt, ...) GCA_PRINTF(1, 2);
 void gca__clear_error(void);
 /* Log a message through the installed handler. The handler never runs under
  * a lock of the library: a region that holds one and may log is bracketed

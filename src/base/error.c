@@ -66,6 +66,17 @@ int gca__prefix_error(const char *fmt, ...) {
   return last_status;
 }
 
+int gca__append_error(const char *fmt, ...) {
+  size_t len = strlen(last_text);
+  if (len + 1 < ERROR_TEXT_MAX) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_text + len, ERROR_TEXT_MAX - len, fmt, ap);
+    va_end(ap);
+  }
+  return last_status;
+}
+
 void gca__clear_error(void) {
   last_status = GCA_OK;
   last_text[0] = '\0';

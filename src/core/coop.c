@@ -671,6 +671,25 @@ void gca__coop_tally_keep(coop_t *c, const coop_tally_t *t) {
 
 const char *gca__coop_last(const coop_t *c) { return c ? c->last : ""; }
 
+void gca__coop_describe_others(const coop_t *c, char *buf, size_t cap) {
+  text_t o = {buf, cap, 0};
+  buf[0] = 0;
+  uint64_t now = gca__now_ns();
+  for (int i = 0; i < COOP_SLOTS; i++) {
+    const coop_slot_t *s = &c->r->slots[i];
+    int32_t pid = atomic_load(&s->pid);
+    if (i == c->slot || !pid) continue;
+    gca_ipc_peer_t p = published(s, pid, now);
+    char held[32], cached[32], paused[32];
+    gca__format_bytes(p.reserved_bytes, held, sizeof held);
+    gca__format_bytes(p.cached_bytes, cached, sizeof cached);
+    gca__format_bytes(p.paused_bytes, paused, sizeof paused);
+    gca__text_put(&o, "%spid %d holds %s, %s of it cached", o.len ? "; " : "", (int)pid, held, cached);
+    if (p.paused_bytes) gca__text_put(&o, " (%s more paused)", paused);
+  }
+  if (!o.len) gca__text_put(&o, "no other process");
+}
+
 size_t gca__coop_outside(const coop_t *c, size_t total, size_t free_bytes) {
   uint64_t reserved = 0;
   for (int i = 0; i < COOP_SLOTS; i++) {

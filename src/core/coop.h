@@ -70,6 +70,10 @@ void gca__device_peers_done(device_t *d, const coop_tally_t *tally);
 /* With the device's lock held: what the last request got, by peer, for
  * the out-of-memory message. */
 const char *gca__coop_last(const coop_t *c);
+/* What every other member holds, as last published, into buf ("pid 4242
+ * holds 80.00 MiB, 0 B of it cached; ..."; "no other process" when
+ * alone), for a message. No lock: a member's figures are atomics. */
+void gca__coop_describe_others(const coop_t *c, char *buf, size_t cap);
 /* With the device's lock held, after the device's reserved bytes changed
  * (a segment or pages obtained or given back): publish them at once and
  * count the change, so that readers see one consistent view (coop.c). */
