@@ -422,9 +422,11 @@ static int charge(sim_t *s, sim_device_t *dev, int device, size_t size, size_t f
                           (unsigned long long)call, device);
   size_t free_bytes = 0;
   if (s->shared) { /* taken from the shared device now; uncharge() gives it back if the caller fails after */
-    if (gca__sim_shared_charge(s->shared, device, footprint, &free_bytes) != GCA_OK)
+    int rc = gca__sim_shared_charge(s->shared, device, footprint, &free_bytes);
+    if (rc == GCA_ERR_OOM)
       return gca__set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free to all the "
                             "processes sharing it)", device, size, free_bytes);
+    if (rc != GCA_OK) return rc; /* (its lock out of reach: the message says why) */
   } else if (footprint > s->capacity - dev->used) {
     return gca__set_error(GCA_ERR_OOM, "sim: device %d is out of memory (%zu bytes asked, %zu free)", device, size,
                           s->capacity - dev->used);

@@ -4,6 +4,11 @@
  * would on one GPU. Everything else of the sim (addresses, streams, events)
  * stays per process, as a GPU's address space is.
  *
+ * A process may be stopped (SIGSTOP, a suspended job) at any point, the
+ * lock held: the free memory is read without the lock, and every wait for
+ * it lasts at most a second, after which a charge fails naming the holder
+ * and a release is kept back for the next time the lock is taken.
+ *
  * The region, /gcalloc-sim-NAME (mode 0600: the same user only), holds a
  * header checked by every joiner (magic, version, size, devices,
  * capacity), a process-shared robust mutex, and a slot per process: its
@@ -17,6 +22,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,16 +35,22 @@
 #include "backends/sim_shared.h"
 
 #define SHARED_MAGIC 0x4843534d49534347ull /* "GCSIMSCH" */
-#define SHARED_VERSION 3u
+#define SHARED_VERSION 4u
+/* How long a process waits for the region's lock: a holder may be stopped
+ * (SIGSTOP, a suspended job), and a robust mutex waits for a stopped
+ * process for ever. */
+#define LOCK_WAIT_NS 1000000000u
 #define SHARED_SLOTS 64
 #define SHARED_DEVICES 64
 
+/* Written under the region's lock, and read without it too (the free
+ * memory a process asks for): atomics. */
 typedef struct shared_slot {
-  int32_t pid; /* 0: free */
-  uint64_t start_time;
-  uint64_t pidns; /* the pid namespace the pid is in */
-  uint32_t locked; /* its process holds the slot's lock byte (gca__slot_alive) */
-  uint64_t used[SHARED_DEVICES];
+  _Atomic int32_t pid; /* 0: free */
+  _Atomic uint64_t start_time;
+  _Atomic uint64_t pidns; /* the pid namespace the pid is in */
+  _Atomic uint32_t locked; /* its process holds the slot's lock byte (gca__slot_alive) */
+  _Atomic uint64_t used[SHARED_DEVICES];
 } shared_slot_t;
 
 typedef struct shared_region {
@@ -47,6 +59,7 @@ typedef struct shared_region {
   uint32_t devices;
   uint64_t capacity;
   pthread_mutex_t lock;
+  _Atomic int32_t holder; /* the pid holding the lock (for a message) */
   shared_slot_t slots[SHARED_SLOTS];
 } shared_region_t;
 
@@ -55,31 +68,71 @@ struct sim_shared {
   int fd; /* the region's file, open while the slot is held: its lock byte (-1: none) */
   int slot;
   char name[96]; /* the region's path, for shm_unlink */
+  /* Releases that could not take the lock in time, given back at the next
+   * that does (the bytes stay charged meanwhile: never counted free twice). */
+  _Atomic uint64_t unreleased[SHARED_DEVICES];
 };
 
 /* Slot i's process alive, looked at through the region's file `fd`. With the lock held. */
 static bool slot_alive(const shared_region_t *r, int fd, int i) {
   const shared_slot_t *s = &r->slots[i];
-  return gca__slot_alive(fd, i, s->locked != 0, s->pid, s->start_time, s->pidns);
+  return gca__slot_alive(fd, i, atomic_load(&s->locked) != 0, atomic_load(&s->pid), atomic_load(&s->start_time),
+                         atomic_load(&s->pidns));
 }
 
-static void region_lock(shared_region_t *r) { gca__shared_mutex_lock(&r->lock, RANK_SIM_SHARED); }
+/* A slot emptied, its pid first (a reader without the lock then skips it). */
+static void slot_clear(shared_slot_t *s) {
+  atomic_store(&s->pid, 0);
+  atomic_store(&s->start_time, 0);
+  atomic_store(&s->pidns, 0);
+  atomic_store(&s->locked, 0);
+  for (int d = 0; d < SHARED_DEVICES; d++) atomic_store(&s->used[d], 0);
+}
 
-static void region_unlock(shared_region_t *r) { gca__shared_mutex_unlock(&r->lock); }
+/* The region's lock within LOCK_WAIT_NS; false (not held) past it. */
+static bool region_lock(shared_region_t *r) {
+  if (!gca__shared_mutex_lock_within(&r->lock, RANK_SIM_SHARED, LOCK_WAIT_NS)) return false;
+  atomic_store(&r->holder, (int32_t)getpid());
+  return true;
+}
+
+static void region_unlock(shared_region_t *r) {
+  atomic_store(&r->holder, 0);
+  gca__shared_mutex_unlock(&r->lock);
+}
+
+static int lock_stuck(const shared_region_t *r, const char *name, int device) {
+  return gca__set_error(GCA_ERR_BACKEND, "sim: device %d of %s: the region's lock is held by pid %d, which has not let it "
+                        "go for %u ms (stopped?)", device, name, (int)atomic_load(&r->holder),
+                        LOCK_WAIT_NS / 1000000u);
+}
+
+/* Releases kept back while the lock was out of reach; with the lock held. */
+static void settle_unreleased(sim_shared_t *sh) {
+  for (int d = 0; d < SHARED_DEVICES; d++) {
+    uint64_t bytes = atomic_exchange(&sh->unreleased[d], 0);
+    if (!bytes) continue;
+    uint64_t u = atomic_load(&sh->r->slots[sh->slot].used[d]);
+    atomic_store(&sh->r->slots[sh->slot].used[d], bytes > u ? 0 : u - bytes);
+  }
+}
 
 /* Give back the slots of dead processes, this process's own (`own`, whose
  * lock its own file does not see as another's) aside; with the lock held. */
 static void reclaim_dead(shared_region_t *r, int fd, int own) {
   for (int i = 0; i < SHARED_SLOTS; i++)
-    if (i != own && r->slots[i].pid && !slot_alive(r, fd, i)) memset(&r->slots[i], 0, sizeof r->slots[i]);
+    if (i != own && atomic_load(&r->slots[i].pid) && !slot_alive(r, fd, i)) slot_clear(&r->slots[i]);
 }
 
-/* Bytes held on `device` by every process, saturating at the capacity (a
- * value beyond it can only be a corrupted region). With the lock held. */
-static uint64_t used_total(const shared_region_t *r, int device) {
+/* Bytes held on `device` by every process (with `alive_only`, by those
+ * alive: the memory of a dead one is the device's again, as a driver's,
+ * before its slot is reclaimed), saturating at the capacity (a value
+ * beyond it can only be a corrupted region). */
+static uint64_t used_total(const shared_region_t *r, int fd, int own, int device, bool alive_only) {
   uint64_t total = 0;
   for (int i = 0; i < SHARED_SLOTS; i++) {
-    uint64_t u = r->slots[i].pid ? r->slots[i].used[device] : 0;
+    if (!atomic_load(&r->slots[i].pid) || (alive_only && i != own && !slot_alive(r, fd, i))) continue;
+    uint64_t u = atomic_load(&r->slots[i].used[device]);
     total = u > r->capacity - total ? r->capacity : total + u;
   }
   return total;
@@ -148,18 +201,24 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   }
   sim_shared_t *sh = rc == GCA_OK ? calloc(1, sizeof *sh) : NULL;
   if (rc == GCA_OK && !sh) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
+  if (rc == GCA_OK && !region_lock(r)) {
+    rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: the region's lock is held by pid %d, which has not "
+                        "let it go for %u ms (stopped?)", name, (int)atomic_load(&r->holder), LOCK_WAIT_NS / 1000000u);
+    free(sh);
+    sh = NULL;
+  }
   if (rc == GCA_OK) {
-    region_lock(r);
     reclaim_dead(r, fd, -1);
     int slot = -1;
     for (int i = 0; i < SHARED_SLOTS && slot < 0; i++)
-      if (!r->slots[i].pid) slot = i;
+      if (!atomic_load(&r->slots[i].pid)) slot = i;
     if (slot >= 0) {
-      memset(&r->slots[slot], 0, sizeof r->slots[slot]);
-      r->slots[slot].pid = (int32_t)getpid();
-      r->slots[slot].start_time = gca__process_start_time((int)getpid());
-      r->slots[slot].pidns = gca__pid_namespace();
-      r->slots[slot].locked = gca__slot_lock(fd, slot, true); /* (under the region's lock: seen whole) */
+      shared_slot_t *s = &r->slots[slot];
+      slot_clear(s);
+      atomic_store(&s->start_time, gca__process_start_time((int)getpid()));
+      atomic_store(&s->pidns, gca__pid_namespace());
+      atomic_store(&s->locked, gca__slot_lock(fd, slot, true)); /* (under the region's lock: seen whole) */
+      atomic_store(&s->pid, (int32_t)getpid()); /* (last: a reader without the lock sees the slot whole) */
     }
     region_unlock(r);
     if (slot < 0) rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: %d processes use it already", name,
@@ -199,12 +258,19 @@ void gca__sim_shared_forget(sim_shared_t *sh) {
 void gca__sim_shared_leave(sim_shared_t *sh) {
   if (!sh) return;
   shared_region_t *r = sh->r;
-  region_lock(r);
-  memset(&r->slots[sh->slot], 0, sizeof r->slots[sh->slot]);
+  if (!region_lock(r)) { /* (its holder, when it runs again, finds the slot free) */
+    slot_clear(&r->slots[sh->slot]);
+    (void)gca__slot_lock(sh->fd, sh->slot, false);
+    close(sh->fd);
+    munmap(r, sizeof *r);
+    free(sh);
+    return;
+  }
+  slot_clear(&r->slots[sh->slot]);
   (void)gca__slot_lock(sh->fd, sh->slot, false);
   reclaim_dead(r, sh->fd, sh->slot);
   bool alone = true;
-  for (int i = 0; i < SHARED_SLOTS; i++) alone &= r->slots[i].pid == 0;
+  for (int i = 0; i < SHARED_SLOTS; i++) alone &= atomic_load(&r->slots[i].pid) == 0;
   if (alone) shm_unlink(sh->name); /* the last one out; a process joining meanwhile keeps its mapping */
   region_unlock(r);
   close(sh->fd);
@@ -214,14 +280,19 @@ void gca__sim_shared_leave(sim_shared_t *sh) {
 
 int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *free_bytes) {
   shared_region_t *r = sh->r;
-  region_lock(r);
-  uint64_t used = used_total(r, device);
+  if (!region_lock(r)) {
+    *free_bytes = gca__sim_shared_free(sh, device);
+    return lock_stuck(r, sh->name, device);
+  }
+  if (getenv("GCALLOC_TEST_SIM_SHARED_STOP_LOCKED")) raise(SIGSTOP); /* (test hook: stopped holding the lock) */
+  settle_unreleased(sh);
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, false);
   if (bytes > r->capacity - used) { /* dead processes' memory comes back first */
     reclaim_dead(r, sh->fd, sh->slot);
-    used = used_total(r, device);
+    used = used_total(r, sh->fd, sh->slot, device, false);
   }
   bool fits = bytes <= r->capacity - used;
-  if (fits) r->slots[sh->slot].used[device] += bytes;
+  if (fits) atomic_fetch_add(&r->slots[sh->slot].used[device], bytes);
   *free_bytes = (size_t)(r->capacity - used - (fits ? bytes : 0));
   region_unlock(r);
   return fits ? GCA_OK : GCA_ERR_OOM;
@@ -229,17 +300,24 @@ int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *f
 
 void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
   shared_region_t *r = sh->r;
-  region_lock(r);
-  uint64_t *u = &r->slots[sh->slot].used[device];
-  *u = bytes > *u ? 0 : *u - bytes;
+  if (!region_lock(r)) {
+    atomic_fetch_add(&sh->unreleased[device], bytes);
+    gca__clear_error();
+    return;
+  }
+  settle_unreleased(sh);
+  _Atomic uint64_t *u = &r->slots[sh->slot].used[device];
+  uint64_t held = atomic_load(u);
+  atomic_store(u, bytes > held ? 0 : held - bytes);
   region_unlock(r);
 }
 
+/* The device's free memory, read without the lock (a process stopped while
+ * it holds the lock does not stop the others asking): what every process
+ * alive holds, this one's releases kept back counted free. */
 size_t gca__sim_shared_free(sim_shared_t *sh, int device) {
   shared_region_t *r = sh->r;
-  region_lock(r);
-  reclaim_dead(r, sh->fd, sh->slot);
-  size_t free_bytes = (size_t)(r->capacity - used_total(r, device));
-  region_unlock(r);
-  return free_bytes;
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, true), kept = atomic_load(&sh->unreleased[device]);
+  used = kept > used ? 0 : used - kept;
+  return (size_t)(r->capacity - used);
 }
