@@ -151,6 +151,7 @@ struct pool {
   unsigned class_cap;
   int kind;                  /* GCA_POOL_SMALL or GCA_POOL_LARGE */
   bool pausable;             /* its segments are expandable whatever the configuration (mempool.c) */
+  bool fine_pages;           /* GCA_POOL_FINE_PAGES: its expandable segments map 2 MiB pages */
   size_t expandable_segments; /* of this pool: while 0, best fit pays one branch for them */
   struct mempool *owner;     /* the private pool it belongs to; NULL: the device's default pools */
   struct unmapped_index unmapped; /* unmapped blocks by (stream, address) */

@@ -159,7 +159,7 @@ static size_t page_size_of(const device_t *d, const pool_t *pool) {
    * page holds memory that is neither live nor releasable, and "the live
    * memory of all processes fits" is what the device can hold.) */
   bool fine = pool->kind == GCA_POOL_SMALL || d->config.stitching || d->config.ipc_cooperation ||
-              (pool->owner && pool->owner->fine_pages);
+              pool->fine_pages;
   size_t want = fine ? SMALL_BUFFER : LARGE_BUFFER;
   size_t g = d->vm.granularity;
   return (want + g - 1) / g * g;

@@ -283,7 +283,7 @@ int gca_pool_create_ex(gca_allocator_t *a, int device, unsigned flags, gca_pool_
   gca__pool_init(&mp->large, GCA_POOL_LARGE);
   mp->small.owner = mp->large.owner = mp;
   mp->pausable = mp->small.pausable = mp->large.pausable = (flags & GCA_POOL_PAUSABLE) != 0;
-  mp->fine_pages = (flags & GCA_POOL_FINE_PAGES) != 0;
+  mp->small.fine_pages = mp->large.fine_pages = (flags & GCA_POOL_FINE_PAGES) != 0;
   mp->device = d;
   mp->references = 1;
   lock_acquire(&d->lock);

@@ -24,7 +24,6 @@ typedef struct mempool {
   size_t thread_routes;      /* threads' pushes naming it, not yet popped */
   size_t stream_routes;      /* streams routed to it */
   bool pausable, paused;
-  bool fine_pages;           /* GCA_POOL_FINE_PAGES: 2 MiB pages in both size classes */
   pool_backup_t *backups;    /* host copies (a pause's, or kept at resume) */
   size_t backup_count, backup_cap, backup_bytes;
   /* Gives a host copy back (the front end's: the host allocator is above
