@@ -165,7 +165,7 @@ int bench_pools_main(int argc, char **argv) {
     printf("  %4s  %-28s  %6s  %9s  %9s  %12s  %12s  %12s\n", "GiB", "blocks", "copies", "pause ms", "resume ms",
            "pause ms/GiB", "resume ms/GiB", "returned GiB");
     for (size_t i = 0; i < n; i++) {
-      char blocks[32];
+      char blocks[64];
       snprintf(blocks, sizeof blocks, "%zu MiB%s", cases[i].block >> 20, cases[i].fine ? " (region, 2 MiB pages)" : "");
       printf("  %4d  %-28s  %6s  %9.3f  %9.3f  %12.3f  %12.3f  %12.3f\n", cases[i].gib, blocks,
              cases[i].backup ? "yes" : "no", cases[i].pause_ms, cases[i].resume_ms, cases[i].pause_ms / cases[i].gib,
