@@ -5,7 +5,8 @@
 # that machine's processors, the Python package, pausable pools and processes
 # sharing the GPU under PyTorch, the allocator's own cost beside PyTorch's in
 # one process, gcalloc plugged into PyTorch beside PyTorch's own allocators,
-# and a CUDA graph captured through the drop-in's graph hooks.
+# a CUDA graph captured through the drop-in's graph hooks, and regions that
+# pause and resume behind PyTorch's MemPool.
 # usage: scripts/gpu-check.sh [BUILD_DIR [OUT_DIR]]   (defaults: build, gpu-check-out)
 # BUILD_DIR is a configured and built tree (cmake -S . -B build && cmake --build build).
 # Every step runs even when one before it failed; the exit status says
@@ -43,6 +44,11 @@ step cuda_graph env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python pyt
 # install() builds against the running PyTorch's headers).
 step torch_oom env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -p no:cacheprovider \
   python/tests/test_torch_gpu.py -k out_of_memory
+# Regions behind PyTorch's MemPool: weights and KV-cache-like buffers in two
+# tags, a graph captured into one, 20 pauses and resumes with the output
+# unchanged, the free memory each pause gave, ms per GiB (its log has them).
+step regions env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -s -p no:cacheprovider \
+  python/tests/test_torch_gpu.py -k regions
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \
   --out "$out/pytorch" --json "$out/pytorch.json"
 finish gpu-check

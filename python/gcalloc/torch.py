@@ -777,6 +777,11 @@ def cuda_graph(graph, pool=None, stream=None, capture_error_mode="global", tag="
     with region(tag, cpu_backup):
         with _region_lock:
             r = _regions[(tag, bool(cpu_backup), _current_device())]
-        with torch.cuda.graph(graph, pool=r.mempool.id if pool is None else pool, stream=stream,
-                              capture_error_mode=capture_error_mode):
-            yield
+        if stream is None:  # (a stream of its own, so that gcalloc knows which one captures)
+            stream = torch.cuda.Stream()
+        # gcalloc capture-safe on the device while the driver captures: nothing freed, synchronized or
+        # queried there (docs/pools.md, "Graph capture"); begun before the capture, ended after it.
+        with r.allocator.capture(r.pool_id, stream.cuda_stream):
+            with torch.cuda.graph(graph, pool=r.mempool.id if pool is None else pool, stream=stream,
+                                  capture_error_mode=capture_error_mode):
+                yield

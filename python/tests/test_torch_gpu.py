@@ -135,3 +135,68 @@ def test_out_of_memory_is_torch_out_of_memory_error():
     built, said = run(OOM)
     assert built == "True", "the raiser of c10::OutOfMemoryError was not built"
     assert said == "True"
+
+
+# Regions behind PyTorch's MemPool (gcalloc.torch.region): a small model's weights (with a host copy) and
+# KV-cache-like buffers (without) in two tags, a CUDA graph captured into the KV region, 20 cycles of
+# pause and resume, the graph's output the same every time; the device's free memory before and after
+# each pause, and the pause and resume times per GiB. With expandable segments in PyTorch's
+# configuration, which a region turns off while it is entered.
+REGIONS = r"""
+import json, time, torch, gcalloc.torch as gt
+torch.manual_seed(0)
+with gt.region("weights", cpu_backup=True):
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda().half()
+with gt.region("kv"):
+    kv = torch.zeros(64, 4096, 4096, dtype=torch.half, device="cuda")  # 2 GiB
+    x = torch.randn(16, 4096, dtype=torch.half, generator=torch.Generator().manual_seed(0)).cuda()
+outside = torch.ones(1 << 20, device="cuda")  # PyTorch's own allocator
+graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+stream.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(stream):
+    y = model(x) + kv[0, :16]  # (warm-up outside the capture)
+torch.cuda.current_stream().wait_stream(stream)
+with gt.cuda_graph(graph, tag="kv"):
+    y = model(x) + kv[0, :16]
+graph.replay()
+torch.cuda.synchronize()
+expected = y.clone()
+freed, pause_ms, resume_ms, same = [], [], [], 0
+for cycle in range(20):
+    free0 = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    released = gt.pause("kv") + gt.pause("weights")
+    t1 = time.perf_counter()
+    free1 = torch.cuda.mem_get_info()[0]
+    gt.resume()
+    t2 = time.perf_counter()
+    kv.zero_(); x.copy_(torch.randn(16, 4096, dtype=torch.half, generator=torch.Generator().manual_seed(0)).cuda())
+    freed.append(free1 - free0)
+    pause_ms.append((t1 - t0) * 1e3 / (released / 2**30))
+    resume_ms.append((t2 - t1) * 1e3 / (released / 2**30))
+    graph.replay()
+    torch.cuda.synchronize()
+    same += bool(torch.equal(y, expected))
+print(json.dumps({"released": released, "freed_min": min(freed), "same": same, "outside": float(outside.sum()),
+                  "pause_ms_per_gib": sorted(pause_ms)[10], "resume_ms_per_gib": sorted(resume_ms)[10]},
+                 separators=(",", ":")))
+"""
+
+
+def test_regions_pause_and_resume_at_the_same_addresses():
+    import json
+
+    env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        (line,) = run(REGIONS)
+    finally:
+        if env_before is None:
+            del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = env_before
+    result = json.loads(line)
+    print("regions on this GPU:", result)
+    assert result["same"] == 20, result
+    assert result["freed_min"] >= result["released"] * 0.95, result  # (the driver's free memory rose by it)
+    assert result["outside"] == float(1 << 20)

@@ -9,7 +9,11 @@ _initialized = [False]
 
 
 class Stream:
-    def __init__(self, cuda_stream):
+    _next = [0x5000]
+
+    def __init__(self, cuda_stream=None):
+        if cuda_stream is None:  # (a new stream: a handle of its own)
+            cuda_stream, Stream._next[0] = Stream._next[0], Stream._next[0] + 0x10
         self.cuda_stream = cuda_stream
 
 
