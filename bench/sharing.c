@@ -382,11 +382,11 @@ int bench_sharing_main(int argc, char **argv) {
    * stopped half-way. */
   int burst_count = quick ? 40 : 5000, stop_ms = quick ? 1000 : 5000;
   burst_setting_t bursts[] = {
-      {NULL, "a device with room for all", 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-      {NULL, "cooperation off", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-      {"ipc_cooperation:True", "cooperation on", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-      {"ipc_cooperation:True", "on, a peer killed half-way", 0, SIGKILL, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-      {"ipc_cooperation:True", "on, a peer stopped half-way", 0, SIGSTOP, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+      {.conf = NULL, .label = "a device with room for all", .room = 1},
+      {.conf = NULL, .label = "cooperation off"},
+      {.conf = "ipc_cooperation:True", .label = "cooperation on"},
+      {.conf = "ipc_cooperation:True", .label = "on, a peer killed half-way", .signal = SIGKILL},
+      {.conf = "ipc_cooperation:True", .label = "on, a peer stopped half-way", .signal = SIGSTOP},
   };
   const int burst_settings = (int)(sizeof bursts / sizeof bursts[0]);
   if (bench_sharing_bursts(bursts, burst_settings, burst_count, stop_ms)) {
@@ -409,9 +409,10 @@ int bench_sharing_main(int argc, char **argv) {
       printf("%s{\"setting\": \"%s\", \"jobs\": 4, \"bursts\": %" PRId64 ", \"failed\": %" PRId64 ", \"ooms\": %" PRId64
              ", \"counted_avoidable\": %" PRId64 ", \"requests\": %" PRId64 ", \"rounds\": %" PRId64
              ", \"allocations\": %" PRId64 ", \"malloc_p99_ms\": %.3f, \"round_trip_ms\": {\"p50\": %.3f, \"p99\": %.3f}"
-             ", \"wall_s\": %.3f, \"wall_vs_room\": %.3f}",
+             ", \"wall_s\": %.3f, \"wall_vs_room\": %.3f, \"admit_timeouts\": %" PRId64 ", \"errors\": %" PRId64 "}",
              i ? ", " : "", b->label, b->bursts, b->failed, b->ooms, b->avoidable, b->requests, b->rounds,
-             b->allocations, b->malloc_p99_ms, b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s);
+             b->allocations, b->malloc_p99_ms, b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s,
+             b->admit_timeouts, b->errors);
     }
     printf("], \"round_trip_us\": {\"median\": %.1f, \"p99\": %.1f}, \"hot_path_ns\": {\"off\": %.1f, \"on\": %.1f, "
            "\"ratio\": %.3f}, \"round_trips_refused\": %d}\n", median, p99, best_off, best_on, best_on / best_off, refused);
@@ -442,6 +443,15 @@ int bench_sharing_main(int argc, char **argv) {
       printf("%-30s  %7" PRId64 "  %6" PRId64 "  %5" PRId64 "  %9" PRId64 "  %8" PRId64 "  %6" PRId64 "  %13.2f  %8.2f / %8.2f  %8.2f  %6.3fx\n",
              b->label, b->bursts, b->failed, b->ooms, b->avoidable, b->requests, b->rounds, b->malloc_p99_ms,
              b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s);
+    }
+    for (int i = 0; i < burst_settings; i++) {
+      const burst_setting_t *b = &bursts[i];
+      if (b->admit_timeouts)
+        printf("  %s: %" PRId64 " bursts failed waiting %d s for admission\n", b->label, b->admit_timeouts,
+               BURST_ADMIT_WAIT_S);
+      if (b->errors)
+        printf("  %s: %" PRId64 " allocations refused with an error other than out of memory, the first: %s\n",
+               b->label, b->errors, b->first_error);
     }
   }
   munmap(board, sizeof *board);

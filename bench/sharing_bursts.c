@@ -37,10 +37,11 @@
 #define BURST_JOBS 4
 #define BURST_CAPACITY (4096 * MIB)
 #define SAMPLES 65536 /* allocation latencies kept per job */
-#define ADMIT_WAIT_S 60
+#define ADMIT_WAIT_S BURST_ADMIT_WAIT_S
 
 typedef struct {
-  int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations;
+  int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations, admit_timeouts, errors;
+  char first_error[256];
   int kept, asked;
   float alloc_ms[SAMPLES];
   float asked_ms[SAMPLES / 4];
@@ -111,6 +112,7 @@ static void burst_job(const char *spec, const char *conf, int me, int bursts, un
     double hold = 5 + (double)(NEXT() % 36);
     if (!admit(me, total)) {
       j->failed++;
+      j->admit_timeouts++;
       continue;
     }
     void *held[8];
@@ -126,6 +128,8 @@ static void burst_job(const char *spec, const char *conf, int me, int bursts, un
       if (j->kept < SAMPLES) j->alloc_ms[j->kept++] = (float)ms;
       if (after.num_ipc_requests != before.num_ipc_requests && j->asked < SAMPLES / 4) j->asked_ms[j->asked++] = (float)ms;
       if (!held[i]) failed = true;
+      if (!held[i] && gca_last_status() != GCA_ERR_OOM && !j->errors++)
+        snprintf(j->first_error, sizeof j->first_error, "%s", gca_last_error());
     }
     sleep_ms(hold);
     for (int i = 0; i < k; i++)
@@ -213,6 +217,9 @@ static int run_setting(burst_setting_t *set, int bursts, int stop_ms) {
     set->requests += j->requests;
     set->rounds += j->rounds;
     set->allocations += j->allocations;
+    set->admit_timeouts += j->admit_timeouts;
+    if (j->errors && !set->errors) snprintf(set->first_error, sizeof set->first_error, "%s", j->first_error);
+    set->errors += j->errors;
     memcpy(all + n, j->alloc_ms, (size_t)j->kept * sizeof *all);
     n += j->kept;
     memcpy(asked + m, j->asked_ms, (size_t)j->asked * sizeof *asked);

@@ -5,6 +5,9 @@
 
 #include <stdint.h>
 
+/* How long a burst waits for room on the admission board before it counts as failed. */
+#define BURST_ADMIT_WAIT_S 60
+
 /* One setting: what it runs (conf, label, room, signal), then what it
  * measured (from `bursts` on: zeroed before each run). */
 typedef struct burst_setting {
@@ -14,7 +17,10 @@ typedef struct burst_setting {
   int signal;        /* 0, SIGKILL or SIGSTOP: sent to one job half-way */
   int index;
   int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations;
+  int64_t admit_timeouts, errors; /* bursts failed by a wait for admission that ran out; allocations refused
+                                     with an error other than out of memory */
   double malloc_p99_ms, trip_p50_ms, trip_p99_ms, wall_s;
+  char first_error[256];          /* the first of those errors */
 } burst_setting_t;
 
 /* Run `count` settings of `bursts` bursts per job (a SIGSTOP lasts

@@ -213,6 +213,23 @@ static inline void start_watchdog(const char *program, unsigned seconds) {
   alarm(seconds);
 }
 
+/* Until the kernel shows the process stopped (state T): a signal is
+ * delivered when the process next runs. */
+static inline void wait_stopped(pid_t pid) {
+  char path[64], buf[512];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  for (int tries = 0; tries < 5000; tries++) {
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+    if (f) fclose(f);
+    buf[n] = 0;
+    const char *at = strrchr(buf, ')');
+    if (at && at[1] == ' ' && at[2] == 'T') return;
+    usleep(1000);
+  }
+  fail_msg("process %d did not stop", (int)pid);
+}
+
 static inline void assert_contains(const char *haystack, const char *needle) {
   if (!strstr(haystack, needle)) fprintf(stderr, "expected \"%s\" in \"%s\"\n", needle, haystack);
   assert_non_null(strstr(haystack, needle));

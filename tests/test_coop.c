@@ -314,23 +314,6 @@ static bool peer_publishes(gca_allocator_t *a, gca_ipc_peer_t want) {
   return false;
 }
 
-/* Until the kernel shows the process stopped (state T): a signal is
- * delivered when the process next runs. */
-static void wait_stopped(pid_t pid) {
-  char path[64], buf[512];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  for (int tries = 0; tries < 1000; tries++) {
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
-    if (f) fclose(f);
-    buf[n] = 0;
-    const char *p = strrchr(buf, ')');
-    if (p && p[1] == ' ' && p[2] == 'T') return;
-    usleep(1000);
-  }
-  fail_msg("process %d did not stop", (int)pid);
-}
-
 static void test_without_cooperation_one_runs_out(void **state) {
   (void)state;
   peer_t peer = start_peer(60);

@@ -105,22 +105,6 @@ static void test_killed_process_memory_comes_back(void **state) {
   close(to_parent[0]), close(to_parent[1]);
 }
 
-/* Until the kernel shows the process stopped (state T). */
-static void wait_stopped(pid_t pid) {
-  char path[64], buf[512];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  for (int tries = 0; tries < 5000; tries++) {
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
-    if (f) fclose(f);
-    buf[n] = 0;
-    const char *at = strrchr(buf, ')');
-    if (at && at[1] == ' ' && at[2] == 'T') return;
-    usleep(1000);
-  }
-  fail_msg("process %d did not stop", (int)pid);
-}
-
 /* A process stopped while it holds the region's lock (SIGSTOP, a suspended
  * job) stops nobody for longer than a second: the free memory is read
  * without the lock, a release is kept back and counted free, and an

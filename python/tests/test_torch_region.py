@@ -12,6 +12,11 @@ REGION = """
 from gcalloc.torch import region, pause, resume
 def free_mib():
     return gcalloc.mem_get_info()[0] // MiB
+def by_hand():  # a pausable pool, and a MemPool of gcalloc's region functions, without a region
+    pool = gcalloc._process_allocator().create_pool(0, pausable=True)
+    a = torch.cuda.memory.CUDAPluggableAllocator(gcalloc.library_path, "gca_torch_region_malloc",
+                                                "gca_torch_region_free")
+    return pool, a, torch.cuda.MemPool(a.allocator())
 def pool_stats(tag):
     r = [r for r in gcalloc.torch.regions() if r["tag"] == tag][0]
     return gcalloc._process_allocator().pool_stats(r["pool"])
@@ -26,10 +31,7 @@ def test_standin_pool_asks_its_allocator_per_segment():
     """The control: a MemPool caches what its allocator gave, asks it per segment, and raises
     torch.OutOfMemoryError when it refuses: here gcalloc's region function used outside a region."""
     run_region("""
-        pool = gcalloc._process_allocator().create_pool(0, pausable=True)
-        a = torch.cuda.memory.CUDAPluggableAllocator(gcalloc.library_path, "gca_torch_region_malloc",
-                                                    "gca_torch_region_free")
-        mp = torch.cuda.MemPool(a.allocator())
+        pool, a, mp = by_hand()
         with gcalloc._process_allocator().pool(pool), torch.cuda.use_mem_pool(mp):
             x = torch.empty(MiB)
             y = torch.empty(MiB)       # (the same 2 MiB segment)
@@ -133,10 +135,7 @@ def test_expandable_segments_in_the_configuration():
     a region turns them off while a thread is inside and back on after."""
     run_region("""
         from torch import _C as C
-        pool = gcalloc._process_allocator().create_pool(0, pausable=True)
-        a = torch.cuda.memory.CUDAPluggableAllocator(gcalloc.library_path, "gca_torch_region_malloc",
-                                                    "gca_torch_region_free")
-        mp = torch.cuda.MemPool(a.allocator())
+        pool, a, mp = by_hand()
         with gcalloc._process_allocator().pool(pool), torch.cuda.use_mem_pool(mp):
             try:
                 torch.empty(MiB)

@@ -67,10 +67,12 @@ struct sim_shared {
   shared_region_t *r;
   int fd; /* the region's file, open while the slot is held: its lock byte (-1: none) */
   int slot;
+  int32_t pid; /* this process's */
   char name[96]; /* the region's path, for shm_unlink */
   /* Releases that could not take the lock in time, given back at the next
    * that does (the bytes stay charged meanwhile: never counted free twice). */
   _Atomic uint64_t unreleased[SHARED_DEVICES];
+  _Atomic bool any_unreleased;
 };
 
 /* Slot i's process alive, looked at through the region's file `fd`. With the lock held. */
@@ -89,15 +91,18 @@ static void slot_clear(shared_slot_t *s) {
   for (int d = 0; d < SHARED_DEVICES; d++) atomic_store(&s->used[d], 0);
 }
 
-/* The region's lock within LOCK_WAIT_NS; false (not held) past it. */
-static bool region_lock(shared_region_t *r) {
-  if (!gca__shared_mutex_lock_within(&r->lock, RANK_SIM_SHARED, LOCK_WAIT_NS)) return false;
-  atomic_store(&r->holder, (int32_t)getpid());
+/* The region's lock within `ns`; false (not held) past it. `pid` is the
+ * caller's (kept: getpid is a system call). */
+static bool region_lock_within(shared_region_t *r, int32_t pid, uint64_t ns) {
+  if (!gca__shared_mutex_lock_within(&r->lock, RANK_SIM_SHARED, ns)) return false;
+  atomic_store_explicit(&r->holder, pid, memory_order_relaxed);
   return true;
 }
 
+static bool region_lock(shared_region_t *r, int32_t pid) { return region_lock_within(r, pid, LOCK_WAIT_NS); }
+
 static void region_unlock(shared_region_t *r) {
-  atomic_store(&r->holder, 0);
+  atomic_store_explicit(&r->holder, 0, memory_order_relaxed);
   gca__shared_mutex_unlock(&r->lock);
 }
 
@@ -109,6 +114,8 @@ static int lock_stuck(const shared_region_t *r, const char *name, int device) {
 
 /* Releases kept back while the lock was out of reach; with the lock held. */
 static void settle_unreleased(sim_shared_t *sh) {
+  if (!atomic_load_explicit(&sh->any_unreleased, memory_order_acquire)) return;
+  atomic_store(&sh->any_unreleased, false);
   for (int d = 0; d < SHARED_DEVICES; d++) {
     uint64_t bytes = atomic_exchange(&sh->unreleased[d], 0);
     if (!bytes) continue;
@@ -128,10 +135,14 @@ static void reclaim_dead(shared_region_t *r, int fd, int own) {
  * alive: the memory of a dead one is the device's again, as a driver's,
  * before its slot is reclaimed), saturating at the capacity (a value
  * beyond it can only be a corrupted region). */
-static uint64_t used_total(const shared_region_t *r, int fd, int own, int device, bool alive_only) {
+static uint64_t used_total(const shared_region_t *r, int fd, int own, int device, bool alive_only, bool *saw_dead) {
   uint64_t total = 0;
   for (int i = 0; i < SHARED_SLOTS; i++) {
-    if (!atomic_load(&r->slots[i].pid) || (alive_only && i != own && !slot_alive(r, fd, i))) continue;
+    if (!atomic_load(&r->slots[i].pid)) continue;
+    if (alive_only && i != own && !slot_alive(r, fd, i)) {
+      *saw_dead = true;
+      continue;
+    }
     uint64_t u = atomic_load(&r->slots[i].used[device]);
     total = u > r->capacity - total ? r->capacity : total + u;
   }
@@ -201,7 +212,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   }
   sim_shared_t *sh = rc == GCA_OK ? calloc(1, sizeof *sh) : NULL;
   if (rc == GCA_OK && !sh) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
-  if (rc == GCA_OK && !region_lock(r)) {
+  if (rc == GCA_OK && !region_lock(r, (int32_t)getpid())) {
     rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: the region's lock is held by pid %d, which has not "
                         "let it go for %u ms (stopped?)", name, (int)atomic_load(&r->holder), LOCK_WAIT_NS / 1000000u);
     free(sh);
@@ -234,6 +245,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   }
   sh->r = r;
   sh->fd = fd;
+  sh->pid = (int32_t)getpid();
   snprintf(sh->name, sizeof sh->name, "%s", path);
   *capacity_out = (size_t)r->capacity;
   *out = sh;
@@ -258,7 +270,7 @@ void gca__sim_shared_forget(sim_shared_t *sh) {
 void gca__sim_shared_leave(sim_shared_t *sh) {
   if (!sh) return;
   shared_region_t *r = sh->r;
-  if (!region_lock(r)) { /* (its holder, when it runs again, finds the slot free) */
+  if (!region_lock(r, sh->pid)) { /* (its holder, when it runs again, finds the slot free) */
     slot_clear(&r->slots[sh->slot]);
     (void)gca__slot_lock(sh->fd, sh->slot, false);
     close(sh->fd);
@@ -280,16 +292,17 @@ void gca__sim_shared_leave(sim_shared_t *sh) {
 
 int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *free_bytes) {
   shared_region_t *r = sh->r;
-  if (!region_lock(r)) {
+  if (!region_lock(r, sh->pid)) {
     *free_bytes = gca__sim_shared_free(sh, device);
     return lock_stuck(r, sh->name, device);
   }
   if (getenv("GCALLOC_TEST_SIM_SHARED_STOP_LOCKED")) raise(SIGSTOP); /* (test hook: stopped holding the lock) */
   settle_unreleased(sh);
-  uint64_t used = used_total(r, sh->fd, sh->slot, device, false);
+  bool unused = false;
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, false, &unused);
   if (bytes > r->capacity - used) { /* dead processes' memory comes back first */
     reclaim_dead(r, sh->fd, sh->slot);
-    used = used_total(r, sh->fd, sh->slot, device, false);
+    used = used_total(r, sh->fd, sh->slot, device, false, &unused);
   }
   bool fits = bytes <= r->capacity - used;
   if (fits) atomic_fetch_add(&r->slots[sh->slot].used[device], bytes);
@@ -300,8 +313,9 @@ int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *f
 
 void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
   shared_region_t *r = sh->r;
-  if (!region_lock(r)) {
+  if (!region_lock(r, sh->pid)) {
     atomic_fetch_add(&sh->unreleased[device], bytes);
+    atomic_store_explicit(&sh->any_unreleased, true, memory_order_release);
     gca__clear_error();
     return;
   }
@@ -314,10 +328,18 @@ void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
 
 /* The device's free memory, read without the lock (a process stopped while
  * it holds the lock does not stop the others asking): what every process
- * alive holds, this one's releases kept back counted free. */
+ * alive holds, this one's releases kept back counted free. A dead process's
+ * slot seen on the way is reclaimed if the lock is free at once (else a
+ * later look does it): each look at a dead slot costs system calls. */
 size_t gca__sim_shared_free(sim_shared_t *sh, int device) {
   shared_region_t *r = sh->r;
-  uint64_t used = used_total(r, sh->fd, sh->slot, device, true), kept = atomic_load(&sh->unreleased[device]);
+  bool saw_dead = false;
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, true, &saw_dead);
+  if (saw_dead && region_lock_within(r, sh->pid, 0)) {
+    reclaim_dead(r, sh->fd, sh->slot);
+    region_unlock(r);
+  }
+  uint64_t kept = atomic_load(&sh->unreleased[device]);
   used = kept > used ? 0 : used - kept;
   return (size_t)(r->capacity - used);
 }
