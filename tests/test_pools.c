@@ -652,6 +652,44 @@ static void test_fine_pages_hold_what_was_asked(void **state) {
   gca_close(a);
 }
 
+/* The region functions PyTorch's MemPool calls (gca_torch_region_malloc
+ * and _free) serve only the pool the calling thread pushed: outside a push,
+ * on a device out of range, for a size of 2^63 or more, and into a paused
+ * pool they refuse with NULL (PyTorch raises its own out-of-memory error),
+ * keeping the reason for gca_torch_last_failure; nothing is thrown. */
+static void test_region_functions_serve_only_a_pushed_pool(void **state) {
+  (void)state;
+  assert_int_equal(gca_torch_init("sim:capacity=256MiB", NULL), GCA_OK);
+  gca_allocator_t *a = gca_torch_allocator();
+  assert_non_null(a);
+  char why[1024];
+  assert_null(gca_torch_region_malloc(20 * (ptrdiff_t)MiB, 0, NULL));
+  gca_torch_last_failure(why, sizeof why);
+  assert_contains(why, "outside gcalloc.torch.region()");
+  gca_pool_t p = 0;
+  assert_int_equal(gca_pool_create_ex(a, 0, GCA_POOL_PAUSABLE | GCA_POOL_FINE_PAGES, &p), GCA_OK);
+  assert_int_equal(gca_pool_push(a, p), GCA_OK);
+  void *segment = gca_torch_region_malloc(20 * (ptrdiff_t)MiB, 0, NULL);
+  assert_non_null(segment);
+  assert_int_equal(pool_of(a, segment), p);
+  assert_int_equal(pool_stats(a, p).reserved_bytes, 20 * MiB);
+  assert_null(gca_torch_region_malloc((ptrdiff_t)MiB, 7, NULL));
+  gca_torch_last_failure(why, sizeof why);
+  assert_contains(why, "device 7");
+  assert_null(gca_torch_region_malloc(-1, 0, NULL));
+  gca_torch_last_failure(why, sizeof why);
+  assert_contains(why, "more than any device holds");
+  assert_int_equal(gca_pool_pause(a, p, 0, NULL), GCA_OK);
+  assert_null(gca_torch_region_malloc(2 * (ptrdiff_t)MiB, 0, NULL));
+  gca_torch_last_failure(why, sizeof why);
+  assert_contains(why, "it is paused");
+  gca_torch_region_free(segment, 20 * (ptrdiff_t)MiB, 0, NULL); /* (legal while paused: nothing given back twice) */
+  assert_int_equal(gca_pool_pop(a), GCA_OK);
+  assert_int_equal(gca_pool_release(a, p), GCA_OK);
+  assert_consistent(a);
+  gca_torch_shutdown();
+}
+
 /* A paused pool with nothing live can end: its addresses go back. */
 static void test_release_while_paused(void **state) {
   (void)state;
@@ -1071,6 +1109,7 @@ int main(void) {
       cmocka_unit_test(test_pause_refusals),
       cmocka_unit_test(test_pause_gives_memory_back),
       cmocka_unit_test(test_fine_pages_hold_what_was_asked),
+      cmocka_unit_test(test_region_functions_serve_only_a_pushed_pool),
       cmocka_unit_test(test_release_while_paused),
       cmocka_unit_test(test_resume_releases_own_cache),
       cmocka_unit_test(test_pause_resume_cycles),
