@@ -448,9 +448,16 @@ static void *framework_malloc(gca_allocator_t *a, size_t size, int device, void 
   return p;
 }
 
+/* PyTorch's size_t of 2^63 bytes or more, through the pluggable
+ * allocator's ssize_t: refused, the error set. */
+static bool size_refused(ptrdiff_t size) {
+  if (size >= 0) return false;
+  gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: more than any device holds", (size_t)size);
+  return true;
+}
+
 void *gca_torch_malloc(ptrdiff_t size, int device, void *stream) {
-  if (size < 0) { /* (PyTorch's size_t of 2^63 bytes or more, through the pluggable allocator's ssize_t) */
-    gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: more than any device holds", (size_t)size);
+  if (size_refused(size)) {
     keep_failure(gca_last_error());
     raise_failure(device);
     return NULL;
@@ -497,25 +504,16 @@ void gca_npu_free(void *ptr, size_t size, int device, void *stream) {
  * through it, and the message is kept for gca_torch_last_failure. */
 void *gca_torch_region_malloc(ptrdiff_t size, int device, void *stream) {
   gca_allocator_t *a = gca_torch_allocator();
-  void *p = NULL;
-  if (!a) {
-    keep_failure(gca_last_error());
-    return NULL;
-  }
-  if (size < 0) {
-    gca__set_error(GCA_ERR_INVALID, "cannot allocate %zu bytes: more than any device holds", (size_t)size);
-  } else if (device < 0 || device >= a->device_count) {
-    gca__set_error(GCA_ERR_INVALID, "PyTorch asked for a segment on device %d: the allocator has %d devices", device,
-                   a->device_count);
-  } else if (!gca__mempool_thread_pushed(a, device)) {
+  bool ok = a && !size_refused(size) && gca__device_lookup(a, device, "gca_torch_region_malloc");
+  if (ok && !gca__mempool_thread_pushed(a, device)) {
     gca__set_error(GCA_ERR_INVALID,
                    "PyTorch asked for a %zu-byte segment of a gcalloc MemPool outside gcalloc.torch.region() on "
                    "this thread (device %d): refused, since no pause would reach it",
                    (size_t)size, device);
-  } else {
-    p = gca_malloc(a, (size_t)size, device, (gca_stream_t)stream);
+    ok = false;
   }
-  if (!p && size) keep_failure(gca_last_error());
+  void *p = ok ? gca_malloc(a, (size_t)size, device, (gca_stream_t)stream) : NULL;
+  if (!p && (size || !a)) keep_failure(gca_last_error());
   return p;
 }
 

@@ -106,10 +106,17 @@ static void region_unlock(shared_region_t *r) {
   gca__shared_mutex_unlock(&r->lock);
 }
 
-static int lock_stuck(const shared_region_t *r, const char *name, int device) {
-  return gca__set_error(GCA_ERR_BACKEND, "sim: device %d of %s: the region's lock is held by pid %d, which has not let it "
-                        "go for %u ms (stopped?)", device, name, (int)atomic_load(&r->holder),
-                        LOCK_WAIT_NS / 1000000u);
+/* The error of a wait for the lock that ran out, after `what` ("sim: ..."). */
+static int lock_stuck(const shared_region_t *r, const char *what) {
+  return gca__set_error(GCA_ERR_BACKEND, "%s: the region's lock is held by pid %d, which has not let it go for %u ms "
+                        "(stopped?)", what, (int)atomic_load(&r->holder), LOCK_WAIT_NS / 1000000u);
+}
+
+/* `bytes` no longer held by this process on `device`; with the lock held. */
+static void give_back(sim_shared_t *sh, int device, uint64_t bytes) {
+  _Atomic uint64_t *u = &sh->r->slots[sh->slot].used[device];
+  uint64_t held = atomic_load(u);
+  atomic_store(u, bytes > held ? 0 : held - bytes);
 }
 
 /* Releases kept back while the lock was out of reach; with the lock held. */
@@ -118,9 +125,7 @@ static void settle_unreleased(sim_shared_t *sh) {
   atomic_store(&sh->any_unreleased, false);
   for (int d = 0; d < SHARED_DEVICES; d++) {
     uint64_t bytes = atomic_exchange(&sh->unreleased[d], 0);
-    if (!bytes) continue;
-    uint64_t u = atomic_load(&sh->r->slots[sh->slot].used[d]);
-    atomic_store(&sh->r->slots[sh->slot].used[d], bytes > u ? 0 : u - bytes);
+    if (bytes) give_back(sh, d, bytes);
   }
 }
 
@@ -131,15 +136,15 @@ static void reclaim_dead(shared_region_t *r, int fd, int own) {
     if (i != own && atomic_load(&r->slots[i].pid) && !slot_alive(r, fd, i)) slot_clear(&r->slots[i]);
 }
 
-/* Bytes held on `device` by every process (with `alive_only`, by those
- * alive: the memory of a dead one is the device's again, as a driver's,
- * before its slot is reclaimed), saturating at the capacity (a value
- * beyond it can only be a corrupted region). */
-static uint64_t used_total(const shared_region_t *r, int fd, int own, int device, bool alive_only, bool *saw_dead) {
+/* Bytes held on `device` by every process (with `saw_dead`, by those
+ * alive, *saw_dead set when one is not: the memory of a dead one is the
+ * device's again, as a driver's, before its slot is reclaimed), saturating
+ * at the capacity (a value beyond it can only be a corrupted region). */
+static uint64_t used_total(const shared_region_t *r, int fd, int own, int device, bool *saw_dead) {
   uint64_t total = 0;
   for (int i = 0; i < SHARED_SLOTS; i++) {
     if (!atomic_load(&r->slots[i].pid)) continue;
-    if (alive_only && i != own && !slot_alive(r, fd, i)) {
+    if (saw_dead && i != own && !slot_alive(r, fd, i)) {
       *saw_dead = true;
       continue;
     }
@@ -213,8 +218,9 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   sim_shared_t *sh = rc == GCA_OK ? calloc(1, sizeof *sh) : NULL;
   if (rc == GCA_OK && !sh) rc = gca__set_error(GCA_ERR_NOMEM, "sim: out of host memory");
   if (rc == GCA_OK && !region_lock(r, (int32_t)getpid())) {
-    rc = gca__set_error(GCA_ERR_BACKEND, "sim backend: shared=%s: the region's lock is held by pid %d, which has not "
-                        "let it go for %u ms (stopped?)", name, (int)atomic_load(&r->holder), LOCK_WAIT_NS / 1000000u);
+    char what[96];
+    snprintf(what, sizeof what, "sim backend: shared=%s", name);
+    rc = lock_stuck(r, what);
     free(sh);
     sh = NULL;
   }
@@ -270,21 +276,16 @@ void gca__sim_shared_forget(sim_shared_t *sh) {
 void gca__sim_shared_leave(sim_shared_t *sh) {
   if (!sh) return;
   shared_region_t *r = sh->r;
-  if (!region_lock(r, sh->pid)) { /* (its holder, when it runs again, finds the slot free) */
-    slot_clear(&r->slots[sh->slot]);
-    (void)gca__slot_lock(sh->fd, sh->slot, false);
-    close(sh->fd);
-    munmap(r, sizeof *r);
-    free(sh);
-    return;
-  }
+  bool locked = region_lock(r, sh->pid); /* (not: its holder, when it runs again, finds the slot free) */
   slot_clear(&r->slots[sh->slot]);
   (void)gca__slot_lock(sh->fd, sh->slot, false);
-  reclaim_dead(r, sh->fd, sh->slot);
-  bool alone = true;
-  for (int i = 0; i < SHARED_SLOTS; i++) alone &= atomic_load(&r->slots[i].pid) == 0;
-  if (alone) shm_unlink(sh->name); /* the last one out; a process joining meanwhile keeps its mapping */
-  region_unlock(r);
+  if (locked) {
+    reclaim_dead(r, sh->fd, sh->slot);
+    bool alone = true;
+    for (int i = 0; i < SHARED_SLOTS; i++) alone &= atomic_load(&r->slots[i].pid) == 0;
+    if (alone) shm_unlink(sh->name); /* the last one out; a process joining meanwhile keeps its mapping */
+    region_unlock(r);
+  }
   close(sh->fd);
   munmap(r, sizeof *r);
   free(sh);
@@ -294,15 +295,16 @@ int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *f
   shared_region_t *r = sh->r;
   if (!region_lock(r, sh->pid)) {
     *free_bytes = gca__sim_shared_free(sh, device);
-    return lock_stuck(r, sh->name, device);
+    char what[160];
+    snprintf(what, sizeof what, "sim: device %d of %s", device, sh->name);
+    return lock_stuck(r, what);
   }
   if (getenv("GCALLOC_TEST_SIM_SHARED_STOP_LOCKED")) raise(SIGSTOP); /* (test hook: stopped holding the lock) */
   settle_unreleased(sh);
-  bool unused = false;
-  uint64_t used = used_total(r, sh->fd, sh->slot, device, false, &unused);
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, NULL);
   if (bytes > r->capacity - used) { /* dead processes' memory comes back first */
     reclaim_dead(r, sh->fd, sh->slot);
-    used = used_total(r, sh->fd, sh->slot, device, false, &unused);
+    used = used_total(r, sh->fd, sh->slot, device, NULL);
   }
   bool fits = bytes <= r->capacity - used;
   if (fits) atomic_fetch_add(&r->slots[sh->slot].used[device], bytes);
@@ -320,9 +322,7 @@ void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
     return;
   }
   settle_unreleased(sh);
-  _Atomic uint64_t *u = &r->slots[sh->slot].used[device];
-  uint64_t held = atomic_load(u);
-  atomic_store(u, bytes > held ? 0 : held - bytes);
+  give_back(sh, device, bytes);
   region_unlock(r);
 }
 
@@ -334,7 +334,7 @@ void gca__sim_shared_release(sim_shared_t *sh, int device, size_t bytes) {
 size_t gca__sim_shared_free(sim_shared_t *sh, int device) {
   shared_region_t *r = sh->r;
   bool saw_dead = false;
-  uint64_t used = used_total(r, sh->fd, sh->slot, device, true, &saw_dead);
+  uint64_t used = used_total(r, sh->fd, sh->slot, device, &saw_dead);
   if (saw_dead && region_lock_within(r, sh->pid, 0)) {
     reclaim_dead(r, sh->fd, sh->slot);
     region_unlock(r);
