@@ -538,8 +538,7 @@ def pause(name=None, backup=None, device=None):
 
     released = 0
     with _region_lock:
-        chosen = [r for r in _regions.values()
-                  if (name is None or r.tag == name) and (device is None or r.device == _device(device))]
+        chosen = _regions_named(name, device)
         for r in chosen:
             if r.entered:
                 raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.pause(%r): %d thread%s inside region(%r) on "
@@ -574,8 +573,7 @@ def resume(name=None, device=None, keep_backup=False):
     from . import _process_allocator
 
     with _region_lock:
-        chosen = [r for r in _regions.values()
-                  if (name is None or r.tag == name) and (device is None or r.device == _device(device))]
+        chosen = _regions_named(name, device)
     for r in chosen:
         if r.allocator.pool_stats(r.pool_id)["paused"]:
             r.allocator.resume_pool(r.pool_id, keep_backup=keep_backup)
@@ -588,6 +586,12 @@ def resume(name=None, device=None, keep_backup=False):
     for pool_id in ids:
         if len(ids) == 1 or allocator.pool_stats(pool_id)["paused"]:
             allocator.resume_pool(pool_id, keep_backup=keep_backup)
+
+
+def _regions_named(name, device):
+    """The regions of tag `name` (None: all) on `device` (None: every device). Under _region_lock."""
+    device = None if device is None else _device(device)
+    return [r for r in _regions.values() if (name is None or r.tag == name) and (device is None or r.device == device)]
 
 
 def _has_named(name):
@@ -720,7 +724,7 @@ def _region_of(tag, cpu_backup):
         if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
             allocator.release_pool(pool_id)
             raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.region: PyTorch %s has no torch.cuda.MemPool with "
-                               "use_mem_pool (PyTorch 2.6 and later have): call gcalloc.torch.install() to make "
+                               "use_mem_pool: call gcalloc.torch.install() to make "
                                "gcalloc PyTorch's allocator instead" % getattr(torch, "__version__", "?"))
         if _region_allocator[0] is None:
             _region_allocator[0] = torch.cuda.memory.CUDAPluggableAllocator(
@@ -731,19 +735,13 @@ def _region_of(tag, cpu_backup):
 
 
 @contextlib.contextmanager
-def region(tag="default", cpu_backup=False):
-    """Inside the block, the tensors this thread creates on the current CUDA device go to the region
-    `tag`: PyTorch's caching allocator serves them from a torch.cuda.MemPool whose segments come from a
-    gcalloc pool that pause(tag) gives back to the device and resume(tag) maps again at the same
-    addresses (their contents restored where cpu_backup). The rest of the program stays on PyTorch's
-    allocator. Entering a paused region is refused (GcallocError): PyTorch would hand out its cached
-    blocks there, with no memory under them. Yields the region's gcalloc pool id."""
+def _entered(tag, cpu_backup):
+    """The thread inside region `tag` on the current device (refused while paused): yields the region."""
     import torch
 
     with _region_lock:
         r = _region_of(tag, cpu_backup)
-        paused = r.pausing or r.allocator.pool_stats(r.pool_id)["paused"]
-        if paused:
+        if r.pausing or r.allocator.pool_stats(r.pool_id)["paused"]:
             raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.region(%r): the region is paused on device %d: "
                                "resume(%r) before allocating in it" % (tag, r.device, tag))
         if r.mempool is not None:
@@ -752,15 +750,27 @@ def region(tag="default", cpu_backup=False):
     try:
         with r.allocator.pool(r.pool_id):
             if r.mempool is None:
-                yield r.pool_id
+                yield r
             else:
                 with torch.cuda.use_mem_pool(r.mempool, r.device):
-                    yield r.pool_id
+                    yield r
     finally:
         with _region_lock:
             r.entered -= 1
             if r.mempool is not None:
                 _expandable_leave()
+
+
+@contextlib.contextmanager
+def region(tag="default", cpu_backup=False):
+    """Inside the block, the tensors this thread creates on the current CUDA device go to the region
+    `tag`: PyTorch's caching allocator serves them from a torch.cuda.MemPool whose segments come from a
+    gcalloc pool that pause(tag) gives back to the device and resume(tag) maps again at the same
+    addresses (their contents restored where cpu_backup). The rest of the program stays on PyTorch's
+    allocator. Entering a paused region is refused (GcallocError): PyTorch would hand out its cached
+    blocks there, with no memory under them. Yields the region's gcalloc pool id."""
+    with _entered(tag, cpu_backup) as r:
+        yield r.pool_id
 
 
 @contextlib.contextmanager
@@ -774,9 +784,7 @@ def cuda_graph(graph, pool=None, stream=None, capture_error_mode="global", tag="
     if _installed:
         raise GcallocError(GCA_ERR_INVALID, "gcalloc.torch.cuda_graph: under install() captures go to gcalloc's "
                            "graph pools, which do not pause; use regions without install()")
-    with region(tag, cpu_backup):
-        with _region_lock:
-            r = _regions[(tag, bool(cpu_backup), _current_device())]
+    with _entered(tag, cpu_backup) as r:
         if stream is None:  # (a stream of its own, so that gcalloc knows which one captures)
             stream = torch.cuda.Stream()
         # gcalloc capture-safe on the device while the driver captures: nothing freed, synchronized or

@@ -25,6 +25,16 @@ __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess"]
 _TAG_DEFAULT = "default"
 
 
+def _check_backup_backend(enable_cpu_backup, cpu_backup_backend):
+    """torch_memory_saver's rule for cpu_backup_backend (it checks it for region and cuda_graph alike);
+    gcalloc's copies are pinned host memory, its "pinned"."""
+    if cpu_backup_backend not in (None, "pinned"):
+        raise ValueError("gcalloc.torch_memory_saver: cpu_backup_backend=%r: gcalloc keeps copies in pinned "
+                         "host memory only" % (cpu_backup_backend,))
+    if cpu_backup_backend is not None and not enable_cpu_backup:
+        raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+
+
 class TorchMemorySaver:
     """torch_memory_saver.TorchMemorySaver's methods (use the module's `torch_memory_saver`). What it
     does not offer raises NotImplementedError naming it, rather than being set and ignored."""
@@ -38,11 +48,7 @@ class TorchMemorySaver:
         if enable_disk_backup:
             raise NotImplementedError("gcalloc.torch_memory_saver: enable_disk_backup is not offered; use "
                                       "enable_cpu_backup=True")
-        if cpu_backup_backend not in (None, "pinned"):
-            raise ValueError("gcalloc.torch_memory_saver: cpu_backup_backend=%r: gcalloc keeps copies in pinned "
-                             "host memory only" % (cpu_backup_backend,))
-        if cpu_backup_backend is not None and not enable_cpu_backup:
-            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+        _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         with _torch.region(tag, cpu_backup=enable_cpu_backup):
             yield
 
@@ -50,9 +56,7 @@ class TorchMemorySaver:
     def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", tag=_TAG_DEFAULT,
                    enable_cpu_backup=False, cpu_backup_backend=None):
         """torch.cuda.graph capturing into the region `tag`, whose pause gives the graph's memory back."""
-        if cpu_backup_backend not in (None, "pinned"):
-            raise ValueError("gcalloc.torch_memory_saver: cpu_backup_backend=%r: gcalloc keeps copies in pinned "
-                             "host memory only" % (cpu_backup_backend,))
+        _check_backup_backend(enable_cpu_backup, cpu_backup_backend)
         with _torch.cuda_graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode, tag=tag,
                                cpu_backup=enable_cpu_backup):
             yield
