@@ -48,9 +48,9 @@ def torch_with_libc10():
     return _torch_root[0]
 
 
-def run(code, first=None, env=None):
-    """Run `code` after PRELUDE in a child process, with the stand-in torch of torch_with_libc10() unless
-    `first` names the folders to put first on the path instead; `env` on top of the environment."""
+def child_environment(first=None, env=None):
+    """A child's environment: the stand-in torch of torch_with_libc10() (or the folders `first`) first on
+    its path, then the stand-ins and the package; gcalloc's library and cache; `env` on top."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
     if first is None:
         first = [torch_with_libc10()]
@@ -58,7 +58,13 @@ def run(code, first=None, env=None):
     environment = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, GCALLOC_CACHE_DIR=cache)
     environment.update(env or {})
     environment["PYTHONPATH"] = os.pathsep.join([*first, STANDIN, package, os.environ.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=environment,
+    return environment
+
+
+def run(code, first=None, env=None):
+    """Run `code` after PRELUDE in a child process, with the stand-in torch of torch_with_libc10() unless
+    `first` names the folders to put first on the path instead; `env` on top of the environment."""
+    p = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=child_environment(first, env),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     return p

@@ -246,19 +246,13 @@ for line in sys.stdin:
 
 def spawn(code, env, *args):
     """`code` after PRELUDE in a child process with the stand-in torch, reading commands on its stdin."""
-    import os
     import subprocess
     import sys
 
-    import gcalloc
-    from test_torch_hooks import PRELUDE, STANDIN, torch_with_libc10
+    from test_torch_hooks import PRELUDE, child_environment
 
-    package = os.path.dirname(os.path.dirname(os.path.abspath(gcalloc.__file__)))
-    environment = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, **env)
-    environment["PYTHONPATH"] = os.pathsep.join([torch_with_libc10(), STANDIN, package,
-                                                 os.environ.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args], env=environment,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code), *args],
+                            env=child_environment(env=env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def ask(child, command):

@@ -326,8 +326,7 @@ class _MemPool:
             _MemPool._uid[0] += 1
             self._id = (0, _MemPool._uid[0])
         else:
-            _MemPool._graph_uid[0] += 1
-            self._id = (_MemPool._graph_uid[0], 0)
+            self._id = _graph_pool_id()
         self._allocator = allocator
         self._device = cuda.current_device()
         _native().createOrIncrefPool(self._device, self._id, allocator)
@@ -350,6 +349,12 @@ class _MemPool:
             return
         native.releasePool(self._device, self._id)
         native.emptyCache(self._id)
+
+
+def _graph_pool_id():
+    """A new graph pool's id, (n, 0) (graph_pool_handle's, and a capture's given none)."""
+    _MemPool._graph_uid[0] += 1
+    return (_MemPool._graph_uid[0], 0)
 
 
 def _cuda_beginAllocateCurrentThreadToPool(device, mempool_id):  # noqa: N802

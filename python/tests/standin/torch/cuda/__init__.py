@@ -65,12 +65,8 @@ class CUDAGraph:
         import threading
 
         self.device = current_device()
-        if pool is None:
-            pool = _C._MemPool(None, False).id  # (its own pool, kept alive by the capture's use)
-            _C._native().createOrIncrefPool(self.device, pool)
-        else:
-            _C._native().createOrIncrefPool(self.device, tuple(pool))
-        self.pool = tuple(pool)
+        self.pool = _C._graph_pool_id() if pool is None else tuple(pool)
+        _C._native().createOrIncrefPool(self.device, self.pool)
         _C._native().beginAllocateToPool(self.device, self.pool, threading.get_ident())
         _C._native().releasePool(self.device, self.pool)  # (begin took one use: the graph keeps the other)
 
@@ -92,7 +88,7 @@ class CUDAGraph:
 
 
 def graph_pool_handle():
-    return _C._MemPool(None, False).id
+    return _C._graph_pool_id()
 
 
 class graph:  # noqa: N801 (PyTorch's name)
