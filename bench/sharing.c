@@ -301,8 +301,29 @@ static double hot_loop(gca_allocator_t *a) {
   return (tool_seconds() - t0) * 1e9 / hot_pairs;
 }
 
+/* The jobs, the round trip and the hot path, as text. */
+static void print_jobs(const scenario_t *sc, int scenarios, double median, double p99, int refused, double best_off,
+                       double best_on) {
+  printf("jobs on one 1 GiB sim device taking turns at 60%% of it, %d turns each; their live memory always fits,\n"
+         "so every out-of-memory is avoidable; a job stops at its first\n", big_phases);
+  printf("processes  cooperation  %-48s  turns done  OOMs  counted avoidable  wait p50 / p99 / max ms (n)\n",
+         "setting");
+  for (int i = 0; i < scenarios; i++)
+    printf("%9d  %-11s  %-48s  %4d / %-4d  %4d  %17" PRId64 "  %.2f / %.2f / %.2f (%d)\n", sc[i].procs,
+           sc[i].conf ? "on" : "off", sc[i].label, sc[i].phases, sc[i].procs * big_phases, sc[i].ooms,
+           sc[i].avoidable, sc[i].p50, sc[i].p99, sc[i].max, sc[i].waits);
+  printf("\nthe first out-of-memory message of each setting with cooperation on that had one:\n");
+  for (int i = 0; i < scenarios; i++)
+    if (sc[i].conf && sc[i].ooms)
+      printf("  %d processes%s%s: %s\n", sc[i].procs, *sc[i].label ? ", " : "", sc[i].label, sc[i].first_oom);
+  printf("\nrelease request round trip (ask, peer releases 512 MiB, retry), %d times: median %.0f us, p99 %.0f us"
+         " (%d not answered in time)\n", round_trip_count, median, p99, refused);
+  printf("hot path, 4 KiB malloc+free, no pressure: off %.1f ns, on %.1f ns (%.3fx)\n", best_off, best_on,
+         best_on / best_off);
+}
+
 const tool_command_t bench_sharing_command = {
-    "bench-sharing", NULL, "[--json] [--quick]",
+    "bench-sharing", NULL, "[--json] [--quick] [--bursts N] [--bursts-only]",
     "processes on one device with and without cooperation: turns, OOMs, waits, round trip, hot path",
     "\n"
     "2, 4 and 8 processes on one shared simulated device taking turns at a phase that needs 60% of it while\n"
@@ -316,16 +337,21 @@ const tool_command_t bench_sharing_command = {
     "stopped for 5 s half-way (docs/sharing.md).\n"
     "\n"
     "  --json      the figures as JSON\n"
-    "  --quick     3 turns a job, 50 round trips, a shorter loop, 40 bursts a job, a 1 s stop (a smoke\n"
-    "              test, not figures to quote)\n"
-    "  -h, --help  this help\n",
+    "  --quick        3 turns a job, 50 round trips, a shorter loop, 40 bursts a job, a 1 s stop (a smoke\n"
+    "                 test, not figures to quote)\n"
+    "  --bursts N     bursts a job (default 5000; 40 with --quick)\n"
+    "  --bursts-only  the bursts alone\n"
+    "  -h, --help     this help\n",
     bench_sharing_main};
 
 int bench_sharing_main(int argc, char **argv) {
-  bool json = false, quick = false;
+  bool json = false, quick = false, bursts_only = false;
+  long burst_count = 0;
   const tool_option_t options[] = {
       {"--json", OPTION_FLAG, &json, 0, 0, NULL},
       {"--quick", OPTION_FLAG, &quick, 0, 0, NULL},
+      {"--bursts", OPTION_NUMBER, &burst_count, 1, 1000000, "N"},
+      {"--bursts-only", OPTION_FLAG, &bursts_only, 0, 0, NULL},
       {NULL, OPTION_FLAG, NULL, 0, 0, NULL},
   };
   int parsed = tool_parse(&bench_sharing_command, options, argc, argv, NULL);
@@ -356,31 +382,33 @@ int bench_sharing_main(int argc, char **argv) {
   };
   const int scenarios = (int)(sizeof sc / sizeof sc[0]);
   int rc = 0;
-  for (int i = 0; i < scenarios; i++)
-    if (run_jobs(&sc[i])) rc = 1;
-  double median = 0, p99 = 0;
+  double median = 0, p99 = 0, best_on = 1e30, best_off = 1e30;
   int refused = 0;
-  if (round_trips(&median, &p99, &refused) || refused > round_trip_count / 2) {
-    fprintf(stderr, "gcalloc bench-sharing: the round trip failed: %s\n", gca_last_error());
-    rc = 1;
-  }
-  gca_allocator_t *on = NULL, *off = NULL;
-  double best_on = 1e30, best_off = 1e30;
-  if (gca_open(device_spec, "ipc_cooperation:True", &on) == GCA_OK && gca_open(device_spec, NULL, &off) == GCA_OK) {
-    for (int r = 0; r < 7; r++) {
-      double t_off = hot_loop(off), t_on = hot_loop(on);
-      if (r > 0 && t_off < best_off) best_off = t_off;
-      if (r > 0 && t_on < best_on) best_on = t_on;
+  if (!bursts_only) {
+    for (int i = 0; i < scenarios; i++)
+      if (run_jobs(&sc[i])) rc = 1;
+    if (round_trips(&median, &p99, &refused) || refused > round_trip_count / 2) {
+      fprintf(stderr, "gcalloc bench-sharing: the round trip failed: %s\n", gca_last_error());
+      rc = 1;
     }
-  } else {
-    rc = 1;
+    gca_allocator_t *on = NULL, *off = NULL;
+    if (gca_open(device_spec, "ipc_cooperation:True", &on) == GCA_OK && gca_open(device_spec, NULL, &off) == GCA_OK) {
+      for (int r = 0; r < 7; r++) {
+        double t_off = hot_loop(off), t_on = hot_loop(on);
+        if (r > 0 && t_off < best_off) best_off = t_off;
+        if (r > 0 && t_on < best_on) best_on = t_on;
+      }
+    } else {
+      rc = 1;
+    }
+    gca_close(on);
+    gca_close(off);
   }
-  gca_close(on);
-  gca_close(off);
   /* The bursts: the schedule on a device with room (the wall time's
    * reference), without and with cooperation, then a peer killed and one
    * stopped half-way. */
-  int burst_count = quick ? 40 : 5000, stop_ms = quick ? 1000 : 5000;
+  if (!burst_count) burst_count = quick ? 40 : 5000;
+  int stop_ms = quick ? 1000 : 5000;
   burst_setting_t bursts[] = {
       {.conf = NULL, .label = "a device with room for all", .room = 1},
       {.conf = NULL, .label = "cooperation off"},
@@ -389,14 +417,14 @@ int bench_sharing_main(int argc, char **argv) {
       {.conf = "ipc_cooperation:True", .label = "on, a peer stopped half-way", .signal = SIGSTOP},
   };
   const int burst_settings = (int)(sizeof bursts / sizeof bursts[0]);
-  if (bench_sharing_bursts(bursts, burst_settings, burst_count, stop_ms)) {
+  if (bench_sharing_bursts(bursts, burst_settings, (int)burst_count, stop_ms)) {
     fprintf(stderr, "gcalloc bench-sharing: a burst job failed\n");
     rc = 1;
   }
   double room_s = bursts[0].wall_s > 0 ? bursts[0].wall_s : 1;
   if (json) {
     printf("{\"jobs\": [");
-    for (int i = 0; i < scenarios; i++)
+    for (int i = 0; i < (bursts_only ? 0 : scenarios); i++)
       printf("%s{\"processes\": %d, \"cooperation\": %s, \"config\": \"%s\", \"stopped_ms\": %d, \"turns\": %d, "
              "\"turns_done\": %d, \"ooms\": %d, \"ooms_avoidable\": %d, \"counted_avoidable\": %" PRId64 ", "
              "\"waits\": %d, \"wait_ms\": {\"p50\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"failed\": %d}",
@@ -409,33 +437,23 @@ int bench_sharing_main(int argc, char **argv) {
       printf("%s{\"setting\": \"%s\", \"jobs\": 4, \"bursts\": %" PRId64 ", \"failed\": %" PRId64 ", \"ooms\": %" PRId64
              ", \"counted_avoidable\": %" PRId64 ", \"requests\": %" PRId64 ", \"rounds\": %" PRId64
              ", \"allocations\": %" PRId64 ", \"malloc_p99_ms\": %.3f, \"round_trip_ms\": {\"p50\": %.3f, \"p99\": %.3f}"
-             ", \"wall_s\": %.3f, \"wall_vs_room\": %.3f, \"admit_timeouts\": %" PRId64 ", \"errors\": %" PRId64 "}",
+             ", \"wall_s\": %.3f, \"wall_vs_room\": %.3f, \"admit_timeouts\": %" PRId64 ", \"errors\": %" PRId64
+             ", \"ooms_live_preventable\": %" PRId64 "}",
              i ? ", " : "", b->label, b->bursts, b->failed, b->ooms, b->avoidable, b->requests, b->rounds,
              b->allocations, b->malloc_p99_ms, b->trip_p50_ms, b->trip_p99_ms, b->wall_s, b->wall_s / room_s,
-             b->admit_timeouts, b->errors);
+             b->admit_timeouts, b->errors, b->live_preventable);
     }
-    printf("], \"round_trip_us\": {\"median\": %.1f, \"p99\": %.1f}, \"hot_path_ns\": {\"off\": %.1f, \"on\": %.1f, "
-           "\"ratio\": %.3f}, \"round_trips_refused\": %d}\n", median, p99, best_off, best_on, best_on / best_off, refused);
+    if (bursts_only)
+      printf("], \"round_trip_us\": null, \"hot_path_ns\": null, \"round_trips_refused\": 0}\n");
+    else
+      printf("], \"round_trip_us\": {\"median\": %.1f, \"p99\": %.1f}, \"hot_path_ns\": {\"off\": %.1f, \"on\": %.1f, "
+             "\"ratio\": %.3f}, \"round_trips_refused\": %d}\n", median, p99, best_off, best_on, best_on / best_off,
+             refused);
   } else {
-    printf("jobs on one 1 GiB sim device taking turns at 60%% of it, %d turns each; their live memory always fits,\n"
-           "so every out-of-memory is avoidable; a job stops at its first\n", big_phases);
-    printf("processes  cooperation  %-48s  turns done  OOMs  counted avoidable  wait p50 / p99 / max ms (n)\n",
-           "setting");
-    for (int i = 0; i < scenarios; i++)
-      printf("%9d  %-11s  %-48s  %4d / %-4d  %4d  %17" PRId64 "  %.2f / %.2f / %.2f (%d)\n", sc[i].procs,
-             sc[i].conf ? "on" : "off", sc[i].label, sc[i].phases, sc[i].procs * big_phases, sc[i].ooms,
-             sc[i].avoidable, sc[i].p50, sc[i].p99, sc[i].max, sc[i].waits);
-    printf("\nthe first out-of-memory message of each setting with cooperation on that had one:\n");
-    for (int i = 0; i < scenarios; i++)
-      if (sc[i].conf && sc[i].ooms)
-        printf("  %d processes%s%s: %s\n", sc[i].procs, *sc[i].label ? ", " : "", sc[i].label, sc[i].first_oom);
-    printf("\nrelease request round trip (ask, peer releases 512 MiB, retry), %d times: median %.0f us, p99 %.0f us"
-           " (%d not answered in time)\n", round_trip_count, median, p99, refused);
-    printf("hot path, 4 KiB malloc+free, no pressure: off %.1f ns, on %.1f ns (%.3fx)\n", best_off, best_on,
-           best_on / best_off);
-    printf("\nbursts: 4 processes on one 4 GiB sim device, %d bursts each of 1-8 blocks of 8-512 MiB held 5-40 ms,\n"
+    if (!bursts_only) print_jobs(sc, scenarios, median, p99, refused, best_off, best_on);
+    printf("%sbursts: 4 processes on one 4 GiB sim device, %ld bursts each of 1-8 blocks of 8-512 MiB held 5-40 ms,\n"
            "admitted so that their live memory always fits (every out-of-memory is avoidable); a stop lasts %d ms\n",
-           burst_count, stop_ms);
+           bursts_only ? "" : "\n", burst_count, stop_ms);
     printf("%-30s  %7s  %6s  %5s  %9s  %8s  %6s  %13s  %19s  %8s  %7s\n", "setting", "bursts", "failed", "OOMs",
            "avoidable", "requests", "rounds", "malloc p99 ms", "round trip p50/p99", "wall s", "vs room");
     for (int i = 0; i < burst_settings; i++) {
@@ -452,6 +470,11 @@ int bench_sharing_main(int argc, char **argv) {
       if (b->errors)
         printf("  %s: %" PRId64 " allocations refused with an error other than out of memory, the first: %s\n",
                b->label, b->errors, b->first_error);
+      if (b->conf && b->ooms)
+        printf("  %s: %" PRId64 " out-of-memory errors, %" PRId64 " of them preventable by the live peers' cache%s\n",
+               b->label, b->ooms, b->live_preventable,
+               b->signal == SIGSTOP ? " (the others came while the stopped peer's live memory and cache left too "
+                                      "little room)" : "");
     }
   }
   munmap(board, sizeof *board);

@@ -12,7 +12,13 @@
  * device with room for all of them. Variants: one peer SIGKILLed half-way
  * (its admitted memory handed back to the board, as its death gives it
  * back to the device), and one SIGSTOPped for 5 s half-way (its memory
- * stays admitted: its cache is out of reach while stopped).
+ * stays admitted: its cache is out of reach while stopped). Each
+ * out-of-memory error is also judged as the promise states it: one the
+ * live peers' cache could have prevented is any while no peer is stopped
+ * (admission keeps the live memory within the device), and while one is,
+ * one where the others' admitted memory plus everything the stopped one
+ * reserved (its live memory and its cache, out of reach; as it published
+ * it, exact for reserved bytes) fit the device.
  */
 #include <errno.h>
 #include <stddef.h>
@@ -40,7 +46,7 @@
 #define ADMIT_WAIT_S BURST_ADMIT_WAIT_S
 
 typedef struct {
-  int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations, admit_timeouts, errors;
+  int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations, admit_timeouts, errors, live_preventable;
   char first_error[256];
   int kept, asked;
   float alloc_ms[SAMPLES];
@@ -55,6 +61,8 @@ typedef struct {
   int64_t capacity;
   int64_t admitted[BURST_JOBS]; /* each job's admitted bytes: their sum is the live total (one store a change) */
   _Atomic int done[BURST_JOBS];
+  _Atomic int stopped;          /* the job stopped now (its index + 1; 0: none), set once it is stopped */
+  _Atomic int32_t stopped_pid;
   burst_job_t job[BURST_JOBS];
 } burst_board_t;
 
@@ -96,6 +104,25 @@ static void give_back(int me, int64_t bytes) {
   pthread_mutex_unlock(&bb->lock);
 }
 
+/* Whether an out-of-memory error just met could have been prevented by the
+ * live peers' cache (see the top of this file). */
+static bool live_could_prevent(gca_allocator_t *a) {
+  int stopped = atomic_load(&bb->stopped);
+  if (!stopped) return true;
+  gca_ipc_peer_t peers[64];
+  int n = gca_ipc_peers(a, 0, peers, 64);
+  int32_t pid = atomic_load(&bb->stopped_pid);
+  uint64_t held = 0;
+  for (int i = 0; i < n && i < 64; i++)
+    if (peers[i].pid == pid) held = peers[i].reserved_bytes;
+  board_lock();
+  int64_t others = 0;
+  for (int i = 0; i < BURST_JOBS; i++)
+    if (i != stopped - 1) others += bb->admitted[i];
+  pthread_mutex_unlock(&bb->lock);
+  return others + (int64_t)held <= bb->capacity || atomic_load(&bb->stopped) != stopped;
+}
+
 static void burst_job(const char *spec, const char *conf, int me, int bursts, unsigned seed) {
   gca_allocator_t *a = NULL;
   if (gca_open(spec, conf, &a) != GCA_OK) {
@@ -128,6 +155,7 @@ static void burst_job(const char *spec, const char *conf, int me, int bursts, un
       if (j->kept < SAMPLES) j->alloc_ms[j->kept++] = (float)ms;
       if (after.num_ipc_requests != before.num_ipc_requests && j->asked < SAMPLES / 4) j->asked_ms[j->asked++] = (float)ms;
       if (!held[i]) failed = true;
+      if (!held[i] && gca_last_status() == GCA_ERR_OOM && conf && live_could_prevent(a)) j->live_preventable++;
       if (!held[i] && gca_last_status() != GCA_ERR_OOM && !j->errors++)
         snprintf(j->first_error, sizeof j->first_error, "%s", gca_last_error());
     }
@@ -194,7 +222,14 @@ static int run_setting(burst_setting_t *set, int bursts, int stop_ms) {
       pthread_mutex_unlock(&bb->lock);
     } else {
       kill(pids[victim], SIGSTOP);
+      int ws = 0;
+      bool stopped = waitpid(pids[victim], &ws, WUNTRACED) == pids[victim] && WIFSTOPPED(ws);
+      if (stopped) {
+        atomic_store(&bb->stopped_pid, (int32_t)pids[victim]);
+        atomic_store(&bb->stopped, victim + 1);
+      }
       sleep_ms(stop_ms);
+      atomic_store(&bb->stopped, 0);
       kill(pids[victim], SIGCONT);
     }
   }
@@ -218,6 +253,7 @@ static int run_setting(burst_setting_t *set, int bursts, int stop_ms) {
     set->rounds += j->rounds;
     set->allocations += j->allocations;
     set->admit_timeouts += j->admit_timeouts;
+    set->live_preventable += j->live_preventable;
     if (j->errors && !set->errors) snprintf(set->first_error, sizeof set->first_error, "%s", j->first_error);
     set->errors += j->errors;
     memcpy(all + n, j->alloc_ms, (size_t)j->kept * sizeof *all);

@@ -19,6 +19,9 @@ typedef struct burst_setting {
   int64_t bursts, failed, ooms, avoidable, requests, rounds, allocations;
   int64_t admit_timeouts, errors; /* bursts failed by a wait for admission that ran out; allocations refused
                                      with an error other than out of memory */
+  int64_t live_preventable; /* out-of-memory errors the live peers' cache could have prevented: all of them,
+                               but while a peer is stopped, those where the others' live memory and
+                               everything the stopped one reserved fit the device */
   double malloc_p99_ms, trip_p50_ms, trip_p99_ms, wall_s;
   char first_error[256];          /* the first of those errors */
 } burst_setting_t;

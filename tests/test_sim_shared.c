@@ -2,7 +2,10 @@
  * real processes (fork) on "sim:shared=NAME" run out of memory together,
  * get back what another gave back, and what one that was killed held; a
  * region that is not gcalloc's, or a device asked for with other
- * dimensions, is refused by name. */
+ * dimensions, is refused by name. Pages created together are charged
+ * exactly; and a process's liveness, kept with a pidfd between looks,
+ * follows that process, not its pid or a descriptor's number. */
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -209,12 +212,157 @@ static void test_bad_regions_refused(void **state) {
   assert_int_equal(shm_open(path, O_RDWR, 0600), -1);
 }
 
+/* Pages created together are charged to the shared device in one visit
+ * (as many as fit) and the rest one by one: a mapping that does not fit
+ * fails at the first page too many, and leaves nothing charged behind. */
+static void test_pages_created_together_charge_exactly(void **state) {
+  (void)state;
+  int to_parent[2];
+  assert_int_equal(pipe(to_parent), 0);
+  gca_allocator_t *a = open_sim(spec, NULL);
+  void *p = gca_malloc(a, 60 * MiB, 0, 0);
+  assert_non_null(p);
+  pid_t pid = fork();
+  if (pid == 0) {
+    gca_allocator_t *b = NULL;
+    if (gca_open(spec, "expandable_segments:True", &b) != GCA_OK) _exit(2);
+    if (gca_malloc(b, 50 * MiB, 0, 0) || gca_last_status() != GCA_ERR_OOM) _exit(3);
+    size_t free_bytes = 0, total = 0;
+    gca_mem_get_info(b, 0, &free_bytes, &total);
+    if (free_bytes != 40 * MiB) _exit(4); /* (the 20 pages made before the refusal went back) */
+    void *q = gca_malloc(b, 40 * MiB, 0, 0);
+    gca_mem_get_info(b, 0, &free_bytes, &total);
+    if (!q || free_bytes != 0) _exit(5);
+    if (gca_malloc(b, 2 * MiB, 0, 0)) _exit(6);
+    gca_free(b, q);
+    gca_empty_cache(b, -1);
+    gca_mem_get_info(b, 0, &free_bytes, &total);
+    if (free_bytes != 40 * MiB) _exit(7);
+    send_byte(to_parent[1]);
+    gca_close(b);
+    _exit(0);
+  }
+  wait_byte(to_parent[0]);
+  assert_int_equal(child_status(pid), 0);
+  size_t free_bytes = 0, total = 0;
+  assert_int_equal(gca_mem_get_info(a, 0, &free_bytes, &total), GCA_OK);
+  assert_int_equal(free_bytes, 40 * MiB);
+  assert_int_equal(gca_free(a, p), GCA_OK);
+  gca_close(a);
+  close(to_parent[0]), close(to_parent[1]);
+}
+
+/* The descriptors this process has open, as a bit set of the first 1024. */
+static void open_fds(unsigned char set[128]) {
+  memset(set, 0, 128);
+  DIR *d = opendir("/proc/self/fd");
+  assert_non_null(d);
+  for (struct dirent *e; (e = readdir(d));) {
+    int fd = atoi(e->d_name);
+    if (e->d_name[0] != '.' && fd != dirfd(d) && fd < 1024) set[fd / 8] |= (unsigned char)(1u << (fd % 8));
+  }
+  closedir(d);
+}
+
+/* The one descriptor open now that was not in `before`; -1 if none. */
+static int opened_since(const unsigned char before[128]) {
+  unsigned char now[128];
+  open_fds(now);
+  int found = -1;
+  for (int fd = 0; fd < 1024; fd++)
+    if ((now[fd / 8] & (1u << (fd % 8))) && !(before[fd / 8] & (1u << (fd % 8)))) {
+      assert_int_equal(found, -1);
+      found = fd;
+    }
+  return found;
+}
+
+/* A child that waits until the pipe's writing end `go[1]` is closed (a
+ * test that fails leaves no child behind once it exits). */
+static pid_t waiting_child(const int go[2]) {
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    char c;
+    close(go[1]);
+    (void)!read(go[0], &c, 1);
+    _exit(0);
+  }
+  return pid;
+}
+
+/* Killed, and a zombie: not reaped, so that its pid stays its own. */
+static void kill_to_zombie(pid_t pid) {
+  kill(pid, SIGKILL);
+  siginfo_t info;
+  assert_int_equal(waitid(P_PID, (id_t)pid, &info, WEXITED | WNOWAIT), 0);
+}
+
+/* A process found alive is kept with a pidfd: later looks ask it, and see
+ * the process end (a zombie counts as ended, as by /proc), and the pidfd
+ * is closed then. Asked about with another start time, the same pid is
+ * another process, which has ended. */
+static void test_liveness_follows_the_process(void **state) {
+  (void)state;
+  int go[2];
+  assert_int_equal(pipe(go), 0);
+  pid_t pid = waiting_child(go);
+  uint64_t start = gca__process_start_time(pid);
+  assert_true(start != 0);
+  unsigned char before[128];
+  open_fds(before);
+  assert_true(gca__process_alive(pid, start)); /* (by /proc, then kept) */
+  int kept = opened_since(before); /* (-1 where pidfd_open is refused: the proof by /proc each time) */
+  assert_true(gca__process_alive(pid, start));
+  assert_false(gca__process_alive(pid, start + 1));
+  assert_true(gca__process_alive(pid, start));
+  kill_to_zombie(pid);
+  assert_false(gca__process_alive(pid, start));
+  if (kept >= 0) assert_int_equal(opened_since(before), -1); /* (closed with its process) */
+  assert_int_equal(child_status(pid), 100 + SIGKILL);
+  close(go[0]), close(go[1]);
+}
+
+/* A program that closes descriptors it does not own (a daemon's
+ * close_range) may reuse a kept pidfd's number for a file of its own:
+ * gcalloc then neither trusts nor closes it. */
+static void test_liveness_ignores_a_reused_descriptor(void **state) {
+  (void)state;
+  int go[2];
+  assert_int_equal(pipe(go), 0);
+  pid_t pid = waiting_child(go);
+  uint64_t start = gca__process_start_time(pid);
+  unsigned char before[128];
+  open_fds(before);
+  assert_true(gca__process_alive(pid, start));
+  int kept = opened_since(before);
+  if (kept < 0) { /* (no pidfd here: nothing to reuse) */
+    kill_to_zombie(pid);
+    assert_false(gca__process_alive(pid, start));
+    assert_int_equal(child_status(pid), 100 + SIGKILL);
+    close(go[0]), close(go[1]);
+    skip();
+  }
+  close(kept);
+  int mine = open("/dev/null", O_RDONLY); /* (the lowest free number: the pidfd's) */
+  assert_int_equal(mine, kept);
+  kill_to_zombie(pid);
+  assert_false(gca__process_alive(pid, start));
+  assert_int_not_equal(fcntl(mine, F_GETFD), -1); /* still the program's */
+  close(mine);
+  assert_int_equal(child_status(pid), 100 + SIGKILL);
+  close(go[0]), close(go[1]);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup(test_processes_share_capacity, fresh_name),
       cmocka_unit_test_setup(test_killed_process_memory_comes_back, fresh_name),
       cmocka_unit_test_setup(test_bad_regions_refused, fresh_name),
       cmocka_unit_test_setup(test_stopped_lock_holder_stops_nobody, fresh_name),
+      cmocka_unit_test_setup(test_pages_created_together_charge_exactly, fresh_name),
+      cmocka_unit_test(test_liveness_follows_the_process),
+      cmocka_unit_test(test_liveness_ignores_a_reused_descriptor),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -935,10 +935,12 @@ static uint32_t take_phys_slot(sim_device_t *dev) {
 }
 
 /* Physical memory of `size` bytes (a positive multiple of the granularity,
- * of at most 2^32 - 1 pages), with the sim lock held. */
-static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, uintptr_t *handle) {
+ * of at most 2^32 - 1 pages), with the sim lock held; `charged`: its bytes
+ * were taken from the shared device already (precharge). */
+static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, uintptr_t *handle, bool charged) {
   int rc = s->backed ? backed_ready(s, dev, device) : GCA_OK;
-  if (rc == GCA_OK) rc = charge(s, dev, device, size, size);
+  if (rc == GCA_OK && charged) ++dev->counters.malloc_calls;
+  else if (rc == GCA_OK) rc = charge(s, dev, device, size, size);
   if (rc != GCA_OK) return rc;
   uint64_t unit = 0;
   size_t pages = size >> __builtin_ctzll(s->granularity);
@@ -964,6 +966,29 @@ static int create_locked(sim_t *s, sim_device_t *dev, int device, size_t size, u
   return GCA_OK;
 }
 
+/* A shared device's bytes for up to n pieces of `size` bytes, taken in one
+ * or two visits to its region instead of one a piece (each visit takes the
+ * region's lock and sums every process's share: a 768 MiB mapping of 2 MiB
+ * pages made 384 of them): as many pieces as fit, counted from the free
+ * memory the first visit saw; the pieces past them are charged one by one,
+ * so the first that does not fit fails with charge()'s message. Not where
+ * failures are injected: those count each piece as a call. Returns how many
+ * pieces were charged. */
+static size_t precharge(sim_t *s, int device, size_t size, size_t n) {
+  if (!s->shared || n < 2 || n > SIZE_MAX / size || s->fail_at || s->fail_after != UINT64_MAX || s->fail_rate > 0)
+    return 0;
+  size_t free_bytes = 0;
+  int rc = gca__sim_shared_charge(s->shared, device, n * size, &free_bytes);
+  if (rc == GCA_OK) return n;
+  gca__clear_error();
+  size_t fit = rc == GCA_ERR_OOM ? free_bytes / size : 0;
+  if (fit < 2 || gca__sim_shared_charge(s->shared, device, fit * size, &free_bytes) != GCA_OK) {
+    gca__clear_error();
+    return 0;
+  }
+  return fit;
+}
+
 /* n pieces of physical memory under one lock: what n vm_create calls do,
  * each counted as a call (fail_at reaches the one it names). */
 static int sim_vm_create_many(void *state, int device, size_t size, size_t n, uintptr_t *handles, size_t *made) {
@@ -979,7 +1004,9 @@ static int sim_vm_create_many(void *state, int device, size_t size, size_t n, ui
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
-  while (*made < n && (rc = create_locked(s, dev, device, size, &handles[*made])) == GCA_OK) ++*made;
+  size_t charged = precharge(s, device, size, n);
+  while (*made < n && (rc = create_locked(s, dev, device, size, &handles[*made], *made < charged)) == GCA_OK) ++*made;
+  if (*made < charged) uncharge(s, device, (charged - *made) * size);
   lock_release(&s->lock);
   return rc;
 }
@@ -989,8 +1016,10 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
   return sim_vm_create_many(state, device, size, 1, handle, &made);
 }
 
-/* Destroys one piece of physical memory, with the sim lock held. */
-static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t handle) {
+/* Destroys one piece of physical memory, with the sim lock held; its bytes
+ * go back to a shared device at once, or, with `uncharged`, are added to
+ * it for the caller to give back in one visit. */
+static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t handle, size_t *uncharged) {
   sim_phys_t *p = phys_of(dev, handle);
   uint64_t call = ++dev->counters.free_calls;
   if (dev->capturing) return refused_in_capture(dev, device, "physical memory destroy");
@@ -1003,7 +1032,8 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
   if (s->free_fail_at && call == s->free_fail_at)
     return gca__set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
   dev->used -= phys_bytes(s, p);
-  uncharge(s, device, phys_bytes(s, p));
+  if (uncharged) *uncharged += phys_bytes(s, p);
+  else uncharge(s, device, phys_bytes(s, p));
   if (s->backed) backed_give(s, dev, p->unit, p->pages);
   p->pages = 0;
   p->generation++;
@@ -1025,13 +1055,15 @@ static int sim_vm_destroy_many(void *state, int device, uintptr_t *handles, size
   lock_acquire(&s->lock);
   sim_device_t *dev = &s->devices[device];
   int rc = GCA_OK;
+  size_t uncharged = 0;
   for (size_t i = 0; i < n; i++) {
-    int one = destroy_locked(s, dev, device, handles[i]);
+    int one = destroy_locked(s, dev, device, handles[i], &uncharged);
     if (one != GCA_OK) {
       rc = one;
       handles[(*refused)++] = handles[i];
     }
   }
+  if (uncharged) uncharge(s, device, uncharged);
   lock_release(&s->lock);
   return rc;
 }

@@ -73,6 +73,9 @@ struct sim_shared {
    * that does (the bytes stay charged meanwhile: never counted free twice). */
   _Atomic uint64_t unreleased[SHARED_DEVICES];
   _Atomic bool any_unreleased;
+  /* GCALLOC_TEST_SIM_SHARED_STOP_LOCKED set at join (tests only): the
+   * process stops itself at its first charge, the lock held. */
+  _Atomic bool stop_locked;
 };
 
 /* Slot i's process alive, looked at through the region's file `fd`. With the lock held. */
@@ -252,6 +255,7 @@ int gca__sim_shared_join(const char *name, size_t capacity, bool capacity_given,
   sh->r = r;
   sh->fd = fd;
   sh->pid = (int32_t)getpid();
+  atomic_store(&sh->stop_locked, getenv("GCALLOC_TEST_SIM_SHARED_STOP_LOCKED") != NULL);
   snprintf(sh->name, sizeof sh->name, "%s", path);
   *capacity_out = (size_t)r->capacity;
   *out = sh;
@@ -299,7 +303,7 @@ int gca__sim_shared_charge(sim_shared_t *sh, int device, size_t bytes, size_t *f
     snprintf(what, sizeof what, "sim: device %d of %s", device, sh->name);
     return lock_stuck(r, what);
   }
-  if (getenv("GCALLOC_TEST_SIM_SHARED_STOP_LOCKED")) raise(SIGSTOP); /* (test hook: stopped holding the lock) */
+  if (atomic_exchange(&sh->stop_locked, false)) raise(SIGSTOP); /* (test hook: stopped holding the lock) */
   settle_unreleased(sh);
   uint64_t used = used_total(r, sh->fd, sh->slot, device, NULL);
   if (bytes > r->capacity - used) { /* dead processes' memory comes back first */

@@ -37,6 +37,7 @@ enum lock_rank {
   RANK_BACKEND_EVENTS,  /* the cuda and acl backends' event pools, taken inside the above */
   RANK_BACKEND_CONTEXT, /* the cuda backend's primary contexts, the acl backend's runtime start */
   RANK_SIM_SHARED,      /* sim_shared.c: the region a shared simulated device keeps its accounting in */
+  RANK_PIDFDS,          /* shm.c: the processes known alive, each with a pidfd (only ever tried) */
   RANK_SETTINGS,        /* the allocator's master configuration, read by the host cache and gca_get_config */
   RANK_TORCH_FAILURE,   /* torch.c: the last failed allocation's message */
   RANK_COMPLETIONS,     /* record.c: pending frees' completions, taken under a device and the trace file */

@@ -41,6 +41,7 @@ static const char *const rank_names[RANK_COUNT] = {
     [RANK_BACKEND_EVENTS] = "a backend's event pool lock",
     [RANK_BACKEND_CONTEXT] = "a backend's context lock",
     [RANK_SIM_SHARED] = "the shared simulated device's lock (sim_shared.c)",
+    [RANK_PIDFDS] = "the known processes' lock (shm.c)",
     [RANK_SETTINGS] = "the master settings' lock (allocator.c)",
     [RANK_TORCH_FAILURE] = "the drop-in's failure message lock (torch.c)",
     [RANK_COMPLETIONS] = "the trace file's completions lock (record.c)",

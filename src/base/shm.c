@@ -4,9 +4,20 @@
  * the next locker repairs when its owner died, and whether a process is
  * still the one a slot names (pid and start time, so that a reused pid is
  * not taken for it).
+ *
+ * Liveness is asked often (every look at a shared device's free memory,
+ * every request to the peers), and the proof by /proc costs an open and a
+ * read of a file per process. So a process found alive that way is kept
+ * with a pidfd (pidfd_open(2), Linux 5.3), which names that one process
+ * for good, whatever happens to its pid: later looks poll it, one system
+ * call, readable once the process has ended (a zombie included, as the
+ * proof by /proc counts it). Where pidfd_open is refused (an older kernel,
+ * a seccomp filter, no descriptor left) the proof by /proc is taken each
+ * time, as before.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -14,10 +25,16 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "base/base.h"
+
+/* (glibc names the system call only from 2.36 on; the kernel's headers do.) */
+#if !defined(SYS_pidfd_open) && defined(__NR_pidfd_open)
+#define SYS_pidfd_open __NR_pidfd_open
+#endif
 
 /* Field 3 (state) and field 22 (start time) of /proc/PID/stat; false when
  * it cannot be read. */
@@ -88,8 +105,9 @@ bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns) {
   return gca__process_alive(pid, start_time);
 }
 
-bool gca__process_alive(int pid, uint64_t start_time) {
-  if (pid <= 0) return false;
+/* The proof by /proc: the pid's process is there, with the start time
+ * recorded, and has not ended. */
+static bool process_alive_by_stat(int pid, uint64_t start_time) {
   if (kill(pid, 0) != 0 && errno == ESRCH) return false;
   /* A zombie has given its memory back; a stat that cannot be read
    * (/proc mounted hidepid, no file descriptor left) is no proof of death. */
@@ -97,6 +115,106 @@ bool gca__process_alive(int pid, uint64_t start_time) {
   uint64_t now;
   if (!read_stat(pid, &state, &now)) return true;
   return now == start_time && state != 'Z' && state != 'X';
+}
+
+/* The processes found alive, each with a pidfd naming it. The table's lock
+ * is only ever tried, never waited for (a thread that finds it taken, or a
+ * child forked while another thread held it, takes the proof by /proc),
+ * so it can neither block nor deadlock; its rank is still checked. Each
+ * entry keeps its descriptor's identity (device and inode), checked before
+ * the descriptor is trusted or closed: a program that closed descriptors
+ * it does not own (a daemon's close_range) may have reused the number. */
+#define PIDFDS_KEPT 64
+typedef struct {
+  int pid; /* 0: free */
+  int fd;
+  uint64_t start_time;
+  dev_t dev;
+  ino_t ino;
+} pidfd_entry_t;
+static pidfd_entry_t pidfds[PIDFDS_KEPT];
+static pthread_mutex_t pidfds_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static bool pidfds_try_lock(void) {
+  if (pthread_mutex_trylock(&pidfds_lock) != 0) return false;
+  LOCK_ORDER_TAKE(&pidfds_lock, RANK_PIDFDS, __FILE__, __LINE__, ORDER_WAITS);
+  return true;
+}
+
+static void pidfds_unlock(void) { mutex_unlock(&pidfds_lock); }
+
+static bool pidfd_is(const pidfd_entry_t *e) {
+  struct stat st;
+  return fstat(e->fd, &st) == 0 && st.st_dev == e->dev && st.st_ino == e->ino;
+}
+
+/* With the table's lock: the entry forgotten, its descriptor closed if it
+ * is still the one opened. */
+static void pidfd_forget(pidfd_entry_t *e) {
+  if (pidfd_is(e)) close(e->fd);
+  *e = (pidfd_entry_t){0};
+}
+
+/* 1: the process (pid, start_time) is alive, 0: it has ended, -1: not
+ * known here. */
+static int pidfd_known(int pid, uint64_t start_time) {
+  if (!pidfds_try_lock()) return -1;
+  int known = -1;
+  for (int i = 0; i < PIDFDS_KEPT; i++) {
+    pidfd_entry_t *e = &pidfds[i];
+    if (e->pid != pid) continue;
+    struct pollfd p = {e->fd, POLLIN, 0};
+    if (!pidfd_is(e) || poll(&p, 1, 0) < 0 || (p.revents & POLLNVAL)) {
+      pidfd_forget(e); /* (not ours any more: the proof by /proc decides) */
+      break;
+    }
+    bool ended = (p.revents & (POLLIN | POLLHUP)) != 0;
+    if (e->start_time == start_time) known = !ended;
+    else if (!ended) known = 0; /* its pid is another process's now: the one asked about has ended */
+    if (ended) pidfd_forget(e);
+    break;
+  }
+  pidfds_unlock();
+  return known;
+}
+
+/* The process (pid, start_time), just found alive, kept with a pidfd when
+ * one can be had and a place is free: opened, then the start time read
+ * again, so that the pidfd is known to name that process and not one that
+ * took its pid meanwhile. */
+static void pidfd_keep(int pid, uint64_t start_time) {
+#ifdef SYS_pidfd_open
+  int fd = (int)syscall(SYS_pidfd_open, pid, 0); /* (close-on-exec) */
+  if (fd < 0) return;
+  char state;
+  uint64_t now;
+  struct stat st;
+  if (!read_stat(pid, &state, &now) || now != start_time || state == 'Z' || state == 'X' || fstat(fd, &st) != 0 ||
+      !pidfds_try_lock()) {
+    close(fd);
+    return;
+  }
+  pidfd_entry_t *slot = NULL;
+  for (int i = 0; i < PIDFDS_KEPT && !slot; i++) {
+    if (pidfds[i].pid == pid) pidfd_forget(&pidfds[i]); /* (an earlier process of that pid) */
+    if (!pidfds[i].pid) slot = &pidfds[i];
+  }
+  if (slot) *slot = (pidfd_entry_t){pid, fd, start_time, st.st_dev, st.st_ino};
+  else close(fd);
+  pidfds_unlock();
+#else
+  (void)pid;
+  (void)start_time;
+#endif
+}
+
+bool gca__process_alive(int pid, uint64_t start_time) {
+  if (pid <= 0) return false;
+  int known = pidfd_known(pid, start_time);
+  if (known >= 0) return known;
+  bool alive = process_alive_by_stat(pid, start_time);
+  if (alive && start_time) pidfd_keep(pid, start_time);
+  return alive;
 }
 
 int gca__shared_mutex_init(pthread_mutex_t *m) {
@@ -117,12 +235,15 @@ void gca__shared_mutex_lock_at(pthread_mutex_t *m, int rank, const char *file, i
 bool gca__shared_mutex_lock_within_at(pthread_mutex_t *m, int rank, uint64_t ns, const char *file, int line) {
   (void)rank;
   LOCK_ORDER_TAKE(m, rank, file, line, ORDER_WAITS);
-  struct timespec until;
-  clock_gettime(CLOCK_REALTIME, &until); /* (pthread_mutex_timedlock's clock) */
-  uint64_t nsec = (uint64_t)until.tv_nsec + ns;
-  until.tv_sec += (time_t)(nsec / 1000000000u);
-  until.tv_nsec = (long)(nsec % 1000000000u);
-  int rc = pthread_mutex_timedlock(m, &until);
+  int rc = pthread_mutex_trylock(m); /* (free, the usual case: no clock to read) */
+  if (rc == EBUSY && ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until); /* (pthread_mutex_timedlock's clock) */
+    uint64_t nsec = (uint64_t)until.tv_nsec + ns;
+    until.tv_sec += (time_t)(nsec / 1000000000u);
+    until.tv_nsec = (long)(nsec % 1000000000u);
+    rc = pthread_mutex_timedlock(m, &until);
+  }
   if (rc == EOWNERDEAD) pthread_mutex_consistent(m);
   if (rc == 0 || rc == EOWNERDEAD) return true;
   LOCK_ORDER_DROP(m);
