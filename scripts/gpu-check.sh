@@ -46,7 +46,8 @@ step torch_oom env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python pyth
   python/tests/test_torch_gpu.py -k out_of_memory
 # Regions behind PyTorch's MemPool: weights and KV-cache-like buffers in two
 # tags, a graph captured into one, 20 pauses and resumes with the output
-# unchanged, the free memory each pause gave, ms per GiB (its log has them).
+# unchanged, the free memory each pause gave, ms per GiB (its log has them);
+# then two processes taking turns on the GPU by pausing their regions.
 step regions env GCALLOC_LIBRARY="$build/libgcalloc.so" PYTHONPATH=python python3 -m pytest -q -s -p no:cacheprovider \
   python/tests/test_torch_gpu.py -k regions
 step pytorch env PYTHONUNBUFFERED=1 python3 bench/pytorch_gpu.py --lib "$build/libgcalloc.so" --tool "$build/gcalloc" \

@@ -200,3 +200,64 @@ def test_regions_pause_and_resume_at_the_same_addresses():
     assert result["same"] == 20, result
     assert result["freed_min"] >= result["released"] * 0.95, result  # (the driver's free memory rose by it)
     assert result["outside"] == float(1 << 20)
+
+
+# Two processes on one GPU taking turns through regions (ipc_cooperation:True): each holds 60% of the
+# free memory in a region of its own and pauses it at the end of its turn, so the other's resume finds
+# the memory back; while one holds its region, the other's resume fails with torch.OutOfMemoryError
+# naming that process, and succeeds once it paused.
+TURNS = r"""
+import os, sys, torch
+from gcalloc.torch import region, pause, resume
+tag, size, first = sys.argv[1], int(sys.argv[2]), True
+torch.cuda.init()
+print("ready", os.getpid(), flush=True)
+for line in sys.stdin:
+    command = line.split()
+    try:
+        if first:
+            with region(tag):
+                held = torch.empty(size, dtype=torch.uint8, device="cuda")
+            first = False
+        else:
+            resume(tag)
+        held.fill_(7)
+        torch.cuda.synchronize()
+        if command[0] == "turn":
+            pause(tag)
+        print("ok", flush=True)
+    except Exception as e:
+        print("error %s: %s" % (type(e).__name__, " ".join(str(e).split())), flush=True)
+"""
+
+
+def test_regions_two_processes_take_turns():
+    env = dict(os.environ, GCALLOC_LIBRARY=gcalloc.library_path, GCALLOC_ALLOC_CONF="ipc_cooperation:True",
+               PYTHONPATH=os.path.join(os.path.dirname(__file__), "..") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info()[0])"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    size = int(probe.stdout.split()[0]) * 6 // 10 // (2 << 20) * (2 << 20)
+    children = [subprocess.Popen([sys.executable, "-c", TURNS, tag, str(size)], env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True) for tag in ("kv_cache", "train")]
+
+    def ask(child, command):
+        child.stdin.write(command + "\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+
+    try:
+        pids = [int(c.stdout.readline().split()[1]) for c in children]
+        results = []
+        for turn in range(10):
+            results += [ask(children[0], "turn"), ask(children[1], "turn")]
+        print("turns on this GPU: %d of 20 ok, %.1f GiB each" % (results.count("ok"), size / 2**30))
+        assert results == ["ok"] * 20, results
+        assert ask(children[1], "hold") == "ok"  # (resumed, not paused)
+        refused = ask(children[0], "turn")
+        assert refused.startswith("error OutOfMemoryError") and "pid %d" % pids[1] in refused, refused
+        assert ask(children[1], "turn") == "ok"  # (it pauses now)
+        assert ask(children[0], "turn") == "ok"
+    finally:
+        for child in children:
+            child.stdin.close()
+            child.wait(60)
