@@ -1103,8 +1103,10 @@ static json_object *member(json_object *o, const char *key) {
 
 /* tune under a capacity: a setting that does not fit never beats one that
  * does, nor the defaults; among those that do not, the furthest ranks
- * first; the answer takes the fewest keys; when nothing fits it says so,
- * names no answer and says by how much the capacity falls short. */
+ * first; the answer takes the fewest keys; where only gcalloc's keys fit,
+ * PyTorch's allocator is not told to keep its defaults; when nothing fits
+ * it says so, names no answer and says by how much the capacity falls
+ * short. */
 static void test_tune_under_a_capacity(void **state) {
   (void)state;
   char args[512];
@@ -1143,6 +1145,18 @@ static void test_tune_under_a_capacity(void **state) {
   assert_contains(text, "(the defaults do not fit); paste:\nGCALLOC_ALLOC_CONF=expandable_segments:True,stitching:True");
   assert_contains(text, "(the defaults do not fit); paste:\nPYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:32");
   assert_null(strstr(text, "below the defaults")); /* (a peak of a run that stopped compares with nothing) */
+  free(text);
+
+  /* 105 MiB: gcalloc's answer fits, nothing of PyTorch's does: no "keep them". */
+  snprintf(cmd, sizeof cmd, "%s tune %s --capacity 105MiB > gcalloc-scratch-tune.txt", GCALLOC_TOOL_PATH,
+           fragmenting_trace());
+  assert_int_equal(system(cmd), 0);
+  text = (char *)read_whole("gcalloc-scratch-tune.txt", &len);
+  assert_non_null(text);
+  assert_contains(text, "paste:\nGCALLOC_ALLOC_CONF=expandable_segments:True,stitching:True");
+  assert_contains(text, "with PyTorch's own allocator: neither the defaults nor any setting of its keys searched "
+                        "fits in 0.103 GiB; the job needs gcalloc with the setting above, or a larger device");
+  assert_null(strstr(text, "keep them"));
   free(text);
 
   /* 40 MiB: the job's 94 MiB live never fit. */
@@ -1220,22 +1234,24 @@ static char *tool_text(const char *args, int status) {
   return text;
 }
 
-/* tune --min-capacity: the smallest device for the defaults and each
- * answer, to 2 MiB: the job fits on it and not on 2 MiB less. */
+/* tune --min-capacity: the smallest device for the defaults, each answer
+ * and any setting searched, to 2 MiB: the job fits on it and not on 2 MiB
+ * less. */
 static void test_smallest_device(void **state) {
   (void)state;
   char args[512];
   snprintf(args, sizeof args, "tune %s --min-capacity", fragmenting_trace());
   json_object *root = tool_json(args), *m = member(root, "min_capacity"), *smallest = member(m, "smallest");
   assert_int_equal(json_object_get_int64(member(m, "bound_reserved_bytes")), 100 * MiB);
-  assert_int_equal(json_object_array_length(smallest), 3);
+  assert_int_equal(json_object_array_length(smallest), 4);
   /* The defaults, PyTorch's best (max_split_size_mb:32), gcalloc's
    * (stitching moves the four free 4 MiB blocks' pages under the 90 MiB:
-   * the bound). */
-  uint64_t expect[3] = {190 * MiB, 110 * MiB, 100 * MiB};
+   * the bound), and the least of any setting (no less than the bound). */
+  uint64_t expect[4] = {190 * MiB, 110 * MiB, 100 * MiB, 100 * MiB};
   trace_t t;
   assert_int_equal(trace_load(fragmenting_trace(), &t), GCA_OK);
-  for (size_t i = 0; i < 3; i++) {
+  assert_string_equal(json_object_get_string(member(json_object_array_get_idx(smallest, 3), "what")), "any setting");
+  for (size_t i = 0; i < 4; i++) {
     json_object *s = json_object_array_get_idx(smallest, i);
     uint64_t capacity = (uint64_t)json_object_get_int64(member(s, "capacity_bytes"));
     assert_int_equal(capacity, expect[i]);
@@ -1256,9 +1272,38 @@ static void test_smallest_device(void **state) {
   char *text = tool_text(args, 0);
   assert_contains(text, "the smallest device gcalloc-scratch-fragmenting.log fits on (to 2 MiB");
   assert_contains(text, "  defaults             0.186 GiB  (0.186 GiB without a limit)  (defaults)");
+  assert_contains(text, "  any setting          0.098 GiB");
   free(text);
   snprintf(args, sizeof args, "tune %s --min-capacity --capacity 1GiB", fragmenting_trace());
   free(tool_text(args, 2));
+}
+
+/* The least device of any setting is not always the answers': on the
+ * sample inference snapshot a setting that reserves more without a limit
+ * than gcalloc's best fits a smaller device, which "any setting" finds. */
+static void test_smallest_device_of_any_setting(void **state) {
+  (void)state;
+  const char *path = GCALLOC_SOURCE_DIR "/data/snapshots/inference/memory.pickle";
+  char args[512];
+  snprintf(args, sizeof args, "tune %s --min-capacity", path);
+  json_object *root = tool_json(args), *smallest = member(member(root, "min_capacity"), "smallest");
+  json_object *best = json_object_array_get_idx(smallest, 2), *any = json_object_array_get_idx(smallest, 3);
+  int64_t best_at = json_object_get_int64(member(best, "capacity_bytes"));
+  int64_t any_at = json_object_get_int64(member(any, "capacity_bytes"));
+  assert_true(any_at < best_at);
+  trace_t t;
+  assert_int_equal(trace_load(path, &t), GCA_OK);
+  for (int less = 0; less < 2; less++) { /* its setting fits there, not on 2 MiB less */
+    replay_options_t o = defaults();
+    o.conf = json_object_get_string(member(any, "conf"));
+    o.capacity = (uint64_t)any_at - (uint64_t)less * 2 * MiB;
+    replay_result_t r;
+    assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
+    assert_int_equal(r.devices[0].oom, less);
+    replay_result_free(&r);
+  }
+  trace_free(&t);
+  json_object_put(root);
 }
 
 /* replay says what happened: where the job fits, that it does and with
@@ -1971,6 +2016,7 @@ int main(void) {
       cmocka_unit_test(test_devices_in_parallel),              cmocka_unit_test(test_tune),
       cmocka_unit_test(test_tune_under_a_capacity),      cmocka_unit_test(test_replay_says_what_happened),
       cmocka_unit_test(test_lower_bound),                cmocka_unit_test(test_smallest_device),
+      cmocka_unit_test(test_smallest_device_of_any_setting),
       cmocka_unit_test(test_plans_reused),
       cmocka_unit_test(test_tool_command_line),          cmocka_unit_test(test_stitching_never_above_expandable),
       cmocka_unit_test(test_call_stacks),

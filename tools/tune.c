@@ -212,7 +212,8 @@ static double below(const candidate_t *c, const candidate_t *defaults) {
 /* What to paste, never worse than the defaults: the best for gcalloc
  * (GCALLOC_ALLOC_CONF when it has gcalloc's own keys), and the best of
  * PyTorch's keys alone for PyTorch's own allocator, replayed as it is. */
-static void advise(const candidate_t *best, const candidate_t *torch_best, const candidate_t *defaults) {
+static void advise(const candidate_t *best, const candidate_t *torch_best, const candidate_t *defaults,
+                   uint64_t capacity) {
   if (!best) {
     printf("\nbest: the defaults; no setting searched reserves less by more than %.1f%% with fewer keys, so there "
            "is nothing to set\n", 100 * FEWER_KEYS_WITHIN);
@@ -238,8 +239,12 @@ static void advise(const candidate_t *best, const candidate_t *torch_best, const
   if (torch_best)
     printf("\nbest with PyTorch's own allocator (its keys only, replayed alone): %.3f GiB reserved%s; paste:\n"
            "PYTORCH_CUDA_ALLOC_CONF=%s\n", gib(torch_best->peak_reserved), b2, torch_best->conf);
-  else
+  else if (defaults->fits)
     printf("\nwith PyTorch's own allocator: no setting of its keys searched beats the defaults; keep them\n");
+  else
+    printf("\nwith PyTorch's own allocator: neither the defaults nor any setting of its keys searched fits in %.3f "
+           "GiB; the job needs gcalloc with the setting above, or a larger device (--min-capacity gives the "
+           "smallest for each)\n", gib(capacity));
 }
 
 /* Nothing searched fits: how far the furthest got, and what it needs
@@ -312,11 +317,43 @@ static int find_smallest(const trace_t *t, const replay_options_t *base, const c
   return GCA_OK;
 }
 
-/* The smallest device for the defaults and the two answers. */
+/* The least capacity on which any of the n candidates fits, and which:
+ * from the least of `known` (already bisected), each other candidate is
+ * tried one step below the least found so far, and bisected down from
+ * there where it fits (a candidate that does not costs one replay). The
+ * answers above are bisected for their own settings: one that reserves
+ * least without a limit need not be the one that fits the smallest device. */
+static void find_least_any(const trace_t *t, const replay_options_t *base, const candidate_t *c, size_t n,
+                           uint64_t bound, const smallest_t *known, int known_n, smallest_t *out) {
+  *out = known[0];
+  for (int i = 1; i < known_n; i++)
+    if (known[i].capacity < out->capacity) *out = known[i];
+  out->what = "any setting";
+  uint64_t bottom = bound / CAPACITY_STEP * CAPACITY_STEP;
+  for (size_t i = 0; i < n && out->capacity >= bound + CAPACITY_STEP; i++) {
+    bool seen = false;
+    for (int k = 0; k < known_n && !seen; k++) seen = strcmp(c[i].conf, known[k].conf) == 0;
+    uint64_t hi = out->capacity - CAPACITY_STEP;
+    if (seen || !fits_on(t, base, c[i].conf, hi)) continue;
+    uint64_t lo = bottom ? bottom - CAPACITY_STEP : 0; /* (below the bound nothing fits) */
+    while (hi - lo > CAPACITY_STEP) {
+      uint64_t mid = lo + (hi - lo) / 2 / CAPACITY_STEP * CAPACITY_STEP;
+      if (fits_on(t, base, c[i].conf, mid)) hi = mid;
+      else lo = mid;
+    }
+    snprintf(out->conf, sizeof out->conf, "%s", c[i].conf);
+    out->capacity = hi;
+    out->unlimited = c[i].largest_peak;
+    out->monotone = true;
+  }
+}
+
+/* The smallest device for the defaults, the two answers, and any setting
+ * searched (the n candidates). */
 static int print_smallest(const trace_t *t, const replay_options_t *base, const char *path,
                           const candidate_t *defaults, const candidate_t *best, const candidate_t *torch_best,
-                          bool json) {
-  smallest_t s[3] = {{.what = "defaults"}, {.what = "PyTorch's best"}, {.what = "gcalloc's best"}};
+                          const candidate_t *c, size_t n, bool json) {
+  smallest_t s[4] = {{.what = "defaults"}, {.what = "PyTorch's best"}, {.what = "gcalloc's best"}};
   if (!torch_best) torch_best = defaults;
   const candidate_t *which[3] = {defaults, torch_best, best ? best : torch_best};
   uint64_t bound = defaults->largest_bound; /* (the same for every setting) */
@@ -337,10 +374,11 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
       return 1;
     }
   }
+  find_least_any(t, base, c, n, bound, s, 3, &s[3]);
   if (json) { /* (inside tune's JSON object) */
     printf(", \"min_capacity\": {\"bound_reserved_bytes\": %" PRIu64 ", \"step_bytes\": %" PRIu64 ", \"smallest\": [",
            bound, CAPACITY_STEP);
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
       printf("%s\n  {\"what\": \"%s\", \"conf\": ", i ? "," : "", s[i].what);
       gca__json_string(stdout, s[i].conf);
       printf(", \"capacity_bytes\": %" PRIu64 ", \"unlimited_peak_reserved_bytes\": %" PRIu64 ", \"monotone\": %s",
@@ -353,7 +391,7 @@ static int print_smallest(const trace_t *t, const replay_options_t *base, const 
     printf("the smallest device %s fits on (to %" PRIu64 " MiB; bisection between the lower bound and each "
            "setting's peak without a limit%s):\n", path, CAPACITY_STEP >> 20,
            t->device_count > 1 ? "; each device of the trace gets that much" : "");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
       printf("  %-15s %10.3f GiB  (%.3f GiB without a limit)  %s\n", s[i].what, gib(s[i].capacity),
              gib(s[i].unlimited), s[i].conf[0] ? s[i].conf : "(defaults)");
       if (!s[i].monotone)
@@ -616,7 +654,7 @@ int tune_main(int argc, char **argv) {
              c[i].fits ? "true" : "false", c[i].replayed);
     }
     printf("\n]");
-    if (min_capacity && print_smallest(&t, &base, path, &defaults, best, torch_best, true)) exit_code = 1;
+    if (min_capacity && print_smallest(&t, &base, path, &defaults, best, torch_best, c, n, true)) exit_code = 1;
     printf("}\n");
   } else {
     printf("tuned %s: %zu configurations replayed in %.2f s%s\n", path, n, secs,
@@ -634,11 +672,11 @@ int tune_main(int argc, char **argv) {
       printf("recorded settings: %9.3f GiB  (%s)%s\n", gib(recorded.peak_reserved), recorded.conf,
              base.capacity ? (recorded.fits ? ", fits" : ", does not fit") : "");
     if (nothing_fits) say_nothing_fits(&c[0], &defaults, have_unlimited ? &unlimited : NULL, base.capacity);
-    else advise(best, torch_best, &defaults);
+    else advise(best, torch_best, &defaults, base.capacity);
   }
   if (min_capacity && !json) {
     printf("\n");
-    if (print_smallest(&t, &base, path, &defaults, best, torch_best, false)) exit_code = 1;
+    if (print_smallest(&t, &base, path, &defaults, best, torch_best, c, n, false)) exit_code = 1;
   }
   if (report) {
     if (write_report(&t, &base, path, report, best, torch_best, nothing_fits ? &c[0] : NULL)) exit_code = 1;
