@@ -1234,6 +1234,19 @@ static char *tool_text(const char *args, int status) {
   return text;
 }
 
+/* Trace t under `conf` fits on `capacity` and not on 2 MiB less. */
+static void assert_least_capacity(const trace_t *t, const char *conf, uint64_t capacity) {
+  for (int less = 0; less < 2; less++) {
+    replay_options_t o = defaults();
+    o.conf = conf;
+    o.capacity = capacity - (uint64_t)less * 2 * MiB;
+    replay_result_t r;
+    assert_int_equal(replay_trace(t, &o, &r), GCA_OK);
+    assert_int_equal(r.devices[0].oom, less);
+    replay_result_free(&r);
+  }
+}
+
 /* tune --min-capacity: the smallest device for the defaults, each answer
  * and any setting searched, to 2 MiB: the job fits on it and not on 2 MiB
  * less. */
@@ -1256,15 +1269,7 @@ static void test_smallest_device(void **state) {
     uint64_t capacity = (uint64_t)json_object_get_int64(member(s, "capacity_bytes"));
     assert_int_equal(capacity, expect[i]);
     assert_true(json_object_get_boolean(member(s, "monotone")));
-    for (int less = 0; less < 2; less++) { /* fits on it, not on 2 MiB less */
-      replay_options_t o = defaults();
-      o.conf = json_object_get_string(member(s, "conf"));
-      o.capacity = capacity - (uint64_t)less * 2 * MiB;
-      replay_result_t r;
-      assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
-      assert_int_equal(r.devices[0].oom, less);
-      replay_result_free(&r);
-    }
+    assert_least_capacity(&t, json_object_get_string(member(s, "conf")), capacity);
   }
   trace_free(&t);
   json_object_put(root);
@@ -1293,15 +1298,7 @@ static void test_smallest_device_of_any_setting(void **state) {
   assert_true(any_at < best_at);
   trace_t t;
   assert_int_equal(trace_load(path, &t), GCA_OK);
-  for (int less = 0; less < 2; less++) { /* its setting fits there, not on 2 MiB less */
-    replay_options_t o = defaults();
-    o.conf = json_object_get_string(member(any, "conf"));
-    o.capacity = (uint64_t)any_at - (uint64_t)less * 2 * MiB;
-    replay_result_t r;
-    assert_int_equal(replay_trace(&t, &o, &r), GCA_OK);
-    assert_int_equal(r.devices[0].oom, less);
-    replay_result_free(&r);
-  }
+  assert_least_capacity(&t, json_object_get_string(member(any, "conf")), (uint64_t)any_at);
   trace_free(&t);
   json_object_put(root);
 }

@@ -1017,8 +1017,8 @@ static int sim_vm_create(void *state, int device, size_t size, uintptr_t *handle
 }
 
 /* Destroys one piece of physical memory, with the sim lock held; its bytes
- * go back to a shared device at once, or, with `uncharged`, are added to
- * it for the caller to give back in one visit. */
+ * are added to *uncharged, for the caller to give back to a shared device
+ * in one visit. */
 static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t handle, size_t *uncharged) {
   sim_phys_t *p = phys_of(dev, handle);
   uint64_t call = ++dev->counters.free_calls;
@@ -1032,8 +1032,7 @@ static int destroy_locked(sim_t *s, sim_device_t *dev, int device, uintptr_t han
   if (s->free_fail_at && call == s->free_fail_at)
     return gca__set_error(GCA_ERR_BACKEND, "sim: injected failure of free #%" PRIu64 " on device %d", call, device);
   dev->used -= phys_bytes(s, p);
-  if (uncharged) *uncharged += phys_bytes(s, p);
-  else uncharge(s, device, phys_bytes(s, p));
+  *uncharged += phys_bytes(s, p);
   if (s->backed) backed_give(s, dev, p->unit, p->pages);
   p->pages = 0;
   p->generation++;

@@ -7,7 +7,8 @@
  *
  * Liveness is asked often (every look at a shared device's free memory,
  * every request to the peers), and the proof by /proc costs an open and a
- * read of a file per process. So a process found alive that way is kept
+ * read of a file per process. So a process found alive that way (the pidfd
+ * opened before the proof, so that it names the process proved) is kept
  * with a pidfd (pidfd_open(2), Linux 5.3), which names that one process
  * for good, whatever happens to its pid: later looks poll it, one system
  * call, readable once the process has ended (a zombie included, as the
@@ -105,15 +106,15 @@ bool gca__slot_process_alive(int pid, uint64_t start_time, uint64_t pidns) {
   return gca__process_alive(pid, start_time);
 }
 
-/* The proof by /proc: the pid's process is there, with the start time
- * recorded, and has not ended. */
-static bool process_alive_by_stat(int pid, uint64_t start_time) {
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  /* A zombie has given its memory back; a stat that cannot be read
-   * (/proc mounted hidepid, no file descriptor left) is no proof of death. */
+/* The proof by /proc: 1 when the pid's process is there, with the start
+ * time recorded, and has not ended; 0 when it is not; -1 when its stat
+ * cannot be read (/proc mounted hidepid, no file descriptor left), which is
+ * no proof of death. A zombie has given its memory back: ended. */
+static int alive_by_stat(int pid, uint64_t start_time) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return 0;
   char state;
   uint64_t now;
-  if (!read_stat(pid, &state, &now)) return true;
+  if (!read_stat(pid, &state, &now)) return -1;
   return now == start_time && state != 'Z' && state != 'X';
 }
 
@@ -178,19 +179,22 @@ static int pidfd_known(int pid, uint64_t start_time) {
   return known;
 }
 
-/* The process (pid, start_time), just found alive, kept with a pidfd when
- * one can be had and a place is free: opened, then the start time read
- * again, so that the pidfd is known to name that process and not one that
- * took its pid meanwhile. */
-static void pidfd_keep(int pid, uint64_t start_time) {
+/* A pidfd for whatever process has `pid` now; -1 where none can be had. */
+static int pidfd_open_for(int pid) {
 #ifdef SYS_pidfd_open
-  int fd = (int)syscall(SYS_pidfd_open, pid, 0); /* (close-on-exec) */
-  if (fd < 0) return;
-  char state;
-  uint64_t now;
+  return (int)syscall(SYS_pidfd_open, pid, 0); /* (close-on-exec) */
+#else
+  (void)pid;
+  return -1;
+#endif
+}
+
+/* `fd`, a pidfd opened before /proc proved (pid, start_time) alive, so
+ * that it names that process and not one that took its pid before the
+ * proof: kept where a place is free, else closed. */
+static void pidfd_keep(int pid, uint64_t start_time, int fd) {
   struct stat st;
-  if (!read_stat(pid, &state, &now) || now != start_time || state == 'Z' || state == 'X' || fstat(fd, &st) != 0 ||
-      !pidfds_try_lock()) {
+  if (fstat(fd, &st) != 0 || !pidfds_try_lock()) {
     close(fd);
     return;
   }
@@ -202,19 +206,17 @@ static void pidfd_keep(int pid, uint64_t start_time) {
   if (slot) *slot = (pidfd_entry_t){pid, fd, start_time, st.st_dev, st.st_ino};
   else close(fd);
   pidfds_unlock();
-#else
-  (void)pid;
-  (void)start_time;
-#endif
 }
 
 bool gca__process_alive(int pid, uint64_t start_time) {
   if (pid <= 0) return false;
   int known = pidfd_known(pid, start_time);
   if (known >= 0) return known;
-  bool alive = process_alive_by_stat(pid, start_time);
-  if (alive && start_time) pidfd_keep(pid, start_time);
-  return alive;
+  int fd = start_time ? pidfd_open_for(pid) : -1;
+  int alive = alive_by_stat(pid, start_time);
+  if (fd >= 0 && alive == 1) pidfd_keep(pid, start_time, fd);
+  else if (fd >= 0) close(fd);
+  return alive != 0;
 }
 
 int gca__shared_mutex_init(pthread_mutex_t *m) {
